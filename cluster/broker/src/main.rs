@@ -1,0 +1,185 @@
+//! `meridian`: the one binary of every Meridian role.
+//!
+//! - `meridian metadata`: run one metadata node.
+//! - `meridian meta`: the metadata store's command-line client (etcdctl-like) and benchmark.
+//! - `meridian config print --role ROLE`: show the effective configuration.
+
+mod bench;
+mod meta;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use meridian_config::{Config, Role};
+use meridian_metadata::node::MetadataNode;
+
+#[derive(Parser)]
+#[command(
+    name = "meridian",
+    version,
+    about = "Meridian: geo-replicated streaming"
+)]
+struct Cli {
+    /// TOML configuration file (then MERIDIAN_* variables, then flags, override it).
+    #[arg(long, global = true, env = "MERIDIAN_CONFIG")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Configuration tools.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+    /// Run one metadata node.
+    Metadata(MetadataArgs),
+    /// Client of the metadata store.
+    Meta(meta::MetaArgs),
+}
+
+#[derive(Subcommand)]
+enum ConfigCommand {
+    /// Print the effective configuration of a role (defaults < file < env < flags).
+    Print {
+        #[arg(long)]
+        role: Role,
+    },
+}
+
+#[derive(clap::Args)]
+struct MetadataArgs {
+    /// This node's id (metadata.node_id).
+    #[arg(long)]
+    node_id: Option<u64>,
+    /// Address to serve gRPC on (metadata.listen).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Address other nodes and clients use to reach this node (metadata.advertise).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Data directory (metadata.data_dir).
+    #[arg(long)]
+    data_dir: Option<String>,
+    /// Members of a new cluster, `ID=HOST:PORT,...` (metadata.initial_members). Without it, a
+    /// node with an empty data directory waits to be added.
+    #[arg(long)]
+    initial_members: Option<String>,
+}
+
+impl MetadataArgs {
+    fn overrides(&self) -> Vec<(String, String)> {
+        let mut o = Vec::new();
+        let mut add = |k: &str, v: Option<String>| {
+            if let Some(v) = v {
+                o.push((format!("metadata.{k}"), v));
+            }
+        };
+        add("node_id", self.node_id.map(|v| v.to_string()));
+        add("listen", self.listen.clone());
+        add("advertise", self.advertise.clone());
+        add("data_dir", self.data_dir.clone());
+        add("initial_members", self.initial_members.clone());
+        o
+    }
+}
+
+fn init_logging(cfg: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        // openraft narrates every election at info; keep it to warnings unless RUST_LOG asks.
+        .unwrap_or_else(|_| {
+            tracing_subscriber::EnvFilter::new(format!("{},openraft=warn", cfg.log.level))
+        });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if cfg.log.json {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+async fn run_metadata(cfg: Config) -> anyhow::Result<()> {
+    let m = &cfg.metadata;
+    let listener = tokio::net::TcpListener::bind(&m.listen)
+        .await
+        .with_context(|| format!("metadata.listen {}", m.listen))?;
+    let mut node = MetadataNode::start(m, listener)
+        .await
+        .map_err(|e| anyhow::anyhow!("metadata node {}: {e}", m.node_id))?;
+    println!(
+        "meridian metadata node {} listening on {} (data in {})",
+        m.node_id, node.addr, m.data_dir
+    );
+    tokio::select! {
+        _ = shutdown_signal() => {
+            tracing::info!("signal received; stopping");
+            node.shutdown().await;
+        }
+        r = node.wait() => {
+            r.map_err(|e| anyhow::anyhow!("server stopped: {e}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let overrides = match &cli.command {
+        Command::Metadata(a) => a.overrides(),
+        Command::Meta(a) => a.overrides(),
+        Command::Config { .. } => Vec::new(),
+    };
+    let cfg = match Config::from_env_and_file(cli.config.as_deref(), overrides) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime");
+    let result = match cli.command {
+        Command::Config {
+            command: ConfigCommand::Print { role },
+        } => {
+            print!("{}", cfg.to_toml_for(role));
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Metadata(_) => {
+            init_logging(&cfg);
+            runtime
+                .block_on(run_metadata(cfg))
+                .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Meta(args) => {
+            if std::env::var_os("RUST_LOG").is_some() {
+                init_logging(&cfg);
+            }
+            runtime.block_on(meta::run(args, cfg))
+        }
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

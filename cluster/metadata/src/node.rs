@@ -1,0 +1,547 @@
+//! One metadata node: RocksDB storage, the openraft instance, the gRPC server, the leader's lease
+//! keeper, and batched linearizable reads.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use meridian_config::MetadataConfig;
+use openraft::error::{ClientWriteError, InitializeError, RaftError};
+use openraft::{BasicNode, ChangeMembers, SnapshotPolicy};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
+use tokio::time::Instant;
+
+use crate::model::{Command, Response, SessionId};
+use crate::network::{NetworkFactory, RaftService};
+use crate::pb;
+use crate::store::{self, LogStore, Shared, StateMachineStore, StoreOptions};
+use crate::{NodeId, Raft};
+
+/// Response metadata key on an `UNAVAILABLE` status when the node did nothing with the request.
+pub const NOT_EXECUTED: &str = "x-meridian-not-executed";
+
+/// Errors of a node, grouped by what a client should do next.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum NodeError {
+    /// Another node leads: the request goes there.
+    #[error("node {node} is not the leader; the leader is node {leader} at {addr}")]
+    ForwardTo {
+        node: NodeId,
+        leader: NodeId,
+        addr: String,
+    },
+    /// Retry later or elsewhere: nothing was done.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The request itself is wrong; retrying will not help.
+    #[error("{0}")]
+    Invalid(String),
+    /// The state does not allow it (for example an expired session); nothing changed.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The node cannot serve at all.
+    #[error("{0}")]
+    Fatal(String),
+}
+
+impl From<NodeError> for tonic::Status {
+    fn from(e: NodeError) -> Self {
+        let msg = e.to_string();
+        match e {
+            NodeError::ForwardTo { .. } | NodeError::Unavailable(_) => {
+                // Tells clients that nothing was executed, so even a write may be retried.
+                let mut md = tonic::metadata::MetadataMap::new();
+                md.insert(
+                    NOT_EXECUTED,
+                    tonic::metadata::MetadataValue::from_static("1"),
+                );
+                tonic::Status::with_metadata(tonic::Code::Unavailable, msg, md)
+            }
+            NodeError::Invalid(_) => tonic::Status::invalid_argument(msg),
+            NodeError::FailedPrecondition(_) => tonic::Status::failed_precondition(msg),
+            NodeError::Fatal(_) => tonic::Status::internal(msg),
+        }
+    }
+}
+
+/// Limits and settings the request handlers enforce, from `[metadata]`.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    pub key_bytes_max: usize,
+    pub value_bytes_max: usize,
+    pub txn_ops_max: usize,
+    pub session_ttl_ms_min: u64,
+    pub session_ttl_ms_max: u64,
+    pub list_limit_max: usize,
+}
+
+impl Limits {
+    fn from_config(c: &MetadataConfig) -> Self {
+        Self {
+            key_bytes_max: c.key_bytes_max as usize,
+            value_bytes_max: c.value_bytes_max as usize,
+            txn_ops_max: c.txn_ops_max as usize,
+            session_ttl_ms_min: c.session_ttl_ms_min,
+            session_ttl_ms_max: c.session_ttl_ms_max,
+            list_limit_max: c.list_limit_max as usize,
+        }
+    }
+}
+
+/// Everything the request handlers share.
+pub struct NodeCore {
+    pub id: NodeId,
+    pub raft: Raft,
+    pub shared: Arc<Shared>,
+    pub limits: Limits,
+    reads: mpsc::Sender<oneshot::Sender<Result<(), NodeError>>>,
+    leases: Mutex<LeaseTable>,
+    pub connect_timeout: Duration,
+}
+
+#[derive(Default)]
+struct LeaseTable {
+    /// The term in which the deadlines below were set. A new leader starts every lease afresh.
+    term: u64,
+    deadlines: HashMap<SessionId, Instant>,
+    expiring: HashSet<SessionId>,
+}
+
+impl NodeCore {
+    /// The leader as this node knows it, or why a client cannot be served here.
+    pub fn leader(&self) -> Result<NodeId, NodeError> {
+        let m = self.raft.metrics().borrow().clone();
+        let membership = m.membership_config.membership();
+        if membership.get_node(&self.id).is_none() {
+            return Err(NodeError::Unavailable(format!(
+                "node {} is not a member of a metadata cluster (start the first nodes with \
+                 --initial-members, or add this one with `meridian meta add-member {} ADDR`)",
+                self.id, self.id
+            )));
+        }
+        m.current_leader.ok_or_else(|| {
+            NodeError::Unavailable(format!("node {}: no leader elected yet", self.id))
+        })
+    }
+
+    fn forward_error(&self, leader: NodeId) -> NodeError {
+        let m = self.raft.metrics().borrow().clone();
+        match m.membership_config.membership().get_node(&leader) {
+            Some(node) => NodeError::ForwardTo {
+                node: self.id,
+                leader,
+                addr: node.addr.clone(),
+            },
+            None => NodeError::Unavailable(format!("node {}: leader {leader} unknown", self.id)),
+        }
+    }
+
+    /// Fails with [`NodeError::ForwardTo`] unless this node leads.
+    pub fn require_leader(&self) -> Result<(), NodeError> {
+        let leader = self.leader()?;
+        if leader == self.id {
+            Ok(())
+        } else {
+            Err(self.forward_error(leader))
+        }
+    }
+
+    /// Proposes a command and waits until it is committed (on a quorum's fsynced logs) and
+    /// applied here.
+    pub async fn write(&self, cmd: Command) -> Result<Response, NodeError> {
+        self.leader()?;
+        match self.raft.client_write(cmd).await {
+            Ok(resp) => match resp.data {
+                Response::Rejected { reason } => Err(NodeError::FailedPrecondition(reason)),
+                other => Ok(other),
+            },
+            Err(e) => Err(self.client_write_error(e)),
+        }
+    }
+
+    fn client_write_error(
+        &self,
+        e: RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>,
+    ) -> NodeError {
+        match e {
+            RaftError::APIError(ClientWriteError::ForwardToLeader(f)) => match f.leader_id {
+                Some(leader) => self.forward_error(leader),
+                None => NodeError::Unavailable(format!("node {}: no leader elected yet", self.id)),
+            },
+            RaftError::APIError(ClientWriteError::ChangeMembershipError(e)) => {
+                NodeError::FailedPrecondition(e.to_string())
+            }
+            RaftError::Fatal(e) => NodeError::Fatal(format!("node {}: raft stopped: {e}", self.id)),
+        }
+    }
+
+    /// Waits until this node's state reflects every write committed before the call (read
+    /// index through the leader, batched with concurrent readers).
+    pub async fn linearize(&self) -> Result<(), NodeError> {
+        self.require_leader()?;
+        let (tx, rx) = oneshot::channel();
+        self.reads
+            .send(tx)
+            .await
+            .map_err(|_| NodeError::Unavailable("node is shutting down".into()))?;
+        rx.await
+            .map_err(|_| NodeError::Unavailable("node is shutting down".into()))?
+    }
+
+    /// Records a keep-alive on the leader. Returns the session's TTL.
+    pub fn keep_alive(&self, id: SessionId) -> Result<u64, NodeError> {
+        self.require_leader()?;
+        let ttl_ms = {
+            let st = self.shared.state.read().expect("state lock");
+            match st.kv.sessions.get(&id) {
+                Some(s) => s.ttl_ms,
+                None => {
+                    return Err(NodeError::FailedPrecondition(format!(
+                        "session {id} does not exist (expired or closed)"
+                    )))
+                }
+            }
+        };
+        let mut leases = self.leases.lock().expect("lease lock");
+        if leases.expiring.contains(&id) {
+            return Err(NodeError::FailedPrecondition(format!(
+                "session {id} has expired"
+            )));
+        }
+        leases
+            .deadlines
+            .insert(id, Instant::now() + Duration::from_millis(ttl_ms));
+        Ok(ttl_ms)
+    }
+
+    /// One pass of the leader's lease keeper: sessions without a keep-alive for their TTL are
+    /// expired through the log.
+    fn expire_sessions(self: &Arc<Self>) {
+        let m = self.raft.metrics().borrow().clone();
+        if m.current_leader != Some(self.id) {
+            return;
+        }
+        let now = Instant::now();
+        let sessions: Vec<(SessionId, u64)> = {
+            let st = self.shared.state.read().expect("state lock");
+            st.kv.sessions.values().map(|s| (s.id, s.ttl_ms)).collect()
+        };
+        let mut due = Vec::new();
+        {
+            let mut leases = self.leases.lock().expect("lease lock");
+            if leases.term != m.current_term {
+                // New leadership: nobody could keep alive with us yet; every lease starts afresh.
+                leases.term = m.current_term;
+                leases.deadlines.clear();
+                leases.expiring.clear();
+            }
+            let live: HashSet<SessionId> = sessions.iter().map(|(id, _)| *id).collect();
+            leases.deadlines.retain(|id, _| live.contains(id));
+            leases.expiring.retain(|id| live.contains(id));
+            for (id, ttl_ms) in sessions {
+                let deadline = *leases
+                    .deadlines
+                    .entry(id)
+                    .or_insert(now + Duration::from_millis(ttl_ms));
+                if now >= deadline && leases.expiring.insert(id) {
+                    due.push(id);
+                }
+            }
+        }
+        for id in due {
+            let core = Arc::clone(self);
+            tokio::spawn(async move {
+                match core.write(Command::ExpireSession { id }).await {
+                    Ok(_) => tracing::info!(session = id, "session expired"),
+                    Err(e) => {
+                        tracing::warn!(session = id, error = %e, "could not expire session");
+                        core.leases.lock().expect("lease lock").expiring.remove(&id);
+                    }
+                }
+            });
+        }
+    }
+}
+
+/// Batches linearizable reads: every reader waiting when a round starts is served by that
+/// round's single read-index confirmation. Up to `ROUNDS_IN_FLIGHT` rounds overlap.
+async fn read_barrier_loop(
+    raft: Raft,
+    mut rx: mpsc::Receiver<oneshot::Sender<Result<(), NodeError>>>,
+) {
+    const ROUNDS_IN_FLIGHT: usize = 4;
+    let permits = Arc::new(Semaphore::new(ROUNDS_IN_FLIGHT));
+    while let Some(first) = rx.recv().await {
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+            return;
+        };
+        let mut waiters = vec![first];
+        while let Ok(w) = rx.try_recv() {
+            waiters.push(w);
+        }
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            let result = match raft.ensure_linearizable().await {
+                Ok(_) => Ok(()),
+                // Lost leadership meanwhile: the client retries and finds the new leader.
+                Err(RaftError::APIError(e)) => Err(NodeError::Unavailable(format!(
+                    "cannot confirm leadership for a linearizable read: {e}"
+                ))),
+                Err(RaftError::Fatal(e)) => Err(NodeError::Fatal(e.to_string())),
+            };
+            for w in waiters {
+                let _ = w.send(result.clone());
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// A running node. Dropping it does not stop it; call [`RunningNode::shutdown`].
+pub struct RunningNode {
+    pub core: Arc<NodeCore>,
+    pub addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+}
+
+impl RunningNode {
+    /// Stops serving, then stops Raft.
+    pub async fn shutdown(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = (&mut self.server).await;
+        let _ = self.core.raft.shutdown().await;
+    }
+
+    /// Resolves when the gRPC server exits (for example after [`RunningNode::shutdown`] from
+    /// another task, or a fatal error).
+    pub async fn wait(&mut self) -> Result<(), String> {
+        match (&mut self.server).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+}
+
+/// Builds and starts metadata nodes.
+pub struct MetadataNode;
+
+impl MetadataNode {
+    /// Starts a node serving on `listener` with the `[metadata]` configuration `cfg`.
+    ///
+    /// With `initial_members` and a store that was never initialized, the node initializes the
+    /// cluster with those members; with neither, it waits to be added by an existing cluster.
+    pub async fn start(cfg: &MetadataConfig, listener: TcpListener) -> Result<RunningNode, String> {
+        let addr = listener.local_addr().map_err(|e| e.to_string())?;
+        let advertise = if cfg.advertise.is_empty() {
+            addr.to_string()
+        } else {
+            cfg.advertise.clone()
+        };
+        let dir = PathBuf::from(&cfg.data_dir);
+        let options = StoreOptions {
+            fsync: cfg.fsync,
+            watch_history_events: cfg.watch_history_events,
+        };
+        let db = store::open_db(&dir).map_err(|e| e.to_string())?;
+        let shared = Shared::load(Arc::clone(&db), options, &dir).map_err(|e| e.to_string())?;
+        let log_store = LogStore::new(Arc::clone(&db), options);
+        let sm = StateMachineStore {
+            shared: Arc::clone(&shared),
+        };
+
+        let raft_config = openraft::Config {
+            cluster_name: "meridian-metadata".into(),
+            heartbeat_interval: cfg.heartbeat_interval_ms,
+            election_timeout_min: cfg.election_timeout_min_ms,
+            election_timeout_max: cfg.election_timeout_max_ms,
+            snapshot_policy: SnapshotPolicy::LogsSinceLast(cfg.snapshot_every_entries),
+            max_in_snapshot_log_to_keep: cfg.log_entries_kept_after_snapshot,
+            install_snapshot_timeout: 10_000,
+            ..Default::default()
+        }
+        .validate()
+        .map_err(|e| format!("raft configuration: {e}"))?;
+        let connect_timeout = Duration::from_millis(1_000);
+        let network = NetworkFactory { connect_timeout };
+        let raft = Raft::new(cfg.node_id, Arc::new(raft_config), network, log_store, sm)
+            .await
+            .map_err(|e| format!("starting raft: {e}"))?;
+
+        let members = cfg.parsed_initial_members().map_err(|e| e.to_string())?;
+        if !members.is_empty() {
+            if !members.iter().any(|(id, _)| *id == cfg.node_id) {
+                return Err(format!(
+                    "metadata.initial_members does not include this node (id {})",
+                    cfg.node_id
+                ));
+            }
+            let is_init = raft
+                .is_initialized()
+                .await
+                .map_err(|e| format!("raft: {e}"))?;
+            if !is_init {
+                let map: BTreeMap<NodeId, BasicNode> = members
+                    .iter()
+                    .map(|(id, a)| {
+                        let a = if *id == cfg.node_id {
+                            advertise.clone()
+                        } else {
+                            a.clone()
+                        };
+                        (*id, BasicNode { addr: a })
+                    })
+                    .collect();
+                match raft.initialize(map).await {
+                    Ok(()) => tracing::info!(?members, "initialized a new metadata cluster"),
+                    Err(RaftError::APIError(InitializeError::NotAllowed(e))) => {
+                        tracing::info!("cluster already initialized: {e}")
+                    }
+                    Err(e) => return Err(format!("initializing the cluster: {e}")),
+                }
+            }
+        }
+
+        let (reads_tx, reads_rx) = mpsc::channel(65_536);
+        tokio::spawn(read_barrier_loop(raft.clone(), reads_rx));
+        let core = Arc::new(NodeCore {
+            id: cfg.node_id,
+            raft: raft.clone(),
+            shared,
+            limits: Limits::from_config(cfg),
+            reads: reads_tx,
+            leases: Mutex::new(LeaseTable::default()),
+            connect_timeout,
+        });
+
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let (keeper_stop_tx, keeper_stop_rx) = watch::channel(false);
+        {
+            let core = Arc::clone(&core);
+            let tick = Duration::from_millis((cfg.session_ttl_ms_min / 10).clamp(10, 100));
+            let mut stop = keeper_stop_rx;
+            tokio::spawn(async move {
+                let mut interval = tokio::time::interval(tick);
+                loop {
+                    tokio::select! {
+                        _ = interval.tick() => core.expire_sessions(),
+                        _ = stop.changed() => return,
+                    }
+                }
+            });
+        }
+
+        let message_bytes_max = (cfg.value_bytes_max + cfg.key_bytes_max + 64) as usize
+            * cfg.txn_ops_max as usize
+            + 4096;
+        let api = crate::service::Api::new(Arc::clone(&core), message_bytes_max);
+        let reflection = tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+            .build_v1()
+            .map_err(|e| e.to_string())?;
+        let raft_svc = pb::raft_server::RaftServer::new(RaftService { raft })
+            .max_decoding_message_size(1 << 30)
+            .max_encoding_message_size(1 << 30);
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let server = tokio::spawn(async move {
+            let r = tonic::transport::Server::builder()
+                .tcp_nodelay(true)
+                .add_service(
+                    pb::metadata_server::MetadataServer::new(api)
+                        .max_decoding_message_size(message_bytes_max)
+                        .max_encoding_message_size(usize::MAX),
+                )
+                .add_service(raft_svc)
+                .add_service(reflection)
+                .serve_with_incoming_shutdown(incoming, async {
+                    let _ = stop_rx.await;
+                })
+                .await;
+            let _ = keeper_stop_tx.send(true);
+            r
+        });
+        tracing::info!(node = cfg.node_id, %addr, advertise, data_dir = %dir.display(), "metadata node serving");
+        Ok(RunningNode {
+            core,
+            addr,
+            stop: Some(stop_tx),
+            server,
+        })
+    }
+}
+
+/// Membership as the API reports it.
+pub fn members_response(core: &NodeCore) -> pb::MembersResponse {
+    let m = core.raft.metrics().borrow().clone();
+    let membership = m.membership_config.membership();
+    let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+    pb::MembersResponse {
+        members: membership
+            .nodes()
+            .map(|(id, node)| pb::Member {
+                id: *id,
+                addr: node.addr.clone(),
+                voter: voters.contains(id),
+            })
+            .collect(),
+        leader: m.current_leader.unwrap_or(0),
+        term: m.current_term,
+        node: core.id,
+        last_applied: m.last_applied.map_or(0, |l| l.index),
+    }
+}
+
+/// Adds `id` as a learner, waits for it to catch up, then (unless `learner_only`) promotes it.
+pub async fn add_member(
+    core: &NodeCore,
+    id: NodeId,
+    addr: String,
+    learner_only: bool,
+) -> Result<(), NodeError> {
+    core.require_leader()?;
+    core.raft
+        .add_learner(id, BasicNode { addr }, true)
+        .await
+        .map_err(|e| core.client_write_error(e))?;
+    if !learner_only {
+        core.raft
+            .change_membership(ChangeMembers::AddVoterIds(BTreeSet::from([id])), false)
+            .await
+            .map_err(|e| core.client_write_error(e))?;
+    }
+    Ok(())
+}
+
+/// Removes `id` (voter or learner) from the cluster.
+pub async fn remove_member(core: &NodeCore, id: NodeId) -> Result<(), NodeError> {
+    core.require_leader()?;
+    let m = core.raft.metrics().borrow().clone();
+    let membership = m.membership_config.membership();
+    if membership.get_node(&id).is_none() {
+        return Err(NodeError::FailedPrecondition(format!(
+            "node {id} is not a member"
+        )));
+    }
+    let voters: BTreeSet<NodeId> = membership.voter_ids().collect();
+    let change = if voters.contains(&id) {
+        if voters.len() == 1 {
+            return Err(NodeError::FailedPrecondition(format!(
+                "node {id} is the only voter; a cluster cannot remove its last voter"
+            )));
+        }
+        ChangeMembers::RemoveVoters(BTreeSet::from([id]))
+    } else {
+        ChangeMembers::RemoveNodes(BTreeSet::from([id]))
+    };
+    core.raft
+        .change_membership(change, false)
+        .await
+        .map_err(|e| core.client_write_error(e))?;
+    Ok(())
+}

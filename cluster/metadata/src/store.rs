@@ -1,0 +1,659 @@
+//! RocksDB storage of one metadata node: the Raft log, the vote, and the state machine.
+//!
+//! One RocksDB database per node, with column families:
+//!
+//! | cf         | key                         | value                                   |
+//! |------------|-----------------------------|-----------------------------------------|
+//! | `log`      | log index (u64 BE)          | bincode `Entry`                         |
+//! | `raft`     | `vote`, `committed`, `purged` | bincode                               |
+//! | `kv`       | key bytes                   | bincode [`KeyValue`]                    |
+//! | `sessions` | session id (u64 BE)         | bincode [`Session`]                     |
+//! | `sm`       | `applied`, `membership`, `revision`, `snapshot`, `history_floor` | bincode |
+//! | `events`   | revision (u64 BE) + index (u32 BE) | bincode [`Event`] (watch history) |
+//!
+//! **Durability.** Log appends, votes, truncation and purges are written with `sync = true` (when
+//! `metadata.fsync` is on): an entry is fsynced on this node before openraft counts it toward the
+//! commit quorum, so a committed (acknowledged) write is on a quorum's disks. State-machine writes
+//! are not synced on their own: they go through the same RocksDB write-ahead log, which is
+//! sequential, so the next synced log write persists them too, and after a crash openraft
+//! re-applies from the last applied id anyway.
+
+use std::io::Cursor;
+use std::ops::{Bound, RangeBounds};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use openraft::storage::{LogFlushed, LogState, RaftLogStorage, RaftStateMachine, Snapshot};
+use openraft::{
+    AnyError, Entry, EntryPayload, ErrorSubject, ErrorVerb, LogId, OptionalSend, RaftLogReader,
+    RaftSnapshotBuilder, SnapshotMeta, StorageError, StorageIOError, StoredMembership, Vote,
+};
+use rocksdb::{
+    ColumnFamilyDescriptor, Direction, IteratorMode, Options, WriteBatch, WriteOptions, DB,
+};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+use crate::model::{Event, KvState, Mutation, Response, Revision};
+use crate::{NodeId, TypeConfig};
+
+const CF_LOG: &str = "log";
+const CF_RAFT: &str = "raft";
+const CF_KV: &str = "kv";
+const CF_SESSIONS: &str = "sessions";
+const CF_SM: &str = "sm";
+const CF_EVENTS: &str = "events";
+const ALL_CFS: [&str; 6] = [CF_LOG, CF_RAFT, CF_KV, CF_SESSIONS, CF_SM, CF_EVENTS];
+
+/// Opening the store failed. The message names the directory and what RocksDB said.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    #[error("cannot open the metadata store in {path}: {message}")]
+    RocksDb { path: PathBuf, message: String },
+    #[error("metadata store in {path} is corrupt: {what}")]
+    Corrupt { path: PathBuf, what: String },
+}
+
+fn io_err<E: std::error::Error + 'static>(
+    subject: ErrorSubject<NodeId>,
+    verb: ErrorVerb,
+    e: E,
+) -> StorageError<NodeId> {
+    StorageIOError::new(subject, verb, AnyError::new(&e)).into()
+}
+
+fn enc<T: Serialize>(v: &T) -> Vec<u8> {
+    // bincode cannot fail on these types: no maps with non-string keys and no size limit.
+    bincode::serialize(v).expect("bincode serialization of an in-memory value")
+}
+
+fn dec<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, bincode::Error> {
+    bincode::deserialize(bytes)
+}
+
+fn event_key(revision: Revision, index: u32) -> [u8; 12] {
+    let mut k = [0u8; 12];
+    k[..8].copy_from_slice(&revision.to_be_bytes());
+    k[8..].copy_from_slice(&index.to_be_bytes());
+    k
+}
+
+/// Limits the watch history keeps.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreOptions {
+    pub fsync: bool,
+    pub watch_history_events: u64,
+}
+
+/// Opens (or creates) the node's database. Runs a full consistency check of what the node will
+/// serve: a damaged file stops start-up here, with a message that names it.
+pub fn open_db(dir: &Path) -> Result<Arc<DB>, OpenError> {
+    std::fs::create_dir_all(dir).map_err(|e| OpenError::RocksDb {
+        path: dir.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    let mut opts = Options::default();
+    opts.create_if_missing(true);
+    opts.create_missing_column_families(true);
+    opts.set_paranoid_checks(true);
+    let cfs = ALL_CFS
+        .iter()
+        .map(|name| ColumnFamilyDescriptor::new(*name, Options::default()));
+    let db = DB::open_cf_descriptors(&opts, dir, cfs).map_err(|e| OpenError::RocksDb {
+        path: dir.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    Ok(Arc::new(db))
+}
+
+fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
+    db.cf_handle(name)
+        .expect("column family created by open_db")
+}
+
+// ---------------------------------------------------------------------------------------------
+// Raft log
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone)]
+pub struct LogStore {
+    db: Arc<DB>,
+    fsync: bool,
+}
+
+impl LogStore {
+    pub fn new(db: Arc<DB>, options: StoreOptions) -> Self {
+        Self {
+            db,
+            fsync: options.fsync,
+        }
+    }
+
+    fn write(&self, batch: WriteBatch) -> Result<(), rocksdb::Error> {
+        let mut wo = WriteOptions::default();
+        wo.set_sync(self.fsync);
+        self.db.write_opt(batch, &wo)
+    }
+
+    fn get_raft<T: DeserializeOwned>(&self, key: &str) -> Result<Option<T>, StorageError<NodeId>> {
+        let raw = self
+            .db
+            .get_cf(cf(&self.db, CF_RAFT), key)
+            .map_err(|e| io_err(ErrorSubject::Store, ErrorVerb::Read, e))?;
+        raw.map(|b| dec(&b))
+            .transpose()
+            .map_err(|e| io_err(ErrorSubject::Store, ErrorVerb::Read, e))
+    }
+
+    fn put_raft<T: Serialize>(&self, key: &str, v: &T) -> Result<(), StorageError<NodeId>> {
+        let mut batch = WriteBatch::default();
+        batch.put_cf(cf(&self.db, CF_RAFT), key, enc(v));
+        self.write(batch)
+            .map_err(|e| io_err(ErrorSubject::Store, ErrorVerb::Write, e))
+    }
+
+    fn last_entry_log_id(&self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+        let mut it = self.db.iterator_cf(cf(&self.db, CF_LOG), IteratorMode::End);
+        match it.next() {
+            None => Ok(None),
+            Some(item) => {
+                let (_, v) = item.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+                let entry: Entry<TypeConfig> =
+                    dec(&v).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+                Ok(Some(entry.log_id))
+            }
+        }
+    }
+}
+
+impl RaftLogReader<TypeConfig> for LogStore {
+    async fn try_get_log_entries<RB: RangeBounds<u64> + Clone + std::fmt::Debug + OptionalSend>(
+        &mut self,
+        range: RB,
+    ) -> Result<Vec<Entry<TypeConfig>>, StorageError<NodeId>> {
+        let start = match range.start_bound() {
+            Bound::Included(&s) => s,
+            Bound::Excluded(&s) => s + 1,
+            Bound::Unbounded => 0,
+        };
+        let start_key = start.to_be_bytes();
+        let iter = self.db.iterator_cf(
+            cf(&self.db, CF_LOG),
+            IteratorMode::From(&start_key, Direction::Forward),
+        );
+        let mut out = Vec::new();
+        for item in iter {
+            let (k, v) = item.map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+            let index = u64::from_be_bytes(k.as_ref().try_into().unwrap_or([0xff; 8]));
+            if !range.contains(&index) {
+                break;
+            }
+            let entry: Entry<TypeConfig> =
+                dec(&v).map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Read, e))?;
+            out.push(entry);
+        }
+        Ok(out)
+    }
+}
+
+impl RaftLogStorage<TypeConfig> for LogStore {
+    type LogReader = Self;
+
+    async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
+        let last_purged: Option<LogId<NodeId>> = self.get_raft("purged")?;
+        let last = self.last_entry_log_id()?.or(last_purged);
+        Ok(LogState {
+            last_purged_log_id: last_purged,
+            last_log_id: last,
+        })
+    }
+
+    async fn get_log_reader(&mut self) -> Self::LogReader {
+        self.clone()
+    }
+
+    async fn save_vote(&mut self, vote: &Vote<NodeId>) -> Result<(), StorageError<NodeId>> {
+        self.put_raft("vote", vote)
+    }
+
+    async fn read_vote(&mut self) -> Result<Option<Vote<NodeId>>, StorageError<NodeId>> {
+        self.get_raft("vote")
+    }
+
+    async fn save_committed(
+        &mut self,
+        committed: Option<LogId<NodeId>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        self.put_raft("committed", &committed)
+    }
+
+    async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
+        Ok(self
+            .get_raft::<Option<LogId<NodeId>>>("committed")?
+            .flatten())
+    }
+
+    async fn append<I>(
+        &mut self,
+        entries: I,
+        callback: LogFlushed<TypeConfig>,
+    ) -> Result<(), StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let mut batch = WriteBatch::default();
+        for entry in entries {
+            batch.put_cf(
+                cf(&self.db, CF_LOG),
+                entry.log_id.index.to_be_bytes(),
+                enc(&entry),
+            );
+        }
+        // Group commit: every entry openraft hands us in one call goes into one synced batch.
+        // The fsync runs off the async worker threads.
+        let this = self.clone();
+        let result = tokio::task::spawn_blocking(move || this.write(batch))
+            .await
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))?;
+        match result {
+            Ok(()) => {
+                callback.log_io_completed(Ok(()));
+                Ok(())
+            }
+            Err(e) => {
+                callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
+                Err(io_err(ErrorSubject::Logs, ErrorVerb::Write, e))
+            }
+        }
+    }
+
+    async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        let mut batch = WriteBatch::default();
+        batch.delete_range_cf(
+            cf(&self.db, CF_LOG),
+            log_id.index.to_be_bytes(),
+            u64::MAX.to_be_bytes(),
+        );
+        batch.delete_cf(cf(&self.db, CF_LOG), u64::MAX.to_be_bytes());
+        self.write(batch)
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Delete, e))
+    }
+
+    async fn purge(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
+        let mut batch = WriteBatch::default();
+        batch.put_cf(cf(&self.db, CF_RAFT), "purged", enc(&Some(log_id)));
+        batch.delete_range_cf(
+            cf(&self.db, CF_LOG),
+            0u64.to_be_bytes(),
+            (log_id.index + 1).to_be_bytes(),
+        );
+        self.write(batch)
+            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Delete, e))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// State machine
+// ---------------------------------------------------------------------------------------------
+
+/// What the state machine publishes to watchers after each applied batch.
+#[derive(Clone, Debug)]
+pub enum Notice {
+    Events(Arc<Vec<Event>>),
+    /// The state was replaced by a snapshot: watch history before `floor` is gone.
+    Reset {
+        floor: Revision,
+    },
+}
+
+/// In-memory state shared between the state machine and the request handlers.
+#[derive(Debug, Default)]
+pub struct SmState {
+    pub kv: KvState,
+    pub last_applied: Option<LogId<NodeId>>,
+    pub membership: StoredMembership<NodeId, openraft::BasicNode>,
+    /// Watch history holds every event with revision >= `history_floor`.
+    pub history_floor: Revision,
+    pub history_count: u64,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SnapshotBlob {
+    kv: KvState,
+    last_applied: Option<LogId<NodeId>>,
+    membership: StoredMembership<NodeId, openraft::BasicNode>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct StoredSnapshot {
+    meta: SnapshotMeta<NodeId, openraft::BasicNode>,
+    data: Vec<u8>,
+}
+
+/// The state machine and the watch history, shared with the gRPC handlers.
+pub struct Shared {
+    db: Arc<DB>,
+    pub state: RwLock<SmState>,
+    pub notices: broadcast::Sender<Notice>,
+    options: StoreOptions,
+}
+
+impl Shared {
+    /// Loads the state machine from disk. Every key and session is read (and so checksummed) here.
+    pub fn load(db: Arc<DB>, options: StoreOptions, dir: &Path) -> Result<Arc<Self>, OpenError> {
+        let corrupt = |what: String| OpenError::Corrupt {
+            path: dir.to_path_buf(),
+            what,
+        };
+        let mut st = SmState {
+            history_floor: 1,
+            ..SmState::default()
+        };
+        let sm_get = |key: &str| -> Result<Option<Vec<u8>>, OpenError> {
+            db.get_cf(cf(&db, CF_SM), key)
+                .map_err(|e| corrupt(format!("reading sm/{key}: {e}")))
+        };
+        if let Some(b) = sm_get("applied")? {
+            st.last_applied = dec(&b).map_err(|e| corrupt(format!("sm/applied: {e}")))?;
+        }
+        if let Some(b) = sm_get("membership")? {
+            st.membership = dec(&b).map_err(|e| corrupt(format!("sm/membership: {e}")))?;
+        }
+        if let Some(b) = sm_get("revision")? {
+            st.kv.revision = dec(&b).map_err(|e| corrupt(format!("sm/revision: {e}")))?;
+        }
+        if let Some(b) = sm_get("history_floor")? {
+            st.history_floor = dec(&b).map_err(|e| corrupt(format!("sm/history_floor: {e}")))?;
+        }
+        for item in db.iterator_cf(cf(&db, CF_KV), IteratorMode::Start) {
+            let (k, v) = item.map_err(|e| corrupt(format!("reading kv: {e}")))?;
+            let kv: crate::model::KeyValue = dec(&v)
+                .map_err(|e| corrupt(format!("kv entry {:?}: {e}", String::from_utf8_lossy(&k))))?;
+            st.kv.kvs.insert(kv.key.clone(), kv);
+        }
+        for item in db.iterator_cf(cf(&db, CF_SESSIONS), IteratorMode::Start) {
+            let (_, v) = item.map_err(|e| corrupt(format!("reading sessions: {e}")))?;
+            let s: crate::model::Session =
+                dec(&v).map_err(|e| corrupt(format!("session entry: {e}")))?;
+            st.kv.sessions.insert(s.id, s);
+        }
+        for item in db.iterator_cf(cf(&db, CF_EVENTS), IteratorMode::Start) {
+            item.map_err(|e| corrupt(format!("reading events: {e}")))?;
+            st.history_count += 1;
+        }
+        let (notices, _) = broadcast::channel(4096);
+        Ok(Arc::new(Self {
+            db,
+            state: RwLock::new(st),
+            notices,
+            options,
+        }))
+    }
+
+    /// Events with `from <= revision <= to` from the history, in order.
+    pub fn history(&self, from: Revision, to: Revision) -> Result<Vec<Event>, String> {
+        let start = event_key(from, 0);
+        let mut out = Vec::new();
+        let iter = self.db.iterator_cf(
+            cf(&self.db, CF_EVENTS),
+            IteratorMode::From(&start, Direction::Forward),
+        );
+        for item in iter {
+            let (_, v) = item.map_err(|e| e.to_string())?;
+            let ev: Event = dec(&v).map_err(|e| e.to_string())?;
+            if ev.revision > to {
+                break;
+            }
+            out.push(ev);
+        }
+        Ok(out)
+    }
+
+    fn write_mutations(batch: &mut WriteBatch, db: &DB, mutations: &[Mutation]) {
+        for m in mutations {
+            match m {
+                Mutation::PutKv(kv) => batch.put_cf(cf(db, CF_KV), kv.key.as_bytes(), enc(kv)),
+                Mutation::DeleteKv(k) => batch.delete_cf(cf(db, CF_KV), k.as_bytes()),
+                Mutation::PutSession(s) => {
+                    batch.put_cf(cf(db, CF_SESSIONS), s.id.to_be_bytes(), enc(s))
+                }
+                Mutation::DeleteSession(id) => {
+                    batch.delete_cf(cf(db, CF_SESSIONS), id.to_be_bytes())
+                }
+            }
+        }
+    }
+
+    /// Drops the oldest whole revisions of history once it exceeds its bound by an eighth.
+    fn trim_history(&self, st: &mut SmState, batch: &mut WriteBatch) -> Result<(), rocksdb::Error> {
+        let max = self.options.watch_history_events;
+        if st.history_count <= max + max / 8 {
+            return Ok(());
+        }
+        let mut to_drop = st.history_count - max;
+        let mut last_rev = None;
+        let mut first_kept = None;
+        for item in self
+            .db
+            .iterator_cf(cf(&self.db, CF_EVENTS), IteratorMode::Start)
+        {
+            let (k, _) = item?;
+            let rev = u64::from_be_bytes(k[..8].try_into().unwrap_or([0; 8]));
+            if to_drop == 0 && last_rev != Some(rev) {
+                first_kept = Some(rev);
+                break;
+            }
+            to_drop = to_drop.saturating_sub(1);
+            last_rev = Some(rev);
+            st.history_count -= 1;
+        }
+        let floor = first_kept.unwrap_or(st.kv.revision + 1);
+        batch.delete_range_cf(
+            cf(&self.db, CF_EVENTS),
+            event_key(0, 0),
+            event_key(floor, 0),
+        );
+        batch.put_cf(cf(&self.db, CF_SM), "history_floor", enc(&floor));
+        st.history_floor = floor;
+        Ok(())
+    }
+}
+
+#[derive(Clone)]
+pub struct StateMachineStore {
+    pub shared: Arc<Shared>,
+}
+
+impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
+    async fn build_snapshot(&mut self) -> Result<Snapshot<TypeConfig>, StorageError<NodeId>> {
+        let (blob, last_applied, membership) = {
+            let st = self.shared.state.read().expect("state lock");
+            let blob = SnapshotBlob {
+                kv: st.kv.clone(),
+                last_applied: st.last_applied,
+                membership: st.membership.clone(),
+            };
+            (enc(&blob), st.last_applied, st.membership.clone())
+        };
+        let snapshot_id = match last_applied {
+            Some(id) => format!("{}-{}-{}", id.leader_id.term, id.index, blob.len()),
+            None => format!("empty-{}", blob.len()),
+        };
+        let meta = SnapshotMeta {
+            last_log_id: last_applied,
+            last_membership: membership,
+            snapshot_id,
+        };
+        let stored = StoredSnapshot {
+            meta: meta.clone(),
+            data: blob.clone(),
+        };
+        let db = &self.shared.db;
+        db.put_cf(cf(db, CF_SM), "snapshot", enc(&stored))
+            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
+        Ok(Snapshot {
+            meta,
+            snapshot: Box::new(Cursor::new(blob)),
+        })
+    }
+}
+
+impl RaftStateMachine<TypeConfig> for StateMachineStore {
+    type SnapshotBuilder = Self;
+
+    async fn applied_state(
+        &mut self,
+    ) -> Result<
+        (
+            Option<LogId<NodeId>>,
+            StoredMembership<NodeId, openraft::BasicNode>,
+        ),
+        StorageError<NodeId>,
+    > {
+        let st = self.shared.state.read().expect("state lock");
+        Ok((st.last_applied, st.membership.clone()))
+    }
+
+    async fn apply<I>(&mut self, entries: I) -> Result<Vec<Response>, StorageError<NodeId>>
+    where
+        I: IntoIterator<Item = Entry<TypeConfig>> + OptionalSend,
+        I::IntoIter: OptionalSend,
+    {
+        let shared = &self.shared;
+        let db = &shared.db;
+        let mut responses = Vec::new();
+        let mut events: Vec<Event> = Vec::new();
+        let mut batch = WriteBatch::default();
+        {
+            let mut st = shared.state.write().expect("state lock");
+            for entry in entries {
+                st.last_applied = Some(entry.log_id);
+                match entry.payload {
+                    EntryPayload::Blank => responses.push(Response::None),
+                    EntryPayload::Membership(m) => {
+                        st.membership = StoredMembership::new(Some(entry.log_id), m);
+                        batch.put_cf(cf(db, CF_SM), "membership", enc(&st.membership));
+                        responses.push(Response::None);
+                    }
+                    EntryPayload::Normal(cmd) => {
+                        let (resp, applied) = st.kv.apply(&cmd);
+                        Shared::write_mutations(&mut batch, db, &applied.mutations);
+                        responses.push(resp);
+                        events.extend(applied.events);
+                    }
+                }
+            }
+            let mut index = 0u32;
+            let mut prev_rev = 0;
+            for ev in &events {
+                if ev.revision != prev_rev {
+                    index = 0;
+                    prev_rev = ev.revision;
+                }
+                batch.put_cf(cf(db, CF_EVENTS), event_key(ev.revision, index), enc(ev));
+                index += 1;
+            }
+            st.history_count += events.len() as u64;
+            shared
+                .trim_history(&mut st, &mut batch)
+                .map_err(|e| io_err(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+            batch.put_cf(cf(db, CF_SM), "applied", enc(&st.last_applied));
+            batch.put_cf(cf(db, CF_SM), "revision", enc(&st.kv.revision));
+            // Written under the lock: a reader that sees revision R finds every event <= R in
+            // the history (the watch hand-over depends on it).
+            db.write(batch)
+                .map_err(|e| io_err(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+        }
+        if !events.is_empty() {
+            // No receivers is fine: nobody is watching.
+            let _ = shared.notices.send(Notice::Events(Arc::new(events)));
+        }
+        Ok(responses)
+    }
+
+    async fn get_snapshot_builder(&mut self) -> Self::SnapshotBuilder {
+        self.clone()
+    }
+
+    async fn begin_receiving_snapshot(
+        &mut self,
+    ) -> Result<Box<Cursor<Vec<u8>>>, StorageError<NodeId>> {
+        Ok(Box::new(Cursor::new(Vec::new())))
+    }
+
+    async fn install_snapshot(
+        &mut self,
+        meta: &SnapshotMeta<NodeId, openraft::BasicNode>,
+        snapshot: Box<Cursor<Vec<u8>>>,
+    ) -> Result<(), StorageError<NodeId>> {
+        let data = snapshot.into_inner();
+        let blob: SnapshotBlob = dec(&data).map_err(|e| {
+            io_err(
+                ErrorSubject::Snapshot(Some(meta.signature())),
+                ErrorVerb::Read,
+                e,
+            )
+        })?;
+        let shared = &self.shared;
+        let db = &shared.db;
+        let floor;
+        {
+            let mut st = shared.state.write().expect("state lock");
+            let mut batch = WriteBatch::default();
+            for name in [CF_KV, CF_SESSIONS] {
+                for item in db.iterator_cf(cf(db, name), IteratorMode::Start) {
+                    let (k, _) =
+                        item.map_err(|e| io_err(ErrorSubject::StateMachine, ErrorVerb::Read, e))?;
+                    batch.delete_cf(cf(db, name), k);
+                }
+            }
+            batch.delete_range_cf(
+                cf(db, CF_EVENTS),
+                event_key(0, 0),
+                event_key(u64::MAX, u32::MAX),
+            );
+            let mut muts: Vec<Mutation> =
+                blob.kv.kvs.values().cloned().map(Mutation::PutKv).collect();
+            muts.extend(blob.kv.sessions.values().cloned().map(Mutation::PutSession));
+            Shared::write_mutations(&mut batch, db, &muts);
+            floor = blob.kv.revision + 1;
+            batch.put_cf(cf(db, CF_SM), "history_floor", enc(&floor));
+            batch.put_cf(cf(db, CF_SM), "applied", enc(&meta.last_log_id));
+            batch.put_cf(cf(db, CF_SM), "membership", enc(&meta.last_membership));
+            batch.put_cf(cf(db, CF_SM), "revision", enc(&blob.kv.revision));
+            let stored = StoredSnapshot {
+                meta: meta.clone(),
+                data: data.clone(),
+            };
+            batch.put_cf(cf(db, CF_SM), "snapshot", enc(&stored));
+            let mut wo = WriteOptions::default();
+            wo.set_sync(shared.options.fsync);
+            db.write_opt(batch, &wo)
+                .map_err(|e| io_err(ErrorSubject::StateMachine, ErrorVerb::Write, e))?;
+            st.kv = blob.kv;
+            st.last_applied = meta.last_log_id;
+            st.membership = meta.last_membership.clone();
+            st.history_floor = floor;
+            st.history_count = 0;
+        }
+        let _ = shared.notices.send(Notice::Reset { floor });
+        Ok(())
+    }
+
+    async fn get_current_snapshot(
+        &mut self,
+    ) -> Result<Option<Snapshot<TypeConfig>>, StorageError<NodeId>> {
+        let db = &self.shared.db;
+        let raw = db
+            .get_cf(cf(db, CF_SM), "snapshot")
+            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Read, e))?;
+        let Some(raw) = raw else { return Ok(None) };
+        let stored: StoredSnapshot =
+            dec(&raw).map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Read, e))?;
+        Ok(Some(Snapshot {
+            meta: stored.meta,
+            snapshot: Box::new(Cursor::new(stored.data)),
+        }))
+    }
+}

@@ -1,0 +1,771 @@
+//! Typed configuration of every Meridian role.
+//!
+//! This crate owns the configuration of every role (metadata service, `meta`
+//! admin client, standalone): the section types, their defaults, their
+//! validation, and the layering of the sources they are read from:
+//!
+//! 1. built-in defaults (enough to run a single-node standalone with no file),
+//! 2. a TOML file,
+//! 3. `MERIDIAN_<SECTION>_<KEY>` environment variables,
+//! 4. command-line flag overrides given as `(dotted.key, value)` pairs.
+//!
+//! Unknown keys and out-of-range values are rejected with the key's full
+//! dotted path and the accepted range in a one-line message.
+//!
+//! It does not do anything with the configuration: it runs nothing, opens no
+//! sockets, creates no directories and does not parse command lines.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use toml::{Table, Value};
+
+#[cfg(test)]
+mod tests;
+
+/// Prefix of every environment variable this crate reads.
+pub const ENV_PREFIX: &str = "MERIDIAN_";
+
+/// Origin reported for errors in command-line overrides.
+const OVERRIDES_ORIGIN: &str = "command-line flags";
+
+/// Everything that can go wrong while loading or validating a configuration.
+///
+/// Every message is a single line naming where the problem is and what is
+/// accepted instead.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The configuration file could not be read.
+    #[error("cannot read config file {}: {source}", .path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    /// A value could not be parsed or has the wrong type. `origin` is the
+    /// file path, the environment variable name or the overridden key.
+    #[error("{origin}: {message}")]
+    Parse { origin: String, message: String },
+    /// A section or key that does not exist. `path` is dotted
+    /// (`metadata.nod_id`) or a bare top-level name; `known` lists what
+    /// exists at that level.
+    #[error("{}", unknown_key_message(.path, .origin, .known))]
+    UnknownKey {
+        path: String,
+        origin: String,
+        known: Vec<String>,
+    },
+    /// A number outside its accepted range.
+    #[error("{key} = {value} is out of range; accepted {accepted}")]
+    OutOfRange {
+        key: String,
+        value: String,
+        accepted: String,
+    },
+    /// A value of the right type that is still unusable.
+    #[error("{key} = {value} is invalid: {reason}")]
+    Invalid {
+        key: String,
+        value: String,
+        reason: String,
+    },
+}
+
+fn unknown_key_message(path: &str, origin: &str, known: &[String]) -> String {
+    let known = known.join(", ");
+    match path.split_once('.') {
+        Some((section, _)) => {
+            format!("unknown key {path} in {origin}; known keys in [{section}]: {known}")
+        }
+        None => format!("unknown top-level key {path} in {origin}; known sections: {known}"),
+    }
+}
+
+/// The configuration of every role. Each role reads only its sections
+/// (see [`Role::sections`]); the others keep their defaults.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// `[log]`: logging of every role.
+    pub log: LogConfig,
+    /// `[metadata]`: the replicated metadata service.
+    pub metadata: MetadataConfig,
+    /// `[client]`: how clients reach the metadata service.
+    pub client: ClientConfig,
+}
+
+/// `[log]` section.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// Log filter: `error`, `warn`, `info`, `debug`, `trace` or any
+    /// EnvFilter-like directive such as `info,meridian_metadata=debug`.
+    /// Any non-blank string is accepted. Default `info`.
+    pub level: String,
+    /// Emit JSON lines instead of human-readable text. Default `false`.
+    pub json: bool,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: "info".to_string(),
+            json: false,
+        }
+    }
+}
+
+/// `[metadata]` section: one node of the replicated metadata service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetadataConfig {
+    /// This node's id, unique in the cluster. Range 1..=1000000, default 1.
+    pub node_id: u64,
+    /// Socket address to listen on, `IP:PORT`. Default `127.0.0.1:7101`.
+    pub listen: String,
+    /// Address other nodes and clients use to reach this node, `IP:PORT`;
+    /// empty (the default) means the same as `listen`.
+    pub advertise: String,
+    /// Directory of the node's log and snapshots; non-empty.
+    /// Default `data/metadata`.
+    pub data_dir: String,
+    /// Members to bootstrap a new cluster with, each `ID=IP:PORT` such as
+    /// `1=127.0.0.1:7101`, ids unique. Empty (the default) means a
+    /// single-node cluster made of this node.
+    pub initial_members: Vec<String>,
+    /// Leader heartbeat period, milliseconds. Range 10..=10000, default 100.
+    pub heartbeat_interval_ms: u64,
+    /// Lower bound of the randomized election timeout, milliseconds.
+    /// Range 50..=60000 and at least 3 * `heartbeat_interval_ms`; default 400.
+    pub election_timeout_min_ms: u64,
+    /// Upper bound of the randomized election timeout, milliseconds.
+    /// Greater than `election_timeout_min_ms`, at most 120000; default 800.
+    pub election_timeout_max_ms: u64,
+    /// Take a snapshot every this many applied log entries.
+    /// Range 100..=10000000, default 10000.
+    pub snapshot_every_entries: u64,
+    /// Log entries kept after a snapshot, for slow followers.
+    /// Range 0..=10000000, default 1000.
+    pub log_entries_kept_after_snapshot: u64,
+    /// Largest key, bytes. Range 1..=65536, default 1024.
+    pub key_bytes_max: u64,
+    /// Largest value, bytes. Range 1..=16777216, default 1048576 (1 MiB).
+    pub value_bytes_max: u64,
+    /// Most operations in one transaction. Range 1..=10000, default 128.
+    pub txn_ops_max: u64,
+    /// Shortest session TTL a client may ask for, milliseconds.
+    /// Range 100..=3600000, default 1000.
+    pub session_ttl_ms_min: u64,
+    /// Longest session TTL a client may ask for, milliseconds.
+    /// Range `session_ttl_ms_min`..=3600000, default 300000.
+    pub session_ttl_ms_max: u64,
+    /// Change events kept for watches resuming from an old revision.
+    /// Range 1000..=100000000, default 100000.
+    pub watch_history_events: u64,
+    /// Most keys returned by one list request.
+    /// Range 1..=1000000, default 10000.
+    pub list_limit_max: u64,
+    /// Fsync the log before acknowledging writes. Default `true`.
+    pub fsync: bool,
+}
+
+impl Default for MetadataConfig {
+    fn default() -> Self {
+        MetadataConfig {
+            node_id: 1,
+            listen: "127.0.0.1:7101".to_string(),
+            advertise: String::new(),
+            data_dir: "data/metadata".to_string(),
+            initial_members: Vec::new(),
+            heartbeat_interval_ms: 100,
+            election_timeout_min_ms: 400,
+            election_timeout_max_ms: 800,
+            snapshot_every_entries: 10_000,
+            log_entries_kept_after_snapshot: 1_000,
+            key_bytes_max: 1024,
+            value_bytes_max: 1_048_576,
+            txn_ops_max: 128,
+            session_ttl_ms_min: 1_000,
+            session_ttl_ms_max: 300_000,
+            watch_history_events: 100_000,
+            list_limit_max: 10_000,
+            fsync: true,
+        }
+    }
+}
+
+/// `[client]` section: how a client reaches the metadata service.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ClientConfig {
+    /// Metadata service addresses, each `HOST:PORT` (host names allowed);
+    /// non-empty. Default `["127.0.0.1:7101"]`.
+    pub endpoints: Vec<String>,
+    /// Deadline of one request, milliseconds. Range 10..=600000, default 5000.
+    pub request_timeout_ms: u64,
+    /// Deadline of one connection attempt, milliseconds.
+    /// Range 10..=60000, default 1000.
+    pub connect_timeout_ms: u64,
+    /// First delay between retries, milliseconds. Range 1..=10000, default 20.
+    pub retry_backoff_initial_ms: u64,
+    /// Largest delay between retries, milliseconds.
+    /// Range `retry_backoff_initial_ms`..=60000, default 1000.
+    pub retry_backoff_max_ms: u64,
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        ClientConfig {
+            endpoints: vec!["127.0.0.1:7101".to_string()],
+            request_timeout_ms: 5_000,
+            connect_timeout_ms: 1_000,
+            retry_backoff_initial_ms: 20,
+            retry_backoff_max_ms: 1_000,
+        }
+    }
+}
+
+/// A Meridian process kind, deciding which sections it reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// A node of the metadata service.
+    Metadata,
+    /// The `meta` admin client of the metadata service.
+    Meta,
+    /// Everything in one process.
+    Standalone,
+}
+
+impl Role {
+    /// Every role, in declaration order.
+    pub const ALL: [Role; 3] = [Role::Metadata, Role::Meta, Role::Standalone];
+
+    /// The name used on command lines and in messages.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Role::Metadata => "metadata",
+            Role::Meta => "meta",
+            Role::Standalone => "standalone",
+        }
+    }
+
+    /// The configuration sections this role reads.
+    pub fn sections(&self) -> &'static [&'static str] {
+        match self {
+            Role::Metadata | Role::Standalone => &["log", "metadata"],
+            Role::Meta => &["log", "client"],
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = ConfigError;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Role::ALL
+            .into_iter()
+            .find(|role| role.as_str() == s)
+            .ok_or_else(|| ConfigError::Invalid {
+                key: "role".to_string(),
+                value: format!("{s:?}"),
+                reason: "expected one of metadata, meta, standalone".to_string(),
+            })
+    }
+}
+
+/// Where a configuration comes from, lowest precedence first: defaults,
+/// `file`, `env`, `overrides`.
+#[derive(Debug, Clone, Default)]
+pub struct Sources<'a> {
+    /// TOML file to read, if any.
+    pub file: Option<&'a Path>,
+    /// Environment variables as `(name, value)`; only `MERIDIAN_*` ones are
+    /// looked at.
+    pub env: Vec<(String, String)>,
+    /// Command-line overrides as `(dotted.key, value)`, applied in order.
+    pub overrides: Vec<(String, String)>,
+}
+
+impl Config {
+    /// Layers defaults < `sources.file` < `sources.env` <
+    /// `sources.overrides`, then validates the result.
+    pub fn load(sources: &Sources<'_>) -> Result<Config, ConfigError> {
+        let defaults = Table::try_from(Config::default()).expect("defaults serialize to a table");
+        let mut merged = defaults.clone();
+        if let Some(path) = sources.file {
+            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+                path: path.to_path_buf(),
+                source,
+            })?;
+            let origin = path.display().to_string();
+            merge_file(
+                &mut merged,
+                &defaults,
+                &parse_toml(&text, &origin)?,
+                &origin,
+            )?;
+        }
+        apply_env(&mut merged, &defaults, &sources.env)?;
+        apply_overrides(&mut merged, &defaults, &sources.overrides)?;
+        let config: Config =
+            merged
+                .try_into()
+                .map_err(|e: toml::de::Error| ConfigError::Parse {
+                    origin: "configuration".to_string(),
+                    message: e.message().replace('\n', " "),
+                })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// [`Config::load`] with this process's environment.
+    pub fn from_env_and_file(
+        file: Option<&Path>,
+        overrides: Vec<(String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let mut env = Vec::new();
+        for (name, value) in std::env::vars_os() {
+            let Some(name) = name.to_str().filter(|n| n.starts_with(ENV_PREFIX)) else {
+                continue;
+            };
+            let value = value.into_string().map_err(|_| ConfigError::Parse {
+                origin: name.to_string(),
+                message: "value is not valid UTF-8".to_string(),
+            })?;
+            env.push((name.to_string(), value));
+        }
+        Config::load(&Sources {
+            file,
+            env,
+            overrides,
+        })
+    }
+
+    /// Checks every section; returns the first problem found.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.log.validate()?;
+        self.metadata.validate()?;
+        self.client.validate()
+    }
+
+    /// The sections `role` reads, as TOML text that [`Config::load`] accepts.
+    pub fn to_toml_for(&self, role: Role) -> String {
+        let mut out = format!("# Meridian configuration of role `{role}`.\n");
+        for section in role.sections() {
+            let body = match *section {
+                "log" => toml::to_string(&self.log),
+                "metadata" => toml::to_string(&self.metadata),
+                "client" => toml::to_string(&self.client),
+                _ => continue,
+            };
+            let body = body.expect("config sections serialize to TOML");
+            out.push_str(&format!("\n[{section}]\n{body}"));
+        }
+        out
+    }
+}
+
+impl LogConfig {
+    /// Checks the `[log]` section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.level.trim().is_empty() {
+            return Err(invalid(
+                "log.level",
+                &self.level,
+                "expected a level such as info or a filter directive",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl MetadataConfig {
+    /// The address others reach this node at: `advertise`, or `listen` when
+    /// `advertise` is empty.
+    pub fn advertise_addr(&self) -> &str {
+        if self.advertise.is_empty() {
+            &self.listen
+        } else {
+            &self.advertise
+        }
+    }
+
+    /// `initial_members` as `(id, address)` pairs; see [`parse_members`].
+    pub fn parsed_initial_members(&self) -> Result<Vec<(u64, String)>, ConfigError> {
+        parse_members(&self.initial_members)
+    }
+
+    /// Checks the `[metadata]` section, including the relations between keys.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        socket_addr("metadata.listen", &self.listen)?;
+        if !self.advertise.is_empty() {
+            socket_addr("metadata.advertise", &self.advertise)?;
+        }
+        if self.data_dir.trim().is_empty() {
+            return Err(invalid(
+                "metadata.data_dir",
+                &self.data_dir,
+                "must not be empty",
+            ));
+        }
+        self.parsed_initial_members()?;
+        let three_beats = self.heartbeat_interval_ms.saturating_mul(3);
+        let (election_low, election_why) = if three_beats > 50 {
+            (
+                three_beats,
+                " (at least 3 * metadata.heartbeat_interval_ms)",
+            )
+        } else {
+            (50, "")
+        };
+        let m = self;
+        #[rustfmt::skip]
+        let bounds = [
+            ("metadata.node_id", m.node_id, 1, 1_000_000, ""),
+            ("metadata.heartbeat_interval_ms", m.heartbeat_interval_ms, 10, 10_000, ""),
+            ("metadata.election_timeout_min_ms", m.election_timeout_min_ms, election_low, 60_000, election_why),
+            ("metadata.election_timeout_max_ms", m.election_timeout_max_ms, m.election_timeout_min_ms.saturating_add(1), 120_000,
+                " (greater than metadata.election_timeout_min_ms)"),
+            ("metadata.snapshot_every_entries", m.snapshot_every_entries, 100, 10_000_000, ""),
+            ("metadata.log_entries_kept_after_snapshot", m.log_entries_kept_after_snapshot, 0, 10_000_000, ""),
+            ("metadata.key_bytes_max", m.key_bytes_max, 1, 65_536, ""),
+            ("metadata.value_bytes_max", m.value_bytes_max, 1, 16_777_216, ""),
+            ("metadata.txn_ops_max", m.txn_ops_max, 1, 10_000, ""),
+            ("metadata.session_ttl_ms_min", m.session_ttl_ms_min, 100, 3_600_000, ""),
+            ("metadata.session_ttl_ms_max", m.session_ttl_ms_max, m.session_ttl_ms_min, 3_600_000,
+                " (at least metadata.session_ttl_ms_min)"),
+            ("metadata.watch_history_events", m.watch_history_events, 1_000, 100_000_000, ""),
+            ("metadata.list_limit_max", m.list_limit_max, 1, 1_000_000, ""),
+        ];
+        ranges(&bounds)
+    }
+}
+
+impl ClientConfig {
+    /// Checks the `[client]` section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.endpoints.is_empty() {
+            return Err(invalid(
+                "client.endpoints",
+                &self.endpoints,
+                "needs at least one HOST:PORT",
+            ));
+        }
+        for endpoint in &self.endpoints {
+            host_port(endpoint).map_err(|reason| invalid("client.endpoints", endpoint, reason))?;
+        }
+        let c = self;
+        #[rustfmt::skip]
+        let bounds = [
+            ("client.request_timeout_ms", c.request_timeout_ms, 10, 600_000, ""),
+            ("client.connect_timeout_ms", c.connect_timeout_ms, 10, 60_000, ""),
+            ("client.retry_backoff_initial_ms", c.retry_backoff_initial_ms, 1, 10_000, ""),
+            ("client.retry_backoff_max_ms", c.retry_backoff_max_ms, c.retry_backoff_initial_ms, 60_000,
+                " (at least client.retry_backoff_initial_ms)"),
+        ];
+        ranges(&bounds)
+    }
+}
+
+/// Parses `ID=IP:PORT` member entries (as in `metadata.initial_members`)
+/// into `(id, address)` pairs, in order. Ids must be in 1..=1000000 and
+/// unique; addresses must be socket addresses.
+pub fn parse_members(list: &[String]) -> Result<Vec<(u64, String)>, ConfigError> {
+    const KEY: &str = "metadata.initial_members";
+    let mut members: Vec<(u64, String)> = Vec::with_capacity(list.len());
+    for entry in list {
+        let Some((id, addr)) = entry.split_once('=') else {
+            return Err(invalid(
+                KEY,
+                entry,
+                "expected ID=HOST:PORT, e.g. 1=127.0.0.1:7101",
+            ));
+        };
+        let id = match id.trim().parse::<u64>() {
+            Ok(id @ 1..=1_000_000) => id,
+            _ => {
+                return Err(invalid(
+                    KEY,
+                    entry,
+                    "the id must be an integer in 1..=1000000",
+                ))
+            }
+        };
+        let addr = addr.trim();
+        if addr.parse::<SocketAddr>().is_err() {
+            return Err(invalid(
+                KEY,
+                entry,
+                "the address must be IP:PORT, e.g. 127.0.0.1:7101",
+            ));
+        }
+        if members.iter().any(|(seen, _)| *seen == id) {
+            return Err(invalid(
+                KEY,
+                entry,
+                &format!("id {id} appears more than once"),
+            ));
+        }
+        members.push((id, addr.to_string()));
+    }
+    Ok(members)
+}
+
+fn invalid(key: &str, value: &(impl fmt::Debug + ?Sized), reason: &str) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.to_string(),
+        value: format!("{value:?}"),
+        reason: reason.to_string(),
+    }
+}
+
+/// `(key, value, low, high, why)`: `value` must be in `low..=high`; `why`
+/// explains a bound derived from another key.
+type Bound = (&'static str, u64, u64, u64, &'static str);
+
+/// Checks each bound in order; returns the first violation.
+fn ranges(bounds: &[Bound]) -> Result<(), ConfigError> {
+    for &(key, value, low, high, why) in bounds {
+        if !(low..=high).contains(&value) {
+            return Err(ConfigError::OutOfRange {
+                key: key.to_string(),
+                value: value.to_string(),
+                accepted: format!("{low}..={high}{why}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn socket_addr(key: &str, value: &str) -> Result<(), ConfigError> {
+    match value.parse::<SocketAddr>() {
+        Ok(_) => Ok(()),
+        Err(_) => Err(invalid(key, value, "expected IP:PORT, e.g. 127.0.0.1:7101")),
+    }
+}
+
+/// Checks `HOST:PORT` where HOST may be a name; returns why not.
+fn host_port(value: &str) -> Result<(), &'static str> {
+    let Some((host, port)) = value.rsplit_once(':') else {
+        return Err("expected HOST:PORT, e.g. localhost:7101");
+    };
+    if host.is_empty() || host.contains(char::is_whitespace) {
+        return Err("the host must be a non-empty name or IP without spaces");
+    }
+    match port.parse::<u16>() {
+        Ok(1..) => Ok(()),
+        _ => Err("the port must be an integer in 1..=65535"),
+    }
+}
+
+/// Parses TOML text, reporting errors on one line with line and column.
+fn parse_toml(text: &str, origin: &str) -> Result<Table, ConfigError> {
+    text.parse::<Table>().map_err(|e| {
+        let at = match e.span() {
+            Some(span) => {
+                let before = &text[..span.start.min(text.len())];
+                let line = before.matches('\n').count() + 1;
+                let column = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+                format!("line {line}, column {column}: ")
+            }
+            None => String::new(),
+        };
+        ConfigError::Parse {
+            origin: origin.to_string(),
+            message: format!("{at}{}", e.message().trim().replace('\n', " ")),
+        }
+    })
+}
+
+fn known_names(table: &Table) -> Vec<String> {
+    table.keys().cloned().collect()
+}
+
+/// The defaults of `section`, or an error naming the known sections.
+fn section<'t>(defaults: &'t Table, name: &str, origin: &str) -> Result<&'t Table, ConfigError> {
+    match defaults.get(name) {
+        Some(Value::Table(known)) => Ok(known),
+        _ => Err(ConfigError::UnknownKey {
+            path: name.to_string(),
+            origin: origin.to_string(),
+            known: known_names(defaults),
+        }),
+    }
+}
+
+/// The default value at `section.key`, or an error naming the known keys.
+fn default_of<'t>(
+    known: &'t Table,
+    path: &str,
+    key: &str,
+    origin: &str,
+) -> Result<&'t Value, ConfigError> {
+    known.get(key).ok_or_else(|| ConfigError::UnknownKey {
+        path: path.to_string(),
+        origin: origin.to_string(),
+        known: known_names(known),
+    })
+}
+
+fn set(merged: &mut Table, section: &str, key: &str, value: Value) {
+    if let Some(Value::Table(table)) = merged.get_mut(section) {
+        table.insert(key.to_string(), value);
+    }
+}
+
+/// Merges the file's table into `merged`, checking each key exists and has
+/// the default's type.
+fn merge_file(
+    merged: &mut Table,
+    defaults: &Table,
+    file: &Table,
+    origin: &str,
+) -> Result<(), ConfigError> {
+    for (name, value) in file {
+        let known = section(defaults, name, origin)?;
+        let Value::Table(entries) = value else {
+            return Err(ConfigError::Parse {
+                origin: origin.to_string(),
+                message: format!(
+                    "{name}: expected a table [{name}], got {} {value}",
+                    kind(value)
+                ),
+            });
+        };
+        for (key, value) in entries {
+            let path = format!("{name}.{key}");
+            let default = default_of(known, &path, key, origin)?;
+            check_type(&path, default, value).map_err(|message| ConfigError::Parse {
+                origin: origin.to_string(),
+                message,
+            })?;
+            set(merged, name, key, value.clone());
+        }
+    }
+    Ok(())
+}
+
+/// Applies `MERIDIAN_<SECTION>_<KEY>` variables. Variables of a known section
+/// must name a known key; other `MERIDIAN_*` variables are ignored.
+fn apply_env(
+    merged: &mut Table,
+    defaults: &Table,
+    env: &[(String, String)],
+) -> Result<(), ConfigError> {
+    for (name, raw) in env {
+        let Some(rest) = name.strip_prefix(ENV_PREFIX) else {
+            continue;
+        };
+        for (section, known) in defaults {
+            let Value::Table(known) = known else { continue };
+            let Some(key) = rest
+                .strip_prefix(section.to_uppercase().as_str())
+                .and_then(|r| r.strip_prefix('_'))
+            else {
+                continue;
+            };
+            let key = key.to_lowercase();
+            let path = format!("{section}.{key}");
+            let default = default_of(known, &path, &key, &format!("environment variable {name}"))?;
+            set(merged, section, &key, convert(name, default, raw)?);
+        }
+    }
+    Ok(())
+}
+
+/// Applies `(dotted.key, value)` overrides from command-line flags.
+fn apply_overrides(
+    merged: &mut Table,
+    defaults: &Table,
+    overrides: &[(String, String)],
+) -> Result<(), ConfigError> {
+    for (path, raw) in overrides {
+        let Some((name, key)) = path.split_once('.') else {
+            let known = section(defaults, path, OVERRIDES_ORIGIN)?;
+            return Err(ConfigError::UnknownKey {
+                path: format!("{path}."),
+                origin: OVERRIDES_ORIGIN.to_string(),
+                known: known_names(known),
+            });
+        };
+        let known = section(defaults, name, OVERRIDES_ORIGIN)?;
+        let default = default_of(known, path, key, OVERRIDES_ORIGIN)?;
+        let value = convert(&format!("command-line override {path}"), default, raw)?;
+        set(merged, name, key, value);
+    }
+    Ok(())
+}
+
+/// Converts a string from the environment or a flag to the type of `default`.
+/// Arrays are comma-separated; an empty string is an empty array.
+fn convert(origin: &str, default: &Value, raw: &str) -> Result<Value, ConfigError> {
+    let fail = |expected: &str| ConfigError::Parse {
+        origin: origin.to_string(),
+        message: format!("expected {expected}, got {raw:?}"),
+    };
+    match default {
+        Value::Integer(_) => match raw.trim().parse::<i64>() {
+            Ok(n) if n >= 0 => Ok(Value::Integer(n)),
+            Ok(_) => Err(fail("a non-negative integer")),
+            Err(_) => Err(fail("an integer")),
+        },
+        Value::Boolean(_) => match raw.trim().to_ascii_lowercase().as_str() {
+            "true" | "1" => Ok(Value::Boolean(true)),
+            "false" | "0" => Ok(Value::Boolean(false)),
+            _ => Err(fail("true, false, 1 or 0")),
+        },
+        Value::Array(_) => Ok(Value::Array(
+            raw.split(',')
+                .map(str::trim)
+                .filter(|item| !item.is_empty())
+                .map(|item| Value::String(item.to_string()))
+                .collect(),
+        )),
+        _ => Ok(Value::String(raw.to_string())),
+    }
+}
+
+/// Checks a file value has the type of its default; returns the message.
+fn check_type(path: &str, default: &Value, value: &Value) -> Result<(), String> {
+    let matches = match (default, value) {
+        (Value::Integer(_), Value::Integer(n)) if *n < 0 => {
+            return Err(format!("{path}: expected a non-negative integer, got {n}"));
+        }
+        (Value::Array(_), Value::Array(items)) => items.iter().all(Value::is_str),
+        (Value::Integer(_), Value::Integer(_))
+        | (Value::Boolean(_), Value::Boolean(_))
+        | (Value::String(_), Value::String(_)) => true,
+        _ => false,
+    };
+    if matches {
+        return Ok(());
+    }
+    let expected = match default {
+        Value::Array(_) => "an array of strings",
+        other => kind(other),
+    };
+    Err(format!(
+        "{path}: expected {expected}, got {} {value}",
+        kind(value)
+    ))
+}
+
+fn kind(value: &Value) -> &'static str {
+    match value {
+        Value::String(_) => "a string",
+        Value::Integer(_) => "an integer",
+        Value::Float(_) => "a float",
+        Value::Boolean(_) => "a boolean",
+        Value::Datetime(_) => "a date-time",
+        Value::Array(_) => "an array",
+        Value::Table(_) => "a table",
+    }
+}

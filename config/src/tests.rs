@@ -1,0 +1,506 @@
+//! Data-driven tests: each case layers a file, environment variables and
+//! overrides, and `check` renders either the keys that differ from the
+//! defaults or the error message, one case after another.
+
+use std::fmt::Write as _;
+
+use expect_test::{expect, Expect};
+
+use super::*;
+
+/// One load: an optional file body, environment variables and overrides.
+#[derive(Default)]
+struct Case {
+    file: Option<&'static str>,
+    env: Vec<(&'static str, &'static str)>,
+    set: Vec<(&'static str, &'static str)>,
+}
+
+fn file(body: &'static str) -> Case {
+    Case::default().file(body)
+}
+
+fn env(name: &'static str, value: &'static str) -> Case {
+    Case::default().env(name, value)
+}
+
+fn set(path: &'static str, value: &'static str) -> Case {
+    Case::default().set(path, value)
+}
+
+impl Case {
+    fn file(mut self, body: &'static str) -> Case {
+        self.file = Some(body);
+        self
+    }
+
+    fn env(mut self, name: &'static str, value: &'static str) -> Case {
+        self.env.push((name, value));
+        self
+    }
+
+    fn set(mut self, path: &'static str, value: &'static str) -> Case {
+        self.set.push((path, value));
+        self
+    }
+
+    fn label(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(body) = self.file {
+            parts.push(format!("file {:?}", body.trim()));
+        }
+        parts.extend(self.env.iter().map(|(k, v)| format!("env {k}={v}")));
+        parts.extend(self.set.iter().map(|(k, v)| format!("set {k}={v}")));
+        if parts.is_empty() {
+            "(nothing)".to_string()
+        } else {
+            parts.join(" ")
+        }
+    }
+
+    /// Loads the case; the file path in messages is replaced by `$FILE`.
+    fn run(&self) -> Result<Config, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("meridian.toml");
+        if let Some(body) = self.file {
+            std::fs::write(&path, body).unwrap();
+        }
+        let owned = |pairs: &[(&str, &str)]| -> Vec<(String, String)> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        let sources = Sources {
+            file: self.file.map(|_| path.as_path()),
+            env: owned(&self.env),
+            overrides: owned(&self.set),
+        };
+        Config::load(&sources)
+            .map_err(|e| e.to_string().replace(&path.display().to_string(), "$FILE"))
+    }
+}
+
+/// Dotted keys whose value differs from the default, as `key = value`.
+fn changes(config: &Config) -> Vec<String> {
+    let flatten = |config: &Config| -> Vec<(String, Value)> {
+        let mut out = Vec::new();
+        for (section, table) in Table::try_from(config).unwrap() {
+            if let Value::Table(table) = table {
+                out.extend(
+                    table
+                        .into_iter()
+                        .map(|(k, v)| (format!("{section}.{k}"), v)),
+                );
+            }
+        }
+        out
+    };
+    let defaults = flatten(&Config::default());
+    flatten(config)
+        .into_iter()
+        .zip(defaults)
+        .filter(|(now, default)| now != default)
+        .map(|((key, value), _)| format!("{key} = {value}"))
+        .collect()
+}
+
+fn check(cases: impl IntoIterator<Item = Case>, expect: Expect) {
+    let mut out = String::new();
+    for case in cases {
+        let result = match case.run() {
+            Ok(config) if changes(&config).is_empty() => "ok: defaults".to_string(),
+            Ok(config) => format!("ok: {}", changes(&config).join(", ")),
+            Err(message) => format!("error: {message}"),
+        };
+        writeln!(out, "{}\n  {result}", case.label()).unwrap();
+    }
+    expect.assert_eq(&out);
+}
+
+#[test]
+fn defaults_validate_and_need_no_source() {
+    Config::default().validate().unwrap();
+    check(
+        [
+            Case::default(),
+            file(""),
+            env("MERIDIAN_ROOT", "/x").env("MERIDIAN_TOKEN", "t"),
+        ],
+        expect![[r#"
+            (nothing)
+              ok: defaults
+            file ""
+              ok: defaults
+            env MERIDIAN_ROOT=/x env MERIDIAN_TOKEN=t
+              ok: defaults
+        "#]],
+    );
+}
+
+#[test]
+fn layers_override_in_order() {
+    check(
+        [
+            file("[metadata]\nnode_id = 2\nfsync = false\n[log]\nlevel = \"debug\""),
+            file("[metadata]\nnode_id = 2").env("MERIDIAN_METADATA_NODE_ID", "3"),
+            file("[metadata]\nnode_id = 2")
+                .env("MERIDIAN_METADATA_NODE_ID", "3")
+                .set("metadata.node_id", "4"),
+            env("MERIDIAN_LOG_JSON", "1").set("log.json", "false"),
+            set("metadata.node_id", "5").set("metadata.node_id", "6"),
+            env("MERIDIAN_METADATA_ADVERTISE", "10.0.0.1:7101")
+                .env("MERIDIAN_ADMIN_URL", "http://x"),
+        ],
+        expect![[r#"
+            file "[metadata]\nnode_id = 2\nfsync = false\n[log]\nlevel = \"debug\""
+              ok: log.level = "debug", metadata.fsync = false, metadata.node_id = 2
+            file "[metadata]\nnode_id = 2" env MERIDIAN_METADATA_NODE_ID=3
+              ok: metadata.node_id = 3
+            file "[metadata]\nnode_id = 2" env MERIDIAN_METADATA_NODE_ID=3 set metadata.node_id=4
+              ok: metadata.node_id = 4
+            env MERIDIAN_LOG_JSON=1 set log.json=false
+              ok: defaults
+            set metadata.node_id=5 set metadata.node_id=6
+              ok: metadata.node_id = 6
+            env MERIDIAN_METADATA_ADVERTISE=10.0.0.1:7101 env MERIDIAN_ADMIN_URL=http://x
+              ok: metadata.advertise = "10.0.0.1:7101"
+        "#]],
+    );
+}
+
+#[test]
+fn unknown_keys_are_rejected_with_their_path() {
+    check(
+        [
+            file("[metadata]\nnod_id = 3"),
+            file("[metdata]\nnode_id = 3"),
+            file("node_id = 3"),
+            env("MERIDIAN_METADATA_NOD_ID", "3"),
+            env("MERIDIAN_CLIENT_ENDPOINT", "a:1"),
+            set("metadata.nod_id", "3"),
+            set("metdata.node_id", "3"),
+            set("log", "debug"),
+        ],
+        expect![[r#"
+            file "[metadata]\nnod_id = 3"
+              error: unknown key metadata.nod_id in $FILE; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_history_events
+            file "[metdata]\nnode_id = 3"
+              error: unknown top-level key metdata in $FILE; known sections: client, log, metadata
+            file "node_id = 3"
+              error: unknown top-level key node_id in $FILE; known sections: client, log, metadata
+            env MERIDIAN_METADATA_NOD_ID=3
+              error: unknown key metadata.nod_id in environment variable MERIDIAN_METADATA_NOD_ID; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_history_events
+            env MERIDIAN_CLIENT_ENDPOINT=a:1
+              error: unknown key client.endpoint in environment variable MERIDIAN_CLIENT_ENDPOINT; known keys in [client]: connect_timeout_ms, endpoints, request_timeout_ms, retry_backoff_initial_ms, retry_backoff_max_ms
+            set metadata.nod_id=3
+              error: unknown key metadata.nod_id in command-line flags; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_history_events
+            set metdata.node_id=3
+              error: unknown top-level key metdata in command-line flags; known sections: client, log, metadata
+            set log=debug
+              error: unknown key log. in command-line flags; known keys in [log]: json, level
+        "#]],
+    );
+}
+
+#[test]
+fn out_of_range_values_name_the_accepted_range() {
+    check(
+        [
+            set("metadata.node_id", "0"),
+            set("metadata.heartbeat_interval_ms", "5"),
+            set("metadata.snapshot_every_entries", "99"),
+            set("metadata.log_entries_kept_after_snapshot", "10000001"),
+            set("metadata.key_bytes_max", "0"),
+            set("metadata.value_bytes_max", "16777217"),
+            set("metadata.txn_ops_max", "10001"),
+            set("metadata.session_ttl_ms_min", "99"),
+            set("metadata.session_ttl_ms_max", "999"),
+            set("metadata.watch_history_events", "999"),
+            set("metadata.list_limit_max", "0"),
+            set("client.request_timeout_ms", "600001"),
+            set("client.connect_timeout_ms", "9"),
+            set("client.retry_backoff_initial_ms", "0"),
+            set("client.retry_backoff_max_ms", "19"),
+        ],
+        expect![[r#"
+            set metadata.node_id=0
+              error: metadata.node_id = 0 is out of range; accepted 1..=1000000
+            set metadata.heartbeat_interval_ms=5
+              error: metadata.heartbeat_interval_ms = 5 is out of range; accepted 10..=10000
+            set metadata.snapshot_every_entries=99
+              error: metadata.snapshot_every_entries = 99 is out of range; accepted 100..=10000000
+            set metadata.log_entries_kept_after_snapshot=10000001
+              error: metadata.log_entries_kept_after_snapshot = 10000001 is out of range; accepted 0..=10000000
+            set metadata.key_bytes_max=0
+              error: metadata.key_bytes_max = 0 is out of range; accepted 1..=65536
+            set metadata.value_bytes_max=16777217
+              error: metadata.value_bytes_max = 16777217 is out of range; accepted 1..=16777216
+            set metadata.txn_ops_max=10001
+              error: metadata.txn_ops_max = 10001 is out of range; accepted 1..=10000
+            set metadata.session_ttl_ms_min=99
+              error: metadata.session_ttl_ms_min = 99 is out of range; accepted 100..=3600000
+            set metadata.session_ttl_ms_max=999
+              error: metadata.session_ttl_ms_max = 999 is out of range; accepted 1000..=3600000 (at least metadata.session_ttl_ms_min)
+            set metadata.watch_history_events=999
+              error: metadata.watch_history_events = 999 is out of range; accepted 1000..=100000000
+            set metadata.list_limit_max=0
+              error: metadata.list_limit_max = 0 is out of range; accepted 1..=1000000
+            set client.request_timeout_ms=600001
+              error: client.request_timeout_ms = 600001 is out of range; accepted 10..=600000
+            set client.connect_timeout_ms=9
+              error: client.connect_timeout_ms = 9 is out of range; accepted 10..=60000
+            set client.retry_backoff_initial_ms=0
+              error: client.retry_backoff_initial_ms = 0 is out of range; accepted 1..=10000
+            set client.retry_backoff_max_ms=19
+              error: client.retry_backoff_max_ms = 19 is out of range; accepted 20..=60000 (at least client.retry_backoff_initial_ms)
+        "#]],
+    );
+}
+
+#[test]
+fn election_timeouts_follow_the_heartbeat() {
+    check(
+        [
+            set("metadata.election_timeout_min_ms", "299"),
+            set("metadata.election_timeout_min_ms", "300"),
+            set("metadata.heartbeat_interval_ms", "10")
+                .set("metadata.election_timeout_min_ms", "49"),
+            set("metadata.heartbeat_interval_ms", "10")
+                .set("metadata.election_timeout_min_ms", "50"),
+            set("metadata.election_timeout_max_ms", "400"),
+            set("metadata.election_timeout_max_ms", "120001"),
+            set("metadata.election_timeout_min_ms", "60001"),
+            set("metadata.heartbeat_interval_ms", "1000"),
+        ],
+        expect![[r#"
+            set metadata.election_timeout_min_ms=299
+              error: metadata.election_timeout_min_ms = 299 is out of range; accepted 300..=60000 (at least 3 * metadata.heartbeat_interval_ms)
+            set metadata.election_timeout_min_ms=300
+              ok: metadata.election_timeout_min_ms = 300
+            set metadata.heartbeat_interval_ms=10 set metadata.election_timeout_min_ms=49
+              error: metadata.election_timeout_min_ms = 49 is out of range; accepted 50..=60000
+            set metadata.heartbeat_interval_ms=10 set metadata.election_timeout_min_ms=50
+              ok: metadata.election_timeout_min_ms = 50, metadata.heartbeat_interval_ms = 10
+            set metadata.election_timeout_max_ms=400
+              error: metadata.election_timeout_max_ms = 400 is out of range; accepted 401..=120000 (greater than metadata.election_timeout_min_ms)
+            set metadata.election_timeout_max_ms=120001
+              error: metadata.election_timeout_max_ms = 120001 is out of range; accepted 401..=120000 (greater than metadata.election_timeout_min_ms)
+            set metadata.election_timeout_min_ms=60001
+              error: metadata.election_timeout_min_ms = 60001 is out of range; accepted 300..=60000 (at least 3 * metadata.heartbeat_interval_ms)
+            set metadata.heartbeat_interval_ms=1000
+              error: metadata.election_timeout_min_ms = 400 is out of range; accepted 3000..=60000 (at least 3 * metadata.heartbeat_interval_ms)
+        "#]],
+    );
+}
+
+#[test]
+fn type_mismatches_name_the_key() {
+    check(
+        [
+            file("[metadata]\nnode_id = \"three\""),
+            file("[metadata]\nnode_id = -1"),
+            file("[metadata]\nfsync = 1"),
+            file("[metadata]\ninitial_members = [1, 2]"),
+            file("[client]\nendpoints = \"a:1\""),
+            file("metadata = 3"),
+            file("[metadata\nnode_id = 3"),
+            env("MERIDIAN_METADATA_NODE_ID", "x"),
+            env("MERIDIAN_METADATA_NODE_ID", "-1"),
+            env("MERIDIAN_METADATA_FSYNC", "maybe"),
+            set("client.request_timeout_ms", "5s"),
+        ],
+        expect![[r#"
+            file "[metadata]\nnode_id = \"three\""
+              error: $FILE: metadata.node_id: expected an integer, got a string "three"
+            file "[metadata]\nnode_id = -1"
+              error: $FILE: metadata.node_id: expected a non-negative integer, got -1
+            file "[metadata]\nfsync = 1"
+              error: $FILE: metadata.fsync: expected a boolean, got an integer 1
+            file "[metadata]\ninitial_members = [1, 2]"
+              error: $FILE: metadata.initial_members: expected an array of strings, got an array [1, 2]
+            file "[client]\nendpoints = \"a:1\""
+              error: $FILE: client.endpoints: expected an array of strings, got a string "a:1"
+            file "metadata = 3"
+              error: $FILE: metadata: expected a table [metadata], got an integer 3
+            file "[metadata\nnode_id = 3"
+              error: $FILE: line 1, column 10: unclosed table, expected `]`
+            env MERIDIAN_METADATA_NODE_ID=x
+              error: MERIDIAN_METADATA_NODE_ID: expected an integer, got "x"
+            env MERIDIAN_METADATA_NODE_ID=-1
+              error: MERIDIAN_METADATA_NODE_ID: expected a non-negative integer, got "-1"
+            env MERIDIAN_METADATA_FSYNC=maybe
+              error: MERIDIAN_METADATA_FSYNC: expected true, false, 1 or 0, got "maybe"
+            set client.request_timeout_ms=5s
+              error: command-line override client.request_timeout_ms: expected an integer, got "5s"
+        "#]],
+    );
+}
+
+#[test]
+fn lists_and_addresses() {
+    check(
+        [
+            env(
+                "MERIDIAN_CLIENT_ENDPOINTS",
+                "meta-1:7101, meta-2:7101,[::1]:7101",
+            ),
+            env("MERIDIAN_CLIENT_ENDPOINTS", ""),
+            env("MERIDIAN_CLIENT_ENDPOINTS", "meta-1"),
+            env("MERIDIAN_CLIENT_ENDPOINTS", "meta-1:http"),
+            env(
+                "MERIDIAN_METADATA_INITIAL_MEMBERS",
+                "1=127.0.0.1:7101,2=127.0.0.1:7102",
+            ),
+            env(
+                "MERIDIAN_METADATA_INITIAL_MEMBERS",
+                "1=127.0.0.1:7101,1=127.0.0.1:7102",
+            ),
+            env("MERIDIAN_METADATA_INITIAL_MEMBERS", "1=localhost:7101"),
+            env("MERIDIAN_METADATA_INITIAL_MEMBERS", "127.0.0.1:7101"),
+            env("MERIDIAN_METADATA_INITIAL_MEMBERS", "0=127.0.0.1:7101"),
+            set("metadata.listen", "localhost:7101"),
+            set("metadata.advertise", "10.0.0.1"),
+            set("metadata.data_dir", ""),
+            set("log.level", " "),
+        ],
+        expect![[r#"
+            env MERIDIAN_CLIENT_ENDPOINTS=meta-1:7101, meta-2:7101,[::1]:7101
+              ok: client.endpoints = ["meta-1:7101", "meta-2:7101", "[::1]:7101"]
+            env MERIDIAN_CLIENT_ENDPOINTS=
+              error: client.endpoints = [] is invalid: needs at least one HOST:PORT
+            env MERIDIAN_CLIENT_ENDPOINTS=meta-1
+              error: client.endpoints = "meta-1" is invalid: expected HOST:PORT, e.g. localhost:7101
+            env MERIDIAN_CLIENT_ENDPOINTS=meta-1:http
+              error: client.endpoints = "meta-1:http" is invalid: the port must be an integer in 1..=65535
+            env MERIDIAN_METADATA_INITIAL_MEMBERS=1=127.0.0.1:7101,2=127.0.0.1:7102
+              ok: metadata.initial_members = ["1=127.0.0.1:7101", "2=127.0.0.1:7102"]
+            env MERIDIAN_METADATA_INITIAL_MEMBERS=1=127.0.0.1:7101,1=127.0.0.1:7102
+              error: metadata.initial_members = "1=127.0.0.1:7102" is invalid: id 1 appears more than once
+            env MERIDIAN_METADATA_INITIAL_MEMBERS=1=localhost:7101
+              error: metadata.initial_members = "1=localhost:7101" is invalid: the address must be IP:PORT, e.g. 127.0.0.1:7101
+            env MERIDIAN_METADATA_INITIAL_MEMBERS=127.0.0.1:7101
+              error: metadata.initial_members = "127.0.0.1:7101" is invalid: expected ID=HOST:PORT, e.g. 1=127.0.0.1:7101
+            env MERIDIAN_METADATA_INITIAL_MEMBERS=0=127.0.0.1:7101
+              error: metadata.initial_members = "0=127.0.0.1:7101" is invalid: the id must be an integer in 1..=1000000
+            set metadata.listen=localhost:7101
+              error: metadata.listen = "localhost:7101" is invalid: expected IP:PORT, e.g. 127.0.0.1:7101
+            set metadata.advertise=10.0.0.1
+              error: metadata.advertise = "10.0.0.1" is invalid: expected IP:PORT, e.g. 127.0.0.1:7101
+            set metadata.data_dir=
+              error: metadata.data_dir = "" is invalid: must not be empty
+            set log.level= 
+              error: log.level = " " is invalid: expected a level such as info or a filter directive
+        "#]],
+    );
+}
+
+#[test]
+fn member_helpers() {
+    let members = vec![
+        "2=127.0.0.1:7102".to_string(),
+        "1= 127.0.0.1:7101".to_string(),
+    ];
+    assert_eq!(
+        parse_members(&members).unwrap(),
+        vec![
+            (2, "127.0.0.1:7102".to_string()),
+            (1, "127.0.0.1:7101".to_string())
+        ]
+    );
+    let mut metadata = MetadataConfig {
+        initial_members: members,
+        ..MetadataConfig::default()
+    };
+    assert_eq!(metadata.parsed_initial_members().unwrap().len(), 2);
+    assert_eq!(metadata.advertise_addr(), "127.0.0.1:7101");
+    metadata.advertise = "10.0.0.1:7101".to_string();
+    assert_eq!(metadata.advertise_addr(), "10.0.0.1:7101");
+}
+
+#[test]
+fn missing_file_is_an_io_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("absent.toml");
+    let sources = Sources {
+        file: Some(&path),
+        ..Sources::default()
+    };
+    let message = Config::load(&sources).unwrap_err().to_string();
+    expect![[r#"cannot read config file $FILE: No such file or directory (os error 2)"#]]
+        .assert_eq(&message.replace(&path.display().to_string(), "$FILE"));
+}
+
+#[test]
+fn roles_parse_and_name_their_sections() {
+    for role in Role::ALL {
+        assert_eq!(role.to_string().parse::<Role>().unwrap(), role);
+    }
+    expect![[r#"role = "broker" is invalid: expected one of metadata, meta, standalone"#]]
+        .assert_eq(&"broker".parse::<Role>().unwrap_err().to_string());
+    assert_eq!(Role::Meta.sections(), ["log", "client"]);
+}
+
+#[test]
+fn toml_for_a_role_round_trips() {
+    let config = Config::default();
+    expect![[r#"
+        # Meridian configuration of role `metadata`.
+
+        [log]
+        level = "info"
+        json = false
+
+        [metadata]
+        node_id = 1
+        listen = "127.0.0.1:7101"
+        advertise = ""
+        data_dir = "data/metadata"
+        initial_members = []
+        heartbeat_interval_ms = 100
+        election_timeout_min_ms = 400
+        election_timeout_max_ms = 800
+        snapshot_every_entries = 10000
+        log_entries_kept_after_snapshot = 1000
+        key_bytes_max = 1024
+        value_bytes_max = 1048576
+        txn_ops_max = 128
+        session_ttl_ms_min = 1000
+        session_ttl_ms_max = 300000
+        watch_history_events = 100000
+        list_limit_max = 10000
+        fsync = true
+    "#]]
+    .assert_eq(&config.to_toml_for(Role::Metadata));
+
+    let mut changed = config.clone();
+    changed.metadata.node_id = 7;
+    changed.metadata.initial_members = vec!["7=10.0.0.7:7101".to_string()];
+    changed.client.endpoints = vec!["meta:7101".to_string()];
+    for role in Role::ALL {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("role.toml");
+        std::fs::write(&path, changed.to_toml_for(role)).unwrap();
+        let loaded = Config::load(&Sources {
+            file: Some(&path),
+            ..Sources::default()
+        })
+        .unwrap();
+        assert_eq!(
+            loaded.metadata,
+            if role == Role::Meta {
+                config.metadata.clone()
+            } else {
+                changed.metadata.clone()
+            }
+        );
+        assert_eq!(
+            loaded.client,
+            if role == Role::Meta {
+                changed.client.clone()
+            } else {
+                config.client.clone()
+            }
+        );
+    }
+}

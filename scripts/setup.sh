@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one set-up script. Both README commands (`scripts/meridian` and `scripts/test`) source it.
+#
+# It installs what the build needs on a fresh Debian machine of this kind, and exports the
+# environment the build uses. It is idempotent and quiet when everything is already present.
+#
+#   clang, libclang-dev   bindgen inside librocksdb-sys generates RocksDB's C bindings
+#   librocksdb-dev        RocksDB 7.8 from Debian, linked dynamically (see ARCHITECTURE.md, "RocksDB")
+#   protobuf-compiler     protoc, for tonic/prost code generation
+set -euo pipefail
+
+meridian_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+missing=()
+command -v clang >/dev/null 2>&1 || missing+=(clang)
+command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+for pkg in libclang-dev librocksdb-dev libsnappy-dev; do
+  dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "setup: installing ${missing[*]}" >&2
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -qq >&2
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  [ -f "$HOME/.cargo/env" ] && . "$HOME/.cargo/env"
+fi
+
+multiarch="$(gcc -print-multiarch 2>/dev/null || echo x86_64-linux-gnu)"
+export ROCKSDB_LIB_DIR="${ROCKSDB_LIB_DIR:-/usr/lib/$multiarch}"
+export SNAPPY_LIB_DIR="${SNAPPY_LIB_DIR:-/usr/lib/$multiarch}"
+# A build directory outside the clone, so CI runs and later sessions on this machine are incremental.
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/meridian/target}"
+export MERIDIAN_ROOT="$meridian_root"
