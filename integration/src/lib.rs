@@ -1,1 +1,249 @@
-//! placeholder
+//! Process-level test harness: real `meridian` processes on loopback addresses, started and
+//! stopped by PID (SIGTERM, or SIGKILL for crash tests). Each node's output goes to a log file
+//! in the test's temporary directory; a failing test prints where.
+//!
+//! Used by the tests in `integration/tests/`; it has no product code.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use meridian_metadata::MetadataClient;
+
+/// The `meridian` binary: `$MERIDIAN_BIN`, else the one cargo built next to this test.
+pub fn meridian_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("MERIDIAN_BIN") {
+        return PathBuf::from(p);
+    }
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> -> target/<profile>/meridian
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("test binary lives in target/<profile>/deps");
+    let bin = profile_dir.join("meridian");
+    assert!(
+        bin.exists(),
+        "{} not found: run `cargo build --bin meridian` first (scripts/test does)",
+        bin.display()
+    );
+    bin
+}
+
+/// A loopback port that was free a moment ago.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("bind 127.0.0.1:0")
+}
+
+/// Prints a step of a test, so a failure reads like a story.
+pub fn step(msg: impl AsRef<str>) {
+    eprintln!("[step] {}", msg.as_ref());
+}
+
+/// One `meridian metadata` process.
+pub struct MetaNode {
+    pub id: u64,
+    pub addr: String,
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    initial_members: Option<String>,
+    extra_args: Vec<String>,
+    child: Option<Child>,
+}
+
+impl MetaNode {
+    pub fn new(id: u64, root: &Path, initial_members: Option<String>) -> Self {
+        let addr = format!("127.0.0.1:{}", free_port());
+        Self {
+            id,
+            addr,
+            data_dir: root.join(format!("node{id}")),
+            log: root.join(format!("node{id}.log")),
+            initial_members,
+            extra_args: Vec::new(),
+            child: None,
+        }
+    }
+
+    pub fn set_initial_members(&mut self, members: String) {
+        self.initial_members = Some(members);
+    }
+
+    /// Extra `MERIDIAN_*` settings or flags for every start.
+    pub fn with_args(mut self, args: &[&str]) -> Self {
+        self.extra_args = args.iter().map(|s| s.to_string()).collect();
+        self
+    }
+
+    pub fn start(&mut self) -> anyhow::Result<()> {
+        assert!(self.child.is_none(), "node {} already running", self.id);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let mut cmd = Command::new(meridian_bin());
+        cmd.arg("metadata")
+            .args(["--node-id", &self.id.to_string()])
+            .args(["--listen", &self.addr])
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .args(&self.extra_args)
+            .env("RUST_LOG", "info,openraft=warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        if let Some(m) = &self.initial_members {
+            cmd.args(["--initial-members", m]);
+        }
+        self.child = Some(cmd.spawn().context("spawning meridian metadata")?);
+        Ok(())
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    fn signal(&mut self, sig: &str) -> anyhow::Result<()> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        let status = Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill {sig} {} failed", child.id());
+        }
+        child.wait()?;
+        Ok(())
+    }
+
+    /// SIGKILL: a crash, no clean-up.
+    pub fn kill9(&mut self) -> anyhow::Result<()> {
+        self.signal("-KILL")
+    }
+
+    /// SIGTERM: a clean stop.
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        self.signal("-TERM")
+    }
+
+    /// Waits for the process to exit on its own and returns its exit code.
+    pub fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<i32> {
+        let deadline = Instant::now() + timeout;
+        let child = self.child.as_mut().context("not running")?;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                return Ok(status.code().unwrap_or(-1));
+            }
+            if Instant::now() > deadline {
+                bail!("node {} still running after {timeout:?}", self.id);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn client(&self) -> MetadataClient {
+        MetadataClient::connect_to(std::slice::from_ref(&self.addr)).expect("client")
+    }
+}
+
+impl Drop for MetaNode {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Several metadata nodes in one temporary directory.
+pub struct MetaCluster {
+    pub nodes: Vec<MetaNode>,
+    pub root: tempfile::TempDir,
+}
+
+impl MetaCluster {
+    /// Starts `n` nodes as a new cluster (ids 1..=n) and waits until it has a leader.
+    pub async fn start(n: u64) -> anyhow::Result<Self> {
+        let root = tempfile::tempdir()?;
+        let mut nodes: Vec<MetaNode> = (1..=n)
+            .map(|id| MetaNode::new(id, root.path(), None))
+            .collect();
+        let members = nodes
+            .iter()
+            .map(|m| format!("{}={}", m.id, m.addr))
+            .collect::<Vec<_>>()
+            .join(",");
+        for node in &mut nodes {
+            node.initial_members = Some(members.clone());
+            node.start()?;
+        }
+        let cluster = Self { nodes, root };
+        cluster.wait_for_leader(Duration::from_secs(20)).await?;
+        Ok(cluster)
+    }
+
+    pub fn endpoints(&self) -> Vec<String> {
+        self.nodes.iter().map(|n| n.addr.clone()).collect()
+    }
+
+    pub fn client(&self) -> MetadataClient {
+        MetadataClient::connect_to(&self.endpoints()).expect("client")
+    }
+
+    pub fn node(&mut self, id: u64) -> &mut MetaNode {
+        self.nodes.iter_mut().find(|n| n.id == id).expect("node id")
+    }
+
+    /// The leader's id, as the running nodes report it.
+    pub async fn wait_for_leader(&self, timeout: Duration) -> anyhow::Result<u64> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            for n in self.nodes.iter().filter(|n| n.child.is_some()) {
+                if let Ok(m) = n.client().members().await {
+                    if m.leader != 0 {
+                        return Ok(m.leader);
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "no leader within {timeout:?}; logs in {}",
+                    self.root.path().display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Prints every node's log (for a failing test).
+    pub fn dump_logs(&self) {
+        for n in &self.nodes {
+            eprintln!("----- node {} log -----\n{}", n.id, n.log_text());
+        }
+    }
+}
+
+/// Runs `meridian ARGS` to completion; returns (exit code, stdout, stderr).
+pub fn run_cli(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
+    let out = Command::new(meridian_bin())
+        .args(args)
+        .env_remove("RUST_LOG")
+        .stdin(Stdio::null())
+        .output()?;
+    Ok((
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}

@@ -699,6 +699,7 @@ async fn watch_loop(
 }
 
 /// Events of a watch, in revision order, each exactly once.
+#[derive(Debug)]
 pub struct WatchStream {
     rx: mpsc::Receiver<Result<Vec<Event>, ClientError>>,
     task: tokio::task::JoinHandle<()>,
@@ -727,6 +728,15 @@ pub struct SessionHandle {
     client: MetadataClient,
     keeper: Option<tokio::task::JoinHandle<()>>,
     lost: tokio::sync::watch::Receiver<Option<String>>,
+}
+
+impl std::fmt::Debug for SessionHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionHandle")
+            .field("id", &self.id)
+            .field("ttl_ms", &self.ttl_ms)
+            .finish()
+    }
 }
 
 impl SessionHandle {

@@ -304,22 +304,29 @@ async fn read_barrier_loop(
 pub struct RunningNode {
     pub core: Arc<NodeCore>,
     pub addr: SocketAddr,
-    stop: Option<oneshot::Sender<()>>,
+    /// Set to true when the node stops: ends the lease keeper and open watch streams.
+    stopping: watch::Sender<bool>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
 }
 
+/// How long a stopping node waits for in-flight requests before dropping them.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
+
 impl RunningNode {
-    /// Stops serving, then stops Raft.
+    /// Stops serving (in-flight requests get [`SHUTDOWN_GRACE`] to finish), then stops Raft.
     pub async fn shutdown(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+        let _ = self.stopping.send(true);
+        if tokio::time::timeout(SHUTDOWN_GRACE, &mut self.server)
+            .await
+            .is_err()
+        {
+            tracing::warn!("requests still running after {SHUTDOWN_GRACE:?}; dropping them");
+            self.server.abort();
         }
-        let _ = (&mut self.server).await;
         let _ = self.core.raft.shutdown().await;
     }
 
-    /// Resolves when the gRPC server exits (for example after [`RunningNode::shutdown`] from
-    /// another task, or a fatal error).
+    /// Resolves when the gRPC server exits on its own (a fatal error).
     pub async fn wait(&mut self) -> Result<(), String> {
         match (&mut self.server).await {
             Ok(Ok(())) => Ok(()),
@@ -420,12 +427,11 @@ impl MetadataNode {
             connect_timeout,
         });
 
-        let (stop_tx, stop_rx) = oneshot::channel::<()>();
-        let (keeper_stop_tx, keeper_stop_rx) = watch::channel(false);
+        let (stopping, _) = watch::channel(false);
         {
             let core = Arc::clone(&core);
             let tick = Duration::from_millis((cfg.session_ttl_ms_min / 10).clamp(10, 100));
-            let mut stop = keeper_stop_rx;
+            let mut stop = stopping.subscribe();
             tokio::spawn(async move {
                 let mut interval = tokio::time::interval(tick);
                 loop {
@@ -440,7 +446,8 @@ impl MetadataNode {
         let message_bytes_max = (cfg.value_bytes_max + cfg.key_bytes_max + 64) as usize
             * cfg.txn_ops_max as usize
             + 4096;
-        let api = crate::service::Api::new(Arc::clone(&core), message_bytes_max);
+        let api =
+            crate::service::Api::new(Arc::clone(&core), message_bytes_max, stopping.subscribe());
         let reflection = tonic_reflection::server::Builder::configure()
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .build_v1()
@@ -449,6 +456,7 @@ impl MetadataNode {
             .max_decoding_message_size(1 << 30)
             .max_encoding_message_size(1 << 30);
         let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        let mut server_stop = stopping.subscribe();
         let server = tokio::spawn(async move {
             let r = tonic::transport::Server::builder()
                 .tcp_nodelay(true)
@@ -459,18 +467,18 @@ impl MetadataNode {
                 )
                 .add_service(raft_svc)
                 .add_service(reflection)
-                .serve_with_incoming_shutdown(incoming, async {
-                    let _ = stop_rx.await;
+                .serve_with_incoming_shutdown(incoming, async move {
+                    // The only change ever made is to true.
+                    let _ = server_stop.changed().await;
                 })
                 .await;
-            let _ = keeper_stop_tx.send(true);
             r
         });
         tracing::info!(node = cfg.node_id, %addr, advertise, data_dir = %dir.display(), "metadata node serving");
         Ok(RunningNode {
             core,
             addr,
-            stop: Some(stop_tx),
+            stopping,
             server,
         })
     }

@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::Stream;
-use tokio::sync::{broadcast, mpsc};
+use tokio::sync::{broadcast, mpsc, watch};
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
@@ -28,14 +28,21 @@ pub struct Api {
     core: Arc<NodeCore>,
     peers: Mutex<HashMap<String, PbClient<Channel>>>,
     message_bytes_max: usize,
+    /// Becomes true when the node stops; open watch streams end then.
+    stopping: watch::Receiver<bool>,
 }
 
 impl Api {
-    pub fn new(core: Arc<NodeCore>, message_bytes_max: usize) -> Self {
+    pub fn new(
+        core: Arc<NodeCore>,
+        message_bytes_max: usize,
+        stopping: watch::Receiver<bool>,
+    ) -> Self {
         Self {
             core,
             peers: Mutex::new(HashMap::new()),
             message_bytes_max,
+            stopping,
         }
     }
 
@@ -396,7 +403,15 @@ impl Metadata for Api {
             Vec::new()
         };
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(run_watch(req, start, revision, history, notices, tx));
+        tokio::spawn(run_watch(
+            req,
+            start,
+            revision,
+            history,
+            notices,
+            tx,
+            self.stopping.clone(),
+        ));
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -488,6 +503,7 @@ async fn run_watch(
     history: Vec<model::Event>,
     mut notices: broadcast::Receiver<Notice>,
     tx: mpsc::Sender<Result<pb::WatchResponse, Status>>,
+    mut stopping: watch::Receiver<bool>,
 ) {
     let matches = |e: &&model::Event| model::watch_matches(&req.key, req.prefix, &e.kv.key);
     let opening = pb::WatchResponse {
@@ -537,6 +553,11 @@ async fn run_watch(
                 Err(broadcast::error::RecvError::Closed) => return,
             },
             _ = tx.closed() => return,
+            // The only change ever made is to true.
+            _ = stopping.changed() => {
+                let _ = tx.send(Err(Status::unavailable("metadata node is stopping"))).await;
+                return;
+            }
         }
     }
 }
