@@ -449,9 +449,9 @@ async fn given_corrupt_store_when_node_starts_then_it_stops_naming_the_file() {
     cluster.client().put("/c/k", "v").await.unwrap();
     let node = cluster.node(1);
     node.stop().unwrap();
-    step("damage every SST and the MANIFEST of the node's RocksDB");
+    step("damage the MANIFEST of the node's state database");
     let mut damaged = Vec::new();
-    for entry in std::fs::read_dir(&node.data_dir).unwrap() {
+    for entry in std::fs::read_dir(node.data_dir.join("state")).unwrap() {
         let path = entry.unwrap().path();
         let name = path.file_name().unwrap().to_string_lossy().to_string();
         if name.starts_with("MANIFEST-") {

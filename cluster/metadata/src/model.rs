@@ -83,6 +83,9 @@ pub enum Command {
     ExpireSession {
         id: SessionId,
     },
+    /// Concurrent proposals carried by one log entry, applied in order, each as if alone.
+    /// Never nested.
+    Batch(Vec<Command>),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,6 +118,8 @@ pub enum Response {
     },
     /// Raft-internal entries (blank, membership) answer with this.
     None,
+    /// One response per command of a [`Command::Batch`], in order.
+    Batch(Vec<Response>),
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -291,6 +296,24 @@ impl KvState {
                     id,
                     ttl_ms: *ttl_ms,
                 }
+            }
+            Command::Batch(cmds) => {
+                let mut responses = Vec::with_capacity(cmds.len());
+                for cmd in cmds {
+                    let (r, applied) = match cmd {
+                        Command::Batch(_) => (
+                            Response::Rejected {
+                                reason: "nested batches are not allowed".into(),
+                            },
+                            Applied::default(),
+                        ),
+                        cmd => self.apply(cmd),
+                    };
+                    out.events.extend(applied.events);
+                    out.mutations.extend(applied.mutations);
+                    responses.push(r);
+                }
+                Response::Batch(responses)
             }
             Command::CloseSession { id } | Command::ExpireSession { id } => {
                 match self.sessions.contains_key(id) {
@@ -791,6 +814,23 @@ mod tests {
         ));
         assert!(applied.events.is_empty());
         assert_eq!(s.revision, 2);
+    }
+
+    #[test]
+    fn given_batch_then_each_command_applies_as_if_alone() {
+        let mut alone = KvState::default();
+        let cmds = vec![
+            txn(vec![], vec![put("/a", "1")], vec![]),
+            txn(vec![("/a", 1)], vec![put("/a", "2")], vec![]),
+            txn(vec![("/a", 1)], vec![put("/a", "stale")], vec![]),
+            Command::CreateSession { ttl_ms: 100 },
+        ];
+        let expected: Vec<Response> = cmds.iter().map(|c| alone.apply(c).0).collect();
+        let mut batched = KvState::default();
+        let (r, applied) = batched.apply(&Command::Batch(cmds));
+        assert_eq!(r, Response::Batch(expected));
+        assert_eq!(batched, alone);
+        assert_eq!(applied.events.len(), 2);
     }
 
     #[test]

@@ -98,7 +98,10 @@ pub struct NodeCore {
     pub shared: Arc<Shared>,
     pub limits: Limits,
     reads: mpsc::Sender<oneshot::Sender<Result<(), NodeError>>>,
+    proposals: mpsc::Sender<Proposal>,
     leases: Mutex<LeaseTable>,
+    /// Until when this node may serve reads on its leader lease (see [`lease_watch`]).
+    read_lease_until: Arc<Mutex<Option<Instant>>>,
     pub connect_timeout: Duration,
 }
 
@@ -152,12 +155,18 @@ impl NodeCore {
     /// Proposes a command and waits until it is committed (on a quorum's fsynced logs) and
     /// applied here.
     pub async fn write(&self, cmd: Command) -> Result<Response, NodeError> {
-        self.leader()?;
-        match self.raft.client_write(cmd).await {
-            Ok(resp) => match resp.data {
-                Response::Rejected { reason } => Err(NodeError::FailedPrecondition(reason)),
-                other => Ok(other),
-            },
+        self.require_leader()?;
+        let (tx, rx) = oneshot::channel();
+        self.proposals
+            .send((cmd, tx))
+            .await
+            .map_err(|_| NodeError::Unavailable("node is shutting down".into()))?;
+        let result = rx
+            .await
+            .map_err(|_| NodeError::Unavailable("node is shutting down".into()))?;
+        match result {
+            Ok(Response::Rejected { reason }) => Err(NodeError::FailedPrecondition(reason)),
+            Ok(other) => Ok(other),
             Err(e) => Err(self.client_write_error(e)),
         }
     }
@@ -178,10 +187,39 @@ impl NodeCore {
         }
     }
 
-    /// Waits until this node's state reflects every write committed before the call (read
-    /// index through the leader, batched with concurrent readers).
+    fn lease_valid(&self) -> bool {
+        self.read_lease_until
+            .lock()
+            .expect("lease lock")
+            .is_some_and(|until| Instant::now() < until)
+    }
+
+    /// Waits until this node's state reflects every write committed before the call.
+    ///
+    /// On a valid leader lease: no other leader can exist, so it is enough to apply every entry
+    /// in this leader's log as of now (the log holds everything committed). Otherwise: a read
+    /// index through a round of heartbeats, batched with concurrent readers.
     pub async fn linearize(&self) -> Result<(), NodeError> {
         self.require_leader()?;
+        if self.lease_valid() {
+            let (last_log, applied) = {
+                let m = self.raft.metrics();
+                let m = m.borrow();
+                (m.last_log_index, m.last_applied.map(|l| l.index))
+            };
+            if applied >= last_log {
+                return Ok(());
+            }
+            let waited = self
+                .raft
+                .wait(Some(Duration::from_secs(5)))
+                .applied_index_at_least(last_log, "lease read")
+                .await;
+            // The lease must still hold at the moment the state is read.
+            if waited.is_ok() && self.lease_valid() {
+                return Ok(());
+            }
+        }
         let (tx, rx) = oneshot::channel();
         self.reads
             .send(tx)
@@ -262,6 +300,92 @@ impl NodeCore {
                     }
                 }
             });
+        }
+    }
+}
+
+type WriteResult = Result<Response, RaftError<NodeId, ClientWriteError<NodeId, BasicNode>>>;
+type Proposal = (Command, oneshot::Sender<WriteResult>);
+
+/// Batches proposals: every write waiting when a batch starts goes into one log entry
+/// ([`Command::Batch`]), so openraft's per-entry work (append, replication, apply, notification)
+/// is paid once per batch. Each command keeps its own revision and response.
+///
+/// One batch is in flight at a time: while it commits, the next one fills. Measured with
+/// `meridian meta bench` (3 nodes, 32 clients, this 2-core machine): 1 in flight gave 7,200
+/// puts/s, 4 gave 6,100, 8 gave 5,100, and no batching 3,200.
+async fn proposal_loop(raft: Raft, mut rx: mpsc::Receiver<Proposal>) {
+    const BATCHES_IN_FLIGHT: usize = 1;
+    const BATCH_COMMANDS_MAX: usize = 512;
+    let permits = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
+    while let Some(first) = rx.recv().await {
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+            return;
+        };
+        let mut batch = vec![first];
+        while batch.len() < BATCH_COMMANDS_MAX {
+            match rx.try_recv() {
+                Ok(p) => batch.push(p),
+                Err(_) => break,
+            }
+        }
+        let raft = raft.clone();
+        tokio::spawn(async move {
+            if batch.len() == 1 {
+                let (cmd, tx) = batch.pop().expect("one proposal");
+                let _ = tx.send(raft.client_write(cmd).await.map(|r| r.data));
+                drop(permit);
+                return;
+            }
+            let (cmds, waiters): (Vec<Command>, Vec<oneshot::Sender<WriteResult>>) =
+                batch.into_iter().unzip();
+            let result = raft.client_write(Command::Batch(cmds)).await;
+            drop(permit);
+            match result {
+                Ok(resp) => {
+                    let responses = match resp.data {
+                        Response::Batch(rs) => rs,
+                        other => vec![other; waiters.len()],
+                    };
+                    for (tx, r) in waiters.into_iter().zip(responses) {
+                        let _ = tx.send(Ok(r));
+                    }
+                }
+                Err(e) => {
+                    for tx in waiters {
+                        let _ = tx.send(Err(e.clone()));
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// Keeps `until` = the end of this leader's read lease, or `None`.
+///
+/// openraft's followers refuse to vote for another candidate for `election_timeout_max` after
+/// they last heard from the leader, and `millis_since_quorum_ack` counts from the *sending* time
+/// of the last request a quorum acknowledged. So no other leader can be elected before that
+/// sending time plus `election_timeout_max`. The lease used here is shorter,
+/// `election_timeout_min / 2`, leaving the rest as margin for clock-rate drift and for the
+/// delay between openraft computing the metric and this task seeing it. If openraft stops
+/// reporting (a stalled node), the lease simply runs out.
+async fn lease_watch(raft: Raft, id: NodeId, lease_ms: u64, until: Arc<Mutex<Option<Instant>>>) {
+    let mut rx = raft.metrics();
+    loop {
+        let value = {
+            let m = rx.borrow_and_update();
+            match (m.current_leader == Some(id), m.millis_since_quorum_ack) {
+                (true, Some(ms)) if ms < lease_ms => {
+                    Some(Instant::now() + Duration::from_millis(lease_ms - ms))
+                }
+                _ => None,
+            }
+        };
+        *until.lock().expect("lease lock") = value;
+        if rx.changed().await.is_err() {
+            *until.lock().expect("lease lock") = None;
+            return;
         }
     }
 }
@@ -356,9 +480,12 @@ impl MetadataNode {
             fsync: cfg.fsync,
             watch_history_events: cfg.watch_history_events,
         };
-        let db = store::open_db(&dir).map_err(|e| e.to_string())?;
-        let shared = Shared::load(Arc::clone(&db), options, &dir).map_err(|e| e.to_string())?;
-        let log_store = LogStore::new(Arc::clone(&db), options);
+        let log_db =
+            store::open_db(&dir.join("log"), &store::LOG_CFS).map_err(|e| e.to_string())?;
+        let state_dir = dir.join("state");
+        let state_db = store::open_db(&state_dir, &store::STATE_CFS).map_err(|e| e.to_string())?;
+        let shared = Shared::load(state_db, options, &state_dir).map_err(|e| e.to_string())?;
+        let log_store = LogStore::new(log_db, options);
         let sm = StateMachineStore {
             shared: Arc::clone(&shared),
         };
@@ -417,12 +544,23 @@ impl MetadataNode {
 
         let (reads_tx, reads_rx) = mpsc::channel(65_536);
         tokio::spawn(read_barrier_loop(raft.clone(), reads_rx));
+        let (proposals_tx, proposals_rx) = mpsc::channel(65_536);
+        tokio::spawn(proposal_loop(raft.clone(), proposals_rx));
+        let read_lease_until = Arc::new(Mutex::new(None));
+        tokio::spawn(lease_watch(
+            raft.clone(),
+            cfg.node_id,
+            cfg.election_timeout_min_ms / 2,
+            Arc::clone(&read_lease_until),
+        ));
         let core = Arc::new(NodeCore {
             id: cfg.node_id,
             raft: raft.clone(),
             shared,
             limits: Limits::from_config(cfg),
             reads: reads_tx,
+            proposals: proposals_tx,
+            read_lease_until,
             leases: Mutex::new(LeaseTable::default()),
             connect_timeout,
         });
@@ -455,11 +593,21 @@ impl MetadataNode {
         let raft_svc = pb::raft_server::RaftServer::new(RaftService { raft })
             .max_decoding_message_size(1 << 30)
             .max_encoding_message_size(1 << 30);
-        let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+        // tonic's own `tcp_nodelay` applies only to sockets it accepts itself; without
+        // TCP_NODELAY, small responses wait for delayed ACKs (40 ms spikes).
+        let incoming = futures::StreamExt::map(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            |conn| {
+                conn.inspect(|s| {
+                    if let Err(e) = s.set_nodelay(true) {
+                        tracing::warn!(error = %e, "cannot set TCP_NODELAY");
+                    }
+                })
+            },
+        );
         let mut server_stop = stopping.subscribe();
         let server = tokio::spawn(async move {
             let r = tonic::transport::Server::builder()
-                .tcp_nodelay(true)
                 .add_service(
                     pb::metadata_server::MetadataServer::new(api)
                         .max_decoding_message_size(message_bytes_max)

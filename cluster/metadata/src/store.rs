@@ -1,6 +1,7 @@
 //! RocksDB storage of one metadata node: the Raft log, the vote, and the state machine.
 //!
-//! One RocksDB database per node, with column families:
+//! Two RocksDB databases per node: `<data_dir>/log` (cfs `log`, `raft`) and `<data_dir>/state`
+//! (the others), with column families:
 //!
 //! | cf         | key                         | value                                   |
 //! |------------|-----------------------------|-----------------------------------------|
@@ -11,12 +12,15 @@
 //! | `sm`       | `applied`, `membership`, `revision`, `snapshot`, `history_floor` | bincode |
 //! | `events`   | revision (u64 BE) + index (u32 BE) | bincode [`Event`] (watch history) |
 //!
-//! **Durability.** Log appends, votes, truncation and purges are written with `sync = true` (when
-//! `metadata.fsync` is on): an entry is fsynced on this node before openraft counts it toward the
-//! commit quorum, so a committed (acknowledged) write is on a quorum's disks. State-machine writes
-//! are not synced on their own: they go through the same RocksDB write-ahead log, which is
-//! sequential, so the next synced log write persists them too, and after a crash openraft
-//! re-applies from the last applied id anyway.
+//! **Durability.** Votes, truncation and purges are written with `sync = true` (when
+//! `metadata.fsync` is on). Log appends are group-committed by [`wal_syncer`]: an entry is
+//! reported persisted only after an fsync of the write-ahead log that covers it, and openraft
+//! counts it toward the commit quorum only then, so a committed (acknowledged) write is on a
+//! quorum's disks. State-machine writes
+//! are not synced one by one: each applied batch is written atomically with its applied log id,
+//! so after a crash the state is consistent at some earlier id and openraft re-applies the rest
+//! from the log. Before openraft may purge the log behind a snapshot, the state database's WAL is
+//! fsynced (`build_snapshot`).
 
 use std::io::Cursor;
 use std::ops::{Bound, RangeBounds};
@@ -43,7 +47,10 @@ const CF_KV: &str = "kv";
 const CF_SESSIONS: &str = "sessions";
 const CF_SM: &str = "sm";
 const CF_EVENTS: &str = "events";
-const ALL_CFS: [&str; 6] = [CF_LOG, CF_RAFT, CF_KV, CF_SESSIONS, CF_SM, CF_EVENTS];
+/// Column families of the Raft log database (`<data_dir>/log`).
+pub const LOG_CFS: [&str; 2] = [CF_LOG, CF_RAFT];
+/// Column families of the state machine database (`<data_dir>/state`).
+pub const STATE_CFS: [&str; 4] = [CF_KV, CF_SESSIONS, CF_SM, CF_EVENTS];
 
 /// Opening the store failed. The message names the directory and what RocksDB said.
 #[derive(Debug, thiserror::Error)]
@@ -85,9 +92,12 @@ pub struct StoreOptions {
     pub watch_history_events: u64,
 }
 
-/// Opens (or creates) the node's database. Runs a full consistency check of what the node will
-/// serve: a damaged file stops start-up here, with a message that names it.
-pub fn open_db(dir: &Path) -> Result<Arc<DB>, OpenError> {
+/// Opens (or creates) one of the node's two databases with the column families `cfs`. A damaged
+/// file stops start-up here (paranoid checks), with a message that names it.
+///
+/// The log and the state machine live in separate databases so that applying entries never
+/// waits behind the log's fsyncs.
+pub fn open_db(dir: &Path, cfs: &[&str]) -> Result<Arc<DB>, OpenError> {
     std::fs::create_dir_all(dir).map_err(|e| OpenError::RocksDb {
         path: dir.to_path_buf(),
         message: e.to_string(),
@@ -96,7 +106,7 @@ pub fn open_db(dir: &Path) -> Result<Arc<DB>, OpenError> {
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
     opts.set_paranoid_checks(true);
-    let cfs = ALL_CFS
+    let cfs = cfs
         .iter()
         .map(|name| ColumnFamilyDescriptor::new(*name, Options::default()));
     let db = DB::open_cf_descriptors(&opts, dir, cfs).map_err(|e| OpenError::RocksDb {
@@ -119,13 +129,44 @@ fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
 pub struct LogStore {
     db: Arc<DB>,
     fsync: bool,
+    /// Appends waiting for the group-commit fsync (see [`wal_syncer`]).
+    syncer: std::sync::mpsc::Sender<LogFlushed<TypeConfig>>,
+}
+
+/// Group commit of the Raft log. `append` writes entries to RocksDB (readable at once, as
+/// openraft requires) and queues its completion callback here; this thread takes every queued
+/// callback, fsyncs the write-ahead log once (`flush_wal(sync = true)` persists every write made
+/// before it), and only then reports those entries persisted. openraft counts an entry toward the
+/// commit quorum only after that report, so an acknowledged write is fsynced on a quorum.
+fn wal_syncer(db: Arc<DB>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>) {
+    while let Ok(first) = rx.recv() {
+        let mut batch = vec![first];
+        batch.extend(rx.try_iter());
+        let r = db.flush_wal(true);
+        match r {
+            Ok(()) => batch.into_iter().for_each(|cb| cb.log_io_completed(Ok(()))),
+            Err(e) => {
+                tracing::error!(error = %e, "fsync of the metadata log failed");
+                for cb in batch {
+                    cb.log_io_completed(Err(std::io::Error::other(e.to_string())));
+                }
+            }
+        }
+    }
 }
 
 impl LogStore {
     pub fn new(db: Arc<DB>, options: StoreOptions) -> Self {
+        let (syncer, rx) = std::sync::mpsc::channel();
+        let sync_db = Arc::clone(&db);
+        std::thread::Builder::new()
+            .name("metadata-wal-sync".into())
+            .spawn(move || wal_syncer(sync_db, rx))
+            .expect("spawning the WAL sync thread");
         Self {
             db,
             fsync: options.fsync,
+            syncer,
         }
     }
 
@@ -250,22 +291,21 @@ impl RaftLogStorage<TypeConfig> for LogStore {
                 enc(&entry),
             );
         }
-        // Group commit: every entry openraft hands us in one call goes into one synced batch.
-        // The fsync runs off the async worker threads.
-        let this = self.clone();
-        let result = tokio::task::spawn_blocking(move || this.write(batch))
-            .await
-            .map_err(|e| io_err(ErrorSubject::Logs, ErrorVerb::Write, e))?;
-        match result {
-            Ok(()) => {
-                callback.log_io_completed(Ok(()));
-                Ok(())
-            }
-            Err(e) => {
-                callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
-                Err(io_err(ErrorSubject::Logs, ErrorVerb::Write, e))
-            }
+        // Written without sync: readable now; durable once the syncer's fsync covers it.
+        if let Err(e) = self.db.write(batch) {
+            callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
+            return Err(io_err(ErrorSubject::Logs, ErrorVerb::Write, e));
         }
+        if !self.fsync {
+            callback.log_io_completed(Ok(()));
+            return Ok(());
+        }
+        if let Err(std::sync::mpsc::SendError(cb)) = self.syncer.send(callback) {
+            let e = std::io::Error::other("the WAL sync thread stopped");
+            cb.log_io_completed(Err(std::io::Error::other(e.to_string())));
+            return Err(io_err(ErrorSubject::Logs, ErrorVerb::Write, e));
+        }
+        Ok(())
     }
 
     async fn truncate(&mut self, log_id: LogId<NodeId>) -> Result<(), StorageError<NodeId>> {
@@ -491,6 +531,10 @@ impl RaftSnapshotBuilder<TypeConfig> for StateMachineStore {
         };
         let db = &self.shared.db;
         db.put_cf(cf(db, CF_SM), "snapshot", enc(&stored))
+            .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
+        // openraft purges the log behind a snapshot once this returns: everything the state
+        // database holds (the snapshot and every applied entry) must be durable first.
+        db.flush_wal(true)
             .map_err(|e| io_err(ErrorSubject::Snapshot(None), ErrorVerb::Write, e))?;
         Ok(Snapshot {
             meta,
