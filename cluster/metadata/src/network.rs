@@ -38,8 +38,14 @@ fn encode<T: Serialize>(v: &T) -> RaftPayload {
     }
 }
 
+/// Decodes a payload from the network. The limit keeps a forged length prefix from making the
+/// node allocate more than the payload itself could hold (it would otherwise abort the process).
 fn decode<T: DeserializeOwned>(p: &RaftPayload) -> Result<T, bincode::Error> {
-    bincode::deserialize(&p.data)
+    use bincode::Options;
+    bincode::options()
+        .with_fixint_encoding()
+        .with_limit(p.data.len() as u64)
+        .deserialize(&p.data)
 }
 
 /// Creates one [`Network`] per peer.

@@ -306,3 +306,31 @@ async fn given_bounded_history_when_exceeded_then_old_revisions_are_refused_not_
     assert_eq!(batch[0].revision, 1_100);
     store.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_malformed_raft_payloads_then_they_are_refused_and_the_node_keeps_serving() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::start(config(dir.path(), 1)).await.unwrap();
+    let mut raft = pb::raft_client::RaftClient::connect(format!("http://{}", store.node.addr))
+        .await
+        .unwrap();
+    // Garbage, an empty payload, and a length prefix claiming ~2^62 entries.
+    let mut forged = vec![0u8; 16];
+    forged.extend_from_slice(&(1u64 << 62).to_le_bytes());
+    for data in [vec![0xFF; 64], Vec::new(), forged] {
+        let status = raft
+            .append_entries(pb::RaftPayload { data: data.clone() })
+            .await
+            .expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
+        let status = raft
+            .vote(pb::RaftPayload { data })
+            .await
+            .expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
+    }
+    // Still serving.
+    store.client.put("/after", "ok").await.unwrap();
+    assert!(store.client.get("/after").await.unwrap().is_some());
+    store.shutdown().await;
+}
