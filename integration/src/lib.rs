@@ -52,7 +52,6 @@ pub struct MetaNode {
     pub data_dir: PathBuf,
     pub log: PathBuf,
     initial_members: Option<String>,
-    extra_args: Vec<String>,
     child: Option<Child>,
 }
 
@@ -65,19 +64,12 @@ impl MetaNode {
             data_dir: root.join(format!("node{id}")),
             log: root.join(format!("node{id}.log")),
             initial_members,
-            extra_args: Vec::new(),
             child: None,
         }
     }
 
     pub fn set_initial_members(&mut self, members: String) {
         self.initial_members = Some(members);
-    }
-
-    /// Extra `MERIDIAN_*` settings or flags for every start.
-    pub fn with_args(mut self, args: &[&str]) -> Self {
-        self.extra_args = args.iter().map(|s| s.to_string()).collect();
-        self
     }
 
     pub fn start(&mut self) -> anyhow::Result<()> {
@@ -92,7 +84,6 @@ impl MetaNode {
             .args(["--listen", &self.addr])
             .arg("--data-dir")
             .arg(&self.data_dir)
-            .args(&self.extra_args)
             .env("RUST_LOG", "info,openraft=warn")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
@@ -102,10 +93,6 @@ impl MetaNode {
         }
         self.child = Some(cmd.spawn().context("spawning meridian metadata")?);
         Ok(())
-    }
-
-    pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
     }
 
     fn signal(&mut self, sig: &str) -> anyhow::Result<()> {
@@ -223,13 +210,6 @@ impl MetaCluster {
                 );
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    /// Prints every node's log (for a failing test).
-    pub fn dump_logs(&self) {
-        for n in &self.nodes {
-            eprintln!("----- node {} log -----\n{}", n.id, n.log_text());
         }
     }
 }

@@ -225,6 +225,9 @@ impl KvState {
     /// Names of the direct children of `parent` (a path such as `/a`; `/` is the root), in byte
     /// order, after `start_after`, at most `limit`. A child exists when any key lies under it.
     pub fn children(&self, parent: &str, start_after: &str, limit: usize) -> (Vec<String>, bool) {
+        if limit == 0 {
+            return (Vec::new(), true);
+        }
         let base = if parent.ends_with('/') {
             parent.to_string()
         } else {
@@ -763,6 +766,7 @@ mod tests {
         assert_eq!(s.children("/a", "", 1), (vec!["x".into()], true));
         assert_eq!(s.children("/a", "x", 1), (vec!["x-1".into()], true));
         assert_eq!(s.children("/a", "x-1", 5), (vec!["y".into()], false));
+        assert_eq!(s.children("/a", "", 0), (vec![], true));
         assert_eq!(
             s.children("/", "", 10),
             (vec!["a".into(), "ab".into(), "b".into()], false)
