@@ -317,17 +317,28 @@ type Proposal = (Command, oneshot::Sender<WriteResult>);
 async fn proposal_loop(raft: Raft, mut rx: mpsc::Receiver<Proposal>) {
     const BATCHES_IN_FLIGHT: usize = 1;
     const BATCH_COMMANDS_MAX: usize = 512;
+    const YIELDS_MAX: usize = 4;
     let permits = Arc::new(Semaphore::new(BATCHES_IN_FLIGHT));
     while let Some(first) = rx.recv().await {
         let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
             return;
         };
         let mut batch = vec![first];
-        while batch.len() < BATCH_COMMANDS_MAX {
-            match rx.try_recv() {
-                Ok(p) => batch.push(p),
-                Err(_) => break,
+        // Drain what is queued; then let the runtime run request handlers that are ready
+        // (clients answered by the previous batch are sending their next request) and drain
+        // again, while that keeps adding proposals.
+        for _ in 0..YIELDS_MAX {
+            let before = batch.len();
+            while batch.len() < BATCH_COMMANDS_MAX {
+                match rx.try_recv() {
+                    Ok(p) => batch.push(p),
+                    Err(_) => break,
+                }
             }
+            if batch.len() == before && before > 1 || batch.len() >= BATCH_COMMANDS_MAX {
+                break;
+            }
+            tokio::task::yield_now().await;
         }
         let raft = raft.clone();
         tokio::spawn(async move {
