@@ -109,6 +109,20 @@ impl MetaNode {
         Ok(())
     }
 
+    /// SIGSTOP (`pause = true`) or SIGCONT: the process freezes with its sockets open, as a
+    /// node stalled by a long pause or a VM migration would.
+    pub fn pause(&mut self, pause: bool) -> anyhow::Result<()> {
+        let child = self.child.as_ref().context("not running")?;
+        let sig = if pause { "-STOP" } else { "-CONT" };
+        let status = Command::new("kill")
+            .args([sig, &child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill {sig} {} failed", child.id());
+        }
+        Ok(())
+    }
+
     /// SIGKILL: a crash, no clean-up.
     pub fn kill9(&mut self) -> anyhow::Result<()> {
         self.signal("-KILL")

@@ -513,3 +513,80 @@ fn config_print_and_invalid_values() {
     );
     check("[metadata]\nnod_id = 5\n", "unknown key metadata.nod_id");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_paused_leader_when_it_resumes_then_it_never_serves_a_stale_read() {
+    let mut cluster = MetaCluster::start(3).await.unwrap();
+    let client = cluster.client();
+    client.put("/stale/k", "old").await.unwrap();
+    let old_leader = cluster
+        .wait_for_leader(Duration::from_secs(5))
+        .await
+        .unwrap();
+    let via_old = cluster.node(old_leader).client();
+    // Reads through the old leader work (and take its lease path) before the pause.
+    assert_eq!(
+        via_old.get("/stale/k").await.unwrap().unwrap().value,
+        b"old"
+    );
+
+    step(format!(
+        "SIGSTOP the leader, node {old_leader}; the others elect and move on"
+    ));
+    cluster.node(old_leader).pause(true).unwrap();
+    let others: Vec<String> = cluster
+        .nodes
+        .iter()
+        .filter(|n| n.id != old_leader)
+        .map(|n| n.addr.clone())
+        .collect();
+    let survivors = MetadataClient::connect_to(&others).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let new_version = loop {
+        match survivors.put("/stale/k", "new").await {
+            Ok(v) => break v,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "no new leader: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    step(format!(
+        "new value at version {new_version} without node {old_leader}"
+    ));
+
+    step("queue reads on the frozen leader's open connection, then SIGCONT it");
+    // These wait in its socket buffers and are handled the moment it resumes, racing with
+    // whatever it learns about the new term.
+    let queued: Vec<_> = (0..32)
+        .map(|_| {
+            let c = via_old.clone();
+            tokio::spawn(async move { c.get("/stale/k").await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    cluster.node(old_leader).pause(false).unwrap();
+    let mut answers = Vec::new();
+    for q in queued {
+        match q.await.unwrap() {
+            Ok(kv) => answers.push(kv.map(|kv| String::from_utf8(kv.value).unwrap())),
+            Err(e) => eprintln!("queued read refused: {e}"),
+        }
+    }
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(2) {
+        match via_old.get("/stale/k").await {
+            Ok(kv) => answers.push(kv.map(|kv| String::from_utf8(kv.value).unwrap())),
+            Err(e) => eprintln!("read through the old leader refused: {e}"),
+        }
+    }
+    step(format!("{} answered reads", answers.len()));
+    assert!(
+        !answers.is_empty(),
+        "the resumed node must serve (or forward) reads again"
+    );
+    assert!(
+        answers.iter().all(|a| a.as_deref() == Some("new")),
+        "stale read after the pause: {answers:?}"
+    );
+}
