@@ -164,6 +164,10 @@ pub struct MetadataConfig {
     /// Change events kept for watches resuming from an old revision.
     /// Range 1000..=100000000, default 100000.
     pub watch_history_events: u64,
+    /// Applied batches buffered per node for live watchers; a watcher that falls further
+    /// behind is cut off and resumes from the watch history.
+    /// Range 16..=1000000, default 4096.
+    pub watch_buffer_batches: u64,
     /// Most keys returned by one list request.
     /// Range 1..=1000000, default 10000.
     pub list_limit_max: u64,
@@ -190,6 +194,7 @@ impl Default for MetadataConfig {
             session_ttl_ms_min: 1_000,
             session_ttl_ms_max: 300_000,
             watch_history_events: 100_000,
+            watch_buffer_batches: 4_096,
             list_limit_max: 10_000,
             fsync: true,
         }
@@ -443,6 +448,7 @@ impl MetadataConfig {
             ("metadata.session_ttl_ms_max", m.session_ttl_ms_max, m.session_ttl_ms_min, 3_600_000,
                 " (at least metadata.session_ttl_ms_min)"),
             ("metadata.watch_history_events", m.watch_history_events, 1_000, 100_000_000, ""),
+            ("metadata.watch_buffer_batches", m.watch_buffer_batches, 16, 1_000_000, ""),
             ("metadata.list_limit_max", m.list_limit_max, 1, 1_000_000, ""),
         ];
         ranges(&bounds)

@@ -184,17 +184,17 @@ fn unknown_keys_are_rejected_with_their_path() {
         ],
         expect![[r#"
             file "[metadata]\nnod_id = 3"
-              error: unknown key metadata.nod_id in $FILE; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_history_events
+              error: unknown key metadata.nod_id in $FILE; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             file "[metdata]\nnode_id = 3"
               error: unknown top-level key metdata in $FILE; known sections: client, log, metadata
             file "node_id = 3"
               error: unknown top-level key node_id in $FILE; known sections: client, log, metadata
             env MERIDIAN_METADATA_NOD_ID=3
-              error: unknown key metadata.nod_id in environment variable MERIDIAN_METADATA_NOD_ID; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_history_events
+              error: unknown key metadata.nod_id in environment variable MERIDIAN_METADATA_NOD_ID; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             env MERIDIAN_CLIENT_ENDPOINT=a:1
               error: unknown key client.endpoint in environment variable MERIDIAN_CLIENT_ENDPOINT; known keys in [client]: connect_timeout_ms, endpoints, request_timeout_ms, retry_backoff_initial_ms, retry_backoff_max_ms
             set metadata.nod_id=3
-              error: unknown key metadata.nod_id in command-line flags; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_history_events
+              error: unknown key metadata.nod_id in command-line flags; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             set metdata.node_id=3
               error: unknown top-level key metdata in command-line flags; known sections: client, log, metadata
             set log=debug
@@ -444,7 +444,7 @@ fn roles_parse_and_name_their_sections() {
 #[test]
 fn toml_for_a_role_round_trips() {
     let config = Config::default();
-    expect![[r#"
+    expect![[r##"
         # Meridian configuration of role `metadata`.
 
         [log]
@@ -468,9 +468,10 @@ fn toml_for_a_role_round_trips() {
         session_ttl_ms_min = 1000
         session_ttl_ms_max = 300000
         watch_history_events = 100000
+        watch_buffer_batches = 4096
         list_limit_max = 10000
         fsync = true
-    "#]]
+    "##]]
     .assert_eq(&config.to_toml_for(Role::Metadata));
 
     let mut changed = config.clone();

@@ -490,6 +490,7 @@ impl MetadataNode {
         let options = StoreOptions {
             fsync: cfg.fsync,
             watch_history_events: cfg.watch_history_events,
+            watch_buffer_batches: cfg.watch_buffer_batches as usize,
         };
         let log_db =
             store::open_db(&dir.join("log"), &store::LOG_CFS).map_err(|e| e.to_string())?;

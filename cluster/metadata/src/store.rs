@@ -90,6 +90,8 @@ fn event_key(revision: Revision, index: u32) -> [u8; 12] {
 pub struct StoreOptions {
     pub fsync: bool,
     pub watch_history_events: u64,
+    /// Capacity of the channel of applied batches to live watchers.
+    pub watch_buffer_batches: usize,
 }
 
 /// Opens (or creates) one of the node's two databases with the column families `cfs`. A damaged
@@ -422,7 +424,7 @@ impl Shared {
             item.map_err(|e| corrupt(format!("reading events: {e}")))?;
             st.history_count += 1;
         }
-        let (notices, _) = broadcast::channel(4096);
+        let (notices, _) = broadcast::channel(options.watch_buffer_batches);
         Ok(Arc::new(Self {
             db,
             state: RwLock::new(st),
