@@ -442,6 +442,9 @@ pub struct RunningNode {
     /// Set to true when the node stops: ends the lease keeper and open watch streams.
     stopping: watch::Sender<bool>,
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    /// The node's databases; shutdown waits until every handle is dropped (files closed, the
+    /// RocksDB lock released) so the same directory can be opened again at once.
+    dbs: [std::sync::Weak<rocksdb::DB>; 2],
 }
 
 /// How long a stopping node waits for in-flight requests before dropping them.
@@ -459,6 +462,16 @@ impl RunningNode {
             self.server.abort();
         }
         let _ = self.core.raft.shutdown().await;
+        let dbs = self.dbs.clone();
+        drop(self);
+        let deadline = Instant::now() + SHUTDOWN_GRACE;
+        while dbs.iter().any(|db| db.strong_count() > 0) {
+            if Instant::now() > deadline {
+                tracing::warn!("metadata databases still open {SHUTDOWN_GRACE:?} after shutdown");
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Resolves when the gRPC server exits on its own (a fatal error).
@@ -496,6 +509,7 @@ impl MetadataNode {
             store::open_db(&dir.join("log"), &store::LOG_CFS).map_err(|e| e.to_string())?;
         let state_dir = dir.join("state");
         let state_db = store::open_db(&state_dir, &store::STATE_CFS).map_err(|e| e.to_string())?;
+        let dbs = [Arc::downgrade(&log_db), Arc::downgrade(&state_db)];
         let shared = Shared::load(state_db, options, &state_dir).map_err(|e| e.to_string())?;
         let log_store = LogStore::new(log_db, options);
         let sm = StateMachineStore {
@@ -638,6 +652,7 @@ impl MetadataNode {
         Ok(RunningNode {
             core,
             addr,
+            dbs,
             stopping,
             server,
         })
