@@ -514,7 +514,7 @@ fn mutated_files_never_panic() {
     let seed: u64 = std::env::var("MERIDIAN_CONFIG_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5eed_0f_c0f1);
+        .unwrap_or(0x5eed_c0f1);
     let mut state = seed;
     let mut next = move || {
         // xorshift64*
