@@ -303,23 +303,38 @@ impl Config {
     /// Layers defaults < `sources.file` < `sources.env` <
     /// `sources.overrides`, then validates the result.
     pub fn load(sources: &Sources<'_>) -> Result<Config, ConfigError> {
+        let file = match sources.file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+                    path: path.to_path_buf(),
+                    source,
+                })?;
+                Some((text, path.display().to_string()))
+            }
+            None => None,
+        };
+        let file = file.as_ref().map(|(t, o)| (t.as_str(), o.as_str()));
+        Self::layer(file, &sources.env, &sources.overrides)
+    }
+
+    /// Defaults < the TOML `text` (errors name it `origin`), validated; no environment, no
+    /// flags. What `load` does with a file's contents.
+    pub fn from_toml_str(text: &str, origin: &str) -> Result<Config, ConfigError> {
+        Self::layer(Some((text, origin)), &[], &[])
+    }
+
+    fn layer(
+        file: Option<(&str, &str)>,
+        env: &[(String, String)],
+        overrides: &[(String, String)],
+    ) -> Result<Config, ConfigError> {
         let defaults = Table::try_from(Config::default()).expect("defaults serialize to a table");
         let mut merged = defaults.clone();
-        if let Some(path) = sources.file {
-            let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
-                path: path.to_path_buf(),
-                source,
-            })?;
-            let origin = path.display().to_string();
-            merge_file(
-                &mut merged,
-                &defaults,
-                &parse_toml(&text, &origin)?,
-                &origin,
-            )?;
+        if let Some((text, origin)) = file {
+            merge_file(&mut merged, &defaults, &parse_toml(text, origin)?, origin)?;
         }
-        apply_env(&mut merged, &defaults, &sources.env)?;
-        apply_overrides(&mut merged, &defaults, &sources.overrides)?;
+        apply_env(&mut merged, &defaults, env)?;
+        apply_overrides(&mut merged, &defaults, overrides)?;
         let config: Config =
             merged
                 .try_into()
