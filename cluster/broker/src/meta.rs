@@ -274,7 +274,12 @@ pub async fn run(args: MetaArgs, cfg: Config) -> anyhow::Result<ExitCode> {
             let mut watch = client.watch(&key, prefix, from_revision).await?;
             let mut seen = 0u64;
             if !json {
-                eprintln!("watching {key} from revision {}", watch.revision + 1);
+                let from = if from_revision == 0 {
+                    watch.revision + 1
+                } else {
+                    from_revision
+                };
+                eprintln!("watching {key} from revision {from}");
             }
             while count.is_none_or(|c| seen < c) {
                 let Some(batch) = watch.next().await else {
