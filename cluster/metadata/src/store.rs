@@ -16,11 +16,11 @@
 //! `metadata.fsync` is on). Log appends are group-committed by [`wal_syncer`]: an entry is
 //! reported persisted only after an fsync of the write-ahead log that covers it, and openraft
 //! counts it toward the commit quorum only then, so a committed (acknowledged) write is on a
-//! quorum's disks. State-machine writes
-//! are not synced one by one: each applied batch is written atomically with its applied log id,
-//! so after a crash the state is consistent at some earlier id and openraft re-applies the rest
-//! from the log. Before openraft may purge the log behind a snapshot, the state database's WAL is
-//! fsynced (`build_snapshot`).
+//! quorum's disks (`strace` shows the `fdatasync` of `log/*.log` behind the acknowledgements).
+//! State-machine writes are not synced one by one: each applied batch is written atomically with
+//! its applied log id, so after a crash the state is consistent at some earlier id and openraft
+//! re-applies the rest from the log. Before openraft may purge the log behind a snapshot, the
+//! state database's WAL is fsynced (`build_snapshot`).
 
 use std::io::Cursor;
 use std::ops::{Bound, RangeBounds};
@@ -130,9 +130,9 @@ fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
 #[derive(Clone)]
 pub struct LogStore {
     db: Arc<DB>,
-    fsync: bool,
-    /// Appends waiting for the group-commit fsync (see [`wal_syncer`]).
-    syncer: std::sync::mpsc::Sender<LogFlushed<TypeConfig>>,
+    /// Appends waiting for the group-commit fsync (see [`wal_syncer`]); `None` when
+    /// `metadata.fsync` is off and appends count as persisted once written.
+    syncer: Option<std::sync::mpsc::Sender<LogFlushed<TypeConfig>>>,
 }
 
 /// Group commit of the Raft log. `append` writes entries to RocksDB (readable at once, as
@@ -159,22 +159,25 @@ fn wal_syncer(db: Arc<DB>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>
 
 impl LogStore {
     pub fn new(db: Arc<DB>, options: StoreOptions) -> Self {
-        let (syncer, rx) = std::sync::mpsc::channel();
-        let sync_db = Arc::clone(&db);
-        std::thread::Builder::new()
-            .name("metadata-wal-sync".into())
-            .spawn(move || wal_syncer(sync_db, rx))
-            .expect("spawning the WAL sync thread");
-        Self {
-            db,
-            fsync: options.fsync,
-            syncer,
-        }
+        let syncer = options.fsync.then(|| {
+            let (syncer, rx) = std::sync::mpsc::channel();
+            let sync_db = Arc::clone(&db);
+            std::thread::Builder::new()
+                .name("metadata-wal-sync".into())
+                .spawn(move || wal_syncer(sync_db, rx))
+                .expect("spawning the WAL sync thread");
+            syncer
+        });
+        Self { db, syncer }
+    }
+
+    fn fsync(&self) -> bool {
+        self.syncer.is_some()
     }
 
     fn write(&self, batch: WriteBatch) -> Result<(), rocksdb::Error> {
         let mut wo = WriteOptions::default();
-        wo.set_sync(self.fsync);
+        wo.set_sync(self.fsync());
         self.db.write_opt(batch, &wo)
     }
 
@@ -298,11 +301,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
             callback.log_io_completed(Err(std::io::Error::other(e.to_string())));
             return Err(io_err(ErrorSubject::Logs, ErrorVerb::Write, e));
         }
-        if !self.fsync {
+        let Some(syncer) = &self.syncer else {
             callback.log_io_completed(Ok(()));
             return Ok(());
-        }
-        if let Err(std::sync::mpsc::SendError(cb)) = self.syncer.send(callback) {
+        };
+        if let Err(std::sync::mpsc::SendError(cb)) = syncer.send(callback) {
             let e = std::io::Error::other("the WAL sync thread stopped");
             cb.log_io_completed(Err(std::io::Error::other(e.to_string())));
             return Err(io_err(ErrorSubject::Logs, ErrorVerb::Write, e));
