@@ -116,7 +116,9 @@ struct LeaseTable {
 impl NodeCore {
     /// The leader as this node knows it, or why a client cannot be served here.
     pub fn leader(&self) -> Result<NodeId, NodeError> {
-        let m = self.raft.metrics().borrow().clone();
+        // Borrowed, not cloned: this runs on every request.
+        let metrics = self.raft.metrics();
+        let m = metrics.borrow();
         let membership = m.membership_config.membership();
         if membership.get_node(&self.id).is_none() {
             return Err(NodeError::Unavailable(format!(

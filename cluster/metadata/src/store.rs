@@ -270,7 +270,14 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         &mut self,
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError<NodeId>> {
-        self.put_raft("committed", &committed)
+        // Not synced: this is a hint that lets a restarted node re-apply committed entries before
+        // it hears from a leader. Losing the newest value only delays that; a stored value is never
+        // ahead of the real commit index. The next group-commit fsync makes it durable anyway.
+        let mut batch = WriteBatch::default();
+        batch.put_cf(cf(&self.db, CF_RAFT), "committed", enc(&committed));
+        self.db
+            .write(batch)
+            .map_err(|e| io_err(ErrorSubject::Store, ErrorVerb::Write, e))
     }
 
     async fn read_committed(&mut self) -> Result<Option<LogId<NodeId>>, StorageError<NodeId>> {
