@@ -1,0 +1,813 @@
+//! The bookie's journal: an append-only, checksummed, group-committed log of every write.
+//!
+//! ```text
+//!  appenders ──(bounded queue)──► journal thread ──► write(batch) ──► fdatasync ──► callbacks
+//!                                  collects until: the queue is empty,
+//!                                  batch_bytes_max is reached, or
+//!                                  flush_delay_us has passed since the batch's first record
+//! ```
+//!
+//! An entry is acknowledged (its callback gets `Ok`) only after the fdatasync that covers it has
+//! returned: one fsync acknowledges every record of the batch.
+//!
+//! Files are `journal-<seq as 16 hex digits>.log`, pre-allocated in steps of
+//! `preallocate_bytes` and rotated after `file_bytes_max`. A file starts with a 16-byte header
+//! (magic, format version, sequence number); then records:
+//!
+//! ```text
+//!  len: u32 LE | crc32c: u32 LE | payload (len bytes)
+//!  crc32c covers the file's sequence number, len and payload, so bytes left from an older
+//!  file never verify in a newer one.
+//! ```
+//!
+//! Replay at start-up reads every file in order and stops a file at its first record that is
+//! not whole or does not verify (a torn tail: a write cut by a crash, which no fsync covered, so
+//! nobody was acknowledged for it). It truncates the file there and never panics on it. A new
+//! process always writes into a new file.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{self, RecvTimeoutError, SyncSender, TryRecvError};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const MAGIC: &[u8; 8] = b"MRDNJRNL";
+const FORMAT_VERSION: u32 = 1;
+const FILE_HEADER_BYTES: u64 = 16;
+const RECORD_HEADER_BYTES: usize = 8;
+/// No single record may be larger than this (a garbage length in a torn tail must not make
+/// replay allocate gigabytes).
+pub const RECORD_BYTES_MAX: usize = 64 << 20;
+
+/// What a journal record says. The journal itself only checks framing and checksums; the bookie
+/// interprets kinds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub kind: RecordKind,
+    pub ledger_id: u64,
+    pub entry_id: u64,
+    pub data: Vec<u8>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum RecordKind {
+    /// An entry as the writer sent it.
+    Add = 1,
+    /// The ledger was fenced: later adds from its writer are refused.
+    Fence = 2,
+}
+
+impl RecordKind {
+    fn from_u8(v: u8) -> Option<Self> {
+        match v {
+            1 => Some(Self::Add),
+            2 => Some(Self::Fence),
+            _ => None,
+        }
+    }
+}
+
+/// Where a record lives: file sequence number and byte offset of its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Position {
+    pub file: u64,
+    pub offset: u64,
+}
+
+/// Encoded size of a record (header included).
+pub fn encoded_len(r: &Record) -> usize {
+    RECORD_HEADER_BYTES + 17 + r.data.len()
+}
+
+fn encode_into(buf: &mut Vec<u8>, file: u64, r: &Record) {
+    let payload_len = 17 + r.data.len();
+    let start = buf.len();
+    buf.extend_from_slice(&(payload_len as u32).to_le_bytes());
+    buf.extend_from_slice(&[0; 4]);
+    buf.push(r.kind as u8);
+    buf.extend_from_slice(&r.ledger_id.to_le_bytes());
+    buf.extend_from_slice(&r.entry_id.to_le_bytes());
+    buf.extend_from_slice(&r.data);
+    let crc = record_crc(file, &buf[start..start + 4], &buf[start + 8..]);
+    buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+fn record_crc(file: u64, len: &[u8], payload: &[u8]) -> u32 {
+    let crc = crc32c::crc32c(&file.to_le_bytes());
+    let crc = crc32c::crc32c_append(crc, len);
+    crc32c::crc32c_append(crc, payload)
+}
+
+/// Why replay stopped reading a file before its end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TailDamage {
+    /// The header claims more bytes than the file holds.
+    Short { len: usize },
+    /// The length is zero or above [`RECORD_BYTES_MAX`] (zeroes of pre-allocated space included).
+    BadLength { len: usize },
+    /// The checksum does not match.
+    Checksum { expected: u32, actual: u32 },
+    /// The payload does not parse (unknown kind or too short).
+    BadPayload,
+}
+
+/// What [`decode_file`] found in one file's bytes (after the header).
+#[derive(Debug, Default)]
+pub struct Decoded {
+    pub records: Vec<(Position, Record)>,
+    /// Offset of the first byte after the last good record.
+    pub end: u64,
+    /// Set when something other than pre-allocated zeroes follows the last good record.
+    pub damage: Option<TailDamage>,
+}
+
+/// Decodes the records of file `file` whose bytes (header included) are `bytes`. Pure: no I/O.
+pub fn decode_file(file: u64, bytes: &[u8]) -> Decoded {
+    let mut out = Decoded {
+        end: FILE_HEADER_BYTES,
+        ..Decoded::default()
+    };
+    let mut at = FILE_HEADER_BYTES as usize;
+    while at < bytes.len() {
+        let rest = &bytes[at..];
+        if rest.len() < RECORD_HEADER_BYTES {
+            if rest.iter().any(|b| *b != 0) {
+                out.damage = Some(TailDamage::Short { len: rest.len() });
+            }
+            break;
+        }
+        let len = u32::from_le_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
+        let crc = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes"));
+        if len == 0 && crc == 0 {
+            // Pre-allocated space: the end of what was written, unless non-zero bytes follow.
+            if rest.iter().any(|b| *b != 0) {
+                out.damage = Some(TailDamage::BadLength { len });
+            }
+            break;
+        }
+        if !(17..=RECORD_BYTES_MAX).contains(&len) {
+            out.damage = Some(TailDamage::BadLength { len });
+            break;
+        }
+        if rest.len() < RECORD_HEADER_BYTES + len {
+            out.damage = Some(TailDamage::Short { len });
+            break;
+        }
+        let payload = &rest[RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + len];
+        let actual = record_crc(file, &rest[0..4], payload);
+        if actual != crc {
+            out.damage = Some(TailDamage::Checksum {
+                expected: crc,
+                actual,
+            });
+            break;
+        }
+        let Some(kind) = RecordKind::from_u8(payload[0]) else {
+            out.damage = Some(TailDamage::BadPayload);
+            break;
+        };
+        let record = Record {
+            kind,
+            ledger_id: u64::from_le_bytes(payload[1..9].try_into().expect("8 bytes")),
+            entry_id: u64::from_le_bytes(payload[9..17].try_into().expect("8 bytes")),
+            data: payload[17..].to_vec(),
+        };
+        out.records.push((
+            Position {
+                file,
+                offset: at as u64,
+            },
+            record,
+        ));
+        at += RECORD_HEADER_BYTES + len;
+        out.end = at as u64;
+    }
+    out
+}
+
+/// Settings of a journal (from `bookie.journal_*` in the configuration).
+#[derive(Debug, Clone)]
+pub struct JournalOptions {
+    pub dir: PathBuf,
+    /// Flush once this many bytes are waiting.
+    pub batch_bytes_max: usize,
+    /// Flush once the oldest waiting record has waited this long.
+    pub flush_delay_us: u64,
+    /// Start a new file once the current one holds this many bytes.
+    pub file_bytes_max: u64,
+    /// Grow files on disk in steps of this many bytes ahead of the writes.
+    pub preallocate_bytes: u64,
+    /// Capacity of the appenders' queue, in records; appenders wait when it is full.
+    pub queue_records_max: usize,
+    /// fdatasync each batch (only tests and benchmarks of the CPU path turn this off).
+    pub fsync: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("journal {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("journal {path}: not a Meridian journal file (bad header)")]
+    BadHeader { path: PathBuf },
+    /// An earlier write or fsync failed; the journal refuses writes until the bookie restarts
+    /// (after a failed fsync the page cache's state is unknown).
+    #[error("journal is read-only after an earlier failure: {0}")]
+    Failed(String),
+    #[error("the journal has stopped")]
+    Stopped,
+}
+
+fn io_at(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
+    move |source| JournalError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn file_name(seq: u64) -> String {
+    format!("journal-{seq:016x}.log")
+}
+
+fn parse_file_name(name: &str) -> Option<u64> {
+    let hex = name.strip_prefix("journal-")?.strip_suffix(".log")?;
+    if hex.len() != 16 {
+        return None;
+    }
+    u64::from_str_radix(hex, 16).ok()
+}
+
+/// The journal files in `dir`, oldest first.
+pub fn list_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, JournalError> {
+    let mut files = Vec::new();
+    for item in fs::read_dir(dir).map_err(io_at(dir))? {
+        let item = item.map_err(io_at(dir))?;
+        if let Some(seq) = item.file_name().to_str().and_then(parse_file_name) {
+            files.push((seq, item.path()));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+/// What replay did to one file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileReplay {
+    pub file: u64,
+    pub path: PathBuf,
+    pub records: usize,
+    pub end: u64,
+    pub damage: Option<TailDamage>,
+}
+
+/// Reads every journal file in `dir` in order and hands each good record to `apply`. A damaged
+/// tail is logged with its file and offset and truncated away; what follows it is never
+/// returned.
+pub fn replay(
+    dir: &Path,
+    mut apply: impl FnMut(Position, Record),
+) -> Result<Vec<FileReplay>, JournalError> {
+    fs::create_dir_all(dir).map_err(io_at(dir))?;
+    let mut report = Vec::new();
+    for (seq, path) in list_files(dir)? {
+        let mut bytes = Vec::new();
+        File::open(&path)
+            .and_then(|mut f| f.read_to_end(&mut bytes))
+            .map_err(io_at(&path))?;
+        if bytes.len() < FILE_HEADER_BYTES as usize {
+            // Created but the header never made it to disk: nothing was acknowledged from it.
+            tracing::warn!(path = %path.display(), len = bytes.len(), "journal file without a whole header; removing it");
+            fs::remove_file(&path).map_err(io_at(&path))?;
+            continue;
+        }
+        check_header(&bytes, seq).map_err(|()| JournalError::BadHeader { path: path.clone() })?;
+        let decoded = decode_file(seq, &bytes);
+        if let Some(damage) = &decoded.damage {
+            tracing::warn!(
+                path = %path.display(),
+                offset = decoded.end,
+                ?damage,
+                "journal tail is torn or corrupt; truncating it there"
+            );
+            let f = OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .map_err(io_at(&path))?;
+            f.set_len(decoded.end).map_err(io_at(&path))?;
+            f.sync_all().map_err(io_at(&path))?;
+        }
+        report.push(FileReplay {
+            file: seq,
+            path: path.clone(),
+            records: decoded.records.len(),
+            end: decoded.end,
+            damage: decoded.damage,
+        });
+        for (pos, r) in decoded.records {
+            apply(pos, r);
+        }
+    }
+    Ok(report)
+}
+
+fn header(seq: u64) -> [u8; FILE_HEADER_BYTES as usize] {
+    let mut h = [0u8; FILE_HEADER_BYTES as usize];
+    h[0..8].copy_from_slice(MAGIC);
+    h[8..12].copy_from_slice(&FORMAT_VERSION.to_le_bytes());
+    // Low 32 bits of the sequence: a file renamed to another sequence is caught here; the full
+    // sequence is in every record's checksum.
+    h[12..16].copy_from_slice(&(seq as u32).to_le_bytes());
+    h
+}
+
+fn check_header(bytes: &[u8], seq: u64) -> Result<(), ()> {
+    if bytes[0..16] == header(seq) {
+        Ok(())
+    } else {
+        Err(())
+    }
+}
+
+/// Completion of one append: `Ok(position)` once fsynced.
+pub type Done = Box<dyn FnOnce(Result<Position, JournalError>) + Send>;
+/// Completion of a roll: the new file's sequence number.
+pub type RollDone = Box<dyn FnOnce(Result<u64, JournalError>) + Send>;
+
+enum Op {
+    Append(Record, Done),
+    /// Roll to a new file now; answers with the sequence number of the new file.
+    Roll(RollDone),
+}
+
+/// Handle to the journal thread. Dropping every handle stops the thread after it has flushed
+/// what was queued.
+#[derive(Clone)]
+pub struct Journal {
+    tx: SyncSender<Op>,
+}
+
+/// Joins the journal thread on drop (after every [`Journal`] handle is gone).
+pub struct JournalThread(Option<JoinHandle<()>>);
+
+impl JournalThread {
+    pub fn join(mut self) {
+        if let Some(h) = self.0.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Drop for JournalThread {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+impl Journal {
+    /// Starts writing into a new file after the newest one in `opts.dir`. Call [`replay`]
+    /// first: files written before are not read here.
+    pub fn start(opts: JournalOptions) -> Result<(Journal, JournalThread), JournalError> {
+        fs::create_dir_all(&opts.dir).map_err(io_at(&opts.dir))?;
+        let next = list_files(&opts.dir)?.last().map_or(1, |(s, _)| s + 1);
+        let writer = Writer::create(&opts, next)?;
+        let (tx, rx) = mpsc::sync_channel(opts.queue_records_max.max(1));
+        let thread = std::thread::Builder::new()
+            .name("bookie-journal".into())
+            .spawn(move || run(writer, opts, rx))
+            .map_err(|e| JournalError::Failed(format!("spawning the journal thread: {e}")))?;
+        Ok((Journal { tx }, JournalThread(Some(thread))))
+    }
+
+    /// Queues `record`; `done` runs on the journal thread once it is fsynced (or failed). Blocks
+    /// while the queue is full.
+    pub fn append(&self, record: Record, done: Done) {
+        if let Err(mpsc::SendError(Op::Append(_, done))) = self.tx.send(Op::Append(record, done)) {
+            done(Err(JournalError::Stopped));
+        }
+    }
+
+    /// Closes the current file and starts the next; `done` gets the new file's sequence.
+    /// Every file older than the answer is complete once `done` runs.
+    pub fn roll(&self, done: RollDone) {
+        if let Err(mpsc::SendError(Op::Roll(done))) = self.tx.send(Op::Roll(done)) {
+            done(Err(JournalError::Stopped));
+        }
+    }
+}
+
+struct Writer {
+    seq: u64,
+    path: PathBuf,
+    file: File,
+    /// Bytes written so far (header included).
+    len: u64,
+    /// Bytes reserved on disk.
+    allocated: u64,
+    preallocate_bytes: u64,
+}
+
+impl Writer {
+    fn create(opts: &JournalOptions, seq: u64) -> Result<Writer, JournalError> {
+        let path = opts.dir.join(file_name(seq));
+        let mut file = OpenOptions::new()
+            .create_new(true)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .map_err(io_at(&path))?;
+        file.write_all(&header(seq)).map_err(io_at(&path))?;
+        let mut w = Writer {
+            seq,
+            path,
+            file,
+            len: FILE_HEADER_BYTES,
+            allocated: 0,
+            preallocate_bytes: opts.preallocate_bytes,
+        };
+        w.reserve(0)?;
+        w.file.sync_all().map_err(io_at(&w.path))?;
+        // The new name must survive a crash too.
+        File::open(&opts.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io_at(&opts.dir))?;
+        Ok(w)
+    }
+
+    /// Makes sure the file has room for `more` bytes past `len`, reserving whole steps of
+    /// `preallocate_bytes`: later fdatasyncs then do not also have to grow the file.
+    fn reserve(&mut self, more: u64) -> Result<(), JournalError> {
+        let need = self.len + more;
+        if need <= self.allocated || self.preallocate_bytes == 0 {
+            return Ok(());
+        }
+        let step = self.preallocate_bytes;
+        let target = need.div_ceil(step) * step;
+        rustix::fs::fallocate(
+            &self.file,
+            rustix::fs::FallocateFlags::KEEP_SIZE,
+            self.allocated,
+            target - self.allocated,
+        )
+        .map_err(|e| JournalError::Io {
+            path: self.path.clone(),
+            source: e.into(),
+        })?;
+        self.allocated = target;
+        Ok(())
+    }
+
+    fn write_batch(&mut self, buf: &[u8], fsync: bool) -> Result<(), JournalError> {
+        self.reserve(buf.len() as u64)?;
+        self.file.write_all(buf).map_err(io_at(&self.path))?;
+        self.len += buf.len() as u64;
+        if fsync {
+            // Acknowledged means durable: nobody hears back before this returns.
+            self.file.sync_data().map_err(io_at(&self.path))?;
+        }
+        Ok(())
+    }
+}
+
+fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>) {
+    let delay = Duration::from_micros(opts.flush_delay_us);
+    let mut failed: Option<String> = None;
+    let mut buf: Vec<u8> = Vec::with_capacity(opts.batch_bytes_max + 4096);
+    let mut waiting: Vec<(Position, Done)> = Vec::new();
+    let mut pending_op: Option<Op> = None;
+    loop {
+        let first = match pending_op.take() {
+            Some(op) => op,
+            None => match rx.recv() {
+                Ok(op) => op,
+                Err(_) => return,
+            },
+        };
+        let started = Instant::now();
+        let mut roll = None;
+        let mut op = Some(first);
+        // Collect one batch.
+        while let Some(next) = op.take() {
+            match next {
+                Op::Roll(done) => {
+                    roll = Some(done);
+                    break;
+                }
+                Op::Append(record, done) => {
+                    if let Some(why) = &failed {
+                        done(Err(JournalError::Failed(why.clone())));
+                    } else {
+                        if writer.len + (buf.len() + encoded_len(&record)) as u64
+                            > opts.file_bytes_max
+                            && writer.len + buf.len() as u64 > FILE_HEADER_BYTES
+                        {
+                            // This record starts the next file: flush this batch first.
+                            pending_op = Some(Op::Append(record, done));
+                            roll_after_flush(&mut roll);
+                            break;
+                        }
+                        let pos = Position {
+                            file: writer.seq,
+                            offset: writer.len + buf.len() as u64,
+                        };
+                        encode_into(&mut buf, writer.seq, &record);
+                        waiting.push((pos, done));
+                    }
+                }
+            }
+            if buf.len() >= opts.batch_bytes_max {
+                break;
+            }
+            op = match rx.try_recv() {
+                Ok(op) => Some(op),
+                Err(TryRecvError::Empty) => {
+                    // Nothing more queued. Flush now unless a delay is configured and left.
+                    let left = delay.saturating_sub(started.elapsed());
+                    if left.is_zero() || waiting.is_empty() {
+                        None
+                    } else {
+                        match rx.recv_timeout(left) {
+                            Ok(op) => Some(op),
+                            Err(RecvTimeoutError::Timeout) => None,
+                            Err(RecvTimeoutError::Disconnected) => None,
+                        }
+                    }
+                }
+                Err(TryRecvError::Disconnected) => None,
+            };
+        }
+        if !buf.is_empty() {
+            let result = writer.write_batch(&buf, opts.fsync);
+            buf.clear();
+            match result {
+                Ok(()) => {
+                    for (pos, done) in waiting.drain(..) {
+                        done(Ok(pos));
+                    }
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    tracing::error!(error = %why, "journal write failed; the journal is read-only from now on");
+                    failed = Some(why.clone());
+                    for (_, done) in waiting.drain(..) {
+                        done(Err(JournalError::Failed(why.clone())));
+                    }
+                }
+            }
+        }
+        if let Some(done) = roll {
+            let result = match &failed {
+                Some(why) => Err(JournalError::Failed(why.clone())),
+                None => Writer::create(&opts, writer.seq + 1).map(|w| {
+                    writer = w;
+                    writer.seq
+                }),
+            };
+            if let Err(e) = &result {
+                failed.get_or_insert_with(|| e.to_string());
+            }
+            done(result);
+        }
+    }
+}
+
+/// A size-triggered roll: no one waits for its answer.
+fn roll_after_flush(roll: &mut Option<RollDone>) {
+    if roll.is_none() {
+        *roll = Some(Box::new(|r| {
+            if let Err(e) = r {
+                tracing::error!(error = %e, "starting the next journal file failed");
+            }
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use std::sync::{Arc, Mutex};
+
+    fn opts(dir: &Path) -> JournalOptions {
+        JournalOptions {
+            dir: dir.to_path_buf(),
+            batch_bytes_max: 64 << 10,
+            flush_delay_us: 0,
+            file_bytes_max: 1 << 20,
+            preallocate_bytes: 256 << 10,
+            queue_records_max: 1024,
+            fsync: true,
+        }
+    }
+
+    fn rec(ledger: u64, entry: u64, len: usize) -> Record {
+        Record {
+            kind: RecordKind::Add,
+            ledger_id: ledger,
+            entry_id: entry,
+            data: (0..len).map(|i| (i as u64 + entry) as u8).collect(),
+        }
+    }
+
+    /// Appends `records` and waits for every acknowledgement.
+    fn write_all(o: JournalOptions, records: &[Record]) -> Vec<Position> {
+        let (journal, thread) = Journal::start(o).expect("journal starts");
+        let (tx, rx) = mpsc::channel();
+        for (i, r) in records.iter().enumerate() {
+            let tx = tx.clone();
+            journal.append(
+                r.clone(),
+                Box::new(move |res| {
+                    tx.send((i, res.expect("append acknowledged")))
+                        .expect("send")
+                }),
+            );
+        }
+        drop(journal);
+        thread.join();
+        let mut got: Vec<(usize, Position)> = rx.try_iter().collect();
+        got.sort();
+        assert_eq!(got.len(), records.len(), "every append was answered");
+        got.into_iter().map(|(_, p)| p).collect()
+    }
+
+    fn read_back(dir: &Path) -> (Vec<(Position, Record)>, Vec<FileReplay>) {
+        let mut out = Vec::new();
+        let report = replay(dir, |p, r| out.push((p, r))).expect("replay");
+        (out, report)
+    }
+
+    #[test]
+    fn given_acknowledged_appends_when_replayed_then_every_record_returns_in_order() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let records: Vec<Record> = (0..1200)
+            .map(|i| rec(7, i, (i as usize * 37) % 3000))
+            .collect();
+        let positions = write_all(opts(dir.path()), &records);
+        let (replayed, report) = read_back(dir.path());
+        assert_eq!(
+            replayed.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(),
+            records
+        );
+        assert_eq!(
+            replayed.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+            positions
+        );
+        assert!(report.iter().all(|f| f.damage.is_none()), "{report:?}");
+        assert!(report.len() > 1, "1 MiB files rotate: {report:?}");
+    }
+
+    #[test]
+    fn given_torn_tail_when_replayed_then_good_records_return_and_file_is_truncated() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let records: Vec<Record> = (0..20).map(|i| rec(1, i, 100)).collect();
+        write_all(opts(dir.path()), &records);
+        let (_, path) = list_files(dir.path()).expect("list").pop().expect("a file");
+        let full = fs::read(&path).expect("read");
+        let end = read_back(dir.path()).1[0].end as usize;
+        // Cut the last record in half: a write the crash interrupted.
+        let cut = end - 50;
+        fs::write(&path, &full[..cut]).expect("write");
+        let (replayed, report) = read_back(dir.path());
+        assert_eq!(replayed.len(), 19);
+        assert!(
+            matches!(report[0].damage, Some(TailDamage::Short { .. })),
+            "{report:?}"
+        );
+        let len_after = fs::metadata(&path).expect("stat").len();
+        assert_eq!(
+            len_after, report[0].end,
+            "truncated at the last good record"
+        );
+        // A second replay finds a clean file.
+        let (again, report) = read_back(dir.path());
+        assert_eq!(again.len(), 19);
+        assert_eq!(report[0].damage, None);
+        // A new journal continues in a new file; both replay.
+        write_all(opts(dir.path()), &[rec(2, 0, 10)]);
+        let (all, report) = read_back(dir.path());
+        assert_eq!(all.len(), 20);
+        assert_eq!(report.len(), 2);
+    }
+
+    #[test]
+    fn given_flipped_byte_when_replayed_then_checksum_stops_the_file_there() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let records: Vec<Record> = (0..10).map(|i| rec(3, i, 64)).collect();
+        let positions = write_all(opts(dir.path()), &records);
+        let (_, path) = list_files(dir.path()).expect("list").pop().expect("a file");
+        let mut bytes = fs::read(&path).expect("read");
+        let at = positions[6].offset as usize + RECORD_HEADER_BYTES + 20;
+        bytes[at] ^= 0x40;
+        fs::write(&path, &bytes).expect("write");
+        let (replayed, report) = read_back(dir.path());
+        assert_eq!(replayed.len(), 6, "records before the damaged one");
+        assert!(matches!(
+            report[0].damage,
+            Some(TailDamage::Checksum { .. })
+        ));
+        assert_eq!(report[0].end, positions[6].offset);
+    }
+
+    #[test]
+    fn given_bytes_of_another_file_then_they_do_not_verify() {
+        // A record is bound to its file's sequence number.
+        let mut buf = header(5).to_vec();
+        encode_into(&mut buf, 5, &rec(1, 1, 10));
+        assert_eq!(decode_file(5, &buf).records.len(), 1);
+        let mut other = header(6).to_vec();
+        other.extend_from_slice(&buf[16..]);
+        let d = decode_file(6, &other);
+        assert!(d.records.is_empty());
+        assert!(matches!(d.damage, Some(TailDamage::Checksum { .. })));
+    }
+
+    #[test]
+    fn given_random_garbage_then_decode_never_panics_and_keeps_whole_records_only() {
+        let seed: u64 = rand::random();
+        println!("seed {seed}");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        for _ in 0..2_000 {
+            let mut buf = header(1).to_vec();
+            let n = rng.gen_range(0..5);
+            for i in 0..n {
+                encode_into(&mut buf, 1, &rec(1, i, rng.gen_range(0..100)));
+            }
+            let good = buf.len();
+            match rng.gen_range(0..3) {
+                0 => buf.truncate(rng.gen_range(16..=good)),
+                1 => {
+                    let extra: Vec<u8> = (0..rng.gen_range(1..64)).map(|_| rng.gen()).collect();
+                    buf.extend_from_slice(&extra);
+                }
+                _ => {
+                    if good > 16 {
+                        let at = rng.gen_range(16..good);
+                        buf[at] = rng.gen();
+                    }
+                }
+            }
+            let d = decode_file(1, &buf);
+            assert!(d.end as usize <= buf.len(), "seed {seed}");
+            assert!(d.records.len() <= n as usize, "seed {seed}");
+            for (i, (_, r)) in d.records.iter().enumerate() {
+                assert_eq!(r.entry_id, i as u64, "seed {seed}");
+            }
+        }
+    }
+
+    #[test]
+    fn given_many_appends_with_a_flush_delay_then_one_fsync_covers_many_records() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut o = opts(dir.path());
+        o.flush_delay_us = 20_000;
+        o.batch_bytes_max = 1 << 20;
+        let (journal, thread) = Journal::start(o).expect("journal");
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let batches = Arc::new(Mutex::new(std::collections::BTreeSet::new()));
+        for i in 0..1000u64 {
+            let order = Arc::clone(&order);
+            journal.append(
+                rec(9, i, 10),
+                Box::new(move |r| {
+                    r.expect("ok");
+                    order.lock().expect("lock").push(i);
+                }),
+            );
+        }
+        let b = Arc::clone(&batches);
+        journal.roll(Box::new(move |r| {
+            b.lock().expect("lock").insert(r.expect("rolled"));
+        }));
+        drop(journal);
+        thread.join();
+        let order = order.lock().expect("lock").clone();
+        assert_eq!(
+            order,
+            (0..1000).collect::<Vec<_>>(),
+            "acknowledged in append order"
+        );
+        assert_eq!(batches.lock().expect("lock").len(), 1);
+        let (replayed, report) = read_back(dir.path());
+        assert_eq!(replayed.len(), 1000);
+        assert_eq!(report.len(), 2, "the roll started a second (empty) file");
+    }
+
+    #[test]
+    fn given_foreign_file_with_journal_name_then_replay_refuses_it_by_name() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join(file_name(3));
+        fs::write(&path, b"this is not a journal file at all").expect("write");
+        let err = replay(dir.path(), |_, _| {}).expect_err("bad header");
+        assert!(
+            err.to_string().contains("journal-0000000000000003.log"),
+            "{err}"
+        );
+    }
+}

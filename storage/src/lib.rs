@@ -1,0 +1,11 @@
+//! Meridian's storage layer, after BookKeeper: a topic's log is a chain of ledgers, each striped
+//! over an ensemble of bookies.
+//!
+//! Owns: the bookie's journal ([`journal`]), the compact range sets cursors are made of
+//! ([`rangeset`]), and the striping arithmetic of ledgers ([`striping`]).
+//!
+//! Does not know about: the Pulsar wire protocol, topics as clients see them, tenants, geo.
+
+pub mod journal;
+pub mod rangeset;
+pub mod striping;
