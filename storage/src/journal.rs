@@ -28,7 +28,9 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, SyncSender, TryRecvError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -344,11 +346,21 @@ enum Op {
     Roll(RollDone),
 }
 
+/// Counters of a journal since it started.
+#[derive(Debug, Default)]
+pub struct JournalStats {
+    /// Batches written (each one fdatasync when fsync is on).
+    pub flushes: AtomicU64,
+    pub records: AtomicU64,
+    pub bytes: AtomicU64,
+}
+
 /// Handle to the journal thread. Dropping every handle stops the thread after it has flushed
 /// what was queued.
 #[derive(Clone)]
 pub struct Journal {
     tx: SyncSender<Op>,
+    stats: Arc<JournalStats>,
 }
 
 /// Joins the journal thread on drop (after every [`Journal`] handle is gone).
@@ -378,11 +390,17 @@ impl Journal {
         let next = list_files(&opts.dir)?.last().map_or(1, |(s, _)| s + 1);
         let writer = Writer::create(&opts, next)?;
         let (tx, rx) = mpsc::sync_channel(opts.queue_records_max.max(1));
+        let stats = Arc::new(JournalStats::default());
+        let thread_stats = Arc::clone(&stats);
         let thread = std::thread::Builder::new()
             .name("bookie-journal".into())
-            .spawn(move || run(writer, opts, rx))
+            .spawn(move || run(writer, opts, rx, thread_stats))
             .map_err(|e| JournalError::Failed(format!("spawning the journal thread: {e}")))?;
-        Ok((Journal { tx }, JournalThread(Some(thread))))
+        Ok((Journal { tx, stats }, JournalThread(Some(thread))))
+    }
+
+    pub fn stats(&self) -> &JournalStats {
+        &self.stats
     }
 
     /// Queues `record`; `done` runs on the journal thread once it is fsynced (or failed). Blocks
@@ -475,7 +493,7 @@ impl Writer {
     }
 }
 
-fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>) {
+fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: Arc<JournalStats>) {
     let delay = Duration::from_micros(opts.flush_delay_us);
     let mut failed: Option<String> = None;
     let mut buf: Vec<u8> = Vec::with_capacity(opts.batch_bytes_max + 4096);
@@ -544,6 +562,11 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>) {
         }
         if !buf.is_empty() {
             let result = writer.write_batch(&buf, opts.fsync);
+            stats.flushes.fetch_add(1, Ordering::Relaxed);
+            stats
+                .records
+                .fetch_add(waiting.len() as u64, Ordering::Relaxed);
+            stats.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
             buf.clear();
             match result {
                 Ok(()) => {
