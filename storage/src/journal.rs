@@ -344,6 +344,8 @@ enum Op {
     Append(Record, Done),
     /// Roll to a new file now; answers with the sequence number of the new file.
     Roll(RollDone),
+    /// Flush what is queued before this, then end the thread.
+    Stop,
 }
 
 /// Counters of a journal since it started.
@@ -413,6 +415,12 @@ impl Journal {
 
     /// Closes the current file and starts the next; `done` gets the new file's sequence.
     /// Every file older than the answer is complete once `done` runs.
+    /// Ends the journal thread after flushing everything queued before this call; later
+    /// appends fail with [`JournalError::Stopped`].
+    pub fn stop(&self) {
+        let _ = self.tx.send(Op::Stop);
+    }
+
     pub fn roll(&self, done: RollDone) {
         if let Err(mpsc::SendError(Op::Roll(done))) = self.tx.send(Op::Roll(done)) {
             done(Err(JournalError::Stopped));
@@ -509,12 +517,17 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
         };
         let started = Instant::now();
         let mut roll = None;
+        let mut stopping = false;
         let mut op = Some(first);
         // Collect one batch.
         while let Some(next) = op.take() {
             match next {
                 Op::Roll(done) => {
                     roll = Some(done);
+                    break;
+                }
+                Op::Stop => {
+                    stopping = true;
                     break;
                 }
                 Op::Append(record, done) => {
@@ -596,6 +609,9 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
                 failed.get_or_insert_with(|| e.to_string());
             }
             done(result);
+        }
+        if stopping {
+            return;
         }
     }
 }

@@ -6,6 +6,10 @@
 //!
 //! Does not know about: the Pulsar wire protocol, topics as clients see them, tenants, geo.
 
+pub mod bookie;
+pub mod client;
 pub mod journal;
+pub mod ledger;
+pub mod proto;
 pub mod rangeset;
 pub mod striping;

@@ -1,0 +1,766 @@
+//! A bookie's ledger storage, behind the journal: a write cache, entry logs, a RocksDB index
+//! `(ledger, entry) -> location`, a read cache, and per-ledger state.
+//!
+//! ```text
+//!  journal callback ──► write cache (sorted, bounded in bytes)
+//!                         │ flush: roll the journal to file S, then
+//!                         ▼
+//!                  entry log (append, fdatasync) ──► index + ledger states + checkpoint S
+//!                                                    (one synced RocksDB write)
+//!                         then journal files < S are removed
+//!  reads: write cache → the batch being flushed → read cache → index + entry log
+//! ```
+//!
+//! Entry logs are `entrylog-<id as 16 hex digits>.log` holding `len: u32 BE | envelope`
+//! records; an index location points at the envelope. A process always starts a new entry log.
+//! Space comes back when every ledger with entries in a log is deleted (the log is removed)
+//! or when a log is mostly dead (its live entries are copied to the current log first).
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+
+use bytes::Bytes;
+use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
+use serde::{Deserialize, Serialize};
+
+use crate::proto::{Status, NONE};
+
+const CF_INDEX: &str = "index";
+const CF_LEDGERS: &str = "ledgers";
+const CF_LOGS: &str = "logs";
+const CF_META: &str = "meta";
+const KEY_CHECKPOINT: &str = "journal_checkpoint";
+
+/// Settings of a bookie's ledger storage (`bookie.*` in the configuration).
+#[derive(Debug, Clone)]
+pub struct StorageOptions {
+    pub ledger_dir: PathBuf,
+    pub write_cache_bytes_max: usize,
+    pub read_cache_bytes_max: usize,
+    pub entry_log_bytes_max: u64,
+    /// A non-current entry log whose live bytes fall below this fraction is compacted.
+    pub compaction_live_ratio_min: f64,
+    pub fsync: bool,
+}
+
+/// What a bookie knows of one ledger. Survives restarts (RocksDB, rebuilt from the journal for
+/// what was not flushed yet).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerState {
+    pub master_key: Vec<u8>,
+    pub fenced: bool,
+    /// Highest LastAddConfirmed seen in an entry ([`NONE`] if none).
+    pub lac: u64,
+    /// Highest entry id stored ([`NONE`] if none).
+    pub last_entry: u64,
+    pub deleted: bool,
+}
+
+impl LedgerState {
+    fn new(master_key: &[u8]) -> Self {
+        Self {
+            master_key: master_key.to_vec(),
+            fenced: false,
+            lac: NONE,
+            last_entry: NONE,
+            deleted: false,
+        }
+    }
+
+    fn note_entry(&mut self, entry_id: u64, lac: u64) {
+        if self.last_entry == NONE || entry_id > self.last_entry {
+            self.last_entry = entry_id;
+        }
+        if lac != NONE && (self.lac == NONE || lac > self.lac) {
+            self.lac = lac;
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("ledger storage {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("ledger index: {0}")]
+    Index(#[from] rocksdb::Error),
+    #[error("ledger storage: {0}")]
+    Corrupt(String),
+}
+
+fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> StorageError + '_ {
+    move |source| StorageError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn index_key(ledger_id: u64, entry_id: u64) -> [u8; 16] {
+    let mut k = [0u8; 16];
+    k[..8].copy_from_slice(&ledger_id.to_be_bytes());
+    k[8..].copy_from_slice(&entry_id.to_be_bytes());
+    k
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Location {
+    log: u64,
+    offset: u64,
+    len: u32,
+}
+
+impl Location {
+    fn encode(&self) -> [u8; 20] {
+        let mut v = [0u8; 20];
+        v[..8].copy_from_slice(&self.log.to_be_bytes());
+        v[8..16].copy_from_slice(&self.offset.to_be_bytes());
+        v[16..].copy_from_slice(&self.len.to_be_bytes());
+        v
+    }
+
+    fn decode(v: &[u8]) -> Option<Location> {
+        if v.len() != 20 {
+            return None;
+        }
+        Some(Location {
+            log: u64::from_be_bytes(v[..8].try_into().ok()?),
+            offset: u64::from_be_bytes(v[8..16].try_into().ok()?),
+            len: u32::from_be_bytes(v[16..].try_into().ok()?),
+        })
+    }
+}
+
+fn log_name(id: u64) -> String {
+    format!("entrylog-{id:016x}.log")
+}
+
+fn parse_log_name(name: &str) -> Option<u64> {
+    let hex = name.strip_prefix("entrylog-")?.strip_suffix(".log")?;
+    (hex.len() == 16).then(|| u64::from_str_radix(hex, 16).ok())?
+}
+
+struct EntryLogWriter {
+    id: u64,
+    path: PathBuf,
+    file: File,
+    len: u64,
+}
+
+impl EntryLogWriter {
+    fn create(dir: &Path, id: u64) -> Result<Self, StorageError> {
+        let path = dir.join(log_name(id));
+        let file = OpenOptions::new()
+            .create_new(true)
+            .write(true)
+            .open(&path)
+            .map_err(io_at(&path))?;
+        Ok(Self {
+            id,
+            path,
+            file,
+            len: 0,
+        })
+    }
+}
+
+#[derive(Default)]
+struct WriteCache {
+    entries: BTreeMap<(u64, u64), Bytes>,
+    bytes: usize,
+}
+
+/// A read cache bounded in bytes; the oldest insertions go first.
+#[derive(Default)]
+struct ReadCache {
+    entries: HashMap<(u64, u64), Bytes>,
+    order: VecDeque<(u64, u64)>,
+    bytes: usize,
+}
+
+impl ReadCache {
+    fn insert(&mut self, key: (u64, u64), value: Bytes, max: usize) {
+        if value.len() > max {
+            return;
+        }
+        if let Some(old) = self.entries.insert(key, value.clone()) {
+            self.bytes -= old.len();
+        } else {
+            self.order.push_back(key);
+        }
+        self.bytes += value.len();
+        while self.bytes > max {
+            let Some(k) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(v) = self.entries.remove(&k) {
+                self.bytes -= v.len();
+            }
+        }
+    }
+
+    fn remove_ledger(&mut self, ledger_id: u64) {
+        self.entries.retain(|(l, _), v| {
+            if *l == ledger_id {
+                self.bytes -= v.len();
+                false
+            } else {
+                true
+            }
+        });
+        self.order.retain(|(l, _)| *l != ledger_id);
+    }
+}
+
+/// Live bytes per ledger in one entry log (what garbage collection decides on).
+type LogUsage = BTreeMap<u64, u64>;
+
+pub struct LedgerStorage {
+    opts: StorageOptions,
+    db: Arc<DB>,
+    logs_dir: PathBuf,
+    cache: Mutex<WriteCache>,
+    /// The batch being flushed: still readable until the index points at its new home.
+    flushing: RwLock<Arc<BTreeMap<(u64, u64), Bytes>>>,
+    ledgers: Mutex<HashMap<u64, LedgerState>>,
+    read_cache: Mutex<ReadCache>,
+    readers: Mutex<HashMap<u64, Arc<File>>>,
+    /// Held for the whole of a flush or a compaction: one writer of entry logs at a time.
+    writer: Mutex<EntryLogWriter>,
+    usage: Mutex<BTreeMap<u64, LogUsage>>,
+}
+
+/// Counters for stats and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StorageStats {
+    pub write_cache_bytes: usize,
+    pub entry_logs: usize,
+    pub entry_log_bytes: u64,
+    pub ledgers: usize,
+}
+
+impl LedgerStorage {
+    /// Opens the index and ledger states; returns the storage and the journal checkpoint (every
+    /// journal file older than it is already in entry logs).
+    pub fn open(opts: StorageOptions) -> Result<(Self, u64), StorageError> {
+        let logs_dir = opts.ledger_dir.join("entrylogs");
+        let index_dir = opts.ledger_dir.join("index");
+        fs::create_dir_all(&logs_dir).map_err(io_at(&logs_dir))?;
+        let mut o = Options::default();
+        o.create_if_missing(true);
+        o.create_missing_column_families(true);
+        o.set_paranoid_checks(true);
+        let cfs = [CF_INDEX, CF_LEDGERS, CF_LOGS, CF_META]
+            .into_iter()
+            .map(|n| ColumnFamilyDescriptor::new(n, Options::default()));
+        let db = Arc::new(DB::open_cf_descriptors(&o, &index_dir, cfs)?);
+        let mut ledgers = HashMap::new();
+        for item in db.iterator_cf(cf(&db, CF_LEDGERS), IteratorMode::Start) {
+            let (k, v) = item?;
+            let id = u64::from_be_bytes(
+                k.as_ref()
+                    .try_into()
+                    .map_err(|_| StorageError::Corrupt("ledger state key".into()))?,
+            );
+            let state: LedgerState = serde_json::from_slice(&v)
+                .map_err(|e| StorageError::Corrupt(format!("ledger {id} state: {e}")))?;
+            ledgers.insert(id, state);
+        }
+        let mut usage = BTreeMap::new();
+        for item in db.iterator_cf(cf(&db, CF_LOGS), IteratorMode::Start) {
+            let (k, v) = item?;
+            let id = u64::from_be_bytes(
+                k.as_ref()
+                    .try_into()
+                    .map_err(|_| StorageError::Corrupt("entry log key".into()))?,
+            );
+            let u: LogUsage = serde_json::from_slice(&v)
+                .map_err(|e| StorageError::Corrupt(format!("entry log {id} usage: {e}")))?;
+            usage.insert(id, u);
+        }
+        let checkpoint = match db.get_cf(cf(&db, CF_META), KEY_CHECKPOINT)? {
+            Some(v) => u64::from_be_bytes(
+                v.as_slice()
+                    .try_into()
+                    .map_err(|_| StorageError::Corrupt("checkpoint".into()))?,
+            ),
+            None => 0,
+        };
+        let mut next_log = 1;
+        for item in fs::read_dir(&logs_dir).map_err(io_at(&logs_dir))? {
+            let item = item.map_err(io_at(&logs_dir))?;
+            if let Some(id) = item.file_name().to_str().and_then(parse_log_name) {
+                next_log = next_log.max(id + 1);
+                if !usage.contains_key(&id) {
+                    // Written by a flush that never reached the index: nothing points into it,
+                    // and its entries are still in the journal.
+                    fs::remove_file(item.path()).map_err(io_at(&item.path()))?;
+                }
+            }
+        }
+        let writer = EntryLogWriter::create(&logs_dir, next_log)?;
+        Ok((
+            Self {
+                opts,
+                db,
+                logs_dir,
+                cache: Mutex::default(),
+                flushing: RwLock::default(),
+                ledgers: Mutex::new(ledgers),
+                read_cache: Mutex::default(),
+                readers: Mutex::default(),
+                writer: Mutex::new(writer),
+                usage: Mutex::new(usage),
+            },
+            checkpoint,
+        ))
+    }
+
+    /// Whether an add may be journaled for this ledger.
+    pub fn check_add(
+        &self,
+        ledger_id: u64,
+        master_key: &[u8],
+        recovery: bool,
+    ) -> Result<(), Status> {
+        let ledgers = self.ledgers.lock().expect("ledgers lock");
+        match ledgers.get(&ledger_id) {
+            None => Ok(()),
+            Some(s) if s.deleted => Err(Status::NoSuchLedger),
+            Some(s) if s.master_key != master_key => Err(Status::Unauthorized),
+            Some(s) if s.fenced && !recovery => Err(Status::Fenced),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// An add is durable in the journal: make it readable. Also used by journal replay.
+    pub fn add_durable(
+        &self,
+        ledger_id: u64,
+        entry_id: u64,
+        lac: u64,
+        master_key: &[u8],
+        envelope: Bytes,
+    ) {
+        {
+            let mut ledgers = self.ledgers.lock().expect("ledgers lock");
+            let state = ledgers
+                .entry(ledger_id)
+                .or_insert_with(|| LedgerState::new(master_key));
+            if state.deleted {
+                // Deleted while the add was in the journal: drop it.
+                return;
+            }
+            state.note_entry(entry_id, lac);
+        }
+        let mut cache = self.cache.lock().expect("cache lock");
+        cache.bytes += envelope.len();
+        if let Some(old) = cache.entries.insert((ledger_id, entry_id), envelope) {
+            cache.bytes -= old.len();
+        }
+    }
+
+    /// Fences the ledger (creating its state if this bookie has none: the old writer must be
+    /// refused here too). The caller journals a fence record before answering.
+    pub fn fence(&self, ledger_id: u64, master_key: &[u8]) -> Result<(), Status> {
+        let mut ledgers = self.ledgers.lock().expect("ledgers lock");
+        let state = ledgers
+            .entry(ledger_id)
+            .or_insert_with(|| LedgerState::new(master_key));
+        if state.deleted {
+            return Err(Status::NoSuchLedger);
+        }
+        if state.master_key != master_key {
+            return Err(Status::Unauthorized);
+        }
+        state.fenced = true;
+        Ok(())
+    }
+
+    /// Replays a journaled fence.
+    pub fn fence_replayed(&self, ledger_id: u64, master_key: &[u8]) {
+        let _ = self.fence(ledger_id, master_key);
+    }
+
+    pub fn ledger_state(&self, ledger_id: u64) -> Option<LedgerState> {
+        self.ledgers
+            .lock()
+            .expect("ledgers lock")
+            .get(&ledger_id)
+            .filter(|s| !s.deleted)
+            .cloned()
+    }
+
+    pub fn write_cache_full(&self) -> bool {
+        self.cache.lock().expect("cache lock").bytes >= self.opts.write_cache_bytes_max
+    }
+
+    pub fn write_cache_bytes(&self) -> usize {
+        self.cache.lock().expect("cache lock").bytes
+    }
+
+    /// Reads one entry's envelope (checked by the caller before it goes out).
+    pub fn read(&self, ledger_id: u64, entry_id: u64) -> Result<Bytes, Status> {
+        if self.ledger_state(ledger_id).is_none() {
+            return Err(Status::NoSuchLedger);
+        }
+        let key = (ledger_id, entry_id);
+        if let Some(v) = self.cache.lock().expect("cache lock").entries.get(&key) {
+            return Ok(v.clone());
+        }
+        if let Some(v) = self.flushing.read().expect("flushing lock").get(&key) {
+            return Ok(v.clone());
+        }
+        if let Some(v) = self
+            .read_cache
+            .lock()
+            .expect("read cache lock")
+            .entries
+            .get(&key)
+        {
+            return Ok(v.clone());
+        }
+        let loc = match self
+            .db
+            .get_cf(cf(&self.db, CF_INDEX), index_key(ledger_id, entry_id))
+        {
+            Ok(Some(v)) => Location::decode(&v).ok_or(Status::Internal)?,
+            Ok(None) => return Err(Status::NoSuchEntry),
+            Err(e) => {
+                tracing::error!(error = %e, ledger_id, entry_id, "index read failed");
+                return Err(Status::Internal);
+            }
+        };
+        let value = self.read_at(loc).map_err(|e| {
+            tracing::error!(error = %e, ledger_id, entry_id, "entry log read failed");
+            Status::Internal
+        })?;
+        self.read_cache.lock().expect("read cache lock").insert(
+            key,
+            value.clone(),
+            self.opts.read_cache_bytes_max,
+        );
+        Ok(value)
+    }
+
+    fn reader(&self, log: u64) -> Result<Arc<File>, StorageError> {
+        let mut readers = self.readers.lock().expect("readers lock");
+        if let Some(f) = readers.get(&log) {
+            return Ok(Arc::clone(f));
+        }
+        let path = self.logs_dir.join(log_name(log));
+        let f = Arc::new(File::open(&path).map_err(io_at(&path))?);
+        readers.insert(log, Arc::clone(&f));
+        Ok(f)
+    }
+
+    fn read_at(&self, loc: Location) -> Result<Bytes, StorageError> {
+        let f = self.reader(loc.log)?;
+        let mut buf = vec![0u8; loc.len as usize];
+        f.read_exact_at(&mut buf, loc.offset)
+            .map_err(io_at(&self.logs_dir.join(log_name(loc.log))))?;
+        Ok(Bytes::from(buf))
+    }
+
+    /// Marks the ledger deleted (durably) and forgets its entries; the space comes back when
+    /// garbage collection removes or compacts the entry logs that hold them.
+    pub fn delete(&self, ledger_id: u64) -> Result<(), StorageError> {
+        let state = {
+            let mut ledgers = self.ledgers.lock().expect("ledgers lock");
+            let Some(state) = ledgers.get_mut(&ledger_id) else {
+                return Ok(());
+            };
+            state.deleted = true;
+            state.clone()
+        };
+        let mut batch = WriteBatch::default();
+        batch.put_cf(
+            cf(&self.db, CF_LEDGERS),
+            ledger_id.to_be_bytes(),
+            to_json(&state),
+        );
+        batch.delete_range_cf(
+            cf(&self.db, CF_INDEX),
+            index_key(ledger_id, 0),
+            index_key(ledger_id, u64::MAX),
+        );
+        batch.delete_cf(cf(&self.db, CF_INDEX), index_key(ledger_id, u64::MAX));
+        self.write_synced(batch)?;
+        {
+            let mut cache = self.cache.lock().expect("cache lock");
+            let keys: Vec<_> = cache
+                .entries
+                .range((ledger_id, 0)..=(ledger_id, u64::MAX))
+                .map(|(k, _)| *k)
+                .collect();
+            for k in keys {
+                let v = cache.entries.remove(&k).expect("present");
+                cache.bytes -= v.len();
+            }
+        }
+        self.read_cache
+            .lock()
+            .expect("read cache lock")
+            .remove_ledger(ledger_id);
+        Ok(())
+    }
+
+    fn write_synced(&self, batch: WriteBatch) -> Result<(), StorageError> {
+        let mut wo = WriteOptions::default();
+        wo.set_sync(self.opts.fsync);
+        self.db.write_opt(batch, &wo)?;
+        Ok(())
+    }
+
+    /// Moves the write cache to entry logs and the index, then records `checkpoint` (the
+    /// journal file the journal was rolled to before this call): journal files older than it
+    /// may be removed once this returns `Ok`.
+    pub fn flush(&self, checkpoint: u64) -> Result<usize, StorageError> {
+        let mut writer = self.writer.lock().expect("writer lock");
+        let batch_entries = {
+            let mut cache = self.cache.lock().expect("cache lock");
+            let taken = std::mem::take(&mut cache.entries);
+            cache.bytes = 0;
+            Arc::new(taken)
+        };
+        *self.flushing.write().expect("flushing lock") = Arc::clone(&batch_entries);
+        let result = self.write_entries(&mut writer, &batch_entries, checkpoint);
+        if result.is_err() {
+            // Put them back: still in the journal, still readable, flushed next time.
+            let mut cache = self.cache.lock().expect("cache lock");
+            for (k, v) in batch_entries.iter() {
+                if !cache.entries.contains_key(k) {
+                    cache.bytes += v.len();
+                    cache.entries.insert(*k, v.clone());
+                }
+            }
+        }
+        *self.flushing.write().expect("flushing lock") = Arc::default();
+        result.map(|()| batch_entries.len())
+    }
+
+    fn write_entries(
+        &self,
+        writer: &mut EntryLogWriter,
+        entries: &BTreeMap<(u64, u64), Bytes>,
+        checkpoint: u64,
+    ) -> Result<(), StorageError> {
+        let mut batch = WriteBatch::default();
+        let mut touched: BTreeMap<u64, LogUsage> = BTreeMap::new();
+        let mut buf = Vec::new();
+        let deleted: Vec<u64> = {
+            let ledgers = self.ledgers.lock().expect("ledgers lock");
+            entries
+                .keys()
+                .map(|(l, _)| *l)
+                .filter(|l| ledgers.get(l).is_some_and(|s| s.deleted))
+                .collect()
+        };
+        for ((ledger_id, entry_id), value) in entries {
+            if deleted.contains(ledger_id) {
+                continue;
+            }
+            if writer.len + buf.len() as u64 > self.opts.entry_log_bytes_max
+                && writer.len + (buf.len() as u64) > 0
+            {
+                self.finish_log(writer, &mut buf)?;
+                let next = writer.id + 1;
+                *writer = EntryLogWriter::create(&self.logs_dir, next)?;
+            }
+            let offset = writer.len + buf.len() as u64 + 4;
+            buf.extend_from_slice(&(value.len() as u32).to_be_bytes());
+            buf.extend_from_slice(value);
+            let loc = Location {
+                log: writer.id,
+                offset,
+                len: value.len() as u32,
+            };
+            batch.put_cf(
+                cf(&self.db, CF_INDEX),
+                index_key(*ledger_id, *entry_id),
+                loc.encode(),
+            );
+            *touched
+                .entry(writer.id)
+                .or_default()
+                .entry(*ledger_id)
+                .or_default() += value.len() as u64 + 4;
+        }
+        self.finish_log(writer, &mut buf)?;
+        // The index may only point at bytes that are on disk.
+        {
+            let mut usage = self.usage.lock().expect("usage lock");
+            for (log, add) in touched {
+                let u = usage.entry(log).or_default();
+                for (ledger, bytes) in add {
+                    *u.entry(ledger).or_default() += bytes;
+                }
+                batch.put_cf(cf(&self.db, CF_LOGS), log.to_be_bytes(), to_json(u));
+            }
+        }
+        {
+            let ledgers = self.ledgers.lock().expect("ledgers lock");
+            for (id, state) in ledgers.iter() {
+                batch.put_cf(cf(&self.db, CF_LEDGERS), id.to_be_bytes(), to_json(state));
+            }
+        }
+        batch.put_cf(
+            cf(&self.db, CF_META),
+            KEY_CHECKPOINT,
+            checkpoint.to_be_bytes(),
+        );
+        self.write_synced(batch)
+    }
+
+    fn finish_log(
+        &self,
+        writer: &mut EntryLogWriter,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), StorageError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        writer.file.write_all(buf).map_err(io_at(&writer.path))?;
+        if self.opts.fsync {
+            writer.file.sync_data().map_err(io_at(&writer.path))?;
+        }
+        writer.len += buf.len() as u64;
+        buf.clear();
+        Ok(())
+    }
+
+    /// Removes entry logs whose every ledger is deleted, and compacts non-current logs whose
+    /// live share fell under `compaction_live_ratio_min`. Returns the bytes freed on disk.
+    pub fn collect_garbage(&self) -> Result<u64, StorageError> {
+        let mut writer = self.writer.lock().expect("writer lock");
+        let current = writer.id;
+        let deleted: std::collections::HashSet<u64> = self
+            .ledgers
+            .lock()
+            .expect("ledgers lock")
+            .iter()
+            .filter(|(_, s)| s.deleted)
+            .map(|(id, _)| *id)
+            .collect();
+        let candidates: Vec<(u64, LogUsage)> = self
+            .usage
+            .lock()
+            .expect("usage lock")
+            .iter()
+            .filter(|(id, _)| **id != current)
+            .map(|(id, u)| (*id, u.clone()))
+            .collect();
+        let mut freed = 0;
+        for (log, u) in candidates {
+            let total: u64 = u.values().sum();
+            let live: u64 = u
+                .iter()
+                .filter(|(l, _)| !deleted.contains(l))
+                .map(|(_, b)| *b)
+                .sum();
+            if live > 0 && (live as f64) >= (total as f64) * self.opts.compaction_live_ratio_min {
+                continue;
+            }
+            if live > 0 {
+                self.compact_log(&mut writer, log, &u, &deleted)?;
+            }
+            let path = self.logs_dir.join(log_name(log));
+            let size = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            let mut batch = WriteBatch::default();
+            batch.delete_cf(cf(&self.db, CF_LOGS), log.to_be_bytes());
+            self.write_synced(batch)?;
+            self.usage.lock().expect("usage lock").remove(&log);
+            self.readers.lock().expect("readers lock").remove(&log);
+            match fs::remove_file(&path) {
+                Ok(()) => freed += size,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(io_at(&path)(e)),
+            }
+            tracing::info!(log, live, total, "entry log collected");
+        }
+        Ok(freed)
+    }
+
+    /// Copies the live entries of `log` into the current entry log and repoints the index.
+    fn compact_log(
+        &self,
+        writer: &mut EntryLogWriter,
+        log: u64,
+        usage: &LogUsage,
+        deleted: &std::collections::HashSet<u64>,
+    ) -> Result<(), StorageError> {
+        let mut moved = BTreeMap::new();
+        for ledger in usage.keys().filter(|l| !deleted.contains(l)) {
+            let from = index_key(*ledger, 0);
+            let iter = self.db.iterator_cf(
+                cf(&self.db, CF_INDEX),
+                IteratorMode::From(&from, rocksdb::Direction::Forward),
+            );
+            for item in iter {
+                let (k, v) = item?;
+                if k[..8] != ledger.to_be_bytes() {
+                    break;
+                }
+                let loc = Location::decode(&v)
+                    .ok_or_else(|| StorageError::Corrupt("index location".into()))?;
+                if loc.log == log {
+                    let entry = u64::from_be_bytes(k[8..16].try_into().expect("8 bytes"));
+                    moved.insert((*ledger, entry), self.read_at(loc)?);
+                }
+            }
+        }
+        let checkpoint = match self.db.get_cf(cf(&self.db, CF_META), KEY_CHECKPOINT)? {
+            Some(v) => u64::from_be_bytes(
+                v.as_slice()
+                    .try_into()
+                    .map_err(|_| StorageError::Corrupt("checkpoint".into()))?,
+            ),
+            None => 0,
+        };
+        self.write_entries(writer, &moved, checkpoint)
+    }
+
+    pub fn stats(&self) -> StorageStats {
+        let usage = self.usage.lock().expect("usage lock");
+        StorageStats {
+            write_cache_bytes: self.write_cache_bytes(),
+            entry_logs: usage.len(),
+            entry_log_bytes: usage.values().flat_map(|u| u.values()).sum(),
+            ledgers: self
+                .ledgers
+                .lock()
+                .expect("ledgers lock")
+                .values()
+                .filter(|s| !s.deleted)
+                .count(),
+        }
+    }
+
+    /// Ledgers this bookie stores (not deleted), with their state.
+    pub fn ledgers(&self) -> Vec<(u64, LedgerState)> {
+        let mut v: Vec<_> = self
+            .ledgers
+            .lock()
+            .expect("ledgers lock")
+            .iter()
+            .filter(|(_, s)| !s.deleted)
+            .map(|(id, s)| (*id, s.clone()))
+            .collect();
+        v.sort_by_key(|(id, _)| *id);
+        v
+    }
+}
+
+fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
+    db.cf_handle(name).expect("column family created at open")
+}
+
+fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("serializable")
+}

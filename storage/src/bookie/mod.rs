@@ -1,0 +1,685 @@
+//! The bookie server: stores ledger entries for writers and serves them to readers.
+//!
+//! ```text
+//!  connection task ── decode ──► Add:   check key/fence ─► journal (group commit) ─┐
+//!        ▲                       Read:  ledger storage (blocking pool)             │
+//!        │                       Fence: mark fenced ─► journal fence record ───────┤
+//!        └──── writer task ◄──── responses (one write per burst) ◄─────────────────┘
+//!  flusher thread: roll journal ─► ledger_storage.flush ─► remove old journal files; GC
+//! ```
+//!
+//! An add is answered only after the journal's fsync covered it. A damaged frame closes that
+//! connection only.
+
+pub mod ledger_storage;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, watch, Semaphore};
+
+use crate::journal::{self, Journal, JournalOptions, JournalThread, Record, RecordKind};
+use crate::proto::{self, Frame, Request, Response, Status, ADD_RECOVERY, NONE};
+use ledger_storage::{LedgerStorage, StorageOptions};
+
+/// Everything a bookie needs to run (built from `[bookie]` in the configuration).
+#[derive(Debug, Clone)]
+pub struct BookieOptions {
+    pub journal: JournalOptions,
+    pub storage: StorageOptions,
+    pub flush_interval_ms: u64,
+    pub gc_interval_ms: u64,
+    pub frame_bytes_max: usize,
+    pub requests_in_flight_max: usize,
+    /// Above this share of a disk used (journal or ledger directory), the bookie turns read-only.
+    pub disk_usage_percent_max: u64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BookieError {
+    #[error(transparent)]
+    Journal(#[from] journal::JournalError),
+    #[error(transparent)]
+    Storage(#[from] ledger_storage::StorageError),
+    #[error("bookie: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// The state shared by connections and the flusher.
+pub struct BookieCore {
+    storage: Arc<LedgerStorage>,
+    journal: Journal,
+    read_only: AtomicBool,
+    read_only_reason: std::sync::Mutex<String>,
+    opts: BookieOptions,
+    adds: AtomicU64,
+}
+
+impl BookieCore {
+    pub fn storage(&self) -> &LedgerStorage {
+        &self.storage
+    }
+
+    pub fn is_read_only(&self) -> bool {
+        self.read_only.load(Ordering::Relaxed)
+    }
+
+    /// Why the bookie is read-only, if it is.
+    pub fn read_only_reason(&self) -> Option<String> {
+        self.is_read_only()
+            .then(|| self.read_only_reason.lock().expect("lock").clone())
+    }
+
+    fn set_read_only(&self, why: String) {
+        if !self.read_only.swap(true, Ordering::Relaxed) {
+            tracing::error!(reason = %why, "bookie is read-only from now on");
+        }
+        *self.read_only_reason.lock().expect("lock") = why;
+    }
+
+    /// Free bytes on the ledger directory's file system, and the used percentage of the fuller
+    /// of the journal's and the ledgers' file systems.
+    pub fn disk_usage(&self) -> (u64, u64) {
+        let mut free = u64::MAX;
+        let mut used_pct = 0;
+        for dir in [&self.opts.journal.dir, &self.opts.storage.ledger_dir] {
+            if let Ok(s) = rustix::fs::statvfs(dir.as_path()) {
+                let total = s.f_blocks.saturating_mul(s.f_frsize);
+                let avail = s.f_bavail.saturating_mul(s.f_frsize);
+                free = free.min(avail);
+                if let Some(avail_pct) = avail.saturating_mul(100).checked_div(total) {
+                    used_pct = used_pct.max(100u64.saturating_sub(avail_pct));
+                }
+            }
+        }
+        (if free == u64::MAX { 0 } else { free }, used_pct)
+    }
+
+    pub fn adds(&self) -> u64 {
+        self.adds.load(Ordering::Relaxed)
+    }
+}
+
+/// A started bookie.
+pub struct RunningBookie {
+    pub core: Arc<BookieCore>,
+    pub addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    server: tokio::task::JoinHandle<()>,
+    flusher: Option<std::thread::JoinHandle<()>>,
+    journal_thread: Option<JournalThread>,
+}
+
+impl RunningBookie {
+    /// Stops accepting, closes connections, flushes the write cache, stops the journal.
+    pub async fn shutdown(mut self) {
+        let _ = self.stop.send(true);
+        let _ = (&mut self.server).await;
+        if let Some(f) = self.flusher.take() {
+            let _ = tokio::task::spawn_blocking(move || f.join()).await;
+        }
+        let core = Arc::clone(&self.core);
+        let journal_thread = self.journal_thread.take();
+        let _ = tokio::task::spawn_blocking(move || {
+            flush_once(&core);
+            core.journal.stop();
+            if let Some(t) = journal_thread {
+                t.join();
+            }
+        })
+        .await;
+    }
+
+    /// Stops serving at once, as a crash would: no flush. Only what the journal fsynced
+    /// survives (tests use this for kill -9 inside one process).
+    pub async fn crash(mut self) {
+        let _ = self.stop.send(true);
+        self.server.abort();
+        let _ = (&mut self.server).await;
+        if let Some(f) = self.flusher.take() {
+            let _ = tokio::task::spawn_blocking(move || f.join()).await;
+        }
+        self.core.journal.stop();
+        if let Some(t) = self.journal_thread.take() {
+            let _ = tokio::task::spawn_blocking(move || t.join()).await;
+        }
+    }
+}
+
+/// Opens storage, replays the journal, and starts serving on `listener`.
+pub async fn start(
+    opts: BookieOptions,
+    listener: TcpListener,
+) -> Result<RunningBookie, BookieError> {
+    let addr = listener.local_addr()?;
+    let o = opts.clone();
+    let (storage, journal, journal_thread) = tokio::task::spawn_blocking(move || open_storage(&o))
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))??;
+    let core = Arc::new(BookieCore {
+        storage: Arc::new(storage),
+        journal,
+        read_only: AtomicBool::new(false),
+        read_only_reason: std::sync::Mutex::default(),
+        opts,
+        adds: AtomicU64::new(0),
+    });
+    let (stop, stop_rx) = watch::channel(false);
+    let flusher = {
+        let core = Arc::clone(&core);
+        let stop_rx = stop_rx.clone();
+        std::thread::Builder::new()
+            .name("bookie-flusher".into())
+            .spawn(move || flusher(core, stop_rx))?
+    };
+    let server = tokio::spawn(serve(Arc::clone(&core), listener, stop_rx));
+    Ok(RunningBookie {
+        core,
+        addr,
+        stop,
+        server,
+        flusher: Some(flusher),
+        journal_thread: Some(journal_thread),
+    })
+}
+
+fn open_storage(
+    opts: &BookieOptions,
+) -> Result<(LedgerStorage, Journal, JournalThread), BookieError> {
+    let (storage, checkpoint) = LedgerStorage::open(opts.storage.clone())?;
+    std::fs::create_dir_all(&opts.journal.dir)?;
+    for (seq, path) in journal::list_files(&opts.journal.dir)? {
+        if seq < checkpoint {
+            std::fs::remove_file(&path)?;
+        }
+    }
+    let mut replayed = 0u64;
+    let report = journal::replay(&opts.journal.dir, |_, r| {
+        replayed += 1;
+        apply_record(&storage, r);
+    })?;
+    tracing::info!(
+        files = report.len(),
+        records = replayed,
+        checkpoint,
+        "journal replayed"
+    );
+    let (journal, thread) = Journal::start(opts.journal.clone())?;
+    Ok((storage, journal, thread))
+}
+
+/// Journal record data of an add: `key_len: u8 | master key | envelope`.
+fn add_record_data(master_key: &[u8], envelope: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(1 + master_key.len() + envelope.len());
+    v.push(master_key.len() as u8);
+    v.extend_from_slice(master_key);
+    v.extend_from_slice(envelope);
+    v
+}
+
+fn split_record_data(data: &[u8]) -> Option<(&[u8], &[u8])> {
+    let n = *data.first()? as usize;
+    if data.len() < 1 + n {
+        return None;
+    }
+    Some((&data[1..1 + n], &data[1 + n..]))
+}
+
+fn apply_record(storage: &LedgerStorage, r: Record) {
+    let Some((key, rest)) = split_record_data(&r.data) else {
+        tracing::error!(
+            ledger_id = r.ledger_id,
+            entry_id = r.entry_id,
+            "journal record without a key; skipped"
+        );
+        return;
+    };
+    match r.kind {
+        RecordKind::Add => {
+            let envelope = Bytes::copy_from_slice(rest);
+            match proto::open(&envelope) {
+                Ok(e) => storage.add_durable(r.ledger_id, r.entry_id, e.lac, key, envelope),
+                Err(err) => {
+                    tracing::error!(ledger_id = r.ledger_id, entry_id = r.entry_id, error = %err, "journal entry does not verify; skipped")
+                }
+            }
+        }
+        RecordKind::Fence => storage.fence_replayed(r.ledger_id, key),
+    }
+}
+
+/// Rolls the journal, moves the write cache to entry logs, removes covered journal files.
+fn flush_once(core: &BookieCore) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    core.journal.roll(Box::new(move |r| {
+        let _ = tx.send(r);
+    }));
+    let seq = match rx.recv() {
+        Ok(Ok(seq)) => seq,
+        Ok(Err(e)) => {
+            core.set_read_only(format!("journal: {e}"));
+            return;
+        }
+        Err(_) => return,
+    };
+    match core.storage.flush(seq) {
+        Ok(_) => {
+            if let Ok(files) = journal::list_files(&core.opts.journal.dir) {
+                for (s, path) in files {
+                    if s < seq {
+                        if let Err(e) = std::fs::remove_file(&path) {
+                            tracing::warn!(path = %path.display(), error = %e, "removing a checkpointed journal file failed");
+                        }
+                    }
+                }
+            }
+        }
+        Err(e) => core.set_read_only(format!("flushing the write cache: {e}")),
+    }
+}
+
+fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
+    let interval = Duration::from_millis(core.opts.flush_interval_ms);
+    let gc_interval = Duration::from_millis(core.opts.gc_interval_ms);
+    let mut last_flush = std::time::Instant::now();
+    let mut last_gc = std::time::Instant::now();
+    while !*stop.borrow() {
+        std::thread::sleep(Duration::from_millis(5));
+        let half_full =
+            core.storage.write_cache_bytes() >= core.opts.storage.write_cache_bytes_max / 2;
+        if half_full || last_flush.elapsed() >= interval {
+            flush_once(&core);
+            last_flush = std::time::Instant::now();
+            let (_, used_pct) = core.disk_usage();
+            if used_pct > core.opts.disk_usage_percent_max {
+                core.set_read_only(format!(
+                    "disk {used_pct}% used, above bookie.disk_usage_percent_max = {}",
+                    core.opts.disk_usage_percent_max
+                ));
+            }
+        }
+        if last_gc.elapsed() >= gc_interval {
+            match core.storage.collect_garbage() {
+                Ok(0) => {}
+                Ok(freed) => tracing::info!(freed, "garbage collection freed bytes"),
+                Err(e) => tracing::error!(error = %e, "garbage collection failed"),
+            }
+            last_gc = std::time::Instant::now();
+        }
+    }
+}
+
+async fn serve(core: Arc<BookieCore>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    let mut conns = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let _ = stream.set_nodelay(true);
+                    let core = Arc::clone(&core);
+                    let stop = stop.clone();
+                    conns.spawn(async move {
+                        if let Err(e) = connection(core, stream, stop).await {
+                            tracing::info!(%peer, error = %e, "bookie connection closed");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+        }
+    }
+    conns.shutdown().await;
+}
+
+/// One client connection: requests are read and started in order, answered as they complete.
+async fn connection(
+    core: Arc<BookieCore>,
+    stream: TcpStream,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), String> {
+    let (mut rd, mut wr) = stream.into_split();
+    let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+    let permits = Arc::new(Semaphore::new(core.opts.requests_in_flight_max));
+    let writer_permits = Arc::clone(&permits);
+    let writer = tokio::spawn(async move {
+        let mut out = Vec::with_capacity(64 << 10);
+        while let Some(first) = rx.recv().await {
+            out.clear();
+            out.extend_from_slice(&first);
+            let mut n = 1;
+            while out.len() < (1 << 20) {
+                match rx.try_recv() {
+                    Ok(more) => {
+                        out.extend_from_slice(&more);
+                        n += 1;
+                    }
+                    Err(_) => break,
+                }
+            }
+            if wr.write_all(&out).await.is_err() {
+                return;
+            }
+            writer_permits.add_permits(n);
+        }
+    });
+    let mut buf = BytesMut::with_capacity(64 << 10);
+    let result = loop {
+        let frame = match proto::decode(&mut buf, core.opts.frame_bytes_max) {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                let n = tokio::select! {
+                    _ = stop.changed() => break Ok(()),
+                    n = rd.read_buf(&mut buf) => n,
+                };
+                match n {
+                    Ok(0) => break Ok(()),
+                    Ok(_) => continue,
+                    Err(e) => break Err(e.to_string()),
+                }
+            }
+            Err(e) => break Err(format!("malformed frame: {e}")),
+        };
+        let (id, request) = match frame {
+            Frame::Request { id, request } => (id, request),
+            Frame::Response { .. } => break Err("a response frame sent to a bookie".into()),
+        };
+        let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+            break Ok(());
+        };
+        // Released by the writer once the response is written.
+        permit.forget();
+        handle(&core, id, request, tx.clone()).await;
+    };
+    drop(tx);
+    let _ = writer.await;
+    result
+}
+
+fn send(tx: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: Response) {
+    let mut out = Vec::new();
+    proto::encode(&Frame::Response { id, response }, &mut out);
+    let _ = tx.send(out);
+}
+
+async fn handle(
+    core: &Arc<BookieCore>,
+    id: u64,
+    request: Request,
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+) {
+    match request {
+        Request::Add {
+            ledger_id,
+            entry_id,
+            flags,
+            master_key,
+            entry,
+        } => {
+            let reply = move |status| Response::Add {
+                status,
+                ledger_id,
+                entry_id,
+            };
+            if core.is_read_only() {
+                return send(&tx, id, reply(Status::ReadOnly));
+            }
+            let envelope = match proto::open(&entry) {
+                Ok(e) if e.ledger_id == ledger_id && e.entry_id == entry_id => e,
+                Ok(_) => return send(&tx, id, reply(Status::BadChecksum)),
+                Err(e) => {
+                    tracing::warn!(ledger_id, entry_id, error = %e, "add refused: entry does not verify");
+                    return send(&tx, id, reply(Status::BadChecksum));
+                }
+            };
+            if let Err(status) =
+                core.storage
+                    .check_add(ledger_id, &master_key, flags & ADD_RECOVERY != 0)
+            {
+                return send(&tx, id, reply(status));
+            }
+            while core.storage.write_cache_full() {
+                // The flusher is behind: hold this add until the cache drains.
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let record = Record {
+                kind: RecordKind::Add,
+                ledger_id,
+                entry_id,
+                data: add_record_data(&master_key, &entry),
+            };
+            let storage = Arc::clone(&core.storage);
+            let core2 = Arc::clone(core);
+            core.journal.append(
+                record,
+                Box::new(move |r| match r {
+                    Ok(_) => {
+                        // Durable (journal fsync returned): readable, then acknowledged.
+                        storage.add_durable(ledger_id, entry_id, envelope.lac, &master_key, entry);
+                        core2.adds.fetch_add(1, Ordering::Relaxed);
+                        send(&tx, id, reply(Status::Ok));
+                    }
+                    Err(e) => {
+                        core2.set_read_only(format!("journal: {e}"));
+                        send(&tx, id, reply(Status::ReadOnly));
+                    }
+                }),
+            );
+        }
+        Request::Read {
+            ledger_id,
+            entry_id,
+        } => {
+            let storage = Arc::clone(&core.storage);
+            tokio::task::spawn_blocking(move || {
+                let response = match read_checked(&storage, ledger_id, entry_id) {
+                    Ok(entry) => Response::Read {
+                        status: Status::Ok,
+                        ledger_id,
+                        entry_id,
+                        entry,
+                    },
+                    Err(status) => Response::Read {
+                        status,
+                        ledger_id,
+                        entry_id,
+                        entry: Bytes::new(),
+                    },
+                };
+                send(&tx, id, response);
+            });
+        }
+        Request::ReadRange {
+            ledger_id,
+            first_entry,
+            count_max,
+            bytes_max,
+        } => {
+            let storage = Arc::clone(&core.storage);
+            let frame_max = core.opts.frame_bytes_max.saturating_sub(64);
+            tokio::task::spawn_blocking(move || {
+                let bytes_max = (bytes_max as usize).min(frame_max);
+                let mut entries = Vec::new();
+                let mut total = 0usize;
+                let mut status = Status::Ok;
+                for i in 0..count_max as u64 {
+                    let Some(entry_id) = first_entry.checked_add(i) else {
+                        break;
+                    };
+                    match read_checked(&storage, ledger_id, entry_id) {
+                        Ok(e) => {
+                            if !entries.is_empty() && total + e.len() + 4 > bytes_max {
+                                break;
+                            }
+                            total += e.len() + 4;
+                            entries.push(e);
+                        }
+                        Err(Status::NoSuchEntry) => break,
+                        Err(s) => {
+                            if entries.is_empty() {
+                                status = s;
+                            }
+                            break;
+                        }
+                    }
+                }
+                if entries.is_empty() && status == Status::Ok {
+                    status = Status::NoSuchEntry;
+                }
+                send(
+                    &tx,
+                    id,
+                    Response::ReadRange {
+                        status,
+                        ledger_id,
+                        entries,
+                    },
+                );
+            });
+        }
+        Request::ReadLac { ledger_id } => {
+            let response = match core.storage.ledger_state(ledger_id) {
+                Some(s) => Response::Lac {
+                    status: Status::Ok,
+                    ledger_id,
+                    lac: s.lac,
+                    last_entry: s.last_entry,
+                    fence: false,
+                },
+                None => Response::Lac {
+                    status: Status::NoSuchLedger,
+                    ledger_id,
+                    lac: NONE,
+                    last_entry: NONE,
+                    fence: false,
+                },
+            };
+            send(&tx, id, response);
+        }
+        Request::Fence {
+            ledger_id,
+            master_key,
+        } => {
+            let fail = move |status| Response::Lac {
+                status,
+                ledger_id,
+                lac: NONE,
+                last_entry: NONE,
+                fence: true,
+            };
+            if let Err(status) = core.storage.fence(ledger_id, &master_key) {
+                return send(&tx, id, fail(status));
+            }
+            let storage = Arc::clone(&core.storage);
+            // The fence is answered once durable: after a restart the old writer is still refused.
+            core.journal.append(
+                Record {
+                    kind: RecordKind::Fence,
+                    ledger_id,
+                    entry_id: 0,
+                    data: add_record_data(&master_key, &[]),
+                },
+                Box::new(move |r| {
+                    let response = match (r, storage.ledger_state(ledger_id)) {
+                        (Ok(_), Some(s)) => Response::Lac {
+                            status: Status::Ok,
+                            ledger_id,
+                            lac: s.lac,
+                            last_entry: s.last_entry,
+                            fence: true,
+                        },
+                        (Ok(_), None) => fail(Status::NoSuchLedger),
+                        (Err(_), _) => fail(Status::ReadOnly),
+                    };
+                    send(&tx, id, response);
+                }),
+            );
+        }
+        Request::Delete { ledger_id } => {
+            let storage = Arc::clone(&core.storage);
+            tokio::task::spawn_blocking(move || {
+                let status = match storage.delete(ledger_id) {
+                    Ok(()) => Status::Ok,
+                    Err(e) => {
+                        tracing::error!(ledger_id, error = %e, "deleting a ledger failed");
+                        Status::Internal
+                    }
+                };
+                send(&tx, id, Response::Delete { status, ledger_id });
+            });
+        }
+    }
+}
+
+/// Reads an entry and verifies its checksum: a damaged entry is reported, never served.
+fn read_checked(storage: &LedgerStorage, ledger_id: u64, entry_id: u64) -> Result<Bytes, Status> {
+    let entry = storage.read(ledger_id, entry_id)?;
+    match proto::open(&entry) {
+        Ok(e) if e.ledger_id == ledger_id && e.entry_id == entry_id => Ok(entry),
+        Ok(_) | Err(_) => {
+            tracing::error!(
+                ledger_id,
+                entry_id,
+                "stored entry does not verify; not served"
+            );
+            Err(Status::BadChecksum)
+        }
+    }
+}
+
+/// Announces the bookie under `/bookies/available/<advertise>` (an ephemeral key of a session
+/// with `ttl_ms`) and refreshes it every `refresh` with free space and writability. Runs until
+/// `stop`; a lost session is re-created.
+pub async fn register(
+    core: Arc<BookieCore>,
+    meta: meridian_metadata::MetadataClient,
+    advertise: String,
+    ttl_ms: u64,
+    refresh: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let key = format!("{}{advertise}", crate::ledger::BOOKIES_PREFIX);
+    let mut session: Option<meridian_metadata::SessionHandle> = None;
+    loop {
+        if session.as_ref().is_some_and(|s| s.lost().is_some()) {
+            session = None;
+        }
+        if session.is_none() {
+            match meta.session(ttl_ms).await {
+                Ok(s) => session = Some(s),
+                Err(e) => tracing::warn!(error = %e, "bookie registration: no session yet"),
+            }
+        }
+        if let Some(s) = &session {
+            let (free_bytes, _) = core.disk_usage();
+            let info = crate::ledger::BookieInfo {
+                address: advertise.clone(),
+                free_bytes,
+                writable: !core.is_read_only(),
+            };
+            let value = serde_json::to_vec(&info).expect("serializable");
+            let opts = meridian_metadata::client::PutOptions {
+                session: s.id,
+                ..Default::default()
+            };
+            if let Err(e) = meta.put_with(&key, value, opts).await {
+                tracing::warn!(error = %e, key = %key, "bookie registration failed");
+            }
+        }
+        tokio::select! {
+            _ = stop.changed() => break,
+            _ = tokio::time::sleep(refresh) => {}
+        }
+    }
+    if let Some(s) = session {
+        let _ = s.close().await;
+    }
+}

@@ -1,0 +1,246 @@
+//! Connections to bookies: pipelined requests matched to responses by request id.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::proto::{self, Frame, Request, Response};
+
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BookieClientError {
+    #[error("bookie {addr}: {reason}")]
+    Unreachable { addr: String, reason: String },
+    #[error("bookie {addr}: no answer within {ms} ms")]
+    Timeout { addr: String, ms: u64 },
+}
+
+/// What to do with a response (or with the connection's failure).
+pub type OnResponse = Box<dyn FnOnce(Result<Response, BookieClientError>) + Send>;
+type Pending = Arc<Mutex<HashMap<u64, OnResponse>>>;
+
+fn fail_all(pending: &Pending, addr: &str) {
+    let waiters: Vec<OnResponse> = pending
+        .lock()
+        .expect("pending lock")
+        .drain()
+        .map(|(_, w)| w)
+        .collect();
+    for w in waiters {
+        w(Err(BookieClientError::Unreachable {
+            addr: addr.to_string(),
+            reason: "connection closed".into(),
+        }));
+    }
+}
+
+/// One TCP connection to a bookie. Cheap to share; broken for good once an I/O error happened
+/// (the pool then makes a new one).
+pub struct BookieConn {
+    addr: String,
+    tx: mpsc::UnboundedSender<Vec<u8>>,
+    pending: Pending,
+    next_id: AtomicU64,
+    broken: Arc<AtomicBool>,
+}
+
+impl BookieConn {
+    pub async fn connect(
+        addr: &str,
+        timeout: Duration,
+        frame_bytes_max: usize,
+    ) -> Result<Arc<Self>, BookieClientError> {
+        let unreachable = |reason: String| BookieClientError::Unreachable {
+            addr: addr.to_string(),
+            reason,
+        };
+        let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
+            .await
+            .map_err(|_| unreachable("connect timed out".into()))?
+            .map_err(|e| unreachable(e.to_string()))?;
+        let _ = stream.set_nodelay(true);
+        let (mut rd, mut wr) = stream.into_split();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let pending: Pending = Arc::default();
+        let broken = Arc::new(AtomicBool::new(false));
+        let conn = Arc::new(Self {
+            addr: addr.to_string(),
+            tx,
+            pending: Arc::clone(&pending),
+            next_id: AtomicU64::new(1),
+            broken: Arc::clone(&broken),
+        });
+        let wbroken = Arc::clone(&broken);
+        let waddr = addr.to_string();
+        let wpending = Arc::clone(&pending);
+        tokio::spawn(async move {
+            let mut out = Vec::with_capacity(64 << 10);
+            while let Some(first) = rx.recv().await {
+                out.clear();
+                out.extend_from_slice(&first);
+                while out.len() < (1 << 20) {
+                    match rx.try_recv() {
+                        Ok(more) => out.extend_from_slice(&more),
+                        Err(_) => break,
+                    }
+                }
+                if wr.write_all(&out).await.is_err() {
+                    break;
+                }
+            }
+            wbroken.store(true, Ordering::Relaxed);
+            fail_all(&wpending, &waddr);
+        });
+        let addr_owned = addr.to_string();
+        tokio::spawn(async move {
+            let mut buf = BytesMut::with_capacity(256 << 10);
+            loop {
+                match proto::decode(&mut buf, frame_bytes_max) {
+                    Ok(Some(Frame::Response { id, response })) => {
+                        let waiter = pending.lock().expect("pending lock").remove(&id);
+                        if let Some(waiter) = waiter {
+                            waiter(Ok(response));
+                        }
+                        continue;
+                    }
+                    Ok(Some(Frame::Request { .. })) => {
+                        tracing::warn!(addr = %addr_owned, "bookie sent a request frame; closing");
+                        break;
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        tracing::warn!(addr = %addr_owned, error = %e, "malformed frame from bookie; closing");
+                        break;
+                    }
+                }
+                match rd.read_buf(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(_) => {}
+                }
+            }
+            broken.store(true, Ordering::Relaxed);
+            fail_all(&pending, &addr_owned);
+        });
+        Ok(conn)
+    }
+
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Relaxed)
+    }
+
+    /// Sends `request`; `on_response` runs (on the connection's reader task) with the answer,
+    /// or with an error if the connection fails first. Requests sent in order leave in order.
+    pub fn send_with(&self, request: Request, on_response: OnResponse) {
+        if self.is_broken() {
+            return on_response(Err(BookieClientError::Unreachable {
+                addr: self.addr.clone(),
+                reason: "connection closed".into(),
+            }));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.pending
+            .lock()
+            .expect("pending lock")
+            .insert(id, on_response);
+        let mut out = Vec::new();
+        proto::encode(&Frame::Request { id, request }, &mut out);
+        if self.tx.send(out).is_err() {
+            if let Some(w) = self.pending.lock().expect("pending lock").remove(&id) {
+                w(Err(BookieClientError::Unreachable {
+                    addr: self.addr.clone(),
+                    reason: "connection closed".into(),
+                }));
+            }
+        }
+    }
+
+    /// Sends `request` and returns a future of its response; the request is on its way when
+    /// this returns.
+    pub fn send(
+        &self,
+        request: Request,
+    ) -> impl std::future::Future<Output = Result<Response, BookieClientError>> + Send + 'static
+    {
+        let (tx, rx) = oneshot::channel();
+        self.send_with(
+            request,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        let addr = self.addr.clone();
+        async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(BookieClientError::Unreachable {
+                    addr,
+                    reason: "connection closed".into(),
+                })
+            })
+        }
+    }
+
+    /// [`send`](Self::send) with a deadline.
+    pub async fn call(
+        &self,
+        request: Request,
+        timeout: Duration,
+    ) -> Result<Response, BookieClientError> {
+        let fut = self.send(request);
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| BookieClientError::Timeout {
+                addr: self.addr.clone(),
+                ms: timeout.as_millis() as u64,
+            })?
+    }
+}
+
+/// Connections by bookie address, made on first use and remade when broken.
+pub struct BookiePool {
+    conns: tokio::sync::Mutex<HashMap<String, Arc<BookieConn>>>,
+    pub connect_timeout: Duration,
+    pub request_timeout: Duration,
+    pub frame_bytes_max: usize,
+}
+
+impl BookiePool {
+    pub fn new(
+        connect_timeout: Duration,
+        request_timeout: Duration,
+        frame_bytes_max: usize,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            conns: tokio::sync::Mutex::default(),
+            connect_timeout,
+            request_timeout,
+            frame_bytes_max,
+        })
+    }
+
+    pub async fn get(&self, addr: &str) -> Result<Arc<BookieConn>, BookieClientError> {
+        let mut conns = self.conns.lock().await;
+        if let Some(c) = conns.get(addr) {
+            if !c.is_broken() {
+                return Ok(Arc::clone(c));
+            }
+        }
+        let c = BookieConn::connect(addr, self.connect_timeout, self.frame_bytes_max).await?;
+        conns.insert(addr.to_string(), Arc::clone(&c));
+        Ok(c)
+    }
+
+    /// One request with the pool's deadline.
+    pub async fn call(&self, addr: &str, request: Request) -> Result<Response, BookieClientError> {
+        let c = self.get(addr).await?;
+        c.call(request, self.request_timeout).await
+    }
+}

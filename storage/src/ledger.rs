@@ -1,0 +1,1081 @@
+//! The ledger client: create, write, close, open, recover, read and delete ledgers.
+//!
+//! Ledger metadata lives in the metadata store at `/ledgers/L<id, 20 digits>` (JSON), ids come
+//! from the sequential key `/ledgers/ids/id-`, and bookies announce themselves under
+//! `/bookies/available/<address>` (ephemeral). Every metadata change is a compare-and-set.
+//!
+//! A writer is one task that owns the ledger's write state:
+//!
+//! ```text
+//!  add(payload) ─► entry id, envelope (with the LAC) ─► Qw bookies of the entry's write set
+//!  bookie acks ─► AckSet per entry ─► entries complete in id order once Qa acked ─► LAC moves
+//!  bookie error ─► ensemble change: new fragment from LAC+1 with a replacement bookie (CAS),
+//!                  unacknowledged entries resent to it
+//!  fenced ─► every pending and later add fails: another client recovered the ledger
+//! ```
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use meridian_metadata::client::{ClientError, MetadataClient, PutOptions};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+
+use crate::client::{BookieClientError, BookieConn, BookiePool};
+use crate::proto::{self, Request, Response, Status, ADD_RECOVERY, NONE};
+use crate::striping::{AckSet, QuorumError, Quorums};
+
+pub const LEDGERS_PREFIX: &str = "/ledgers/";
+pub const LEDGER_IDS_PREFIX: &str = "/ledgers/ids/id-";
+pub const BOOKIES_PREFIX: &str = "/bookies/available/";
+
+pub fn ledger_key(id: u64) -> String {
+    format!("{LEDGERS_PREFIX}L{id:020}")
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LedgerState {
+    Open,
+    InRecovery,
+    Closed,
+}
+
+/// A run of entries written to one ensemble.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fragment {
+    pub first_entry: u64,
+    pub ensemble: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerMetadata {
+    pub id: u64,
+    pub ensemble_size: usize,
+    pub write_quorum: usize,
+    pub ack_quorum: usize,
+    pub state: LedgerState,
+    /// Last entry of a closed ledger (`None`: closed empty, or not closed).
+    pub last_entry: Option<u64>,
+    /// Hex of the key bookies check on every add and fence.
+    pub master_key: String,
+    pub fragments: Vec<Fragment>,
+    pub created_ms: u64,
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+impl LedgerMetadata {
+    pub fn quorums(&self) -> Result<Quorums, QuorumError> {
+        Quorums::new(self.ensemble_size, self.write_quorum, self.ack_quorum)
+    }
+
+    /// The fragment holding `entry`.
+    pub fn fragment_of(&self, entry: u64) -> &Fragment {
+        self.fragments
+            .iter()
+            .rev()
+            .find(|f| f.first_entry <= entry)
+            .unwrap_or(&self.fragments[0])
+    }
+
+    pub fn key_bytes(&self) -> Bytes {
+        Bytes::from(hex_decode(&self.master_key))
+    }
+}
+
+/// What a bookie says of itself in the metadata store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BookieInfo {
+    pub address: String,
+    pub free_bytes: u64,
+    pub writable: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LedgerError {
+    #[error(transparent)]
+    Metadata(#[from] ClientError),
+    #[error(transparent)]
+    Quorum(#[from] QuorumError),
+    #[error("ledger {0} does not exist")]
+    NoSuchLedger(u64),
+    #[error("ledger {ledger}: entry {entry} does not exist")]
+    NoSuchEntry { ledger: u64, entry: u64 },
+    #[error("ledger {0} was fenced: another client recovered it, this writer may not add")]
+    Fenced(u64),
+    #[error("ledger {0} is closed")]
+    Closed(u64),
+    #[error("need {needed} writable bookies, {available} available ({detail})")]
+    NotEnoughBookies {
+        needed: usize,
+        available: usize,
+        detail: String,
+    },
+    #[error("ledger {ledger}: entry {entry} could not be read: {detail}")]
+    ReadFailed {
+        ledger: u64,
+        entry: u64,
+        detail: String,
+    },
+    #[error("ledger {ledger}: {detail}")]
+    Failed { ledger: u64, detail: String },
+    #[error("corrupt ledger metadata at {key}: {detail}")]
+    BadMetadata { key: String, detail: String },
+}
+
+/// Settings of the ledger client.
+#[derive(Debug, Clone)]
+pub struct LedgerClientOptions {
+    /// Entries a writer may have in flight (sent, not yet acknowledged).
+    pub window: usize,
+    /// A bookie that has not answered an add or read within this is treated as failed.
+    pub request_timeout: Duration,
+    pub connect_timeout: Duration,
+    /// A read also asks the next replica if the first has not answered within this.
+    pub speculative_read_delay: Duration,
+    pub frame_bytes_max: usize,
+}
+
+impl Default for LedgerClientOptions {
+    fn default() -> Self {
+        Self {
+            window: 1000,
+            request_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(2),
+            speculative_read_delay: Duration::from_millis(50),
+            frame_bytes_max: 5 << 20,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct LedgerClient {
+    meta: MetadataClient,
+    pool: Arc<BookiePool>,
+    opts: LedgerClientOptions,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn hex_encode(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn hex_decode(s: &str) -> Vec<u8> {
+    (0..s.len() / 2)
+        .filter_map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok())
+        .collect()
+}
+
+impl LedgerClient {
+    pub fn new(meta: MetadataClient, opts: LedgerClientOptions) -> Self {
+        let pool = BookiePool::new(
+            opts.connect_timeout,
+            opts.request_timeout,
+            opts.frame_bytes_max,
+        );
+        Self { meta, pool, opts }
+    }
+
+    pub fn metadata_client(&self) -> &MetadataClient {
+        &self.meta
+    }
+
+    /// Registered bookies, as they describe themselves.
+    pub async fn bookies(&self) -> Result<Vec<BookieInfo>, LedgerError> {
+        let mut out = Vec::new();
+        let mut after = String::new();
+        loop {
+            let page = self.meta.list(BOOKIES_PREFIX, &after, 0).await?;
+            for kv in &page.kvs {
+                match serde_json::from_slice::<BookieInfo>(&kv.value) {
+                    Ok(b) => out.push(b),
+                    Err(e) => {
+                        tracing::warn!(key = %kv.key, error = %e, "unreadable bookie registration")
+                    }
+                }
+            }
+            match (page.more, page.kvs.last()) {
+                (true, Some(last)) => after = last.key.clone(),
+                _ => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// `n` writable bookies not in `exclude`, the emptiest first.
+    async fn choose_bookies(
+        &self,
+        n: usize,
+        exclude: &[String],
+    ) -> Result<Vec<String>, LedgerError> {
+        let mut candidates: Vec<BookieInfo> = self
+            .bookies()
+            .await?
+            .into_iter()
+            .filter(|b| b.writable && !exclude.contains(&b.address))
+            .collect();
+        candidates.sort_by(|a, b| {
+            b.free_bytes
+                .cmp(&a.free_bytes)
+                .then(a.address.cmp(&b.address))
+        });
+        if candidates.len() < n {
+            return Err(LedgerError::NotEnoughBookies {
+                needed: n,
+                available: candidates.len(),
+                detail: format!("registered under {BOOKIES_PREFIX}, excluding {exclude:?}"),
+            });
+        }
+        Ok(candidates.into_iter().take(n).map(|b| b.address).collect())
+    }
+
+    /// Creates a ledger on `ensemble_size` bookies and returns its writer.
+    pub async fn create(
+        &self,
+        ensemble_size: usize,
+        write_quorum: usize,
+        ack_quorum: usize,
+        properties: BTreeMap<String, String>,
+    ) -> Result<LedgerWriter, LedgerError> {
+        let q = Quorums::new(ensemble_size, write_quorum, ack_quorum)?;
+        let ensemble = self.choose_bookies(ensemble_size, &[]).await?;
+        let id_key = self
+            .meta
+            .put_with(
+                LEDGER_IDS_PREFIX,
+                Vec::new(),
+                PutOptions {
+                    sequential: true,
+                    ..PutOptions::default()
+                },
+            )
+            .await?
+            .key;
+        let id: u64 =
+            id_key[LEDGER_IDS_PREFIX.len()..]
+                .parse()
+                .map_err(|_| LedgerError::BadMetadata {
+                    key: id_key.clone(),
+                    detail: "sequential suffix is not a number".into(),
+                })?;
+        let key: [u8; 20] = rand::random();
+        let meta = LedgerMetadata {
+            id,
+            ensemble_size,
+            write_quorum,
+            ack_quorum,
+            state: LedgerState::Open,
+            last_entry: None,
+            master_key: hex_encode(&key),
+            fragments: vec![Fragment {
+                first_entry: 0,
+                ensemble,
+            }],
+            created_ms: now_ms(),
+            properties,
+        };
+        let version = self
+            .meta
+            .create(
+                &ledger_key(id),
+                serde_json::to_vec(&meta).expect("serializable"),
+            )
+            .await?;
+        Ok(LedgerWriter::spawn(self.clone(), meta, version, q))
+    }
+
+    /// The ledger's metadata and its version.
+    pub async fn metadata(&self, id: u64) -> Result<(LedgerMetadata, u64), LedgerError> {
+        let key = ledger_key(id);
+        let kv = self
+            .meta
+            .get(&key)
+            .await?
+            .ok_or(LedgerError::NoSuchLedger(id))?;
+        let m: LedgerMetadata =
+            serde_json::from_slice(&kv.value).map_err(|e| LedgerError::BadMetadata {
+                key,
+                detail: e.to_string(),
+            })?;
+        Ok((m, kv.mod_revision))
+    }
+
+    async fn cas_metadata(&self, m: &LedgerMetadata, version: u64) -> Result<u64, LedgerError> {
+        Ok(self
+            .meta
+            .put_with(
+                &ledger_key(m.id),
+                serde_json::to_vec(m).expect("serializable"),
+                PutOptions {
+                    expected_version: Some(version),
+                    ..PutOptions::default()
+                },
+            )
+            .await?
+            .version)
+    }
+
+    /// Ids of every ledger, ascending.
+    pub async fn list(&self) -> Result<Vec<u64>, LedgerError> {
+        let mut ids = Vec::new();
+        let mut after = String::new();
+        loop {
+            let page = self.meta.children(LEDGERS_PREFIX, &after, 0).await?;
+            for name in &page.children {
+                if let Some(id) = name.strip_prefix('L').and_then(|d| d.parse().ok()) {
+                    ids.push(id);
+                }
+            }
+            match (page.more, page.children.last()) {
+                (true, Some(last)) => after = format!("{LEDGERS_PREFIX}{last}"),
+                _ => break,
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Opens a ledger for reading as it is now (an open ledger's readable end is its LAC).
+    pub async fn open(&self, id: u64) -> Result<LedgerReader, LedgerError> {
+        let (meta, _) = self.metadata(id).await?;
+        Ok(LedgerReader {
+            client: self.clone(),
+            meta,
+        })
+    }
+
+    /// Opens a ledger with recovery: fences it on its bookies (its writer can add no more),
+    /// recovers every entry that may have been acknowledged, and closes it.
+    pub async fn open_recover(&self, id: u64) -> Result<LedgerReader, LedgerError> {
+        let (mut meta, mut version) = self.metadata(id).await?;
+        if meta.state == LedgerState::Closed {
+            return Ok(LedgerReader {
+                client: self.clone(),
+                meta,
+            });
+        }
+        if meta.state == LedgerState::Open {
+            meta.state = LedgerState::InRecovery;
+            version = self.cas_metadata(&meta, version).await?;
+        }
+        let q = meta.quorums()?;
+        let key = meta.key_bytes();
+        let last = meta
+            .fragments
+            .last()
+            .expect("a ledger has a fragment")
+            .clone();
+        // 1. Fence: enough bookies that no ack quorum can form for the old writer.
+        let mut answered = 0u64;
+        let mut lac = NONE;
+        let calls = last.ensemble.iter().enumerate().map(|(i, addr)| {
+            let pool = Arc::clone(&self.pool);
+            let key = key.clone();
+            let addr = addr.clone();
+            async move {
+                (
+                    i,
+                    pool.call(
+                        &addr,
+                        Request::Fence {
+                            ledger_id: id,
+                            master_key: key,
+                        },
+                    )
+                    .await,
+                )
+            }
+        });
+        let mut errors = Vec::new();
+        for (i, r) in futures::future::join_all(calls).await {
+            match r {
+                Ok(Response::Lac {
+                    status: Status::Ok,
+                    lac: l,
+                    ..
+                }) => {
+                    answered |= 1 << i;
+                    if l != NONE && (lac == NONE || l > lac) {
+                        lac = l;
+                    }
+                }
+                Ok(Response::Lac {
+                    status: Status::Unauthorized,
+                    ..
+                }) => {
+                    return Err(LedgerError::Failed {
+                        ledger: id,
+                        detail: format!("bookie {} refused the ledger's key", last.ensemble[i]),
+                    })
+                }
+                Ok(other) => errors.push(format!("{}: {other:?}", last.ensemble[i])),
+                Err(e) => errors.push(e.to_string()),
+            }
+        }
+        if !q.covers_every_ack_quorum(answered) {
+            return Err(LedgerError::Failed {
+                ledger: id,
+                detail: format!("could not fence enough bookies: {}", errors.join("; ")),
+            });
+        }
+        // 2. Recover entries past the LAC: read each from its write set; rewrite what exists;
+        //    stop at the first entry enough bookies confirm absent.
+        let mut next = if lac == NONE { 0 } else { lac + 1 };
+        loop {
+            let frag = meta.fragment_of(next).clone();
+            let set: Vec<usize> = q.write_set(next).collect();
+            let reads = set.iter().map(|&i| {
+                let pool = Arc::clone(&self.pool);
+                let addr = frag.ensemble[i].clone();
+                async move {
+                    pool.call(
+                        &addr,
+                        Request::Read {
+                            ledger_id: id,
+                            entry_id: next,
+                        },
+                    )
+                    .await
+                }
+            });
+            let mut found = None;
+            let mut absent = 0;
+            let mut problems = Vec::new();
+            for r in futures::future::join_all(reads).await {
+                match r {
+                    Ok(Response::Read {
+                        status: Status::Ok,
+                        entry,
+                        ..
+                    }) => match proto::open(&entry) {
+                        Ok(e) if e.ledger_id == id && e.entry_id == next => found = Some(entry),
+                        _ => problems.push("an entry that does not verify".to_string()),
+                    },
+                    Ok(Response::Read {
+                        status: Status::NoSuchEntry | Status::NoSuchLedger,
+                        ..
+                    }) => absent += 1,
+                    Ok(other) => problems.push(format!("{other:?}")),
+                    Err(e) => problems.push(e.to_string()),
+                }
+            }
+            let Some(entry) = found else {
+                if absent >= q.absent_confirmations() {
+                    break;
+                }
+                return Err(LedgerError::Failed {
+                    ledger: id,
+                    detail: format!(
+                        "recovery cannot tell whether entry {next} was acknowledged: {}",
+                        problems.join("; ")
+                    ),
+                });
+            };
+            // Rewrite to the whole write set so it is on at least Qa bookies.
+            let writes = set.iter().map(|&i| {
+                let pool = Arc::clone(&self.pool);
+                let addr = frag.ensemble[i].clone();
+                let key = key.clone();
+                let entry = entry.clone();
+                async move {
+                    pool.call(
+                        &addr,
+                        Request::Add {
+                            ledger_id: id,
+                            entry_id: next,
+                            flags: ADD_RECOVERY,
+                            master_key: key,
+                            entry,
+                        },
+                    )
+                    .await
+                }
+            });
+            let ok = futures::future::join_all(writes)
+                .await
+                .into_iter()
+                .filter(|r| {
+                    matches!(
+                        r,
+                        Ok(Response::Add {
+                            status: Status::Ok,
+                            ..
+                        })
+                    )
+                })
+                .count();
+            if ok < q.ack() {
+                return Err(LedgerError::Failed {
+                    ledger: id,
+                    detail: format!(
+                        "recovery could not rewrite entry {next} to {} bookies",
+                        q.ack()
+                    ),
+                });
+            }
+            next += 1;
+        }
+        // 3. Close at the last recovered entry.
+        meta.state = LedgerState::Closed;
+        meta.last_entry = next.checked_sub(1);
+        self.cas_metadata(&meta, version).await?;
+        tracing::info!(ledger = id, last_entry = ?meta.last_entry, "ledger recovered and closed");
+        Ok(LedgerReader {
+            client: self.clone(),
+            meta,
+        })
+    }
+
+    /// Deletes the ledger: its entries on every bookie that has a fragment, then its metadata.
+    pub async fn delete(&self, id: u64) -> Result<(), LedgerError> {
+        let (meta, version) = self.metadata(id).await?;
+        let mut bookies: Vec<String> = meta
+            .fragments
+            .iter()
+            .flat_map(|f| f.ensemble.clone())
+            .collect();
+        bookies.sort();
+        bookies.dedup();
+        for addr in bookies {
+            match self
+                .pool
+                .call(&addr, Request::Delete { ledger_id: id })
+                .await
+            {
+                Ok(Response::Delete {
+                    status: Status::Ok | Status::NoSuchLedger,
+                    ..
+                }) => {}
+                other => {
+                    tracing::warn!(ledger = id, bookie = %addr, result = ?other, "bookie did not delete the ledger; its space stays used")
+                }
+            }
+        }
+        self.meta.delete(&ledger_key(id), Some(version)).await?;
+        Ok(())
+    }
+}
+
+/// Reads a ledger.
+pub struct LedgerReader {
+    client: LedgerClient,
+    meta: LedgerMetadata,
+}
+
+impl LedgerReader {
+    pub fn metadata(&self) -> &LedgerMetadata {
+        &self.meta
+    }
+
+    /// The last entry of a closed ledger.
+    pub fn last_entry(&self) -> Option<u64> {
+        self.meta.last_entry
+    }
+
+    /// Reads one entry from a replica, asking the next replica too if the first is slow or
+    /// fails. The payload is returned only if its checksum verifies.
+    pub async fn read(&self, entry: u64) -> Result<Bytes, LedgerError> {
+        let id = self.meta.id;
+        let q = self.meta.quorums()?;
+        let frag = self.meta.fragment_of(entry);
+        let set: Vec<String> = q
+            .write_set(entry)
+            .map(|i| frag.ensemble[i].clone())
+            .collect();
+        let mut tries = futures::stream::FuturesUnordered::new();
+        let mut problems = Vec::new();
+        let mut absent = 0;
+        let start = |addr: String| {
+            let pool = Arc::clone(&self.client.pool);
+            async move {
+                let r = pool
+                    .call(
+                        &addr,
+                        Request::Read {
+                            ledger_id: id,
+                            entry_id: entry,
+                        },
+                    )
+                    .await;
+                (addr, r)
+            }
+        };
+        let mut next = 0;
+        tries.push(start(set[next].clone()));
+        next += 1;
+        use futures::StreamExt;
+        loop {
+            let timer = tokio::time::sleep(self.client.opts.speculative_read_delay);
+            tokio::select! {
+                done = tries.next() => {
+                    let Some((addr, r)) = done else { break };
+                    match r {
+                        Ok(Response::Read { status: Status::Ok, entry: bytes, .. }) => match proto::open(&bytes) {
+                            Ok(e) if e.ledger_id == id && e.entry_id == entry => return Ok(e.payload),
+                            Ok(_) => problems.push(format!("{addr}: entry names another position")),
+                            Err(err) => problems.push(format!("{addr}: {err}")),
+                        },
+                        Ok(Response::Read { status: Status::NoSuchEntry | Status::NoSuchLedger, .. }) => {
+                            absent += 1;
+                            problems.push(format!("{addr}: no such entry"));
+                        }
+                        Ok(other) => problems.push(format!("{addr}: {other:?}")),
+                        Err(e) => problems.push(e.to_string()),
+                    }
+                    if next < set.len() {
+                        tries.push(start(set[next].clone()));
+                        next += 1;
+                    }
+                }
+                _ = timer, if next < set.len() => {
+                    // Speculative read: the first replica is slow.
+                    tries.push(start(set[next].clone()));
+                    next += 1;
+                }
+            }
+        }
+        if absent == set.len() {
+            return Err(LedgerError::NoSuchEntry { ledger: id, entry });
+        }
+        Err(LedgerError::ReadFailed {
+            ledger: id,
+            entry,
+            detail: problems.join("; "),
+        })
+    }
+}
+
+/// Why an entry is still pending.
+struct Pending {
+    entry: u64,
+    envelope: Bytes,
+    acks: AckSet,
+    reply: Option<oneshot::Sender<Result<u64, LedgerError>>>,
+    _permit: OwnedSemaphorePermit,
+    sent_at: Instant,
+}
+
+enum Cmd {
+    Add(
+        Bytes,
+        oneshot::Sender<Result<u64, LedgerError>>,
+        OwnedSemaphorePermit,
+    ),
+    Ack {
+        entry: u64,
+        index: usize,
+        addr: String,
+        result: Result<Response, BookieClientError>,
+    },
+    Close(oneshot::Sender<Result<Option<u64>, LedgerError>>),
+}
+
+/// Writes one ledger. Adds complete in entry order.
+pub struct LedgerWriter {
+    id: u64,
+    tx: mpsc::UnboundedSender<Cmd>,
+    window: Arc<Semaphore>,
+    lac: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl LedgerWriter {
+    fn spawn(client: LedgerClient, meta: LedgerMetadata, version: u64, q: Quorums) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let window = Arc::new(Semaphore::new(client.opts.window.max(1)));
+        let lac = Arc::new(std::sync::atomic::AtomicU64::new(NONE));
+        let id = meta.id;
+        let actor = WriterActor {
+            client,
+            key: meta.key_bytes(),
+            ensemble: meta.fragments.last().expect("fragment").ensemble.clone(),
+            meta,
+            version,
+            q,
+            next_entry: 0,
+            lac: NONE,
+            lac_shared: Arc::clone(&lac),
+            pending: VecDeque::new(),
+            failed: None,
+            conns: Vec::new(),
+            tx: tx.clone(),
+            closing: None,
+        };
+        tokio::spawn(actor.run(rx));
+        Self {
+            id,
+            tx,
+            window,
+            lac,
+        }
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The last entry known to be on an ack quorum, if any.
+    pub fn last_add_confirmed(&self) -> Option<u64> {
+        let v = self.lac.load(std::sync::atomic::Ordering::Relaxed);
+        (v != NONE).then_some(v)
+    }
+
+    /// Queues an add (waiting while the window is full) and returns where its outcome will
+    /// arrive: the entry id once it is on Qa bookies' fsynced journals.
+    pub async fn add_queued(&self, payload: Bytes) -> oneshot::Receiver<Result<u64, LedgerError>> {
+        let (reply, rx) = oneshot::channel();
+        let permit = Arc::clone(&self.window)
+            .acquire_owned()
+            .await
+            .expect("the window semaphore is never closed");
+        if let Err(mpsc::error::SendError(Cmd::Add(_, reply, _))) =
+            self.tx.send(Cmd::Add(payload, reply, permit))
+        {
+            let _ = reply.send(Err(LedgerError::Closed(self.id)));
+        }
+        rx
+    }
+
+    /// Adds an entry and waits until it is acknowledged.
+    pub async fn add(&self, payload: Bytes) -> Result<u64, LedgerError> {
+        self.add_queued(payload)
+            .await
+            .await
+            .unwrap_or(Err(LedgerError::Closed(self.id)))
+    }
+
+    /// Waits for pending adds, then records the last entry and state CLOSED.
+    pub async fn close(self) -> Result<Option<u64>, LedgerError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send(Cmd::Close(reply))
+            .map_err(|_| LedgerError::Closed(self.id))?;
+        rx.await.unwrap_or(Err(LedgerError::Closed(self.id)))
+    }
+}
+
+struct WriterActor {
+    client: LedgerClient,
+    meta: LedgerMetadata,
+    version: u64,
+    key: Bytes,
+    q: Quorums,
+    ensemble: Vec<String>,
+    next_entry: u64,
+    lac: u64,
+    lac_shared: Arc<std::sync::atomic::AtomicU64>,
+    pending: VecDeque<Pending>,
+    /// Set once the writer cannot go on (fenced, no bookies): every add fails with it.
+    failed: Option<String>,
+    conns: Vec<Option<Arc<BookieConn>>>,
+    tx: mpsc::UnboundedSender<Cmd>,
+    closing: Option<oneshot::Sender<Result<Option<u64>, LedgerError>>>,
+}
+
+impl WriterActor {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>) {
+        self.conns = vec![None; self.ensemble.len()];
+        let mut tick = tokio::time::interval(Duration::from_millis(100));
+        loop {
+            let cmd = tokio::select! {
+                c = rx.recv() => match c { Some(c) => c, None => return },
+                _ = tick.tick() => {
+                    self.check_timeouts().await;
+                    continue;
+                }
+            };
+            match cmd {
+                Cmd::Add(payload, reply, permit) => self.add(payload, reply, permit).await,
+                Cmd::Ack {
+                    entry,
+                    index,
+                    addr,
+                    result,
+                } => self.ack(entry, index, addr, result).await,
+                Cmd::Close(reply) => {
+                    self.closing = Some(reply);
+                }
+            }
+            if self.closing.is_some() && self.pending.is_empty() {
+                let reply = self.closing.take().expect("closing");
+                let _ = reply.send(self.close().await);
+                return;
+            }
+        }
+    }
+
+    fn fail_error(&self) -> LedgerError {
+        match &self.failed {
+            Some(why) if why == "fenced" => LedgerError::Fenced(self.meta.id),
+            Some(why) => LedgerError::Failed {
+                ledger: self.meta.id,
+                detail: why.clone(),
+            },
+            None => LedgerError::Closed(self.meta.id),
+        }
+    }
+
+    async fn conn(&mut self, index: usize) -> Option<Arc<BookieConn>> {
+        if let Some(c) = &self.conns[index] {
+            if !c.is_broken() {
+                return Some(Arc::clone(c));
+            }
+        }
+        match self.client.pool.get(&self.ensemble[index]).await {
+            Ok(c) => {
+                self.conns[index] = Some(Arc::clone(&c));
+                Some(c)
+            }
+            Err(_) => None,
+        }
+    }
+
+    async fn add(
+        &mut self,
+        payload: Bytes,
+        reply: oneshot::Sender<Result<u64, LedgerError>>,
+        permit: OwnedSemaphorePermit,
+    ) {
+        if self.failed.is_some() || self.closing.is_some() {
+            let _ = reply.send(Err(self.fail_error()));
+            return;
+        }
+        let entry = self.next_entry;
+        self.next_entry += 1;
+        let envelope = proto::seal(self.meta.id, entry, self.lac, &payload);
+        self.pending.push_back(Pending {
+            entry,
+            envelope: envelope.clone(),
+            acks: AckSet::default(),
+            reply: Some(reply),
+            _permit: permit,
+            sent_at: Instant::now(),
+        });
+        let set: Vec<usize> = self.q.write_set(entry).collect();
+        for index in set {
+            self.send_to(entry, index, envelope.clone()).await;
+        }
+    }
+
+    async fn send_to(&mut self, entry: u64, index: usize, envelope: Bytes) {
+        let addr = self.ensemble[index].clone();
+        let tx = self.tx.clone();
+        let request = Request::Add {
+            ledger_id: self.meta.id,
+            entry_id: entry,
+            flags: 0,
+            master_key: self.key.clone(),
+            entry: envelope,
+        };
+        match self.conn(index).await {
+            Some(c) => c.send_with(
+                request,
+                Box::new(move |result| {
+                    let _ = tx.send(Cmd::Ack {
+                        entry,
+                        index,
+                        addr,
+                        result,
+                    });
+                }),
+            ),
+            None => {
+                let _ = tx.send(Cmd::Ack {
+                    entry,
+                    index,
+                    addr: addr.clone(),
+                    result: Err(BookieClientError::Unreachable {
+                        addr,
+                        reason: "cannot connect".into(),
+                    }),
+                });
+            }
+        }
+    }
+
+    async fn ack(
+        &mut self,
+        entry: u64,
+        index: usize,
+        addr: String,
+        result: Result<Response, BookieClientError>,
+    ) {
+        if self.ensemble.get(index) != Some(&addr) {
+            // From a bookie replaced since: its acks no longer count.
+            return;
+        }
+        match result {
+            Ok(Response::Add {
+                status: Status::Ok, ..
+            }) => {
+                let q = self.q;
+                if let Some(p) = self.pending.iter_mut().find(|p| p.entry == entry) {
+                    p.acks.ack(&q, index);
+                }
+                self.complete_in_order();
+            }
+            Ok(Response::Add {
+                status: Status::Fenced | Status::Unauthorized,
+                ..
+            }) => {
+                self.fail("fenced".into());
+            }
+            Ok(other) => {
+                tracing::warn!(ledger = self.meta.id, entry, bookie = %addr, response = ?other, "add refused; changing the ensemble");
+                self.replace_bookie(index).await;
+            }
+            Err(e) => {
+                tracing::warn!(ledger = self.meta.id, entry, error = %e, "bookie failed; changing the ensemble");
+                self.replace_bookie(index).await;
+            }
+        }
+    }
+
+    fn complete_in_order(&mut self) {
+        while let Some(front) = self.pending.front() {
+            if !front.acks.is_complete(&self.q) {
+                break;
+            }
+            let mut p = self.pending.pop_front().expect("front");
+            self.lac = p.entry;
+            if let Some(reply) = p.reply.take() {
+                let _ = reply.send(Ok(p.entry));
+            }
+        }
+        self.lac_shared
+            .store(self.lac, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn fail(&mut self, why: String) {
+        if self.failed.is_none() {
+            tracing::warn!(ledger = self.meta.id, reason = %why, "ledger writer failed");
+            self.failed = Some(why);
+        }
+        let err_of = |s: &Self| s.fail_error();
+        while let Some(mut p) = self.pending.pop_front() {
+            if let Some(reply) = p.reply.take() {
+                let _ = reply.send(Err(err_of(self)));
+            }
+        }
+    }
+
+    async fn check_timeouts(&mut self) {
+        let timeout = self.client.opts.request_timeout;
+        let stale: Option<(u64, Vec<usize>)> = self.pending.front().and_then(|p| {
+            (p.sent_at.elapsed() > timeout).then(|| {
+                (
+                    p.entry,
+                    self.q
+                        .write_set(p.entry)
+                        .filter(|i| !p.acks.has(*i))
+                        .collect(),
+                )
+            })
+        });
+        if let Some((entry, silent)) = stale {
+            for index in silent {
+                tracing::warn!(ledger = self.meta.id, entry, bookie = %self.ensemble[index], "no answer in time; changing the ensemble");
+                self.replace_bookie(index).await;
+            }
+        }
+    }
+
+    /// Ensemble change: a new fragment from LAC+1 with `index` replaced, recorded with CAS;
+    /// then every pending entry that bookie should hold is sent to the replacement.
+    async fn replace_bookie(&mut self, index: usize) {
+        if self.failed.is_some() {
+            return;
+        }
+        let mut attempts = 0;
+        let replacement = loop {
+            match self.client.choose_bookies(1, &self.ensemble).await {
+                Ok(mut v) => break v.remove(0),
+                Err(e) => {
+                    attempts += 1;
+                    if attempts >= 5 {
+                        self.fail(format!(
+                            "no replacement for bookie {}: {e}",
+                            self.ensemble[index]
+                        ));
+                        return;
+                    }
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+            }
+        };
+        let mut ensemble = self.ensemble.clone();
+        let old = std::mem::replace(&mut ensemble[index], replacement.clone());
+        let first_entry = if self.lac == NONE { 0 } else { self.lac + 1 };
+        let mut meta = self.meta.clone();
+        match meta.fragments.last_mut() {
+            Some(f) if f.first_entry == first_entry => f.ensemble = ensemble.clone(),
+            _ => meta.fragments.push(Fragment {
+                first_entry,
+                ensemble: ensemble.clone(),
+            }),
+        }
+        match self.client.cas_metadata(&meta, self.version).await {
+            Ok(v) => {
+                self.version = v;
+                self.meta = meta;
+            }
+            Err(e) => {
+                // Someone else changed the ledger (recovery): this writer is done.
+                let state = self
+                    .client
+                    .metadata(self.meta.id)
+                    .await
+                    .map(|(m, _)| m.state);
+                if matches!(state, Ok(LedgerState::InRecovery | LedgerState::Closed)) {
+                    self.fail("fenced".into());
+                } else {
+                    self.fail(format!("recording the ensemble change failed: {e}"));
+                }
+                return;
+            }
+        }
+        tracing::info!(ledger = self.meta.id, from = %old, to = %replacement, first_entry, "ensemble changed");
+        self.ensemble = ensemble;
+        self.conns[index] = None;
+        let resend: Vec<(u64, Bytes)> = self
+            .pending
+            .iter_mut()
+            .filter(|p| self.q.stores(index, p.entry))
+            .map(|p| {
+                p.acks.forget(index);
+                p.sent_at = Instant::now();
+                (p.entry, p.envelope.clone())
+            })
+            .collect();
+        for (entry, envelope) in resend {
+            self.send_to(entry, index, envelope).await;
+        }
+    }
+
+    async fn close(&mut self) -> Result<Option<u64>, LedgerError> {
+        if self.failed.is_some() {
+            return Err(self.fail_error());
+        }
+        let mut meta = self.meta.clone();
+        meta.state = LedgerState::Closed;
+        meta.last_entry = (self.lac != NONE).then_some(self.lac);
+        match self.client.cas_metadata(&meta, self.version).await {
+            Ok(v) => {
+                self.version = v;
+                self.meta = meta;
+                Ok(self.meta.last_entry)
+            }
+            Err(LedgerError::Metadata(ClientError::Conflict { .. })) => {
+                Err(LedgerError::Fenced(self.meta.id))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}

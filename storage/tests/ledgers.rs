@@ -1,0 +1,327 @@
+//! Bookies and the ledger client in one process: an embedded metadata store, bookies on
+//! loopback port 0 with real journals, entry logs and RocksDB indexes in temporary directories.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use bytes::Bytes;
+use meridian_metadata::embedded::EmbeddedStore;
+use meridian_metadata::MetadataClient;
+use meridian_storage::bookie::ledger_storage::StorageOptions;
+use meridian_storage::bookie::{self, BookieOptions, RunningBookie};
+use meridian_storage::journal::JournalOptions;
+use meridian_storage::ledger::{LedgerClient, LedgerClientOptions, LedgerError, LedgerState};
+use tokio::sync::watch;
+
+fn step(s: &str) {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            std::env::var("RUST_LOG").unwrap_or_else(|_| "warn,meridian_storage=info".into()),
+        )
+        .with_test_writer()
+        .try_init();
+    tracing::info!("--- {s}");
+}
+
+fn bookie_opts(dir: &Path) -> BookieOptions {
+    BookieOptions {
+        journal: JournalOptions {
+            dir: dir.join("journal"),
+            batch_bytes_max: 1 << 20,
+            flush_delay_us: 0,
+            file_bytes_max: 64 << 20,
+            preallocate_bytes: 4 << 20,
+            queue_records_max: 10_000,
+            fsync: true,
+        },
+        storage: StorageOptions {
+            ledger_dir: dir.join("ledgers"),
+            write_cache_bytes_max: 16 << 20,
+            read_cache_bytes_max: 4 << 20,
+            entry_log_bytes_max: 1 << 20,
+            compaction_live_ratio_min: 0.5,
+            fsync: true,
+        },
+        flush_interval_ms: 200,
+        gc_interval_ms: 200,
+        frame_bytes_max: 5 << 20,
+        requests_in_flight_max: 10_000,
+        disk_usage_percent_max: 100,
+    }
+}
+
+struct TestBookie {
+    dir: PathBuf,
+    addr: String,
+    running: Option<RunningBookie>,
+    stop_reg: Option<watch::Sender<bool>>,
+}
+
+async fn start_bookie(meta: &MetadataClient, dir: PathBuf, addr: Option<String>) -> TestBookie {
+    let listen = addr.clone().unwrap_or_else(|| "127.0.0.1:0".into());
+    let listener = tokio::net::TcpListener::bind(&listen).await.expect("bind");
+    let running = bookie::start(bookie_opts(&dir), listener)
+        .await
+        .expect("bookie starts");
+    let addr = running.addr.to_string();
+    let (stop_reg, stop_rx) = watch::channel(false);
+    tokio::spawn(bookie::register(
+        std::sync::Arc::clone(&running.core),
+        meta.clone(),
+        addr.clone(),
+        2_000,
+        Duration::from_millis(200),
+        stop_rx,
+    ));
+    TestBookie {
+        dir,
+        addr,
+        running: Some(running),
+        stop_reg: Some(stop_reg),
+    }
+}
+
+impl TestBookie {
+    async fn stop(&mut self, meta: &MetadataClient) {
+        if let Some(s) = self.stop_reg.take() {
+            let _ = s.send(true);
+        }
+        if let Some(r) = self.running.take() {
+            r.shutdown().await;
+        }
+        // Gone from the registry once its session is closed.
+        let key = format!("/bookies/available/{}", self.addr);
+        for _ in 0..100 {
+            if meta.get(&key).await.expect("get").is_none() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        panic!("bookie {} still registered", self.addr);
+    }
+}
+
+async fn wait_for_bookies(client: &LedgerClient, n: usize) {
+    for _ in 0..100 {
+        if client.bookies().await.expect("bookies").len() >= n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("fewer than {n} bookies registered");
+}
+
+fn payload(i: u64) -> Bytes {
+    Bytes::from(format!("entry-{i:08}-").repeat(8))
+}
+
+async fn setup(
+    n: usize,
+) -> (
+    tempfile::TempDir,
+    EmbeddedStore,
+    Vec<TestBookie>,
+    LedgerClient,
+) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = EmbeddedStore::start(meridian_config::MetadataConfig {
+        listen: "127.0.0.1:0".into(),
+        data_dir: tmp.path().join("meta").display().to_string(),
+        ..Default::default()
+    })
+    .await
+    .expect("metadata store");
+    let mut bookies = Vec::new();
+    for i in 0..n {
+        bookies
+            .push(start_bookie(&store.client, tmp.path().join(format!("bookie{i}")), None).await);
+    }
+    let client = LedgerClient::new(
+        store.client.clone(),
+        LedgerClientOptions {
+            request_timeout: Duration::from_secs(2),
+            ..Default::default()
+        },
+    );
+    wait_for_bookies(&client, n).await;
+    (tmp, store, bookies, client)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_ensemble_when_a_bookie_stops_mid_stream_then_writes_go_on_and_every_entry_reads_back(
+) {
+    let (_tmp, store, mut bookies, client) = setup(4).await;
+    step("create E=3 Qw=2 Qa=2 and write 3,000 entries, stopping an ensemble bookie at 1,000");
+    let writer = client
+        .create(3, 2, 2, BTreeMap::new())
+        .await
+        .expect("create");
+    let id = writer.id();
+    let (meta0, _) = client.metadata(id).await.expect("metadata");
+    let victim = meta0.fragments[0].ensemble[1].clone();
+    let mut acks: Vec<tokio::sync::oneshot::Receiver<Result<u64, LedgerError>>> = Vec::new();
+    for i in 0..3000u64 {
+        if i == 1000 {
+            // Half-way: the first 1,000 are acknowledged, the next ones go to the new ensemble.
+            for (i, rx) in acks.drain(..).enumerate() {
+                assert_eq!(rx.await.expect("answer").expect("acknowledged"), i as u64);
+            }
+            let b = bookies
+                .iter_mut()
+                .find(|b| b.addr == victim)
+                .expect("victim");
+            b.stop(&store.client).await;
+        }
+        acks.push(writer.add_queued(payload(i)).await);
+    }
+    for (i, rx) in acks.into_iter().enumerate() {
+        assert_eq!(
+            rx.await.expect("answer").expect("acknowledged"),
+            1000 + i as u64
+        );
+    }
+    let last = writer.close().await.expect("close");
+    assert_eq!(last, Some(2999));
+    step("the metadata records the ensemble change and the closed state");
+    let (meta, _) = client.metadata(id).await.expect("metadata");
+    assert_eq!(meta.state, LedgerState::Closed);
+    assert_eq!(meta.last_entry, Some(2999));
+    assert!(meta.fragments.len() >= 2, "{meta:?}");
+    assert!(!meta
+        .fragments
+        .last()
+        .expect("fragment")
+        .ensemble
+        .contains(&victim));
+    step("every acknowledged entry reads back, checksum verified");
+    let reader = client.open(id).await.expect("open");
+    for i in 0..3000u64 {
+        assert_eq!(reader.read(i).await.expect("read"), payload(i), "entry {i}");
+    }
+    assert!(matches!(
+        reader.read(3000).await,
+        Err(LedgerError::NoSuchEntry { .. })
+    ));
+    for b in &mut bookies {
+        if b.running.is_some() {
+            b.stop(&store.client).await;
+        }
+    }
+    store.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_abandoned_writer_when_another_client_recovers_then_ledger_closes_after_acked_and_old_writer_is_refused(
+) {
+    let (_tmp, store, mut bookies, client) = setup(3).await;
+    let writer = client
+        .create(3, 3, 2, BTreeMap::new())
+        .await
+        .expect("create");
+    let id = writer.id();
+    for i in 0..200u64 {
+        writer.add(payload(i)).await.expect("add");
+    }
+    step("recover from a second client while the writer still holds the ledger");
+    let other = LedgerClient::new(store.client.clone(), LedgerClientOptions::default());
+    let reader = other.open_recover(id).await.expect("recover");
+    let last = reader.last_entry().expect("entries recovered");
+    assert!(
+        last >= 199,
+        "closed at {last}, before the last acknowledged entry 199"
+    );
+    for i in 0..=last {
+        assert_eq!(reader.read(i).await.expect("read"), payload(i));
+    }
+    step("the old writer's next add is refused");
+    let err = writer.add(payload(999)).await.expect_err("fenced");
+    assert!(matches!(err, LedgerError::Fenced(_)), "{err}");
+    let (meta, _) = client.metadata(id).await.expect("metadata");
+    assert_eq!(meta.state, LedgerState::Closed);
+    step("recovering again is a no-op on a closed ledger");
+    assert_eq!(
+        other.open_recover(id).await.expect("again").last_entry(),
+        Some(last)
+    );
+    for b in &mut bookies {
+        b.stop(&store.client).await;
+    }
+    store.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_bookies_restarted_then_entries_survive_and_deleted_ledger_space_is_reclaimed() {
+    let (tmp, store, mut bookies, client) = setup(2).await;
+    let writer = client
+        .create(2, 2, 2, BTreeMap::new())
+        .await
+        .expect("create");
+    let id = writer.id();
+    for i in 0..500u64 {
+        writer.add(payload(i)).await.expect("add");
+    }
+    writer.close().await.expect("close");
+    let doomed = client
+        .create(2, 2, 2, BTreeMap::new())
+        .await
+        .expect("create");
+    let doomed_id = doomed.id();
+    let big = Bytes::from(vec![7u8; 64 << 10]);
+    for _ in 0..64 {
+        doomed.add(big.clone()).await.expect("add");
+    }
+    doomed.close().await.expect("close");
+    step("restart both bookies on the same directories and addresses");
+    for b in &mut bookies {
+        b.stop(&store.client).await;
+    }
+    let mut restarted = Vec::new();
+    for b in &bookies {
+        restarted.push(start_bookie(&store.client, b.dir.clone(), Some(b.addr.clone())).await);
+    }
+    wait_for_bookies(&client, 2).await;
+    let reader = client.open(id).await.expect("open");
+    for i in 0..500u64 {
+        assert_eq!(
+            reader.read(i).await.expect("read after restart"),
+            payload(i)
+        );
+    }
+    step("delete the 4 MiB ledger; garbage collection removes its entry logs");
+    let size = |dir: &Path| -> u64 {
+        std::fs::read_dir(dir.join("ledgers/entrylogs"))
+            .expect("entry logs")
+            .map(|e| e.expect("entry").metadata().expect("stat").len())
+            .sum()
+    };
+    // Let the flusher move everything to entry logs first.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let before: u64 = restarted.iter().map(|b| size(&b.dir)).sum();
+    client.delete(doomed_id).await.expect("delete");
+    assert!(matches!(
+        client.metadata(doomed_id).await,
+        Err(LedgerError::NoSuchLedger(_))
+    ));
+    let mut after = before;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = restarted.iter().map(|b| size(&b.dir)).sum();
+        if before - after.min(before) > 6 << 20 {
+            break;
+        }
+    }
+    assert!(
+        before - after.min(before) > 6 << 20,
+        "entry logs {before} -> {after} bytes"
+    );
+    step("the other ledger is intact after collection and compaction");
+    for i in 0..500u64 {
+        assert_eq!(reader.read(i).await.expect("read after gc"), payload(i));
+    }
+    for b in &mut restarted {
+        b.stop(&store.client).await;
+    }
+    drop(tmp);
+    store.shutdown().await;
+}
