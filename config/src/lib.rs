@@ -94,6 +94,8 @@ pub struct Config {
     pub metadata: MetadataConfig,
     /// `[client]`: how clients reach the metadata service.
     pub client: ClientConfig,
+    /// `[bookie]`: a storage node.
+    pub bookie: BookieConfig,
 }
 
 /// `[log]` section.
@@ -201,6 +203,139 @@ impl Default for MetadataConfig {
     }
 }
 
+/// `[bookie]` section: a storage node (journal, entry logs, index).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BookieConfig {
+    /// Socket address to listen on, `IP:PORT`. Default `127.0.0.1:3181`.
+    pub listen: String,
+    /// Address writers and readers use to reach this bookie, `IP:PORT`; empty (the default)
+    /// means the same as `listen`. It is the bookie's identity in ledger metadata.
+    pub advertise: String,
+    /// Directory of the journal; non-empty. Default `data/bookie/journal`. Put it on its own
+    /// disk so reads never slow down journal writes.
+    pub journal_dir: String,
+    /// Directory of entry logs and the index; non-empty. Default `data/bookie/ledgers`.
+    pub ledger_dir: String,
+    /// Flush the journal once this many bytes wait. Range 4096..=67108864, default 1048576.
+    pub journal_batch_bytes_max: u64,
+    /// Flush the journal once the oldest waiting record has waited this long, microseconds;
+    /// 0 flushes as soon as nothing more is queued. Range 0..=1000000, default 0.
+    pub journal_flush_delay_us: u64,
+    /// Start a new journal file after this many bytes. Range 1048576..=17179869184,
+    /// default 536870912 (512 MiB).
+    pub journal_file_bytes_max: u64,
+    /// Reserve journal file space in steps of this many bytes.
+    /// Range 0..=1073741824, default 16777216 (16 MiB).
+    pub journal_preallocate_bytes: u64,
+    /// Records queued for the journal before writers wait. Range 1..=1000000, default 100000.
+    pub journal_queue_records_max: u64,
+    /// Entries held in memory between the journal and entry logs, bytes; adds wait while it
+    /// is full. Range 1048576..=68719476736, default 268435456 (256 MiB).
+    pub write_cache_bytes_max: u64,
+    /// Entries read from entry logs kept in memory, bytes.
+    /// Range 0..=68719476736, default 67108864 (64 MiB).
+    pub read_cache_bytes_max: u64,
+    /// Start a new entry log after this many bytes.
+    /// Range 1048576..=68719476736, default 1073741824 (1 GiB).
+    pub entry_log_bytes_max: u64,
+    /// Move the write cache to entry logs at least this often, milliseconds.
+    /// Range 10..=600000, default 1000.
+    pub flush_interval_ms: u64,
+    /// Look for entry logs to remove or compact this often, milliseconds.
+    /// Range 100..=86400000, default 60000.
+    pub gc_interval_ms: u64,
+    /// Compact an entry log once less than this share of it is live, percent.
+    /// Range 0..=100, default 50.
+    pub compaction_live_percent_min: u64,
+    /// Turn read-only above this share of the journal's or the ledgers' disk used, percent.
+    /// Range 1..=100, default 95.
+    pub disk_usage_percent_max: u64,
+    /// Largest protocol frame, bytes. Range 1024..=268435456, default 5243904 (5 MiB + 1 KiB).
+    pub frame_bytes_max: u64,
+    /// Requests one connection may have in flight. Range 1..=1000000, default 10000.
+    pub requests_in_flight_max: u64,
+    /// TTL of the registration session in the metadata store, milliseconds: a bookie that
+    /// stops is unregistered this long after. Range 1000..=300000, default 10000.
+    pub session_ttl_ms: u64,
+    /// Fsync the journal before acknowledging adds. Default `true`.
+    pub fsync: bool,
+}
+
+impl Default for BookieConfig {
+    fn default() -> Self {
+        BookieConfig {
+            listen: "127.0.0.1:3181".to_string(),
+            advertise: String::new(),
+            journal_dir: "data/bookie/journal".to_string(),
+            ledger_dir: "data/bookie/ledgers".to_string(),
+            journal_batch_bytes_max: 1 << 20,
+            journal_flush_delay_us: 0,
+            journal_file_bytes_max: 512 << 20,
+            journal_preallocate_bytes: 16 << 20,
+            journal_queue_records_max: 100_000,
+            write_cache_bytes_max: 256 << 20,
+            read_cache_bytes_max: 64 << 20,
+            entry_log_bytes_max: 1 << 30,
+            flush_interval_ms: 1_000,
+            gc_interval_ms: 60_000,
+            compaction_live_percent_min: 50,
+            disk_usage_percent_max: 95,
+            frame_bytes_max: (5 << 20) + 1024,
+            requests_in_flight_max: 10_000,
+            session_ttl_ms: 10_000,
+            fsync: true,
+        }
+    }
+}
+
+impl BookieConfig {
+    /// `advertise`, or `listen` when `advertise` is empty.
+    pub fn advertise_addr(&self) -> &str {
+        if self.advertise.is_empty() {
+            &self.listen
+        } else {
+            &self.advertise
+        }
+    }
+
+    /// Checks the `[bookie]` section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        socket_addr("bookie.listen", &self.listen)?;
+        if !self.advertise.is_empty() {
+            socket_addr("bookie.advertise", &self.advertise)?;
+        }
+        for (key, dir) in [
+            ("bookie.journal_dir", &self.journal_dir),
+            ("bookie.ledger_dir", &self.ledger_dir),
+        ] {
+            if dir.trim().is_empty() {
+                return Err(invalid(key, dir, "must not be empty"));
+            }
+        }
+        let b = self;
+        #[rustfmt::skip]
+        let bounds = [
+            ("bookie.journal_batch_bytes_max", b.journal_batch_bytes_max, 4_096, 67_108_864, ""),
+            ("bookie.journal_flush_delay_us", b.journal_flush_delay_us, 0, 1_000_000, ""),
+            ("bookie.journal_file_bytes_max", b.journal_file_bytes_max, 1_048_576, 17_179_869_184, ""),
+            ("bookie.journal_preallocate_bytes", b.journal_preallocate_bytes, 0, 1_073_741_824, ""),
+            ("bookie.journal_queue_records_max", b.journal_queue_records_max, 1, 1_000_000, ""),
+            ("bookie.write_cache_bytes_max", b.write_cache_bytes_max, 1_048_576, 68_719_476_736, ""),
+            ("bookie.read_cache_bytes_max", b.read_cache_bytes_max, 0, 68_719_476_736, ""),
+            ("bookie.entry_log_bytes_max", b.entry_log_bytes_max, 1_048_576, 68_719_476_736, ""),
+            ("bookie.flush_interval_ms", b.flush_interval_ms, 10, 600_000, ""),
+            ("bookie.gc_interval_ms", b.gc_interval_ms, 100, 86_400_000, ""),
+            ("bookie.compaction_live_percent_min", b.compaction_live_percent_min, 0, 100, ""),
+            ("bookie.disk_usage_percent_max", b.disk_usage_percent_max, 1, 100, ""),
+            ("bookie.frame_bytes_max", b.frame_bytes_max, 1_024, 268_435_456, ""),
+            ("bookie.requests_in_flight_max", b.requests_in_flight_max, 1, 1_000_000, ""),
+            ("bookie.session_ttl_ms", b.session_ttl_ms, 1_000, 300_000, ""),
+        ];
+        ranges(&bounds)
+    }
+}
+
 /// `[client]` section: how a client reaches the metadata service.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -241,11 +376,13 @@ pub enum Role {
     Meta,
     /// Everything in one process.
     Standalone,
+    /// A storage node.
+    Bookie,
 }
 
 impl Role {
     /// Every role, in declaration order.
-    pub const ALL: [Role; 3] = [Role::Metadata, Role::Meta, Role::Standalone];
+    pub const ALL: [Role; 4] = [Role::Metadata, Role::Meta, Role::Standalone, Role::Bookie];
 
     /// The name used on command lines and in messages.
     pub fn as_str(&self) -> &'static str {
@@ -253,6 +390,7 @@ impl Role {
             Role::Metadata => "metadata",
             Role::Meta => "meta",
             Role::Standalone => "standalone",
+            Role::Bookie => "bookie",
         }
     }
 
@@ -261,6 +399,7 @@ impl Role {
         match self {
             Role::Metadata | Role::Standalone => &["log", "metadata"],
             Role::Meta => &["log", "client"],
+            Role::Bookie => &["log", "bookie", "client"],
         }
     }
 }
@@ -281,7 +420,7 @@ impl FromStr for Role {
             .ok_or_else(|| ConfigError::Invalid {
                 key: "role".to_string(),
                 value: format!("{s:?}"),
-                reason: "expected one of metadata, meta, standalone".to_string(),
+                reason: "expected one of metadata, meta, standalone, bookie".to_string(),
             })
     }
 }
@@ -373,7 +512,8 @@ impl Config {
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.log.validate()?;
         self.metadata.validate()?;
-        self.client.validate()
+        self.client.validate()?;
+        self.bookie.validate()
     }
 
     /// The sections `role` reads, as TOML text that [`Config::load`] accepts.
@@ -384,6 +524,7 @@ impl Config {
                 "log" => toml::to_string(&self.log),
                 "metadata" => toml::to_string(&self.metadata),
                 "client" => toml::to_string(&self.client),
+                "bookie" => toml::to_string(&self.bookie),
                 _ => continue,
             };
             let body = body.expect("config sections serialize to TOML");

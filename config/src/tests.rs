@@ -186,9 +186,9 @@ fn unknown_keys_are_rejected_with_their_path() {
             file "[metadata]\nnod_id = 3"
               error: unknown key metadata.nod_id in $FILE; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             file "[metdata]\nnode_id = 3"
-              error: unknown top-level key metdata in $FILE; known sections: client, log, metadata
+              error: unknown top-level key metdata in $FILE; known sections: bookie, client, log, metadata
             file "node_id = 3"
-              error: unknown top-level key node_id in $FILE; known sections: client, log, metadata
+              error: unknown top-level key node_id in $FILE; known sections: bookie, client, log, metadata
             env MERIDIAN_METADATA_NOD_ID=3
               error: unknown key metadata.nod_id in environment variable MERIDIAN_METADATA_NOD_ID; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             env MERIDIAN_CLIENT_ENDPOINT=a:1
@@ -196,7 +196,7 @@ fn unknown_keys_are_rejected_with_their_path() {
             set metadata.nod_id=3
               error: unknown key metadata.nod_id in command-line flags; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             set metdata.node_id=3
-              error: unknown top-level key metdata in command-line flags; known sections: client, log, metadata
+              error: unknown top-level key metdata in command-line flags; known sections: bookie, client, log, metadata
             set log=debug
               error: unknown key log. in command-line flags; known keys in [log]: json, level
         "#]],
@@ -436,7 +436,7 @@ fn roles_parse_and_name_their_sections() {
     for role in Role::ALL {
         assert_eq!(role.to_string().parse::<Role>().unwrap(), role);
     }
-    expect![[r#"role = "broker" is invalid: expected one of metadata, meta, standalone"#]]
+    expect![[r#"role = "broker" is invalid: expected one of metadata, meta, standalone, bookie"#]]
         .assert_eq(&"broker".parse::<Role>().unwrap_err().to_string());
     assert_eq!(Role::Meta.sections(), ["log", "client"]);
 }
@@ -478,6 +478,7 @@ fn toml_for_a_role_round_trips() {
     changed.metadata.node_id = 7;
     changed.metadata.initial_members = vec!["7=10.0.0.7:7101".to_string()];
     changed.client.endpoints = vec!["meta:7101".to_string()];
+    changed.bookie.journal_dir = "/disk1/journal".to_string();
     for role in Role::ALL {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("role.toml");
@@ -487,21 +488,43 @@ fn toml_for_a_role_round_trips() {
             ..Sources::default()
         })
         .unwrap();
+        // A role's file carries its sections; the others keep their defaults.
+        fn pick<T>(role: Role, section: &str, changed: T, default: T) -> T {
+            if role.sections().contains(&section) {
+                changed
+            } else {
+                default
+            }
+        }
         assert_eq!(
             loaded.metadata,
-            if role == Role::Meta {
+            pick(
+                role,
+                "metadata",
+                changed.metadata.clone(),
                 config.metadata.clone()
-            } else {
-                changed.metadata.clone()
-            }
+            ),
+            "{role}"
         );
         assert_eq!(
             loaded.client,
-            if role == Role::Meta {
-                changed.client.clone()
-            } else {
+            pick(
+                role,
+                "client",
+                changed.client.clone(),
                 config.client.clone()
-            }
+            ),
+            "{role}"
+        );
+        assert_eq!(
+            loaded.bookie,
+            pick(
+                role,
+                "bookie",
+                changed.bookie.clone(),
+                config.bookie.clone()
+            ),
+            "{role}"
         );
     }
 }

@@ -241,3 +241,110 @@ pub fn run_cli(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
         String::from_utf8_lossy(&out.stderr).into_owned(),
     ))
 }
+
+/// One `meridian bookie` process with its own journal and ledger directories.
+pub struct BookieProc {
+    pub addr: String,
+    pub dir: PathBuf,
+    pub log: PathBuf,
+    metadata: String,
+    child: Option<Child>,
+}
+
+impl BookieProc {
+    pub fn new(name: &str, root: &Path, metadata: &str) -> Self {
+        Self {
+            addr: format!("127.0.0.1:{}", free_port()),
+            dir: root.join(name),
+            log: root.join(format!("{name}.log")),
+            metadata: metadata.to_string(),
+            child: None,
+        }
+    }
+
+    pub fn start(&mut self) -> anyhow::Result<()> {
+        assert!(self.child.is_none(), "bookie {} already running", self.addr);
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let child = Command::new(meridian_bin())
+            .arg("bookie")
+            .args(["--metadata", &self.metadata])
+            .args(["--listen", &self.addr])
+            .arg("--journal-dir")
+            .arg(self.dir.join("journal"))
+            .arg("--ledger-dir")
+            .arg(self.dir.join("ledgers"))
+            .env("RUST_LOG", "info")
+            .env("MERIDIAN_BOOKIE_SESSION_TTL_MS", "2000")
+            .env("MERIDIAN_BOOKIE_FLUSH_INTERVAL_MS", "200")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .context("spawning meridian bookie")?;
+        self.child = Some(child);
+        Ok(())
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// SIGKILL: a crash.
+    pub fn kill9(&mut self) -> anyhow::Result<()> {
+        if let Some(mut child) = self.child.take() {
+            child.kill()?;
+            child.wait()?;
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then waits for a clean exit and returns its code.
+    pub fn stop(&mut self) -> anyhow::Result<i32> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(0);
+        };
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM {} failed", child.id());
+        }
+        Ok(child.wait()?.code().unwrap_or(-1))
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for BookieProc {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Waits until `n` bookies are registered in the metadata store.
+pub async fn wait_for_bookies(
+    client: &MetadataClient,
+    n: usize,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Ok(page) = client.list("/bookies/available/", "", 0).await {
+            if page.kvs.len() == n {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            bail!("{n} bookies not registered within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

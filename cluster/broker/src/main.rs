@@ -2,10 +2,14 @@
 //!
 //! - `meridian metadata`: run one metadata node.
 //! - `meridian meta`: the metadata store's command-line client (etcdctl-like) and benchmark.
+//! - `meridian bookie`: run a bookie (storage node).
+//! - `meridian ledger list|show|read`: inspect ledgers.
+//! - `meridian perf ledger`: write entries to running bookies and print figures.
 //! - `meridian config print --role ROLE`: show the effective configuration.
 
 mod bench;
 mod meta;
+mod storage_cmds;
 
 /// mimalloc instead of glibc's allocator: the request path allocates per message (gRPC frames,
 /// protobuf and bincode buffers), and glibc's malloc/free showed up as ~9% of a metadata
@@ -46,6 +50,12 @@ enum Command {
     Metadata(MetadataArgs),
     /// Client of the metadata store.
     Meta(meta::MetaArgs),
+    /// Run a bookie (storage node).
+    Bookie(storage_cmds::BookieArgs),
+    /// Inspect ledgers.
+    Ledger(storage_cmds::LedgerArgs),
+    /// Benchmarks against running servers.
+    Perf(storage_cmds::PerfArgs),
 }
 
 #[derive(Subcommand)]
@@ -110,7 +120,7 @@ fn init_logging(cfg: &Config) {
     }
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
     tokio::select! {
@@ -148,6 +158,9 @@ fn main() -> ExitCode {
     let overrides = match &cli.command {
         Command::Metadata(a) => a.overrides(),
         Command::Meta(a) => a.overrides(),
+        Command::Bookie(a) => a.overrides(),
+        Command::Ledger(a) => a.overrides(),
+        Command::Perf(a) => a.overrides(),
         Command::Config { .. } => Vec::new(),
     };
     let cfg = match Config::from_env_and_file(cli.config.as_deref(), overrides) {
@@ -179,6 +192,24 @@ fn main() -> ExitCode {
                 init_logging(&cfg);
             }
             runtime.block_on(meta::run(args, cfg))
+        }
+        Command::Bookie(_) => {
+            init_logging(&cfg);
+            runtime
+                .block_on(storage_cmds::run_bookie(cfg))
+                .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Ledger(args) => {
+            if std::env::var_os("RUST_LOG").is_some() {
+                init_logging(&cfg);
+            }
+            runtime.block_on(storage_cmds::run_ledger(args, cfg))
+        }
+        Command::Perf(args) => {
+            if std::env::var_os("RUST_LOG").is_some() {
+                init_logging(&cfg);
+            }
+            runtime.block_on(storage_cmds::run_perf(args, cfg))
         }
     };
     match result {

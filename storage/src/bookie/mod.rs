@@ -40,6 +40,36 @@ pub struct BookieOptions {
     pub disk_usage_percent_max: u64,
 }
 
+impl BookieOptions {
+    /// The options `[bookie]` describes.
+    pub fn from_config(c: &meridian_config::BookieConfig) -> Self {
+        BookieOptions {
+            journal: JournalOptions {
+                dir: c.journal_dir.clone().into(),
+                batch_bytes_max: c.journal_batch_bytes_max as usize,
+                flush_delay_us: c.journal_flush_delay_us,
+                file_bytes_max: c.journal_file_bytes_max,
+                preallocate_bytes: c.journal_preallocate_bytes,
+                queue_records_max: c.journal_queue_records_max as usize,
+                fsync: c.fsync,
+            },
+            storage: StorageOptions {
+                ledger_dir: c.ledger_dir.clone().into(),
+                write_cache_bytes_max: c.write_cache_bytes_max as usize,
+                read_cache_bytes_max: c.read_cache_bytes_max as usize,
+                entry_log_bytes_max: c.entry_log_bytes_max,
+                compaction_live_ratio_min: c.compaction_live_percent_min as f64 / 100.0,
+                fsync: c.fsync,
+            },
+            flush_interval_ms: c.flush_interval_ms,
+            gc_interval_ms: c.gc_interval_ms,
+            frame_bytes_max: c.frame_bytes_max as usize,
+            requests_in_flight_max: c.requests_in_flight_max as usize,
+            disk_usage_percent_max: c.disk_usage_percent_max,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum BookieError {
     #[error(transparent)]
@@ -680,6 +710,7 @@ pub async fn register(
         }
     }
     if let Some(s) = session {
-        let _ = s.close().await;
+        // Unregister promptly if the store answers; otherwise the session's TTL does it.
+        let _ = tokio::time::timeout(Duration::from_secs(2), s.close()).await;
     }
 }

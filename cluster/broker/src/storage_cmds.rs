@@ -1,0 +1,427 @@
+//! `meridian bookie`, `meridian ledger ...` and `meridian perf ledger`.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use bytes::Bytes;
+use meridian_config::Config;
+use meridian_metadata::MetadataClient;
+use meridian_storage::bookie::{self, BookieOptions};
+use meridian_storage::ledger::{LedgerClient, LedgerClientOptions};
+
+#[derive(clap::Args)]
+pub struct BookieArgs {
+    /// Metadata store endpoints, `HOST:PORT,...` (client.endpoints).
+    #[arg(long)]
+    metadata: Option<String>,
+    /// Address to serve the bookie protocol on (bookie.listen).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Address writers and readers use, the bookie's identity (bookie.advertise).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Journal directory (bookie.journal_dir).
+    #[arg(long)]
+    journal_dir: Option<String>,
+    /// Entry log and index directory (bookie.ledger_dir).
+    #[arg(long)]
+    ledger_dir: Option<String>,
+}
+
+impl BookieArgs {
+    pub fn overrides(&self) -> Vec<(String, String)> {
+        let mut o = Vec::new();
+        let mut add = |k: &str, v: &Option<String>| {
+            if let Some(v) = v {
+                o.push((k.to_string(), v.clone()));
+            }
+        };
+        add("client.endpoints", &self.metadata);
+        add("bookie.listen", &self.listen);
+        add("bookie.advertise", &self.advertise);
+        add("bookie.journal_dir", &self.journal_dir);
+        add("bookie.ledger_dir", &self.ledger_dir);
+        o
+    }
+}
+
+pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
+    let b = &cfg.bookie;
+    let listener = tokio::net::TcpListener::bind(&b.listen)
+        .await
+        .with_context(|| format!("bookie.listen {}", b.listen))?;
+    let meta = MetadataClient::new(&cfg.client).context("client.endpoints")?;
+    let running = bookie::start(BookieOptions::from_config(b), listener)
+        .await
+        .context("starting the bookie")?;
+    let advertise = if b.advertise.is_empty() {
+        running.addr.to_string()
+    } else {
+        b.advertise.clone()
+    };
+    println!(
+        "meridian bookie {advertise} listening on {} (journal in {}, ledgers in {}; metadata {})",
+        running.addr,
+        b.journal_dir,
+        b.ledger_dir,
+        cfg.client.endpoints.join(",")
+    );
+    let (stop_reg, stop_rx) = tokio::sync::watch::channel(false);
+    let registration = tokio::spawn(bookie::register(
+        Arc::clone(&running.core),
+        meta,
+        advertise,
+        b.session_ttl_ms,
+        Duration::from_millis((b.session_ttl_ms / 3).max(500)),
+        stop_rx,
+    ));
+    crate::shutdown_signal().await;
+    tracing::info!("signal received; stopping");
+    let _ = stop_reg.send(true);
+    let _ = registration.await;
+    running.shutdown().await;
+    Ok(())
+}
+
+#[derive(clap::Args)]
+pub struct LedgerArgs {
+    /// Metadata store endpoints, `HOST:PORT,...` (client.endpoints).
+    #[arg(long, global = true)]
+    metadata: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: LedgerCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum LedgerCommand {
+    /// List ledgers.
+    List,
+    /// Show a ledger's metadata.
+    Show { id: u64 },
+    /// Recover a ledger: fence it on its bookies, recover every entry that may have been
+    /// acknowledged, close it. Prints the last entry.
+    Recover { id: u64 },
+    /// Read every entry of a closed ledger (checksums verified); exit non-zero if any is
+    /// missing or damaged.
+    Check { id: u64 },
+    /// Read entries of a ledger (checksums verified).
+    Read {
+        id: u64,
+        /// First entry.
+        #[arg(long, default_value_t = 0)]
+        from: u64,
+        /// Most entries to print.
+        #[arg(long, default_value_t = 10)]
+        count: u64,
+    },
+}
+
+impl LedgerArgs {
+    pub fn overrides(&self) -> Vec<(String, String)> {
+        self.metadata
+            .iter()
+            .map(|m| ("client.endpoints".to_string(), m.clone()))
+            .collect()
+    }
+}
+
+pub async fn run_ledger(args: LedgerArgs, cfg: Config) -> anyhow::Result<ExitCode> {
+    let meta = MetadataClient::new(&cfg.client).context("client.endpoints")?;
+    let client = LedgerClient::new(meta, LedgerClientOptions::default());
+    match args.command {
+        LedgerCommand::List => {
+            let ids = client.list().await?;
+            if args.json {
+                println!("{}", serde_json::to_string(&ids)?);
+            } else {
+                for id in ids {
+                    println!("{id}");
+                }
+            }
+        }
+        LedgerCommand::Show { id } => {
+            let (m, version) = client.metadata(id).await?;
+            if args.json {
+                println!("{}", serde_json::to_string(&m)?);
+            } else {
+                println!("ledger {} (metadata version {version})", m.id);
+                println!("  state: {:?}", m.state);
+                println!(
+                    "  quorums: ensemble {} write {} ack {}",
+                    m.ensemble_size, m.write_quorum, m.ack_quorum
+                );
+                match m.last_entry {
+                    Some(l) => println!("  last entry: {l}"),
+                    None => println!("  last entry: none"),
+                }
+                for f in &m.fragments {
+                    println!(
+                        "  fragment from entry {}: {}",
+                        f.first_entry,
+                        f.ensemble.join(", ")
+                    );
+                }
+            }
+        }
+        LedgerCommand::Recover { id } => {
+            let reader = client.open_recover(id).await?;
+            match reader.last_entry() {
+                Some(l) => println!("ledger {id} closed; last entry {l}"),
+                None => println!("ledger {id} closed; no entries"),
+            }
+        }
+        LedgerCommand::Check { id } => {
+            let reader = client.open(id).await?;
+            let Some(last) = reader.last_entry() else {
+                if reader.metadata().state != meridian_storage::ledger::LedgerState::Closed {
+                    anyhow::bail!("ledger {id} is not closed (recover it first)");
+                }
+                println!("ledger {id}: no entries");
+                return Ok(ExitCode::SUCCESS);
+            };
+            use futures::StreamExt;
+            let reader = &reader;
+            let mut reads = futures::stream::iter(0..=last)
+                .map(|i| async move { (i, reader.read(i).await) })
+                .buffered(256);
+            let mut bad = 0u64;
+            let mut bytes = 0u64;
+            while let Some((i, r)) = reads.next().await {
+                match r {
+                    Ok(p) => bytes += p.len() as u64,
+                    Err(e) => {
+                        bad += 1;
+                        eprintln!("entry {i}: {e}");
+                    }
+                }
+            }
+            println!(
+                "ledger {id}: {} entries, {bytes} bytes, {bad} unreadable",
+                last + 1
+            );
+            if bad > 0 {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+        LedgerCommand::Read { id, from, count } => {
+            let reader = client.open(id).await?;
+            let mut failed = false;
+            for entry in from..from.saturating_add(count) {
+                if reader.last_entry().is_some_and(|l| entry > l) {
+                    break;
+                }
+                match reader.read(entry).await {
+                    Ok(p) => {
+                        if args.json {
+                            println!(
+                                "{}",
+                                serde_json::json!({"entry": entry, "bytes": p.len(), "text": String::from_utf8_lossy(&p)})
+                            );
+                        } else {
+                            println!(
+                                "{entry}\t{} B\t{}",
+                                p.len(),
+                                String::from_utf8_lossy(&p[..p.len().min(80)])
+                            );
+                        }
+                    }
+                    Err(e) => {
+                        eprintln!("entry {entry}: {e}");
+                        failed = true;
+                        break;
+                    }
+                }
+            }
+            if failed {
+                return Ok(ExitCode::FAILURE);
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[derive(clap::Args)]
+pub struct PerfArgs {
+    #[command(subcommand)]
+    command: PerfCommand,
+}
+
+#[derive(clap::Subcommand)]
+enum PerfCommand {
+    /// Write entries to running bookies and print throughput and latency percentiles.
+    Ledger(PerfLedgerArgs),
+}
+
+#[derive(clap::Args)]
+struct PerfLedgerArgs {
+    /// Metadata store endpoints, `HOST:PORT,...` (client.endpoints).
+    #[arg(long)]
+    metadata: Option<String>,
+    #[arg(long, default_value_t = 1)]
+    ensemble: usize,
+    #[arg(long, default_value_t = 1)]
+    write_quorum: usize,
+    #[arg(long, default_value_t = 1)]
+    ack_quorum: usize,
+    #[arg(long, default_value_t = 100_000)]
+    entries: u64,
+    #[arg(long, default_value_t = 1024)]
+    entry_size: usize,
+    /// Adds in flight.
+    #[arg(long, default_value_t = 1000)]
+    window: usize,
+    /// Read every acknowledged entry back at the end and check it; exit non-zero if any is
+    /// missing or corrupt.
+    #[arg(long)]
+    verify: bool,
+    /// Print `acknowledged N` after every N acknowledged entries (0: never).
+    #[arg(long, default_value_t = 0)]
+    progress_every: u64,
+}
+
+impl PerfArgs {
+    pub fn overrides(&self) -> Vec<(String, String)> {
+        let PerfCommand::Ledger(a) = &self.command;
+        a.metadata
+            .iter()
+            .map(|m| ("client.endpoints".to_string(), m.clone()))
+            .collect()
+    }
+}
+
+/// The payload of entry `i`: its number, then a filler that depends on it.
+fn perf_payload(i: u64, size: usize) -> Bytes {
+    let mut v = Vec::with_capacity(size.max(8));
+    v.extend_from_slice(&i.to_be_bytes());
+    let fill = (i as u8).wrapping_mul(31).wrapping_add(7);
+    v.resize(size.max(8), fill);
+    Bytes::from(v)
+}
+
+pub async fn run_perf(args: PerfArgs, cfg: Config) -> anyhow::Result<ExitCode> {
+    let PerfCommand::Ledger(a) = args.command;
+    let meta = MetadataClient::new(&cfg.client).context("client.endpoints")?;
+    let client = LedgerClient::new(
+        meta,
+        LedgerClientOptions {
+            window: a.window,
+            ..Default::default()
+        },
+    );
+    let writer = client
+        .create(a.ensemble, a.write_quorum, a.ack_quorum, BTreeMap::new())
+        .await
+        .context("creating the ledger")?;
+    let id = writer.id();
+    println!(
+        "perf ledger: ledger {id}, E={} Qw={} Qa={}, {} entries of {} B, window {}",
+        a.ensemble, a.write_quorum, a.ack_quorum, a.entries, a.entry_size, a.window
+    );
+    // Adds complete in entry order, so one task awaits their outcomes in order.
+    type Outcome =
+        tokio::sync::oneshot::Receiver<Result<u64, meridian_storage::ledger::LedgerError>>;
+    let (out_tx, mut out_rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Outcome)>();
+    let progress_every = a.progress_every;
+    let collector = tokio::spawn(async move {
+        let mut hist = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
+        let mut errors = 0u64;
+        let mut first_error = None;
+        while let Some((sent, rx)) = out_rx.recv().await {
+            match rx.await {
+                Ok(Ok(_)) => {
+                    hist.record((sent.elapsed().as_micros() as u64).max(1))
+                        .expect("record");
+                    if progress_every > 0 && hist.len() % progress_every == 0 {
+                        println!("acknowledged {}", hist.len());
+                    }
+                }
+                Ok(Err(e)) => {
+                    errors += 1;
+                    first_error.get_or_insert(e.to_string());
+                }
+                Err(_) => {
+                    errors += 1;
+                    first_error.get_or_insert("writer stopped".to_string());
+                }
+            }
+        }
+        (hist, errors, first_error)
+    });
+    let start = Instant::now();
+    for i in 0..a.entries {
+        let sent = Instant::now();
+        let rx = writer.add_queued(perf_payload(i, a.entry_size)).await;
+        let _ = out_tx.send((sent, rx));
+    }
+    drop(out_tx);
+    let (hist, errors, first_error) = collector.await.context("collecting outcomes")?;
+    let secs = start.elapsed().as_secs_f64();
+    let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
+    println!(
+        "adds: {:.0} entries/s, {:.1} MB/s; latency p50 {:.2} ms p99 {:.2} ms p99.9 {:.2} ms max {:.2} ms ({} acknowledged, {errors} errors, {secs:.2} s)",
+        hist.len() as f64 / secs,
+        hist.len() as f64 * a.entry_size as f64 / secs / 1e6,
+        ms(0.5),
+        ms(0.99),
+        ms(0.999),
+        hist.max() as f64 / 1000.0,
+        hist.len(),
+    );
+    if let Some(e) = first_error {
+        eprintln!("first error: {e}");
+    }
+    let last = writer.close().await.context("closing the ledger")?;
+    let mut code = if errors > 0 {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    };
+    if a.verify {
+        let reader = client.open(id).await?;
+        let end = last.map_or(0, |l| l + 1);
+        let start = Instant::now();
+        let mut bad = 0u64;
+        let mut reads = futures::stream::FuturesOrdered::new();
+        use futures::StreamExt;
+        let mut next = 0u64;
+        let mut checked = 0u64;
+        while checked < end {
+            while next < end && reads.len() < a.window.max(1) {
+                let r = &reader;
+                let i = next;
+                reads.push_back(async move { (i, r.read(i).await) });
+                next += 1;
+            }
+            let Some((i, r)) = reads.next().await else {
+                break;
+            };
+            checked += 1;
+            match r {
+                Ok(p) if p == perf_payload(i, a.entry_size) => {}
+                Ok(_) => {
+                    bad += 1;
+                    eprintln!("entry {i}: content differs");
+                }
+                Err(e) => {
+                    bad += 1;
+                    eprintln!("entry {i}: {e}");
+                }
+            }
+        }
+        let missing = a.entries.saturating_sub(end);
+        println!(
+            "verify: {checked} entries read back in {:.2} s, {bad} bad, {missing} never acknowledged",
+            start.elapsed().as_secs_f64()
+        );
+        if bad > 0 || missing > 0 {
+            code = ExitCode::FAILURE;
+        }
+    }
+    Ok(code)
+}
