@@ -239,8 +239,8 @@ pub struct BookieConfig {
     /// Start a new entry log after this many bytes.
     /// Range 1048576..=68719476736, default 1073741824 (1 GiB).
     pub entry_log_bytes_max: u64,
-    /// Move the write cache to entry logs at least this often, milliseconds.
-    /// Range 10..=600000, default 1000.
+    /// Move the write cache to entry logs at least this often, milliseconds (also whenever it
+    /// is half full). Journal files are removed once flushed. Range 10..=600000, default 10000.
     pub flush_interval_ms: u64,
     /// Look for entry logs to remove or compact this often, milliseconds.
     /// Range 100..=86400000, default 60000.
@@ -277,7 +277,7 @@ impl Default for BookieConfig {
             write_cache_bytes_max: 256 << 20,
             read_cache_bytes_max: 64 << 20,
             entry_log_bytes_max: 1 << 30,
-            flush_interval_ms: 1_000,
+            flush_interval_ms: 10_000,
             gc_interval_ms: 60_000,
             compaction_live_percent_min: 50,
             disk_usage_percent_max: 95,

@@ -3,7 +3,7 @@
 //!
 //! ```text
 //!  journal callback ──► write cache (sorted, bounded in bytes)
-//!                         │ flush: roll the journal to file S, then
+//!                         │ flush: take the cache; S = journal file of the newest applied record
 //!                         ▼
 //!                  entry log (append, fdatasync) ──► index + ledger states + checkpoint S
 //!                                                    (one synced RocksDB write)
@@ -234,6 +234,8 @@ pub struct LedgerStorage {
     /// Held for the whole of a flush or a compaction: one writer of entry logs at a time.
     writer: Mutex<EntryLogWriter>,
     usage: Mutex<BTreeMap<u64, LogUsage>>,
+    /// Journal file of the newest record applied here (records are applied in journal order).
+    applied_file: std::sync::atomic::AtomicU64,
 }
 
 /// Counters for stats and tests.
@@ -317,9 +319,16 @@ impl LedgerStorage {
                 readers: Mutex::default(),
                 writer: Mutex::new(writer),
                 usage: Mutex::new(usage),
+                applied_file: std::sync::atomic::AtomicU64::new(checkpoint),
             },
             checkpoint,
         ))
+    }
+
+    /// A journal record of file `file` was applied (an add made readable, a fence noted).
+    pub fn note_applied(&self, file: u64) {
+        self.applied_file
+            .fetch_max(file, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether an add may be journaled for this ledger.
@@ -518,16 +527,18 @@ impl LedgerStorage {
         Ok(())
     }
 
-    /// Moves the write cache to entry logs and the index, then records `checkpoint` (the
-    /// journal file the journal was rolled to before this call): journal files older than it
-    /// may be removed once this returns `Ok`.
-    pub fn flush(&self, checkpoint: u64) -> Result<usize, StorageError> {
+    /// Moves the write cache to entry logs and the index, then records the checkpoint: the
+    /// journal file of the newest record applied when the cache was taken. Every record of an
+    /// older file is then in entry logs and the index (records are applied in journal order),
+    /// so journal files older than the returned checkpoint may be removed once this returns.
+    pub fn flush(&self) -> Result<u64, StorageError> {
         let mut writer = self.writer.lock().expect("writer lock");
-        let batch_entries = {
+        let (batch_entries, checkpoint) = {
             let mut cache = self.cache.lock().expect("cache lock");
             let taken = std::mem::take(&mut cache.entries);
             cache.bytes = 0;
-            Arc::new(taken)
+            let checkpoint = self.applied_file.load(std::sync::atomic::Ordering::Relaxed);
+            (Arc::new(taken), checkpoint)
         };
         *self.flushing.write().expect("flushing lock") = Arc::clone(&batch_entries);
         let result = self.write_entries(&mut writer, &batch_entries, checkpoint);
@@ -542,7 +553,7 @@ impl LedgerStorage {
             }
         }
         *self.flushing.write().expect("flushing lock") = Arc::default();
-        result.map(|()| batch_entries.len())
+        result.map(|()| checkpoint)
     }
 
     fn write_entries(

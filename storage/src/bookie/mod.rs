@@ -5,7 +5,7 @@
 //!        ▲                       Read:  ledger storage (blocking pool)             │
 //!        │                       Fence: mark fenced ─► journal fence record ───────┤
 //!        └──── writer task ◄──── responses (one write per burst) ◄─────────────────┘
-//!  flusher thread: roll journal ─► ledger_storage.flush ─► remove old journal files; GC
+//!  flusher thread: ledger_storage.flush ─► remove checkpointed journal files; GC
 //! ```
 //!
 //! An add is answered only after the journal's fsync covered it. A damaged frame closes that
@@ -229,9 +229,10 @@ fn open_storage(
         }
     }
     let mut replayed = 0u64;
-    let report = journal::replay(&opts.journal.dir, |_, r| {
+    let report = journal::replay(&opts.journal.dir, |pos, r| {
         replayed += 1;
         apply_record(&storage, r);
+        storage.note_applied(pos.file);
     })?;
     tracing::info!(
         files = report.len(),
@@ -283,25 +284,14 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
     }
 }
 
-/// Rolls the journal, moves the write cache to entry logs, removes covered journal files.
+/// Moves the write cache to entry logs, then removes the journal files the checkpoint covers.
+/// The journal keeps writing meanwhile (no roll: a new file costs the journal thread a stall).
 fn flush_once(core: &BookieCore) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    core.journal.roll(Box::new(move |r| {
-        let _ = tx.send(r);
-    }));
-    let seq = match rx.recv() {
-        Ok(Ok(seq)) => seq,
-        Ok(Err(e)) => {
-            core.set_read_only(format!("journal: {e}"));
-            return;
-        }
-        Err(_) => return,
-    };
-    match core.storage.flush(seq) {
-        Ok(_) => {
+    match core.storage.flush() {
+        Ok(checkpoint) => {
             if let Ok(files) = journal::list_files(&core.opts.journal.dir) {
                 for (s, path) in files {
-                    if s < seq {
+                    if s < checkpoint {
                         if let Err(e) = std::fs::remove_file(&path) {
                             tracing::warn!(path = %path.display(), error = %e, "removing a checkpointed journal file failed");
                         }
@@ -491,9 +481,10 @@ async fn handle(
             core.journal.append(
                 record,
                 Box::new(move |r| match r {
-                    Ok(_) => {
+                    Ok(pos) => {
                         // Durable (journal fsync returned): readable, then acknowledged.
                         storage.add_durable(ledger_id, entry_id, envelope.lac, &master_key, entry);
+                        storage.note_applied(pos.file);
                         core2.adds.fetch_add(1, Ordering::Relaxed);
                         send(&tx, id, reply(Status::Ok));
                     }
@@ -618,6 +609,9 @@ async fn handle(
                     data: add_record_data(&master_key, &[]),
                 },
                 Box::new(move |r| {
+                    if let Ok(pos) = &r {
+                        storage.note_applied(pos.file);
+                    }
                     let response = match (r, storage.ledger_state(ledger_id)) {
                         (Ok(_), Some(s)) => Response::Lac {
                             status: Status::Ok,
