@@ -916,7 +916,13 @@ impl WriterActor {
                 status: Status::Ok, ..
             }) => {
                 let q = self.q;
-                if let Some(p) = self.pending.iter_mut().find(|p| p.entry == entry) {
+                // Pending entries are consecutive ids: index by offset from the front.
+                let front = self.pending.front().map(|p| p.entry);
+                if let Some(p) = front
+                    .and_then(|f| entry.checked_sub(f))
+                    .and_then(|i| self.pending.get_mut(i as usize))
+                {
+                    debug_assert_eq!(p.entry, entry);
                     p.acks.ack(&q, index);
                 }
                 self.complete_in_order();
