@@ -369,6 +369,11 @@ pub struct Journal {
 pub struct JournalThread(Option<JoinHandle<()>>);
 
 impl JournalThread {
+    /// Lets the thread finish on its own.
+    pub fn detach(mut self) {
+        self.0.take();
+    }
+
     pub fn join(mut self) {
         if let Some(h) = self.0.take() {
             let _ = h.join();

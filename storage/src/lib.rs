@@ -10,6 +10,7 @@ pub mod bookie;
 pub mod client;
 pub mod journal;
 pub mod ledger;
+pub mod managed_ledger;
 pub mod proto;
 pub mod rangeset;
 pub mod striping;

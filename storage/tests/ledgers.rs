@@ -325,3 +325,131 @@ async fn given_bookies_restarted_then_entries_survive_and_deleted_ledger_space_i
     drop(tmp);
     store.shutdown().await;
 }
+
+mod managed {
+    use super::*;
+    use meridian_storage::managed_ledger::{
+        ManagedLedger, ManagedLedgerError, ManagedLedgerOptions, Position,
+    };
+
+    fn opts() -> ManagedLedgerOptions {
+        ManagedLedgerOptions {
+            ensemble: 2,
+            write_quorum: 2,
+            ack_quorum: 2,
+            rollover_entries_max: 100,
+            tail_cache_bytes_max: 16 << 10,
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_appends_past_the_rollover_then_ledgers_chain_and_reads_cross_them_in_order() {
+        let (_tmp, store, mut bookies, client) = setup(2).await;
+        step("append 250 entries with a roll-over every 100");
+        let ml = ManagedLedger::open(client.clone(), "acme/orders/p0", opts())
+            .await
+            .expect("open");
+        let mut positions = Vec::new();
+        for i in 0..250u64 {
+            positions.push(ml.append(payload(i)).await.expect("append"));
+        }
+        assert!(
+            positions.windows(2).all(|w| w[0] < w[1]),
+            "positions increase"
+        );
+        let ledgers = ml.ledgers().await;
+        assert_eq!(ledgers.len(), 3, "{ledgers:?}");
+        assert_eq!(ledgers[0].entries, Some(100));
+        assert_eq!(ml.last_confirmed(), Some(*positions.last().expect("one")));
+        step("read everything back from the first position, across ledger boundaries");
+        let first = ml.first_position().await.expect("first");
+        assert_eq!(first, positions[0]);
+        let all = ml.read_range(first, 1000).await.expect("read range");
+        assert_eq!(all.len(), 250);
+        for (i, (p, data)) in all.iter().enumerate() {
+            assert_eq!(*p, positions[i]);
+            assert_eq!(*data, payload(i as u64));
+        }
+        let missing = Position::new(positions[249].ledger_id, positions[249].entry_id + 1);
+        assert!(matches!(
+            ml.read(missing).await,
+            Err(ManagedLedgerError::NoEntry { .. })
+        ));
+        step("trim before the third ledger: the first two go; retention keeps them otherwise");
+        let keep = ManagedLedger::open(
+            client.clone(),
+            "acme/orders/p1",
+            ManagedLedgerOptions {
+                retention_bytes: 1 << 30,
+                ..opts()
+            },
+        )
+        .await
+        .expect("open p1");
+        for i in 0..250u64 {
+            keep.append(payload(i)).await.expect("append");
+        }
+        let third = keep.ledgers().await[2].ledger_id;
+        assert!(
+            keep.trim(Position::new(third, 0))
+                .await
+                .expect("trim")
+                .is_empty(),
+            "retention keeps them"
+        );
+        let deleted = ml.trim(positions[200]).await.expect("trim");
+        assert_eq!(deleted, vec![ledgers[0].ledger_id, ledgers[1].ledger_id]);
+        assert_eq!(ml.ledgers().await.len(), 1);
+        assert!(matches!(
+            client.metadata(ledgers[0].ledger_id).await,
+            Err(LedgerError::NoSuchLedger(_))
+        ));
+        assert_eq!(
+            ml.read(positions[249]).await.expect("still readable"),
+            payload(249)
+        );
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_owner_gone_when_a_new_owner_opens_then_last_ledger_is_recovered_and_old_owner_is_fenced(
+    ) {
+        let (_tmp, store, mut bookies, client) = setup(2).await;
+        let old = ManagedLedger::open(client.clone(), "acme/payments/p0", opts())
+            .await
+            .expect("open");
+        let mut positions = Vec::new();
+        for i in 0..150u64 {
+            positions.push(old.append(payload(i)).await.expect("append"));
+        }
+        step("a new owner opens it while the old owner's ledger is still open");
+        let other_client = LedgerClient::new(store.client.clone(), LedgerClientOptions::default());
+        let new = ManagedLedger::open(other_client, "acme/payments/p0", opts())
+            .await
+            .expect("take over");
+        let ledgers = new.ledgers().await;
+        assert_eq!(
+            ledgers[1].entries,
+            Some(50),
+            "recovered ledger closed at the last acknowledged entry: {ledgers:?}"
+        );
+        assert_eq!(new.last_confirmed(), Some(positions[149]));
+        step("the old owner can append no more");
+        let err = old.append(payload(999)).await.expect_err("fenced");
+        assert!(matches!(err, ManagedLedgerError::Fenced { .. }), "{err}");
+        step("the new owner appends after everything acknowledged before");
+        let p = new.append(payload(150)).await.expect("append");
+        assert!(p > positions[149]);
+        let all = new.read_range(positions[0], 1000).await.expect("read");
+        assert_eq!(all.len(), 151);
+        assert_eq!(all[150].1, payload(150));
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+}

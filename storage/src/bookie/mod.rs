@@ -181,6 +181,19 @@ impl RunningBookie {
     }
 }
 
+impl Drop for RunningBookie {
+    /// Dropped without `shutdown` (a test that failed half-way): stop the threads instead of
+    /// leaving them running, and never block on them.
+    fn drop(&mut self) {
+        let _ = self.stop.send(true);
+        self.server.abort();
+        self.core.journal.stop();
+        if let Some(t) = self.journal_thread.take() {
+            t.detach();
+        }
+    }
+}
+
 /// Opens storage, replays the journal, and starts serving on `listener`.
 pub async fn start(
     opts: BookieOptions,

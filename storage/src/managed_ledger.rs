@@ -1,0 +1,571 @@
+//! A managed ledger: a named, append-only log made of a chain of ledgers (one per topic
+//! partition, later).
+//!
+//! ```text
+//!  /managed-ledgers/<name>  (JSON, every change a CAS)
+//!     ledgers: [L7 closed 0..=999] [L12 closed 0..=999] [L15 open]  ◄── appends go to the last
+//!  append ─► LedgerWriter of the open ledger ─► Position(ledger, entry) ─► tail cache
+//!  roll-over: entries / bytes / age of the open ledger past a limit ─► close it, create the next
+//!  open by a new owner: the last ledger, if not closed, is recovered (fenced) before appending
+//!  trim: ledgers wholly before the given position and outside retention are deleted
+//! ```
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use bytes::Bytes;
+use meridian_metadata::client::{ClientError, PutOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::ledger::{LedgerClient, LedgerError, LedgerReader, LedgerWriter};
+use crate::rangeset::Step;
+
+pub const MANAGED_LEDGERS_PREFIX: &str = "/managed-ledgers/";
+
+/// Where an entry is: its ledger and its id in that ledger. Ordered like the log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Position {
+    pub ledger_id: u64,
+    pub entry_id: u64,
+}
+
+impl Position {
+    pub const fn new(ledger_id: u64, entry_id: u64) -> Self {
+        Self {
+            ledger_id,
+            entry_id,
+        }
+    }
+}
+
+impl std::fmt::Display for Position {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.ledger_id, self.entry_id)
+    }
+}
+
+impl Step for Position {
+    /// The next entry of the same ledger. Ledger boundaries are crossed by the managed ledger,
+    /// which knows where each ledger ends.
+    fn next(self) -> Option<Self> {
+        self.entry_id
+            .checked_add(1)
+            .map(|e| Position::new(self.ledger_id, e))
+    }
+}
+
+/// One ledger of the chain as the managed ledger records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerInfo {
+    pub ledger_id: u64,
+    /// Entries in the ledger once it is closed (`None` while it is the open one).
+    pub entries: Option<u64>,
+    pub bytes: u64,
+    pub created_ms: u64,
+    pub closed_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManagedLedgerMetadata {
+    pub ledgers: Vec<LedgerInfo>,
+    /// Free-form properties kept with the log (cursors record theirs elsewhere).
+    #[serde(default)]
+    pub properties: BTreeMap<String, String>,
+}
+
+/// Settings of a managed ledger.
+#[derive(Debug, Clone)]
+pub struct ManagedLedgerOptions {
+    pub ensemble: usize,
+    pub write_quorum: usize,
+    pub ack_quorum: usize,
+    pub rollover_entries_max: u64,
+    pub rollover_bytes_max: u64,
+    pub rollover_age_ms: u64,
+    pub tail_cache_bytes_max: usize,
+    /// Acknowledged data kept this long anyway (readers may still read it); 0: none.
+    pub retention_ms: u64,
+    /// ... and up to this many bytes of it; 0: none.
+    pub retention_bytes: u64,
+}
+
+impl Default for ManagedLedgerOptions {
+    fn default() -> Self {
+        Self {
+            ensemble: 1,
+            write_quorum: 1,
+            ack_quorum: 1,
+            rollover_entries_max: 50_000,
+            rollover_bytes_max: 1 << 30,
+            rollover_age_ms: 4 * 3600 * 1000,
+            tail_cache_bytes_max: 64 << 20,
+            retention_ms: 0,
+            retention_bytes: 0,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManagedLedgerError {
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    Metadata(#[from] ClientError),
+    #[error("managed ledger {name}: another owner changed it (it is fenced for this one)")]
+    Fenced { name: String },
+    #[error("managed ledger {name}: no entry at {position}")]
+    NoEntry { name: String, position: Position },
+    #[error(
+        "invalid managed ledger name {0:?}: non-empty `/`-separated segments without empty parts"
+    )]
+    BadName(String),
+    #[error("corrupt managed ledger metadata {key}: {detail}")]
+    BadMetadata { key: String, detail: String },
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+pub fn managed_ledger_key(name: &str) -> String {
+    format!("{MANAGED_LEDGERS_PREFIX}{name}")
+}
+
+struct Open {
+    writer: Arc<LedgerWriter>,
+    ledger_id: u64,
+    entries: u64,
+    bytes: u64,
+    opened: Instant,
+}
+
+struct State {
+    meta: ManagedLedgerMetadata,
+    version: u64,
+    open: Option<Open>,
+    fenced: bool,
+}
+
+/// A bounded cache of recently appended entries, which tailing readers hit.
+#[derive(Default)]
+struct TailCache {
+    entries: BTreeMap<Position, Bytes>,
+    bytes: usize,
+}
+
+/// The named log. One owner appends; any number of readers read.
+pub struct ManagedLedger {
+    name: String,
+    key: String,
+    client: LedgerClient,
+    opts: ManagedLedgerOptions,
+    /// Serializes appends' submission and roll-overs (completion is awaited outside it).
+    state: tokio::sync::Mutex<State>,
+    cache: Mutex<TailCache>,
+    readers: tokio::sync::Mutex<HashMap<u64, Arc<LedgerReader>>>,
+    last_confirmed: Mutex<Option<Position>>,
+}
+
+impl ManagedLedger {
+    /// Opens (creating if needed) the managed ledger `name` as its owner: recovers the last
+    /// ledger if a previous owner left it open, then starts a new ledger for appends.
+    pub async fn open(
+        client: LedgerClient,
+        name: &str,
+        opts: ManagedLedgerOptions,
+    ) -> Result<Arc<ManagedLedger>, ManagedLedgerError> {
+        if name.is_empty() || name.split('/').any(|s| s.is_empty()) {
+            return Err(ManagedLedgerError::BadName(name.to_string()));
+        }
+        let key = managed_ledger_key(name);
+        let meta_client = client.metadata_client().clone();
+        let (mut meta, mut version) = match meta_client.get(&key).await? {
+            Some(kv) => (
+                serde_json::from_slice::<ManagedLedgerMetadata>(&kv.value).map_err(|e| {
+                    ManagedLedgerError::BadMetadata {
+                        key: key.clone(),
+                        detail: e.to_string(),
+                    }
+                })?,
+                kv.mod_revision,
+            ),
+            None => (ManagedLedgerMetadata::default(), 0),
+        };
+        // A previous owner's open ledger: fence and close it at its last acknowledged entry.
+        if let Some(last) = meta.ledgers.last_mut() {
+            if last.entries.is_none() {
+                let reader = client.open_recover(last.ledger_id).await?;
+                last.entries = Some(reader.last_entry().map_or(0, |l| l + 1));
+                last.closed_ms = Some(now_ms());
+                tracing::info!(name, ledger = last.ledger_id, entries = ?last.entries, "recovered the previous owner's ledger");
+            }
+        }
+        let ml = Arc::new(ManagedLedger {
+            name: name.to_string(),
+            key: key.clone(),
+            client,
+            opts,
+            state: tokio::sync::Mutex::new(State {
+                meta: ManagedLedgerMetadata::default(),
+                version: 0,
+                open: None,
+                fenced: false,
+            }),
+            cache: Mutex::default(),
+            readers: tokio::sync::Mutex::default(),
+            last_confirmed: Mutex::new(None),
+        });
+        // Record the recovery (or create the log) before the first new ledger.
+        version = ml.cas(&meta, version).await?;
+        let last = meta
+            .ledgers
+            .iter()
+            .rev()
+            .find(|l| l.entries.is_some_and(|n| n > 0))
+            .map(|l| Position::new(l.ledger_id, l.entries.expect("closed") - 1));
+        *ml.last_confirmed.lock().expect("lock") = last;
+        {
+            let mut st = ml.state.lock().await;
+            st.meta = std::mem::take(&mut meta);
+            st.version = version;
+            ml.start_ledger(&mut st).await?;
+        }
+        Ok(ml)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    async fn cas(
+        &self,
+        meta: &ManagedLedgerMetadata,
+        version: u64,
+    ) -> Result<u64, ManagedLedgerError> {
+        let r = self
+            .client
+            .metadata_client()
+            .put_with(
+                &self.key,
+                serde_json::to_vec(meta).expect("serializable"),
+                PutOptions {
+                    expected_version: Some(version),
+                    ..PutOptions::default()
+                },
+            )
+            .await;
+        match r {
+            Ok(p) => Ok(p.version),
+            Err(ClientError::Conflict { .. }) => Err(ManagedLedgerError::Fenced {
+                name: self.name.clone(),
+            }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Creates the next ledger and records it (CAS) as the open one.
+    async fn start_ledger(&self, st: &mut State) -> Result<(), ManagedLedgerError> {
+        let mut props = BTreeMap::new();
+        props.insert("managed-ledger".to_string(), self.name.clone());
+        let writer = self
+            .client
+            .create(
+                self.opts.ensemble,
+                self.opts.write_quorum,
+                self.opts.ack_quorum,
+                props,
+            )
+            .await?;
+        let ledger_id = writer.id();
+        let mut meta = st.meta.clone();
+        meta.ledgers.push(LedgerInfo {
+            ledger_id,
+            entries: None,
+            bytes: 0,
+            created_ms: now_ms(),
+            closed_ms: None,
+        });
+        match self.cas(&meta, st.version).await {
+            Ok(v) => {
+                st.version = v;
+                st.meta = meta;
+            }
+            Err(e) => {
+                st.fenced = true;
+                let _ = writer.close().await;
+                let _ = self.client.delete(ledger_id).await;
+                return Err(e);
+            }
+        }
+        st.open = Some(Open {
+            writer: Arc::new(writer),
+            ledger_id,
+            entries: 0,
+            bytes: 0,
+            opened: Instant::now(),
+        });
+        Ok(())
+    }
+
+    /// Closes the open ledger (after its pending adds) and records its size.
+    async fn close_open(&self, st: &mut State) -> Result<(), ManagedLedgerError> {
+        let Some(open) = st.open.take() else {
+            return Ok(());
+        };
+        let writer = match Arc::try_unwrap(open.writer) {
+            Ok(w) => w,
+            Err(shared) => {
+                // Appends still hold it: wait until they are done with it.
+                let mut shared = shared;
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                    match Arc::try_unwrap(shared) {
+                        Ok(w) => break w,
+                        Err(s) => shared = s,
+                    }
+                }
+            }
+        };
+        let last = writer.close().await?;
+        let mut meta = st.meta.clone();
+        if let Some(info) = meta
+            .ledgers
+            .iter_mut()
+            .find(|l| l.ledger_id == open.ledger_id)
+        {
+            info.entries = Some(last.map_or(0, |l| l + 1));
+            info.bytes = open.bytes;
+            info.closed_ms = Some(now_ms());
+        }
+        st.version = self
+            .cas(&meta, st.version)
+            .await
+            .inspect_err(|_| st.fenced = true)?;
+        st.meta = meta;
+        Ok(())
+    }
+
+    fn roll_due(&self, open: &Open) -> bool {
+        open.entries >= self.opts.rollover_entries_max
+            || open.bytes >= self.opts.rollover_bytes_max
+            || open.opened.elapsed().as_millis() as u64 >= self.opts.rollover_age_ms
+    }
+
+    /// Appends an entry; returns its position once it is on an ack quorum of bookies.
+    pub async fn append(&self, payload: Bytes) -> Result<Position, ManagedLedgerError> {
+        let (writer, ledger_id) = {
+            let mut st = self.state.lock().await;
+            if st.fenced {
+                return Err(ManagedLedgerError::Fenced {
+                    name: self.name.clone(),
+                });
+            }
+            if st.open.as_ref().is_some_and(|o| self.roll_due(o)) {
+                self.close_open(&mut st).await?;
+                self.start_ledger(&mut st).await?;
+            }
+            let open = st.open.as_mut().expect("an open ledger after start");
+            open.entries += 1;
+            open.bytes += payload.len() as u64;
+            (Arc::clone(&open.writer), open.ledger_id)
+        };
+        let outcome = writer.add_queued(payload.clone()).await;
+        drop(writer);
+        let entry_id = match outcome.await {
+            Ok(Ok(e)) => e,
+            Ok(Err(LedgerError::Fenced(_))) => {
+                self.state.lock().await.fenced = true;
+                return Err(ManagedLedgerError::Fenced {
+                    name: self.name.clone(),
+                });
+            }
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => return Err(LedgerError::Closed(ledger_id).into()),
+        };
+        let pos = Position::new(ledger_id, entry_id);
+        {
+            let mut lc = self.last_confirmed.lock().expect("lock");
+            if lc.is_none_or(|p| pos > p) {
+                *lc = Some(pos);
+            }
+        }
+        self.cache_insert(pos, payload);
+        Ok(pos)
+    }
+
+    fn cache_insert(&self, pos: Position, payload: Bytes) {
+        let max = self.opts.tail_cache_bytes_max;
+        if payload.len() > max {
+            return;
+        }
+        let mut c = self.cache.lock().expect("cache lock");
+        c.bytes += payload.len();
+        if let Some(old) = c.entries.insert(pos, payload) {
+            c.bytes -= old.len();
+        }
+        while c.bytes > max {
+            let Some((_, v)) = c.entries.pop_first() else {
+                break;
+            };
+            c.bytes -= v.len();
+        }
+    }
+
+    /// The newest acknowledged position.
+    pub fn last_confirmed(&self) -> Option<Position> {
+        *self.last_confirmed.lock().expect("lock")
+    }
+
+    /// The ledgers of the chain, oldest first.
+    pub async fn ledgers(&self) -> Vec<LedgerInfo> {
+        self.state.lock().await.meta.ledgers.clone()
+    }
+
+    /// The position of the first entry, if any.
+    pub async fn first_position(&self) -> Option<Position> {
+        let ledgers = self.ledgers().await;
+        let last = self.last_confirmed()?;
+        ledgers
+            .iter()
+            .find(|l| l.entries.is_none_or(|n| n > 0) && Position::new(l.ledger_id, 0) <= last)
+            .map(|l| Position::new(l.ledger_id, 0))
+    }
+
+    /// The position after `pos` in the log (crossing into the next ledger), if that entry
+    /// exists yet.
+    pub async fn next_position(&self, pos: Position) -> Option<Position> {
+        let last = self.last_confirmed()?;
+        if pos >= last {
+            return None;
+        }
+        let ledgers = self.ledgers().await;
+        let i = ledgers.iter().position(|l| l.ledger_id == pos.ledger_id)?;
+        let in_ledger = match ledgers[i].entries {
+            Some(n) => pos.entry_id + 1 < n,
+            None => true,
+        };
+        if in_ledger {
+            return Some(Position::new(pos.ledger_id, pos.entry_id + 1));
+        }
+        ledgers[i + 1..]
+            .iter()
+            .find(|l| l.entries.is_none_or(|n| n > 0))
+            .map(|l| Position::new(l.ledger_id, 0))
+            .filter(|p| *p <= last)
+    }
+
+    /// Reads the entry at `pos` (tail cache first).
+    pub async fn read(&self, pos: Position) -> Result<Bytes, ManagedLedgerError> {
+        if let Some(v) = self.cache.lock().expect("cache lock").entries.get(&pos) {
+            return Ok(v.clone());
+        }
+        if self.last_confirmed().is_none_or(|l| pos > l) {
+            return Err(ManagedLedgerError::NoEntry {
+                name: self.name.clone(),
+                position: pos,
+            });
+        }
+        let reader = {
+            let mut readers = self.readers.lock().await;
+            match readers.get(&pos.ledger_id) {
+                Some(r) => Arc::clone(r),
+                None => {
+                    let r = Arc::new(self.client.open(pos.ledger_id).await?);
+                    // An open ledger's metadata changes as it closes: cache only closed ones.
+                    if r.last_entry().is_some() {
+                        readers.insert(pos.ledger_id, Arc::clone(&r));
+                    }
+                    r
+                }
+            }
+        };
+        reader.read(pos.entry_id).await.map_err(|e| match e {
+            LedgerError::NoSuchEntry { .. } => ManagedLedgerError::NoEntry {
+                name: self.name.clone(),
+                position: pos,
+            },
+            other => other.into(),
+        })
+    }
+
+    /// Reads up to `max` entries from `from` on, in log order.
+    pub async fn read_range(
+        &self,
+        from: Position,
+        max: usize,
+    ) -> Result<Vec<(Position, Bytes)>, ManagedLedgerError> {
+        let mut out = Vec::new();
+        let mut pos = Some(from);
+        while let Some(p) = pos {
+            if out.len() >= max || self.last_confirmed().is_none_or(|l| p > l) {
+                break;
+            }
+            out.push((p, self.read(p).await?));
+            pos = self.next_position(p).await;
+        }
+        Ok(out)
+    }
+
+    /// Deletes the ledgers that end before `keep_from` (what no cursor needs) and that no
+    /// retention rule keeps. The open ledger is never deleted. Returns the deleted ids.
+    pub async fn trim(&self, keep_from: Position) -> Result<Vec<u64>, ManagedLedgerError> {
+        let mut st = self.state.lock().await;
+        let now = now_ms();
+        let candidates: Vec<&LedgerInfo> = st
+            .meta
+            .ledgers
+            .iter()
+            .filter(|l| l.entries.is_some() && l.ledger_id < keep_from.ledger_id)
+            .collect();
+        // Retention keeps the newest of the consumed ledgers, by age and by size.
+        let mut kept_bytes = 0u64;
+        let mut doomed = Vec::new();
+        for l in candidates.iter().rev() {
+            let young = self.opts.retention_ms > 0
+                && l.closed_ms
+                    .is_some_and(|c| now.saturating_sub(c) < self.opts.retention_ms);
+            let fits =
+                self.opts.retention_bytes > 0 && kept_bytes + l.bytes <= self.opts.retention_bytes;
+            if young || fits {
+                kept_bytes += l.bytes;
+            } else {
+                doomed.push(l.ledger_id);
+            }
+        }
+        if doomed.is_empty() {
+            return Ok(doomed);
+        }
+        doomed.sort_unstable();
+        let mut meta = st.meta.clone();
+        meta.ledgers.retain(|l| !doomed.contains(&l.ledger_id));
+        st.version = self
+            .cas(&meta, st.version)
+            .await
+            .inspect_err(|_| st.fenced = true)?;
+        st.meta = meta;
+        drop(st);
+        for id in &doomed {
+            self.readers.lock().await.remove(id);
+            if let Err(e) = self.client.delete(*id).await {
+                tracing::warn!(name = %self.name, ledger = id, error = %e, "deleting a trimmed ledger failed; it stays on the bookies");
+            }
+        }
+        {
+            let mut c = self.cache.lock().expect("cache lock");
+            c.entries.retain(|p, _| !doomed.contains(&p.ledger_id));
+            c.bytes = c.entries.values().map(|v| v.len()).sum();
+        }
+        Ok(doomed)
+    }
+
+    /// Closes the open ledger; the managed ledger can be opened again (by this or another
+    /// owner) later.
+    pub async fn close(&self) -> Result<(), ManagedLedgerError> {
+        let mut st = self.state.lock().await;
+        self.close_open(&mut st).await
+    }
+}
