@@ -8,6 +8,7 @@
 
 pub mod bookie;
 pub mod client;
+pub mod cursor;
 pub mod journal;
 pub mod ledger;
 pub mod managed_ledger;

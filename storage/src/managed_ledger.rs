@@ -458,6 +458,59 @@ impl ManagedLedger {
             .filter(|p| *p <= last)
     }
 
+    /// Entries in the log (through the last confirmed one) and their bytes.
+    pub async fn size(&self) -> (u64, u64) {
+        let st = self.state.lock().await;
+        let mut entries = 0;
+        let mut bytes = 0;
+        for l in &st.meta.ledgers {
+            match l.entries {
+                Some(n) => {
+                    entries += n;
+                    bytes += l.bytes;
+                }
+                None => {
+                    if let Some(lc) = self.last_confirmed().filter(|p| p.ledger_id == l.ledger_id) {
+                        entries += lc.entry_id + 1;
+                    }
+                    if let Some(o) = st.open.as_ref().filter(|o| o.ledger_id == l.ledger_id) {
+                        bytes += o.bytes;
+                    }
+                }
+            }
+        }
+        (entries, bytes)
+    }
+
+    /// The index of `pos` in the log (0 for its first entry still kept).
+    pub async fn index_of(&self, pos: Position) -> Option<u64> {
+        let ledgers = self.ledgers().await;
+        let mut base = 0;
+        for l in &ledgers {
+            if l.ledger_id == pos.ledger_id {
+                return Some(base + pos.entry_id);
+            }
+            base += l.entries.unwrap_or(0);
+        }
+        None
+    }
+
+    /// The position of the entry at `index` (see [`index_of`](Self::index_of)).
+    pub async fn position_at(&self, index: u64) -> Option<Position> {
+        let ledgers = self.ledgers().await;
+        let last = self.last_confirmed()?;
+        let mut base = 0;
+        for l in &ledgers {
+            let n = l.entries.unwrap_or(u64::MAX);
+            if index < base + n {
+                let p = Position::new(l.ledger_id, index - base);
+                return (p <= last).then_some(p);
+            }
+            base += n;
+        }
+        None
+    }
+
     /// Reads the entry at `pos` (tail cache first).
     pub async fn read(&self, pos: Position) -> Result<Bytes, ManagedLedgerError> {
         if let Some(v) = self.cache.lock().expect("cache lock").entries.get(&pos) {

@@ -453,3 +453,114 @@ mod managed {
         store.shutdown().await;
     }
 }
+
+mod cursors {
+    use super::*;
+    use meridian_storage::cursor::{InitialPosition, ManagedCursor};
+    use meridian_storage::managed_ledger::{ManagedLedger, ManagedLedgerOptions, Position};
+    use std::sync::Arc;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_acks_in_any_order_then_mark_delete_folds_and_state_survives_reopening() {
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        let opts = ManagedLedgerOptions {
+            rollover_entries_max: 100,
+            ..Default::default()
+        };
+        let ml = ManagedLedger::open(client.clone(), "acme/events/p0", opts)
+            .await
+            .expect("open");
+        let mut pos = Vec::new();
+        for i in 0..250u64 {
+            pos.push(ml.append(payload(i)).await.expect("append"));
+        }
+        step("a durable cursor from the earliest entry reads 120 (across a ledger boundary)");
+        let mut c = ManagedCursor::open(
+            client.clone(),
+            Arc::clone(&ml),
+            "sub-a",
+            InitialPosition::Earliest,
+        )
+        .await
+        .expect("cursor");
+        let read = c.read_entries(120).await.expect("read");
+        assert_eq!(read.len(), 120);
+        assert_eq!(read[0], (pos[0], payload(0)));
+        assert_eq!(read[119].0, pos[119]);
+        assert_eq!(c.backlog().await.entries, 250);
+        step("acks out of order: 2, 3, then 0 and 1 fold into the mark-delete position");
+        for i in [2usize, 3, 7] {
+            c.ack(pos[i]).await.expect("ack");
+        }
+        assert_eq!(c.mark_delete(), None);
+        c.ack(pos[0]).await.expect("ack");
+        c.ack(pos[1]).await.expect("ack");
+        assert_eq!(c.mark_delete(), Some(pos[3]));
+        assert_eq!(c.acknowledged_ranges(), vec![(pos[7], pos[7])]);
+        step("a cumulative ack to entry 98, then 99 and 100 individually cross into ledger 2");
+        c.ack_cumulative(pos[98]).await.expect("ack");
+        c.ack(pos[100]).await.expect("ack");
+        c.ack(pos[99]).await.expect("ack");
+        assert_eq!(c.mark_delete(), Some(pos[100]));
+        c.ack(pos[105]).await.expect("ack");
+        let backlog = c.backlog().await;
+        assert_eq!(backlog.entries, 250 - 101 - 1);
+        assert!(backlog.bytes > 0);
+        step(
+            "restart the bookie, reopen the cursor from another client: the same state comes back",
+        );
+        drop(c);
+        let (dir, addr) = (bookies[0].dir.clone(), bookies[0].addr.clone());
+        bookies[0].stop(&store.client).await;
+        bookies[0] = start_bookie(&store.client, dir, Some(addr)).await;
+        wait_for_bookies(&client, 1).await;
+        let other = LedgerClient::new(store.client.clone(), LedgerClientOptions::default());
+        let mut c = ManagedCursor::open(other, Arc::clone(&ml), "sub-a", InitialPosition::Latest)
+            .await
+            .expect("reopen");
+        assert_eq!(c.mark_delete(), Some(pos[100]));
+        assert_eq!(c.acknowledged_ranges(), vec![(pos[105], pos[105])]);
+        let next = c.read_entries(5).await.expect("read");
+        let got: Vec<Position> = next.iter().map(|(p, _)| *p).collect();
+        assert_eq!(
+            got,
+            vec![pos[101], pos[102], pos[103], pos[104], pos[106]],
+            "acked 105 skipped"
+        );
+        step("reset to a position, to a publish time, to latest and earliest");
+        c.reset_to_position(pos[200]).await.expect("reset");
+        assert_eq!(c.read_entries(1).await.expect("read")[0].0, pos[200]);
+        // The payload's number stands in for a publish time.
+        let time_of = |b: &Bytes| -> u64 {
+            std::str::from_utf8(&b[6..14])
+                .expect("utf8")
+                .parse()
+                .expect("number")
+        };
+        c.reset_to_time(170, time_of).await.expect("reset by time");
+        assert_eq!(c.read_entries(1).await.expect("read")[0].0, pos[170]);
+        assert_eq!(c.backlog().await.entries, 80);
+        c.reset(InitialPosition::Latest).await.expect("latest");
+        assert_eq!(c.backlog().await.entries, 0);
+        assert!(c.read_entries(10).await.expect("read").is_empty());
+        let p = ml.append(payload(250)).await.expect("append");
+        assert_eq!(
+            c.read_entries(10).await.expect("read"),
+            vec![(p, payload(250))]
+        );
+        c.reset(InitialPosition::Earliest).await.expect("earliest");
+        assert_eq!(c.backlog().await.entries, 251);
+        step("a non-durable reader from latest sees only what comes next");
+        let mut r = ManagedCursor::non_durable(Arc::clone(&ml), InitialPosition::Latest).await;
+        assert!(r.read_entries(10).await.expect("read").is_empty());
+        let p = ml.append(payload(251)).await.expect("append");
+        assert_eq!(
+            r.read_entries(10).await.expect("read"),
+            vec![(p, payload(251))]
+        );
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+}

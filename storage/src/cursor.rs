@@ -1,0 +1,436 @@
+//! Managed cursors: named positions of consumers in a managed ledger.
+//!
+//! ```text
+//!  state:  mark-delete M (every entry <= M acknowledged) + ranges acknowledged beyond M
+//!          + read position (next entry to hand out)
+//!  durable cursor: every change appends a snapshot {M, ranges} to the cursor's own ledger;
+//!          /managed-cursors/<managed ledger>/<cursor> (CAS) names that ledger and keeps M
+//!  open:   recover the cursor ledger (fence its old writer), read its last snapshot, start a
+//!          new cursor ledger with it, delete the old one
+//!  non-durable cursor (readers): the same state, never persisted
+//! ```
+//!
+//! A snapshot keeps at most `ranges_persisted_max` ranges (the oldest); acknowledgements past
+//! them are lost by a crash and those entries are delivered again (at least once), as Pulsar's
+//! `managedLedgerMaxUnackedRangesToPersist` does.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use meridian_metadata::client::{ClientError, PutOptions};
+use serde::{Deserialize, Serialize};
+
+use crate::ledger::{LedgerClient, LedgerError, LedgerWriter};
+use crate::managed_ledger::{ManagedLedger, ManagedLedgerError, Position};
+use crate::rangeset::RangeSet;
+
+pub const MANAGED_CURSORS_PREFIX: &str = "/managed-cursors/";
+
+/// Where a cursor starts or is reset to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum InitialPosition {
+    Earliest,
+    Latest,
+}
+
+/// What a snapshot entry of a cursor ledger holds.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CursorSnapshot {
+    /// `None`: nothing acknowledged yet (the cursor is before the first entry).
+    pub mark_delete: Option<Position>,
+    pub ranges: Vec<(Position, Position)>,
+}
+
+/// The cursor's record in the metadata store.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CursorInfo {
+    pub cursor_ledger: Option<u64>,
+    pub mark_delete: Option<Position>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum CursorError {
+    #[error(transparent)]
+    ManagedLedger(#[from] ManagedLedgerError),
+    #[error(transparent)]
+    Ledger(#[from] LedgerError),
+    #[error(transparent)]
+    Metadata(#[from] ClientError),
+    #[error("cursor {0}: changed by another owner")]
+    Fenced(String),
+    #[error("invalid cursor name {0:?}: non-empty, no `/`")]
+    BadName(String),
+    #[error("corrupt cursor state {key}: {detail}")]
+    BadState { key: String, detail: String },
+}
+
+/// Backlog of a cursor: entries not yet acknowledged, and their approximate size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Backlog {
+    pub entries: u64,
+    pub bytes: u64,
+}
+
+struct Durable {
+    client: LedgerClient,
+    key: String,
+    version: u64,
+    writer: LedgerWriter,
+    snapshots: u64,
+}
+
+pub struct ManagedCursor {
+    name: String,
+    ml: Arc<ManagedLedger>,
+    mark_delete: Option<Position>,
+    ranges: RangeSet<Position>,
+    /// The last position handed out or skipped by reads; reading goes on after it.
+    read_after: Option<Position>,
+    durable: Option<Durable>,
+    ranges_persisted_max: usize,
+    /// Snapshots per cursor ledger before a new one is started.
+    snapshots_per_ledger: u64,
+}
+
+fn cursor_key(ml: &str, cursor: &str) -> String {
+    format!("{MANAGED_CURSORS_PREFIX}{ml}/{cursor}")
+}
+
+impl ManagedCursor {
+    fn blank(ml: Arc<ManagedLedger>, name: &str) -> ManagedCursor {
+        ManagedCursor {
+            name: name.to_string(),
+            ml,
+            mark_delete: None,
+            ranges: RangeSet::new(),
+            read_after: None,
+            durable: None,
+            ranges_persisted_max: 10_000,
+            snapshots_per_ledger: 10_000,
+        }
+    }
+
+    /// A cursor that is never persisted (a reader), starting at `start`.
+    pub async fn non_durable(ml: Arc<ManagedLedger>, start: InitialPosition) -> ManagedCursor {
+        let mut c = Self::blank(ml, "");
+        c.move_to(start).await;
+        c
+    }
+
+    /// Opens the durable cursor `name` of `ml` (creating it at `initial` if it does not exist).
+    pub async fn open(
+        client: LedgerClient,
+        ml: Arc<ManagedLedger>,
+        name: &str,
+        initial: InitialPosition,
+    ) -> Result<ManagedCursor, CursorError> {
+        if name.is_empty() || name.contains('/') {
+            return Err(CursorError::BadName(name.to_string()));
+        }
+        let key = cursor_key(ml.name(), name);
+        let existing = client.metadata_client().get(&key).await?;
+        let mut c = Self::blank(ml, name);
+        let (previous, version) = match &existing {
+            None => {
+                c.move_to(initial).await;
+                (None, 0)
+            }
+            Some(kv) => {
+                let info: CursorInfo =
+                    serde_json::from_slice(&kv.value).map_err(|e| CursorError::BadState {
+                        key: key.clone(),
+                        detail: e.to_string(),
+                    })?;
+                c.mark_delete = info.mark_delete;
+                if let Some(id) = info.cursor_ledger {
+                    // Its writer may be a crashed owner: recover before reading the last snapshot.
+                    let reader = client.open_recover(id).await?;
+                    if let Some(last) = reader.last_entry() {
+                        let bytes = reader.read(last).await?;
+                        let snap: CursorSnapshot =
+                            serde_json::from_slice(&bytes).map_err(|e| CursorError::BadState {
+                                key: format!("cursor ledger {id} entry {last}"),
+                                detail: e.to_string(),
+                            })?;
+                        c.mark_delete = snap.mark_delete;
+                        for (lo, hi) in snap.ranges {
+                            c.ranges.insert_range(lo, hi);
+                        }
+                    }
+                }
+                c.read_after = c.mark_delete;
+                (info.cursor_ledger, kv.mod_revision)
+            }
+        };
+        c.start_cursor_ledger(client, key, version, previous)
+            .await?;
+        Ok(c)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Every entry up to this position is acknowledged (`None`: none is).
+    pub fn mark_delete(&self) -> Option<Position> {
+        self.mark_delete
+    }
+
+    /// Ranges acknowledged beyond the mark-delete position.
+    pub fn acknowledged_ranges(&self) -> Vec<(Position, Position)> {
+        self.ranges.iter().collect()
+    }
+
+    /// Starts a new cursor ledger holding the current state, records it (CAS), and deletes the
+    /// previous one.
+    async fn start_cursor_ledger(
+        &mut self,
+        client: LedgerClient,
+        key: String,
+        version: u64,
+        previous: Option<u64>,
+    ) -> Result<(), CursorError> {
+        let mut props = std::collections::BTreeMap::new();
+        props.insert(
+            "cursor".to_string(),
+            format!("{}/{}", self.ml.name(), self.name),
+        );
+        let writer = client.create(1, 1, 1, props).await?;
+        writer.add(self.snapshot_bytes()).await?;
+        let info = CursorInfo {
+            cursor_ledger: Some(writer.id()),
+            mark_delete: self.mark_delete,
+        };
+        let put = client
+            .metadata_client()
+            .put_with(
+                &key,
+                serde_json::to_vec(&info).expect("serializable"),
+                PutOptions {
+                    expected_version: Some(version),
+                    ..PutOptions::default()
+                },
+            )
+            .await;
+        let version = match put {
+            Ok(p) => p.version,
+            Err(e) => {
+                let id = writer.id();
+                let _ = writer.close().await;
+                let _ = client.delete(id).await;
+                return Err(match e {
+                    ClientError::Conflict { .. } => CursorError::Fenced(self.name.clone()),
+                    other => other.into(),
+                });
+            }
+        };
+        if let Some(old) = previous {
+            if let Err(e) = client.delete(old).await {
+                tracing::warn!(cursor = %self.name, ledger = old, error = %e, "deleting the previous cursor ledger failed");
+            }
+        }
+        self.durable = Some(Durable {
+            client,
+            key,
+            version,
+            writer,
+            snapshots: 1,
+        });
+        Ok(())
+    }
+
+    fn snapshot_bytes(&self) -> Bytes {
+        let ranges: Vec<(Position, Position)> =
+            self.ranges.iter().take(self.ranges_persisted_max).collect();
+        Bytes::from(
+            serde_json::to_vec(&CursorSnapshot {
+                mark_delete: self.mark_delete,
+                ranges,
+            })
+            .expect("serializable"),
+        )
+    }
+
+    /// Makes the current state durable (a no-op for non-durable cursors): appends a snapshot to
+    /// the cursor ledger; every `snapshots_per_ledger` snapshots a new cursor ledger starts.
+    async fn persist(&mut self) -> Result<(), CursorError> {
+        let bytes = self.snapshot_bytes();
+        let Some(d) = self.durable.as_mut() else {
+            return Ok(());
+        };
+        match d.writer.add(bytes).await {
+            Ok(_) => d.snapshots += 1,
+            Err(LedgerError::Fenced(_)) => return Err(CursorError::Fenced(self.name.clone())),
+            Err(e) => return Err(e.into()),
+        }
+        if d.snapshots >= self.snapshots_per_ledger {
+            let d = self.durable.take().expect("durable");
+            let old = d.writer.id();
+            d.writer.close().await?;
+            self.start_cursor_ledger(d.client, d.key, d.version, Some(old))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn next_after(&self, p: Option<Position>) -> Option<Position> {
+        match p {
+            Some(p) => self.ml.next_position(p).await,
+            None => self.ml.first_position().await,
+        }
+    }
+
+    /// Moves the mark-delete position over acknowledged ranges that now follow it.
+    async fn fold(&mut self) {
+        while let (Some(n), Some((lo, hi))) =
+            (self.next_after(self.mark_delete).await, self.ranges.first())
+        {
+            if n != lo {
+                break;
+            }
+            self.ranges.remove_through(hi);
+            self.mark_delete = Some(hi);
+        }
+    }
+
+    /// Acknowledges one entry (and persists the cursor).
+    pub async fn ack(&mut self, pos: Position) -> Result<(), CursorError> {
+        if self.is_acknowledged(pos) {
+            return Ok(());
+        }
+        self.ranges.insert(pos);
+        self.fold().await;
+        self.persist().await
+    }
+
+    /// Acknowledges every entry up to and including `pos` (and persists the cursor).
+    pub async fn ack_cumulative(&mut self, pos: Position) -> Result<(), CursorError> {
+        if self.mark_delete.is_some_and(|md| pos <= md) {
+            return Ok(());
+        }
+        self.mark_delete = Some(pos);
+        self.ranges.remove_through(pos);
+        self.fold().await;
+        if self.read_after.is_none_or(|r| r < pos) {
+            self.read_after = Some(pos);
+        }
+        self.persist().await
+    }
+
+    pub fn is_acknowledged(&self, pos: Position) -> bool {
+        self.mark_delete.is_some_and(|md| pos <= md) || self.ranges.contains(pos)
+    }
+
+    /// Reads up to `max` entries after the read position, skipping acknowledged ones, and moves
+    /// the read position past them.
+    pub async fn read_entries(
+        &mut self,
+        max: usize,
+    ) -> Result<Vec<(Position, Bytes)>, CursorError> {
+        let mut out = Vec::new();
+        while out.len() < max {
+            let Some(p) = self.next_after(self.read_after).await else {
+                break;
+            };
+            if !self.is_acknowledged(p) {
+                out.push((p, self.ml.read(p).await?));
+            }
+            self.read_after = Some(p);
+        }
+        Ok(out)
+    }
+
+    /// Entries not acknowledged yet and their approximate size (the log's average entry size).
+    pub async fn backlog(&self) -> Backlog {
+        let (total, total_bytes) = self.ml.size().await;
+        let Some(last) = self.ml.last_confirmed() else {
+            return Backlog::default();
+        };
+        let last_index = self.ml.index_of(last).await.unwrap_or(0);
+        let after_md = match self.mark_delete {
+            None => last_index + 1,
+            Some(md) => match self.ml.index_of(md).await {
+                Some(i) => last_index.saturating_sub(i),
+                // Trimmed away: everything kept is after it.
+                None => last_index + 1,
+            },
+        };
+        let acked: u64 = self
+            .ranges
+            .iter()
+            .map(|(lo, hi)| {
+                if lo.ledger_id == hi.ledger_id {
+                    hi.entry_id - lo.entry_id + 1
+                } else {
+                    1
+                }
+            })
+            .sum();
+        let entries = after_md.saturating_sub(acked);
+        let bytes = entries
+            .saturating_mul(total_bytes)
+            .checked_div(total)
+            .unwrap_or(0);
+        Backlog { entries, bytes }
+    }
+
+    async fn move_to(&mut self, to: InitialPosition) {
+        self.ranges = RangeSet::new();
+        match to {
+            InitialPosition::Earliest => self.mark_delete = None,
+            InitialPosition::Latest => self.mark_delete = self.ml.last_confirmed(),
+        }
+        self.read_after = self.mark_delete;
+    }
+
+    /// Resets the cursor to the earliest or latest entry (and persists it).
+    pub async fn reset(&mut self, to: InitialPosition) -> Result<(), CursorError> {
+        self.move_to(to).await;
+        self.persist().await
+    }
+
+    /// Resets the cursor so that `pos` is the next entry read: everything before it counts as
+    /// acknowledged, everything from it on as not (and persists it).
+    pub async fn reset_to_position(&mut self, pos: Position) -> Result<(), CursorError> {
+        self.ranges = RangeSet::new();
+        let index = self.ml.index_of(pos).await.unwrap_or(0);
+        self.mark_delete = match index.checked_sub(1) {
+            Some(i) => self.ml.position_at(i).await,
+            None => None,
+        };
+        self.read_after = self.mark_delete;
+        self.persist().await
+    }
+
+    /// Resets the cursor to the first entry whose publish time (as `publish_time` reads it
+    /// from the entry) is at or after `time`: a binary search over the log.
+    pub async fn reset_to_time(
+        &mut self,
+        time: u64,
+        publish_time: impl Fn(&Bytes) -> u64,
+    ) -> Result<(), CursorError> {
+        let Some(last) = self.ml.last_confirmed() else {
+            return self.reset(InitialPosition::Earliest).await;
+        };
+        let first = self.ml.first_position().await.unwrap_or(last);
+        let (mut lo, mut hi) = (
+            self.ml.index_of(first).await.unwrap_or(0),
+            self.ml.index_of(last).await.unwrap_or(0) + 1,
+        );
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            let Some(p) = self.ml.position_at(mid).await else {
+                break;
+            };
+            if publish_time(&self.ml.read(p).await?) < time {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        match self.ml.position_at(lo).await {
+            Some(p) => self.reset_to_position(p).await,
+            None => self.reset(InitialPosition::Latest).await,
+        }
+    }
+}
