@@ -59,11 +59,20 @@ struct TestBookie {
 }
 
 async fn start_bookie(meta: &MetadataClient, dir: PathBuf, addr: Option<String>) -> TestBookie {
+    start_bookie_with(meta, dir, addr, |_| {}).await
+}
+
+async fn start_bookie_with(
+    meta: &MetadataClient,
+    dir: PathBuf,
+    addr: Option<String>,
+    adjust: impl FnOnce(&mut BookieOptions),
+) -> TestBookie {
     let listen = addr.clone().unwrap_or_else(|| "127.0.0.1:0".into());
     let listener = tokio::net::TcpListener::bind(&listen).await.expect("bind");
-    let running = bookie::start(bookie_opts(&dir), listener)
-        .await
-        .expect("bookie starts");
+    let mut opts = bookie_opts(&dir);
+    adjust(&mut opts);
+    let running = bookie::start(opts, listener).await.expect("bookie starts");
     let addr = running.addr.to_string();
     let (stop_reg, stop_rx) = watch::channel(false);
     tokio::spawn(bookie::register(
@@ -563,4 +572,186 @@ mod cursors {
         }
         store.shutdown().await;
     }
+}
+
+mod disk_full {
+    use super::*;
+
+    /// Unmounts on drop, so a failing test leaves no mount behind.
+    struct Mount(PathBuf);
+
+    impl Drop for Mount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg(&self.0).status();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_disk_above_threshold_then_bookie_turns_read_only_and_is_not_chosen() {
+        let (tmp, store, mut bookies, client) = setup(0).await;
+        step("a bookie whose disk is above bookie.disk_usage_percent_max = 1");
+        let b = start_bookie_with(&store.client, tmp.path().join("full"), None, |o| {
+            o.disk_usage_percent_max = 1;
+        })
+        .await;
+        bookies.push(b);
+        let mut writable = true;
+        for _ in 0..100 {
+            let infos = client.bookies().await.expect("bookies");
+            if infos.len() == 1 && !infos[0].writable {
+                writable = false;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert!(!writable, "registration still says writable");
+        let core = &bookies[0].running.as_ref().expect("running").core;
+        let reason = core.read_only_reason().expect("read-only");
+        assert!(
+            reason.contains("bookie.disk_usage_percent_max = 1"),
+            "{reason}"
+        );
+        let err = client
+            .create(1, 1, 1, BTreeMap::new())
+            .await
+            .err()
+            .expect("no writable bookie");
+        assert!(
+            matches!(
+                err,
+                LedgerError::NotEnoughBookies {
+                    needed: 1,
+                    available: 0,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_journal_disk_fills_then_bookie_turns_read_only_keeps_serving_reads_and_loses_nothing(
+    ) {
+        if rustix::process::geteuid().as_raw() != 0 {
+            eprintln!("skipped: mounting a small tmpfs needs root");
+            return;
+        }
+        let (tmp, store, mut bookies, client) = setup(0).await;
+        let small = tmp.path().join("small");
+        std::fs::create_dir_all(&small).expect("mkdir");
+        let status = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "size=6m", "tmpfs"])
+            .arg(&small)
+            .status()
+            .expect("mount");
+        assert!(status.success(), "mount -t tmpfs failed");
+        let _mount = Mount(small.clone());
+        step("a bookie whose journal sits on a 6 MiB file system");
+        let b = start_bookie_with(&store.client, tmp.path().join("b"), None, |o| {
+            o.journal.dir = small.join("journal");
+            o.journal.preallocate_bytes = 1 << 20;
+        })
+        .await;
+        bookies.push(b);
+        wait_for_bookies(&client, 1).await;
+        let writer = client
+            .create(1, 1, 1, BTreeMap::new())
+            .await
+            .expect("create");
+        let id = writer.id();
+        let mut acked = 0u64;
+        let mut failure = None;
+        for i in 0..20_000u64 {
+            match writer.add(Bytes::from(vec![(i % 251) as u8; 1024])).await {
+                Ok(e) => acked = e + 1,
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let failure = failure.expect("the journal filled up");
+        step(&format!("adds stopped after {acked} entries: {failure}"));
+        let core = &bookies[0].running.as_ref().expect("running").core;
+        let reason = core.read_only_reason().expect("read-only");
+        assert!(reason.contains("journal"), "{reason}");
+        step("the bookie still serves every acknowledged entry");
+        let reader = client.open(id).await.expect("open");
+        for e in 0..acked {
+            assert_eq!(
+                reader.read(e).await.expect("read"),
+                Bytes::from(vec![(e % 251) as u8; 1024])
+            );
+        }
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_entry_logs_mostly_dead_then_compaction_moves_live_entries_and_frees_space() {
+    let (_tmp, store, mut bookies, client) = setup(1).await;
+    step("three ledgers written interleaved, so every entry log holds all three");
+    let writers = [
+        client.create(1, 1, 1, BTreeMap::new()).await.expect("a"),
+        client.create(1, 1, 1, BTreeMap::new()).await.expect("b"),
+        client.create(1, 1, 1, BTreeMap::new()).await.expect("c"),
+    ];
+    let blob = |w: usize, i: u64| Bytes::from(vec![(w as u8) * 50 + (i % 50) as u8; 16 << 10]);
+    for i in 0..150u64 {
+        for (w, writer) in writers.iter().enumerate() {
+            writer.add(blob(w, i)).await.expect("add");
+        }
+    }
+    let ids: Vec<u64> = writers.iter().map(|w| w.id()).collect();
+    for w in writers {
+        w.close().await.expect("close");
+    }
+    let logs_dir = bookies[0].dir.join("ledgers/entrylogs");
+    let size = || -> u64 {
+        std::fs::read_dir(&logs_dir)
+            .expect("entry logs")
+            .map(|e| e.expect("entry").metadata().expect("stat").len())
+            .sum()
+    };
+    // Let the flusher move everything to entry logs.
+    let mut before = 0;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        before = size();
+        if before >= 3 * 150 * (16 << 10) {
+            break;
+        }
+    }
+    assert!(
+        before >= 3 * 150 * (16 << 10),
+        "entry logs hold {before} bytes"
+    );
+    step("delete two of them: each log is one third live, under compaction_live_percent_min 50");
+    client.delete(ids[0]).await.expect("delete a");
+    client.delete(ids[1]).await.expect("delete b");
+    let mut after = before;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = size();
+        if after < before / 2 {
+            break;
+        }
+    }
+    assert!(after < before / 2, "entry logs {before} -> {after} bytes");
+    step("the live ledger reads back from its new location");
+    let reader = client.open(ids[2]).await.expect("open");
+    for i in 0..150u64 {
+        assert_eq!(reader.read(i).await.expect("read"), blob(2, i), "entry {i}");
+    }
+    for b in &mut bookies {
+        b.stop(&store.client).await;
+    }
+    store.shutdown().await;
 }
