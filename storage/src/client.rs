@@ -151,8 +151,9 @@ impl BookieConn {
             .lock()
             .expect("pending lock")
             .insert(id, on_response);
-        let mut out = Vec::new();
-        proto::encode(&Frame::Request { id, request }, &mut out);
+        let frame = Frame::Request { id, request };
+        let mut out = Vec::with_capacity(proto::encoded_len_hint(&frame));
+        proto::encode(&frame, &mut out);
         if self.tx.send(out).is_err() {
             if let Some(w) = self.pending.lock().expect("pending lock").remove(&id) {
                 w(Err(BookieClientError::Unreachable {

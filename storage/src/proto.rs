@@ -353,6 +353,28 @@ fn put_key(out: &mut Vec<u8>, key: &[u8]) {
     out.put_slice(key);
 }
 
+/// An upper bound of the frame's encoded size, to size a buffer once.
+pub fn encoded_len_hint(frame: &Frame) -> usize {
+    let payload = match frame {
+        Frame::Request {
+            request: Request::Add {
+                master_key, entry, ..
+            },
+            ..
+        } => master_key.len() + entry.len(),
+        Frame::Response {
+            response: Response::Read { entry, .. },
+            ..
+        } => entry.len(),
+        Frame::Response {
+            response: Response::ReadRange { entries, .. },
+            ..
+        } => entries.iter().map(|e| e.len() + 4).sum(),
+        _ => 0,
+    };
+    64 + payload
+}
+
 /// Appends the frame's bytes (length prefix included) to `out`.
 pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
     let start = out.len();

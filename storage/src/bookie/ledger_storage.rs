@@ -149,18 +149,25 @@ struct EntryLogWriter {
     id: u64,
     path: PathBuf,
     file: File,
-    /// Bytes written so far; a multiple of [`DIRECT_ALIGN`] when `direct`.
+    /// Bytes on disk so far; a multiple of [`DIRECT_ALIGN`] when `direct`.
     len: u64,
     /// Opened with O_DIRECT: flushed entries skip the page cache (the journal already paid for
     /// one copy through it). Falls back to buffered writes where the file system refuses.
     direct: bool,
+    /// Staging buffer of [`STAGE_BYTES`], allocated once and reused: written out whenever full
+    /// (an aligned chunk), and padded at the end of a flush.
+    stage: Vec<u8>,
+    stage_off: usize,
+    staged: usize,
 }
 
 /// Alignment of O_DIRECT writes (offset, length and buffer address).
 const DIRECT_ALIGN: usize = 4096;
+/// Size of the staging buffer (a multiple of [`DIRECT_ALIGN`]).
+const STAGE_BYTES: usize = 4 << 20;
 
 impl EntryLogWriter {
-    fn create(dir: &Path, id: u64) -> Result<Self, StorageError> {
+    fn create(dir: &Path, id: u64, stage: Option<Vec<u8>>) -> Result<Self, StorageError> {
         use std::os::unix::fs::OpenOptionsExt;
         let path = dir.join(log_name(id));
         let direct = OpenOptions::new()
@@ -181,38 +188,69 @@ impl EntryLogWriter {
             }
             Err(e) => return Err(io_at(&path)(e)),
         };
+        let stage = stage.unwrap_or_else(|| vec![0u8; STAGE_BYTES + DIRECT_ALIGN]);
+        let stage_off = stage.as_ptr().align_offset(DIRECT_ALIGN);
         Ok(Self {
             id,
             path,
             file,
             len: 0,
             direct,
+            stage,
+            stage_off,
+            staged: 0,
         })
     }
 
-    /// Writes `buf` at the end of the log (padded with zeroes to the O_DIRECT alignment when
-    /// direct) and fsyncs it.
-    fn append(&mut self, buf: &[u8], fsync: bool) -> Result<(), StorageError> {
+    /// Where the next pushed byte lands in the file.
+    fn position(&self) -> u64 {
+        self.len + self.staged as u64
+    }
+
+    /// Stages `bytes` for the log, writing out every full chunk.
+    fn push(&mut self, mut bytes: &[u8]) -> Result<(), StorageError> {
         use std::os::unix::fs::FileExt;
-        let written = if self.direct {
-            let padded = buf.len().div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
-            let mut raw = vec![0u8; padded + DIRECT_ALIGN];
-            let off = raw.as_ptr().align_offset(DIRECT_ALIGN);
-            raw[off..off + buf.len()].copy_from_slice(buf);
+        while !bytes.is_empty() {
+            let room = STAGE_BYTES - self.staged;
+            let n = room.min(bytes.len());
+            let at = self.stage_off + self.staged;
+            self.stage[at..at + n].copy_from_slice(&bytes[..n]);
+            self.staged += n;
+            bytes = &bytes[n..];
+            if self.staged == STAGE_BYTES {
+                let chunk = &self.stage[self.stage_off..self.stage_off + STAGE_BYTES];
+                self.file
+                    .write_all_at(chunk, self.len)
+                    .map_err(io_at(&self.path))?;
+                self.len += STAGE_BYTES as u64;
+                self.staged = 0;
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes what is staged (padded with zeroes to the O_DIRECT alignment when direct) and
+    /// fsyncs the log: everything pushed so far is durable when this returns.
+    fn finish(&mut self, fsync: bool) -> Result<(), StorageError> {
+        use std::os::unix::fs::FileExt;
+        if self.staged > 0 {
+            let n = if self.direct {
+                let padded = self.staged.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN;
+                self.stage[self.stage_off + self.staged..self.stage_off + padded].fill(0);
+                padded
+            } else {
+                self.staged
+            };
+            let chunk = &self.stage[self.stage_off..self.stage_off + n];
             self.file
-                .write_all_at(&raw[off..off + padded], self.len)
+                .write_all_at(chunk, self.len)
                 .map_err(io_at(&self.path))?;
-            padded
-        } else {
-            self.file
-                .write_all_at(buf, self.len)
-                .map_err(io_at(&self.path))?;
-            buf.len()
-        };
+            self.len += n as u64;
+            self.staged = 0;
+        }
         if fsync {
             self.file.sync_data().map_err(io_at(&self.path))?;
         }
-        self.len += written as u64;
         Ok(())
     }
 }
@@ -353,7 +391,7 @@ impl LedgerStorage {
                 }
             }
         }
-        let writer = EntryLogWriter::create(&logs_dir, next_log)?;
+        let writer = EntryLogWriter::create(&logs_dir, next_log, None)?;
         Ok((
             Self {
                 opts,
@@ -611,7 +649,6 @@ impl LedgerStorage {
     ) -> Result<(), StorageError> {
         let mut batch = WriteBatch::default();
         let mut touched: BTreeMap<u64, LogUsage> = BTreeMap::new();
-        let mut buf = Vec::new();
         let deleted: Vec<u64> = {
             let ledgers = self.ledgers.lock().expect("ledgers lock");
             entries
@@ -624,16 +661,15 @@ impl LedgerStorage {
             if deleted.contains(ledger_id) {
                 continue;
             }
-            if writer.len + buf.len() as u64 > self.opts.entry_log_bytes_max
-                && writer.len + (buf.len() as u64) > 0
-            {
-                self.finish_log(writer, &mut buf)?;
+            if writer.position() > self.opts.entry_log_bytes_max {
+                writer.finish(self.opts.fsync)?;
                 let next = writer.id + 1;
-                *writer = EntryLogWriter::create(&self.logs_dir, next)?;
+                let stage = std::mem::take(&mut writer.stage);
+                *writer = EntryLogWriter::create(&self.logs_dir, next, Some(stage))?;
             }
-            let offset = writer.len + buf.len() as u64 + 4;
-            buf.extend_from_slice(&(value.len() as u32).to_be_bytes());
-            buf.extend_from_slice(value);
+            let offset = writer.position() + 4;
+            writer.push(&(value.len() as u32).to_be_bytes())?;
+            writer.push(value)?;
             let loc = Location {
                 log: writer.id,
                 offset,
@@ -650,7 +686,7 @@ impl LedgerStorage {
                 .entry(*ledger_id)
                 .or_default() += value.len() as u64 + 4;
         }
-        self.finish_log(writer, &mut buf)?;
+        writer.finish(self.opts.fsync)?;
         // The index may only point at bytes that are on disk.
         {
             let mut usage = self.usage.lock().expect("usage lock");
@@ -674,19 +710,6 @@ impl LedgerStorage {
             checkpoint.to_be_bytes(),
         );
         self.write_synced(batch)
-    }
-
-    fn finish_log(
-        &self,
-        writer: &mut EntryLogWriter,
-        buf: &mut Vec<u8>,
-    ) -> Result<(), StorageError> {
-        if buf.is_empty() {
-            return Ok(());
-        }
-        writer.append(buf, self.opts.fsync)?;
-        buf.clear();
-        Ok(())
     }
 
     /// Removes entry logs whose every ledger is deleted, and compacts non-current logs whose

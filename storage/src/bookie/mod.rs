@@ -438,8 +438,9 @@ async fn connection(
 }
 
 fn send(tx: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: Response) {
-    let mut out = Vec::new();
-    proto::encode(&Frame::Response { id, response }, &mut out);
+    let frame = Frame::Response { id, response };
+    let mut out = Vec::with_capacity(proto::encoded_len_hint(&frame));
+    proto::encode(&frame, &mut out);
     let _ = tx.send(out);
 }
 
@@ -496,6 +497,9 @@ async fn handle(
                 Box::new(move |r| match r {
                     Ok(pos) => {
                         // Durable (journal fsync returned): readable, then acknowledged.
+                        // A copy of its own: the slice of the connection's read buffer goes
+                        // now, so that buffer is reused instead of pinned by the write cache.
+                        let entry = Bytes::copy_from_slice(&entry);
                         storage.add_durable(ledger_id, entry_id, envelope.lac, &master_key, entry);
                         storage.note_applied(pos.file);
                         core2.adds.fetch_add(1, Ordering::Relaxed);
