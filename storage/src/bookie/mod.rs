@@ -287,7 +287,7 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
         RecordKind::Add => {
             let envelope = Bytes::copy_from_slice(rest);
             match proto::open(&envelope) {
-                Ok(e) => storage.add_durable(r.ledger_id, r.entry_id, e.lac, key, envelope),
+                Ok(e) => storage.add_durable(r.ledger_id, r.entry_id, e.lac, key, &envelope),
                 Err(err) => {
                     tracing::error!(ledger_id = r.ledger_id, entry_id = r.entry_id, error = %err, "journal entry does not verify; skipped")
                 }
@@ -497,10 +497,9 @@ async fn handle(
                 Box::new(move |r| match r {
                     Ok(pos) => {
                         // Durable (journal fsync returned): readable, then acknowledged.
-                        // A copy of its own: the slice of the connection's read buffer goes
-                        // now, so that buffer is reused instead of pinned by the write cache.
-                        let entry = Bytes::copy_from_slice(&entry);
-                        storage.add_durable(ledger_id, entry_id, envelope.lac, &master_key, entry);
+                        // The write cache keeps a copy: the connection's read buffer is reused
+                        // instead of pinned until the next flush.
+                        storage.add_durable(ledger_id, entry_id, envelope.lac, &master_key, &entry);
                         storage.note_applied(pos.file);
                         core2.adds.fetch_add(1, Ordering::Relaxed);
                         send(&tx, id, reply(Status::Ok));
