@@ -248,6 +248,9 @@ impl LedgerClient {
     ) -> Result<LedgerWriter, LedgerError> {
         let q = Quorums::new(ensemble_size, write_quorum, ack_quorum)?;
         let ensemble = self.choose_bookies(ensemble_size, &[]).await?;
+        // Connect now, so the first adds do not wait for it (a failure shows up at the first
+        // add, which then changes the ensemble).
+        futures::future::join_all(ensemble.iter().map(|a| self.pool.get(a))).await;
         let id_key = self
             .meta
             .put_with(
