@@ -579,7 +579,17 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
             };
         }
         if !buf.is_empty() {
+            let write_started = Instant::now();
             let result = writer.write_batch(&buf, opts.fsync);
+            let took = write_started.elapsed();
+            if took > Duration::from_millis(10) {
+                tracing::debug!(
+                    records = waiting.len(),
+                    bytes = buf.len(),
+                    took_us = took.as_micros() as u64,
+                    "slow journal batch"
+                );
+            }
             stats.flushes.fetch_add(1, Ordering::Relaxed);
             stats
                 .records
