@@ -420,6 +420,19 @@ impl Journal {
 
     /// Closes the current file and starts the next; `done` gets the new file's sequence.
     /// Every file older than the answer is complete once `done` runs.
+    /// [`append`](Self::append) without waiting: gives the record back when the queue is full.
+    pub fn try_append(&self, record: Record, done: Done) -> Result<(), (Record, Done)> {
+        match self.tx.try_send(Op::Append(record, done)) {
+            Ok(()) => Ok(()),
+            Err(mpsc::TrySendError::Full(Op::Append(r, d))) => Err((r, d)),
+            Err(mpsc::TrySendError::Disconnected(Op::Append(_, d))) => {
+                d(Err(JournalError::Stopped));
+                Ok(())
+            }
+            Err(_) => unreachable!("only appends are sent here"),
+        }
+    }
+
     /// Ends the journal thread after flushing everything queued before this call; later
     /// appends fail with [`JournalError::Stopped`].
     pub fn stop(&self) {

@@ -755,3 +755,94 @@ async fn given_entry_logs_mostly_dead_then_compaction_moves_live_entries_and_fre
     }
     store.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_malformed_frames_then_only_that_connection_closes() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_tmp, store, mut bookies, client) = setup(1).await;
+    let writer = client
+        .create(1, 1, 1, BTreeMap::new())
+        .await
+        .expect("create");
+    writer.add(payload(0)).await.expect("add");
+    let addr = bookies[0].addr.clone();
+    let cases: [(&str, Vec<u8>); 4] = [
+        (
+            "unknown version",
+            vec![0, 0, 0, 10, 9, 1, 0, 0, 0, 0, 0, 0, 0, 1],
+        ),
+        (
+            "unknown op",
+            vec![0, 0, 0, 10, 1, 0x33, 0, 0, 0, 0, 0, 0, 0, 1],
+        ),
+        ("over frame_bytes_max", vec![0x7f, 0xff, 0xff, 0xff, 1, 1]),
+        (
+            "truncated fields",
+            vec![0, 0, 0, 12, 1, 4, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0],
+        ),
+    ];
+    for (what, bytes) in cases {
+        step(&format!(
+            "a client sends a frame with {what}: its connection is closed"
+        ));
+        let mut s = tokio::net::TcpStream::connect(&addr)
+            .await
+            .expect("connect");
+        s.write_all(&bytes).await.expect("write");
+        let mut buf = [0u8; 64];
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .expect("closed in time")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "{what}: the bookie answered instead of closing");
+    }
+    step("the other connection and the bookie work on");
+    writer.add(payload(1)).await.expect("add after bad clients");
+    let reader = client.open(writer.id()).await.expect("open");
+    assert_eq!(reader.read(1).await.expect("read"), payload(1));
+    for b in &mut bookies {
+        b.stop(&store.client).await;
+    }
+    store.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_write_cache_smaller_than_the_data_then_adds_wait_for_flushes_and_all_land() {
+    let (tmp, store, mut bookies, client) = setup(0).await;
+    let b = start_bookie_with(&store.client, tmp.path().join("small-cache"), None, |o| {
+        o.storage.write_cache_bytes_max = 1 << 20;
+        o.flush_interval_ms = 60_000;
+    })
+    .await;
+    bookies.push(b);
+    wait_for_bookies(&client, 1).await;
+    step("8 MiB through a 1 MiB write cache");
+    let writer = client
+        .create(1, 1, 1, BTreeMap::new())
+        .await
+        .expect("create");
+    let blob = |i: u64| Bytes::from(vec![(i % 253) as u8; 8 << 10]);
+    let mut acks = Vec::new();
+    for i in 0..1024u64 {
+        acks.push(writer.add_queued(blob(i)).await);
+    }
+    for (i, rx) in acks.into_iter().enumerate() {
+        assert_eq!(rx.await.expect("answer").expect("acknowledged"), i as u64);
+    }
+    let cache = bookies[0]
+        .running
+        .as_ref()
+        .expect("running")
+        .core
+        .storage()
+        .write_cache_bytes();
+    assert!(cache <= 1 << 20, "write cache holds {cache} bytes");
+    let reader = client.open(writer.id()).await.expect("open");
+    for i in [0u64, 511, 1023] {
+        assert_eq!(reader.read(i).await.expect("read"), blob(i));
+    }
+    for b in &mut bookies {
+        b.stop(&store.client).await;
+    }
+    store.shutdown().await;
+}

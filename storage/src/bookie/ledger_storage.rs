@@ -262,6 +262,8 @@ impl EntryLogWriter {
 struct WriteCache {
     entries: BTreeMap<(u64, u64), Bytes>,
     bytes: usize,
+    /// Bytes of adds admitted (in the journal) but not in `entries` yet.
+    reserved: usize,
     chunk: BytesMut,
     /// Used-up chunks; one is reused once every entry carved from it is gone (flushed).
     spent: VecDeque<BytesMut>,
@@ -286,6 +288,7 @@ impl WriteCache {
         Self {
             entries: BTreeMap::new(),
             bytes: 0,
+            reserved: 0,
             chunk: BytesMut::with_capacity(CHUNK_BYTES),
             spent,
             chunks_max,
@@ -382,6 +385,8 @@ pub struct LedgerStorage {
     usage: Mutex<BTreeMap<u64, LogUsage>>,
     /// Journal file of the newest record applied here (records are applied in journal order).
     applied_file: std::sync::atomic::AtomicU64,
+    /// Woken whenever a flush empties the write cache (adds wait on it while it is full).
+    space: tokio::sync::Notify,
 }
 
 /// Counters for stats and tests.
@@ -467,6 +472,7 @@ impl LedgerStorage {
                 writer: Mutex::new(writer),
                 usage: Mutex::new(usage),
                 applied_file: std::sync::atomic::AtomicU64::new(checkpoint),
+                space: tokio::sync::Notify::new(),
             },
             checkpoint,
         ))
@@ -503,7 +509,11 @@ impl LedgerStorage {
         lac: u64,
         master_key: &[u8],
         envelope: &[u8],
+        reserved: bool,
     ) {
+        if reserved {
+            self.release(envelope.len());
+        }
         {
             let mut ledgers = self.ledgers.lock().expect("ledgers lock");
             let state = ledgers
@@ -555,11 +565,42 @@ impl LedgerStorage {
     }
 
     pub fn write_cache_full(&self) -> bool {
-        self.cache.lock().expect("cache lock").bytes >= self.opts.write_cache_bytes_max
+        self.write_cache_bytes() >= self.opts.write_cache_bytes_max
     }
 
+    /// Admits an add of `n` bytes into the write cache, waiting while it is full (until a flush
+    /// makes room). The bytes are counted from now on, so adds in the journal cannot overrun the
+    /// bound; [`add_durable`](Self::add_durable) with `reserved` or
+    /// [`release`](Self::release) settles them.
+    pub async fn reserve(&self, n: usize) {
+        loop {
+            let notified = self.space.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            {
+                let mut c = self.cache.lock().expect("cache lock");
+                let used = c.bytes + c.reserved;
+                // An entry larger than the whole cache still gets in once the cache is empty.
+                if used + n <= self.opts.write_cache_bytes_max || used == 0 {
+                    c.reserved += n;
+                    return;
+                }
+            }
+            // The timeout is a safety net only: flushes wake every waiter.
+            let _ = tokio::time::timeout(std::time::Duration::from_millis(100), notified).await;
+        }
+    }
+
+    /// Gives back a reservation whose add failed.
+    pub fn release(&self, n: usize) {
+        let mut c = self.cache.lock().expect("cache lock");
+        c.reserved = c.reserved.saturating_sub(n);
+    }
+
+    /// Bytes in the write cache, counting admitted adds still in the journal.
     pub fn write_cache_bytes(&self) -> usize {
-        self.cache.lock().expect("cache lock").bytes
+        let c = self.cache.lock().expect("cache lock");
+        c.bytes + c.reserved
     }
 
     /// Reads one entry's envelope (checked by the caller before it goes out).
@@ -688,6 +729,7 @@ impl LedgerStorage {
             let checkpoint = self.applied_file.load(std::sync::atomic::Ordering::Relaxed);
             (Arc::new(taken), checkpoint)
         };
+        self.space.notify_waiters();
         *self.flushing.write().expect("flushing lock") = Arc::clone(&batch_entries);
         let result = self.write_entries(&mut writer, &batch_entries, checkpoint);
         if result.is_err() {

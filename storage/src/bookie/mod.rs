@@ -287,7 +287,7 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
         RecordKind::Add => {
             let envelope = Bytes::copy_from_slice(rest);
             match proto::open(&envelope) {
-                Ok(e) => storage.add_durable(r.ledger_id, r.entry_id, e.lac, key, &envelope),
+                Ok(e) => storage.add_durable(r.ledger_id, r.entry_id, e.lac, key, &envelope, false),
                 Err(err) => {
                     tracing::error!(ledger_id = r.ledger_id, entry_id = r.entry_id, error = %err, "journal entry does not verify; skipped")
                 }
@@ -480,10 +480,10 @@ async fn handle(
             {
                 return send(&tx, id, reply(status));
             }
-            while core.storage.write_cache_full() {
-                // The flusher is behind: hold this add until the cache drains.
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
+            // Counted in the write cache from now on; waits while it is full (the flusher is
+            // behind) until a flush makes room.
+            let reserved = entry.len();
+            core.storage.reserve(reserved).await;
             let record = Record {
                 kind: RecordKind::Add,
                 ledger_id,
@@ -492,19 +492,28 @@ async fn handle(
             };
             let storage = Arc::clone(&core.storage);
             let core2 = Arc::clone(core);
-            core.journal.append(
+            journal_append(
+                &core.journal,
                 record,
                 Box::new(move |r| match r {
                     Ok(pos) => {
                         // Durable (journal fsync returned): readable, then acknowledged.
                         // The write cache keeps a copy: the connection's read buffer is reused
                         // instead of pinned until the next flush.
-                        storage.add_durable(ledger_id, entry_id, envelope.lac, &master_key, &entry);
+                        storage.add_durable(
+                            ledger_id,
+                            entry_id,
+                            envelope.lac,
+                            &master_key,
+                            &entry,
+                            true,
+                        );
                         storage.note_applied(pos.file);
                         core2.adds.fetch_add(1, Ordering::Relaxed);
                         send(&tx, id, reply(Status::Ok));
                     }
                     Err(e) => {
+                        storage.release(reserved);
                         core2.set_read_only(format!("journal: {e}"));
                         send(&tx, id, reply(Status::ReadOnly));
                     }
@@ -617,7 +626,8 @@ async fn handle(
             }
             let storage = Arc::clone(&core.storage);
             // The fence is answered once durable: after a restart the old writer is still refused.
-            core.journal.append(
+            journal_append(
+                &core.journal,
                 Record {
                     kind: RecordKind::Fence,
                     ledger_id,
@@ -655,6 +665,19 @@ async fn handle(
                 };
                 send(&tx, id, Response::Delete { status, ledger_id });
             });
+        }
+    }
+}
+
+/// Queues a journal record from a connection task. When the journal's queue is full this waits
+/// for room without holding up the other tasks of this runtime worker.
+fn journal_append(journal: &Journal, record: Record, done: journal::Done) {
+    if let Err((record, done)) = journal.try_append(record, done) {
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => {
+                tokio::task::block_in_place(|| journal.append(record, done))
+            }
+            _ => journal.append(record, done),
         }
     }
 }
