@@ -253,6 +253,44 @@ async fn given_abandoned_writer_when_another_client_recovers_then_ledger_closes_
         other.open_recover(id).await.expect("again").last_entry(),
         Some(last)
     );
+    step("restart every bookie: the fence is still there for a writer with the old key");
+    let key = meta.key_bytes();
+    for b in bookies.iter_mut() {
+        let (dir, addr) = (b.dir.clone(), b.addr.clone());
+        b.stop(&store.client).await;
+        *b = start_bookie(&store.client, dir, Some(addr)).await;
+    }
+    for b in &bookies {
+        let conn =
+            meridian_storage::client::BookieConn::connect(&b.addr, Duration::from_secs(2), 5 << 20)
+                .await
+                .expect("connect");
+        let entry = last + 1;
+        let r = conn
+            .call(
+                meridian_storage::proto::Request::Add {
+                    ledger_id: id,
+                    entry_id: entry,
+                    flags: 0,
+                    master_key: key.clone(),
+                    entry: meridian_storage::proto::seal(id, entry, last, b"late"),
+                },
+                Duration::from_secs(5),
+            )
+            .await
+            .expect("answer");
+        assert!(
+            matches!(
+                r,
+                meridian_storage::proto::Response::Add {
+                    status: meridian_storage::proto::Status::Fenced,
+                    ..
+                }
+            ),
+            "{}: {r:?}",
+            b.addr
+        );
+    }
     for b in &mut bookies {
         b.stop(&store.client).await;
     }
