@@ -183,6 +183,12 @@ pub struct ManagedCursor {
     ranges_persisted_max: usize,
     /// Snapshots per cursor ledger before a new one is started.
     snapshots_per_ledger: u64,
+    /// At most one snapshot per this interval; changes in between are persisted by the next
+    /// change after it or by [`flush`](ManagedCursor::flush). Zero: every change is persisted
+    /// before the call returns.
+    persist_interval: std::time::Duration,
+    last_persist: Option<std::time::Instant>,
+    dirty: bool,
 }
 
 fn cursor_key(ml: &str, cursor: &str) -> String {
@@ -200,6 +206,9 @@ impl ManagedCursor {
             durable: None,
             ranges_persisted_max: 10_000,
             snapshots_per_ledger: 10_000,
+            persist_interval: std::time::Duration::ZERO,
+            last_persist: None,
+            dirty: false,
         }
     }
 
@@ -345,9 +354,40 @@ impl ManagedCursor {
         )
     }
 
+    /// Persists at most one snapshot per `interval` (as Pulsar's mark-delete rate limit does):
+    /// acknowledgements in between live in memory until the next snapshot or [`flush`], and a
+    /// crash before it delivers them again. Zero (the default) persists every change.
+    ///
+    /// [`flush`]: ManagedCursor::flush
+    pub fn set_persist_interval(&mut self, interval: std::time::Duration) {
+        self.persist_interval = interval;
+    }
+
+    /// Persists the state now if anything changed since the last snapshot.
+    pub async fn flush(&mut self) -> Result<(), CursorError> {
+        if self.dirty {
+            self.persist_now().await?;
+        }
+        Ok(())
+    }
+
+    /// A change happened: persist it now, or later under the rate limit.
+    async fn persist(&mut self) -> Result<(), CursorError> {
+        self.dirty = true;
+        let due = self
+            .last_persist
+            .is_none_or(|t| t.elapsed() >= self.persist_interval);
+        if due {
+            self.persist_now().await?;
+        }
+        Ok(())
+    }
+
     /// Makes the current state durable (a no-op for non-durable cursors): appends a snapshot to
     /// the cursor ledger; every `snapshots_per_ledger` snapshots a new cursor ledger starts.
-    async fn persist(&mut self) -> Result<(), CursorError> {
+    async fn persist_now(&mut self) -> Result<(), CursorError> {
+        self.dirty = false;
+        self.last_persist = Some(std::time::Instant::now());
         let bytes = self.snapshot_bytes();
         let Some(d) = self.durable.as_mut() else {
             return Ok(());

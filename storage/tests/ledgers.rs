@@ -597,6 +597,23 @@ mod cursors {
         );
         c.reset(InitialPosition::Earliest).await.expect("earliest");
         assert_eq!(c.backlog().await.entries, 251);
+        step("rate-limited persistence: acks in between are kept by flush");
+        c.set_persist_interval(Duration::from_secs(3600));
+        c.ack(pos[0])
+            .await
+            .expect("ack persisted: the first under the limit");
+        c.ack(pos[1]).await.expect("ack kept in memory");
+        c.flush().await.expect("flush");
+        drop(c);
+        let again = ManagedCursor::open(
+            LedgerClient::new(store.client.clone(), LedgerClientOptions::default()),
+            Arc::clone(&ml),
+            "sub-a",
+            InitialPosition::Latest,
+        )
+        .await
+        .expect("reopen");
+        assert_eq!(again.mark_delete(), Some(pos[1]));
         step("a non-durable reader from latest sees only what comes next");
         let mut r = ManagedCursor::non_durable(Arc::clone(&ml), InitialPosition::Latest).await;
         assert!(r.read_entries(10).await.expect("read").is_empty());
