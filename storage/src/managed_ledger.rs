@@ -443,19 +443,7 @@ impl ManagedLedger {
             return None;
         }
         let ledgers = self.ledgers().await;
-        let i = ledgers.iter().position(|l| l.ledger_id == pos.ledger_id)?;
-        let in_ledger = match ledgers[i].entries {
-            Some(n) => pos.entry_id + 1 < n,
-            None => true,
-        };
-        if in_ledger {
-            return Some(Position::new(pos.ledger_id, pos.entry_id + 1));
-        }
-        ledgers[i + 1..]
-            .iter()
-            .find(|l| l.entries.is_none_or(|n| n > 0))
-            .map(|l| Position::new(l.ledger_id, 0))
-            .filter(|p| *p <= last)
+        next_in(&ledgers, pos).filter(|p| *p <= last)
     }
 
     /// Entries in the log (through the last confirmed one) and their bytes.
@@ -551,16 +539,30 @@ impl ManagedLedger {
         from: Position,
         max: usize,
     ) -> Result<Vec<(Position, Bytes)>, ManagedLedgerError> {
-        let mut out = Vec::new();
-        let mut pos = Some(from);
+        use futures::StreamExt;
+        // Positions first (from the ledger list, no I/O), then the reads in parallel: entries of
+        // a striped ledger sit on different bookies.
+        const READS_IN_FLIGHT: usize = 64;
+        let Some(last) = self.last_confirmed() else {
+            return Ok(Vec::new());
+        };
+        let ledgers = self.ledgers().await;
+        let mut positions = Vec::new();
+        let mut pos = Some(from).filter(|p| *p <= last);
         while let Some(p) = pos {
-            if out.len() >= max || self.last_confirmed().is_none_or(|l| p > l) {
+            if positions.len() >= max {
                 break;
             }
-            out.push((p, self.read(p).await?));
-            pos = self.next_position(p).await;
+            positions.push(p);
+            pos = next_in(&ledgers, p).filter(|n| *n <= last);
         }
-        Ok(out)
+        futures::stream::iter(positions)
+            .map(|p| async move { self.read(p).await.map(|b| (p, b)) })
+            .buffered(READS_IN_FLIGHT)
+            .collect::<Vec<_>>()
+            .await
+            .into_iter()
+            .collect()
     }
 
     /// Deletes the ledgers that end before `keep_from` (what no cursor needs) and that no
@@ -621,4 +623,21 @@ impl ManagedLedger {
         let mut st = self.state.lock().await;
         self.close_open(&mut st).await
     }
+}
+
+/// The position after `pos` in the chain `ledgers` (crossing into the next non-empty ledger); the
+/// caller bounds it by the last confirmed position.
+fn next_in(ledgers: &[LedgerInfo], pos: Position) -> Option<Position> {
+    let i = ledgers.iter().position(|l| l.ledger_id == pos.ledger_id)?;
+    let in_ledger = match ledgers[i].entries {
+        Some(n) => pos.entry_id + 1 < n,
+        None => true,
+    };
+    if in_ledger {
+        return Some(Position::new(pos.ledger_id, pos.entry_id + 1));
+    }
+    ledgers[i + 1..]
+        .iter()
+        .find(|l| l.entries.is_none_or(|n| n > 0))
+        .map(|l| Position::new(l.ledger_id, 0))
 }
