@@ -901,3 +901,44 @@ async fn given_write_cache_smaller_than_the_data_then_adds_wait_for_flushes_and_
     }
     store.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_ledger_deleted_while_a_bookie_was_down_then_its_orphan_copy_is_removed() {
+    let (_tmp, store, mut bookies, client) = setup(2).await;
+    let writer = client
+        .create(2, 2, 2, BTreeMap::new())
+        .await
+        .expect("create");
+    let (doomed, kept) = (
+        writer.id(),
+        client
+            .create(2, 2, 2, BTreeMap::new())
+            .await
+            .expect("create"),
+    );
+    writer.add(payload(0)).await.expect("add");
+    kept.add(payload(0)).await.expect("add");
+    writer.close().await.expect("close");
+    step("one bookie is down while the ledger is deleted");
+    let (dir, addr) = (bookies[1].dir.clone(), bookies[1].addr.clone());
+    bookies[1].stop(&store.client).await;
+    client.delete(doomed).await.expect("delete");
+    bookies[1] = start_bookie(&store.client, dir, Some(addr)).await;
+    let core = std::sync::Arc::clone(&bookies[1].running.as_ref().expect("running").core);
+    let has = |id: u64| core.storage().ledgers().iter().any(|(l, _)| *l == id);
+    assert!(
+        has(doomed),
+        "the restarted bookie still has the deleted ledger"
+    );
+    step("the orphan scan removes it and keeps the live one");
+    let deleted = bookie::delete_orphans(&core, &store.client).await;
+    assert_eq!(deleted, vec![doomed]);
+    assert!(!has(doomed) && has(kept.id()));
+    kept.add(payload(1))
+        .await
+        .expect("the live ledger still takes adds");
+    for b in &mut bookies {
+        b.stop(&store.client).await;
+    }
+    store.shutdown().await;
+}

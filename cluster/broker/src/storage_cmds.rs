@@ -70,6 +70,12 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
         cfg.client.endpoints.join(",")
     );
     let (stop_reg, stop_rx) = tokio::sync::watch::channel(false);
+    let orphans = tokio::spawn(bookie::orphan_scanner(
+        Arc::clone(&running.core),
+        meta.clone(),
+        Duration::from_millis(b.gc_interval_ms),
+        stop_rx.clone(),
+    ));
     let registration = tokio::spawn(bookie::register(
         Arc::clone(&running.core),
         meta,
@@ -82,6 +88,7 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
     tracing::info!("signal received; stopping");
     let _ = stop_reg.send(true);
     let _ = registration.await;
+    let _ = orphans.await;
     running.shutdown().await;
     Ok(())
 }

@@ -446,7 +446,7 @@ pub struct RunningNode {
     server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
     /// The node's databases; shutdown waits until every handle is dropped (files closed, the
     /// RocksDB lock released) so the same directory can be opened again at once.
-    dbs: [std::sync::Weak<rocksdb::DB>; 2],
+    dbs: Vec<store::DbClosed>,
 }
 
 /// How long a stopping node waits for in-flight requests before dropping them.
@@ -464,15 +464,13 @@ impl RunningNode {
             self.server.abort();
         }
         let _ = self.core.raft.shutdown().await;
-        let dbs = self.dbs.clone();
+        let mut dbs = std::mem::take(&mut self.dbs);
         drop(self);
-        let deadline = Instant::now() + SHUTDOWN_GRACE;
-        while dbs.iter().any(|db| db.strong_count() > 0) {
-            if Instant::now() > deadline {
+        for db in &mut dbs {
+            if !db.wait(SHUTDOWN_GRACE).await {
                 tracing::warn!("metadata databases still open {SHUTDOWN_GRACE:?} after shutdown");
                 return;
             }
-            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
@@ -507,11 +505,12 @@ impl MetadataNode {
             watch_history_events: cfg.watch_history_events,
             watch_buffer_batches: cfg.watch_buffer_batches as usize,
         };
-        let log_db =
+        let (log_db, log_closed) =
             store::open_db(&dir.join("log"), &store::LOG_CFS).map_err(|e| e.to_string())?;
         let state_dir = dir.join("state");
-        let state_db = store::open_db(&state_dir, &store::STATE_CFS).map_err(|e| e.to_string())?;
-        let dbs = [Arc::downgrade(&log_db), Arc::downgrade(&state_db)];
+        let (state_db, state_closed) =
+            store::open_db(&state_dir, &store::STATE_CFS).map_err(|e| e.to_string())?;
+        let dbs = vec![log_closed, state_closed];
         let shared = Shared::load(state_db, options, &state_dir).map_err(|e| e.to_string())?;
         let log_store = LogStore::new(log_db, options);
         let sm = StateMachineStore {

@@ -99,7 +99,7 @@ pub struct StoreOptions {
 ///
 /// The log and the state machine live in separate databases so that applying entries never
 /// waits behind the log's fsyncs.
-pub fn open_db(dir: &Path, cfs: &[&str]) -> Result<Arc<DB>, OpenError> {
+pub fn open_db(dir: &Path, cfs: &[&str]) -> Result<(Arc<Db>, DbClosed), OpenError> {
     std::fs::create_dir_all(dir).map_err(|e| OpenError::RocksDb {
         path: dir.to_path_buf(),
         message: e.to_string(),
@@ -108,14 +108,90 @@ pub fn open_db(dir: &Path, cfs: &[&str]) -> Result<Arc<DB>, OpenError> {
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
     opts.set_paranoid_checks(true);
-    let cfs = cfs
-        .iter()
-        .map(|name| ColumnFamilyDescriptor::new(*name, Options::default()));
-    let db = DB::open_cf_descriptors(&opts, dir, cfs).map_err(|e| OpenError::RocksDb {
+    Db::open(&opts, dir, cfs).map_err(|e| OpenError::RocksDb {
         path: dir.to_path_buf(),
         message: e.to_string(),
-    })?;
-    Ok(Arc::new(db))
+    })
+}
+
+/// A RocksDB database that says when it is closed: a process that reopens the same directory
+/// (a node or bookie restarted in one process) must wait until the previous instance's `Drop`
+/// has finished, not merely until its last `Arc` is gone.
+pub struct Db {
+    db: Option<DB>,
+    closed: Option<std::sync::mpsc::Sender<()>>,
+}
+
+/// Resolves once its [`Db`] has been closed.
+pub struct DbClosed {
+    rx: std::sync::mpsc::Receiver<()>,
+    done: bool,
+}
+
+impl Db {
+    pub fn open(
+        opts: &Options,
+        dir: &Path,
+        cfs: &[&str],
+    ) -> Result<(Arc<Db>, DbClosed), rocksdb::Error> {
+        let descriptors = cfs
+            .iter()
+            .map(|name| ColumnFamilyDescriptor::new(*name, Options::default()));
+        let db = DB::open_cf_descriptors(opts, dir, descriptors)?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        Ok((
+            Arc::new(Db {
+                db: Some(db),
+                closed: Some(tx),
+            }),
+            DbClosed { rx, done: false },
+        ))
+    }
+}
+
+impl std::ops::Deref for Db {
+    type Target = DB;
+
+    fn deref(&self) -> &DB {
+        self.db
+            .as_ref()
+            .expect("the database is open until dropped")
+    }
+}
+
+impl Drop for Db {
+    fn drop(&mut self) {
+        // RocksDB's destructor flushes, stops background work and releases the lock.
+        drop(self.db.take());
+        if let Some(tx) = self.closed.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl DbClosed {
+    /// Whether the database has been closed (its `Drop` finished).
+    pub fn is_closed(&mut self) -> bool {
+        if !self.done {
+            self.done = !matches!(
+                self.rx.try_recv(),
+                Err(std::sync::mpsc::TryRecvError::Empty)
+            );
+        }
+        self.done
+    }
+
+    /// Waits up to `timeout` for the close; returns whether it happened.
+    pub async fn wait(&mut self, timeout: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + timeout;
+        while !self.is_closed() {
+            if std::time::Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        true
+    }
 }
 
 fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
@@ -129,7 +205,7 @@ fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
 
 #[derive(Clone)]
 pub struct LogStore {
-    db: Arc<DB>,
+    db: Arc<Db>,
     /// Appends waiting for the group-commit fsync (see [`wal_syncer`]); `None` when
     /// `metadata.fsync` is off and appends count as persisted once written.
     syncer: Option<std::sync::mpsc::Sender<LogFlushed<TypeConfig>>>,
@@ -140,7 +216,7 @@ pub struct LogStore {
 /// callback, fsyncs the write-ahead log once (`flush_wal(sync = true)` persists every write made
 /// before it), and only then reports those entries persisted. openraft counts an entry toward the
 /// commit quorum only after that report, so an acknowledged write is fsynced on a quorum.
-fn wal_syncer(db: Arc<DB>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>) {
+fn wal_syncer(db: Arc<Db>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         batch.extend(rx.try_iter());
@@ -158,7 +234,7 @@ fn wal_syncer(db: Arc<DB>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>
 }
 
 impl LogStore {
-    pub fn new(db: Arc<DB>, options: StoreOptions) -> Self {
+    pub fn new(db: Arc<Db>, options: StoreOptions) -> Self {
         let syncer = options.fsync.then(|| {
             let (syncer, rx) = std::sync::mpsc::channel();
             let sync_db = Arc::clone(&db);
@@ -385,7 +461,7 @@ struct StoredSnapshot {
 
 /// The state machine and the watch history, shared with the gRPC handlers.
 pub struct Shared {
-    db: Arc<DB>,
+    db: Arc<Db>,
     pub state: RwLock<SmState>,
     pub notices: broadcast::Sender<Notice>,
     options: StoreOptions,
@@ -393,7 +469,7 @@ pub struct Shared {
 
 impl Shared {
     /// Loads the state machine from disk. Every key and session is read (and so checksummed) here.
-    pub fn load(db: Arc<DB>, options: StoreOptions, dir: &Path) -> Result<Arc<Self>, OpenError> {
+    pub fn load(db: Arc<Db>, options: StoreOptions, dir: &Path) -> Result<Arc<Self>, OpenError> {
         let corrupt = |what: String| OpenError::Corrupt {
             path: dir.to_path_buf(),
             what,

@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::{Bytes, BytesMut};
-use rocksdb::{ColumnFamilyDescriptor, IteratorMode, Options, WriteBatch, WriteOptions, DB};
+use rocksdb::{IteratorMode, Options, WriteBatch, WriteOptions, DB};
 use serde::{Deserialize, Serialize};
 
 use crate::proto::{Status, NONE};
@@ -372,7 +372,7 @@ type LogUsage = BTreeMap<u64, u64>;
 
 pub struct LedgerStorage {
     opts: StorageOptions,
-    db: Arc<DB>,
+    db: Arc<meridian_metadata::store::Db>,
     logs_dir: PathBuf,
     cache: Mutex<WriteCache>,
     /// The batch being flushed: still readable until the index points at its new home.
@@ -399,9 +399,12 @@ pub struct StorageStats {
 }
 
 impl LedgerStorage {
-    /// Opens the index and ledger states; returns the storage and the journal checkpoint (every
-    /// journal file older than it is already in entry logs).
-    pub fn open(opts: StorageOptions) -> Result<(Self, u64), StorageError> {
+    /// Opens the index and ledger states; returns the storage, the journal checkpoint (every
+    /// journal file older than it is already in entry logs), and what tells when the index
+    /// database is closed again.
+    pub fn open(
+        opts: StorageOptions,
+    ) -> Result<(Self, u64, meridian_metadata::store::DbClosed), StorageError> {
         let write_cache_bytes_max = opts.write_cache_bytes_max;
         let logs_dir = opts.ledger_dir.join("entrylogs");
         let index_dir = opts.ledger_dir.join("index");
@@ -410,10 +413,11 @@ impl LedgerStorage {
         o.create_if_missing(true);
         o.create_missing_column_families(true);
         o.set_paranoid_checks(true);
-        let cfs = [CF_INDEX, CF_LEDGERS, CF_LOGS, CF_META]
-            .into_iter()
-            .map(|n| ColumnFamilyDescriptor::new(n, Options::default()));
-        let db = Arc::new(DB::open_cf_descriptors(&o, &index_dir, cfs)?);
+        let (db, closed) = meridian_metadata::store::Db::open(
+            &o,
+            &index_dir,
+            &[CF_INDEX, CF_LEDGERS, CF_LOGS, CF_META],
+        )?;
         let mut ledgers = HashMap::new();
         for item in db.iterator_cf(cf(&db, CF_LEDGERS), IteratorMode::Start) {
             let (k, v) = item?;
@@ -475,6 +479,7 @@ impl LedgerStorage {
                 space: tokio::sync::Notify::new(),
             },
             checkpoint,
+            closed,
         ))
     }
 

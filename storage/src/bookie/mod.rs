@@ -143,6 +143,7 @@ pub struct RunningBookie {
     server: tokio::task::JoinHandle<()>,
     flusher: Option<std::thread::JoinHandle<()>>,
     journal_thread: Option<JournalThread>,
+    index_closed: Option<meridian_metadata::store::DbClosed>,
 }
 
 impl RunningBookie {
@@ -163,6 +164,15 @@ impl RunningBookie {
             }
         })
         .await;
+        // The index database closes when the last holder of the storage lets go (requests in
+        // flight, a registration task); a restart in this process must wait for that.
+        let closed = self.index_closed.take();
+        drop(self);
+        if let Some(mut closed) = closed {
+            if !closed.wait(Duration::from_secs(10)).await {
+                tracing::warn!("the bookie's index database is still open 10 s after shutdown");
+            }
+        }
     }
 
     /// Stops serving at once, as a crash would: no flush. Only what the journal fsynced
@@ -201,9 +211,10 @@ pub async fn start(
 ) -> Result<RunningBookie, BookieError> {
     let addr = listener.local_addr()?;
     let o = opts.clone();
-    let (storage, journal, journal_thread) = tokio::task::spawn_blocking(move || open_storage(&o))
-        .await
-        .map_err(|e| std::io::Error::other(e.to_string()))??;
+    let (storage, journal, journal_thread, index_closed) =
+        tokio::task::spawn_blocking(move || open_storage(&o))
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))??;
     let core = Arc::new(BookieCore {
         storage: Arc::new(storage),
         journal,
@@ -228,13 +239,19 @@ pub async fn start(
         server,
         flusher: Some(flusher),
         journal_thread: Some(journal_thread),
+        index_closed: Some(index_closed),
     })
 }
 
-fn open_storage(
-    opts: &BookieOptions,
-) -> Result<(LedgerStorage, Journal, JournalThread), BookieError> {
-    let (storage, checkpoint) = LedgerStorage::open(opts.storage.clone())?;
+type Opened = (
+    LedgerStorage,
+    Journal,
+    JournalThread,
+    meridian_metadata::store::DbClosed,
+);
+
+fn open_storage(opts: &BookieOptions) -> Result<Opened, BookieError> {
+    let (storage, checkpoint, index_closed) = LedgerStorage::open(opts.storage.clone())?;
     std::fs::create_dir_all(&opts.journal.dir)?;
     for (seq, path) in journal::list_files(&opts.journal.dir)? {
         if seq < checkpoint {
@@ -254,7 +271,7 @@ fn open_storage(
         "journal replayed"
     );
     let (journal, thread) = Journal::start(opts.journal.clone())?;
-    Ok((storage, journal, thread))
+    Ok((storage, journal, thread, index_closed))
 }
 
 /// Journal record data of an add: `key_len: u8 | master key | envelope`.
@@ -745,5 +762,57 @@ pub async fn register(
     if let Some(s) = session {
         // Unregister promptly if the store answers; otherwise the session's TTL does it.
         let _ = tokio::time::timeout(Duration::from_secs(2), s.close()).await;
+    }
+}
+
+/// Deletes ledgers this bookie stores whose metadata is gone: ledgers deleted while this bookie
+/// was down or unreachable (the deleting client could not tell it). A ledger's metadata is
+/// written before its first add, so a ledger with entries here and no metadata is an orphan.
+/// Any error reading the metadata store skips that ledger: nothing is deleted on doubt.
+/// Returns the ids deleted.
+pub async fn delete_orphans(
+    core: &BookieCore,
+    meta: &meridian_metadata::MetadataClient,
+) -> Vec<u64> {
+    let mut deleted = Vec::new();
+    for (id, _) in core.storage.ledgers() {
+        match meta.get(&crate::ledger::ledger_key(id)).await {
+            Ok(None) => {
+                let storage = Arc::clone(&core.storage);
+                match tokio::task::spawn_blocking(move || storage.delete(id)).await {
+                    Ok(Ok(())) => {
+                        tracing::info!(ledger = id, "deleted an orphan ledger (no metadata)");
+                        deleted.push(id);
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(ledger = id, error = %e, "deleting an orphan ledger failed")
+                    }
+                    Err(e) => {
+                        tracing::warn!(ledger = id, error = %e, "deleting an orphan ledger failed")
+                    }
+                }
+            }
+            Ok(Some(_)) => {}
+            Err(e) => {
+                tracing::debug!(ledger = id, error = %e, "orphan check skipped");
+            }
+        }
+    }
+    deleted
+}
+
+/// Runs [`delete_orphans`] every `interval` until `stop`.
+pub async fn orphan_scanner(
+    core: Arc<BookieCore>,
+    meta: meridian_metadata::MetadataClient,
+    interval: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tokio::time::sleep(interval) => {}
+        }
+        delete_orphans(&core, &meta).await;
     }
 }
