@@ -288,10 +288,6 @@ impl BookieProc {
         Ok(())
     }
 
-    pub fn is_running(&self) -> bool {
-        self.child.is_some()
-    }
-
     /// SIGKILL: a crash.
     pub fn kill9(&mut self) -> anyhow::Result<()> {
         if let Some(mut child) = self.child.take() {

@@ -16,20 +16,27 @@ fn ledger_show(endpoint: &str, id: &str) -> serde_json::Value {
     serde_json::from_str(&out).expect("json")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn given_bookie_killed_mid_stream_then_writes_go_on_and_every_entry_survives_restarts() {
+/// One metadata node and `n` bookies, all registered.
+async fn start_site(n: usize) -> (MetaCluster, Vec<BookieProc>) {
     let cluster = MetaCluster::start(1).await.expect("metadata node");
     let endpoint = cluster.endpoints()[0].clone();
-    let client = cluster.client();
-    let mut bookies: Vec<BookieProc> = (0..4)
+    let mut bookies: Vec<BookieProc> = (0..n)
         .map(|i| BookieProc::new(&format!("bookie{i}"), cluster.root.path(), &endpoint))
         .collect();
     for b in &mut bookies {
         b.start().expect("bookie");
     }
-    wait_for_bookies(&client, 4, Duration::from_secs(20))
+    wait_for_bookies(&cluster.client(), n, Duration::from_secs(20))
         .await
         .expect("bookies registered");
+    (cluster, bookies)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_bookie_killed_mid_stream_then_writes_go_on_and_every_entry_survives_restarts() {
+    let (cluster, mut bookies) = start_site(4).await;
+    let endpoint = cluster.endpoints()[0].clone();
+    let client = cluster.client();
 
     step("perf ledger: 100,000 entries, E=3 Qw=2 Qa=2; kill -9 one ensemble bookie at 50,000");
     let mut perf = Command::new(meridian_bin())
@@ -142,18 +149,9 @@ async fn given_bookie_killed_mid_stream_then_writes_go_on_and_every_entry_surviv
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_writer_killed_mid_stream_when_recovered_then_ledger_closes_at_or_after_last_acknowledged(
 ) {
-    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    // The bookies stay up until the end of the test (dropped last).
+    let (cluster, _bookies) = start_site(3).await;
     let endpoint = cluster.endpoints()[0].clone();
-    let client = cluster.client();
-    let mut bookies: Vec<BookieProc> = (0..3)
-        .map(|i| BookieProc::new(&format!("bookie{i}"), cluster.root.path(), &endpoint))
-        .collect();
-    for b in &mut bookies {
-        b.start().expect("bookie");
-    }
-    wait_for_bookies(&client, 3, Duration::from_secs(20))
-        .await
-        .expect("bookies registered");
 
     step("a writer acknowledges at least 20,000 entries, then is killed -9");
     let mut perf = Command::new(meridian_bin())

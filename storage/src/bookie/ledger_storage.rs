@@ -387,15 +387,9 @@ pub struct LedgerStorage {
     applied_file: std::sync::atomic::AtomicU64,
     /// Woken whenever a flush empties the write cache (adds wait on it while it is full).
     space: tokio::sync::Notify,
-}
-
-/// Counters for stats and tests.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct StorageStats {
-    pub write_cache_bytes: usize,
-    pub entry_logs: usize,
-    pub entry_log_bytes: u64,
-    pub ledgers: usize,
+    /// Ledgers fenced since the last flush (ledgers that got entries are known from the batch,
+    /// so the add path does not record them).
+    dirty: Mutex<std::collections::HashSet<u64>>,
 }
 
 impl LedgerStorage {
@@ -418,38 +412,13 @@ impl LedgerStorage {
             &index_dir,
             &[CF_INDEX, CF_LEDGERS, CF_LOGS, CF_META],
         )?;
-        let mut ledgers = HashMap::new();
-        for item in db.iterator_cf(cf(&db, CF_LEDGERS), IteratorMode::Start) {
-            let (k, v) = item?;
-            let id = u64::from_be_bytes(
-                k.as_ref()
-                    .try_into()
-                    .map_err(|_| StorageError::Corrupt("ledger state key".into()))?,
-            );
-            let state: LedgerState = serde_json::from_slice(&v)
-                .map_err(|e| StorageError::Corrupt(format!("ledger {id} state: {e}")))?;
-            ledgers.insert(id, state);
-        }
-        let mut usage = BTreeMap::new();
-        for item in db.iterator_cf(cf(&db, CF_LOGS), IteratorMode::Start) {
-            let (k, v) = item?;
-            let id = u64::from_be_bytes(
-                k.as_ref()
-                    .try_into()
-                    .map_err(|_| StorageError::Corrupt("entry log key".into()))?,
-            );
-            let u: LogUsage = serde_json::from_slice(&v)
-                .map_err(|e| StorageError::Corrupt(format!("entry log {id} usage: {e}")))?;
-            usage.insert(id, u);
-        }
-        let checkpoint = match db.get_cf(cf(&db, CF_META), KEY_CHECKPOINT)? {
-            Some(v) => u64::from_be_bytes(
-                v.as_slice()
-                    .try_into()
-                    .map_err(|_| StorageError::Corrupt("checkpoint".into()))?,
-            ),
-            None => 0,
-        };
+        let ledgers: HashMap<u64, LedgerState> = load_json_by_id(&db, CF_LEDGERS, "ledger state")?
+            .into_iter()
+            .collect();
+        let usage: BTreeMap<u64, LogUsage> = load_json_by_id(&db, CF_LOGS, "entry log usage")?
+            .into_iter()
+            .collect();
+        let checkpoint = read_checkpoint(&db)?;
         let mut next_log = 1;
         for item in fs::read_dir(&logs_dir).map_err(io_at(&logs_dir))? {
             let item = item.map_err(io_at(&logs_dir))?;
@@ -477,6 +446,7 @@ impl LedgerStorage {
                 usage: Mutex::new(usage),
                 applied_file: std::sync::atomic::AtomicU64::new(checkpoint),
                 space: tokio::sync::Notify::new(),
+                dirty: Mutex::default(),
             },
             checkpoint,
             closed,
@@ -552,12 +522,9 @@ impl LedgerStorage {
             return Err(Status::Unauthorized);
         }
         state.fenced = true;
+        drop(ledgers);
+        self.dirty.lock().expect("dirty lock").insert(ledger_id);
         Ok(())
-    }
-
-    /// Replays a journaled fence.
-    pub fn fence_replayed(&self, ledger_id: u64, master_key: &[u8]) {
-        let _ = self.fence(ledger_id, master_key);
     }
 
     pub fn ledger_state(&self, ledger_id: u64) -> Option<LedgerState> {
@@ -567,10 +534,6 @@ impl LedgerStorage {
             .get(&ledger_id)
             .filter(|s| !s.deleted)
             .cloned()
-    }
-
-    pub fn write_cache_full(&self) -> bool {
-        self.write_cache_bytes() >= self.opts.write_cache_bytes_max
     }
 
     /// Admits an add of `n` bytes into the write cache, waiting while it is full (until a flush
@@ -759,7 +722,7 @@ impl LedgerStorage {
     ) -> Result<(), StorageError> {
         let mut batch = WriteBatch::default();
         let mut touched: BTreeMap<u64, LogUsage> = BTreeMap::new();
-        let deleted: Vec<u64> = {
+        let deleted: std::collections::HashSet<u64> = {
             let ledgers = self.ledgers.lock().expect("ledgers lock");
             entries
                 .keys()
@@ -808,10 +771,17 @@ impl LedgerStorage {
                 batch.put_cf(cf(&self.db, CF_LOGS), log.to_be_bytes(), to_json(u));
             }
         }
+        // Only the states that changed: journal files up to the checkpoint go after this, so
+        // every state they hold must be in this batch.
+        let fenced = std::mem::take(&mut *self.dirty.lock().expect("dirty lock"));
+        let mut dirty = fenced.clone();
+        dirty.extend(entries.keys().map(|(l, _)| *l));
         {
             let ledgers = self.ledgers.lock().expect("ledgers lock");
-            for (id, state) in ledgers.iter() {
-                batch.put_cf(cf(&self.db, CF_LEDGERS), id.to_be_bytes(), to_json(state));
+            for id in &dirty {
+                if let Some(state) = ledgers.get(id) {
+                    batch.put_cf(cf(&self.db, CF_LEDGERS), id.to_be_bytes(), to_json(state));
+                }
             }
         }
         batch.put_cf(
@@ -819,7 +789,11 @@ impl LedgerStorage {
             KEY_CHECKPOINT,
             checkpoint.to_be_bytes(),
         );
-        self.write_synced(batch)
+        let result = self.write_synced(batch);
+        if result.is_err() {
+            self.dirty.lock().expect("dirty lock").extend(fenced);
+        }
+        result
     }
 
     /// Removes entry logs whose every ledger is deleted, and compacts non-current logs whose
@@ -902,31 +876,8 @@ impl LedgerStorage {
                 }
             }
         }
-        let checkpoint = match self.db.get_cf(cf(&self.db, CF_META), KEY_CHECKPOINT)? {
-            Some(v) => u64::from_be_bytes(
-                v.as_slice()
-                    .try_into()
-                    .map_err(|_| StorageError::Corrupt("checkpoint".into()))?,
-            ),
-            None => 0,
-        };
+        let checkpoint = read_checkpoint(&self.db)?;
         self.write_entries(writer, &moved, checkpoint)
-    }
-
-    pub fn stats(&self) -> StorageStats {
-        let usage = self.usage.lock().expect("usage lock");
-        StorageStats {
-            write_cache_bytes: self.write_cache_bytes(),
-            entry_logs: usage.len(),
-            entry_log_bytes: usage.values().flat_map(|u| u.values()).sum(),
-            ledgers: self
-                .ledgers
-                .lock()
-                .expect("ledgers lock")
-                .values()
-                .filter(|s| !s.deleted)
-                .count(),
-        }
     }
 
     /// Ledgers this bookie stores (not deleted), with their state.
@@ -950,4 +901,36 @@ fn cf<'a>(db: &'a DB, name: &str) -> &'a rocksdb::ColumnFamily {
 
 fn to_json<T: Serialize>(v: &T) -> Vec<u8> {
     serde_json::to_vec(v).expect("serializable")
+}
+
+/// Every `(u64 id, JSON value)` of column family `name`.
+fn load_json_by_id<T: serde::de::DeserializeOwned>(
+    db: &DB,
+    name: &str,
+    what: &str,
+) -> Result<Vec<(u64, T)>, StorageError> {
+    let mut out = Vec::new();
+    for item in db.iterator_cf(cf(db, name), IteratorMode::Start) {
+        let (k, v) = item?;
+        let id = u64::from_be_bytes(
+            k.as_ref()
+                .try_into()
+                .map_err(|_| StorageError::Corrupt(format!("{what} key")))?,
+        );
+        let value = serde_json::from_slice(&v)
+            .map_err(|e| StorageError::Corrupt(format!("{what} of {id}: {e}")))?;
+        out.push((id, value));
+    }
+    Ok(out)
+}
+
+fn read_checkpoint(db: &DB) -> Result<u64, StorageError> {
+    match db.get_cf(cf(db, CF_META), KEY_CHECKPOINT)? {
+        Some(v) => Ok(u64::from_be_bytes(
+            v.as_slice()
+                .try_into()
+                .map_err(|_| StorageError::Corrupt("checkpoint".into()))?,
+        )),
+        None => Ok(0),
+    }
 }

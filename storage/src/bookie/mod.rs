@@ -14,7 +14,7 @@
 pub mod ledger_storage;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -87,7 +87,6 @@ pub struct BookieCore {
     read_only: AtomicBool,
     read_only_reason: std::sync::Mutex<String>,
     opts: BookieOptions,
-    adds: AtomicU64,
 }
 
 impl BookieCore {
@@ -128,10 +127,6 @@ impl BookieCore {
             }
         }
         (if free == u64::MAX { 0 } else { free }, used_pct)
-    }
-
-    pub fn adds(&self) -> u64 {
-        self.adds.load(Ordering::Relaxed)
     }
 }
 
@@ -221,7 +216,6 @@ pub async fn start(
         read_only: AtomicBool::new(false),
         read_only_reason: std::sync::Mutex::default(),
         opts,
-        adds: AtomicU64::new(0),
     });
     let (stop, stop_rx) = watch::channel(false);
     let flusher = {
@@ -310,7 +304,10 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
                 }
             }
         }
-        RecordKind::Fence => storage.fence_replayed(r.ledger_id, key),
+        RecordKind::Fence => {
+            // A fence that fails now (another key) failed when it was first made, too.
+            let _ = storage.fence(r.ledger_id, key);
+        }
     }
 }
 
@@ -526,7 +523,6 @@ async fn handle(
                             true,
                         );
                         storage.note_applied(pos.file);
-                        core2.adds.fetch_add(1, Ordering::Relaxed);
                         send(&tx, id, reply(Status::Ok));
                     }
                     Err(e) => {
