@@ -7,6 +7,8 @@
 #   clang, libclang-dev   bindgen inside librocksdb-sys generates RocksDB's C bindings
 #   librocksdb-dev        RocksDB 7.8 from Debian, linked dynamically (see ARCHITECTURE.md, "RocksDB")
 #   protobuf-compiler     protoc, for tonic/prost code generation
+#   python3, python3-venv the stock Python Pulsar client (pulsar-client, from PyPI, in a venv
+#                         under the cache folder) that the real-client tests drive
 set -euo pipefail
 
 meridian_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,6 +16,8 @@ meridian_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 missing=()
 command -v clang >/dev/null 2>&1 || missing+=(clang)
 command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
+command -v python3 >/dev/null 2>&1 || missing+=(python3)
+python3 -c "import ensurepip, venv" >/dev/null 2>&1 || missing+=(python3-venv)
 for pkg in libclang-dev librocksdb-dev libsnappy-dev; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
@@ -36,3 +40,13 @@ export SNAPPY_LIB_DIR="${SNAPPY_LIB_DIR:-/usr/lib/$multiarch}"
 # A build directory outside the clone, so CI runs and later sessions on this machine are incremental.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$HOME/.cache/meridian/target}"
 export MERIDIAN_ROOT="$meridian_root"
+
+# The stock Python client for the real-client tests, pinned, in a venv beside the build cache.
+MERIDIAN_VENV="${MERIDIAN_VENV:-$HOME/.cache/meridian/venv}"
+if ! "$MERIDIAN_VENV/bin/python" -c "import pulsar" >/dev/null 2>&1; then
+  echo "setup: installing pulsar-client 3.13.0 into $MERIDIAN_VENV" >&2
+  python3 -m venv "$MERIDIAN_VENV" >&2
+  "$MERIDIAN_VENV/bin/pip" install -q "pulsar-client==3.13.0" >&2
+fi
+export MERIDIAN_VENV
+export MERIDIAN_PYTHON="$MERIDIAN_VENV/bin/python"

@@ -96,6 +96,10 @@ pub struct Config {
     pub client: ClientConfig,
     /// `[bookie]`: a storage node.
     pub bookie: BookieConfig,
+    /// `[broker]`: the Pulsar-protocol broker.
+    pub broker: BrokerConfig,
+    /// `[standalone]`: everything in one process on one data directory.
+    pub standalone: StandaloneConfig,
 }
 
 /// `[log]` section.
@@ -336,6 +340,147 @@ impl BookieConfig {
     }
 }
 
+/// `[broker]` section: the broker serving the Pulsar protocol.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BrokerConfig {
+    /// Socket address of the Pulsar protocol, `IP:PORT`. Default `127.0.0.1:6650`.
+    pub listen: String,
+    /// Address clients are told to connect to (lookup answers), `HOST:PORT`; empty (the
+    /// default) means the address actually bound.
+    pub advertise: String,
+    /// Socket address of the HTTP endpoint (`/metrics`, `/health`), `IP:PORT`.
+    /// Default `127.0.0.1:8080`.
+    pub http_listen: String,
+    /// This site's name, used in generated producer names. Non-empty, default `standalone`.
+    pub cluster_name: String,
+    /// Create topics when a producer or consumer first names them. Default `true`.
+    pub allow_auto_topic_creation: bool,
+    /// Largest message a client may send (advertised as max_message_size), bytes.
+    /// Range 1024..=104857600, default 5242880 (5 MiB).
+    pub message_bytes_max: u64,
+    /// Sends of one producer waiting for their receipts; more are refused.
+    /// Range 1..=1000000, default 10000.
+    pub producer_pending_sends_max: u64,
+    /// Producers plus consumers one connection may hold. Range 1..=1000000, default 10000.
+    pub connection_handles_max: u64,
+    /// Ping an idle client this often, and drop it after a whole interval without a byte,
+    /// milliseconds. Range 1000..=3600000, default 30000.
+    pub keepalive_interval_ms: u64,
+    /// Bookies per ledger of a topic. Range 1..=64, default 1.
+    pub ensemble: u64,
+    /// Bookies each entry is written to. Range 1..=`ensemble`, default 1.
+    pub write_quorum: u64,
+    /// Bookies that must fsync an entry before it is acknowledged.
+    /// Range 1..=`write_quorum`, default 1.
+    pub ack_quorum: u64,
+    /// Start a new ledger of a topic after this many entries. Range 1..=100000000, default 50000.
+    pub ledger_rollover_entries_max: u64,
+    /// Recently written entries kept in memory per topic for tailing consumers, bytes.
+    /// Range 0..=17179869184, default 16777216 (16 MiB).
+    pub tail_cache_bytes_max: u64,
+    /// Persist a subscription's acknowledgements at most this often, milliseconds (they are
+    /// also persisted when its consumers leave and at shutdown); 0 persists every ack.
+    /// Range 0..=60000, default 100.
+    pub cursor_persist_interval_ms: u64,
+    /// Entries a dispatcher reads at once. Range 1..=10000, default 100.
+    pub dispatch_batch_entries_max: u64,
+}
+
+impl Default for BrokerConfig {
+    fn default() -> Self {
+        BrokerConfig {
+            listen: "127.0.0.1:6650".to_string(),
+            advertise: String::new(),
+            http_listen: "127.0.0.1:8080".to_string(),
+            cluster_name: "standalone".to_string(),
+            allow_auto_topic_creation: true,
+            message_bytes_max: 5 << 20,
+            producer_pending_sends_max: 10_000,
+            connection_handles_max: 10_000,
+            keepalive_interval_ms: 30_000,
+            ensemble: 1,
+            write_quorum: 1,
+            ack_quorum: 1,
+            ledger_rollover_entries_max: 50_000,
+            tail_cache_bytes_max: 16 << 20,
+            cursor_persist_interval_ms: 100,
+            dispatch_batch_entries_max: 100,
+        }
+    }
+}
+
+impl BrokerConfig {
+    /// Checks the `[broker]` section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        socket_addr("broker.listen", &self.listen)?;
+        socket_addr("broker.http_listen", &self.http_listen)?;
+        if !self.advertise.is_empty() {
+            host_port(&self.advertise)
+                .map_err(|reason| invalid("broker.advertise", &self.advertise, reason))?;
+        }
+        if self.cluster_name.trim().is_empty() || self.cluster_name.contains('/') {
+            return Err(invalid(
+                "broker.cluster_name",
+                &self.cluster_name,
+                "must be non-empty and without `/`",
+            ));
+        }
+        let b = self;
+        #[rustfmt::skip]
+        let bounds = [
+            ("broker.message_bytes_max", b.message_bytes_max, 1_024, 104_857_600, ""),
+            ("broker.producer_pending_sends_max", b.producer_pending_sends_max, 1, 1_000_000, ""),
+            ("broker.connection_handles_max", b.connection_handles_max, 1, 1_000_000, ""),
+            ("broker.keepalive_interval_ms", b.keepalive_interval_ms, 1_000, 3_600_000, ""),
+            ("broker.ensemble", b.ensemble, 1, 64, ""),
+            ("broker.write_quorum", b.write_quorum, 1, b.ensemble, " (at most broker.ensemble)"),
+            ("broker.ack_quorum", b.ack_quorum, 1, b.write_quorum, " (at most broker.write_quorum)"),
+            ("broker.ledger_rollover_entries_max", b.ledger_rollover_entries_max, 1, 100_000_000, ""),
+            ("broker.tail_cache_bytes_max", b.tail_cache_bytes_max, 0, 17_179_869_184, ""),
+            ("broker.cursor_persist_interval_ms", b.cursor_persist_interval_ms, 0, 60_000, ""),
+            ("broker.dispatch_batch_entries_max", b.dispatch_batch_entries_max, 1, 10_000, ""),
+        ];
+        ranges(&bounds)
+    }
+
+    /// Largest frame accepted: a message plus room for its command and metadata.
+    pub fn frame_bytes_max(&self) -> usize {
+        self.message_bytes_max as usize + 10 * 1024
+    }
+}
+
+/// `[standalone]` section: a metadata node, a bookie and a broker in one process.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StandaloneConfig {
+    /// Directory holding all of the process's data (metadata, journal, ledgers); non-empty.
+    /// Default `data/standalone`.
+    pub data_dir: String,
+}
+
+impl Default for StandaloneConfig {
+    fn default() -> Self {
+        StandaloneConfig {
+            data_dir: "data/standalone".to_string(),
+        }
+    }
+}
+
+impl StandaloneConfig {
+    /// Checks the `[standalone]` section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.data_dir.trim().is_empty() {
+            return Err(invalid(
+                "standalone.data_dir",
+                &self.data_dir,
+                "must not be empty",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// `[client]` section: how a client reaches the metadata service.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -378,11 +523,19 @@ pub enum Role {
     Standalone,
     /// A storage node.
     Bookie,
+    /// A broker (Pulsar protocol).
+    Broker,
 }
 
 impl Role {
     /// Every role, in declaration order.
-    pub const ALL: [Role; 4] = [Role::Metadata, Role::Meta, Role::Standalone, Role::Bookie];
+    pub const ALL: [Role; 5] = [
+        Role::Metadata,
+        Role::Meta,
+        Role::Standalone,
+        Role::Bookie,
+        Role::Broker,
+    ];
 
     /// The name used on command lines and in messages.
     pub fn as_str(&self) -> &'static str {
@@ -391,13 +544,16 @@ impl Role {
             Role::Meta => "meta",
             Role::Standalone => "standalone",
             Role::Bookie => "bookie",
+            Role::Broker => "broker",
         }
     }
 
     /// The configuration sections this role reads.
     pub fn sections(&self) -> &'static [&'static str] {
         match self {
-            Role::Metadata | Role::Standalone => &["log", "metadata"],
+            Role::Metadata => &["log", "metadata"],
+            Role::Standalone => &["log", "standalone", "broker", "bookie", "metadata"],
+            Role::Broker => &["log", "broker", "client"],
             Role::Meta => &["log", "client"],
             Role::Bookie => &["log", "bookie", "client"],
         }
@@ -513,7 +669,9 @@ impl Config {
         self.log.validate()?;
         self.metadata.validate()?;
         self.client.validate()?;
-        self.bookie.validate()
+        self.bookie.validate()?;
+        self.broker.validate()?;
+        self.standalone.validate()
     }
 
     /// The sections `role` reads, as TOML text that [`Config::load`] accepts.
@@ -525,6 +683,8 @@ impl Config {
                 "metadata" => toml::to_string(&self.metadata),
                 "client" => toml::to_string(&self.client),
                 "bookie" => toml::to_string(&self.bookie),
+                "broker" => toml::to_string(&self.broker),
+                "standalone" => toml::to_string(&self.standalone),
                 _ => continue,
             };
             let body = body.expect("config sections serialize to TOML");

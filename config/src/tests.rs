@@ -186,9 +186,9 @@ fn unknown_keys_are_rejected_with_their_path() {
             file "[metadata]\nnod_id = 3"
               error: unknown key metadata.nod_id in $FILE; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             file "[metdata]\nnode_id = 3"
-              error: unknown top-level key metdata in $FILE; known sections: bookie, client, log, metadata
+              error: unknown top-level key metdata in $FILE; known sections: bookie, broker, client, log, metadata, standalone
             file "node_id = 3"
-              error: unknown top-level key node_id in $FILE; known sections: bookie, client, log, metadata
+              error: unknown top-level key node_id in $FILE; known sections: bookie, broker, client, log, metadata, standalone
             env MERIDIAN_METADATA_NOD_ID=3
               error: unknown key metadata.nod_id in environment variable MERIDIAN_METADATA_NOD_ID; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             env MERIDIAN_CLIENT_ENDPOINT=a:1
@@ -196,7 +196,7 @@ fn unknown_keys_are_rejected_with_their_path() {
             set metadata.nod_id=3
               error: unknown key metadata.nod_id in command-line flags; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             set metdata.node_id=3
-              error: unknown top-level key metdata in command-line flags; known sections: bookie, client, log, metadata
+              error: unknown top-level key metdata in command-line flags; known sections: bookie, broker, client, log, metadata, standalone
             set log=debug
               error: unknown key log. in command-line flags; known keys in [log]: json, level
         "#]],
@@ -436,8 +436,8 @@ fn roles_parse_and_name_their_sections() {
     for role in Role::ALL {
         assert_eq!(role.to_string().parse::<Role>().unwrap(), role);
     }
-    expect![[r#"role = "broker" is invalid: expected one of metadata, meta, standalone, bookie"#]]
-        .assert_eq(&"broker".parse::<Role>().unwrap_err().to_string());
+    expect![[r#"role = "brokr" is invalid: expected one of metadata, meta, standalone, bookie"#]]
+        .assert_eq(&"brokr".parse::<Role>().unwrap_err().to_string());
     assert_eq!(Role::Meta.sections(), ["log", "client"]);
 }
 

@@ -344,3 +344,265 @@ pub async fn wait_for_bookies(
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// One `meridian standalone` process on a data directory, with ports chosen by the OS.
+pub struct StandaloneProc {
+    pub data_dir: PathBuf,
+    pub log: PathBuf,
+    /// `pulsar://127.0.0.1:PORT` once started.
+    pub url: String,
+    /// `127.0.0.1:PORT` of /metrics and /health once started.
+    pub http: String,
+    child: Option<Child>,
+    extra_env: Vec<(String, String)>,
+}
+
+impl StandaloneProc {
+    pub fn new(root: &Path) -> Self {
+        Self {
+            data_dir: root.join("standalone"),
+            log: root.join("standalone.log"),
+            url: String::new(),
+            http: String::new(),
+            child: None,
+            extra_env: Vec::new(),
+        }
+    }
+
+    /// A `MERIDIAN_*` setting for the next start.
+    pub fn env(&mut self, key: &str, value: &str) -> &mut Self {
+        self.extra_env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    /// Starts the process and waits until it prints where it listens.
+    pub fn start(&mut self) -> anyhow::Result<()> {
+        assert!(self.child.is_none(), "standalone already running");
+        let before = std::fs::read_to_string(&self.log).unwrap_or_default().len();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let mut cmd = Command::new(meridian_bin());
+        cmd.arg("standalone")
+            .arg("--data-dir")
+            .arg(&self.data_dir)
+            .args(["--pulsar-listen", "127.0.0.1:0"])
+            .args(["--http-listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "info,openraft=warn")
+            .env("MERIDIAN_BOOKIE_FLUSH_INTERVAL_MS", "500")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().context("spawning meridian standalone")?);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let new = &text[before.min(text.len())..];
+            if let Some(line) = new
+                .lines()
+                .find(|l| l.starts_with("meridian standalone: Pulsar protocol on "))
+            {
+                let url = line
+                    .split_whitespace()
+                    .find(|w| w.starts_with("pulsar://"))
+                    .context("no pulsar:// in the banner")?;
+                self.url = url.trim_end_matches(',').to_string();
+                let http = line
+                    .split_whitespace()
+                    .find(|w| w.starts_with("http://"))
+                    .context("no http:// in the banner")?;
+                self.http = http.trim_start_matches("http://").to_string();
+                return Ok(());
+            }
+            if let Some(status) = self.child.as_mut().expect("child").try_wait()? {
+                self.child = None;
+                bail!("standalone exited with {status} before listening:\n{new}");
+            }
+            if Instant::now() > deadline {
+                bail!("standalone did not start within 60 s:\n{new}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// SIGKILL: a crash, no clean-up.
+    pub fn kill9(&mut self) -> anyhow::Result<()> {
+        if let Some(mut child) = self.child.take() {
+            child.kill()?;
+            child.wait()?;
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then waits for the exit and returns its code.
+    pub fn stop(&mut self) -> anyhow::Result<i32> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(0);
+        };
+        let status = Command::new("kill")
+            .args(["-TERM", &child.id().to_string()])
+            .status()?;
+        if !status.success() {
+            bail!("kill -TERM {} failed", child.id());
+        }
+        Ok(child.wait()?.code().unwrap_or(-1))
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for StandaloneProc {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// The Python interpreter with `pulsar-client` (`$MERIDIAN_PYTHON`, set by scripts/setup.sh).
+pub fn python() -> PathBuf {
+    let p = std::env::var_os("MERIDIAN_PYTHON").map(PathBuf::from).expect(
+        "MERIDIAN_PYTHON is not set: run the tests through scripts/test, whose set-up installs pulsar-client",
+    );
+    assert!(p.exists(), "{} does not exist", p.display());
+    p
+}
+
+/// A run of `integration/python/client.py` whose JSON lines are collected as they come.
+pub struct PyClient {
+    child: Option<Child>,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+    reader: Option<std::thread::JoinHandle<()>>,
+    stderr: PathBuf,
+}
+
+impl PyClient {
+    /// Starts `client.py ARGS...`; its stderr goes to `stderr_file`.
+    pub fn spawn(args: &[&str], stderr_file: &Path) -> anyhow::Result<PyClient> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/client.py");
+        let err = std::fs::File::create(stderr_file)?;
+        let mut child = Command::new(python())
+            .arg(script)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .context("spawning the Python client")?;
+        let stdout = child.stdout.take().expect("piped");
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = std::sync::Arc::clone(&lines);
+        let reader = std::thread::spawn(move || {
+            use std::io::BufRead;
+            for line in std::io::BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if let Ok(v) = serde_json::from_str(&line) {
+                    sink.lock().expect("lines").push(v);
+                }
+            }
+        });
+        Ok(PyClient {
+            child: Some(child),
+            lines,
+            reader: Some(reader),
+            stderr: stderr_file.to_path_buf(),
+        })
+    }
+
+    pub fn lines(&self) -> Vec<serde_json::Value> {
+        self.lines.lock().expect("lines").clone()
+    }
+
+    /// Values of `field` over the lines that have it, as integers.
+    pub fn ints(&self, field: &str) -> Vec<u64> {
+        self.lines()
+            .iter()
+            .filter_map(|v| v.get(field).and_then(serde_json::Value::as_u64))
+            .collect()
+    }
+
+    /// Waits until `pred` holds for the lines so far.
+    pub fn wait_for(
+        &self,
+        what: &str,
+        timeout: Duration,
+        pred: impl Fn(&[serde_json::Value]) -> bool,
+    ) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if pred(&self.lines()) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "timed out waiting for {what}; last lines {:?}; stderr:\n{}",
+                    self.lines().iter().rev().take(3).collect::<Vec<_>>(),
+                    self.stderr_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stderr_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().filter(|l| !l.contains(" INFO ")).collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+
+    /// Waits for the process to exit; fails on a non-zero exit.
+    pub fn finish(&mut self, timeout: Duration) -> anyhow::Result<Vec<serde_json::Value>> {
+        let deadline = Instant::now() + timeout;
+        let child = self.child.as_mut().context("already finished")?;
+        loop {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                if let Some(r) = self.reader.take() {
+                    let _ = r.join();
+                }
+                if !status.success() {
+                    bail!(
+                        "Python client exited with {status}; stderr:\n{}",
+                        self.stderr_tail()
+                    );
+                }
+                return Ok(self.lines());
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "Python client still running after {timeout:?}; stderr:\n{}",
+                    self.stderr_tail()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL.
+    pub fn kill9(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+    }
+}
+
+impl Drop for PyClient {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}

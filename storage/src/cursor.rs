@@ -463,13 +463,20 @@ impl ManagedCursor {
     ) -> Result<Vec<(Position, Bytes)>, CursorError> {
         let mut out = Vec::new();
         while out.len() < max {
-            let Some(p) = self.next_after(self.read_after).await else {
+            let Some(start) = self.next_after(self.read_after).await else {
                 break;
             };
-            if !self.is_acknowledged(p) {
-                out.push((p, self.ml.read(p).await?));
+            // Parallel reads of the next positions; acknowledged ones are dropped after.
+            let batch = self.ml.read_range(start, max - out.len()).await?;
+            if batch.is_empty() {
+                break;
             }
-            self.read_after = Some(p);
+            for (p, b) in batch {
+                if !self.is_acknowledged(p) {
+                    out.push((p, b));
+                }
+                self.read_after = Some(p);
+            }
         }
         Ok(out)
     }
@@ -518,6 +525,45 @@ impl ManagedCursor {
     }
 
     /// Resets the cursor to the earliest or latest entry (and persists it).
+    /// Positions the cursor so reading starts after `pos` (everything through it counts as
+    /// acknowledged), as a reader started from a message id is.
+    pub async fn reset_after(&mut self, pos: Position) -> Result<(), CursorError> {
+        self.ranges = RangeSet::new();
+        self.mark_delete = Some(pos);
+        self.read_after = Some(pos);
+        self.persist().await
+    }
+
+    /// The position reading continues after (`None`: from the first entry).
+    pub fn read_position(&self) -> Option<Position> {
+        self.read_after
+    }
+
+    /// Deletes the cursor: its record in the metadata store and its cursor ledger.
+    pub async fn delete(&mut self) -> Result<(), CursorError> {
+        let Some(d) = self.durable.take() else {
+            return Ok(());
+        };
+        let id = d.writer.id();
+        let _ = d.writer.close().await;
+        match d
+            .client
+            .metadata_client()
+            .delete(&d.key, Some(d.version))
+            .await
+        {
+            Ok(_) => {}
+            Err(ClientError::Conflict { .. }) => {
+                return Err(CursorError::Fenced(self.name.clone()))
+            }
+            Err(e) => return Err(e.into()),
+        }
+        if let Err(e) = d.client.delete(id).await {
+            tracing::warn!(cursor = %self.name, ledger = id, error = %e, "deleting the cursor ledger failed");
+        }
+        Ok(())
+    }
+
     pub async fn reset(&mut self, to: InitialPosition) -> Result<(), CursorError> {
         self.move_to(to).await;
         self.persist().await

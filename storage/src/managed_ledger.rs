@@ -157,6 +157,41 @@ struct TailCache {
     bytes: usize,
 }
 
+/// An entry submitted by [`ManagedLedger::append_queued`], not yet known to be durable.
+pub struct PendingAppend {
+    ml: Arc<ManagedLedger>,
+    ledger_id: u64,
+    outcome: tokio::sync::oneshot::Receiver<Result<u64, LedgerError>>,
+    payload: Bytes,
+}
+
+impl PendingAppend {
+    /// The entry's position once an ack quorum of bookies has fsynced it.
+    pub async fn wait(self) -> Result<Position, ManagedLedgerError> {
+        let ml = self.ml;
+        let entry_id = match self.outcome.await {
+            Ok(Ok(e)) => e,
+            Ok(Err(LedgerError::Fenced(_))) => {
+                ml.state.lock().await.fenced = true;
+                return Err(ManagedLedgerError::Fenced {
+                    name: ml.name.clone(),
+                });
+            }
+            Ok(Err(e)) => return Err(e.into()),
+            Err(_) => return Err(LedgerError::Closed(self.ledger_id).into()),
+        };
+        let pos = Position::new(self.ledger_id, entry_id);
+        {
+            let mut lc = ml.last_confirmed.lock().expect("lock");
+            if lc.is_none_or(|p| pos > p) {
+                *lc = Some(pos);
+            }
+        }
+        ml.cache_insert(pos, self.payload);
+        Ok(pos)
+    }
+}
+
 /// The named log. One owner appends; any number of readers read.
 pub struct ManagedLedger {
     name: String,
@@ -356,7 +391,18 @@ impl ManagedLedger {
     }
 
     /// Appends an entry; returns its position once it is on an ack quorum of bookies.
-    pub async fn append(&self, payload: Bytes) -> Result<Position, ManagedLedgerError> {
+    pub async fn append(self: &Arc<Self>, payload: Bytes) -> Result<Position, ManagedLedgerError> {
+        self.append_queued(payload).await?.wait().await
+    }
+
+    /// Submits an entry and returns once it is queued, with a handle that completes when the
+    /// entry is on an ack quorum of bookies (fsynced on each: acknowledged means durable).
+    /// Entries submitted one after another complete in that order, so a caller can submit in
+    /// order and await completions elsewhere (receipts in SEND order, many in flight).
+    pub async fn append_queued(
+        self: &Arc<Self>,
+        payload: Bytes,
+    ) -> Result<PendingAppend, ManagedLedgerError> {
         let (writer, ledger_id) = {
             let mut st = self.state.lock().await;
             if st.fenced {
@@ -375,26 +421,12 @@ impl ManagedLedger {
         };
         let outcome = writer.add_queued(payload.clone()).await;
         drop(writer);
-        let entry_id = match outcome.await {
-            Ok(Ok(e)) => e,
-            Ok(Err(LedgerError::Fenced(_))) => {
-                self.state.lock().await.fenced = true;
-                return Err(ManagedLedgerError::Fenced {
-                    name: self.name.clone(),
-                });
-            }
-            Ok(Err(e)) => return Err(e.into()),
-            Err(_) => return Err(LedgerError::Closed(ledger_id).into()),
-        };
-        let pos = Position::new(ledger_id, entry_id);
-        {
-            let mut lc = self.last_confirmed.lock().expect("lock");
-            if lc.is_none_or(|p| pos > p) {
-                *lc = Some(pos);
-            }
-        }
-        self.cache_insert(pos, payload);
-        Ok(pos)
+        Ok(PendingAppend {
+            ml: Arc::clone(self),
+            ledger_id,
+            outcome,
+            payload,
+        })
     }
 
     fn cache_insert(&self, pos: Position, payload: Bytes) {

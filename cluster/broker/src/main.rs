@@ -5,6 +5,8 @@
 //! - `meridian bookie`: run a bookie (storage node).
 //! - `meridian ledger list|show|read`: inspect ledgers.
 //! - `meridian perf ledger`: write entries to running bookies and print figures.
+//! - `meridian standalone`: metadata store, bookie and broker in one process.
+//! - `meridian broker`: run a broker against a metadata store and bookies.
 //! - `meridian config print --role ROLE`: show the effective configuration.
 
 mod bench;
@@ -56,6 +58,131 @@ enum Command {
     Ledger(storage_cmds::LedgerArgs),
     /// Benchmarks against running servers.
     Perf(storage_cmds::PerfArgs),
+    /// Run a whole one-site Meridian in one process: metadata store, bookie, broker.
+    Standalone(StandaloneArgs),
+    /// Run a broker (Pulsar protocol) against a metadata store and bookies.
+    Broker(BrokerArgs),
+}
+
+#[derive(clap::Args)]
+struct StandaloneArgs {
+    /// Directory of all data (standalone.data_dir).
+    #[arg(long)]
+    data_dir: Option<String>,
+    /// Address of the Pulsar protocol (broker.listen).
+    #[arg(long)]
+    pulsar_listen: Option<String>,
+    /// Address of /metrics and /health (broker.http_listen).
+    #[arg(long)]
+    http_listen: Option<String>,
+    /// Address clients are told to connect to (broker.advertise).
+    #[arg(long)]
+    advertise: Option<String>,
+}
+
+impl StandaloneArgs {
+    fn overrides(&self) -> Vec<(String, String)> {
+        let mut o = Vec::new();
+        let mut add = |k: &str, v: &Option<String>| {
+            if let Some(v) = v {
+                o.push((k.to_string(), v.clone()));
+            }
+        };
+        add("standalone.data_dir", &self.data_dir);
+        add("broker.listen", &self.pulsar_listen);
+        add("broker.http_listen", &self.http_listen);
+        add("broker.advertise", &self.advertise);
+        o
+    }
+}
+
+#[derive(clap::Args)]
+struct BrokerArgs {
+    /// Metadata store endpoints, `HOST:PORT,...` (client.endpoints).
+    #[arg(long)]
+    metadata: Option<String>,
+    /// Address of the Pulsar protocol (broker.listen).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Address clients are told to connect to (broker.advertise).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// Address of /metrics and /health (broker.http_listen).
+    #[arg(long)]
+    http_listen: Option<String>,
+}
+
+impl BrokerArgs {
+    fn overrides(&self) -> Vec<(String, String)> {
+        let mut o = Vec::new();
+        let mut add = |k: &str, v: &Option<String>| {
+            if let Some(v) = v {
+                o.push((k.to_string(), v.clone()));
+            }
+        };
+        add("client.endpoints", &self.metadata);
+        add("broker.listen", &self.listen);
+        add("broker.advertise", &self.advertise);
+        add("broker.http_listen", &self.http_listen);
+        o
+    }
+}
+
+async fn run_standalone(cfg: Config) -> anyhow::Result<()> {
+    meridian_broker::http::metrics_handle();
+    let s = meridian_broker::standalone::Standalone::start(&cfg).await?;
+    println!(
+        "meridian standalone: Pulsar protocol on pulsar://{}, HTTP on http://{} (/metrics, /health), data in {}",
+        s.pulsar_addr,
+        s.http_addr,
+        s.data_dir.display()
+    );
+    shutdown_signal().await;
+    tracing::info!("signal received; stopping");
+    s.shutdown().await;
+    Ok(())
+}
+
+async fn run_broker(cfg: Config) -> anyhow::Result<()> {
+    use meridian_storage::ledger::{LedgerClient, LedgerClientOptions};
+    meridian_broker::http::metrics_handle();
+    let meta = meridian_metadata::MetadataClient::new(&cfg.client).context("client.endpoints")?;
+    let client = LedgerClient::new(meta.clone(), LedgerClientOptions::default());
+    let pl = tokio::net::TcpListener::bind(&cfg.broker.listen)
+        .await
+        .with_context(|| format!("broker.listen {}", cfg.broker.listen))?;
+    let addr = pl.local_addr()?;
+    let advertise = if cfg.broker.advertise.is_empty() {
+        addr.to_string()
+    } else {
+        cfg.broker.advertise.clone()
+    };
+    let broker = meridian_broker::broker::Broker::new(
+        cfg.broker.clone(),
+        meta,
+        client,
+        format!("pulsar://{advertise}"),
+    );
+    broker.ensure_namespace("public/default").await?;
+    let hl = tokio::net::TcpListener::bind(&cfg.broker.http_listen)
+        .await
+        .with_context(|| format!("broker.http_listen {}", cfg.broker.http_listen))?;
+    let http = meridian_broker::http::serve(std::sync::Arc::clone(&broker), hl)?;
+    let server = meridian_broker::server::serve(std::sync::Arc::clone(&broker), pl)?;
+    let stats =
+        tokio::spawn(std::sync::Arc::clone(&broker).stats_loop(std::time::Duration::from_secs(5)));
+    println!(
+        "meridian broker: Pulsar protocol on pulsar://{addr}, HTTP on http://{} (/metrics, /health); metadata {}",
+        http.addr,
+        cfg.client.endpoints.join(",")
+    );
+    shutdown_signal().await;
+    tracing::info!("signal received; stopping");
+    server.shutdown().await;
+    broker.close().await;
+    http.shutdown().await;
+    stats.abort();
+    Ok(())
 }
 
 #[derive(Subcommand)]
@@ -161,6 +288,8 @@ fn main() -> ExitCode {
         Command::Bookie(a) => a.overrides(),
         Command::Ledger(a) => a.overrides(),
         Command::Perf(a) => a.overrides(),
+        Command::Standalone(a) => a.overrides(),
+        Command::Broker(a) => a.overrides(),
         Command::Config { .. } => Vec::new(),
     };
     let cfg = match Config::from_env_and_file(cli.config.as_deref(), overrides) {
@@ -204,6 +333,18 @@ fn main() -> ExitCode {
                 init_logging(&cfg);
             }
             runtime.block_on(storage_cmds::run_ledger(args, cfg))
+        }
+        Command::Standalone(_) => {
+            init_logging(&cfg);
+            runtime
+                .block_on(run_standalone(cfg))
+                .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Broker(_) => {
+            init_logging(&cfg);
+            runtime
+                .block_on(run_broker(cfg))
+                .map(|()| ExitCode::SUCCESS)
         }
         Command::Perf(args) => {
             if std::env::var_os("RUST_LOG").is_some() {

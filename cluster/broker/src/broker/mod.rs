@@ -1,0 +1,456 @@
+//! The broker's state: topics (each a managed ledger), their producers and subscriptions.
+//!
+//! ```text
+//!  Broker ── topics: name ─► Topic ── ManagedLedger (the log)
+//!                               ├── producers (names, for ProducerBusy and generated names)
+//!                               ├── subscriptions: name ─► Subscription ── ManagedCursor
+//!                               │                                └── dispatcher task ─► consumers' connections
+//!                               └── appended: watch<last position> ─► wakes the dispatchers
+//! ```
+//!
+//! Connections ([`crate::connection`]) decode frames and call in here; nothing in this module
+//! knows about sockets.
+
+pub mod subscription;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use meridian_config::BrokerConfig;
+use meridian_metadata::MetadataClient;
+use meridian_protocol::pb::ServerError;
+use meridian_storage::cursor::CursorError;
+use meridian_storage::ledger::LedgerClient;
+use meridian_storage::managed_ledger::{
+    managed_ledger_key, ManagedLedger, ManagedLedgerError, ManagedLedgerOptions, Position,
+};
+use tokio::sync::{watch, OnceCell};
+
+use crate::topic_name::{Domain, TopicName, TopicNameError};
+pub use subscription::{ConsumerSink, SubType, SubscribeRequest, Subscription};
+
+/// Where namespaces are recorded (the tenancy issue adds their policies).
+pub const NAMESPACES_PREFIX: &str = "/admin/namespaces/";
+
+/// A failure that a client sees as a `ServerError` and a message.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct BrokerError {
+    pub code: ServerError,
+    pub message: String,
+}
+
+impl BrokerError {
+    pub fn new(code: ServerError, message: impl Into<String>) -> Self {
+        BrokerError {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<TopicNameError> for BrokerError {
+    fn from(e: TopicNameError) -> Self {
+        BrokerError::new(ServerError::InvalidTopicName, e.to_string())
+    }
+}
+
+impl From<ManagedLedgerError> for BrokerError {
+    fn from(e: ManagedLedgerError) -> Self {
+        let code = match &e {
+            ManagedLedgerError::Fenced { .. } => ServerError::ServiceNotReady,
+            _ => ServerError::PersistenceError,
+        };
+        BrokerError::new(code, e.to_string())
+    }
+}
+
+impl From<CursorError> for BrokerError {
+    fn from(e: CursorError) -> Self {
+        let code = match &e {
+            CursorError::Fenced(_) => ServerError::ServiceNotReady,
+            CursorError::BadName(_) => ServerError::NotAllowedError,
+            _ => ServerError::PersistenceError,
+        };
+        BrokerError::new(code, e.to_string())
+    }
+}
+
+impl From<meridian_metadata::client::ClientError> for BrokerError {
+    fn from(e: meridian_metadata::client::ClientError) -> Self {
+        BrokerError::new(ServerError::MetadataError, e.to_string())
+    }
+}
+
+/// Counters of one topic, kept for the stats and the admin API.
+#[derive(Debug, Default)]
+pub struct TopicCounters {
+    pub msgs_in: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub msgs_out: AtomicU64,
+    pub bytes_out: AtomicU64,
+}
+
+/// A topic this broker owns.
+pub struct Topic {
+    pub name: TopicName,
+    full_name: String,
+    pub ml: Arc<ManagedLedger>,
+    client: LedgerClient,
+    cfg: Arc<BrokerConfig>,
+    producers: Mutex<HashMap<String, u64>>,
+    subscriptions: tokio::sync::Mutex<HashMap<String, Arc<Subscription>>>,
+    appended: watch::Sender<Option<Position>>,
+    pub counters: TopicCounters,
+}
+
+impl Topic {
+    pub fn full_name(&self) -> &str {
+        &self.full_name
+    }
+
+    /// Registers a producer; generates a name unless one is given. A given name already
+    /// connected is refused with ProducerBusy.
+    pub fn add_producer(
+        &self,
+        given: Option<&str>,
+        generated: impl FnOnce() -> String,
+    ) -> Result<String, BrokerError> {
+        let mut p = self.producers.lock().expect("producers lock");
+        let name = match given {
+            Some(n) => {
+                if p.contains_key(n) {
+                    return Err(BrokerError::new(
+                        ServerError::ProducerBusy,
+                        format!("producer {n:?} is already connected to {}", self.full_name),
+                    ));
+                }
+                n.to_string()
+            }
+            None => generated(),
+        };
+        p.insert(name.clone(), 0);
+        Ok(name)
+    }
+
+    pub fn remove_producer(&self, name: &str) {
+        self.producers.lock().expect("producers lock").remove(name);
+    }
+
+    pub fn producer_count(&self) -> usize {
+        self.producers.lock().expect("producers lock").len()
+    }
+
+    /// Called once an entry is durable: counts it and wakes the dispatchers.
+    pub fn on_appended(&self, pos: Position, messages: u64, bytes: u64) {
+        self.counters.msgs_in.fetch_add(messages, Ordering::Relaxed);
+        self.counters.bytes_in.fetch_add(bytes, Ordering::Relaxed);
+        self.appended.send_if_modified(|last| {
+            if last.is_none_or(|l| pos > l) {
+                *last = Some(pos);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// Attaches a consumer, creating the subscription (and its durable cursor) if needed.
+    pub async fn subscribe(
+        self: &Arc<Self>,
+        req: SubscribeRequest,
+        sink: ConsumerSink,
+    ) -> Result<Arc<Subscription>, BrokerError> {
+        let mut subs = self.subscriptions.lock().await;
+        if let Some(sub) = subs.get(&req.subscription) {
+            let sub = Arc::clone(sub);
+            if !sub.is_closed() {
+                sub.add_consumer(&req, sink).await?;
+                return Ok(sub);
+            }
+            subs.remove(&req.subscription);
+        }
+        let sub = Subscription::open(
+            Arc::clone(self),
+            &req,
+            self.client.clone(),
+            self.appended.subscribe(),
+        )
+        .await?;
+        sub.add_consumer(&req, sink).await?;
+        subs.insert(req.subscription.clone(), Arc::clone(&sub));
+        Ok(sub)
+    }
+
+    /// Forgets a subscription that has ended (unsubscribed, or a reader whose consumer left).
+    pub async fn drop_subscription(&self, name: &str, sub: &Arc<Subscription>) {
+        let mut subs = self.subscriptions.lock().await;
+        if subs.get(name).is_some_and(|s| Arc::ptr_eq(s, sub)) {
+            subs.remove(name);
+        }
+    }
+
+    pub async fn subscriptions(&self) -> Vec<Arc<Subscription>> {
+        self.subscriptions.lock().await.values().cloned().collect()
+    }
+
+    /// The last message's id: entry and, for a batch, the index of its last message. `None`
+    /// for an empty topic.
+    pub async fn last_message_id(&self) -> Option<(Position, i32)> {
+        let pos = self.ml.last_confirmed()?;
+        let batch_index = match self.ml.read(pos).await {
+            Ok(b) => meridian_protocol::Entry::parse(b)
+                .ok()
+                .and_then(|e| e.metadata().ok())
+                .and_then(|m| m.num_messages_in_batch)
+                .map_or(-1, |n| n.max(1) - 1),
+            Err(_) => -1,
+        };
+        Some((pos, batch_index))
+    }
+
+    /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
+    pub async fn close(&self) {
+        for sub in self.subscriptions().await {
+            sub.close().await;
+        }
+        if let Err(e) = self.ml.close().await {
+            tracing::warn!(topic = %self.full_name, error = %e, "closing the managed ledger failed");
+        }
+    }
+}
+
+/// The broker: owns every topic it has been asked for (until the multi-broker issue).
+pub struct Broker {
+    pub cfg: Arc<BrokerConfig>,
+    pub meta: MetadataClient,
+    client: LedgerClient,
+    topics: Mutex<HashMap<String, Arc<OnceCell<Arc<Topic>>>>>,
+    /// `pulsar://host:port` that lookups answer with.
+    pub service_url: String,
+    producer_names: AtomicU64,
+    run_id: String,
+    closing: AtomicBool,
+    connections: AtomicU64,
+}
+
+impl Broker {
+    pub fn new(
+        cfg: BrokerConfig,
+        meta: MetadataClient,
+        client: LedgerClient,
+        service_url: String,
+    ) -> Arc<Broker> {
+        let run_id = format!(
+            "{:x}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64 % 0xffff_ffff)
+        );
+        Arc::new(Broker {
+            cfg: Arc::new(cfg),
+            meta,
+            client,
+            topics: Mutex::default(),
+            service_url,
+            producer_names: AtomicU64::new(0),
+            run_id,
+            closing: AtomicBool::new(false),
+            connections: AtomicU64::new(0),
+        })
+    }
+
+    /// A producer name unique on this site: `<cluster>-<broker run>-<n>`.
+    pub fn generate_producer_name(&self) -> String {
+        let n = self.producer_names.fetch_add(1, Ordering::Relaxed);
+        format!("{}-{}-{n}", self.cfg.cluster_name, self.run_id)
+    }
+
+    pub fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Relaxed)
+    }
+
+    pub fn connection_opened(&self) {
+        self.connections.fetch_add(1, Ordering::Relaxed);
+        metrics::gauge!("meridian_connections").increment(1.0);
+    }
+
+    pub fn connection_closed(&self) {
+        self.connections.fetch_sub(1, Ordering::Relaxed);
+        metrics::gauge!("meridian_connections").decrement(1.0);
+    }
+
+    pub fn connection_count(&self) -> u64 {
+        self.connections.load(Ordering::Relaxed)
+    }
+
+    /// Creates a namespace record if absent (standalone's `public/default`).
+    pub async fn ensure_namespace(&self, namespace: &str) -> Result<(), BrokerError> {
+        let key = format!("{NAMESPACES_PREFIX}{namespace}");
+        let r = self
+            .meta
+            .put_with(
+                &key,
+                b"{}".to_vec(),
+                meridian_metadata::client::PutOptions {
+                    expected_version: Some(0),
+                    ..Default::default()
+                },
+            )
+            .await;
+        match r {
+            Ok(_) | Err(meridian_metadata::client::ClientError::Conflict { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Checks a name clients sent and that this broker serves it (persistent topics only).
+    pub fn check_topic(&self, name: &str) -> Result<TopicName, BrokerError> {
+        let t = TopicName::parse(name)?;
+        if t.domain == Domain::NonPersistent {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!("{t}: non-persistent topics are not supported yet; use persistent://"),
+            ));
+        }
+        Ok(t)
+    }
+
+    /// The topic, loading it (opening its managed ledger as owner) on first use. With
+    /// `create` false, or auto-creation off, a topic without a log is TopicNotFound.
+    pub async fn topic(&self, name: &TopicName, create: bool) -> Result<Arc<Topic>, BrokerError> {
+        if self.is_closing() {
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                "the broker is shutting down",
+            ));
+        }
+        let full = name.to_string();
+        let cell = {
+            let mut topics = self.topics.lock().expect("topics lock");
+            Arc::clone(topics.entry(full.clone()).or_default())
+        };
+        let topic = cell
+            .get_or_try_init(|| async { self.load_topic(name, create).await })
+            .await?;
+        Ok(Arc::clone(topic))
+    }
+
+    async fn load_topic(&self, name: &TopicName, create: bool) -> Result<Arc<Topic>, BrokerError> {
+        let full = name.to_string();
+        let ml_name = name.managed_ledger_name();
+        let exists = self
+            .meta
+            .get(&managed_ledger_key(&ml_name))
+            .await?
+            .is_some();
+        if !exists {
+            if !(create && self.cfg.allow_auto_topic_creation) {
+                return Err(BrokerError::new(
+                    ServerError::TopicNotFound,
+                    format!("topic {full} does not exist"),
+                ));
+            }
+            let ns = name.namespace();
+            if self
+                .meta
+                .get(&format!("{NAMESPACES_PREFIX}{ns}"))
+                .await?
+                .is_none()
+            {
+                return Err(BrokerError::new(
+                    ServerError::TopicNotFound,
+                    format!("namespace {ns} does not exist (topic {full})"),
+                ));
+            }
+        }
+        let opts = ManagedLedgerOptions {
+            ensemble: self.cfg.ensemble as usize,
+            write_quorum: self.cfg.write_quorum as usize,
+            ack_quorum: self.cfg.ack_quorum as usize,
+            rollover_entries_max: self.cfg.ledger_rollover_entries_max,
+            tail_cache_bytes_max: self.cfg.tail_cache_bytes_max as usize,
+            ..ManagedLedgerOptions::default()
+        };
+        let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
+        tracing::info!(topic = %full, "topic loaded");
+        let last = ml.last_confirmed();
+        Ok(Arc::new(Topic {
+            name: name.clone(),
+            full_name: full,
+            ml,
+            client: self.client.clone(),
+            cfg: Arc::clone(&self.cfg),
+            producers: Mutex::default(),
+            subscriptions: tokio::sync::Mutex::default(),
+            appended: watch::channel(last).0,
+            counters: TopicCounters::default(),
+        }))
+    }
+
+    /// Topics loaded on this broker.
+    pub fn loaded_topics(&self) -> Vec<Arc<Topic>> {
+        self.topics
+            .lock()
+            .expect("topics lock")
+            .values()
+            .filter_map(|c| c.get().cloned())
+            .collect()
+    }
+
+    /// Topics of a namespace that exist in the metadata store (`tenant/namespace`).
+    pub async fn topics_of_namespace(&self, namespace: &str) -> Result<Vec<String>, BrokerError> {
+        let prefix = format!(
+            "{}{namespace}/persistent/",
+            meridian_storage::managed_ledger::MANAGED_LEDGERS_PREFIX
+        );
+        let mut out = Vec::new();
+        let mut after = String::new();
+        loop {
+            let page = self.meta.children(&prefix, &after, 0).await?;
+            for local in &page.children {
+                let local = local.replace("%2F", "/").replace("%25", "%");
+                out.push(format!("persistent://{namespace}/{local}"));
+            }
+            match page.children.last() {
+                Some(last) if page.more => after = last.clone(),
+                _ => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stops serving: refuses new topics, stops dispatchers, persists cursors, closes logs.
+    pub async fn close(&self) {
+        self.closing.store(true, Ordering::Relaxed);
+        for topic in self.loaded_topics() {
+            topic.close().await;
+        }
+    }
+
+    /// Publishes backlog and size gauges of every loaded topic every `interval`.
+    pub async fn stats_loop(self: Arc<Self>, interval: Duration) {
+        loop {
+            tokio::time::sleep(interval).await;
+            if self.is_closing() {
+                return;
+            }
+            for topic in self.loaded_topics() {
+                let (_, bytes) = topic.ml.size().await;
+                metrics::gauge!("meridian_topic_storage_bytes", "topic" => topic.full_name.clone())
+                    .set(bytes as f64);
+                for sub in topic.subscriptions().await {
+                    let backlog = sub.backlog().await;
+                    metrics::gauge!(
+                        "meridian_subscription_backlog_entries",
+                        "topic" => topic.full_name.clone(),
+                        "subscription" => sub.name().to_string()
+                    )
+                    .set(backlog.entries as f64);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,665 @@
+//! A subscription: a cursor on the topic's log, its consumers, and a dispatcher task that
+//! pushes entries to consumers holding permits.
+//!
+//! - Exclusive: one consumer; a second is refused with ConsumerBusy.
+//! - Failover: many consumers, one active (lowest priority level, then name); the others
+//!   are told with ACTIVE_CONSUMER_CHANGE and take over when it leaves.
+//! - Shared: entries go round-robin to consumers that hold permits.
+//!
+//! Entries handed to a consumer and not yet acknowledged are pending on it; they are
+//! dispatched again (redelivery count + 1) when it leaves or asks for redelivery. Permits
+//! count messages: a batch entry costs its number of messages.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use meridian_protocol::pb::{self, ServerError};
+use meridian_protocol::{cmd, encode_command, encode_message, Entry, ID_NONE};
+use meridian_storage::cursor::{Backlog, InitialPosition, ManagedCursor};
+use meridian_storage::ledger::LedgerClient;
+use meridian_storage::managed_ledger::Position;
+use tokio::sync::{mpsc, watch, Notify};
+
+use super::{BrokerError, Topic};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SubType {
+    Exclusive,
+    Shared,
+    Failover,
+    KeyShared,
+}
+
+impl SubType {
+    pub fn from_wire(v: i32) -> Option<SubType> {
+        use pb::command_subscribe::SubType as W;
+        match W::try_from(v).ok()? {
+            W::Exclusive => Some(SubType::Exclusive),
+            W::Shared => Some(SubType::Shared),
+            W::Failover => Some(SubType::Failover),
+            W::KeyShared => Some(SubType::KeyShared),
+        }
+    }
+}
+
+/// Where a reader starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StartAt {
+    Initial(InitialPosition),
+    /// Reading starts after this entry (a non-batch message id).
+    After(Position),
+    /// Reading starts at this entry (a message inside a batch: the client skips what it has).
+    At(Position),
+}
+
+/// What SUBSCRIBE asked for, already validated.
+#[derive(Debug, Clone)]
+pub struct SubscribeRequest {
+    pub subscription: String,
+    pub sub_type: SubType,
+    pub consumer_name: String,
+    pub priority: i32,
+    pub durable: bool,
+    pub start: StartAt,
+}
+
+/// Where a consumer's frames go: its connection's writer, with the client's consumer id.
+#[derive(Debug, Clone)]
+pub struct ConsumerSink {
+    pub connection_id: u64,
+    pub consumer_id: u64,
+    pub tx: mpsc::Sender<Bytes>,
+}
+
+type ConsumerKey = (u64, u64);
+
+struct Consumer {
+    sink: ConsumerSink,
+    name: String,
+    priority: i32,
+    permits: i64,
+}
+
+impl Consumer {
+    fn key(&self) -> ConsumerKey {
+        (self.sink.connection_id, self.sink.consumer_id)
+    }
+}
+
+struct State {
+    cursor: ManagedCursor,
+    /// In attach order; for Failover the active one is chosen by priority, then name.
+    consumers: Vec<Consumer>,
+    /// Dispatched, not acknowledged: which consumer holds each entry.
+    pending: BTreeMap<Position, ConsumerKey>,
+    /// To dispatch again before new entries, with their redelivery counts.
+    redeliver: BTreeMap<Position, u32>,
+    redelivery_counts: HashMap<Position, u32>,
+    /// Failover: the consumer told it is active.
+    active: Option<ConsumerKey>,
+    round_robin: usize,
+    deleted: bool,
+}
+
+pub struct Subscription {
+    name: String,
+    topic: Arc<Topic>,
+    sub_type: SubType,
+    durable: bool,
+    state: tokio::sync::Mutex<State>,
+    wake: Notify,
+    closed: AtomicBool,
+    stop: watch::Sender<bool>,
+}
+
+fn cursor_name(subscription: &str) -> String {
+    crate::topic_name::escape(subscription)
+}
+
+fn frame(cmd: &pb::BaseCommand) -> Bytes {
+    let mut b = BytesMut::new();
+    encode_command(&mut b, cmd);
+    b.freeze()
+}
+
+impl Subscription {
+    pub(super) async fn open(
+        topic: Arc<Topic>,
+        req: &SubscribeRequest,
+        client: LedgerClient,
+        appended: watch::Receiver<Option<Position>>,
+    ) -> Result<Arc<Subscription>, BrokerError> {
+        let ml = Arc::clone(&topic.ml);
+        let initial = match req.start {
+            StartAt::Initial(i) => i,
+            _ => InitialPosition::Latest,
+        };
+        let mut cursor = if req.durable {
+            ManagedCursor::open(client, ml, &cursor_name(&req.subscription), initial).await?
+        } else {
+            ManagedCursor::non_durable(ml, initial).await
+        };
+        if !req.durable {
+            match req.start {
+                StartAt::Initial(_) => {}
+                StartAt::After(p) => cursor.reset_after(p).await?,
+                StartAt::At(p) => cursor.reset_to_position(p).await?,
+            }
+        }
+        cursor.set_persist_interval(Duration::from_millis(topic.cfg.cursor_persist_interval_ms));
+        let (stop, stop_rx) = watch::channel(false);
+        let sub = Arc::new(Subscription {
+            name: req.subscription.clone(),
+            topic,
+            sub_type: req.sub_type,
+            durable: req.durable,
+            state: tokio::sync::Mutex::new(State {
+                cursor,
+                consumers: Vec::new(),
+                pending: BTreeMap::new(),
+                redeliver: BTreeMap::new(),
+                redelivery_counts: HashMap::new(),
+                active: None,
+                round_robin: 0,
+                deleted: false,
+            }),
+            wake: Notify::new(),
+            closed: AtomicBool::new(false),
+            stop,
+        });
+        tokio::spawn(Arc::clone(&sub).dispatch_loop(appended, stop_rx));
+        Ok(sub)
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn sub_type(&self) -> SubType {
+        self.sub_type
+    }
+
+    pub fn is_durable(&self) -> bool {
+        self.durable
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Relaxed)
+    }
+
+    pub(super) async fn add_consumer(
+        &self,
+        req: &SubscribeRequest,
+        sink: ConsumerSink,
+    ) -> Result<(), BrokerError> {
+        let mut st = self.state.lock().await;
+        if st.deleted {
+            return Err(BrokerError::new(
+                ServerError::SubscriptionNotFound,
+                format!("subscription {} was deleted", self.name),
+            ));
+        }
+        if req.sub_type != self.sub_type && !st.consumers.is_empty() {
+            return Err(BrokerError::new(
+                ServerError::ConsumerBusy,
+                format!(
+                    "subscription {} is {:?}; refused a {:?} consumer",
+                    self.name, self.sub_type, req.sub_type
+                ),
+            ));
+        }
+        if self.sub_type == SubType::Exclusive && !st.consumers.is_empty() {
+            return Err(BrokerError::new(
+                ServerError::ConsumerBusy,
+                format!(
+                    "exclusive subscription {} already has a consumer",
+                    self.name
+                ),
+            ));
+        }
+        if self.sub_type == SubType::KeyShared {
+            // Key_Shared dispatch arrives with the messaging-semantics issue; until then it
+            // is refused rather than silently treated as Shared.
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                "Key_Shared subscriptions are not supported yet",
+            ));
+        }
+        st.consumers.push(Consumer {
+            sink,
+            name: req.consumer_name.clone(),
+            priority: req.priority,
+            permits: 0,
+        });
+        if self.sub_type == SubType::Failover {
+            self.choose_active(&mut st).await;
+        }
+        Ok(())
+    }
+
+    /// Failover: the active consumer is the lowest priority level, then the lowest name.
+    /// When it changes, everyone is told, and what the previous one held is redelivered.
+    async fn choose_active(&self, st: &mut State) {
+        let best = st
+            .consumers
+            .iter()
+            .min_by(|a, b| (a.priority, &a.name, a.key()).cmp(&(b.priority, &b.name, b.key())))
+            .map(Consumer::key);
+        if best == st.active {
+            // A newcomer that is not active still needs to know it.
+            if let Some(c) = st.consumers.last() {
+                if Some(c.key()) != best {
+                    let _ = c.sink.tx.try_send(frame(&cmd::active_consumer_change(
+                        c.sink.consumer_id,
+                        false,
+                    )));
+                }
+            }
+            return;
+        }
+        if let Some(prev) = st.active {
+            let held: Vec<Position> = st
+                .pending
+                .iter()
+                .filter(|(_, k)| **k == prev)
+                .map(|(p, _)| *p)
+                .collect();
+            for p in held {
+                st.pending.remove(&p);
+                st.redeliver
+                    .insert(p, st.redelivery_counts.get(&p).copied().unwrap_or(0));
+            }
+        }
+        st.active = best;
+        for c in &st.consumers {
+            let _ = c.sink.tx.try_send(frame(&cmd::active_consumer_change(
+                c.sink.consumer_id,
+                Some(c.key()) == best,
+            )));
+        }
+        self.wake.notify_one();
+    }
+
+    /// Removes a consumer; what it held is dispatched again to the others. Returns how many
+    /// consumers remain.
+    pub async fn remove_consumer(&self, connection_id: u64, consumer_id: u64) -> usize {
+        let key = (connection_id, consumer_id);
+        let mut st = self.state.lock().await;
+        st.consumers.retain(|c| c.key() != key);
+        let held: Vec<Position> = st
+            .pending
+            .iter()
+            .filter(|(_, k)| **k == key)
+            .map(|(p, _)| *p)
+            .collect();
+        for p in held {
+            st.pending.remove(&p);
+            let n = st.redelivery_counts.entry(p).or_insert(0);
+            *n += 1;
+            let n = *n;
+            st.redeliver.insert(p, n);
+        }
+        if self.sub_type == SubType::Failover {
+            if st.active == Some(key) {
+                st.active = None;
+            }
+            self.choose_active(&mut st).await;
+        }
+        if st.consumers.is_empty() {
+            if let Err(e) = st.cursor.flush().await {
+                tracing::warn!(subscription = %self.name, error = %e, "persisting the cursor failed");
+            }
+        }
+        self.wake.notify_one();
+        st.consumers.len()
+    }
+
+    pub async fn flow(&self, connection_id: u64, consumer_id: u64, permits: u32) {
+        let mut st = self.state.lock().await;
+        if let Some(c) = st
+            .consumers
+            .iter_mut()
+            .find(|c| c.key() == (connection_id, consumer_id))
+        {
+            c.permits = c.permits.saturating_add(i64::from(permits));
+        }
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// Acknowledges message ids. A batch entry is acknowledged whole unless `ack_set` says some
+    /// of its messages are still unacknowledged (batch-index acks come with a later issue:
+    /// such partial acks are kept in the client until the batch is complete).
+    pub async fn ack(
+        &self,
+        cumulative: bool,
+        ids: &[pb::MessageIdData],
+    ) -> Result<(), BrokerError> {
+        let mut st = self.state.lock().await;
+        for id in ids {
+            if id.ack_set.iter().any(|w| *w != 0) {
+                continue;
+            }
+            let mut pos = Position::new(id.ledger_id, id.entry_id);
+            if cumulative {
+                if id.entry_id == ID_NONE {
+                    // "Nothing of this ledger yet": everything before its first entry.
+                    let ml = &self.topic.ml;
+                    let Some(i) = ml.index_of(Position::new(id.ledger_id, 0)).await else {
+                        continue;
+                    };
+                    let Some(prev) = (match i.checked_sub(1) {
+                        Some(j) => ml.position_at(j).await,
+                        None => None,
+                    }) else {
+                        continue;
+                    };
+                    pos = prev;
+                }
+                st.cursor.ack_cumulative(pos).await?;
+                let done: Vec<Position> = st.pending.range(..=pos).map(|(p, _)| *p).collect();
+                for p in done {
+                    st.pending.remove(&p);
+                    st.redelivery_counts.remove(&p);
+                }
+                let stale: Vec<Position> = st.redeliver.range(..=pos).map(|(p, _)| *p).collect();
+                for p in stale {
+                    st.redeliver.remove(&p);
+                }
+            } else {
+                st.cursor.ack(pos).await?;
+                st.pending.remove(&pos);
+                st.redeliver.remove(&pos);
+                st.redelivery_counts.remove(&pos);
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts a consumer's unacknowledged entries (all of them, or those listed) back for
+    /// dispatch, counting a redelivery for each.
+    pub async fn redeliver(&self, connection_id: u64, consumer_id: u64, ids: &[pb::MessageIdData]) {
+        let key = (connection_id, consumer_id);
+        let mut st = self.state.lock().await;
+        let chosen: Vec<Position> = if ids.is_empty() {
+            st.pending
+                .iter()
+                .filter(|(_, k)| **k == key)
+                .map(|(p, _)| *p)
+                .collect()
+        } else {
+            ids.iter()
+                .map(|i| Position::new(i.ledger_id, i.entry_id))
+                .filter(|p| st.pending.get(p) == Some(&key))
+                .collect()
+        };
+        for p in chosen {
+            st.pending.remove(&p);
+            let n = st.redelivery_counts.entry(p).or_insert(0);
+            *n += 1;
+            let n = *n;
+            st.redeliver.insert(p, n);
+        }
+        drop(st);
+        self.wake.notify_one();
+    }
+
+    /// Moves the cursor (SEEK) and forgets what was in flight; the caller then closes the
+    /// consumers, which re-subscribe and read from the new position.
+    pub async fn seek(&self, to: SeekTo) -> Result<Vec<ConsumerSink>, BrokerError> {
+        let mut st = self.state.lock().await;
+        match to {
+            SeekTo::Initial(i) => st.cursor.reset(i).await?,
+            SeekTo::Position(p) => st.cursor.reset_to_position(p).await?,
+            SeekTo::PublishTime(t) => {
+                st.cursor
+                    .reset_to_time(t, |b| {
+                        Entry::parse(b.clone())
+                            .ok()
+                            .and_then(|e| e.metadata().ok())
+                            .map_or(0, |m| m.publish_time)
+                    })
+                    .await?
+            }
+        }
+        st.cursor.flush().await?;
+        st.pending.clear();
+        st.redeliver.clear();
+        st.redelivery_counts.clear();
+        Ok(st.consumers.iter().map(|c| c.sink.clone()).collect())
+    }
+
+    /// UNSUBSCRIBE: deletes the subscription if `by` is its only consumer.
+    pub async fn unsubscribe(
+        self: &Arc<Self>,
+        connection_id: u64,
+        consumer_id: u64,
+    ) -> Result<(), BrokerError> {
+        let mut st = self.state.lock().await;
+        if st
+            .consumers
+            .iter()
+            .any(|c| c.key() != (connection_id, consumer_id))
+        {
+            return Err(BrokerError::new(
+                ServerError::ConsumerBusy,
+                format!("subscription {} has other consumers", self.name),
+            ));
+        }
+        st.cursor.delete().await?;
+        st.deleted = true;
+        st.consumers.clear();
+        drop(st);
+        self.closed.store(true, Ordering::Relaxed);
+        let _ = self.stop.send(true);
+        self.topic.drop_subscription(&self.name, self).await;
+        Ok(())
+    }
+
+    pub async fn mark_delete(&self) -> Option<Position> {
+        self.state.lock().await.cursor.mark_delete()
+    }
+
+    pub async fn backlog(&self) -> Backlog {
+        self.state.lock().await.cursor.backlog().await
+    }
+
+    pub async fn consumer_count(&self) -> usize {
+        self.state.lock().await.consumers.len()
+    }
+
+    /// Stops the dispatcher and persists the cursor.
+    pub async fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+        let _ = self.stop.send(true);
+        let mut st = self.state.lock().await;
+        if let Err(e) = st.cursor.flush().await {
+            tracing::warn!(subscription = %self.name, error = %e, "persisting the cursor failed");
+        }
+    }
+
+    async fn dispatch_loop(
+        self: Arc<Self>,
+        mut appended: watch::Receiver<Option<Position>>,
+        mut stop: watch::Receiver<bool>,
+    ) {
+        let flush_every = Duration::from_millis(self.topic.cfg.cursor_persist_interval_ms.max(100));
+        loop {
+            if *stop.borrow() {
+                return;
+            }
+            let progressed = match self.dispatch_once().await {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!(topic = %self.topic.full_name(), subscription = %self.name, error = %e, "dispatch failed; retrying");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    false
+                }
+            };
+            if progressed {
+                tokio::task::yield_now().await;
+                continue;
+            }
+            tokio::select! {
+                _ = self.wake.notified() => {}
+                r = appended.changed() => if r.is_err() { return },
+                _ = stop.changed() => return,
+                _ = tokio::time::sleep(flush_every) => {
+                    let mut st = self.state.lock().await;
+                    if let Err(e) = st.cursor.flush().await {
+                        tracing::warn!(subscription = %self.name, error = %e, "persisting the cursor failed");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends what the consumers have permits for. Returns whether anything was sent.
+    async fn dispatch_once(&self) -> Result<bool, BrokerError> {
+        let batch_max = self.topic.cfg.dispatch_batch_entries_max as usize;
+        let mut st = self.state.lock().await;
+        if st.deleted {
+            return Ok(false);
+        }
+        let permits: i64 = match self.sub_type {
+            SubType::Exclusive => st.consumers.first().map_or(0, |c| c.permits),
+            SubType::Failover => st
+                .active
+                .and_then(|a| st.consumers.iter().find(|c| c.key() == a))
+                .map_or(0, |c| c.permits),
+            _ => st.consumers.iter().map(|c| c.permits.max(0)).sum(),
+        };
+        if permits <= 0 {
+            return Ok(false);
+        }
+        let budget = (permits as usize).min(batch_max);
+        let mut entries: Vec<(Position, Bytes, u32)> = Vec::new();
+        while entries.len() < budget {
+            let Some((p, n)) = st.redeliver.pop_first() else {
+                break;
+            };
+            if st.cursor.is_acknowledged(p) {
+                continue;
+            }
+            match self.topic.ml.read(p).await {
+                Ok(b) => entries.push((p, b, n)),
+                Err(e) => {
+                    tracing::warn!(subscription = %self.name, position = %p, error = %e, "redelivery read failed; dropped")
+                }
+            }
+        }
+        if entries.len() < budget {
+            let fresh = st
+                .cursor
+                .read_entries(budget - entries.len())
+                .await
+                .map_err(BrokerError::from)?;
+            for (p, b) in fresh {
+                if st.pending.contains_key(&p) {
+                    continue;
+                }
+                let n = st.redelivery_counts.get(&p).copied().unwrap_or(0);
+                entries.push((p, b, n));
+            }
+        }
+        if entries.is_empty() {
+            return Ok(false);
+        }
+        let mut sent = false;
+        let mut out_msgs = 0u64;
+        let mut out_bytes = 0u64;
+        for (pos, bytes, redeliveries) in entries {
+            let entry = match Entry::parse(bytes) {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::error!(topic = %self.topic.full_name(), position = %pos, error = %e, "unreadable entry skipped");
+                    st.cursor.ack(pos).await?;
+                    continue;
+                }
+            };
+            let meta = entry.metadata().ok();
+            if meta.as_ref().is_some_and(|m| m.marker_type.is_some()) {
+                // Broker-internal markers are never dispatched; they count as acknowledged.
+                st.cursor.ack(pos).await?;
+                continue;
+            }
+            let messages = meta
+                .as_ref()
+                .map_or(1, meridian_protocol::entry::message_count);
+            let Some(idx) = self.pick(&mut st) else {
+                st.redeliver.insert(pos, redeliveries);
+                continue;
+            };
+            let mut b = BytesMut::new();
+            let c = &mut st.consumers[idx];
+            encode_message(
+                &mut b,
+                &cmd::message(
+                    c.sink.consumer_id,
+                    pos.ledger_id,
+                    pos.entry_id,
+                    redeliveries,
+                ),
+                entry.as_bytes(),
+            );
+            let len = entry.as_bytes().len() as u64;
+            if c.sink.tx.send(b.freeze()).await.is_err() {
+                // The connection is gone; its close will remove the consumer.
+                st.redeliver.insert(pos, redeliveries);
+                continue;
+            }
+            c.permits -= i64::from(messages);
+            let key = c.key();
+            st.pending.insert(pos, key);
+            sent = true;
+            out_msgs += u64::from(messages);
+            out_bytes += len;
+        }
+        self.topic
+            .counters
+            .msgs_out
+            .fetch_add(out_msgs, Ordering::Relaxed);
+        self.topic
+            .counters
+            .bytes_out
+            .fetch_add(out_bytes, Ordering::Relaxed);
+        metrics::counter!("meridian_dispatch_messages_total").increment(out_msgs);
+        metrics::counter!("meridian_dispatch_bytes_total").increment(out_bytes);
+        Ok(sent)
+    }
+
+    /// The consumer the next entry goes to, if any may take it.
+    fn pick(&self, st: &mut State) -> Option<usize> {
+        match self.sub_type {
+            SubType::Exclusive => st.consumers.first().filter(|c| c.permits > 0).map(|_| 0),
+            SubType::Failover => {
+                let a = st.active?;
+                st.consumers
+                    .iter()
+                    .position(|c| c.key() == a && c.permits > 0)
+            }
+            _ => {
+                let n = st.consumers.len();
+                for i in 0..n {
+                    let idx = (st.round_robin + i) % n;
+                    if st.consumers[idx].permits > 0 {
+                        st.round_robin = idx + 1;
+                        return Some(idx);
+                    }
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Where SEEK moves a subscription.
+#[derive(Debug, Clone, Copy)]
+pub enum SeekTo {
+    Initial(InitialPosition),
+    Position(Position),
+    PublishTime(u64),
+}

@@ -1,0 +1,762 @@
+//! One client connection: decodes frames, answers commands, and writes frames back through a
+//! writer task.
+//!
+//! ```text
+//!  socket ─► read loop ─ decode_frame ─► handle(command) ─► Broker / Topic / Subscription
+//!                │                              │
+//!                │ SEND: append_queued ─► producer's receipt task (awaits durability in SEND order)
+//!                ▼                              ▼
+//!            keep-alive            mpsc<Bytes> ─► writer task ─► socket
+//! ```
+//!
+//! Any malformed, oversize or out-of-order frame closes this connection only, with the reason
+//! logged. A producer's SEND queue is bounded: when it is full the read loop waits, which is
+//! the backpressure a client sees.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use meridian_protocol::pb::{self, base_command::Type, ServerError};
+use meridian_protocol::{
+    cmd, decode_frame, encode_command, Entry, Frame, ID_NONE, PROTOCOL_VERSION_MAX,
+};
+use meridian_storage::cursor::InitialPosition;
+use meridian_storage::managed_ledger::{PendingAppend, Position};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::broker::subscription::{SeekTo, StartAt};
+use crate::broker::{
+    Broker, BrokerError, ConsumerSink, SubType, SubscribeRequest, Subscription, Topic,
+};
+
+const WRITE_QUEUE_FRAMES: usize = 8192;
+const SERVER_VERSION: &str = concat!("Meridian-", env!("CARGO_PKG_VERSION"));
+
+/// Why a connection is being closed (logged).
+#[derive(Debug)]
+struct Close(String);
+
+fn frame(c: &pb::BaseCommand) -> Bytes {
+    let mut b = BytesMut::new();
+    encode_command(&mut b, c);
+    b.freeze()
+}
+
+struct PendingSend {
+    sequence_id: u64,
+    highest_sequence_id: Option<u64>,
+    messages: u64,
+    bytes: u64,
+    received: Instant,
+    append: Result<PendingAppend, BrokerError>,
+}
+
+struct ProducerEntry {
+    topic: Arc<Topic>,
+    name: String,
+    queue: mpsc::Sender<PendingSend>,
+    receipts: JoinHandle<()>,
+}
+
+struct ConsumerEntry {
+    topic: Arc<Topic>,
+    sub: Arc<Subscription>,
+}
+
+struct Conn {
+    broker: Arc<Broker>,
+    id: u64,
+    peer: SocketAddr,
+    tx: mpsc::Sender<Bytes>,
+    connected: bool,
+    client_version: String,
+    producers: HashMap<u64, ProducerEntry>,
+    consumers: HashMap<u64, ConsumerEntry>,
+}
+
+/// Serves one accepted connection until the client leaves, a frame is bad, or `stop`.
+pub async fn serve(
+    broker: Arc<Broker>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    mut stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let (mut rd, wr) = stream.into_split();
+    let (tx, rx) = mpsc::channel::<Bytes>(WRITE_QUEUE_FRAMES);
+    let writer = tokio::spawn(write_loop(wr, rx));
+    broker.connection_opened();
+    let mut conn = Conn {
+        broker: Arc::clone(&broker),
+        id,
+        peer,
+        tx,
+        connected: false,
+        client_version: String::new(),
+        producers: HashMap::new(),
+        consumers: HashMap::new(),
+    };
+    let max_frame = broker.cfg.frame_bytes_max();
+    let keepalive = Duration::from_millis(broker.cfg.keepalive_interval_ms);
+    let mut buf = BytesMut::with_capacity(64 * 1024);
+    let mut last_read = Instant::now();
+    let mut ping_sent = false;
+    let mut tick = tokio::time::interval(keepalive / 2);
+    tick.tick().await;
+    let reason: String = 'conn: loop {
+        tokio::select! {
+            r = rd.read_buf(&mut buf) => {
+                match r {
+                    Ok(0) => break 'conn "closed by the client".into(),
+                    Ok(_) => {}
+                    Err(e) => break 'conn format!("read error: {e}"),
+                }
+                last_read = Instant::now();
+                ping_sent = false;
+                loop {
+                    match decode_frame(&mut buf, max_frame) {
+                        Ok(Some(f)) => {
+                            if let Err(Close(why)) = conn.handle(f).await {
+                                break 'conn why;
+                            }
+                        }
+                        Ok(None) => break,
+                        Err(e) => break 'conn e.to_string(),
+                    }
+                }
+                if buf.capacity() - buf.len() < 4096 {
+                    buf.reserve(64 * 1024);
+                }
+            }
+            _ = tick.tick() => {
+                let idle = last_read.elapsed();
+                if idle >= keepalive && ping_sent {
+                    break 'conn format!("no bytes from the client for {} ms", idle.as_millis());
+                }
+                if idle >= keepalive / 2 && !ping_sent && conn.connected {
+                    ping_sent = conn.tx.send(frame(&cmd::ping())).await.is_ok();
+                }
+            }
+            _ = stop.changed() => break 'conn "the broker is shutting down".into(),
+        }
+    };
+    tracing::debug!(connection = id, peer = %peer, reason = %reason, "connection closing");
+    if !reason.starts_with("closed by") && !reason.starts_with("the broker") {
+        tracing::warn!(connection = id, peer = %peer, client = %conn.client_version, reason = %reason, "closing the connection");
+    }
+    conn.cleanup().await;
+    drop(conn);
+    // The writer ends once every sender is gone (consumers' sinks were dropped above).
+    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    broker.connection_closed();
+}
+
+async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
+    let mut out = Vec::with_capacity(256 * 1024);
+    while let Some(b) = rx.recv().await {
+        out.extend_from_slice(&b);
+        while out.len() < 1 << 20 {
+            match rx.try_recv() {
+                Ok(b) => out.extend_from_slice(&b),
+                Err(_) => break,
+            }
+        }
+        if wr.write_all(&out).await.is_err() {
+            return;
+        }
+        out.clear();
+    }
+    let _ = wr.shutdown().await;
+}
+
+/// Awaits each send's durability in SEND order and answers it.
+async fn receipt_loop(
+    producer_id: u64,
+    topic: Arc<Topic>,
+    mut rx: mpsc::Receiver<PendingSend>,
+    tx: mpsc::Sender<Bytes>,
+) {
+    while let Some(ps) = rx.recv().await {
+        let submitted = Instant::now();
+        let outcome = match ps.append {
+            Ok(pa) => pa.wait().await.map_err(BrokerError::from),
+            Err(e) => Err(e),
+        };
+        let reply = match outcome {
+            Ok(pos) => {
+                topic.on_appended(pos, ps.messages, ps.bytes);
+                metrics::counter!("meridian_publish_messages_total").increment(ps.messages);
+                metrics::counter!("meridian_publish_bytes_total").increment(ps.bytes);
+                metrics::histogram!("meridian_publish_latency_seconds")
+                    .record(ps.received.elapsed().as_secs_f64());
+                metrics::histogram!("meridian_storage_write_latency_seconds")
+                    .record(submitted.elapsed().as_secs_f64());
+                let mut c =
+                    cmd::send_receipt(producer_id, ps.sequence_id, pos.ledger_id, pos.entry_id);
+                if let Some(r) = c.send_receipt.as_mut() {
+                    r.highest_sequence_id = ps.highest_sequence_id;
+                }
+                c
+            }
+            Err(e) => {
+                metrics::counter!("meridian_publish_errors_total").increment(1);
+                cmd::send_error(producer_id, ps.sequence_id, e.code, e.message)
+            }
+        };
+        if tx.send(frame(&reply)).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn missing(what: &str) -> Close {
+    Close(format!("{what} frame without its command body"))
+}
+
+impl Conn {
+    async fn reply(&self, c: pb::BaseCommand) -> Result<(), Close> {
+        self.tx
+            .send(frame(&c))
+            .await
+            .map_err(|_| Close("writer gone".into()))
+    }
+
+    async fn handle(&mut self, f: Frame) -> Result<(), Close> {
+        let c = f.command;
+        let t = Type::try_from(c.r#type)
+            .map_err(|_| Close(format!("unknown command type {}", c.r#type)))?;
+        if !self.connected && t != Type::Connect {
+            return Err(Close(format!("{t:?} before CONNECT")));
+        }
+        match t {
+            Type::Connect => {
+                let connect = c.connect.ok_or_else(|| missing("CONNECT"))?;
+                if self.connected {
+                    return Err(Close("a second CONNECT".into()));
+                }
+                self.connected = true;
+                self.client_version = connect.client_version.clone();
+                let version = connect
+                    .protocol_version
+                    .unwrap_or(0)
+                    .clamp(0, PROTOCOL_VERSION_MAX);
+                tracing::debug!(connection = self.id, peer = %self.peer, client = %connect.client_version, version, "connected");
+                self.reply(cmd::connected(
+                    SERVER_VERSION,
+                    version,
+                    self.broker.cfg.message_bytes_max as i32,
+                ))
+                .await
+            }
+            Type::Ping => self.reply(cmd::pong()).await,
+            Type::Pong => Ok(()),
+            Type::PartitionedMetadata => {
+                let m = c
+                    .partition_metadata
+                    .ok_or_else(|| missing("PARTITIONED_METADATA"))?;
+                let r = match self.broker.check_topic(&m.topic) {
+                    Ok(_) => cmd::partitioned_metadata(m.request_id, 0),
+                    Err(e) => cmd::partitioned_metadata_error(m.request_id, e.code, e.message),
+                };
+                self.reply(r).await
+            }
+            Type::Lookup => {
+                let l = c.lookup_topic.ok_or_else(|| missing("LOOKUP"))?;
+                let r = match self.broker.check_topic(&l.topic) {
+                    Ok(_) => cmd::lookup_connect(l.request_id, &self.broker.service_url, None),
+                    Err(e) => cmd::lookup_error(l.request_id, e.code, e.message),
+                };
+                self.reply(r).await
+            }
+            Type::Producer => {
+                let p = c.producer.ok_or_else(|| missing("PRODUCER"))?;
+                let request_id = p.request_id;
+                let r = match self.create_producer(p).await {
+                    Ok(name) => cmd::producer_success(request_id, &name, -1),
+                    Err(e) => cmd::error(request_id, e.code, e.message),
+                };
+                self.reply(r).await
+            }
+            Type::Send => {
+                let s = c.send.ok_or_else(|| missing("SEND"))?;
+                let payload = f
+                    .payload
+                    .ok_or_else(|| Close("SEND without a message".into()))?;
+                self.send(s, payload).await
+            }
+            Type::CloseProducer => {
+                let p = c.close_producer.ok_or_else(|| missing("CLOSE_PRODUCER"))?;
+                if let Some(e) = self.producers.remove(&p.producer_id) {
+                    close_producer(e).await;
+                }
+                self.reply(cmd::success(p.request_id)).await
+            }
+            Type::Subscribe => {
+                let s = c.subscribe.ok_or_else(|| missing("SUBSCRIBE"))?;
+                let request_id = s.request_id;
+                let r = match self.subscribe(s).await {
+                    Ok(()) => cmd::success(request_id),
+                    Err(e) => cmd::error(request_id, e.code, e.message),
+                };
+                self.reply(r).await
+            }
+            Type::Flow => {
+                let fl = c.flow.ok_or_else(|| missing("FLOW"))?;
+                if let Some(e) = self.consumers.get(&fl.consumer_id) {
+                    e.sub
+                        .flow(self.id, fl.consumer_id, fl.message_permits)
+                        .await;
+                }
+                Ok(())
+            }
+            Type::Ack => {
+                let a = c.ack.ok_or_else(|| missing("ACK"))?;
+                let cumulative = a.ack_type == pb::command_ack::AckType::Cumulative as i32;
+                let result = match self.consumers.get(&a.consumer_id) {
+                    Some(e) => e.sub.ack(cumulative, &a.message_id).await,
+                    None => Err(BrokerError::new(
+                        ServerError::ConsumerNotFound,
+                        format!("no consumer {}", a.consumer_id),
+                    )),
+                };
+                if let Err(e) = &result {
+                    tracing::warn!(connection = self.id, consumer = a.consumer_id, error = %e, "ack failed");
+                }
+                if let Some(request_id) = a.request_id {
+                    let mut r = cmd::ack_response(a.consumer_id, request_id);
+                    if let (Err(e), Some(ar)) = (result, r.ack_response.as_mut()) {
+                        ar.error = Some(e.code as i32);
+                        ar.message = Some(e.message);
+                    }
+                    self.reply(r).await?;
+                }
+                Ok(())
+            }
+            Type::RedeliverUnacknowledgedMessages => {
+                let r = c
+                    .redeliver_unacknowledged_messages
+                    .ok_or_else(|| missing("REDELIVER_UNACKNOWLEDGED_MESSAGES"))?;
+                if let Some(e) = self.consumers.get(&r.consumer_id) {
+                    e.sub
+                        .redeliver(self.id, r.consumer_id, &r.message_ids)
+                        .await;
+                }
+                Ok(())
+            }
+            Type::CloseConsumer => {
+                let cc = c.close_consumer.ok_or_else(|| missing("CLOSE_CONSUMER"))?;
+                self.remove_consumer(cc.consumer_id).await;
+                self.reply(cmd::success(cc.request_id)).await
+            }
+            Type::Unsubscribe => {
+                let u = c.unsubscribe.ok_or_else(|| missing("UNSUBSCRIBE"))?;
+                let r = match self.consumers.get(&u.consumer_id) {
+                    None => cmd::error(
+                        u.request_id,
+                        ServerError::ConsumerNotFound,
+                        format!("no consumer {}", u.consumer_id),
+                    ),
+                    Some(e) => match e.sub.unsubscribe(self.id, u.consumer_id).await {
+                        Ok(()) => {
+                            self.consumers.remove(&u.consumer_id);
+                            cmd::success(u.request_id)
+                        }
+                        Err(e) => cmd::error(u.request_id, e.code, e.message),
+                    },
+                };
+                self.reply(r).await
+            }
+            Type::Seek => {
+                let s = c.seek.ok_or_else(|| missing("SEEK"))?;
+                self.seek(s).await
+            }
+            Type::GetLastMessageId => {
+                let g = c
+                    .get_last_message_id
+                    .ok_or_else(|| missing("GET_LAST_MESSAGE_ID"))?;
+                let Some(e) = self.consumers.get(&g.consumer_id) else {
+                    return self
+                        .reply(cmd::error(
+                            g.request_id,
+                            ServerError::ConsumerNotFound,
+                            format!("no consumer {}", g.consumer_id),
+                        ))
+                        .await;
+                };
+                let last = match e.topic.last_message_id().await {
+                    Some((p, batch_index)) => pb::MessageIdData {
+                        batch_index: Some(batch_index),
+                        ..cmd::message_id(p.ledger_id, p.entry_id)
+                    },
+                    None => cmd::message_id(ID_NONE, ID_NONE),
+                };
+                let md = e
+                    .sub
+                    .mark_delete()
+                    .await
+                    .map(|p| cmd::message_id(p.ledger_id, p.entry_id));
+                self.reply(cmd::last_message_id(g.request_id, last, md))
+                    .await
+            }
+            Type::GetTopicsOfNamespace => {
+                let g = c
+                    .get_topics_of_namespace
+                    .ok_or_else(|| missing("GET_TOPICS_OF_NAMESPACE"))?;
+                let r = match self.broker.topics_of_namespace(&g.namespace).await {
+                    Ok(t) => cmd::topics_of_namespace(g.request_id, t),
+                    Err(e) => cmd::error(g.request_id, e.code, e.message),
+                };
+                self.reply(r).await
+            }
+            Type::GetSchema => {
+                let g = c.get_schema.ok_or_else(|| missing("GET_SCHEMA"))?;
+                // No schema registry yet: "no schema" is TopicNotFound to the clients.
+                self.reply(cmd::get_schema_error(
+                    g.request_id,
+                    ServerError::TopicNotFound,
+                    "no schema",
+                ))
+                .await
+            }
+            Type::GetOrCreateSchema => {
+                let g = c
+                    .get_or_create_schema
+                    .ok_or_else(|| missing("GET_OR_CREATE_SCHEMA"))?;
+                self.reply(cmd::get_or_create_schema_error(
+                    g.request_id,
+                    ServerError::NotAllowedError,
+                    "schemas are not supported yet",
+                ))
+                .await
+            }
+            Type::ConsumerStats => {
+                let s = c.consumer_stats.ok_or_else(|| missing("CONSUMER_STATS"))?;
+                self.reply(cmd::consumer_stats_error(
+                    s.request_id,
+                    ServerError::NotAllowedError,
+                    "consumer stats are not supported yet",
+                ))
+                .await
+            }
+            Type::AuthResponse => Ok(()),
+            Type::NewTxn
+            | Type::AddPartitionToTxn
+            | Type::AddSubscriptionToTxn
+            | Type::EndTxn
+            | Type::EndTxnOnPartition
+            | Type::EndTxnOnSubscription
+            | Type::TcClientConnectRequest => {
+                let r = [
+                    c.new_txn,
+                    c.add_partition_to_txn,
+                    c.add_subscription_to_txn,
+                    c.end_txn,
+                    c.end_txn_on_partition,
+                    c.end_txn_on_subscription,
+                    c.tc_client_connect_request,
+                ]
+                .into_iter()
+                .flatten()
+                .next()
+                .ok_or_else(|| missing("transaction"))?;
+                self.reply(cmd::error(
+                    r.request_id,
+                    ServerError::NotAllowedError,
+                    "transactions are not supported",
+                ))
+                .await
+            }
+            other => Err(Close(format!("unexpected command {other:?} from a client"))),
+        }
+    }
+
+    fn handles(&self) -> usize {
+        self.producers.len() + self.consumers.len()
+    }
+
+    fn check_handles(&self) -> Result<(), BrokerError> {
+        if self.handles() as u64 >= self.broker.cfg.connection_handles_max {
+            return Err(BrokerError::new(
+                ServerError::TooManyRequests,
+                format!(
+                    "this connection already has {} producers and consumers (broker.connection_handles_max)",
+                    self.handles()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    async fn create_producer(&mut self, p: pb::CommandProducer) -> Result<String, BrokerError> {
+        if let Some(existing) = self.producers.get(&p.producer_id) {
+            // A retried create of a producer that already exists on this connection.
+            if existing.topic.full_name() == self.broker.check_topic(&p.topic)?.to_string() {
+                return Ok(existing.name.clone());
+            }
+            return Err(BrokerError::new(
+                ServerError::ProducerBusy,
+                format!("producer id {} is in use on this connection", p.producer_id),
+            ));
+        }
+        self.check_handles()?;
+        if p.producer_access_mode.unwrap_or(0) != 0 {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                "only the Shared producer access mode is supported yet",
+            ));
+        }
+        let name = self.broker.check_topic(&p.topic)?;
+        let topic = self.broker.topic(&name, true).await?;
+        let broker = Arc::clone(&self.broker);
+        let producer_name = topic
+            .add_producer(p.producer_name.as_deref().filter(|n| !n.is_empty()), || {
+                broker.generate_producer_name()
+            })?;
+        let (queue, rx) = mpsc::channel(self.broker.cfg.producer_pending_sends_max as usize);
+        let receipts = tokio::spawn(receipt_loop(
+            p.producer_id,
+            Arc::clone(&topic),
+            rx,
+            self.tx.clone(),
+        ));
+        tracing::debug!(connection = self.id, topic = %topic.full_name(), producer = %producer_name, "producer created");
+        self.producers.insert(
+            p.producer_id,
+            ProducerEntry {
+                topic,
+                name: producer_name.clone(),
+                queue,
+                receipts,
+            },
+        );
+        Ok(producer_name)
+    }
+
+    async fn send(
+        &mut self,
+        s: pb::CommandSend,
+        payload: meridian_protocol::Payload,
+    ) -> Result<(), Close> {
+        let Some(p) = self.producers.get(&s.producer_id) else {
+            return self
+                .reply(cmd::send_error(
+                    s.producer_id,
+                    s.sequence_id,
+                    ServerError::NotAllowedError,
+                    "no such producer on this connection",
+                ))
+                .await;
+        };
+        let received = Instant::now();
+        let messages = u64::try_from(s.num_messages.unwrap_or(1).max(1)).unwrap_or(1);
+        let bytes = payload.body.len() as u64;
+        let append = if !payload.checksum_ok() {
+            Err(BrokerError::new(
+                ServerError::ChecksumError,
+                "message checksum mismatch",
+            ))
+        } else if payload.body.len() as u64 > self.broker.cfg.message_bytes_max + 4096 {
+            Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                "message larger than broker.message_bytes_max",
+            ))
+        } else {
+            let entry = Entry::from_payload(&payload);
+            p.topic
+                .ml
+                .append_queued(entry.into_bytes())
+                .await
+                .map_err(BrokerError::from)
+        };
+        let ps = PendingSend {
+            sequence_id: s.sequence_id,
+            highest_sequence_id: s.highest_sequence_id,
+            messages,
+            bytes,
+            received,
+            append,
+        };
+        // Bounded: a full queue holds the read loop (backpressure to this client).
+        if p.queue.send(ps).await.is_err() {
+            return Err(Close("producer receipt task ended".into()));
+        }
+        Ok(())
+    }
+
+    async fn subscribe(&mut self, s: pb::CommandSubscribe) -> Result<(), BrokerError> {
+        let name = self.broker.check_topic(&s.topic)?;
+        if s.subscription.is_empty() {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                "empty subscription name",
+            ));
+        }
+        let sub_type = SubType::from_wire(s.sub_type).ok_or_else(|| {
+            BrokerError::new(
+                ServerError::NotAllowedError,
+                format!("unknown subscription type {}", s.sub_type),
+            )
+        })?;
+        if let Some(existing) = self.consumers.get(&s.consumer_id) {
+            if existing.topic.full_name() == name.to_string()
+                && existing.sub.name() == s.subscription
+                && !existing.sub.is_closed()
+            {
+                // A retried SUBSCRIBE of a consumer that already exists here.
+                return Ok(());
+            }
+            self.remove_consumer(s.consumer_id).await;
+        }
+        self.check_handles()?;
+        let durable = s.durable.unwrap_or(true);
+        let initial = if s.initial_position
+            == Some(pb::command_subscribe::InitialPosition::Earliest as i32)
+        {
+            InitialPosition::Earliest
+        } else {
+            InitialPosition::Latest
+        };
+        let start = match (&s.start_message_id, durable) {
+            (Some(id), false) => start_of(id, initial),
+            _ => StartAt::Initial(initial),
+        };
+        let consumer_name = s
+            .consumer_name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| format!("consumer-{}-{}", self.id, s.consumer_id));
+        let topic = self
+            .broker
+            .topic(&name, s.force_topic_creation.unwrap_or(true))
+            .await?;
+        let req = SubscribeRequest {
+            subscription: s.subscription.clone(),
+            sub_type,
+            consumer_name,
+            priority: s.priority_level.unwrap_or(0),
+            durable,
+            start,
+        };
+        let sink = ConsumerSink {
+            connection_id: self.id,
+            consumer_id: s.consumer_id,
+            tx: self.tx.clone(),
+        };
+        let sub = topic.subscribe(req, sink).await?;
+        tracing::debug!(connection = self.id, topic = %topic.full_name(), subscription = %s.subscription, "consumer subscribed");
+        self.consumers
+            .insert(s.consumer_id, ConsumerEntry { topic, sub });
+        Ok(())
+    }
+
+    async fn seek(&mut self, s: pb::CommandSeek) -> Result<(), Close> {
+        let Some(e) = self.consumers.get(&s.consumer_id) else {
+            return self
+                .reply(cmd::error(
+                    s.request_id,
+                    ServerError::ConsumerNotFound,
+                    format!("no consumer {}", s.consumer_id),
+                ))
+                .await;
+        };
+        let to = match (&s.message_id, s.message_publish_time) {
+            (Some(id), _) => match start_of(id, InitialPosition::Earliest) {
+                StartAt::Initial(i) => SeekTo::Initial(i),
+                StartAt::After(p) | StartAt::At(p) => SeekTo::Position(p),
+            },
+            (None, Some(t)) => SeekTo::PublishTime(t),
+            (None, None) => {
+                return self
+                    .reply(cmd::error(
+                        s.request_id,
+                        ServerError::NotAllowedError,
+                        "SEEK needs a message id or a publish time",
+                    ))
+                    .await
+            }
+        };
+        let sub = Arc::clone(&e.sub);
+        let topic = Arc::clone(&e.topic);
+        match sub.seek(to).await {
+            Ok(sinks) => {
+                self.reply(cmd::success(s.request_id)).await?;
+                // As Pulsar does: close the subscription's consumers; they re-subscribe and
+                // read from the new position.
+                for sink in sinks {
+                    let left = sub
+                        .remove_consumer(sink.connection_id, sink.consumer_id)
+                        .await;
+                    let _ = sink
+                        .tx
+                        .send(frame(&cmd::close_consumer(sink.consumer_id, 0)))
+                        .await;
+                    if sink.connection_id == self.id {
+                        self.consumers.remove(&sink.consumer_id);
+                    }
+                    if left == 0 && !sub.is_durable() {
+                        sub.close().await;
+                        topic.drop_subscription(sub.name(), &sub).await;
+                    }
+                }
+                Ok(())
+            }
+            Err(e) => {
+                self.reply(cmd::error(s.request_id, e.code, e.message))
+                    .await
+            }
+        }
+    }
+
+    async fn remove_consumer(&mut self, consumer_id: u64) {
+        if let Some(e) = self.consumers.remove(&consumer_id) {
+            let left = e.sub.remove_consumer(self.id, consumer_id).await;
+            if left == 0 && !e.sub.is_durable() {
+                e.sub.close().await;
+                e.topic.drop_subscription(e.sub.name(), &e.sub).await;
+            }
+        }
+    }
+
+    /// The connection is ending: producers finish their in-flight sends (receipts are written
+    /// if the socket still takes them), consumers' unacknowledged entries go to the others.
+    async fn cleanup(&mut self) {
+        for (_, p) in self.producers.drain() {
+            close_producer(p).await;
+        }
+        let ids: Vec<u64> = self.consumers.keys().copied().collect();
+        for id in ids {
+            self.remove_consumer(id).await;
+        }
+    }
+}
+
+async fn close_producer(p: ProducerEntry) {
+    p.topic.remove_producer(&p.name);
+    drop(p.queue);
+    let _ = p.receipts.await;
+}
+
+/// Where a message id from a client says to start.
+fn start_of(id: &pb::MessageIdData, initial: InitialPosition) -> StartAt {
+    const LATEST: u64 = i64::MAX as u64;
+    if id.ledger_id == ID_NONE {
+        return StartAt::Initial(InitialPosition::Earliest);
+    }
+    if id.ledger_id == LATEST && id.entry_id == LATEST {
+        return StartAt::Initial(InitialPosition::Latest);
+    }
+    let _ = initial;
+    let p = Position::new(id.ledger_id, id.entry_id);
+    if id.batch_index.is_some_and(|b| b >= 0) {
+        StartAt::At(p)
+    } else {
+        StartAt::After(p)
+    }
+}

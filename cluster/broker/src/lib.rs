@@ -1,0 +1,15 @@
+//! Meridian's broker: the Pulsar protocol over the storage layer, and the process roles.
+//!
+//! Owns: topic names ([`topic_name`]), topics, producers and subscriptions ([`broker`]), client
+//! connections ([`connection`]), the listener ([`server`]), `/metrics` and `/health`
+//! ([`http`]), and `meridian standalone` ([`standalone`]).
+//!
+//! Does not know about: how entries reach bookies (that is `meridian-storage`), frame bytes
+//! (that is `meridian-protocol`).
+
+pub mod broker;
+pub mod connection;
+pub mod http;
+pub mod server;
+pub mod standalone;
+pub mod topic_name;

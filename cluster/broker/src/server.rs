@@ -1,0 +1,67 @@
+//! The Pulsar-protocol listener: accepts connections and stops them on shutdown.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::broker::Broker;
+
+pub struct RunningServer {
+    pub addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    accept: JoinHandle<()>,
+}
+
+/// Serves the Pulsar protocol on `listener` for `broker`.
+pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<RunningServer> {
+    let addr = listener.local_addr()?;
+    let (stop, stop_rx) = watch::channel(false);
+    let accept = tokio::spawn(accept_loop(broker, listener, stop_rx));
+    Ok(RunningServer { addr, stop, accept })
+}
+
+async fn accept_loop(broker: Arc<Broker>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+    static IDS: AtomicU64 = AtomicU64::new(1);
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, peer)) => {
+                    let id = IDS.fetch_add(1, Ordering::Relaxed);
+                    conns.spawn(crate::connection::serve(Arc::clone(&broker), stream, peer, id, stop.clone()));
+                }
+                Err(e) => {
+                    // Out of descriptors and the like: wait a little instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = stop.changed() => break,
+        }
+    }
+    drop(listener);
+    // Connections see the same stop signal: they finish in-flight sends and close.
+    let drain = async { while conns.join_next().await.is_some() {} };
+    if tokio::time::timeout(Duration::from_secs(20), drain)
+        .await
+        .is_err()
+    {
+        tracing::warn!("connections did not finish within 20 s; aborting them");
+        conns.abort_all();
+    }
+}
+
+impl RunningServer {
+    /// Stops accepting, lets every connection finish its in-flight sends, and returns once
+    /// they are closed.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        let _ = self.accept.await;
+    }
+}

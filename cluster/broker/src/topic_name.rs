@@ -1,0 +1,170 @@
+//! Topic names as clients send them, normalised to `persistent://tenant/namespace/local`.
+
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Domain {
+    Persistent,
+    NonPersistent,
+}
+
+/// A full topic name.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct TopicName {
+    pub domain: Domain,
+    pub tenant: String,
+    pub namespace: String,
+    pub local: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid topic name {name:?}: {reason}")]
+pub struct TopicNameError {
+    pub name: String,
+    pub reason: String,
+}
+
+const NAME_BYTES_MAX: usize = 512;
+
+fn check_part(name: &str, what: &str, part: &str) -> Result<(), TopicNameError> {
+    let bad = |reason: String| TopicNameError {
+        name: name.to_string(),
+        reason,
+    };
+    if part.is_empty() {
+        return Err(bad(format!("empty {what}")));
+    }
+    if what != "topic" {
+        // Tenants and namespaces: letters, digits and - _ . = :
+        if let Some(c) = part
+            .chars()
+            .find(|c| !(c.is_ascii_alphanumeric() || "-_.=:".contains(*c)))
+        {
+            return Err(bad(format!(
+                "{what} {part:?} has {c:?}; allowed are letters, digits and - _ . = :"
+            )));
+        }
+    } else if let Some(c) = part.chars().find(|c| c.is_control()) {
+        return Err(bad(format!("topic {part:?} has a control character {c:?}")));
+    }
+    Ok(())
+}
+
+impl TopicName {
+    /// Parses a name in any form clients send: `x` (public/default), `t/n/x`, or a full
+    /// `persistent://t/n/x` / `non-persistent://t/n/x`.
+    pub fn parse(name: &str) -> Result<TopicName, TopicNameError> {
+        let bad = |reason: &str| TopicNameError {
+            name: name.to_string(),
+            reason: reason.to_string(),
+        };
+        if name.len() > NAME_BYTES_MAX {
+            return Err(bad(&format!("longer than {NAME_BYTES_MAX} bytes")));
+        }
+        let (domain, rest, full) = if let Some(r) = name.strip_prefix("persistent://") {
+            (Domain::Persistent, r, true)
+        } else if let Some(r) = name.strip_prefix("non-persistent://") {
+            (Domain::NonPersistent, r, true)
+        } else if name.contains("://") {
+            return Err(bad("the domain must be persistent:// or non-persistent://"));
+        } else {
+            (Domain::Persistent, name, false)
+        };
+        let parts: Vec<&str> = rest.split('/').collect();
+        let (tenant, namespace, local) = match (full, parts.as_slice()) {
+            (false, [local]) => ("public", "default", *local),
+            (_, [t, n, local]) => (*t, *n, *local),
+            (true, _) => return Err(bad("expected persistent://tenant/namespace/topic")),
+            (false, _) => return Err(bad("expected topic or tenant/namespace/topic")),
+        };
+        check_part(name, "tenant", tenant)?;
+        check_part(name, "namespace", namespace)?;
+        check_part(name, "topic", local)?;
+        Ok(TopicName {
+            domain,
+            tenant: tenant.to_string(),
+            namespace: namespace.to_string(),
+            local: local.to_string(),
+        })
+    }
+
+    pub fn namespace(&self) -> String {
+        format!("{}/{}", self.tenant, self.namespace)
+    }
+
+    /// The managed ledger holding the topic: `tenant/namespace/persistent/local`, with `/` and
+    /// `%` of the local name escaped so the name stays four segments.
+    pub fn managed_ledger_name(&self) -> String {
+        format!(
+            "{}/{}/persistent/{}",
+            self.tenant,
+            self.namespace,
+            escape(&self.local)
+        )
+    }
+
+    /// The partition index if the local name ends in `-partition-N`.
+    pub fn partition(&self) -> Option<u32> {
+        let (_, n) = self.local.rsplit_once("-partition-")?;
+        n.parse().ok()
+    }
+}
+
+/// Escapes `%` and `/` (and nothing else), so names map one to one.
+pub fn escape(s: &str) -> String {
+    s.replace('%', "%25").replace('/', "%2F")
+}
+
+impl fmt::Display for TopicName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = match self.domain {
+            Domain::Persistent => "persistent",
+            Domain::NonPersistent => "non-persistent",
+        };
+        write!(f, "{d}://{}/{}/{}", self.tenant, self.namespace, self.local)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_short_and_full_forms_then_names_normalise() {
+        for (input, full) in [
+            ("orders", "persistent://public/default/orders"),
+            ("acme/eu/orders", "persistent://acme/eu/orders"),
+            ("persistent://acme/eu/orders", "persistent://acme/eu/orders"),
+            ("non-persistent://acme/eu/o", "non-persistent://acme/eu/o"),
+            (
+                "t-1/ns.2/x-partition-3",
+                "persistent://t-1/ns.2/x-partition-3",
+            ),
+        ] {
+            assert_eq!(TopicName::parse(input).unwrap().to_string(), full);
+        }
+        let t = TopicName::parse("a/b/x-partition-3").unwrap();
+        assert_eq!(t.partition(), Some(3));
+        assert_eq!(t.managed_ledger_name(), "a/b/persistent/x-partition-3");
+    }
+
+    #[test]
+    fn given_bad_names_then_errors_say_what_is_wrong() {
+        for (input, says) in [
+            ("", "empty topic"),
+            ("a/b", "expected topic or tenant/namespace/topic"),
+            (
+                "persistent://a/b",
+                "expected persistent://tenant/namespace/topic",
+            ),
+            ("http://a/b/c", "domain"),
+            ("a b/ns/x", "tenant \"a b\" has ' '"),
+            ("a//x", "empty namespace"),
+            ("persistent://a/b/c/d", "expected"),
+        ] {
+            let e = TopicName::parse(input).unwrap_err().to_string();
+            assert!(e.contains(says), "{input:?}: {e}");
+        }
+        assert!(TopicName::parse(&"x".repeat(600)).is_err());
+    }
+}

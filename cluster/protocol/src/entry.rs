@@ -1,0 +1,105 @@
+//! Stored entries: what a topic's log holds for one SEND.
+//!
+//! An entry is the checksummed tail of a payload frame, kept byte for byte:
+//! `[0x0e01][crc32c u32][metaSize u32][MessageMetadata][payload]`. Storing the magic and the
+//! checksum means dispatch copies the entry after a MESSAGE command with no re-encoding and no
+//! checksum to compute, and consumers verify the producer's own checksum end to end.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use prost::Message as _;
+
+use crate::frame::Payload;
+use crate::pb::MessageMetadata;
+use crate::MAGIC_CRC32C;
+
+const HEADER: usize = 2 + 4 + 4;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry(Bytes);
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("stored entry is corrupt: {0}")]
+pub struct EntryError(pub String);
+
+impl Entry {
+    /// Builds an entry from a metadata encoding and a payload, computing the checksum.
+    pub fn build(metadata: &[u8], payload: &[u8]) -> Entry {
+        let mut b = BytesMut::with_capacity(HEADER + metadata.len() + payload.len());
+        b.put_u16(MAGIC_CRC32C);
+        b.put_u32(0);
+        b.put_u32(metadata.len() as u32);
+        b.put_slice(metadata);
+        b.put_slice(payload);
+        let crc = crc32c::crc32c(&b[6..]);
+        b[2..6].copy_from_slice(&crc.to_be_bytes());
+        Entry(b.freeze())
+    }
+
+    /// The entry for a received payload. Call only after [`Payload::checksum_ok`]; a payload
+    /// sent without a checksum gets one computed here.
+    pub fn from_payload(p: &Payload) -> Entry {
+        let crc = p.checksum.unwrap_or_else(|| crc32c::crc32c(&p.body));
+        let mut b = BytesMut::with_capacity(6 + p.body.len());
+        b.put_u16(MAGIC_CRC32C);
+        b.put_u32(crc);
+        b.put_slice(&p.body);
+        Entry(b.freeze())
+    }
+
+    /// Wraps bytes read back from storage, checking the structure (not the checksum).
+    pub fn parse(bytes: Bytes) -> Result<Entry, EntryError> {
+        if bytes.len() < HEADER {
+            return Err(EntryError(format!(
+                "{} bytes is shorter than a header",
+                bytes.len()
+            )));
+        }
+        if u16::from_be_bytes([bytes[0], bytes[1]]) != MAGIC_CRC32C {
+            return Err(EntryError("no checksum magic".into()));
+        }
+        let m = u32::from_be_bytes(bytes[6..10].try_into().expect("4 bytes")) as usize;
+        if m > bytes.len() - HEADER {
+            return Err(EntryError(format!(
+                "metadata size {m} exceeds the entry's {} bytes",
+                bytes.len()
+            )));
+        }
+        Ok(Entry(bytes))
+    }
+
+    pub fn as_bytes(&self) -> &Bytes {
+        &self.0
+    }
+
+    pub fn into_bytes(self) -> Bytes {
+        self.0
+    }
+
+    pub fn verify(&self) -> bool {
+        let crc = u32::from_be_bytes(self.0[2..6].try_into().expect("4 bytes"));
+        crc == crc32c::crc32c(&self.0[6..])
+    }
+
+    fn metadata_len(&self) -> usize {
+        u32::from_be_bytes(self.0[6..10].try_into().expect("4 bytes")) as usize
+    }
+
+    pub fn metadata_bytes(&self) -> Bytes {
+        self.0.slice(HEADER..HEADER + self.metadata_len())
+    }
+
+    /// Decodes the fields of the metadata the broker reads.
+    pub fn metadata(&self) -> Result<MessageMetadata, EntryError> {
+        MessageMetadata::decode(self.metadata_bytes()).map_err(|e| EntryError(e.to_string()))
+    }
+
+    pub fn payload(&self) -> Bytes {
+        self.0.slice(HEADER + self.metadata_len()..)
+    }
+}
+
+/// Messages an entry counts for (a batch counts each item), from decoded metadata. Consumers
+/// recognise a batch by the field's presence, so presence with any value is a batch.
+pub fn message_count(meta: &MessageMetadata) -> u32 {
+    meta.num_messages_in_batch.map_or(1, |n| n.max(1) as u32)
+}

@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Drives the stock Python Pulsar client (pulsar-client) for Meridian's process-level tests.
+
+Every command prints one JSON object per line and flushes, so the Rust test reading its
+stdout sees progress as it happens (and sees what was acknowledged before a kill -9).
+
+  produce URL TOPIC --count N [--batch] [--start I] [--sync]
+      payload "msg-I", property i=I; prints {"acked": I} for each receipt, then {"done": N}
+  consume URL TOPIC SUB --count N [--type exclusive|shared|failover] [--ack individual|cumulative|none]
+          [--name NAME] [--initial earliest|latest] [--timeout-ms T] [--close-after K]
+      prints {"i": I, "id": "...", "redelivery": R} per message
+  read URL TOPIC [--from earliest|latest|ID_HEX] [--count N]
+      a reader; prints {"i": I, "id": HEX} per message, then {"done": n}
+"""
+import argparse
+import json
+import sys
+
+import pulsar
+
+# The C++ client logs to stdout by default; stdout carries our JSON lines, so its log goes to
+# stderr. (A Python logging.Logger here makes the client abort at interpreter exit.)
+LOG = pulsar.FileLogger(pulsar.LoggerLevel.Info, "/dev/stderr")
+
+
+def out(obj):
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def client(url):
+    return pulsar.Client(url, operation_timeout_seconds=30, connection_timeout_ms=10000, logger=LOG)
+
+
+def produce(a):
+    c = client(a.url)
+    kwargs = {}
+    if a.batch:
+        kwargs = dict(batching_enabled=True, batching_max_messages=100, batching_max_publish_delay_ms=2)
+    else:
+        kwargs = dict(batching_enabled=False)
+    p = c.create_producer(a.topic, block_if_queue_full=True, max_pending_messages=2000, **kwargs)
+    for i in range(a.start, a.start + a.count):
+        payload = ("msg-%d" % i).encode()
+        props = {"i": str(i)}
+        if a.sync:
+            p.send(payload, properties=props)
+            out({"acked": i})
+        else:
+            def done(res, msg_id, i=i):
+                if res == pulsar.Result.Ok:
+                    out({"acked": i})
+                else:
+                    out({"failed": i, "result": str(res)})
+            p.send_async(payload, done, properties=props)
+    p.flush()
+    out({"done": a.count})
+    c.close()
+
+
+def consume(a):
+    c = client(a.url)
+    types = {
+        "exclusive": pulsar.ConsumerType.Exclusive,
+        "shared": pulsar.ConsumerType.Shared,
+        "failover": pulsar.ConsumerType.Failover,
+    }
+    kwargs = {}
+    if a.name:
+        kwargs["consumer_name"] = a.name
+    initial = pulsar.InitialPosition.Earliest if a.initial == "earliest" else pulsar.InitialPosition.Latest
+    cons = c.subscribe(a.topic, a.sub, consumer_type=types[a.type], initial_position=initial, **kwargs)
+    out({"subscribed": a.sub})
+    n = 0
+    while n < a.count:
+        try:
+            m = cons.receive(timeout_millis=a.timeout_ms)
+        except pulsar.Timeout:
+            break
+        i = int(m.properties()["i"])
+        assert m.data() == ("msg-%d" % i).encode(), m.data()
+        out({"i": i, "id": m.message_id().serialize().hex(), "redelivery": m.redelivery_count()})
+        n += 1
+        if a.close_after and n >= a.close_after:
+            out({"closing": n})
+            cons.close()
+            c.close()
+            return
+        if a.ack == "individual":
+            cons.acknowledge(m)
+        elif a.ack == "cumulative":
+            cons.acknowledge_cumulative(m)
+    out({"done": n})
+    cons.close()
+    c.close()
+
+
+def read(a):
+    c = client(a.url)
+    if a.start == "earliest":
+        start = pulsar.MessageId.earliest
+    elif a.start == "latest":
+        start = pulsar.MessageId.latest
+    else:
+        start = pulsar.MessageId.deserialize(bytes.fromhex(a.start))
+    r = c.create_reader(a.topic, start)
+    n = 0
+    while n < a.count and r.has_message_available():
+        m = r.read_next(timeout_millis=10000)
+        out({"i": int(m.properties()["i"]), "id": m.message_id().serialize().hex()})
+        n += 1
+    out({"done": n})
+    r.close()
+    c.close()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("produce")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--start", type=int, default=0)
+    p.add_argument("--batch", action="store_true")
+    p.add_argument("--sync", action="store_true")
+    p.set_defaults(fn=produce)
+    p = sub.add_parser("consume")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("sub")
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--type", default="exclusive")
+    p.add_argument("--ack", default="individual")
+    p.add_argument("--name")
+    p.add_argument("--initial", default="earliest")
+    p.add_argument("--timeout-ms", type=int, default=10000)
+    p.add_argument("--close-after", type=int, default=0)
+    p.set_defaults(fn=consume)
+    p = sub.add_parser("read")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("--from", dest="start", default="earliest")
+    p.add_argument("--count", type=int, default=1 << 62)
+    p.set_defaults(fn=read)
+    a = ap.parse_args()
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    main()

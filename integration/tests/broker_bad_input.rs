@@ -1,0 +1,318 @@
+//! Bad input against a real `meridian standalone`, over raw sockets with our own codec:
+//! malformed, oversize and out-of-order frames close that one connection; refusals come back
+//! as precise errors; a consumer without permits receives nothing.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use bytes::{BufMut, BytesMut};
+use meridian_integration::{step, StandaloneProc};
+use meridian_protocol::pb::{self, base_command::Type, ServerError};
+use meridian_protocol::{decode_frame, encode_command, encode_message, Entry, Frame};
+use prost::Message as _;
+
+struct Raw {
+    s: TcpStream,
+    buf: BytesMut,
+}
+
+enum Got {
+    Frame(Box<Frame>),
+    Closed,
+    Nothing,
+}
+
+impl Raw {
+    fn open(url: &str) -> Raw {
+        let addr = url.trim_start_matches("pulsar://");
+        let s = TcpStream::connect(addr).expect("connect");
+        Raw {
+            s,
+            buf: BytesMut::new(),
+        }
+    }
+
+    fn connected(url: &str) -> Raw {
+        let mut r = Raw::open(url);
+        r.send(&pb::BaseCommand {
+            r#type: Type::Connect as i32,
+            connect: Some(pb::CommandConnect {
+                client_version: "raw-test".into(),
+                protocol_version: Some(19),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        match r.recv(Duration::from_secs(10)) {
+            Got::Frame(f) => assert!(f.command.connected.is_some(), "{:?}", f.command),
+            _ => panic!("no CONNECTED"),
+        }
+        r
+    }
+
+    fn send(&mut self, c: &pb::BaseCommand) {
+        let mut b = BytesMut::new();
+        encode_command(&mut b, c);
+        self.s.write_all(&b).unwrap();
+    }
+
+    fn send_raw(&mut self, bytes: &[u8]) {
+        let _ = self.s.write_all(bytes);
+    }
+
+    fn recv(&mut self, timeout: Duration) -> Got {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(f) =
+                decode_frame(&mut self.buf, 64 << 20).expect("valid frames from the broker")
+            {
+                if f.command.ping.is_some() {
+                    continue;
+                }
+                return Got::Frame(Box::new(f));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Got::Nothing;
+            }
+            self.s.set_read_timeout(Some(left)).unwrap();
+            let mut tmp = [0u8; 65536];
+            match self.s.read(&mut tmp) {
+                Ok(0) => return Got::Closed,
+                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Got::Nothing
+                }
+                Err(_) => return Got::Closed,
+            }
+        }
+    }
+
+    fn expect(&mut self) -> Frame {
+        match self.recv(Duration::from_secs(10)) {
+            Got::Frame(f) => *f,
+            Got::Closed => panic!("connection closed"),
+            Got::Nothing => panic!("no reply"),
+        }
+    }
+
+    fn assert_closed(&mut self, why: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.recv(Duration::from_secs(1)) {
+                Got::Closed => return,
+                Got::Frame(_) => continue,
+                Got::Nothing if Instant::now() < deadline => continue,
+                Got::Nothing => panic!("{why}: the connection stayed open"),
+            }
+        }
+    }
+}
+
+fn cmd(t: Type, f: impl FnOnce(&mut pb::BaseCommand)) -> pb::BaseCommand {
+    let mut c = pb::BaseCommand {
+        r#type: t as i32,
+        ..Default::default()
+    };
+    f(&mut c);
+    c
+}
+
+fn producer(topic: &str, producer_id: u64, request_id: u64) -> pb::BaseCommand {
+    cmd(Type::Producer, |c| {
+        c.producer = Some(pb::CommandProducer {
+            topic: topic.into(),
+            producer_id,
+            request_id,
+            ..Default::default()
+        })
+    })
+}
+
+fn subscribe(topic: &str, sub: &str, consumer_id: u64, request_id: u64) -> pb::BaseCommand {
+    cmd(Type::Subscribe, |c| {
+        c.subscribe = Some(pb::CommandSubscribe {
+            topic: topic.into(),
+            subscription: sub.into(),
+            sub_type: pb::command_subscribe::SubType::Exclusive as i32,
+            consumer_id,
+            request_id,
+            initial_position: Some(pb::command_subscribe::InitialPosition::Earliest as i32),
+            ..Default::default()
+        })
+    })
+}
+
+fn send_frame(producer_id: u64, sequence_id: u64, payload: &[u8]) -> Vec<u8> {
+    let meta = pb::MessageMetadata {
+        producer_name: "raw".into(),
+        sequence_id,
+        publish_time: 1,
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let entry = Entry::build(&meta, payload);
+    let c = cmd(Type::Send, |c| {
+        c.send = Some(pb::CommandSend {
+            producer_id,
+            sequence_id,
+            ..Default::default()
+        })
+    });
+    let mut b = BytesMut::new();
+    encode_message(&mut b, &c, entry.as_bytes());
+    b.to_vec()
+}
+
+fn error_of(f: &Frame) -> (ServerError, String) {
+    let e = f
+        .command
+        .error
+        .as_ref()
+        .unwrap_or_else(|| panic!("expected ERROR, got {:?}", f.command));
+    (ServerError::try_from(e.error).unwrap(), e.message.clone())
+}
+
+#[test]
+fn bad_frames_close_only_their_connection_and_refusals_are_precise() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let url = s.url.clone();
+
+    step("a healthy connection with a producer");
+    let mut good = Raw::connected(&url);
+    good.send(&producer("bad-input", 1, 1));
+    assert!(good.expect().command.producer_success.is_some());
+    good.send_raw(&send_frame(1, 0, b"first"));
+    assert!(good.expect().command.send_receipt.is_some());
+
+    step("a frame announcing more than the limit closes that connection");
+    let mut r = Raw::connected(&url);
+    let mut b = BytesMut::new();
+    b.put_u32(64 << 20);
+    r.send_raw(&b);
+    r.assert_closed("oversize frame");
+
+    step("a command that is not protobuf closes that connection");
+    let mut r = Raw::connected(&url);
+    let mut b = BytesMut::new();
+    b.put_u32(4 + 5);
+    b.put_u32(5);
+    b.put_slice(&[0xff, 0xff, 0xff, 0xff, 0xff]);
+    r.send_raw(&b);
+    r.assert_closed("garbage command");
+
+    step("SEND before CONNECT closes that connection");
+    let mut r = Raw::open(&url);
+    r.send_raw(&send_frame(1, 0, b"x"));
+    r.assert_closed("out of order");
+
+    step("a second CONNECT closes that connection");
+    let mut r = Raw::connected(&url);
+    r.send(&cmd(Type::Connect, |c| {
+        c.connect = Some(pb::CommandConnect {
+            client_version: "again".into(),
+            ..Default::default()
+        })
+    }));
+    r.assert_closed("second CONNECT");
+
+    step("the healthy connection is unaffected");
+    good.send_raw(&send_frame(1, 1, b"second"));
+    assert!(good.expect().command.send_receipt.is_some());
+    good.send(&cmd(Type::Ping, |c| c.ping = Some(pb::CommandPing {})));
+    assert!(good.expect().command.pong.is_some());
+
+    step("invalid topic names get InvalidTopicName with the reason; the connection stays");
+    good.send(&producer("persistent://only-two/parts", 2, 2));
+    let (code, msg) = error_of(&good.expect());
+    assert_eq!(code, ServerError::InvalidTopicName);
+    assert!(
+        msg.contains("expected persistent://tenant/namespace/topic"),
+        "{msg}"
+    );
+    good.send(&producer("a b/ns/x", 3, 3));
+    let (code, msg) = error_of(&good.expect());
+    assert_eq!(code, ServerError::InvalidTopicName);
+    assert!(msg.contains("tenant \"a b\""), "{msg}");
+
+    step("non-persistent topics are refused clearly, in lookups too");
+    good.send(&cmd(Type::Lookup, |c| {
+        c.lookup_topic = Some(pb::CommandLookupTopic {
+            topic: "non-persistent://public/default/x".into(),
+            request_id: 4,
+            ..Default::default()
+        })
+    }));
+    let f = good.expect();
+    let l = f.command.lookup_topic_response.unwrap();
+    assert_eq!(l.error, Some(ServerError::NotAllowedError as i32));
+    assert!(l.message.unwrap().contains("non-persistent"));
+
+    step("a topic in a namespace that does not exist is TopicNotFound");
+    good.send(&producer("persistent://nobody/nothing/x", 5, 5));
+    let (code, msg) = error_of(&good.expect());
+    assert_eq!(code, ServerError::TopicNotFound);
+    assert!(
+        msg.contains("namespace nobody/nothing does not exist"),
+        "{msg}"
+    );
+
+    step("a consumer without permits receives nothing; FLOW 1 brings exactly one message");
+    let mut c1 = Raw::connected(&url);
+    c1.send(&subscribe("bad-input", "ex", 7, 1));
+    assert!(c1.expect().command.success.is_some());
+    assert!(
+        matches!(c1.recv(Duration::from_millis(700)), Got::Nothing),
+        "pushed without permits"
+    );
+    c1.send(&cmd(Type::Flow, |c| {
+        c.flow = Some(pb::CommandFlow {
+            consumer_id: 7,
+            message_permits: 1,
+        })
+    }));
+    let m = c1.expect();
+    let msg = m.command.message.as_ref().expect("MESSAGE");
+    assert_eq!(msg.consumer_id, 7);
+    let payload = m.payload.as_ref().unwrap();
+    assert!(
+        payload.checksum_ok(),
+        "the broker forwards the producer's checksum"
+    );
+    assert_eq!(&payload.data()[..], b"first");
+    assert!(
+        matches!(c1.recv(Duration::from_millis(500)), Got::Nothing),
+        "more than the permits"
+    );
+
+    step("a second consumer on the exclusive subscription is ConsumerBusy");
+    let mut c2 = Raw::connected(&url);
+    c2.send(&subscribe("bad-input", "ex", 1, 9));
+    let (code, msg) = error_of(&c2.expect());
+    assert_eq!(code, ServerError::ConsumerBusy);
+    assert!(
+        msg.contains("exclusive subscription ex already has a consumer"),
+        "{msg}"
+    );
+
+    step("a checksum mismatch fails that send only");
+    let mut bad = send_frame(1, 2, b"corrupted");
+    let last = bad.len() - 1;
+    bad[last] ^= 0x55;
+    good.send_raw(&bad);
+    let f = good.expect();
+    let e = f.command.send_error.expect("SEND_ERROR");
+    assert_eq!(e.error, ServerError::ChecksumError as i32);
+    good.send_raw(&send_frame(1, 3, b"third"));
+    assert!(good.expect().command.send_receipt.is_some());
+
+    assert_eq!(s.stop().unwrap(), 0);
+}
