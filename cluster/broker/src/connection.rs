@@ -50,6 +50,7 @@ fn frame(c: &pb::BaseCommand) -> Bytes {
 
 struct PendingSend {
     sequence_id: u64,
+    submitted: Instant,
     highest_sequence_id: Option<u64>,
     messages: u64,
     bytes: u64,
@@ -184,7 +185,7 @@ async fn receipt_loop(
     tx: mpsc::Sender<Bytes>,
 ) {
     while let Some(ps) = rx.recv().await {
-        let submitted = Instant::now();
+        let submitted = ps.submitted;
         let outcome = match ps.append {
             Ok(pa) => pa.wait().await.map_err(BrokerError::from),
             Err(e) => Err(e),
@@ -557,6 +558,7 @@ impl Conn {
         let received = Instant::now();
         let messages = u64::try_from(s.num_messages.unwrap_or(1).max(1)).unwrap_or(1);
         let bytes = payload.body.len() as u64;
+        let submitted = Instant::now();
         let append = if !payload.checksum_ok() {
             Err(BrokerError::new(
                 ServerError::ChecksumError,
@@ -577,6 +579,7 @@ impl Conn {
         };
         let ps = PendingSend {
             sequence_id: s.sequence_id,
+            submitted,
             highest_sequence_id: s.highest_sequence_id,
             messages,
             bytes,
@@ -585,7 +588,10 @@ impl Conn {
         };
         // Bounded: a full queue holds the read loop (backpressure to this client).
         if p.queue.send(ps).await.is_err() {
-            return Err(Close("producer receipt task ended".into()));
+            // The receipt task stops only when the writer is gone: the client has closed.
+            return Err(Close(
+                "closed by the client (receipts could not be written)".into(),
+            ));
         }
         Ok(())
     }

@@ -11,6 +11,7 @@
 
 mod bench;
 mod meta;
+mod pulsar_perf;
 mod storage_cmds;
 
 /// mimalloc instead of glibc's allocator: the request path allocates per message (gRPC frames,

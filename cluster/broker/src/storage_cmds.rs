@@ -263,6 +263,12 @@ pub struct PerfArgs {
 enum PerfCommand {
     /// Write entries to running bookies and print throughput and latency percentiles.
     Ledger(PerfLedgerArgs),
+    /// Publish over the Pulsar protocol; print throughput and publish latency percentiles.
+    Produce(crate::pulsar_perf::ProduceArgs),
+    /// Consume over the Pulsar protocol; print throughput.
+    Consume(crate::pulsar_perf::ConsumeArgs),
+    /// Publish and consume the same topics; print publish and end-to-end latency.
+    E2e(crate::pulsar_perf::E2eArgs),
 }
 
 #[derive(clap::Args)]
@@ -294,11 +300,14 @@ struct PerfLedgerArgs {
 
 impl PerfArgs {
     pub fn overrides(&self) -> Vec<(String, String)> {
-        let PerfCommand::Ledger(a) = &self.command;
-        a.metadata
-            .iter()
-            .map(|m| ("client.endpoints".to_string(), m.clone()))
-            .collect()
+        match &self.command {
+            PerfCommand::Ledger(a) => a
+                .metadata
+                .iter()
+                .map(|m| ("client.endpoints".to_string(), m.clone()))
+                .collect(),
+            _ => Vec::new(),
+        }
     }
 }
 
@@ -312,7 +321,20 @@ fn perf_payload(i: u64, size: usize) -> Bytes {
 }
 
 pub async fn run_perf(args: PerfArgs, cfg: Config) -> anyhow::Result<ExitCode> {
-    let PerfCommand::Ledger(a) = args.command;
+    let a = match args.command {
+        PerfCommand::Ledger(a) => a,
+        PerfCommand::Produce(a) => {
+            return crate::pulsar_perf::produce(a)
+                .await
+                .map(|()| ExitCode::SUCCESS)
+        }
+        PerfCommand::Consume(a) => {
+            return crate::pulsar_perf::consume(a)
+                .await
+                .map(|()| ExitCode::SUCCESS)
+        }
+        PerfCommand::E2e(a) => return crate::pulsar_perf::e2e(a).await.map(|()| ExitCode::SUCCESS),
+    };
     let meta = MetadataClient::new(&cfg.client).context("client.endpoints")?;
     let client = LedgerClient::new(
         meta,

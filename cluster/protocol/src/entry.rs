@@ -38,6 +38,9 @@ impl Entry {
     /// The entry for a received payload. Call only after [`Payload::checksum_ok`]; a payload
     /// sent without a checksum gets one computed here.
     pub fn from_payload(p: &Payload) -> Entry {
+        if let Some(raw) = &p.with_checksum {
+            return Entry(raw.clone());
+        }
         let crc = p.checksum.unwrap_or_else(|| crc32c::crc32c(&p.body));
         let mut b = BytesMut::with_capacity(6 + p.body.len());
         b.put_u16(MAGIC_CRC32C);

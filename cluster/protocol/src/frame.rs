@@ -26,6 +26,9 @@ pub struct Payload {
     pub body: Bytes,
     /// Length of the MessageMetadata inside `body`.
     pub metadata_len: usize,
+    /// From the magic on (`[0x0e01][crc][body]`) when a checksum was sent: a stored entry as
+    /// it is, without a copy.
+    pub with_checksum: Option<Bytes>,
 }
 
 impl Payload {
@@ -127,7 +130,9 @@ fn parse_payload(mut rest: Bytes) -> Result<Payload, FrameError> {
         rest.advance(n);
     }
     let mut checksum = None;
+    let mut with_checksum = None;
     if rest.len() >= 2 && u16::from_be_bytes([rest[0], rest[1]]) == MAGIC_CRC32C {
+        with_checksum = Some(rest.clone());
         if rest.len() < 6 {
             return Err(FrameError::Malformed("truncated checksum".into()));
         }
@@ -150,6 +155,7 @@ fn parse_payload(mut rest: Bytes) -> Result<Payload, FrameError> {
         checksum,
         body: rest,
         metadata_len,
+        with_checksum,
     })
 }
 
@@ -211,6 +217,8 @@ mod tests {
             let p = frames[1].payload.as_ref().unwrap();
             assert!(p.checksum_ok());
             assert_eq!(&p.data()[..], b"hello");
+            // The stored entry is the frame's tail as sent, byte for byte.
+            assert_eq!(Entry::from_payload(p), entry);
             assert_eq!(p.metadata_bytes(), Bytes::from(metadata("p", 7)));
             assert_eq!(frames[1].command.message.as_ref().unwrap().consumer_id, 3);
             assert!(buf.is_empty());

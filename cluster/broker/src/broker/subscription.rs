@@ -91,6 +91,11 @@ impl Consumer {
 
 struct State {
     cursor: ManagedCursor,
+    /// Entries read but not yet handed out (no consumer had permits left), in dispatch order;
+    /// they go before anything else next time, without reading them again.
+    stash: std::collections::VecDeque<(Position, Bytes, u32)>,
+    /// Messages per entry, as an exponential average: how many entries the permits cover.
+    msgs_per_entry: f64,
     /// In attach order; for Failover the active one is chosen by priority, then name.
     consumers: Vec<Consumer>,
     /// Dispatched, not acknowledged: which consumer holds each entry.
@@ -158,6 +163,8 @@ impl Subscription {
             durable: req.durable,
             state: tokio::sync::Mutex::new(State {
                 cursor,
+                stash: std::collections::VecDeque::new(),
+                msgs_per_entry: 1.0,
                 consumers: Vec::new(),
                 pending: BTreeMap::new(),
                 redeliver: BTreeMap::new(),
@@ -426,6 +433,7 @@ impl Subscription {
             }
         }
         st.cursor.flush().await?;
+        st.stash.clear();
         st.pending.clear();
         st.redeliver.clear();
         st.redelivery_counts.clear();
@@ -535,19 +543,33 @@ impl Subscription {
         if permits <= 0 {
             return Ok(false);
         }
-        let budget = (permits as usize).min(batch_max);
+        // Entries the permits cover (a batch entry costs its messages), at most batch_max.
+        let budget = ((permits as f64 / st.msgs_per_entry).ceil() as usize).clamp(1, batch_max);
         let mut entries: Vec<(Position, Bytes, u32)> = Vec::new();
         while entries.len() < budget {
+            let Some(e) = st.stash.pop_front() else { break };
+            if !st.cursor.is_acknowledged(e.0) {
+                entries.push(e);
+            }
+        }
+        let mut wanted = Vec::new();
+        while entries.len() + wanted.len() < budget {
             let Some((p, n)) = st.redeliver.pop_first() else {
                 break;
             };
-            if st.cursor.is_acknowledged(p) {
-                continue;
+            if !st.cursor.is_acknowledged(p) {
+                wanted.push((p, n));
             }
-            match self.topic.ml.read(p).await {
-                Ok(b) => entries.push((p, b, n)),
-                Err(e) => {
-                    tracing::warn!(subscription = %self.name, position = %p, error = %e, "redelivery read failed; dropped")
+        }
+        if !wanted.is_empty() {
+            let ml = &self.topic.ml;
+            let reads = futures::future::join_all(wanted.iter().map(|(p, _)| ml.read(*p))).await;
+            for ((p, n), r) in wanted.into_iter().zip(reads) {
+                match r {
+                    Ok(b) => entries.push((p, b, n)),
+                    Err(e) => {
+                        tracing::warn!(subscription = %self.name, position = %p, error = %e, "redelivery read failed; dropped")
+                    }
                 }
             }
         }
@@ -569,6 +591,7 @@ impl Subscription {
             return Ok(false);
         }
         let mut sent = false;
+        let mut unassigned = Vec::new();
         let mut out_msgs = 0u64;
         let mut out_bytes = 0u64;
         for (pos, bytes, redeliveries) in entries {
@@ -589,8 +612,9 @@ impl Subscription {
             let messages = meta
                 .as_ref()
                 .map_or(1, meridian_protocol::entry::message_count);
+            st.msgs_per_entry = st.msgs_per_entry * 0.9 + f64::from(messages) * 0.1;
             let Some(idx) = self.pick(&mut st) else {
-                st.redeliver.insert(pos, redeliveries);
+                unassigned.push((pos, entry.into_bytes(), redeliveries));
                 continue;
             };
             let mut b = BytesMut::new();
@@ -617,6 +641,10 @@ impl Subscription {
             sent = true;
             out_msgs += u64::from(messages);
             out_bytes += len;
+        }
+        // Kept in order in front of the stash: they were due before anything stashed later.
+        for e in unassigned.into_iter().rev() {
+            st.stash.push_front(e);
         }
         self.topic
             .counters

@@ -1,0 +1,949 @@
+//! `meridian perf produce|consume|e2e`: load over the Pulsar protocol, in the spirit of
+//! `pulsar-perf` and the OpenMessaging benchmark. It speaks the protocol through our codec with
+//! a small client of its own (direct connection, no lookup), so it drives Meridian and any
+//! other Pulsar-protocol broker (pulsar-lite) alike, with many sends in flight.
+//!
+//! Publish latency is measured from the moment a message is handed to the producer (at a fixed
+//! rate, when its slot in the schedule comes) to its receipt, as pulsar-perf does; with batching
+//! it includes the wait for the batch. End-to-end latency reads that same send time, stamped in
+//! the first 8 bytes of each payload, when the consumer receives the message.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context};
+use bytes::{BufMut, Bytes, BytesMut};
+use hdrhistogram::Histogram;
+use meridian_protocol::batch::BatchIter;
+use meridian_protocol::pb::{self, base_command::Type};
+use meridian_protocol::{decode_frame, encode_command, encode_message, Entry};
+use prost::Message as _;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct CommonArgs {
+    /// Broker service URL.
+    #[arg(long, default_value = "pulsar://127.0.0.1:6650")]
+    url: String,
+    /// Topic, or prefix of the topics when --topics > 1 (`TOPIC-0`, `TOPIC-1`, ...).
+    #[arg(long, default_value = "perf")]
+    topic: String,
+    /// Number of topics.
+    #[arg(long, default_value_t = 1)]
+    topics: usize,
+    /// Seconds to run (0: until --messages are done).
+    #[arg(long, default_value_t = 30)]
+    seconds: u64,
+    /// Print a line every this many seconds.
+    #[arg(long, default_value_t = 5)]
+    report_every: u64,
+    /// Also measure 4 KiB write+fdatasync latency in this directory during the run, to read
+    /// latencies beside the disk's own.
+    #[arg(long)]
+    fsync_probe_dir: Option<String>,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ProduceArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Producers per topic, each on its own connection.
+    #[arg(long, default_value_t = 1)]
+    producers: usize,
+    /// Messages per second over all producers (0: as fast as possible).
+    #[arg(long, default_value_t = 0)]
+    rate: u64,
+    /// Message size, bytes (at least 8: the send time is stamped in the first 8).
+    #[arg(long, default_value_t = 1024)]
+    size: usize,
+    /// Messages per batch (1: no batching).
+    #[arg(long, default_value_t = 1000)]
+    batch_max_messages: usize,
+    /// Largest batch, bytes.
+    #[arg(long, default_value_t = 128 * 1024)]
+    batch_max_bytes: usize,
+    /// Send a batch after its first message waited this long, microseconds.
+    #[arg(long, default_value_t = 1000)]
+    batch_delay_us: u64,
+    /// Messages in flight per producer (sent, receipt not yet back).
+    #[arg(long, default_value_t = 10_000)]
+    pending_max: usize,
+    /// Stop after this many messages over all producers (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    messages: u64,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ConsumeArgs {
+    #[command(flatten)]
+    common: CommonArgs,
+    /// Subscription name.
+    #[arg(long, default_value = "perf-sub")]
+    subscription: String,
+    /// Where a new subscription starts: earliest or latest.
+    #[arg(long, default_value = "earliest")]
+    initial: String,
+    /// Permits granted at once (the client's receiver queue).
+    #[arg(long, default_value_t = 1000)]
+    receiver_queue: u32,
+    /// Stop after this many messages over all topics (0: no limit).
+    #[arg(long, default_value_t = 0)]
+    messages: u64,
+}
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct E2eArgs {
+    #[command(flatten)]
+    produce: ProduceArgs,
+    /// Subscription name.
+    #[arg(long, default_value = "perf-e2e")]
+    subscription: String,
+    /// Permits granted at once (the client's receiver queue).
+    #[arg(long, default_value_t = 1000)]
+    receiver_queue: u32,
+}
+
+// ---------------------------------------------------------------------------------------------
+// A small Pulsar client.
+
+type Routes<T> = Arc<Mutex<HashMap<u64, T>>>;
+
+struct Conn {
+    tx: mpsc::Sender<Bytes>,
+    requests: Routes<oneshot::Sender<pb::BaseCommand>>,
+    receipts: Routes<mpsc::UnboundedSender<Result<(), String>>>,
+    messages: Routes<mpsc::UnboundedSender<(pb::MessageIdData, Entry)>>,
+    next_request: AtomicU64,
+}
+
+fn frame(c: &pb::BaseCommand) -> Bytes {
+    let mut b = BytesMut::new();
+    encode_command(&mut b, c);
+    b.freeze()
+}
+
+fn base(t: Type) -> pb::BaseCommand {
+    pb::BaseCommand {
+        r#type: t as i32,
+        ..Default::default()
+    }
+}
+
+impl Conn {
+    async fn connect(url: &str) -> anyhow::Result<Arc<Conn>> {
+        let addr = url
+            .strip_prefix("pulsar://")
+            .with_context(|| format!("{url}: expected pulsar://HOST:PORT"))?;
+        let stream = TcpStream::connect(addr)
+            .await
+            .with_context(|| format!("connecting to {addr}"))?;
+        stream.set_nodelay(true)?;
+        let (mut rd, mut wr) = stream.into_split();
+        let mut c = base(Type::Connect);
+        c.connect = Some(pb::CommandConnect {
+            client_version: concat!("meridian-perf-", env!("CARGO_PKG_VERSION")).into(),
+            protocol_version: Some(19),
+            ..Default::default()
+        });
+        wr.write_all(&frame(&c)).await?;
+        let mut buf = BytesMut::with_capacity(1 << 20);
+        loop {
+            if let Some(f) = decode_frame(&mut buf, 64 << 20)? {
+                if f.command.connected.is_some() {
+                    break;
+                }
+                if let Some(e) = f.command.error {
+                    bail!("broker refused the connection: {}", e.message);
+                }
+                continue;
+            }
+            if rd.read_buf(&mut buf).await? == 0 {
+                bail!("connection closed during CONNECT");
+            }
+        }
+        let (tx, mut rx) = mpsc::channel::<Bytes>(4096);
+        tokio::spawn(async move {
+            let mut out = Vec::with_capacity(1 << 20);
+            while let Some(b) = rx.recv().await {
+                out.extend_from_slice(&b);
+                while out.len() < 1 << 20 {
+                    match rx.try_recv() {
+                        Ok(b) => out.extend_from_slice(&b),
+                        Err(_) => break,
+                    }
+                }
+                if wr.write_all(&out).await.is_err() {
+                    return;
+                }
+                out.clear();
+            }
+        });
+        let conn = Arc::new(Conn {
+            tx,
+            requests: Arc::default(),
+            receipts: Arc::default(),
+            messages: Arc::default(),
+            next_request: AtomicU64::new(1),
+        });
+        let c2 = Arc::clone(&conn);
+        tokio::spawn(async move {
+            loop {
+                loop {
+                    match decode_frame(&mut buf, 64 << 20) {
+                        Ok(Some(f)) => c2.route(f).await,
+                        Ok(None) => break,
+                        Err(e) => {
+                            eprintln!("perf: bad frame from the broker: {e}");
+                            return;
+                        }
+                    }
+                }
+                match rd.read_buf(&mut buf).await {
+                    Ok(0) | Err(_) => {
+                        c2.receipts.lock().expect("lock").clear();
+                        c2.messages.lock().expect("lock").clear();
+                        return;
+                    }
+                    Ok(_) => {}
+                }
+            }
+        });
+        Ok(conn)
+    }
+
+    async fn route(&self, f: meridian_protocol::Frame) {
+        let c = f.command;
+        if c.ping.is_some() {
+            let mut p = base(Type::Pong);
+            p.pong = Some(pb::CommandPong {});
+            let _ = self.tx.send(frame(&p)).await;
+            return;
+        }
+        if let Some(r) = &c.send_receipt {
+            if let Some(q) = self.receipts.lock().expect("lock").get(&r.producer_id) {
+                let _ = q.send(Ok(()));
+            }
+            return;
+        }
+        if let Some(e) = &c.send_error {
+            if let Some(q) = self.receipts.lock().expect("lock").get(&e.producer_id) {
+                let _ = q.send(Err(e.message.clone()));
+            }
+            return;
+        }
+        if let Some(m) = &c.message {
+            let (Some(p), Some(q)) = (
+                f.payload,
+                self.messages
+                    .lock()
+                    .expect("lock")
+                    .get(&m.consumer_id)
+                    .cloned(),
+            ) else {
+                return;
+            };
+            let _ = q.send((m.message_id.clone(), Entry::from_payload(&p)));
+            return;
+        }
+        let request_id = c
+            .success
+            .as_ref()
+            .map(|s| s.request_id)
+            .or(c.error.as_ref().map(|e| e.request_id))
+            .or(c.producer_success.as_ref().map(|p| p.request_id));
+        if let Some(id) = request_id {
+            if let Some(w) = self.requests.lock().expect("lock").remove(&id) {
+                let _ = w.send(c);
+            }
+        }
+    }
+
+    async fn request(
+        &self,
+        mut c: pb::BaseCommand,
+        set: impl FnOnce(&mut pb::BaseCommand, u64),
+    ) -> anyhow::Result<pb::BaseCommand> {
+        let id = self.next_request.fetch_add(1, Ordering::Relaxed);
+        set(&mut c, id);
+        let (w, r) = oneshot::channel();
+        self.requests.lock().expect("lock").insert(id, w);
+        self.tx.send(frame(&c)).await.context("connection closed")?;
+        let reply = tokio::time::timeout(Duration::from_secs(30), r)
+            .await
+            .context("no reply within 30 s")?
+            .context("connection closed")?;
+        if let Some(e) = &reply.error {
+            bail!("broker error {}: {}", e.error, e.message);
+        }
+        Ok(reply)
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Figures.
+
+struct Recorder {
+    interval: Histogram<u64>,
+    total: Histogram<u64>,
+}
+
+impl Recorder {
+    fn new() -> Mutex<Recorder> {
+        Mutex::new(Recorder {
+            interval: Histogram::new_with_bounds(1, 60_000_000, 3).expect("bounds"),
+            total: Histogram::new_with_bounds(1, 60_000_000, 3).expect("bounds"),
+        })
+    }
+}
+
+fn record(r: &Mutex<Recorder>, us: u64) {
+    let mut r = r.lock().expect("lock");
+    let us = us.clamp(1, 60_000_000);
+    let _ = r.interval.record(us);
+    let _ = r.total.record(us);
+}
+
+fn percentiles(h: &Histogram<u64>) -> String {
+    if h.is_empty() {
+        return "no samples".into();
+    }
+    let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    format!(
+        "p50 {:.3} p95 {:.3} p99 {:.3} p99.9 {:.3} max {:.3} ms",
+        ms(0.5),
+        ms(0.95),
+        ms(0.99),
+        ms(0.999),
+        h.max() as f64 / 1000.0
+    )
+}
+
+#[derive(Default)]
+struct Counters {
+    msgs: AtomicU64,
+    bytes: AtomicU64,
+    errors: AtomicU64,
+}
+
+fn now_us() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+fn topic_names(c: &CommonArgs) -> Vec<String> {
+    if c.topics <= 1 {
+        vec![c.topic.clone()]
+    } else {
+        (0..c.topics).map(|i| format!("{}-{i}", c.topic)).collect()
+    }
+}
+
+/// 4 KiB writes with fdatasync after each, in a thread, until `stop`.
+fn fsync_probe(dir: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Histogram<u64>> {
+    std::thread::spawn(move || {
+        use std::io::Write;
+        let mut h = Histogram::new_with_bounds(1, 60_000_000, 3).expect("bounds");
+        let path =
+            std::path::Path::new(&dir).join(format!("meridian-perf-fsync-{}", std::process::id()));
+        let Ok(mut f) = std::fs::File::create(&path) else {
+            eprintln!("perf: cannot create {}", path.display());
+            return h;
+        };
+        let block = [0x5au8; 4096];
+        let mut written = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let t = Instant::now();
+            if f.write_all(&block).and_then(|()| f.sync_data()).is_err() {
+                break;
+            }
+            let _ = h.record((t.elapsed().as_micros() as u64).max(1));
+            written += 4096;
+            if written >= 64 << 20 {
+                let _ = f.set_len(0);
+                written = 0;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        let _ = std::fs::remove_file(&path);
+        h
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producing.
+
+struct InFlight {
+    due: Vec<u64>,
+    bytes: u64,
+}
+
+/// One producer: its own connection, batches, a window of messages in flight.
+#[allow(clippy::too_many_arguments)]
+async fn run_producer(
+    url: String,
+    topic: String,
+    a: ProduceArgs,
+    rate: f64,
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicU64>,
+    counters: Arc<Counters>,
+    latency: Arc<Mutex<Recorder>>,
+) -> anyhow::Result<()> {
+    let conn = Conn::connect(&url).await?;
+    let producer_id = 1u64;
+    let mut c = base(Type::Producer);
+    c.producer = Some(pb::CommandProducer {
+        topic: topic.clone(),
+        producer_id,
+        ..Default::default()
+    });
+    let reply = conn
+        .request(c, |c, id| c.producer.as_mut().expect("set").request_id = id)
+        .await
+        .with_context(|| format!("creating a producer on {topic}"))?;
+    let name = reply
+        .producer_success
+        .map(|p| p.producer_name)
+        .unwrap_or_default();
+    let (rtx, mut rrx) = mpsc::unbounded_channel();
+    conn.receipts.lock().expect("lock").insert(producer_id, rtx);
+    let window = Arc::new(Semaphore::new(a.pending_max));
+    let inflight: Arc<Mutex<VecDeque<InFlight>>> = Arc::default();
+    // Receipts arrive in SEND order: match them with the in-flight queue.
+    let receipts = {
+        let inflight = Arc::clone(&inflight);
+        let window = Arc::clone(&window);
+        let counters = Arc::clone(&counters);
+        let latency = Arc::clone(&latency);
+        tokio::spawn(async move {
+            while let Some(r) = rrx.recv().await {
+                let Some(b) = inflight.lock().expect("lock").pop_front() else {
+                    continue;
+                };
+                let now = now_us();
+                if r.is_ok() {
+                    for d in &b.due {
+                        record(&latency, now.saturating_sub(*d));
+                    }
+                    counters
+                        .msgs
+                        .fetch_add(b.due.len() as u64, Ordering::Relaxed);
+                    counters.bytes.fetch_add(b.bytes, Ordering::Relaxed);
+                } else {
+                    counters
+                        .errors
+                        .fetch_add(b.due.len() as u64, Ordering::Relaxed);
+                }
+                window.add_permits(b.due.len());
+            }
+        })
+    };
+    let size = a.size.max(8);
+    let batching = a.batch_max_messages > 1;
+    let mut seq = 0u64;
+    let mut batch = BytesMut::new();
+    let mut due: Vec<u64> = Vec::new();
+    let mut batch_started = Instant::now();
+    let start = Instant::now();
+    let mut n = 0u64;
+    let filler = vec![0xabu8; size - 8];
+    let flush = |batch: &mut BytesMut, due: &mut Vec<u64>, seq: &mut u64| -> (Bytes, InFlight) {
+        let count = due.len();
+        let meta = pb::MessageMetadata {
+            producer_name: name.clone(),
+            sequence_id: *seq,
+            publish_time: now_us() / 1000,
+            num_messages_in_batch: batching.then_some(count as i32),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        let payload = batch.split().freeze();
+        let entry = Entry::build(&meta, &payload);
+        let mut c = base(Type::Send);
+        c.send = Some(pb::CommandSend {
+            producer_id,
+            sequence_id: *seq,
+            num_messages: batching.then_some(count as i32),
+            ..Default::default()
+        });
+        *seq += count as u64;
+        let mut f = BytesMut::new();
+        encode_message(&mut f, &c, entry.as_bytes());
+        (
+            f.freeze(),
+            InFlight {
+                due: std::mem::take(due),
+                bytes: payload.len() as u64,
+            },
+        )
+    };
+    loop {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        if a.messages > 0 && sent.fetch_add(1, Ordering::Relaxed) >= a.messages {
+            break;
+        }
+        // When the message is due (fixed rate) or now (unthrottled).
+        let due_us = if rate > 0.0 {
+            let at = Duration::from_secs_f64(n as f64 / rate);
+            let wake = start + at;
+            let deadline = batch_started + Duration::from_micros(a.batch_delay_us);
+            if !due.is_empty() && deadline < wake {
+                tokio::time::sleep_until(deadline.into()).await;
+                let (f, inf) = flush(&mut batch, &mut due, &mut seq);
+                inflight.lock().expect("lock").push_back(inf);
+                conn.tx.send(f).await.context("connection closed")?;
+            }
+            tokio::time::sleep_until(wake.into()).await;
+            // Stamped when actually sent, as pulsar-perf does: tokio's timer wakes in 1 ms
+            // steps, so the scheduled slot would charge up to 1 ms of pacing to the broker.
+            now_us()
+        } else {
+            now_us()
+        };
+        n += 1;
+        let permit = match window.try_acquire() {
+            Ok(p) => p,
+            Err(_) => {
+                if !due.is_empty() {
+                    let (f, inf) = flush(&mut batch, &mut due, &mut seq);
+                    inflight.lock().expect("lock").push_back(inf);
+                    conn.tx.send(f).await.context("connection closed")?;
+                }
+                window.acquire().await.expect("open")
+            }
+        };
+        permit.forget();
+        if due.is_empty() {
+            batch_started = Instant::now();
+        }
+        let mut data = BytesMut::with_capacity(size);
+        data.put_u64(due_us);
+        data.put_slice(&filler);
+        if batching {
+            let sm = pb::SingleMessageMetadata {
+                payload_size: size as i32,
+                ..Default::default()
+            }
+            .encode_to_vec();
+            batch.put_u32(sm.len() as u32);
+            batch.put_slice(&sm);
+        }
+        batch.put_slice(&data);
+        due.push(due_us);
+        let full = due.len() >= a.batch_max_messages
+            || batch.len() + size >= a.batch_max_bytes
+            || batch_started.elapsed() >= Duration::from_micros(a.batch_delay_us);
+        if full {
+            let (f, inf) = flush(&mut batch, &mut due, &mut seq);
+            inflight.lock().expect("lock").push_back(inf);
+            conn.tx.send(f).await.context("connection closed")?;
+        }
+    }
+    if !due.is_empty() {
+        let (f, inf) = flush(&mut batch, &mut due, &mut seq);
+        inflight.lock().expect("lock").push_back(inf);
+        conn.tx.send(f).await.context("connection closed")?;
+    }
+    // Wait for the outstanding receipts (bounded).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !inflight.lock().expect("lock").is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    receipts.abort();
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consuming.
+
+#[allow(clippy::too_many_arguments)]
+async fn run_consumer(
+    url: String,
+    topic: String,
+    subscription: String,
+    earliest: bool,
+    receiver_queue: u32,
+    stop: Arc<AtomicBool>,
+    limit: u64,
+    counters: Arc<Counters>,
+    e2e: Option<Arc<Mutex<Recorder>>>,
+    ready: oneshot::Sender<()>,
+) -> anyhow::Result<()> {
+    let conn = Conn::connect(&url).await?;
+    let consumer_id = 1u64;
+    let (mtx, mut mrx) = mpsc::unbounded_channel();
+    conn.messages.lock().expect("lock").insert(consumer_id, mtx);
+    let mut c = base(Type::Subscribe);
+    c.subscribe = Some(pb::CommandSubscribe {
+        topic: topic.clone(),
+        subscription,
+        sub_type: pb::command_subscribe::SubType::Exclusive as i32,
+        consumer_id,
+        initial_position: Some(if earliest {
+            pb::command_subscribe::InitialPosition::Earliest as i32
+        } else {
+            pb::command_subscribe::InitialPosition::Latest as i32
+        }),
+        ..Default::default()
+    });
+    conn.request(c, |c, id| {
+        c.subscribe.as_mut().expect("set").request_id = id
+    })
+    .await
+    .with_context(|| format!("subscribing to {topic}"))?;
+    let flow = |n: u32| {
+        let mut f = base(Type::Flow);
+        f.flow = Some(pb::CommandFlow {
+            consumer_id,
+            message_permits: n,
+        });
+        frame(&f)
+    };
+    conn.tx.send(flow(receiver_queue)).await?;
+    let _ = ready.send(());
+    let mut since_flow = 0u32;
+    let mut since_ack = 0u32;
+    while !stop.load(Ordering::Relaxed) {
+        let Ok(Some((id, entry))) =
+            tokio::time::timeout(Duration::from_millis(200), mrx.recv()).await
+        else {
+            continue;
+        };
+        let meta = entry.metadata().ok();
+        let count = meta
+            .as_ref()
+            .map_or(1, meridian_protocol::entry::message_count);
+        let payload = entry.payload();
+        let now = now_us();
+        if let Some(rec) = &e2e {
+            if meta
+                .as_ref()
+                .is_some_and(|m| m.num_messages_in_batch.is_some())
+            {
+                for item in BatchIter::new(payload.clone()).flatten() {
+                    if item.data.len() >= 8 {
+                        let sent = u64::from_be_bytes(item.data[..8].try_into().expect("8"));
+                        record(rec, now.saturating_sub(sent));
+                    }
+                }
+            } else if payload.len() >= 8 {
+                let sent = u64::from_be_bytes(payload[..8].try_into().expect("8"));
+                record(rec, now.saturating_sub(sent));
+            }
+        }
+        counters.msgs.fetch_add(u64::from(count), Ordering::Relaxed);
+        counters
+            .bytes
+            .fetch_add(payload.len() as u64, Ordering::Relaxed);
+        since_flow += count;
+        since_ack += 1;
+        if since_flow >= receiver_queue / 2 {
+            conn.tx.send(flow(since_flow)).await?;
+            since_flow = 0;
+        }
+        if since_ack >= 64 {
+            let mut a = base(Type::Ack);
+            a.ack = Some(pb::CommandAck {
+                consumer_id,
+                ack_type: pb::command_ack::AckType::Cumulative as i32,
+                message_id: vec![pb::MessageIdData {
+                    ledger_id: id.ledger_id,
+                    entry_id: id.entry_id,
+                    ..Default::default()
+                }],
+                ..Default::default()
+            });
+            conn.tx.send(frame(&a)).await?;
+            since_ack = 0;
+        }
+        if limit > 0 && counters.msgs.load(Ordering::Relaxed) >= limit {
+            stop.store(true, Ordering::Relaxed);
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Commands.
+
+struct Report {
+    label: &'static str,
+    counters: Arc<Counters>,
+    latency: Option<(&'static str, Arc<Mutex<Recorder>>)>,
+}
+
+async fn report_loop(reports: Vec<Report>, every: Duration, stop: Arc<AtomicBool>) {
+    let start = Instant::now();
+    let mut last: Vec<(u64, u64)> = vec![(0, 0); reports.len()];
+    let mut last_t = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if last_t.elapsed() < every {
+            continue;
+        }
+        let dt = last_t.elapsed().as_secs_f64();
+        last_t = Instant::now();
+        for (r, l) in reports.iter().zip(last.iter_mut()) {
+            let m = r.counters.msgs.load(Ordering::Relaxed);
+            let b = r.counters.bytes.load(Ordering::Relaxed);
+            let mut line = format!(
+                "[{:>5.1}s] {}: {:>10.0} msg/s {:>8.1} MiB/s",
+                start.elapsed().as_secs_f64(),
+                r.label,
+                (m - l.0) as f64 / dt,
+                (b - l.1) as f64 / dt / 1048576.0
+            );
+            *l = (m, b);
+            if let Some((name, rec)) = &r.latency {
+                let mut rec = rec.lock().expect("lock");
+                line.push_str(&format!(" | {name} {}", percentiles(&rec.interval)));
+                rec.interval.reset();
+            }
+            println!("{line}");
+        }
+    }
+}
+
+fn summary(label: &str, c: &Counters, secs: f64, latency: Option<(&str, &Mutex<Recorder>)>) {
+    let m = c.msgs.load(Ordering::Relaxed);
+    let b = c.bytes.load(Ordering::Relaxed);
+    let e = c.errors.load(Ordering::Relaxed);
+    println!(
+        "summary {label}: {m} messages in {secs:.1} s = {:.0} msg/s, {:.1} MiB/s{}",
+        m as f64 / secs,
+        b as f64 / secs / 1048576.0,
+        if e > 0 {
+            format!(", {e} failed")
+        } else {
+            String::new()
+        }
+    );
+    if let Some((name, rec)) = latency {
+        println!(
+            "summary {label} {name} latency: {}",
+            percentiles(&rec.lock().expect("lock").total)
+        );
+    }
+}
+
+async fn stop_after(seconds: u64, stop: Arc<AtomicBool>) {
+    if seconds == 0 {
+        return;
+    }
+    let deadline = Instant::now() + Duration::from_secs(seconds);
+    while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+}
+
+fn spawn_producers(
+    a: &ProduceArgs,
+    stop: &Arc<AtomicBool>,
+    counters: &Arc<Counters>,
+    latency: &Arc<Mutex<Recorder>>,
+) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    let topics = topic_names(&a.common);
+    let total = topics.len() * a.producers.max(1);
+    let rate = a.rate as f64 / total as f64;
+    let sent = Arc::new(AtomicU64::new(0));
+    let mut out = Vec::new();
+    for t in &topics {
+        for _ in 0..a.producers.max(1) {
+            out.push(tokio::spawn(run_producer(
+                a.common.url.clone(),
+                t.clone(),
+                a.clone(),
+                rate,
+                Arc::clone(stop),
+                Arc::clone(&sent),
+                Arc::clone(counters),
+                Arc::clone(latency),
+            )));
+        }
+    }
+    out
+}
+
+async fn join_all(tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>) -> anyhow::Result<()> {
+    for t in tasks {
+        t.await.context("task panicked")??;
+    }
+    Ok(())
+}
+
+fn print_probe(probe: Option<std::thread::JoinHandle<Histogram<u64>>>) {
+    if let Some(p) = probe {
+        if let Ok(h) = p.join() {
+            println!(
+                "summary disk 4 KiB write+fdatasync ({} samples): {}",
+                h.len(),
+                percentiles(&h)
+            );
+        }
+    }
+}
+
+pub async fn produce(a: ProduceArgs) -> anyhow::Result<()> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let probe = a
+        .common
+        .fsync_probe_dir
+        .clone()
+        .map(|d| fsync_probe(d, Arc::clone(&stop)));
+    let counters = Arc::new(Counters::default());
+    let latency = Arc::new(Recorder::new());
+    let start = Instant::now();
+    let tasks = spawn_producers(&a, &stop, &counters, &latency);
+    let reporter = tokio::spawn(report_loop(
+        vec![Report {
+            label: "produce",
+            counters: Arc::clone(&counters),
+            latency: Some(("publish", Arc::clone(&latency))),
+        }],
+        Duration::from_secs(a.common.report_every.max(1)),
+        Arc::clone(&stop),
+    ));
+    let timer = tokio::spawn(stop_after(a.common.seconds, Arc::clone(&stop)));
+    let r = join_all(tasks).await;
+    let secs = start.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let _ = timer.await;
+    let _ = reporter.await;
+    summary("produce", &counters, secs, Some(("publish", &latency)));
+    print_probe(probe);
+    r
+}
+
+pub async fn consume(a: ConsumeArgs) -> anyhow::Result<()> {
+    let stop = Arc::new(AtomicBool::new(false));
+    let probe = a
+        .common
+        .fsync_probe_dir
+        .clone()
+        .map(|d| fsync_probe(d, Arc::clone(&stop)));
+    let counters = Arc::new(Counters::default());
+    let mut tasks = Vec::new();
+    let mut readies = Vec::new();
+    for t in topic_names(&a.common) {
+        let (rt, rr) = oneshot::channel();
+        readies.push(rr);
+        tasks.push(tokio::spawn(run_consumer(
+            a.common.url.clone(),
+            t,
+            a.subscription.clone(),
+            a.initial != "latest",
+            a.receiver_queue,
+            Arc::clone(&stop),
+            a.messages,
+            Arc::clone(&counters),
+            None,
+            rt,
+        )));
+    }
+    for r in readies {
+        let _ = r.await;
+    }
+    let start = Instant::now();
+    let reporter = tokio::spawn(report_loop(
+        vec![Report {
+            label: "consume",
+            counters: Arc::clone(&counters),
+            latency: None,
+        }],
+        Duration::from_secs(a.common.report_every.max(1)),
+        Arc::clone(&stop),
+    ));
+    let timer = tokio::spawn(stop_after(a.common.seconds, Arc::clone(&stop)));
+    let r = join_all(tasks).await;
+    let secs = start.elapsed().as_secs_f64();
+    stop.store(true, Ordering::Relaxed);
+    let _ = timer.await;
+    let _ = reporter.await;
+    summary("consume", &counters, secs, None);
+    print_probe(probe);
+    r
+}
+
+pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
+    let p = &a.produce;
+    let stop = Arc::new(AtomicBool::new(false));
+    let probe = p
+        .common
+        .fsync_probe_dir
+        .clone()
+        .map(|d| fsync_probe(d, Arc::clone(&stop)));
+    let consumed = Arc::new(Counters::default());
+    let e2e_latency = Arc::new(Recorder::new());
+    let mut tasks = Vec::new();
+    let mut readies = Vec::new();
+    for t in topic_names(&p.common) {
+        let (rt, rr) = oneshot::channel();
+        readies.push(rr);
+        tasks.push(tokio::spawn(run_consumer(
+            p.common.url.clone(),
+            t,
+            a.subscription.clone(),
+            false,
+            a.receiver_queue,
+            Arc::clone(&stop),
+            0,
+            Arc::clone(&consumed),
+            Some(Arc::clone(&e2e_latency)),
+            rt,
+        )));
+    }
+    for r in readies {
+        let _ = r.await;
+    }
+    let produced = Arc::new(Counters::default());
+    let publish = Arc::new(Recorder::new());
+    let start = Instant::now();
+    let producers = spawn_producers(p, &stop, &produced, &publish);
+    let reporter = tokio::spawn(report_loop(
+        vec![
+            Report {
+                label: "produce",
+                counters: Arc::clone(&produced),
+                latency: Some(("publish", Arc::clone(&publish))),
+            },
+            Report {
+                label: "consume",
+                counters: Arc::clone(&consumed),
+                latency: Some(("end-to-end", Arc::clone(&e2e_latency))),
+            },
+        ],
+        Duration::from_secs(p.common.report_every.max(1)),
+        Arc::clone(&stop),
+    ));
+    let timer = tokio::spawn(stop_after(p.common.seconds, Arc::clone(&stop)));
+    let r = join_all(producers).await;
+    let secs = start.elapsed().as_secs_f64();
+    // Let the consumer drain what is in flight.
+    let drain = Instant::now() + Duration::from_secs(5);
+    while consumed.msgs.load(Ordering::Relaxed) < produced.msgs.load(Ordering::Relaxed)
+        && Instant::now() < drain
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.store(true, Ordering::Relaxed);
+    let _ = timer.await;
+    let _ = reporter.await;
+    let _ = join_all(tasks).await;
+    summary("produce", &produced, secs, Some(("publish", &publish)));
+    summary(
+        "consume",
+        &consumed,
+        secs,
+        Some(("end-to-end", &e2e_latency)),
+    );
+    print_probe(probe);
+    r
+}
