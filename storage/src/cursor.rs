@@ -359,6 +359,12 @@ impl ManagedCursor {
     /// crash before it delivers them again. Zero (the default) persists every change.
     ///
     /// [`flush`]: ManagedCursor::flush
+    /// Whether acknowledgements wait to be persisted (by the next change after the interval,
+    /// or by [`flush`](ManagedCursor::flush)).
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
+    }
+
     pub fn set_persist_interval(&mut self, interval: std::time::Duration) {
         self.persist_interval = interval;
     }

@@ -785,30 +785,36 @@ struct WriterActor {
 impl WriterActor {
     async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Cmd>) {
         self.conns = vec![None; self.ensemble.len()];
+        // Timeouts are checked only while adds are pending: an idle ledger (a topic nobody
+        // writes to) costs no wake-ups. The handlers are boxed so that the idle task is small.
         let mut tick = tokio::time::interval(Duration::from_millis(100));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            let busy = !self.pending.is_empty();
             let cmd = tokio::select! {
                 c = rx.recv() => match c { Some(c) => c, None => return },
-                _ = tick.tick() => {
-                    self.check_timeouts().await;
+                _ = tick.tick(), if busy => {
+                    Box::pin(self.check_timeouts()).await;
                     continue;
                 }
             };
             match cmd {
-                Cmd::Add(payload, reply, permit) => self.add(payload, reply, permit).await,
+                Cmd::Add(payload, reply, permit) => {
+                    Box::pin(self.add(payload, reply, permit)).await
+                }
                 Cmd::Ack {
                     entry,
                     index,
                     addr,
                     result,
-                } => self.ack(entry, index, addr, result).await,
+                } => Box::pin(self.ack(entry, index, addr, result)).await,
                 Cmd::Close(reply) => {
                     self.closing = Some(reply);
                 }
             }
             if self.closing.is_some() && self.pending.is_empty() {
                 let reply = self.closing.take().expect("closing");
-                let _ = reply.send(self.close().await);
+                let _ = reply.send(Box::pin(self.close()).await);
                 return;
             }
         }

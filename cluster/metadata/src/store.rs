@@ -108,7 +108,9 @@ pub fn open_db(dir: &Path, cfs: &[&str]) -> Result<(Arc<Db>, DbClosed), OpenErro
     opts.create_if_missing(true);
     opts.create_missing_column_families(true);
     opts.set_paranoid_checks(true);
-    Db::open(&opts, dir, cfs).map_err(|e| OpenError::RocksDb {
+    // Metadata is small: 8 MiB memtables per column family, at most 32 MiB per database,
+    // instead of RocksDB's 64 MiB each (idle memory of a standalone process).
+    Db::open(&opts, dir, cfs, 8 << 20, 32 << 20).map_err(|e| OpenError::RocksDb {
         path: dir.to_path_buf(),
         message: e.to_string(),
     })
@@ -129,15 +131,24 @@ pub struct DbClosed {
 }
 
 impl Db {
+    /// Opens `dir` with column families `cfs`, each with memtables of `write_buffer_bytes`,
+    /// all of them together holding at most `db_write_buffer_bytes`.
     pub fn open(
         opts: &Options,
         dir: &Path,
         cfs: &[&str],
+        write_buffer_bytes: usize,
+        db_write_buffer_bytes: usize,
     ) -> Result<(Arc<Db>, DbClosed), rocksdb::Error> {
-        let descriptors = cfs
-            .iter()
-            .map(|name| ColumnFamilyDescriptor::new(*name, Options::default()));
-        let db = DB::open_cf_descriptors(opts, dir, descriptors)?;
+        let mut opts = opts.clone();
+        opts.set_write_buffer_size(write_buffer_bytes);
+        opts.set_db_write_buffer_size(db_write_buffer_bytes);
+        let descriptors = cfs.iter().map(|name| {
+            let mut o = Options::default();
+            o.set_write_buffer_size(write_buffer_bytes);
+            ColumnFamilyDescriptor::new(*name, o)
+        });
+        let db = DB::open_cf_descriptors(&opts, dir, descriptors)?;
         let (tx, rx) = std::sync::mpsc::channel();
         Ok((
             Arc::new(Db {
@@ -322,7 +333,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
     type LogReader = Self;
 
     async fn get_log_state(&mut self) -> Result<LogState<TypeConfig>, StorageError<NodeId>> {
-        let last_purged: Option<LogId<NodeId>> = self.get_raft("purged")?;
+        // Stored as `Option<LogId>` (see `purge`): read it back as that type. Reading a bare
+        // `LogId` from it decoded garbage (shifted by the option's tag byte) and a node whose
+        // log had been purged could not start again.
+        let last_purged: Option<LogId<NodeId>> =
+            self.get_raft::<Option<LogId<NodeId>>>("purged")?.flatten();
         let last = self.last_entry_log_id()?.or(last_purged);
         Ok(LogState {
             last_purged_log_id: last_purged,
@@ -787,5 +802,30 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
             meta: stored.meta,
             snapshot: Box::new(Cursor::new(stored.data)),
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use openraft::CommittedLeaderId;
+
+    #[tokio::test]
+    async fn given_a_purge_then_the_log_state_reads_the_purge_point_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let (db, _closed) = open_db(dir.path(), &LOG_CFS).unwrap();
+        let mut store = LogStore::new(
+            db,
+            StoreOptions {
+                fsync: false,
+                watch_history_events: 1_000,
+                watch_buffer_batches: 16,
+            },
+        );
+        let purged = LogId::new(CommittedLeaderId::new(3, 1), 78_999);
+        store.purge(purged).await.unwrap();
+        let state = store.get_log_state().await.unwrap();
+        assert_eq!(state.last_purged_log_id, Some(purged));
+        assert_eq!(state.last_log_id, Some(purged));
     }
 }

@@ -255,9 +255,10 @@ impl EntryLogWriter {
     }
 }
 
-/// Entries held between the journal and the entry logs. Their bytes live in reused chunks
-/// (allocated and touched once, at start-up): the write path allocates no fresh memory, whose
-/// first touch (zeroing pages) was the largest cost in a profile of a loaded bookie.
+/// Entries held between the journal and the entry logs. Their bytes live in reused chunks: once
+/// the pool has grown to what the load needs, the write path allocates no fresh memory, whose
+/// first touch (zeroing pages) was the largest cost in a profile of a loaded bookie. The pool
+/// grows on demand (an idle bookie holds one chunk, not the whole cache).
 #[derive(Default)]
 struct WriteCache {
     entries: BTreeMap<(u64, u64), Bytes>,
@@ -276,15 +277,7 @@ const CHUNK_BYTES: usize = 4 << 20;
 impl WriteCache {
     fn new(bytes_max: usize) -> Self {
         let chunks_max = bytes_max.div_ceil(CHUNK_BYTES) + 2;
-        let spent = (0..chunks_max.saturating_sub(1))
-            .map(|_| {
-                let mut c = BytesMut::with_capacity(CHUNK_BYTES);
-                // Touch every page now rather than on the write path.
-                c.resize(CHUNK_BYTES, 0);
-                c.clear();
-                c
-            })
-            .collect();
+        let spent = VecDeque::new();
         Self {
             entries: BTreeMap::new(),
             bytes: 0,
@@ -411,6 +404,9 @@ impl LedgerStorage {
             &o,
             &index_dir,
             &[CF_INDEX, CF_LEDGERS, CF_LOGS, CF_META],
+            // The index takes a key per entry: larger memtables than metadata's, still bounded.
+            32 << 20,
+            64 << 20,
         )?;
         let ledgers: HashMap<u64, LedgerState> = load_json_by_id(&db, CF_LEDGERS, "ledger state")?
             .into_iter()

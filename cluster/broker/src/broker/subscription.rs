@@ -499,7 +499,8 @@ impl Subscription {
             if *stop.borrow() {
                 return;
             }
-            let progressed = match self.dispatch_once().await {
+            // Boxed: the task of an idle subscription stays small.
+            let progressed = match Box::pin(self.dispatch_once()).await {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(topic = %self.topic.full_name(), subscription = %self.name, error = %e, "dispatch failed; retrying");
@@ -511,13 +512,16 @@ impl Subscription {
                 tokio::task::yield_now().await;
                 continue;
             }
+            // A timer only while acknowledgements wait to be persisted: idle subscriptions
+            // cost no wake-ups.
+            let dirty = self.state.lock().await.cursor.is_dirty();
             tokio::select! {
                 _ = self.wake.notified() => {}
                 r = appended.changed() => if r.is_err() { return },
                 _ = stop.changed() => return,
-                _ = tokio::time::sleep(flush_every) => {
+                _ = tokio::time::sleep(flush_every), if dirty => {
                     let mut st = self.state.lock().await;
-                    if let Err(e) = st.cursor.flush().await {
+                    if let Err(e) = Box::pin(st.cursor.flush()).await {
                         tracing::warn!(subscription = %self.name, error = %e, "persisting the cursor failed");
                     }
                 }
