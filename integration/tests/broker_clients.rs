@@ -100,6 +100,22 @@ fn python_client_10k_batched_and_unbatched_in_order_then_sigterm_exits_0() {
         assert!(metrics.contains(name), "{name} missing from /metrics");
     }
 
+    step("/stats: per-topic and per-subscription figures");
+    let stats = http_get(&s.http, "/stats?topic=orders");
+    let body = &stats[stats.find("\r\n\r\n").unwrap() + 4..];
+    let v: serde_json::Value = serde_json::from_str(body).unwrap();
+    let t = &v[0];
+    assert_eq!(t["topic"], "persistent://public/default/orders");
+    assert_eq!(t["msgs_in_total"], 20_000);
+    assert_eq!(t["msgs_out_total"], 20_000);
+    assert!(t["storage_bytes"].as_u64().unwrap() > 20_000 * 9);
+    assert!(t.get("msg_rate_in").is_some() && t.get("bytes_rate_out").is_some());
+    let sub = &t["subscriptions"][0];
+    assert_eq!(sub["name"], "s1");
+    assert_eq!(sub["sub_type"], "Exclusive");
+    assert_eq!(sub["backlog_entries"], 0, "{sub}");
+    assert_eq!(sub["msgs_out_total"], 20_000);
+
     step("SIGTERM: the process stops cleanly with exit code 0");
     assert_eq!(s.stop().unwrap(), 0, "{}", s.log_text());
 }

@@ -1,4 +1,5 @@
-//! The HTTP endpoint: `/metrics` (Prometheus text) and `/health`.
+//! The HTTP endpoint: `/metrics` (Prometheus text), `/health`, and `/stats` (topic and
+//! subscription figures as JSON, until the admin API serves them).
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
@@ -68,6 +69,27 @@ async fn health(State(c): State<Ctx>) -> impl IntoResponse {
     )
 }
 
+/// Every loaded topic's stats, as JSON (`?topic=NAME` for one).
+async fn stats(
+    State(c): State<Ctx>,
+    axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
+) -> impl IntoResponse {
+    let want = q.get("topic").map(|t| {
+        crate::topic_name::TopicName::parse(t).map_or_else(|_| t.clone(), |n| n.to_string())
+    });
+    let mut out = Vec::new();
+    for t in c.broker.loaded_topics() {
+        if want.as_ref().is_none_or(|w| w == t.full_name()) {
+            out.push(t.stats().await);
+        }
+    }
+    out.sort_by(|a, b| a.topic.cmp(&b.topic));
+    (
+        [("content-type", "application/json")],
+        serde_json::to_string(&out).expect("serializable"),
+    )
+}
+
 pub struct RunningHttp {
     pub addr: SocketAddr,
     stop: watch::Sender<bool>,
@@ -83,6 +105,7 @@ pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<Runn
     let app = Router::new()
         .route("/metrics", get(metrics_page))
         .route("/health", get(health))
+        .route("/stats", get(stats))
         .with_state(ctx);
     let (stop, mut stop_rx) = watch::channel(false);
     let task = tokio::spawn(async move {

@@ -29,7 +29,7 @@ use meridian_storage::managed_ledger::{
 use tokio::sync::{watch, OnceCell};
 
 use crate::topic_name::{Domain, TopicName, TopicNameError};
-pub use subscription::{ConsumerSink, SubType, SubscribeRequest, Subscription};
+pub use subscription::{ConsumerSink, SubType, SubscribeRequest, Subscription, SubscriptionStats};
 
 /// Where namespaces are recorded (the tenancy issue adds their policies).
 pub const NAMESPACES_PREFIX: &str = "/admin/namespaces/";
@@ -93,6 +93,32 @@ pub struct TopicCounters {
     pub bytes_out: AtomicU64,
 }
 
+/// A topic's figures, as the stats (`/stats`) and the admin API show them. Rates are per
+/// second over the last sampling interval of [`Broker::stats_loop`].
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct TopicStats {
+    pub topic: String,
+    pub msg_rate_in: f64,
+    pub msg_rate_out: f64,
+    pub bytes_rate_in: f64,
+    pub bytes_rate_out: f64,
+    pub msgs_in_total: u64,
+    pub msgs_out_total: u64,
+    pub storage_entries: u64,
+    pub storage_bytes: u64,
+    pub producers: usize,
+    pub subscriptions: Vec<SubscriptionStats>,
+}
+
+/// The last sample of a topic's counters and the rates computed from it.
+#[derive(Debug, Default, Clone)]
+struct Rates {
+    at: Option<std::time::Instant>,
+    totals: [u64; 4],
+    per_sec: [f64; 4],
+    subs: HashMap<String, (u64, f64)>,
+}
+
 /// A topic this broker owns.
 pub struct Topic {
     pub name: TopicName,
@@ -104,6 +130,7 @@ pub struct Topic {
     subscriptions: tokio::sync::Mutex<HashMap<String, Arc<Subscription>>>,
     appended: watch::Sender<Option<Position>>,
     pub counters: TopicCounters,
+    rates: Mutex<Rates>,
 }
 
 impl Topic {
@@ -209,6 +236,69 @@ impl Topic {
             Err(_) => -1,
         };
         Some((pos, batch_index))
+    }
+
+    /// Samples the counters and updates the rates (called by the stats loop).
+    pub async fn sample_rates(&self) {
+        let totals = [
+            self.counters.msgs_in.load(Ordering::Relaxed),
+            self.counters.msgs_out.load(Ordering::Relaxed),
+            self.counters.bytes_in.load(Ordering::Relaxed),
+            self.counters.bytes_out.load(Ordering::Relaxed),
+        ];
+        let subs: Vec<(String, u64)> = self
+            .subscriptions()
+            .await
+            .iter()
+            .map(|s| (s.name().to_string(), s.msgs_out.load(Ordering::Relaxed)))
+            .collect();
+        let now = std::time::Instant::now();
+        let mut r = self.rates.lock().expect("rates lock");
+        if let Some(at) = r.at {
+            let dt = now.duration_since(at).as_secs_f64().max(1e-3);
+            let prev = r.totals;
+            for ((rate, now), before) in r.per_sec.iter_mut().zip(totals).zip(prev) {
+                *rate = now.saturating_sub(before) as f64 / dt;
+            }
+            let old = std::mem::take(&mut r.subs);
+            for (name, out) in subs {
+                let rate = old
+                    .get(&name)
+                    .map_or(0.0, |(prev, _)| out.saturating_sub(*prev) as f64 / dt);
+                r.subs.insert(name, (out, rate));
+            }
+        } else {
+            r.subs = subs.into_iter().map(|(n, o)| (n, (o, 0.0))).collect();
+        }
+        r.at = Some(now);
+        r.totals = totals;
+    }
+
+    /// The topic's figures: rates from the last sample, backlog per subscription, storage.
+    pub async fn stats(&self) -> TopicStats {
+        let (storage_entries, storage_bytes) = self.ml.size().await;
+        let mut subscriptions = Vec::new();
+        for sub in self.subscriptions().await {
+            subscriptions.push(sub.stats().await);
+        }
+        let r = self.rates.lock().expect("rates lock").clone();
+        for s in &mut subscriptions {
+            s.msg_rate_out = r.subs.get(&s.name).map_or(0.0, |(_, rate)| *rate);
+        }
+        subscriptions.sort_by(|a, b| a.name.cmp(&b.name));
+        TopicStats {
+            topic: self.full_name.clone(),
+            msg_rate_in: r.per_sec[0],
+            msg_rate_out: r.per_sec[1],
+            bytes_rate_in: r.per_sec[2],
+            bytes_rate_out: r.per_sec[3],
+            msgs_in_total: self.counters.msgs_in.load(Ordering::Relaxed),
+            msgs_out_total: self.counters.msgs_out.load(Ordering::Relaxed),
+            storage_entries,
+            storage_bytes,
+            producers: self.producer_count(),
+            subscriptions,
+        }
     }
 
     /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
@@ -387,6 +477,7 @@ impl Broker {
             subscriptions: tokio::sync::Mutex::default(),
             appended: watch::channel(last).0,
             counters: TopicCounters::default(),
+            rates: Mutex::default(),
         }))
     }
 
@@ -440,6 +531,7 @@ impl Broker {
                 return;
             }
             for topic in self.loaded_topics() {
+                topic.sample_rates().await;
                 let (_, bytes) = topic.ml.size().await;
                 metrics::gauge!("meridian_topic_storage_bytes", "topic" => topic.full_name.clone())
                     .set(bytes as f64);

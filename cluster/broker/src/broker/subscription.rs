@@ -118,6 +118,22 @@ pub struct Subscription {
     wake: Notify,
     closed: AtomicBool,
     stop: watch::Sender<bool>,
+    /// Messages dispatched (counted per message of a batch), for stats.
+    pub msgs_out: std::sync::atomic::AtomicU64,
+}
+
+/// A subscription's figures, as the stats and the admin API show them.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct SubscriptionStats {
+    pub name: String,
+    pub sub_type: String,
+    pub durable: bool,
+    pub consumers: usize,
+    pub msg_rate_out: f64,
+    pub msgs_out_total: u64,
+    pub backlog_entries: u64,
+    pub backlog_bytes: u64,
+    pub unacked_entries: usize,
 }
 
 fn cursor_name(subscription: &str) -> String {
@@ -176,6 +192,7 @@ impl Subscription {
             wake: Notify::new(),
             closed: AtomicBool::new(false),
             stop,
+            msgs_out: std::sync::atomic::AtomicU64::new(0),
         });
         tokio::spawn(Arc::clone(&sub).dispatch_loop(appended, stop_rx));
         Ok(sub)
@@ -475,6 +492,24 @@ impl Subscription {
         self.state.lock().await.cursor.backlog().await
     }
 
+    /// The subscription's figures; `msg_rate_out` is filled by the caller (it keeps the
+    /// previous sample).
+    pub async fn stats(&self) -> SubscriptionStats {
+        let st = self.state.lock().await;
+        let backlog = st.cursor.backlog().await;
+        SubscriptionStats {
+            name: self.name.clone(),
+            sub_type: format!("{:?}", self.sub_type),
+            durable: self.durable,
+            consumers: st.consumers.len(),
+            msg_rate_out: 0.0,
+            msgs_out_total: self.msgs_out.load(Ordering::Relaxed),
+            backlog_entries: backlog.entries,
+            backlog_bytes: backlog.bytes,
+            unacked_entries: st.pending.len(),
+        }
+    }
+
     pub async fn consumer_count(&self) -> usize {
         self.state.lock().await.consumers.len()
     }
@@ -654,6 +689,7 @@ impl Subscription {
             .counters
             .msgs_out
             .fetch_add(out_msgs, Ordering::Relaxed);
+        self.msgs_out.fetch_add(out_msgs, Ordering::Relaxed);
         self.topic
             .counters
             .bytes_out
