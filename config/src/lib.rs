@@ -376,6 +376,9 @@ pub struct BrokerConfig {
     pub ack_quorum: u64,
     /// Start a new ledger of a topic after this many entries. Range 1..=100000000, default 50000.
     pub ledger_rollover_entries_max: u64,
+    /// ... but not before the ledger is this old, milliseconds (a roll-over pauses the topic's
+    /// appends briefly). Range 0..=86400000, default 600000 (10 minutes, as Pulsar).
+    pub ledger_rollover_min_age_ms: u64,
     /// Recently written entries kept in memory per topic for tailing consumers, bytes.
     /// Range 0..=17179869184, default 16777216 (16 MiB).
     pub tail_cache_bytes_max: u64,
@@ -403,6 +406,7 @@ impl Default for BrokerConfig {
             write_quorum: 1,
             ack_quorum: 1,
             ledger_rollover_entries_max: 50_000,
+            ledger_rollover_min_age_ms: 600_000,
             tail_cache_bytes_max: 16 << 20,
             cursor_persist_interval_ms: 100,
             dispatch_batch_entries_max: 100,
@@ -437,6 +441,7 @@ impl BrokerConfig {
             ("broker.write_quorum", b.write_quorum, 1, b.ensemble, " (at most broker.ensemble)"),
             ("broker.ack_quorum", b.ack_quorum, 1, b.write_quorum, " (at most broker.write_quorum)"),
             ("broker.ledger_rollover_entries_max", b.ledger_rollover_entries_max, 1, 100_000_000, ""),
+            ("broker.ledger_rollover_min_age_ms", b.ledger_rollover_min_age_ms, 0, 86_400_000, ""),
             ("broker.tail_cache_bytes_max", b.tail_cache_bytes_max, 0, 17_179_869_184, ""),
             ("broker.cursor_persist_interval_ms", b.cursor_persist_interval_ms, 0, 60_000, ""),
             ("broker.dispatch_batch_entries_max", b.dispatch_batch_entries_max, 1, 10_000, ""),

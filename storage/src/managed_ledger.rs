@@ -83,6 +83,10 @@ pub struct ManagedLedgerOptions {
     pub rollover_entries_max: u64,
     pub rollover_bytes_max: u64,
     pub rollover_age_ms: u64,
+    /// A ledger is not rolled over by entries or bytes before it is this old (as Pulsar's
+    /// `managedLedgerMinLedgerRolloverTimeMinutes`): a roll-over pauses appends for a ledger
+    /// close and create, so a busy topic should not pay it every few seconds. 0: no minimum.
+    pub rollover_min_age_ms: u64,
     pub tail_cache_bytes_max: usize,
     /// Acknowledged data kept this long anyway (readers may still read it); 0: none.
     pub retention_ms: u64,
@@ -99,6 +103,7 @@ impl Default for ManagedLedgerOptions {
             rollover_entries_max: 50_000,
             rollover_bytes_max: 1 << 30,
             rollover_age_ms: 4 * 3600 * 1000,
+            rollover_min_age_ms: 0,
             tail_cache_bytes_max: 64 << 20,
             retention_ms: 0,
             retention_bytes: 0,
@@ -385,9 +390,10 @@ impl ManagedLedger {
     }
 
     fn roll_due(&self, open: &Open) -> bool {
-        open.entries >= self.opts.rollover_entries_max
-            || open.bytes >= self.opts.rollover_bytes_max
-            || open.opened.elapsed().as_millis() as u64 >= self.opts.rollover_age_ms
+        let age = open.opened.elapsed().as_millis() as u64;
+        let full = open.entries >= self.opts.rollover_entries_max
+            || open.bytes >= self.opts.rollover_bytes_max;
+        (full && age >= self.opts.rollover_min_age_ms) || age >= self.opts.rollover_age_ms
     }
 
     /// Appends an entry; returns its position once it is on an ack quorum of bookies.

@@ -408,6 +408,21 @@ mod managed {
         let ledgers = ml.ledgers().await;
         assert_eq!(ledgers.len(), 3, "{ledgers:?}");
         assert_eq!(ledgers[0].entries, Some(100));
+        step("with a minimum ledger age, a full ledger is not rolled over before it");
+        let young = ManagedLedger::open(
+            client.clone(),
+            "acme/orders/young",
+            ManagedLedgerOptions {
+                rollover_min_age_ms: 600_000,
+                ..opts()
+            },
+        )
+        .await
+        .expect("open");
+        for i in 0..250u64 {
+            young.append(payload(i)).await.expect("append");
+        }
+        assert_eq!(young.ledgers().await.len(), 1);
         assert_eq!(ml.last_confirmed(), Some(*positions.last().expect("one")));
         step("read everything back from the first position, across ledger boundaries");
         let first = ml.first_position().await.expect("first");

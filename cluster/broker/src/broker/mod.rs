@@ -461,6 +461,7 @@ impl Broker {
             write_quorum: self.cfg.write_quorum as usize,
             ack_quorum: self.cfg.ack_quorum as usize,
             rollover_entries_max: self.cfg.ledger_rollover_entries_max,
+            rollover_min_age_ms: self.cfg.ledger_rollover_min_age_ms,
             tail_cache_bytes_max: self.cfg.tail_cache_bytes_max as usize,
             ..ManagedLedgerOptions::default()
         };
