@@ -15,6 +15,7 @@ stdout sees progress as it happens (and sees what was acknowledged before a kill
 import argparse
 import json
 import sys
+import time
 
 import pulsar
 
@@ -114,6 +115,71 @@ def read(a):
     c.close()
 
 
+def scenario(a):
+    """Scripted checks of behaviours that need several steps in one client; prints
+    {"ok": name} or raises (non-zero exit)."""
+    c = client(a.url)
+    t = a.topic
+    p = c.create_producer(t, batching_enabled=False)
+    ids = []
+    for i in range(20):
+        ids.append(p.send(("msg-%d" % i).encode(), properties={"i": str(i)}))
+        if i % 4 == 3:
+            time.sleep(0.003)
+    num = lambda m: int(m.properties()["i"])
+
+    if a.name == "nack":
+        cons = c.subscribe(t, "nack", consumer_type=pulsar.ConsumerType.Shared,
+                           initial_position=pulsar.InitialPosition.Earliest,
+                           negative_ack_redelivery_delay_ms=100)
+        first = [cons.receive(10000) for _ in range(20)]
+        assert [num(m) for m in first] == list(range(20)), [num(m) for m in first]
+        assert all(m.redelivery_count() == 0 for m in first)
+        for m in first[:5]:
+            cons.negative_acknowledge(m)
+        for m in first[5:]:
+            cons.acknowledge(m)
+        again = sorted((num(m), m.redelivery_count()) for m in (cons.receive(10000) for _ in range(5)))
+        assert again == [(i, 1) for i in range(5)], again
+        try:
+            cons.receive(500)
+            raise AssertionError("more than the negatively acknowledged messages came back")
+        except pulsar.Timeout:
+            pass
+    elif a.name == "seek":
+        cons = c.subscribe(t, "seek", consumer_type=pulsar.ConsumerType.Exclusive,
+                           initial_position=pulsar.InitialPosition.Earliest)
+        got = [cons.receive(10000) for _ in range(20)]
+        for m in got:
+            cons.acknowledge(m)
+        # The first message from 10 on whose publish time (ms) differs from its predecessor's:
+        # seeking to that time must deliver exactly it first.
+        k = next(i for i in range(10, 20) if got[i].publish_timestamp() > got[i - 1].publish_timestamp())
+        publish_time_of_k = got[k].publish_timestamp()
+        cons.seek(ids[5])
+        m = cons.receive(10000)
+        first = num(m)
+        assert first in (5, 6), first
+        rest = [first] + [num(cons.receive(10000)) for _ in range(19 - first)]
+        assert rest == list(range(first, 20)), rest
+        cons.seek(publish_time_of_k)
+        m = cons.receive(10000)
+        assert num(m) == k, (num(m), k)
+        out({"seek_first": first, "seek_time_first": k})
+    elif a.name == "unsubscribe":
+        cons = c.subscribe(t, "uns", initial_position=pulsar.InitialPosition.Earliest)
+        for _ in range(3):
+            cons.acknowledge(cons.receive(10000))
+        cons.unsubscribe()
+        again = c.subscribe(t, "uns", initial_position=pulsar.InitialPosition.Earliest)
+        m = again.receive(10000)
+        assert num(m) == 0, "a deleted subscription starts afresh, got %d" % num(m)
+    else:
+        raise SystemExit("unknown scenario " + a.name)
+    out({"ok": a.name})
+    c.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -143,6 +209,11 @@ def main():
     p.add_argument("--from", dest="start", default="earliest")
     p.add_argument("--count", type=int, default=1 << 62)
     p.set_defaults(fn=read)
+    p = sub.add_parser("scenario")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("name")
+    p.set_defaults(fn=scenario)
     a = ap.parse_args()
     a.fn(a)
 

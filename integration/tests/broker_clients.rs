@@ -480,3 +480,37 @@ async fn rust_client_10k_batched_and_unbatched_in_order_with_properties() {
     }
     drop(consumer);
 }
+
+#[test]
+fn negative_acks_seek_and_unsubscribe_with_the_python_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start(&dir);
+    for name in ["nack", "seek", "unsubscribe"] {
+        step(format!("scenario {name}"));
+        let mut c = py(
+            &dir,
+            name,
+            &["scenario", &s.url, &format!("sc-{name}"), name],
+        );
+        let lines = c.finish(T).unwrap();
+        assert!(
+            lines.iter().any(|v| v["ok"] == name),
+            "scenario {name}: {lines:?}"
+        );
+    }
+}
+
+#[test]
+fn with_auto_creation_off_an_unknown_topic_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_ALLOW_AUTO_TOPIC_CREATION", "false");
+    s.start().unwrap();
+    let mut p = py(&dir, "p", &["produce", &s.url, "nowhere", "--count", "1"]);
+    let err = p.finish(T).expect_err("the producer must fail");
+    let text = format!("{err:#}");
+    assert!(
+        text.contains("TopicNotFound") || text.contains("Topic Not Found"),
+        "{text}"
+    );
+}
