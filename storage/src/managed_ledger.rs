@@ -153,6 +153,9 @@ struct State {
     version: u64,
     open: Option<Open>,
     fenced: bool,
+    /// The open ledger's writer failed (no writable bookie to replace a failed one): the next
+    /// append abandons it and starts a new ledger.
+    broken: Option<u64>,
 }
 
 /// A bounded cache of recently appended entries, which tailing readers hit.
@@ -182,7 +185,17 @@ impl PendingAppend {
                     name: ml.name.clone(),
                 });
             }
-            Ok(Err(e)) => return Err(e.into()),
+            Ok(Err(e)) => {
+                let mut st = ml.state.lock().await;
+                if st
+                    .open
+                    .as_ref()
+                    .is_some_and(|o| o.ledger_id == self.ledger_id)
+                {
+                    st.broken = Some(self.ledger_id);
+                }
+                return Err(e.into());
+            }
             Err(_) => return Err(LedgerError::Closed(self.ledger_id).into()),
         };
         let pos = Position::new(self.ledger_id, entry_id);
@@ -254,6 +267,7 @@ impl ManagedLedger {
                 version: 0,
                 open: None,
                 fenced: false,
+                broken: None,
             }),
             cache: Mutex::default(),
             readers: tokio::sync::Mutex::default(),
@@ -389,6 +403,34 @@ impl ManagedLedger {
         Ok(())
     }
 
+    /// Gives up the open ledger after its writer failed: the managed ledger records it closed
+    /// at the writer's last add confirmed (every acknowledged entry is at or before it), without
+    /// needing the failed bookies. The ledger's own metadata stays open; its entries past that
+    /// point were never acknowledged and are not part of the log.
+    async fn abandon_open(&self, st: &mut State) -> Result<(), ManagedLedgerError> {
+        let Some(open) = st.open.take() else {
+            return Ok(());
+        };
+        let last = open.writer.last_add_confirmed();
+        let mut meta = st.meta.clone();
+        if let Some(info) = meta
+            .ledgers
+            .iter_mut()
+            .find(|l| l.ledger_id == open.ledger_id)
+        {
+            info.entries = Some(last.map_or(0, |l| l + 1));
+            info.bytes = open.bytes;
+            info.closed_ms = Some(now_ms());
+        }
+        st.version = self
+            .cas(&meta, st.version)
+            .await
+            .inspect_err(|_| st.fenced = true)?;
+        st.meta = meta;
+        tracing::warn!(name = %self.name, ledger = open.ledger_id, last_entry = ?last, "abandoned a failed ledger; appends go on in a new one");
+        Ok(())
+    }
+
     fn roll_due(&self, open: &Open) -> bool {
         let age = open.opened.elapsed().as_millis() as u64;
         let full = open.entries >= self.opts.rollover_entries_max
@@ -416,8 +458,17 @@ impl ManagedLedger {
                     name: self.name.clone(),
                 });
             }
+            if let Some(id) = st.broken.take() {
+                if st.open.as_ref().is_some_and(|o| o.ledger_id == id) {
+                    self.abandon_open(&mut st).await?;
+                }
+            }
             if st.open.as_ref().is_some_and(|o| self.roll_due(o)) {
                 self.close_open(&mut st).await?;
+            }
+            if st.open.is_none() {
+                // After a roll-over or an abandoned ledger; if creating it fails (no writable
+                // bookie), this append fails and the next one tries again.
                 self.start_ledger(&mut st).await?;
             }
             let open = st.open.as_mut().expect("an open ledger after start");

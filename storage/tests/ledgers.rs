@@ -391,6 +391,69 @@ mod managed {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_the_only_bookie_fails_then_appends_fail_and_resume_in_a_new_ledger_when_one_returns(
+    ) {
+        let (tmp, store, mut bookies, client) = setup(1).await;
+        let ml = ManagedLedger::open(
+            client.clone(),
+            "acme/orders/broken",
+            ManagedLedgerOptions {
+                ensemble: 1,
+                write_quorum: 1,
+                ack_quorum: 1,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("open");
+        let mut acked = Vec::new();
+        for i in 0..10u64 {
+            acked.push((ml.append(payload(i)).await.expect("append"), i));
+        }
+        step("the only bookie stops: with no replacement, appends fail (the writer gives up)");
+        let first_dir = bookies[0].dir.clone();
+        let first_addr = bookies[0].addr.clone();
+        bookies[0].stop(&store.client).await;
+        let err = ml.append(payload(10)).await.expect_err("no bookie");
+        println!("append without a bookie: {err}");
+        step("another bookie registers: the next append abandons the failed ledger and goes on");
+        bookies.push(start_bookie(&store.client, tmp.path().join("second"), None).await);
+        wait_for_bookies(&client, 1).await;
+        let mut resumed = None;
+        for _ in 0..50 {
+            match ml.append(payload(11)).await {
+                Ok(p) => {
+                    resumed = Some(p);
+                    break;
+                }
+                Err(e) => {
+                    println!("retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        let resumed = resumed.expect("appends resume");
+        let ledgers = ml.ledgers().await;
+        assert!(ledgers.len() >= 2, "{ledgers:?}");
+        assert_eq!(
+            ledgers[0].entries,
+            Some(10),
+            "closed at the last acknowledged entry"
+        );
+        assert_ne!(resumed.ledger_id, acked[0].0.ledger_id);
+        step("the first bookie comes back: every acknowledged entry reads back");
+        bookies[0] = start_bookie(&store.client, first_dir, Some(first_addr)).await;
+        for (p, i) in &acked {
+            assert_eq!(ml.read(*p).await.expect("read"), payload(*i));
+        }
+        assert_eq!(ml.read(resumed).await.expect("read"), payload(11));
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_appends_past_the_rollover_then_ledgers_chain_and_reads_cross_them_in_order() {
         let (_tmp, store, mut bookies, client) = setup(2).await;
         step("append 250 entries with a roll-over every 100");
