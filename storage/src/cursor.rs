@@ -5,8 +5,10 @@
 //!          + read position (next entry to hand out)
 //!  durable cursor: every change appends a snapshot {M, ranges} to the cursor's own ledger;
 //!          /managed-cursors/<managed ledger>/<cursor> (CAS) names that ledger and keeps M
-//!  open:   recover the cursor ledger (fence its old writer), read its last snapshot, start a
-//!          new cursor ledger with it, delete the old one
+//!  open:   recover the cursor ledger (fence its old writer), read its last snapshot; the new
+//!          cursor ledger (holding that state first) is started by the first change, and then
+//!          the old one is deleted; a new cursor is recorded with its start position and no
+//!          ledger, so an idle subscription costs one key, no ledger
 //!  non-durable cursor (readers): the same state, never persisted
 //! ```
 //!
@@ -168,7 +170,10 @@ struct Durable {
     client: LedgerClient,
     key: String,
     version: u64,
-    writer: LedgerWriter,
+    /// Started by the first change after the cursor was opened.
+    writer: Option<LedgerWriter>,
+    /// The ledger recorded before this owner; deleted once the new one is recorded.
+    previous: Option<u64>,
     snapshots: u64,
 }
 
@@ -235,7 +240,30 @@ impl ManagedCursor {
         let (previous, version) = match &existing {
             None => {
                 c.move_to(initial).await;
-                (None, 0)
+                // Recorded now (so the subscription and its start position exist), without a
+                // ledger: that comes with the first acknowledgement.
+                let info = CursorInfo {
+                    cursor_ledger: None,
+                    mark_delete: c.mark_delete,
+                };
+                let put = client
+                    .metadata_client()
+                    .put_with(
+                        &key,
+                        serde_json::to_vec(&info).expect("serializable"),
+                        PutOptions {
+                            expected_version: Some(0),
+                            ..PutOptions::default()
+                        },
+                    )
+                    .await;
+                match put {
+                    Ok(p) => (None, p.version),
+                    Err(ClientError::Conflict { .. }) => {
+                        return Err(CursorError::Fenced(name.to_string()))
+                    }
+                    Err(e) => return Err(e.into()),
+                }
             }
             Some(kv) => {
                 let info: CursorInfo =
@@ -265,8 +293,14 @@ impl ManagedCursor {
                 (info.cursor_ledger, kv.mod_revision)
             }
         };
-        c.start_cursor_ledger(client, key, version, previous)
-            .await?;
+        c.durable = Some(Durable {
+            client,
+            key,
+            version,
+            writer: None,
+            previous,
+            snapshots: 0,
+        });
         Ok(c)
     }
 
@@ -336,7 +370,8 @@ impl ManagedCursor {
             client,
             key,
             version,
-            writer,
+            writer: Some(writer),
+            previous: None,
             snapshots: 1,
         });
         Ok(())
@@ -398,15 +433,23 @@ impl ManagedCursor {
         let Some(d) = self.durable.as_mut() else {
             return Ok(());
         };
-        match d.writer.add(bytes).await {
+        let Some(writer) = d.writer.as_ref() else {
+            // The first change since the cursor was opened: start its ledger with this state.
+            let d = self.durable.take().expect("durable");
+            return self
+                .start_cursor_ledger(d.client, d.key, d.version, d.previous)
+                .await;
+        };
+        match writer.add(bytes).await {
             Ok(_) => d.snapshots += 1,
             Err(LedgerError::Fenced(_)) => return Err(CursorError::Fenced(self.name.clone())),
             Err(e) => return Err(e.into()),
         }
         if d.snapshots >= self.snapshots_per_ledger {
-            let d = self.durable.take().expect("durable");
-            let old = d.writer.id();
-            d.writer.close().await?;
+            let mut d = self.durable.take().expect("durable");
+            let writer = d.writer.take().expect("writer");
+            let old = writer.id();
+            writer.close().await?;
             self.start_cursor_ledger(d.client, d.key, d.version, Some(old))
                 .await?;
         }
@@ -550,8 +593,14 @@ impl ManagedCursor {
         let Some(d) = self.durable.take() else {
             return Ok(());
         };
-        let id = d.writer.id();
-        let _ = d.writer.close().await;
+        let id = match d.writer {
+            Some(w) => {
+                let id = w.id();
+                let _ = w.close().await;
+                Some(id)
+            }
+            None => d.previous,
+        };
         match d
             .client
             .metadata_client()
@@ -564,8 +613,10 @@ impl ManagedCursor {
             }
             Err(e) => return Err(e.into()),
         }
-        if let Err(e) = d.client.delete(id).await {
-            tracing::warn!(cursor = %self.name, ledger = id, error = %e, "deleting the cursor ledger failed");
+        if let Some(id) = id {
+            if let Err(e) = d.client.delete(id).await {
+                tracing::warn!(cursor = %self.name, ledger = id, error = %e, "deleting the cursor ledger failed");
+            }
         }
         Ok(())
     }

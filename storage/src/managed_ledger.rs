@@ -225,7 +225,8 @@ pub struct ManagedLedger {
 
 impl ManagedLedger {
     /// Opens (creating if needed) the managed ledger `name` as its owner: recovers the last
-    /// ledger if a previous owner left it open, then starts a new ledger for appends.
+    /// ledger if a previous owner left it open and records that (CAS, which also fences a
+    /// previous owner's later changes). The first append starts a new ledger.
     pub async fn open(
         client: LedgerClient,
         name: &str,
@@ -286,7 +287,8 @@ impl ManagedLedger {
             let mut st = ml.state.lock().await;
             st.meta = std::mem::take(&mut meta);
             st.version = version;
-            ml.start_ledger(&mut st).await?;
+            // The first ledger of this owner is created by the first append: a topic that is
+            // only read (or idle) holds no ledger writer.
         }
         Ok(ml)
     }

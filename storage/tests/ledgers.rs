@@ -608,6 +608,15 @@ mod cursors {
         )
         .await
         .expect("cursor");
+        let info = |kv: Option<meridian_metadata::KeyValue>| -> serde_json::Value {
+            serde_json::from_slice(&kv.expect("cursor recorded").value).expect("json")
+        };
+        let key = "/managed-cursors/acme/events/p0/sub-a";
+        let recorded = info(store.client.get(key).await.expect("get"));
+        assert!(
+            recorded["cursor_ledger"].is_null(),
+            "no ledger before the first change: {recorded}"
+        );
         let read = c.read_entries(120).await.expect("read");
         assert_eq!(read.len(), 120);
         assert_eq!(read[0], (pos[0], payload(0)));
@@ -622,6 +631,11 @@ mod cursors {
         c.ack(pos[1]).await.expect("ack");
         assert_eq!(c.mark_delete(), Some(pos[3]));
         assert_eq!(c.acknowledged_ranges(), vec![(pos[7], pos[7])]);
+        let recorded = info(store.client.get(key).await.expect("get"));
+        assert!(
+            recorded["cursor_ledger"].is_u64(),
+            "the first change started the cursor ledger: {recorded}"
+        );
         step("a cumulative ack to entry 98, then 99 and 100 individually cross into ledger 2");
         c.ack_cumulative(pos[98]).await.expect("ack");
         c.ack(pos[100]).await.expect("ack");
