@@ -316,3 +316,68 @@ fn bad_frames_close_only_their_connection_and_refusals_are_precise() {
 
     assert_eq!(s.stop().unwrap(), 0);
 }
+
+#[test]
+fn keepalive_pings_and_drops_silent_clients_and_connection_limits_hold() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_KEEPALIVE_INTERVAL_MS", "1000")
+        .env("MERIDIAN_BROKER_CONNECTION_HANDLES_MAX", "2");
+    s.start().unwrap();
+    let url = s.url.clone();
+
+    step("a silent client is pinged, then dropped after a whole interval without a byte");
+    let mut silent = Raw::connected(&url);
+    let started = Instant::now();
+    let mut pinged = false;
+    loop {
+        // Read raw frames here (Raw::recv skips pings).
+        match decode_frame(&mut silent.buf, 1 << 20).unwrap() {
+            Some(f) if f.command.ping.is_some() => pinged = true,
+            Some(_) => {}
+            None => {
+                silent
+                    .s
+                    .set_read_timeout(Some(Duration::from_millis(200)))
+                    .unwrap();
+                let mut tmp = [0u8; 4096];
+                match silent.s.read(&mut tmp) {
+                    Ok(0) => break,
+                    Ok(n) => silent.buf.extend_from_slice(&tmp[..n]),
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                        ) => {}
+                    Err(_) => break,
+                }
+            }
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "never dropped");
+    }
+    assert!(pinged, "the broker pinged before dropping");
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "dropped too early"
+    );
+
+    step("a client that answers pings stays connected");
+    let mut alive = Raw::connected(&url);
+    let until = Instant::now() + Duration::from_millis(2500);
+    while Instant::now() < until {
+        alive.send(&cmd(Type::Ping, |c| c.ping = Some(pb::CommandPing {})));
+        assert!(alive.expect().command.pong.is_some());
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    step("broker.connection_handles_max = 2: a third producer on one connection is refused");
+    alive.send(&producer("limits", 1, 1));
+    assert!(alive.expect().command.producer_success.is_some());
+    alive.send(&producer("limits", 2, 2));
+    assert!(alive.expect().command.producer_success.is_some());
+    alive.send(&producer("limits", 3, 3));
+    let (code, msg) = error_of(&alive.expect());
+    assert_eq!(code, ServerError::TooManyRequests);
+    assert!(msg.contains("broker.connection_handles_max"), "{msg}");
+    assert_eq!(s.stop().unwrap(), 0);
+}
