@@ -708,7 +708,7 @@ impl LedgerWriter {
             pending: VecDeque::new(),
             failed: None,
             conns: Vec::new(),
-            tx: tx.clone(),
+            tx: tx.downgrade(),
             closing: None,
         };
         tokio::spawn(actor.run(rx));
@@ -778,7 +778,9 @@ struct WriterActor {
     /// Set once the writer cannot go on (fenced, no bookies): every add fails with it.
     failed: Option<String>,
     conns: Vec<Option<Arc<BookieConn>>>,
-    tx: mpsc::UnboundedSender<Cmd>,
+    /// Weak: in-flight requests hold strong clones until they answer, so the actor ends
+    /// once its `LedgerWriter` is dropped and nothing is in flight (no task is left behind).
+    tx: mpsc::WeakUnboundedSender<Cmd>,
     closing: Option<oneshot::Sender<Result<Option<u64>, LedgerError>>>,
 }
 
@@ -875,7 +877,10 @@ impl WriterActor {
 
     async fn send_to(&mut self, entry: u64, index: usize, envelope: Bytes) {
         let addr = self.ensemble[index].clone();
-        let tx = self.tx.clone();
+        let Some(tx) = self.tx.upgrade() else {
+            // The writer handle is gone: nobody waits for this entry.
+            return;
+        };
         let request = Request::Add {
             ledger_id: self.meta.id,
             entry_id: entry,
