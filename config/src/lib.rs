@@ -382,6 +382,9 @@ pub struct BrokerConfig {
     /// Recently written entries kept in memory per topic for tailing consumers, bytes.
     /// Range 0..=17179869184, default 16777216 (16 MiB).
     pub tail_cache_bytes_max: u64,
+    /// ... and by all topics of the broker together, bytes.
+    /// Range 0..=68719476736, default 268435456 (256 MiB).
+    pub tail_cache_total_bytes_max: u64,
     /// Persist a subscription's acknowledgements at most this often, milliseconds (they are
     /// also persisted when its consumers leave and at shutdown); 0 persists every ack.
     /// Range 0..=60000, default 100.
@@ -408,6 +411,7 @@ impl Default for BrokerConfig {
             ledger_rollover_entries_max: 50_000,
             ledger_rollover_min_age_ms: 600_000,
             tail_cache_bytes_max: 16 << 20,
+            tail_cache_total_bytes_max: 256 << 20,
             cursor_persist_interval_ms: 100,
             dispatch_batch_entries_max: 100,
         }
@@ -443,6 +447,7 @@ impl BrokerConfig {
             ("broker.ledger_rollover_entries_max", b.ledger_rollover_entries_max, 1, 100_000_000, ""),
             ("broker.ledger_rollover_min_age_ms", b.ledger_rollover_min_age_ms, 0, 86_400_000, ""),
             ("broker.tail_cache_bytes_max", b.tail_cache_bytes_max, 0, 17_179_869_184, ""),
+            ("broker.tail_cache_total_bytes_max", b.tail_cache_total_bytes_max, 0, 68_719_476_736, ""),
             ("broker.cursor_persist_interval_ms", b.cursor_persist_interval_ms, 0, 60_000, ""),
             ("broker.dispatch_batch_entries_max", b.dispatch_batch_entries_max, 1, 10_000, ""),
         ];

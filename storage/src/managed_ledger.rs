@@ -88,6 +88,9 @@ pub struct ManagedLedgerOptions {
     /// close and create, so a busy topic should not pay it every few seconds. 0: no minimum.
     pub rollover_min_age_ms: u64,
     pub tail_cache_bytes_max: usize,
+    /// A byte budget shared with other managed ledgers (a broker's topics): the tail caches
+    /// together stay within it. `None`: only the per-ledger bound applies.
+    pub tail_cache_budget: Option<Arc<CacheBudget>>,
     /// Acknowledged data kept this long anyway (readers may still read it); 0: none.
     pub retention_ms: u64,
     /// ... and up to this many bytes of it; 0: none.
@@ -105,6 +108,7 @@ impl Default for ManagedLedgerOptions {
             rollover_age_ms: 4 * 3600 * 1000,
             rollover_min_age_ms: 0,
             tail_cache_bytes_max: 64 << 20,
+            tail_cache_budget: None,
             retention_ms: 0,
             retention_bytes: 0,
         }
@@ -158,11 +162,60 @@ struct State {
     broken: Option<u64>,
 }
 
+/// A byte budget shared by the tail caches of many managed ledgers.
+#[derive(Debug)]
+pub struct CacheBudget {
+    used: std::sync::atomic::AtomicUsize,
+    max: usize,
+}
+
+impl CacheBudget {
+    pub fn new(max: usize) -> Arc<CacheBudget> {
+        Arc::new(CacheBudget {
+            used: std::sync::atomic::AtomicUsize::new(0),
+            max,
+        })
+    }
+
+    /// Bytes held by every cache sharing this budget.
+    pub fn used(&self) -> usize {
+        self.used.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn over(&self) -> bool {
+        self.used() > self.max
+    }
+}
+
 /// A bounded cache of recently appended entries, which tailing readers hit.
 #[derive(Default)]
 struct TailCache {
     entries: BTreeMap<Position, Bytes>,
     bytes: usize,
+    budget: Option<Arc<CacheBudget>>,
+}
+
+impl TailCache {
+    fn account(&mut self, added: usize, removed: usize) {
+        self.bytes = self.bytes + added - removed;
+        if let Some(b) = &self.budget {
+            b.used
+                .fetch_add(added, std::sync::atomic::Ordering::Relaxed);
+            b.used
+                .fetch_sub(removed, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn over_budget(&self) -> bool {
+        self.budget.as_ref().is_some_and(|b| b.over())
+    }
+}
+
+impl Drop for TailCache {
+    fn drop(&mut self) {
+        let bytes = self.bytes;
+        self.account(0, bytes);
+    }
 }
 
 /// An entry submitted by [`ManagedLedger::append_queued`], not yet known to be durable.
@@ -258,6 +311,7 @@ impl ManagedLedger {
                 tracing::info!(name, ledger = last.ledger_id, entries = ?last.entries, "recovered the previous owner's ledger");
             }
         }
+        let opts_budget = opts.tail_cache_budget.clone();
         let ml = Arc::new(ManagedLedger {
             name: name.to_string(),
             key: key.clone(),
@@ -270,7 +324,11 @@ impl ManagedLedger {
                 fenced: false,
                 broken: None,
             }),
-            cache: Mutex::default(),
+            cache: Mutex::new(TailCache {
+                entries: BTreeMap::new(),
+                bytes: 0,
+                budget: opts_budget,
+            }),
             readers: tokio::sync::Mutex::default(),
             last_confirmed: Mutex::new(None),
         });
@@ -494,15 +552,16 @@ impl ManagedLedger {
             return;
         }
         let mut c = self.cache.lock().expect("cache lock");
-        c.bytes += payload.len();
-        if let Some(old) = c.entries.insert(pos, payload) {
-            c.bytes -= old.len();
-        }
-        while c.bytes > max {
+        let added = payload.len();
+        let removed = c.entries.insert(pos, payload).map_or(0, |old| old.len());
+        c.account(added, removed);
+        // Oldest first, down to this ledger's bound and, when the caches together are over
+        // the shared budget, further (possibly to nothing: reads then go to the bookies).
+        while c.bytes > max || c.over_budget() {
             let Some((_, v)) = c.entries.pop_first() else {
                 break;
             };
-            c.bytes -= v.len();
+            c.account(0, v.len());
         }
     }
 
@@ -703,7 +762,9 @@ impl ManagedLedger {
         {
             let mut c = self.cache.lock().expect("cache lock");
             c.entries.retain(|p, _| !doomed.contains(&p.ledger_id));
-            c.bytes = c.entries.values().map(|v| v.len()).sum();
+            let kept: usize = c.entries.values().map(|v| v.len()).sum();
+            let dropped = c.bytes - kept;
+            c.account(0, dropped);
         }
         Ok(doomed)
     }

@@ -454,6 +454,53 @@ mod managed {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_shared_cache_budget_then_tail_caches_together_stay_within_it() {
+        use meridian_storage::managed_ledger::CacheBudget;
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        let budget = CacheBudget::new(32 << 10);
+        let opts = ManagedLedgerOptions {
+            tail_cache_bytes_max: 1 << 20,
+            tail_cache_budget: Some(std::sync::Arc::clone(&budget)),
+            ..Default::default()
+        };
+        let a = ManagedLedger::open(client.clone(), "acme/cache/a", opts.clone())
+            .await
+            .expect("open");
+        let b = ManagedLedger::open(client.clone(), "acme/cache/b", opts)
+            .await
+            .expect("open");
+        let mut first = Vec::new();
+        for i in 0..200u64 {
+            let pa = a.append(payload(i)).await.expect("append");
+            let pb = b.append(payload(i)).await.expect("append");
+            if i == 0 {
+                first = vec![pa, pb];
+            }
+            assert!(
+                budget.used() <= (32 << 10) + payload(i).len(),
+                "{} bytes cached",
+                budget.used()
+            );
+        }
+        assert!(budget.used() > 0, "recent entries are still cached");
+        step("evicted entries read from the bookies");
+        assert_eq!(a.read(first[0]).await.expect("read"), payload(0));
+        assert_eq!(b.read(first[1]).await.expect("read"), payload(0));
+        a.close().await.expect("close");
+        b.close().await.expect("close");
+        drop((a, b));
+        assert_eq!(
+            budget.used(),
+            0,
+            "closed and dropped logs give their bytes back"
+        );
+        for bk in &mut bookies {
+            bk.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_appends_past_the_rollover_then_ledgers_chain_and_reads_cross_them_in_order() {
         let (_tmp, store, mut bookies, client) = setup(2).await;
         step("append 250 entries with a roll-over every 100");

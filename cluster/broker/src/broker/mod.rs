@@ -322,6 +322,8 @@ pub struct Broker {
     pub service_url: String,
     producer_names: AtomicU64,
     run_id: String,
+    /// Shared by every topic's tail cache (`broker.tail_cache_total_bytes_max`).
+    tail_cache_budget: Arc<meridian_storage::managed_ledger::CacheBudget>,
     closing: AtomicBool,
     connections: AtomicU64,
 }
@@ -339,7 +341,11 @@ impl Broker {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64 % 0xffff_ffff)
         );
+        let tail_cache_budget = meridian_storage::managed_ledger::CacheBudget::new(
+            cfg.tail_cache_total_bytes_max as usize,
+        );
         Arc::new(Broker {
+            tail_cache_budget,
             cfg: Arc::new(cfg),
             meta,
             client,
@@ -463,6 +469,7 @@ impl Broker {
             rollover_entries_max: self.cfg.ledger_rollover_entries_max,
             rollover_min_age_ms: self.cfg.ledger_rollover_min_age_ms,
             tail_cache_bytes_max: self.cfg.tail_cache_bytes_max as usize,
+            tail_cache_budget: Some(Arc::clone(&self.tail_cache_budget)),
             ..ManagedLedgerOptions::default()
         };
         let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
