@@ -407,6 +407,50 @@ fn kill9_during_production_then_restart_every_acknowledged_message_is_consumed()
     assert!(got.windows(2).all(|w| w[0] < w[1]), "log order broken");
 }
 
+#[test]
+fn sigterm_during_production_exits_0_and_every_acknowledged_message_survives() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = start(&dir);
+    let mut p = py(
+        &dir,
+        "p",
+        &["produce", &s.url, "term", "--count", "1000000"],
+    );
+    p.wait_for("2,000 receipts", T, |l| {
+        l.iter().filter(|v| v.get("acked").is_some()).count() >= 2000
+    })
+    .unwrap();
+    step("SIGTERM mid-production: in-flight sends are answered, the process exits 0");
+    assert_eq!(s.stop().unwrap(), 0, "{}", s.log_text());
+    std::thread::sleep(Duration::from_millis(300));
+    p.kill9();
+    let acked: BTreeSet<u64> = p.ints("acked").into_iter().collect();
+    s.start().unwrap();
+    let mut c = py(
+        &dir,
+        "c",
+        &[
+            "consume",
+            &s.url,
+            "term",
+            "sub",
+            "--count",
+            "2000000",
+            "--timeout-ms",
+            "5000",
+        ],
+    );
+    c.finish(T).unwrap();
+    let got: BTreeSet<u64> = c.ints("i").into_iter().collect();
+    let lost = acked.difference(&got).count();
+    assert_eq!(
+        lost,
+        0,
+        "{lost} of {} acknowledged messages lost",
+        acked.len()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rust_client_10k_batched_and_unbatched_in_order_with_properties() {
     use futures::TryStreamExt;
