@@ -174,6 +174,16 @@ def scenario(a):
         again = c.subscribe(t, "uns", initial_position=pulsar.InitialPosition.Earliest)
         m = again.receive(10000)
         assert num(m) == 0, "a deleted subscription starts afresh, got %d" % num(m)
+    elif a.name == "regex":
+        # A pattern subscription lists the namespace's topics (GET_TOPICS_OF_NAMESPACE).
+        import re
+        q = c.create_producer(t + "-other", batching_enabled=False)
+        for i in range(20, 30):
+            q.send(("msg-%d" % i).encode(), properties={"i": str(i)})
+        cons = c.subscribe(re.compile("persistent://public/default/" + re.escape(t) + ".*"), "rx",
+                           initial_position=pulsar.InitialPosition.Earliest)
+        got = sorted(num(cons.receive(10000)) for _ in range(30))
+        assert got == list(range(30)), got
     else:
         raise SystemExit("unknown scenario " + a.name)
     out({"ok": a.name})
