@@ -630,7 +630,7 @@ impl Conn {
             InitialPosition::Latest
         };
         let start = match (&s.start_message_id, durable) {
-            (Some(id), false) => start_of(id, initial),
+            (Some(id), false) => start_of(id),
             _ => StartAt::Initial(initial),
         };
         let consumer_name = s
@@ -673,7 +673,7 @@ impl Conn {
                 .await;
         };
         let to = match (&s.message_id, s.message_publish_time) {
-            (Some(id), _) => match start_of(id, InitialPosition::Earliest) {
+            (Some(id), _) => match start_of(id) {
                 StartAt::Initial(i) => SeekTo::Initial(i),
                 StartAt::After(p) | StartAt::At(p) => SeekTo::Position(p),
             },
@@ -750,7 +750,7 @@ async fn close_producer(p: ProducerEntry) {
 }
 
 /// Where a message id from a client says to start.
-fn start_of(id: &pb::MessageIdData, initial: InitialPosition) -> StartAt {
+fn start_of(id: &pb::MessageIdData) -> StartAt {
     const LATEST: u64 = i64::MAX as u64;
     if id.ledger_id == ID_NONE {
         return StartAt::Initial(InitialPosition::Earliest);
@@ -758,7 +758,6 @@ fn start_of(id: &pb::MessageIdData, initial: InitialPosition) -> StartAt {
     if id.ledger_id == LATEST && id.entry_id == LATEST {
         return StartAt::Initial(InitialPosition::Latest);
     }
-    let _ = initial;
     let p = Position::new(id.ledger_id, id.entry_id);
     if id.batch_index.is_some_and(|b| b >= 0) {
         StartAt::At(p)
