@@ -166,6 +166,34 @@ def scenario(a):
         m = cons.receive(10000)
         assert num(m) == k, (num(m), k)
         out({"seek_first": first, "seek_time_first": k})
+    elif a.name == "seek-shared":
+        # Two consumers on two connections; a seek by one closes both, and both come back.
+        c2 = client(a.url)
+        kw = dict(consumer_type=pulsar.ConsumerType.Shared,
+                  initial_position=pulsar.InitialPosition.Earliest)
+        x = c.subscribe(t, "sseek", consumer_name="x", **kw)
+        y = c2.subscribe(t, "sseek", consumer_name="y", **kw)
+
+        def drain(n):
+            seen = []
+            while len(seen) < n:
+                for cons in (x, y):
+                    try:
+                        m = cons.receive(200)
+                    except pulsar.Timeout:
+                        continue
+                    seen.append(num(m))
+                    cons.acknowledge(m)
+            return sorted(seen)
+
+        deadline = time.time() + 20
+        first = drain(20)
+        assert first == list(range(20)), first
+        x.seek(pulsar.MessageId.earliest)
+        again = drain(20)
+        assert again == list(range(20)), again
+        assert time.time() < deadline
+        c2.close()
     elif a.name == "unsubscribe":
         cons = c.subscribe(t, "uns", initial_position=pulsar.InitialPosition.Earliest)
         for _ in range(3):

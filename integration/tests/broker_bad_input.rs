@@ -293,6 +293,36 @@ fn bad_frames_close_only_their_connection_and_refusals_are_precise() {
         "more than the permits"
     );
 
+    step("CONSUMER_STATS answers with the consumer's figures");
+    c1.send(&cmd(Type::ConsumerStats, |c| {
+        c.consumer_stats = Some(pb::CommandConsumerStats {
+            request_id: 2,
+            consumer_id: 7,
+        })
+    }));
+    let f = c1.expect();
+    let st = f
+        .command
+        .consumer_stats_response
+        .expect("CONSUMER_STATS_RESPONSE");
+    assert_eq!(st.error_code, None, "{:?}", st.error_message);
+    assert_eq!(st.available_permits, Some(0));
+    assert_eq!(st.unacked_messages, Some(1));
+    assert_eq!(st.r#type.as_deref(), Some("Exclusive"));
+    assert!(st.msg_backlog.unwrap() >= 1);
+    c1.send(&cmd(Type::ConsumerStats, |c| {
+        c.consumer_stats = Some(pb::CommandConsumerStats {
+            request_id: 3,
+            consumer_id: 99,
+        })
+    }));
+    let f = c1.expect();
+    let st = f
+        .command
+        .consumer_stats_response
+        .expect("CONSUMER_STATS_RESPONSE");
+    assert_eq!(st.error_code, Some(ServerError::ConsumerNotFound as i32));
+
     step("a second consumer on the exclusive subscription is ConsumerBusy");
     let mut c2 = Raw::connected(&url);
     c2.send(&subscribe("bad-input", "ex", 1, 9));

@@ -529,7 +529,7 @@ async fn rust_client_10k_batched_and_unbatched_in_order_with_properties() {
 fn negative_acks_seek_unsubscribe_and_pattern_subscriptions_with_the_python_client() {
     let dir = tempfile::tempdir().unwrap();
     let s = start(&dir);
-    for name in ["nack", "seek", "unsubscribe", "regex"] {
+    for name in ["nack", "seek", "seek-shared", "unsubscribe", "regex"] {
         step(format!("scenario {name}"));
         let mut c = py(
             &dir,

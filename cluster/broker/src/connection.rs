@@ -439,12 +439,8 @@ impl Conn {
             }
             Type::ConsumerStats => {
                 let s = c.consumer_stats.ok_or_else(|| missing("CONSUMER_STATS"))?;
-                self.reply(cmd::consumer_stats_error(
-                    s.request_id,
-                    ServerError::NotAllowedError,
-                    "consumer stats are not supported yet",
-                ))
-                .await
+                let r = self.consumer_stats(s.request_id, s.consumer_id).await;
+                self.reply(r).await
             }
             Type::AuthResponse => Ok(()),
             Type::NewTxn
@@ -476,6 +472,44 @@ impl Conn {
             }
             other => Err(Close(format!("unexpected command {other:?} from a client"))),
         }
+    }
+
+    /// CONSUMER_STATS: the consumer's figures and its subscription's.
+    async fn consumer_stats(&self, request_id: u64, consumer_id: u64) -> pb::BaseCommand {
+        let Some(e) = self.consumers.get(&consumer_id) else {
+            return cmd::consumer_stats_error(
+                request_id,
+                ServerError::ConsumerNotFound,
+                format!("no consumer {consumer_id} on this connection"),
+            );
+        };
+        let Some((name, permits, unacked)) = e.sub.consumer_figures(self.id, consumer_id).await
+        else {
+            return cmd::consumer_stats_error(
+                request_id,
+                ServerError::ConsumerNotFound,
+                format!("consumer {consumer_id} has left its subscription"),
+            );
+        };
+        let sub = e.sub.stats().await;
+        let topic = e.topic.stats().await;
+        let rate = topic
+            .subscriptions
+            .iter()
+            .find(|s| s.name == sub.name)
+            .map_or(0.0, |s| s.msg_rate_out);
+        let mut c = cmd::consumer_stats(request_id);
+        if let Some(r) = c.consumer_stats_response.as_mut() {
+            r.msg_rate_out = Some(rate);
+            r.consumer_name = Some(name);
+            r.available_permits = Some(permits.max(0) as u64);
+            r.unacked_messages = Some(unacked as u64);
+            r.blocked_consumer_on_unacked_msgs = Some(false);
+            r.address = Some(self.peer.to_string());
+            r.r#type = Some(sub.sub_type.clone());
+            r.msg_backlog = Some(sub.backlog_entries);
+        }
+        c
     }
 
     fn handles(&self) -> usize {
@@ -614,10 +648,16 @@ impl Conn {
             if existing.topic.full_name() == name.to_string()
                 && existing.sub.name() == s.subscription
                 && !existing.sub.is_closed()
+                && existing
+                    .sub
+                    .consumer_figures(self.id, s.consumer_id)
+                    .await
+                    .is_some()
             {
-                // A retried SUBSCRIBE of a consumer that already exists here.
+                // A retried SUBSCRIBE of a consumer that is still attached.
                 return Ok(());
             }
+            // Closed by the broker (seek) or gone: attach it afresh.
             self.remove_consumer(s.consumer_id).await;
         }
         self.check_handles()?;
@@ -695,10 +735,8 @@ impl Conn {
                 self.reply(cmd::success(s.request_id)).await?;
                 // As Pulsar does: close the subscription's consumers; they re-subscribe and
                 // read from the new position.
+                // The consumers were detached by the seek; each re-subscribes with its id.
                 for sink in sinks {
-                    let left = sub
-                        .remove_consumer(sink.connection_id, sink.consumer_id)
-                        .await;
                     let _ = sink
                         .tx
                         .send(frame(&cmd::close_consumer(sink.consumer_id, 0)))
@@ -706,10 +744,12 @@ impl Conn {
                     if sink.connection_id == self.id {
                         self.consumers.remove(&sink.consumer_id);
                     }
-                    if left == 0 && !sub.is_durable() {
-                        sub.close().await;
-                        topic.drop_subscription(sub.name(), &sub).await;
-                    }
+                }
+                if !sub.is_durable() {
+                    // A reader's subscription ends with its consumer; it comes back at the
+                    // position the client asks for.
+                    sub.close().await;
+                    topic.drop_subscription(sub.name(), &sub).await;
                 }
                 Ok(())
             }

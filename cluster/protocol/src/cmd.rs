@@ -288,6 +288,16 @@ pub fn consumer_stats_error(
     c
 }
 
+/// A CONSUMER_STATS_RESPONSE without an error; the caller fills in the figures.
+pub fn consumer_stats(request_id: u64) -> BaseCommand {
+    let mut c = base(Type::ConsumerStatsResponse);
+    c.consumer_stats_response = Some(CommandConsumerStatsResponse {
+        request_id,
+        ..Default::default()
+    });
+    c
+}
+
 pub fn ack_response(consumer_id: u64, request_id: u64) -> BaseCommand {
     let mut c = base(Type::AckResponse);
     c.ack_response = Some(CommandAckResponse {

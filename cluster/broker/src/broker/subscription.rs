@@ -431,8 +431,8 @@ impl Subscription {
         self.wake.notify_one();
     }
 
-    /// Moves the cursor (SEEK) and forgets what was in flight; the caller then closes the
-    /// consumers, which re-subscribe and read from the new position.
+    /// Moves the cursor (SEEK), forgets what was in flight and detaches every consumer; the
+    /// caller then closes them, and they re-subscribe and read from the new position.
     pub async fn seek(&self, to: SeekTo) -> Result<Vec<ConsumerSink>, BrokerError> {
         let mut st = self.state.lock().await;
         match to {
@@ -454,7 +454,11 @@ impl Subscription {
         st.pending.clear();
         st.redeliver.clear();
         st.redelivery_counts.clear();
-        Ok(st.consumers.iter().map(|c| c.sink.clone()).collect())
+        // Detached under the same lock as the reset: nothing is dispatched from the new
+        // position to a consumer that is about to be closed (it would arrive twice).
+        st.active = None;
+        let sinks = st.consumers.drain(..).map(|c| c.sink).collect();
+        Ok(sinks)
     }
 
     /// UNSUBSCRIBE: deletes the subscription if `by` is its only consumer.
@@ -508,6 +512,19 @@ impl Subscription {
             backlog_bytes: backlog.bytes,
             unacked_entries: st.pending.len(),
         }
+    }
+
+    /// One consumer's name, available permits and unacknowledged entries.
+    pub async fn consumer_figures(
+        &self,
+        connection_id: u64,
+        consumer_id: u64,
+    ) -> Option<(String, i64, usize)> {
+        let st = self.state.lock().await;
+        let key = (connection_id, consumer_id);
+        let c = st.consumers.iter().find(|c| c.key() == key)?;
+        let unacked = st.pending.values().filter(|k| **k == key).count();
+        Some((c.name.clone(), c.permits, unacked))
     }
 
     pub async fn consumer_count(&self) -> usize {
