@@ -160,10 +160,7 @@ impl MetaNode {
 
 impl Drop for MetaNode {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        let _ = kill9(self.child.take());
     }
 }
 
@@ -242,6 +239,29 @@ pub fn run_cli(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
     ))
 }
 
+/// SIGKILL and reap (nothing if the process is not running).
+fn kill9(child: Option<Child>) -> anyhow::Result<()> {
+    if let Some(mut child) = child {
+        child.kill()?;
+        child.wait()?;
+    }
+    Ok(())
+}
+
+/// SIGTERM, then waits for the exit and returns its code (0 if the process is not running).
+fn sigterm_and_wait(child: Option<Child>) -> anyhow::Result<i32> {
+    let Some(mut child) = child else {
+        return Ok(0);
+    };
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()?;
+    if !status.success() {
+        bail!("kill -TERM {} failed", child.id());
+    }
+    Ok(child.wait()?.code().unwrap_or(-1))
+}
+
 /// One `meridian bookie` process with its own journal and ledger directories.
 pub struct BookieProc {
     pub addr: String,
@@ -290,25 +310,12 @@ impl BookieProc {
 
     /// SIGKILL: a crash.
     pub fn kill9(&mut self) -> anyhow::Result<()> {
-        if let Some(mut child) = self.child.take() {
-            child.kill()?;
-            child.wait()?;
-        }
-        Ok(())
+        kill9(self.child.take())
     }
 
     /// SIGTERM, then waits for a clean exit and returns its code.
     pub fn stop(&mut self) -> anyhow::Result<i32> {
-        let Some(mut child) = self.child.take() else {
-            return Ok(0);
-        };
-        let status = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()?;
-        if !status.success() {
-            bail!("kill -TERM {} failed", child.id());
-        }
-        Ok(child.wait()?.code().unwrap_or(-1))
+        sigterm_and_wait(self.child.take())
     }
 
     pub fn log_text(&self) -> String {
@@ -318,10 +325,7 @@ impl BookieProc {
 
 impl Drop for BookieProc {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        let _ = kill9(self.child.take());
     }
 }
 
@@ -435,25 +439,12 @@ impl StandaloneProc {
 
     /// SIGKILL: a crash, no clean-up.
     pub fn kill9(&mut self) -> anyhow::Result<()> {
-        if let Some(mut child) = self.child.take() {
-            child.kill()?;
-            child.wait()?;
-        }
-        Ok(())
+        kill9(self.child.take())
     }
 
     /// SIGTERM, then waits for the exit and returns its code.
     pub fn stop(&mut self) -> anyhow::Result<i32> {
-        let Some(mut child) = self.child.take() else {
-            return Ok(0);
-        };
-        let status = Command::new("kill")
-            .args(["-TERM", &child.id().to_string()])
-            .status()?;
-        if !status.success() {
-            bail!("kill -TERM {} failed", child.id());
-        }
-        Ok(child.wait()?.code().unwrap_or(-1))
+        sigterm_and_wait(self.child.take())
     }
 
     pub fn log_text(&self) -> String {
@@ -463,10 +454,7 @@ impl StandaloneProc {
 
 impl Drop for StandaloneProc {
     fn drop(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        let _ = kill9(self.child.take());
     }
 }
 
@@ -591,10 +579,7 @@ impl PyClient {
 
     /// SIGKILL.
     pub fn kill9(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
+        let _ = kill9(self.child.take());
         if let Some(r) = self.reader.take() {
             let _ = r.join();
         }

@@ -445,14 +445,23 @@ impl ManagedLedger {
             }
         };
         let last = writer.close().await?;
+        self.record_closed(st, open.ledger_id, last, open.bytes)
+            .await?;
+        Ok(())
+    }
+
+    /// Records (CAS) that `ledger_id` is closed with entries through `last`.
+    async fn record_closed(
+        &self,
+        st: &mut State,
+        ledger_id: u64,
+        last: Option<u64>,
+        bytes: u64,
+    ) -> Result<(), ManagedLedgerError> {
         let mut meta = st.meta.clone();
-        if let Some(info) = meta
-            .ledgers
-            .iter_mut()
-            .find(|l| l.ledger_id == open.ledger_id)
-        {
+        if let Some(info) = meta.ledgers.iter_mut().find(|l| l.ledger_id == ledger_id) {
             info.entries = Some(last.map_or(0, |l| l + 1));
-            info.bytes = open.bytes;
+            info.bytes = bytes;
             info.closed_ms = Some(now_ms());
         }
         st.version = self
@@ -472,21 +481,8 @@ impl ManagedLedger {
             return Ok(());
         };
         let last = open.writer.last_add_confirmed();
-        let mut meta = st.meta.clone();
-        if let Some(info) = meta
-            .ledgers
-            .iter_mut()
-            .find(|l| l.ledger_id == open.ledger_id)
-        {
-            info.entries = Some(last.map_or(0, |l| l + 1));
-            info.bytes = open.bytes;
-            info.closed_ms = Some(now_ms());
-        }
-        st.version = self
-            .cas(&meta, st.version)
-            .await
-            .inspect_err(|_| st.fenced = true)?;
-        st.meta = meta;
+        self.record_closed(st, open.ledger_id, last, open.bytes)
+            .await?;
         tracing::warn!(name = %self.name, ledger = open.ledger_id, last_entry = ?last, "abandoned a failed ledger; appends go on in a new one");
         Ok(())
     }

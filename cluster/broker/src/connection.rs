@@ -159,7 +159,9 @@ pub async fn serve(
     broker.connection_closed();
 }
 
-async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
+/// Writes queued frames, coalescing whatever is queued (up to 1 MiB) into one write, until
+/// every sender is gone or the socket fails. Shared with `meridian perf`'s client.
+pub async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
     let mut out = Vec::with_capacity(256 * 1024);
     while let Some(b) = rx.recv().await {
         out.extend_from_slice(&b);
@@ -184,6 +186,12 @@ async fn receipt_loop(
     mut rx: mpsc::Receiver<PendingSend>,
     tx: mpsc::Sender<Bytes>,
 ) {
+    // Resolved once per producer, not per SEND (each macro call looks the metric up).
+    let published = metrics::counter!("meridian_publish_messages_total");
+    let published_bytes = metrics::counter!("meridian_publish_bytes_total");
+    let publish_latency = metrics::histogram!("meridian_publish_latency_seconds");
+    let storage_latency = metrics::histogram!("meridian_storage_write_latency_seconds");
+    let errors = metrics::counter!("meridian_publish_errors_total");
     while let Some(ps) = rx.recv().await {
         let submitted = ps.submitted;
         let outcome = match ps.append {
@@ -193,12 +201,10 @@ async fn receipt_loop(
         let reply = match outcome {
             Ok(pos) => {
                 topic.on_appended(pos, ps.messages, ps.bytes);
-                metrics::counter!("meridian_publish_messages_total").increment(ps.messages);
-                metrics::counter!("meridian_publish_bytes_total").increment(ps.bytes);
-                metrics::histogram!("meridian_publish_latency_seconds")
-                    .record(ps.received.elapsed().as_secs_f64());
-                metrics::histogram!("meridian_storage_write_latency_seconds")
-                    .record(submitted.elapsed().as_secs_f64());
+                published.increment(ps.messages);
+                published_bytes.increment(ps.bytes);
+                publish_latency.record(ps.received.elapsed().as_secs_f64());
+                storage_latency.record(submitted.elapsed().as_secs_f64());
                 let mut c =
                     cmd::send_receipt(producer_id, ps.sequence_id, pos.ledger_id, pos.entry_id);
                 if let Some(r) = c.send_receipt.as_mut() {
@@ -207,7 +213,7 @@ async fn receipt_loop(
                 c
             }
             Err(e) => {
-                metrics::counter!("meridian_publish_errors_total").increment(1);
+                errors.increment(1);
                 cmd::send_error(producer_id, ps.sequence_id, e.code, e.message)
             }
         };
@@ -491,16 +497,18 @@ impl Conn {
                 format!("consumer {consumer_id} has left its subscription"),
             );
         };
-        let sub = e.sub.stats().await;
+        // The topic's stats carry each subscription's figures and its sampled rate.
         let topic = e.topic.stats().await;
-        let rate = topic
-            .subscriptions
-            .iter()
-            .find(|s| s.name == sub.name)
-            .map_or(0.0, |s| s.msg_rate_out);
+        let Some(sub) = topic.subscriptions.iter().find(|s| s.name == e.sub.name()) else {
+            return cmd::consumer_stats_error(
+                request_id,
+                ServerError::SubscriptionNotFound,
+                format!("subscription {} has ended", e.sub.name()),
+            );
+        };
         let mut c = cmd::consumer_stats(request_id);
         if let Some(r) = c.consumer_stats_response.as_mut() {
-            r.msg_rate_out = Some(rate);
+            r.msg_rate_out = Some(sub.msg_rate_out);
             r.consumer_name = Some(name);
             r.available_permits = Some(permits.max(0) as u64);
             r.unacked_messages = Some(unacked as u64);

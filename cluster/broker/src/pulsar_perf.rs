@@ -165,23 +165,8 @@ impl Conn {
                 bail!("connection closed during CONNECT");
             }
         }
-        let (tx, mut rx) = mpsc::channel::<Bytes>(4096);
-        tokio::spawn(async move {
-            let mut out = Vec::with_capacity(1 << 20);
-            while let Some(b) = rx.recv().await {
-                out.extend_from_slice(&b);
-                while out.len() < 1 << 20 {
-                    match rx.try_recv() {
-                        Ok(b) => out.extend_from_slice(&b),
-                        Err(_) => break,
-                    }
-                }
-                if wr.write_all(&out).await.is_err() {
-                    return;
-                }
-                out.clear();
-            }
-        });
+        let (tx, rx) = mpsc::channel::<Bytes>(4096);
+        tokio::spawn(meridian_broker::connection::write_loop(wr, rx));
         let conn = Arc::new(Conn {
             tx,
             requests: Arc::default(),
@@ -791,6 +776,42 @@ fn print_probe(probe: Option<std::thread::JoinHandle<Histogram<u64>>>) {
     }
 }
 
+/// One consumer per topic; returns once every one has subscribed and granted its permits.
+#[allow(clippy::too_many_arguments)]
+async fn spawn_consumers(
+    common: &CommonArgs,
+    subscription: &str,
+    earliest: bool,
+    receiver_queue: u32,
+    stop: &Arc<AtomicBool>,
+    limit: u64,
+    counters: &Arc<Counters>,
+    e2e: Option<&Arc<Mutex<Recorder>>>,
+) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
+    let mut tasks = Vec::new();
+    let mut readies = Vec::new();
+    for t in topic_names(common) {
+        let (rt, rr) = oneshot::channel();
+        readies.push(rr);
+        tasks.push(tokio::spawn(run_consumer(
+            common.url.clone(),
+            t,
+            subscription.to_string(),
+            earliest,
+            receiver_queue,
+            Arc::clone(stop),
+            limit,
+            Arc::clone(counters),
+            e2e.map(Arc::clone),
+            rt,
+        )));
+    }
+    for r in readies {
+        let _ = r.await;
+    }
+    tasks
+}
+
 pub async fn produce(a: ProduceArgs) -> anyhow::Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let probe = a
@@ -830,27 +851,17 @@ pub async fn consume(a: ConsumeArgs) -> anyhow::Result<()> {
         .clone()
         .map(|d| fsync_probe(d, Arc::clone(&stop)));
     let counters = Arc::new(Counters::default());
-    let mut tasks = Vec::new();
-    let mut readies = Vec::new();
-    for t in topic_names(&a.common) {
-        let (rt, rr) = oneshot::channel();
-        readies.push(rr);
-        tasks.push(tokio::spawn(run_consumer(
-            a.common.url.clone(),
-            t,
-            a.subscription.clone(),
-            a.initial != "latest",
-            a.receiver_queue,
-            Arc::clone(&stop),
-            a.messages,
-            Arc::clone(&counters),
-            None,
-            rt,
-        )));
-    }
-    for r in readies {
-        let _ = r.await;
-    }
+    let tasks = spawn_consumers(
+        &a.common,
+        &a.subscription,
+        a.initial != "latest",
+        a.receiver_queue,
+        &stop,
+        a.messages,
+        &counters,
+        None,
+    )
+    .await;
     let start = Instant::now();
     let reporter = tokio::spawn(report_loop(
         vec![Report {
@@ -882,27 +893,17 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
         .map(|d| fsync_probe(d, Arc::clone(&stop)));
     let consumed = Arc::new(Counters::default());
     let e2e_latency = Arc::new(Recorder::new());
-    let mut tasks = Vec::new();
-    let mut readies = Vec::new();
-    for t in topic_names(&p.common) {
-        let (rt, rr) = oneshot::channel();
-        readies.push(rr);
-        tasks.push(tokio::spawn(run_consumer(
-            p.common.url.clone(),
-            t,
-            a.subscription.clone(),
-            false,
-            a.receiver_queue,
-            Arc::clone(&stop),
-            0,
-            Arc::clone(&consumed),
-            Some(Arc::clone(&e2e_latency)),
-            rt,
-        )));
-    }
-    for r in readies {
-        let _ = r.await;
-    }
+    let tasks = spawn_consumers(
+        &p.common,
+        &a.subscription,
+        false,
+        a.receiver_queue,
+        &stop,
+        0,
+        &consumed,
+        Some(&e2e_latency),
+    )
+    .await;
     let produced = Arc::new(Counters::default());
     let publish = Arc::new(Recorder::new());
     let start = Instant::now();

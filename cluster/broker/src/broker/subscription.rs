@@ -109,6 +109,20 @@ struct State {
     deleted: bool,
 }
 
+impl State {
+    /// Takes dispatched entries back from their consumer for dispatch again, counting a
+    /// redelivery for each.
+    fn requeue(&mut self, positions: Vec<Position>) {
+        for p in positions {
+            self.pending.remove(&p);
+            let n = self.redelivery_counts.entry(p).or_insert(0);
+            *n += 1;
+            let n = *n;
+            self.redeliver.insert(p, n);
+        }
+    }
+}
+
 pub struct Subscription {
     name: String,
     topic: Arc<Topic>,
@@ -319,13 +333,7 @@ impl Subscription {
             .filter(|(_, k)| **k == key)
             .map(|(p, _)| *p)
             .collect();
-        for p in held {
-            st.pending.remove(&p);
-            let n = st.redelivery_counts.entry(p).or_insert(0);
-            *n += 1;
-            let n = *n;
-            st.redeliver.insert(p, n);
-        }
+        st.requeue(held);
         if self.sub_type == SubType::Failover {
             if st.active == Some(key) {
                 st.active = None;
@@ -420,13 +428,7 @@ impl Subscription {
                 .filter(|p| st.pending.get(p) == Some(&key))
                 .collect()
         };
-        for p in chosen {
-            st.pending.remove(&p);
-            let n = st.redelivery_counts.entry(p).or_insert(0);
-            *n += 1;
-            let n = *n;
-            st.redeliver.insert(p, n);
-        }
+        st.requeue(chosen);
         drop(st);
         self.wake.notify_one();
     }
