@@ -356,6 +356,20 @@ pub struct BrokerConfig {
     pub cluster_name: String,
     /// Create topics when a producer or consumer first names them. Default `true`.
     pub allow_auto_topic_creation: bool,
+    /// What auto-creation creates: `non-partitioned` (the default) or `partitioned` (with
+    /// `broker.default_num_partitions` partitions, created at the first lookup of the name).
+    pub allow_auto_topic_creation_type: String,
+    /// Partitions of an auto-created partitioned topic. Range 1..=`broker.partitions_max`,
+    /// default 1.
+    pub default_num_partitions: u64,
+    /// Most partitions a partitioned topic may have. Range 1..=100000, default 10000.
+    pub partitions_max: u64,
+    /// Deduplicate sends by producer name and sequence id in namespaces whose policies do
+    /// not say otherwise. Default `false` (as Pulsar's `brokerDeduplicationEnabled`).
+    pub deduplication_enabled: bool,
+    /// Entries between two snapshots of a topic's deduplication state; a restart replays at
+    /// most this many entries to rebuild it. Range 1..=1000000, default 1000.
+    pub deduplication_snapshot_entries: u64,
     /// Largest message a client may send (advertised as max_message_size), bytes.
     /// Range 1024..=104857600, default 5242880 (5 MiB).
     pub message_bytes_max: u64,
@@ -401,6 +415,11 @@ impl Default for BrokerConfig {
             http_listen: "127.0.0.1:8080".to_string(),
             cluster_name: "standalone".to_string(),
             allow_auto_topic_creation: true,
+            allow_auto_topic_creation_type: "non-partitioned".to_string(),
+            default_num_partitions: 1,
+            partitions_max: 10_000,
+            deduplication_enabled: false,
+            deduplication_snapshot_entries: 1_000,
             message_bytes_max: 5 << 20,
             producer_pending_sends_max: 10_000,
             connection_handles_max: 10_000,
@@ -434,9 +453,21 @@ impl BrokerConfig {
                 "must be non-empty and without `/`",
             ));
         }
+        if !["non-partitioned", "partitioned"]
+            .contains(&self.allow_auto_topic_creation_type.as_str())
+        {
+            return Err(invalid(
+                "broker.allow_auto_topic_creation_type",
+                &self.allow_auto_topic_creation_type,
+                "expected one of non-partitioned, partitioned",
+            ));
+        }
         let b = self;
         #[rustfmt::skip]
         let bounds = [
+            ("broker.partitions_max", b.partitions_max, 1, 100_000, ""),
+            ("broker.default_num_partitions", b.default_num_partitions, 1, b.partitions_max, " (at most broker.partitions_max)"),
+            ("broker.deduplication_snapshot_entries", b.deduplication_snapshot_entries, 1, 1_000_000, ""),
             ("broker.message_bytes_max", b.message_bytes_max, 1_024, 104_857_600, ""),
             ("broker.producer_pending_sends_max", b.producer_pending_sends_max, 1, 1_000_000, ""),
             ("broker.connection_handles_max", b.connection_handles_max, 1, 1_000_000, ""),

@@ -4,8 +4,12 @@
 Every command prints one JSON object per line and flushes, so the Rust test reading its
 stdout sees progress as it happens (and sees what was acknowledged before a kill -9).
 
-  produce URL TOPIC --count N [--batch] [--start I] [--sync]
-      payload "msg-I", property i=I; prints {"acked": I} for each receipt, then {"done": N}
+  produce URL TOPIC --count N [--batch] [--start I] [--sync] [--name P] [--seq] [--key-mod K]
+          [--routing round-robin|single]
+      payload "msg-I", property i=I; prints {"acked": I} for each receipt, then {"done": N};
+      --seq sends I as the sequence id, --key-mod K gives partition key "kI%K"; prints
+      {"last_sequence_id": S} first (what the broker said for the producer name), or
+      {"create_failed": REASON} if the producer cannot be created
   consume URL TOPIC SUB --count N [--type exclusive|shared|failover] [--ack individual|cumulative|none]
           [--name NAME] [--initial earliest|latest] [--timeout-ms T] [--close-after K]
       prints {"i": I, "id": "...", "redelivery": R} per message
@@ -40,12 +44,26 @@ def produce(a):
         kwargs = dict(batching_enabled=True, batching_max_messages=100, batching_max_publish_delay_ms=2)
     else:
         kwargs = dict(batching_enabled=False)
-    p = c.create_producer(a.topic, block_if_queue_full=True, max_pending_messages=2000, **kwargs)
+    if a.name:
+        kwargs["producer_name"] = a.name
+    if a.routing == "single":
+        kwargs["message_routing_mode"] = pulsar.PartitionsRoutingMode.UseSinglePartition
+    try:
+        p = c.create_producer(a.topic, block_if_queue_full=True, max_pending_messages=2000, **kwargs)
+    except pulsar.PulsarException as e:
+        out({"create_failed": str(e)})
+        c.close()
+        return
+    out({"last_sequence_id": p.last_sequence_id()})
     for i in range(a.start, a.start + a.count):
         payload = ("msg-%d" % i).encode()
-        props = {"i": str(i)}
+        kw = {"properties": {"i": str(i)}}
+        if a.seq:
+            kw["sequence_id"] = i
+        if a.key_mod:
+            kw["partition_key"] = "k%d" % (i % a.key_mod)
         if a.sync:
-            p.send(payload, properties=props)
+            p.send(payload, **kw)
             out({"acked": i})
         else:
             def done(res, msg_id, i=i):
@@ -53,9 +71,9 @@ def produce(a):
                     out({"acked": i})
                 else:
                     out({"failed": i, "result": str(res)})
-            p.send_async(payload, done, properties=props)
+            p.send_async(payload, done, **kw)
     p.flush()
-    out({"done": a.count})
+    out({"done": a.count, "last_sequence_id": p.last_sequence_id()})
     c.close()
 
 
@@ -80,7 +98,8 @@ def consume(a):
             break
         i = int(m.properties()["i"])
         assert m.data() == ("msg-%d" % i).encode(), m.data()
-        out({"i": i, "id": m.message_id().serialize().hex(), "redelivery": m.redelivery_count()})
+        out({"i": i, "id": m.message_id().serialize().hex(), "redelivery": m.redelivery_count(),
+             "topic": m.topic_name(), "key": m.partition_key()})
         n += 1
         if a.close_after and n >= a.close_after:
             out({"closing": n})
@@ -228,6 +247,10 @@ def main():
     p.add_argument("--start", type=int, default=0)
     p.add_argument("--batch", action="store_true")
     p.add_argument("--sync", action="store_true")
+    p.add_argument("--name")
+    p.add_argument("--seq", action="store_true")
+    p.add_argument("--key-mod", type=int, default=0)
+    p.add_argument("--routing", default="round-robin")
     p.set_defaults(fn=produce)
     p = sub.add_parser("consume")
     p.add_argument("url")

@@ -45,6 +45,20 @@ pub fn step(msg: impl AsRef<str>) {
     eprintln!("[step] {}", msg.as_ref());
 }
 
+/// `got` is exactly `want`, in order; a failure names the first difference, not the lists.
+pub fn assert_seq(got: &[u64], want: std::ops::Range<u64>) {
+    let want: Vec<u64> = want.collect();
+    if let Some(i) = (0..got.len().max(want.len())).find(|&i| got.get(i) != want.get(i)) {
+        panic!(
+            "sequence differs at index {i}: got {:?}, want {:?} ({} received, {} expected)",
+            got.get(i),
+            want.get(i),
+            got.len(),
+            want.len()
+        );
+    }
+}
+
 /// One `meridian metadata` process.
 pub struct MetaNode {
     pub id: u64,
@@ -450,6 +464,17 @@ impl StandaloneProc {
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
     }
+
+    /// A client of the embedded metadata store (its address is in `addresses.json`).
+    pub fn metadata_client(&self) -> anyhow::Result<MetadataClient> {
+        let a: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(self.data_dir.join("addresses.json"))?)?;
+        let addr = a["metadata"]
+            .as_str()
+            .context("addresses.json without metadata")?
+            .to_string();
+        Ok(MetadataClient::connect_to(&[addr])?)
+    }
 }
 
 impl Drop for StandaloneProc {
@@ -477,6 +502,11 @@ pub struct PyClient {
 
 impl PyClient {
     /// Starts `client.py ARGS...`; its stderr goes to `stderr_file`.
+    /// Spawns the driver with its stderr in `dir/<name>.stderr`; panics if it cannot start.
+    pub fn run(dir: &Path, name: &str, args: &[&str]) -> PyClient {
+        PyClient::spawn(args, &dir.join(format!("{name}.stderr"))).expect("python client")
+    }
+
     pub fn spawn(args: &[&str], stderr_file: &Path) -> anyhow::Result<PyClient> {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/client.py");
         let err = std::fs::File::create(stderr_file)?;

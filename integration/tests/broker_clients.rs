@@ -4,7 +4,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use meridian_integration::{step, PyClient, StandaloneProc};
+use meridian_integration::{assert_seq, step, PyClient, StandaloneProc};
 
 const T: Duration = Duration::from_secs(120);
 
@@ -15,21 +15,7 @@ fn start(dir: &tempfile::TempDir) -> StandaloneProc {
 }
 
 fn py(dir: &tempfile::TempDir, name: &str, args: &[&str]) -> PyClient {
-    PyClient::spawn(args, &dir.path().join(format!("{name}.stderr"))).expect("python client")
-}
-
-/// `got` is exactly `want`, in order; a failure names the first difference, not the lists.
-fn assert_seq(got: &[u64], want: std::ops::Range<u64>) {
-    let want: Vec<u64> = want.collect();
-    if let Some(i) = (0..got.len().max(want.len())).find(|&i| got.get(i) != want.get(i)) {
-        panic!(
-            "sequence differs at index {i}: got {:?}, want {:?} ({} received, {} expected)",
-            got.get(i),
-            want.get(i),
-            got.len(),
-            want.len()
-        );
-    }
+    PyClient::run(dir.path(), name, args)
 }
 
 fn http_get(addr: &str, path: &str) -> String {
@@ -551,10 +537,11 @@ fn with_auto_creation_off_an_unknown_topic_is_refused() {
     s.env("MERIDIAN_BROKER_ALLOW_AUTO_TOPIC_CREATION", "false");
     s.start().unwrap();
     let mut p = py(&dir, "p", &["produce", &s.url, "nowhere", "--count", "1"]);
-    let err = p.finish(T).expect_err("the producer must fail");
-    let text = format!("{err:#}");
-    assert!(
-        text.contains("TopicNotFound") || text.contains("Topic Not Found"),
-        "{text}"
-    );
+    let lines = p.finish(T).unwrap();
+    let text = lines
+        .iter()
+        .find_map(|v| v["create_failed"].as_str())
+        .expect("the producer must fail");
+    assert!(text.contains("TopicNotFound"), "{text}");
+    assert!(!lines.iter().any(|v| v.get("acked").is_some()));
 }

@@ -24,12 +24,13 @@ use meridian_protocol::{
     cmd, decode_frame, encode_command, Entry, Frame, ID_NONE, PROTOCOL_VERSION_MAX,
 };
 use meridian_storage::cursor::InitialPosition;
-use meridian_storage::managed_ledger::{PendingAppend, Position};
+use meridian_storage::managed_ledger::Position;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+use crate::broker::dedup::Submitted;
 use crate::broker::subscription::{SeekTo, StartAt};
 use crate::broker::{
     Broker, BrokerError, ConsumerSink, SubType, SubscribeRequest, Subscription, Topic,
@@ -55,7 +56,7 @@ struct PendingSend {
     messages: u64,
     bytes: u64,
     received: Instant,
-    append: Result<PendingAppend, BrokerError>,
+    append: Result<Submitted, BrokerError>,
 }
 
 struct ProducerEntry {
@@ -192,14 +193,25 @@ async fn receipt_loop(
     let publish_latency = metrics::histogram!("meridian_publish_latency_seconds");
     let storage_latency = metrics::histogram!("meridian_storage_write_latency_seconds");
     let errors = metrics::counter!("meridian_publish_errors_total");
+    let duplicates = metrics::counter!("meridian_publish_duplicates_total");
+    // Once the client is gone receipts are no longer written, but every pending send is
+    // still awaited: deduplication must learn what became durable.
+    let mut client_gone = false;
     while let Some(ps) = rx.recv().await {
         let submitted = ps.submitted;
         let outcome = match ps.append {
-            Ok(pa) => pa.wait().await.map_err(BrokerError::from),
+            Ok(Submitted::Appended(pa, ticket)) => {
+                let r = pa.wait().await.map_err(BrokerError::from);
+                if let (Some(d), Some(t)) = (&topic.dedup, ticket) {
+                    d.record(t, r.as_ref().ok().copied()).await;
+                }
+                r.map(Some)
+            }
+            Ok(Submitted::Duplicate) => Ok(None),
             Err(e) => Err(e),
         };
         let reply = match outcome {
-            Ok(pos) => {
+            Ok(Some(pos)) => {
                 topic.on_appended(pos, ps.messages, ps.bytes);
                 published.increment(ps.messages);
                 published_bytes.increment(ps.bytes);
@@ -212,13 +224,18 @@ async fn receipt_loop(
                 }
                 c
             }
+            // A duplicate of a persisted message: acknowledged, at no position (as Pulsar).
+            Ok(None) => {
+                duplicates.increment(ps.messages);
+                cmd::send_receipt(producer_id, ps.sequence_id, ID_NONE, ID_NONE)
+            }
             Err(e) => {
                 errors.increment(1);
                 cmd::send_error(producer_id, ps.sequence_id, e.code, e.message)
             }
         };
-        if tx.send(frame(&reply)).await.is_err() {
-            return;
+        if !client_gone && tx.send(frame(&reply)).await.is_err() {
+            client_gone = true;
         }
     }
 }
@@ -268,8 +285,12 @@ impl Conn {
                 let m = c
                     .partition_metadata
                     .ok_or_else(|| missing("PARTITIONED_METADATA"))?;
-                let r = match self.broker.check_topic(&m.topic) {
-                    Ok(_) => cmd::partitioned_metadata(m.request_id, 0),
+                let n = match self.broker.check_topic(&m.topic) {
+                    Ok(t) => self.broker.partitioned_metadata(&t).await,
+                    Err(e) => Err(e),
+                };
+                let r = match n {
+                    Ok(n) => cmd::partitioned_metadata(m.request_id, n),
                     Err(e) => cmd::partitioned_metadata_error(m.request_id, e.code, e.message),
                 };
                 self.reply(r).await
@@ -286,7 +307,9 @@ impl Conn {
                 let p = c.producer.ok_or_else(|| missing("PRODUCER"))?;
                 let request_id = p.request_id;
                 let r = match self.create_producer(p).await {
-                    Ok(name) => cmd::producer_success(request_id, &name, -1),
+                    Ok((name, last_sequence_id)) => {
+                        cmd::producer_success(request_id, &name, last_sequence_id)
+                    }
                     Err(e) => cmd::error(request_id, e.code, e.message),
                 };
                 self.reply(r).await
@@ -537,11 +560,20 @@ impl Conn {
         Ok(())
     }
 
-    async fn create_producer(&mut self, p: pb::CommandProducer) -> Result<String, BrokerError> {
+    /// Creates a producer; answers its name and, on a deduplicating topic, the highest
+    /// sequence id persisted under that name (else -1).
+    async fn create_producer(
+        &mut self,
+        p: pb::CommandProducer,
+    ) -> Result<(String, i64), BrokerError> {
         if let Some(existing) = self.producers.get(&p.producer_id) {
             // A retried create of a producer that already exists on this connection.
             if existing.topic.full_name() == self.broker.check_topic(&p.topic)?.to_string() {
-                return Ok(existing.name.clone());
+                let last = match &existing.topic.dedup {
+                    Some(d) => d.last_sequence_id(&existing.name).await,
+                    None => -1,
+                };
+                return Ok((existing.name.clone(), last));
             }
             return Err(BrokerError::new(
                 ServerError::ProducerBusy,
@@ -569,6 +601,10 @@ impl Conn {
             rx,
             self.tx.clone(),
         ));
+        let last_sequence_id = match &topic.dedup {
+            Some(d) => d.last_sequence_id(&producer_name).await,
+            None => -1,
+        };
         tracing::debug!(connection = self.id, topic = %topic.full_name(), producer = %producer_name, "producer created");
         self.producers.insert(
             p.producer_id,
@@ -579,7 +615,7 @@ impl Conn {
                 receipts,
             },
         );
-        Ok(producer_name)
+        Ok((producer_name, last_sequence_id))
     }
 
     async fn send(
@@ -613,11 +649,19 @@ impl Conn {
             ))
         } else {
             let entry = Entry::from_payload(&payload);
-            p.topic
-                .ml
-                .append_queued(entry.into_bytes())
-                .await
-                .map_err(BrokerError::from)
+            match &p.topic.dedup {
+                Some(d) => {
+                    d.submit(&p.topic.ml, &p.name, s.highest_sequence_id, entry)
+                        .await
+                }
+                None => p
+                    .topic
+                    .ml
+                    .append_queued(entry.into_bytes())
+                    .await
+                    .map(|pa| Submitted::Appended(pa, None))
+                    .map_err(BrokerError::from),
+            }
         };
         let ps = PendingSend {
             sequence_id: s.sequence_id,

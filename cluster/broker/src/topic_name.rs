@@ -106,7 +106,33 @@ impl TopicName {
     /// The partition index if the local name ends in `-partition-N`.
     pub fn partition(&self) -> Option<u32> {
         let (_, n) = self.local.rsplit_once("-partition-")?;
+        // Digits only, without leading zeros: `-partition-01` and `-partition-+1` are not
+        // partitions' names.
+        if n.is_empty()
+            || !n.bytes().all(|b| b.is_ascii_digit())
+            || (n.len() > 1 && n.starts_with('0'))
+        {
+            return None;
+        }
         n.parse().ok()
+    }
+
+    /// The partitioned topic a partition belongs to (`x` for `x-partition-3`).
+    pub fn parent(&self) -> Option<TopicName> {
+        self.partition()?;
+        let (base, _) = self.local.rsplit_once("-partition-")?;
+        Some(TopicName {
+            local: base.to_string(),
+            ..self.clone()
+        })
+    }
+
+    /// Partition `i` of this topic.
+    pub fn partition_name(&self, i: u32) -> TopicName {
+        TopicName {
+            local: format!("{}-partition-{i}", self.local),
+            ..self.clone()
+        }
     }
 }
 
@@ -146,6 +172,29 @@ mod tests {
         let t = TopicName::parse("a/b/x-partition-3").unwrap();
         assert_eq!(t.partition(), Some(3));
         assert_eq!(t.managed_ledger_name(), "a/b/persistent/x-partition-3");
+    }
+
+    #[test]
+    fn given_partition_names_then_parent_and_index_are_found() {
+        let t = TopicName::parse("t/n/orders-partition-3").unwrap();
+        assert_eq!(t.partition(), Some(3));
+        assert_eq!(t.parent().unwrap().to_string(), "persistent://t/n/orders");
+        let p = TopicName::parse("orders").unwrap();
+        assert_eq!(p.partition(), None);
+        assert!(p.parent().is_none());
+        assert_eq!(
+            p.partition_name(0).to_string(),
+            "persistent://public/default/orders-partition-0"
+        );
+        assert_eq!(
+            TopicName::parse("x-partition-01").unwrap().partition(),
+            None
+        );
+        assert_eq!(TopicName::parse("x-partition-").unwrap().partition(), None);
+        assert_eq!(
+            TopicName::parse("x-partition-+1").unwrap().partition(),
+            None
+        );
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //! Connections ([`crate::connection`]) decode frames and call in here; nothing in this module
 //! knows about sockets.
 
+pub mod dedup;
+pub mod partitioned;
 pub mod subscription;
 
 use std::collections::HashMap;
@@ -33,6 +35,14 @@ pub use subscription::{ConsumerSink, SubType, SubscribeRequest, Subscription, Su
 
 /// Where namespaces are recorded (the tenancy issue adds their policies).
 pub const NAMESPACES_PREFIX: &str = "/admin/namespaces/";
+
+/// A namespace's record at `/admin/namespaces/<tenant>/<ns>`: its policies. A policy left out
+/// falls back to the broker's configuration. (The tenancy issue adds the rest.)
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct NamespacePolicies {
+    pub deduplication_enabled: Option<bool>,
+}
 
 /// A failure that a client sees as a `ServerError` and a message.
 #[derive(Debug, thiserror::Error)]
@@ -131,6 +141,8 @@ pub struct Topic {
     appended: watch::Sender<Option<Position>>,
     pub counters: TopicCounters,
     rates: Mutex<Rates>,
+    /// Present when the topic deduplicates sends.
+    pub dedup: Option<Arc<dedup::Dedup>>,
 }
 
 impl Topic {
@@ -309,6 +321,9 @@ impl Topic {
         if let Err(e) = self.ml.close().await {
             tracing::warn!(topic = %self.full_name, error = %e, "closing the managed ledger failed");
         }
+        if let Some(d) = &self.dedup {
+            d.flush().await;
+        }
     }
 }
 
@@ -402,6 +417,26 @@ impl Broker {
         }
     }
 
+    /// A namespace's policies (defaults if it has no record or an empty one).
+    pub async fn namespace_policies(
+        &self,
+        namespace: &str,
+    ) -> Result<NamespacePolicies, BrokerError> {
+        let Some(kv) = self
+            .meta
+            .get(&format!("{NAMESPACES_PREFIX}{namespace}"))
+            .await?
+        else {
+            return Ok(NamespacePolicies::default());
+        };
+        serde_json::from_slice(&kv.value).map_err(|e| {
+            BrokerError::new(
+                ServerError::MetadataError,
+                format!("policies of namespace {namespace} are damaged: {e}"),
+            )
+        })
+    }
+
     /// Checks a name clients sent and that this broker serves it (persistent topics only).
     pub fn check_topic(&self, name: &str) -> Result<TopicName, BrokerError> {
         let t = TopicName::parse(name)?;
@@ -434,34 +469,57 @@ impl Broker {
         Ok(Arc::clone(topic))
     }
 
+    /// Whether a (non-partitioned) topic or partition has a log.
+    pub async fn topic_exists(&self, name: &TopicName) -> Result<bool, BrokerError> {
+        Ok(self
+            .meta
+            .get(&managed_ledger_key(&name.managed_ledger_name()))
+            .await?
+            .is_some())
+    }
+
     async fn load_topic(&self, name: &TopicName, create: bool) -> Result<Arc<Topic>, BrokerError> {
         let full = name.to_string();
-        let ml_name = name.managed_ledger_name();
-        let exists = self
-            .meta
-            .get(&managed_ledger_key(&ml_name))
-            .await?
-            .is_some();
-        if !exists {
-            if !(create && self.cfg.allow_auto_topic_creation) {
-                return Err(BrokerError::new(
-                    ServerError::TopicNotFound,
-                    format!("topic {full} does not exist"),
-                ));
-            }
-            let ns = name.namespace();
-            if self
-                .meta
-                .get(&format!("{NAMESPACES_PREFIX}{ns}"))
-                .await?
-                .is_none()
-            {
-                return Err(BrokerError::new(
-                    ServerError::TopicNotFound,
-                    format!("namespace {ns} does not exist (topic {full})"),
-                ));
+        if name.partition().is_none() && self.partitions_of(name).await?.is_some() {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!("{full} is a partitioned topic: use its partitions {full}-partition-<i>"),
+            ));
+        }
+        if !self.topic_exists(name).await? {
+            // A partition of a partitioned topic exists as soon as the topic has it.
+            let parent = match name.parent() {
+                Some(parent) => self.partitions_of(&parent).await?.map(|(n, _)| (parent, n)),
+                None => None,
+            };
+            match parent {
+                Some((parent, n)) => {
+                    let i = name.partition().unwrap_or(u32::MAX);
+                    if i >= n {
+                        return Err(BrokerError::new(
+                            ServerError::TopicNotFound,
+                            format!("{parent} has {n} partitions; there is no partition {i}"),
+                        ));
+                    }
+                }
+                None => {
+                    if !(create && self.cfg.allow_auto_topic_creation) {
+                        return Err(BrokerError::new(
+                            ServerError::TopicNotFound,
+                            format!("topic {full} does not exist"),
+                        ));
+                    }
+                    let ns = name.namespace();
+                    if !self.namespace_exists(&ns).await? {
+                        return Err(BrokerError::new(
+                            ServerError::TopicNotFound,
+                            format!("namespace {ns} does not exist (topic {full})"),
+                        ));
+                    }
+                }
             }
         }
+        let ml_name = name.managed_ledger_name();
         let opts = ManagedLedgerOptions {
             ensemble: self.cfg.ensemble as usize,
             write_quorum: self.cfg.write_quorum as usize,
@@ -473,7 +531,23 @@ impl Broker {
             ..ManagedLedgerOptions::default()
         };
         let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
-        tracing::info!(topic = %full, "topic loaded");
+        let policies = self.namespace_policies(&name.namespace()).await?;
+        let dedup = if policies
+            .deduplication_enabled
+            .unwrap_or(self.cfg.deduplication_enabled)
+        {
+            Some(Arc::new(
+                dedup::Dedup::recover(
+                    self.meta.clone(),
+                    &ml,
+                    self.cfg.deduplication_snapshot_entries,
+                )
+                .await?,
+            ))
+        } else {
+            None
+        };
+        tracing::info!(topic = %full, deduplication = dedup.is_some(), "topic loaded");
         let last = ml.last_confirmed();
         Ok(Arc::new(Topic {
             name: name.clone(),
@@ -486,6 +560,7 @@ impl Broker {
             appended: watch::channel(last).0,
             counters: TopicCounters::default(),
             rates: Mutex::default(),
+            dedup,
         }))
     }
 
@@ -499,26 +574,32 @@ impl Broker {
             .collect()
     }
 
-    /// Topics of a namespace that exist in the metadata store (`tenant/namespace`).
+    /// Topics of a namespace: those with a log, and every partition of its partitioned
+    /// topics (created or not yet), sorted.
     pub async fn topics_of_namespace(&self, namespace: &str) -> Result<Vec<String>, BrokerError> {
         let prefix = format!(
             "{}{namespace}/persistent/",
             meridian_storage::managed_ledger::MANAGED_LEDGERS_PREFIX
         );
-        let mut out = Vec::new();
+        let mut out = std::collections::BTreeSet::new();
         let mut after = String::new();
         loop {
             let page = self.meta.children(&prefix, &after, 0).await?;
             for local in &page.children {
                 let local = local.replace("%2F", "/").replace("%25", "%");
-                out.push(format!("persistent://{namespace}/{local}"));
+                out.insert(format!("persistent://{namespace}/{local}"));
             }
             match page.children.last() {
                 Some(last) if page.more => after = last.clone(),
                 _ => break,
             }
         }
-        Ok(out)
+        for (name, n) in self.partitioned_topics_of_namespace(namespace).await? {
+            for i in 0..n {
+                out.insert(name.partition_name(i).to_string());
+            }
+        }
+        Ok(out.into_iter().collect())
     }
 
     /// Stops serving: refuses new topics, stops dispatchers, persists cursors, closes logs.

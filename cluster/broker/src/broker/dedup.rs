@@ -1,0 +1,424 @@
+//! Message deduplication by producer name and sequence id (Pulsar's semantics).
+//!
+//! Per producer name a topic keeps the highest sequence id *pushed* (accepted, perhaps still
+//! in flight) and the highest *persisted* (durable). A SEND whose first sequence id is at most
+//! the persisted one is a duplicate: it is not stored and is answered with a receipt at
+//! (-1, -1). At most the pushed one but above the persisted one, its fate is not known yet:
+//! it fails with PersistenceError, so the client reconnects and resends, and by then it is
+//! one or the other.
+//!
+//! ```text
+//!  submit (under the lock): check ─► append_queued ─► ticket t (ML order = ticket order)
+//!  receipt task: durable at p ─► record(t, p): persisted[name] = max(.., highest)
+//!                                 tickets done in a row ─► "recorded up to" S
+//!  every `deduplication_snapshot_entries`: /topic-dedup/<log> = {S, persisted}
+//!  topic load: snapshot, then replay the entries after S (their metadata carry name and ids)
+//! ```
+//!
+//! The snapshot's position S is one up to which *every* entry has been recorded, although
+//! producers' receipt tasks record out of order; replaying from S is therefore enough, and
+//! replaying an entry twice is harmless (a maximum).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use meridian_metadata::MetadataClient;
+use meridian_protocol::batch::BatchIter;
+use meridian_protocol::pb::ServerError;
+use meridian_protocol::Entry;
+use meridian_storage::managed_ledger::{ManagedLedger, PendingAppend, Position};
+use serde::{Deserialize, Serialize};
+
+use super::BrokerError;
+
+/// Where deduplication snapshots live, by managed-ledger name.
+pub const DEDUP_PREFIX: &str = "/topic-dedup/";
+
+/// Entries read at once while replaying after the snapshot.
+const REPLAY_BATCH: usize = 500;
+
+/// What the sequence ids of a stored entry say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EntrySequence {
+    pub producer: String,
+    /// The SEND's sequence id (a batch's first message).
+    pub first: i64,
+    /// The last message's: from `highest_sequence_id`, the last batch item, or first + n - 1.
+    pub highest: i64,
+    /// A chunk other than its message's last: not checked (all chunks share the id).
+    pub partial_chunk: bool,
+}
+
+/// Reads producer name and sequence ids from an entry; `None` for markers and entries
+/// without a producer.
+pub fn entry_sequence(entry: &Entry) -> Option<EntrySequence> {
+    let m = entry.metadata().ok()?;
+    if m.marker_type.is_some() || m.producer_name.is_empty() {
+        return None;
+    }
+    let first = m.sequence_id as i64;
+    let mut highest = first.max(m.highest_sequence_id.map_or(-1, |h| h as i64));
+    if let Some(n) = m.num_messages_in_batch {
+        let from_items = if m.compression.unwrap_or(0) == 0 {
+            BatchIter::new(entry.payload())
+                .map_while(Result::ok)
+                .last()
+                .and_then(|it| it.decode_metadata().ok())
+                .and_then(|s| s.sequence_id)
+                .map(|s| s as i64)
+        } else {
+            None
+        };
+        highest = highest.max(from_items.unwrap_or(first + i64::from(n.max(1)) - 1));
+    }
+    let partial_chunk = matches!(
+        (m.chunk_id, m.num_chunks_from_msg),
+        (Some(id), Some(n)) if id < n - 1
+    );
+    Some(EntrySequence {
+        producer: m.producer_name,
+        first,
+        highest,
+        partial_chunk,
+    })
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Snapshot {
+    /// Every entry up to here is in `producers` (absent: none recorded yet).
+    ledger_id: Option<u64>,
+    entry_id: Option<u64>,
+    producers: HashMap<String, i64>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum TicketState {
+    Pending,
+    Done(Position),
+    Failed,
+}
+
+#[derive(Default)]
+struct Inner {
+    pushed: HashMap<String, i64>,
+    persisted: HashMap<String, i64>,
+    next_ticket: u64,
+    inflight: BTreeMap<u64, TicketState>,
+    recorded_upto: Option<Position>,
+    since_snapshot: u64,
+}
+
+/// A submitted entry's place in the deduplication order.
+#[derive(Debug)]
+pub struct Ticket {
+    id: u64,
+    producer: String,
+    highest: i64,
+}
+
+/// The outcome of submitting a SEND to a deduplicating topic.
+pub enum Submitted {
+    Appended(PendingAppend, Option<Ticket>),
+    /// Already persisted: answer with a receipt at (-1, -1).
+    Duplicate,
+}
+
+/// A topic's deduplication state.
+pub struct Dedup {
+    meta: MetadataClient,
+    key: String,
+    snapshot_every: u64,
+    inner: tokio::sync::Mutex<Inner>,
+    snapshotting: Arc<AtomicBool>,
+}
+
+impl Dedup {
+    /// Loads the snapshot of `ml` and replays the entries after it.
+    pub async fn recover(
+        meta: MetadataClient,
+        ml: &Arc<ManagedLedger>,
+        snapshot_every: u64,
+    ) -> Result<Dedup, BrokerError> {
+        let key = format!("{DEDUP_PREFIX}{}", ml.name());
+        let mut inner = Inner::default();
+        let snap: Option<Snapshot> = match meta.get(&key).await? {
+            Some(kv) => Some(serde_json::from_slice(&kv.value).map_err(|e| {
+                BrokerError::new(
+                    ServerError::MetadataError,
+                    format!("deduplication snapshot {key} is damaged: {e}"),
+                )
+            })?),
+            None => None,
+        };
+        let mut from = ml.first_position().await;
+        if let Some(s) = snap {
+            inner.persisted = s.producers;
+            if let (Some(l), Some(e)) = (s.ledger_id, s.entry_id) {
+                let at = Position::new(l, e);
+                inner.recorded_upto = Some(at);
+                from = ml.next_position(at).await;
+            }
+        }
+        let mut replayed = 0u64;
+        while let Some(start) = from {
+            let batch = ml.read_range(start, REPLAY_BATCH).await?;
+            let Some((last, _)) = batch.last() else { break };
+            let last = *last;
+            for (pos, bytes) in batch {
+                replayed += 1;
+                inner.recorded_upto = Some(pos);
+                let Ok(entry) = Entry::parse(bytes) else {
+                    continue;
+                };
+                if let Some(seq) = entry_sequence(&entry).filter(|s| !s.partial_chunk) {
+                    let v = inner.persisted.entry(seq.producer).or_insert(-1);
+                    *v = (*v).max(seq.highest);
+                }
+            }
+            from = ml.next_position(last).await;
+        }
+        inner.pushed = inner.persisted.clone();
+        tracing::debug!(log = %ml.name(), producers = inner.persisted.len(), replayed, "deduplication state recovered");
+        Ok(Dedup {
+            meta,
+            key,
+            snapshot_every,
+            inner: tokio::sync::Mutex::new(inner),
+            snapshotting: Arc::new(AtomicBool::new(false)),
+        })
+    }
+
+    /// The highest persisted sequence id of `producer`, -1 if none (PRODUCER_SUCCESS).
+    pub async fn last_sequence_id(&self, producer: &str) -> i64 {
+        self.inner
+            .lock()
+            .await
+            .persisted
+            .get(producer)
+            .copied()
+            .unwrap_or(-1)
+    }
+
+    /// Checks a SEND and, unless it is a duplicate, appends it. The lock is held across the
+    /// submission so that tickets follow the log's order.
+    pub async fn submit(
+        &self,
+        ml: &Arc<ManagedLedger>,
+        producer: &str,
+        send_highest: Option<u64>,
+        entry: Entry,
+    ) -> Result<Submitted, BrokerError> {
+        let mut g = self.inner.lock().await;
+        let seq = entry_sequence(&entry);
+        let checked = seq.filter(|s| !s.partial_chunk && s.producer == producer);
+        if let Some(s) = &checked {
+            let persisted = g.persisted.get(producer).copied().unwrap_or(-1);
+            let pushed = g.pushed.get(producer).copied().unwrap_or(-1);
+            if s.first <= persisted {
+                return Ok(Submitted::Duplicate);
+            }
+            if s.first <= pushed {
+                return Err(BrokerError::new(
+                    ServerError::PersistenceError,
+                    format!(
+                        "sequence id {} of {producer} is still being written; resend it later",
+                        s.first
+                    ),
+                ));
+            }
+        }
+        let pa = ml.append_queued(entry.into_bytes()).await?;
+        let id = g.next_ticket;
+        g.next_ticket += 1;
+        g.inflight.insert(id, TicketState::Pending);
+        let highest = checked.map(|s| {
+            let h = s.highest.max(send_highest.map_or(-1, |h| h as i64));
+            g.pushed.insert(producer.to_string(), h);
+            h
+        });
+        Ok(Submitted::Appended(
+            pa,
+            Some(Ticket {
+                id,
+                producer: producer.to_string(),
+                highest: highest.unwrap_or(i64::MIN),
+            }),
+        ))
+    }
+
+    /// Records a submitted entry's outcome; takes a snapshot when enough entries passed.
+    pub async fn record(&self, ticket: Ticket, outcome: Option<Position>) {
+        let snapshot = {
+            let mut g = self.inner.lock().await;
+            match outcome {
+                Some(pos) => {
+                    if ticket.highest != i64::MIN {
+                        let v = g.persisted.entry(ticket.producer).or_insert(-1);
+                        *v = (*v).max(ticket.highest);
+                    }
+                    g.inflight.insert(ticket.id, TicketState::Done(pos));
+                }
+                None => {
+                    // Not stored: what was pushed for this name falls back to what is durable.
+                    match g.persisted.get(&ticket.producer).copied() {
+                        Some(p) => g.pushed.insert(ticket.producer, p),
+                        None => g.pushed.remove(&ticket.producer),
+                    };
+                    g.inflight.insert(ticket.id, TicketState::Failed);
+                }
+            }
+            while let Some((&id, &state)) = g.inflight.first_key_value() {
+                match state {
+                    TicketState::Pending => break,
+                    TicketState::Done(pos) => {
+                        g.recorded_upto = Some(pos);
+                        g.since_snapshot += 1;
+                    }
+                    TicketState::Failed => {}
+                }
+                g.inflight.remove(&id);
+            }
+            if g.since_snapshot >= self.snapshot_every
+                && !self.snapshotting.swap(true, Ordering::AcqRel)
+            {
+                g.since_snapshot = 0;
+                Some(Self::snapshot_of(&g))
+            } else {
+                None
+            }
+        };
+        if let Some(bytes) = snapshot {
+            let (meta, key, flag) = (
+                self.meta.clone(),
+                self.key.clone(),
+                Arc::clone(&self.snapshotting),
+            );
+            tokio::spawn(async move {
+                if let Err(e) = meta.put(&key, bytes).await {
+                    tracing::warn!(key = %key, error = %e, "deduplication snapshot failed");
+                }
+                flag.store(false, Ordering::Release);
+            });
+        }
+    }
+
+    fn snapshot_of(g: &Inner) -> Bytes {
+        let s = Snapshot {
+            ledger_id: g.recorded_upto.map(|p| p.ledger_id),
+            entry_id: g.recorded_upto.map(|p| p.entry_id),
+            producers: g.persisted.clone(),
+        };
+        Bytes::from(serde_json::to_vec(&s).expect("snapshot serialises"))
+    }
+
+    /// Writes a snapshot now (topic close), after any in flight.
+    pub async fn flush(&self) {
+        while self.snapshotting.swap(true, Ordering::AcqRel) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        let bytes = Self::snapshot_of(&*self.inner.lock().await);
+        if let Err(e) = self.meta.put(&self.key, bytes).await {
+            tracing::warn!(key = %self.key, error = %e, "deduplication snapshot failed");
+        }
+        self.snapshotting.store(false, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meridian_protocol::pb::{MessageMetadata, SingleMessageMetadata};
+    use prost::Message as _;
+
+    fn entry(meta: MessageMetadata, payload: &[u8]) -> Entry {
+        Entry::build(&meta.encode_to_vec(), payload)
+    }
+
+    fn meta(name: &str, seq: u64) -> MessageMetadata {
+        MessageMetadata {
+            producer_name: name.into(),
+            sequence_id: seq,
+            publish_time: 1,
+            ..Default::default()
+        }
+    }
+
+    fn batch(items: &[(u64, &[u8])]) -> Vec<u8> {
+        let mut out = Vec::new();
+        for (seq, data) in items {
+            let m = SingleMessageMetadata {
+                payload_size: data.len() as i32,
+                sequence_id: Some(*seq),
+                ..Default::default()
+            }
+            .encode_to_vec();
+            out.extend_from_slice(&(m.len() as u32).to_be_bytes());
+            out.extend_from_slice(&m);
+            out.extend_from_slice(data);
+        }
+        out
+    }
+
+    #[test]
+    fn given_single_message_then_first_and_highest_are_its_id() {
+        let s = entry_sequence(&entry(meta("p", 7), b"x")).unwrap();
+        assert_eq!((s.producer.as_str(), s.first, s.highest), ("p", 7, 7));
+        assert!(!s.partial_chunk);
+    }
+
+    #[test]
+    fn given_batch_then_highest_is_the_last_items_id() {
+        let m = MessageMetadata {
+            num_messages_in_batch: Some(3),
+            ..meta("p", 10)
+        };
+        let s = entry_sequence(&entry(m, &batch(&[(10, b"a"), (11, b"b"), (15, b"c")]))).unwrap();
+        assert_eq!((s.first, s.highest), (10, 15));
+    }
+
+    #[test]
+    fn given_compressed_batch_then_highest_counts_messages() {
+        let m = MessageMetadata {
+            num_messages_in_batch: Some(4),
+            compression: Some(1),
+            ..meta("p", 10)
+        };
+        let s = entry_sequence(&entry(m, b"opaque")).unwrap();
+        assert_eq!((s.first, s.highest), (10, 13));
+    }
+
+    #[test]
+    fn given_chunks_then_only_the_last_is_checked() {
+        let chunk = |id| MessageMetadata {
+            chunk_id: Some(id),
+            num_chunks_from_msg: Some(3),
+            ..meta("p", 4)
+        };
+        assert!(
+            entry_sequence(&entry(chunk(0), b"a"))
+                .unwrap()
+                .partial_chunk
+        );
+        assert!(
+            entry_sequence(&entry(chunk(1), b"a"))
+                .unwrap()
+                .partial_chunk
+        );
+        assert!(
+            !entry_sequence(&entry(chunk(2), b"a"))
+                .unwrap()
+                .partial_chunk
+        );
+    }
+
+    #[test]
+    fn given_marker_then_no_sequence() {
+        let m = MessageMetadata {
+            marker_type: Some(10),
+            ..meta("p", 1)
+        };
+        assert_eq!(entry_sequence(&entry(m, b"")), None);
+    }
+}

@@ -1,0 +1,431 @@
+//! Messaging semantics with stock clients against a real `meridian standalone`: partitioned
+//! topics, deduplication, and (as they land) the rest of what Pulsar applications rely on.
+//! Each test asserts exact delivery: which messages, in what order, how many times.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use meridian_integration::{assert_seq, step, PyClient, StandaloneProc};
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(120);
+
+fn start_with(dir: &tempfile::TempDir, env: &[(&str, &str)]) -> StandaloneProc {
+    let mut s = StandaloneProc::new(dir.path());
+    for (k, v) in env {
+        s.env(k, v);
+    }
+    s.start().expect("standalone starts");
+    s
+}
+
+/// Runs the Python driver to completion and returns its lines.
+fn py(dir: &tempfile::TempDir, name: &str, args: &[&str]) -> Vec<Value> {
+    PyClient::run(dir.path(), name, args)
+        .finish(T)
+        .unwrap_or_else(|e| panic!("{name}: {e:#}"))
+}
+
+fn ints(lines: &[Value], field: &str) -> Vec<u64> {
+    lines
+        .iter()
+        .filter_map(|v| v.get(field).and_then(Value::as_u64))
+        .collect()
+}
+
+fn first_i64(lines: &[Value], field: &str) -> Option<i64> {
+    lines
+        .iter()
+        .find_map(|v| v.get(field).and_then(Value::as_i64))
+}
+
+/// Received messages grouped by the partition (topic) they came from, in arrival order.
+fn by_topic(lines: &[Value]) -> BTreeMap<String, Vec<u64>> {
+    let mut m: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for v in lines {
+        if let (Some(i), Some(t)) = (v["i"].as_u64(), v["topic"].as_str()) {
+            m.entry(t.to_string()).or_default().push(i);
+        }
+    }
+    m
+}
+
+fn assert_each_once(got: &[u64], want: std::ops::Range<u64>) {
+    let mut sorted = got.to_vec();
+    sorted.sort_unstable();
+    assert_seq(&sorted, want);
+}
+
+fn assert_ascending(what: &str, v: &[u64]) {
+    assert!(
+        v.windows(2).all(|w| w[0] < w[1]),
+        "{what}: out of order: {:?}",
+        &v[..v.len().min(20)]
+    );
+}
+
+/// Asserts that the messages came from exactly partitions 0..n of `base`, each partition's in
+/// order; returns them by partition.
+fn assert_partitions(lines: &[Value], base: &str, n: u32) -> BTreeMap<String, Vec<u64>> {
+    let per = by_topic(lines);
+    let want: BTreeSet<String> = (0..n)
+        .map(|i| format!("persistent://public/default/{base}-partition-{i}"))
+        .collect();
+    assert_eq!(per.keys().cloned().collect::<BTreeSet<_>>(), want);
+    for (t, v) in &per {
+        assert_ascending(t, v);
+    }
+    per
+}
+
+#[test]
+fn partitioned_topics_with_the_python_client_round_robin_by_key_single_partition_and_growth() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start_with(
+        &dir,
+        &[
+            (
+                "MERIDIAN_BROKER_ALLOW_AUTO_TOPIC_CREATION_TYPE",
+                "partitioned",
+            ),
+            ("MERIDIAN_BROKER_DEFAULT_NUM_PARTITIONS", "4"),
+        ],
+    );
+    let url = s.url.as_str();
+
+    step("round robin: 400 unbatched messages spread over the 4 auto-created partitions");
+    let p = py(&dir, "p-rr", &["produce", url, "parts", "--count", "400"]);
+    assert_eq!(ints(&p, "acked").len(), 400);
+    let c = py(
+        &dir,
+        "c-rr",
+        &["consume", url, "parts", "s", "--count", "400"],
+    );
+    assert_each_once(&ints(&c, "i"), 0..400);
+    for (t, v) in &assert_partitions(&c, "parts", 4) {
+        assert_eq!(
+            v.len(),
+            100,
+            "{t} got {} of 400 round-robin messages",
+            v.len()
+        );
+    }
+
+    step("keyed, batched: each key stays on one partition, in order");
+    let p = py(
+        &dir,
+        "p-key",
+        &[
+            "produce",
+            url,
+            "keyed",
+            "--count",
+            "300",
+            "--batch",
+            "--key-mod",
+            "10",
+        ],
+    );
+    assert_eq!(ints(&p, "acked").len(), 300);
+    let c = py(
+        &dir,
+        "c-key",
+        &["consume", url, "keyed", "s", "--count", "300"],
+    );
+    assert_each_once(&ints(&c, "i"), 0..300);
+    let mut key_topics: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut key_order: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for v in &c {
+        if let (Some(i), Some(t), Some(k)) =
+            (v["i"].as_u64(), v["topic"].as_str(), v["key"].as_str())
+        {
+            assert_eq!(k, format!("k{}", i % 10), "message {i} lost its key");
+            key_topics.entry(k.into()).or_default().insert(t.into());
+            key_order.entry(k.into()).or_default().push(i);
+        }
+    }
+    assert_eq!(key_topics.len(), 10);
+    for (k, ts) in &key_topics {
+        assert_eq!(ts.len(), 1, "key {k} went to several partitions: {ts:?}");
+    }
+    for (k, v) in &key_order {
+        assert_ascending(k, v);
+    }
+
+    step("single-partition routing: everything on one partition");
+    py(
+        &dir,
+        "p-one",
+        &[
+            "produce",
+            url,
+            "single",
+            "--count",
+            "100",
+            "--routing",
+            "single",
+        ],
+    );
+    let c = py(
+        &dir,
+        "c-one",
+        &["consume", url, "single", "s", "--count", "100"],
+    );
+    assert_seq(&ints(&c, "i"), 0..100);
+    assert_eq!(by_topic(&c).len(), 1);
+
+    step("a partition index beyond the count is refused");
+    let p = py(
+        &dir,
+        "p-beyond",
+        &["produce", url, "parts-partition-4", "--count", "1"],
+    );
+    let failed = p
+        .iter()
+        .find_map(|v| v["create_failed"].as_str())
+        .expect("a producer on partition 4 of 4 must fail");
+    assert!(failed.contains("TopicNotFound"), "{failed}");
+
+    step("the partitioned topic grows to 6: new clients use the 6, the old data stays");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let meta = s.metadata_client().unwrap();
+        let key = "/admin/partitioned-topics/public/default/persistent/parts";
+        let cur = meta.get(key).await.unwrap().expect("record of parts");
+        assert_eq!(
+            serde_json::from_slice::<Value>(&cur.value).unwrap()["partitions"],
+            4
+        );
+        meta.put(key, br#"{"partitions":6}"#.to_vec())
+            .await
+            .unwrap();
+    });
+    let p = py(
+        &dir,
+        "p-grown",
+        &["produce", url, "parts", "--count", "600", "--start", "400"],
+    );
+    assert_eq!(ints(&p, "acked").len(), 600);
+    let c = py(
+        &dir,
+        "c-grown",
+        &["consume", url, "parts", "s", "--count", "600"],
+    );
+    assert_each_once(&ints(&c, "i"), 400..1000);
+    assert_partitions(&c, "parts", 6);
+    let log = s.log_text();
+    assert!(
+        log.contains("partitioned topic auto-created"),
+        "auto-creation logged"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitioned_topic_with_the_rust_client_every_message_once_per_partition_in_order() {
+    use futures::StreamExt;
+    let dir = tempfile::tempdir().unwrap();
+    let s = tokio::task::block_in_place(|| {
+        start_with(
+            &dir,
+            &[
+                (
+                    "MERIDIAN_BROKER_ALLOW_AUTO_TOPIC_CREATION_TYPE",
+                    "partitioned",
+                ),
+                ("MERIDIAN_BROKER_DEFAULT_NUM_PARTITIONS", "3"),
+            ],
+        )
+    });
+    let client = pulsar::Pulsar::builder(s.url.clone(), pulsar::TokioExecutor)
+        .build()
+        .await
+        .expect("rust client");
+    let topic = "persistent://public/default/rust-parts";
+    let mut consumer: pulsar::Consumer<Vec<u8>, _> = client
+        .consumer()
+        .with_topic(topic)
+        .with_subscription("s")
+        .with_subscription_type(pulsar::SubType::Exclusive)
+        .with_options(pulsar::ConsumerOptions {
+            initial_position: pulsar::consumer::InitialPosition::Earliest,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .expect("consumer on all partitions");
+    let mut producer = client
+        .producer()
+        .with_topic(topic)
+        .with_options(pulsar::ProducerOptions {
+            block_queue_if_full: true,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .expect("partitioned producer");
+    step("300 messages, a third with keys, over 3 partitions");
+    let mut receipts = Vec::new();
+    for i in 0..300u64 {
+        let mut m = pulsar::producer::Message {
+            payload: format!("msg-{i}").into_bytes(),
+            properties: [("i".to_string(), i.to_string())].into(),
+            ..Default::default()
+        };
+        if i % 3 == 0 {
+            m.partition_key = Some(format!("k{}", i % 7));
+        }
+        receipts.push(producer.send_non_blocking(m).await.expect("send"));
+    }
+    for r in receipts {
+        r.await.expect("receipt");
+    }
+    let mut got: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut all = Vec::new();
+    while all.len() < 300 {
+        let msg = tokio::time::timeout(T, consumer.next())
+            .await
+            .expect("messages arrive")
+            .expect("stream open")
+            .expect("message");
+        let i: u64 = msg.metadata().properties[0].value.parse().unwrap();
+        assert_eq!(msg.payload.data, format!("msg-{i}").into_bytes());
+        got.entry(msg.topic.clone()).or_default().push(i);
+        all.push(i);
+        consumer.ack(&msg).await.expect("ack");
+    }
+    assert_each_once(&all, 0..300);
+    assert_eq!(got.len(), 3, "partitions used: {:?}", got.keys());
+    for (t, v) in &got {
+        assert_ascending(t, v);
+    }
+    drop(s);
+}
+
+#[test]
+fn deduplication_drops_resent_messages_across_kill9_restarts_and_per_namespace() {
+    let dir = tempfile::tempdir().unwrap();
+    // Snapshots every 3 entries: recovery reads a snapshot and replays the entries after it.
+    let env = [
+        ("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true"),
+        ("MERIDIAN_BROKER_DEDUPLICATION_SNAPSHOT_ENTRIES", "3"),
+    ];
+    let mut s = start_with(&dir, &env);
+    let url = s.url.clone();
+    let produce = |name: &str, topic: &str, extra: &[&str]| {
+        let mut args = vec!["produce", url.as_str(), topic, "--sync"];
+        args.extend_from_slice(extra);
+        py(&dir, name, &args)
+    };
+
+    step("producer dd sends 0..10, then resends 5..15: 5..10 are duplicates");
+    let p = produce("dd1", "dd", &["--name", "dd", "--seq", "--count", "10"]);
+    assert_eq!(first_i64(&p, "last_sequence_id"), Some(-1));
+    assert_seq(&ints(&p, "acked"), 0..10);
+    let p = produce(
+        "dd2",
+        "dd",
+        &["--name", "dd", "--seq", "--count", "10", "--start", "5"],
+    );
+    assert_eq!(first_i64(&p, "last_sequence_id"), Some(9));
+    assert_seq(&ints(&p, "acked"), 5..15);
+
+    step("batched producer db sends 0..100 (ids from the client)");
+    let p = produce("db1", "db", &["--name", "db", "--batch", "--count", "100"]);
+    assert_eq!(ints(&p, "acked").len(), 100);
+
+    step("kill -9 and restart: the state comes back from snapshot + replay");
+    s.kill9().unwrap();
+    s.start().unwrap();
+    let url = s.url.clone();
+    let produce = |name: &str, topic: &str, extra: &[&str]| {
+        let mut args = vec!["produce", url.as_str(), topic, "--sync"];
+        args.extend_from_slice(extra);
+        py(&dir, name, &args)
+    };
+    let p = produce(
+        "dd3",
+        "dd",
+        &["--name", "dd", "--seq", "--count", "10", "--start", "10"],
+    );
+    assert_eq!(first_i64(&p, "last_sequence_id"), Some(14));
+    let p = produce(
+        "db2",
+        "db",
+        &["--name", "db", "--batch", "--count", "50", "--start", "100"],
+    );
+    assert_eq!(
+        first_i64(&p, "last_sequence_id"),
+        Some(99),
+        "a batch's highest id is rebuilt from its items"
+    );
+    assert_eq!(
+        p.iter()
+            .find_map(|v| v["done"].as_u64().and(v["last_sequence_id"].as_i64())),
+        Some(149)
+    );
+
+    step("consumers see every message exactly once, in order");
+    let c = py(
+        &dir,
+        "c-dd",
+        &[
+            "consume",
+            url.as_str(),
+            "dd",
+            "s",
+            "--count",
+            "40",
+            "--timeout-ms",
+            "2000",
+        ],
+    );
+    assert_seq(&ints(&c, "i"), 0..20);
+    let c = py(
+        &dir,
+        "c-db",
+        &[
+            "consume",
+            url.as_str(),
+            "db",
+            "s",
+            "--count",
+            "200",
+            "--timeout-ms",
+            "2000",
+        ],
+    );
+    assert_seq(&ints(&c, "i"), 0..150);
+
+    step("a namespace whose policy turns deduplication off stores resends again");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let meta = s.metadata_client().unwrap();
+        meta.put(
+            "/admin/namespaces/public/nodedup",
+            br#"{"deduplication_enabled":false}"#.to_vec(),
+        )
+        .await
+        .unwrap();
+    });
+    let t = "public/nodedup/plain";
+    let p = produce("nd1", t, &["--name", "nd", "--seq", "--count", "5"]);
+    assert_eq!(first_i64(&p, "last_sequence_id"), Some(-1));
+    let p = produce("nd2", t, &["--name", "nd", "--seq", "--count", "5"]);
+    assert_eq!(first_i64(&p, "last_sequence_id"), Some(-1));
+    let c = py(
+        &dir,
+        "c-nd",
+        &[
+            "consume",
+            url.as_str(),
+            t,
+            "s",
+            "--count",
+            "20",
+            "--timeout-ms",
+            "2000",
+        ],
+    );
+    let got = ints(&c, "i");
+    assert_eq!(got, vec![0, 1, 2, 3, 4, 0, 1, 2, 3, 4]);
+}
