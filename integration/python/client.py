@@ -231,10 +231,75 @@ def scenario(a):
                            initial_position=pulsar.InitialPosition.Earliest)
         got = sorted(num(cons.receive(10000)) for _ in range(30))
         assert got == list(range(30)), got
+    elif a.name == "access-modes":
+        access_modes(a, c, t)
     else:
         raise SystemExit("unknown scenario " + a.name)
     out({"ok": a.name})
     c.close()
+
+
+def access_modes(a, c, t):
+    """Producer access modes on topic t + "-am" (the 20 messages on t are not used)."""
+    import threading
+    t = t + "-am"
+    mode = pulsar.ProducerAccessMode
+
+    def refused(kind, **kw):
+        try:
+            c.create_producer(t, **kw).close()
+        except kind:
+            return
+        raise AssertionError("expected %s for %r" % (kind.__name__, kw))
+
+    shared = c.create_producer(t)
+    refused(pulsar.ProducerBusy, access_mode=mode.Exclusive)
+    shared.close()
+    x = c.create_producer(t, access_mode=mode.Exclusive)
+    x.send(b"msg-0", properties={"i": "0"})
+    refused(pulsar.ProducerBusy)
+    refused(pulsar.ProducerFenced, access_mode=mode.Exclusive)
+
+    # WaitForExclusive: created only once x leaves.
+    c2 = client(a.url)
+    got = {}
+
+    def wait_for_it():
+        got["p"] = c2.create_producer(t, access_mode=mode.WaitForExclusive, send_timeout_millis=3000)
+
+    th = threading.Thread(target=wait_for_it)
+    th.start()
+    time.sleep(1.0)
+    assert "p" not in got, "WaitForExclusive producer was created while x held the topic"
+    x.send(b"msg-1", properties={"i": "1"})
+    x.close()
+    th.join(20)
+    assert "p" in got, "WaitForExclusive producer not created after x closed"
+    w = got["p"]
+    w.send(b"msg-2", properties={"i": "2"})
+
+    # ExclusiveWithFencing takes over; w is fenced and its sends fail.
+    c3 = client(a.url)
+    f = c3.create_producer(t, access_mode=mode.ExclusiveWithFencing)
+    f.send(b"msg-3", properties={"i": "3"})
+    try:
+        w.send(b"fenced", properties={"i": "99"})
+        raise AssertionError("a fenced producer's send succeeded")
+    except pulsar.PulsarException as e:
+        out({"fenced_send": str(e)})
+    cons = c.subscribe(t, "am", initial_position=pulsar.InitialPosition.Earliest)
+    seen = []
+    while True:
+        try:
+            m = cons.receive(1000)
+        except pulsar.Timeout:
+            break
+        seen.append(m.data().decode())
+        cons.acknowledge(m)
+    assert seen == ["msg-%d" % i for i in range(4)], seen
+    f.close()
+    c3.close()
+    c2.close()
 
 
 def main():

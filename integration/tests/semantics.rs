@@ -429,3 +429,13 @@ fn deduplication_drops_resent_messages_across_kill9_restarts_and_per_namespace()
     let got = ints(&c, "i");
     assert_eq!(got, vec![0, 1, 2, 3, 4, 0, 1, 2, 3, 4]);
 }
+
+#[test]
+fn producer_access_modes_shared_exclusive_wait_for_exclusive_and_fencing_with_the_python_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start_with(&dir, &[]);
+    // The scenario asserts each refusal, the wait, the fencing and the exact messages stored.
+    let lines = py(&dir, "am", &["scenario", &s.url, "am", "access-modes"]);
+    assert!(lines.iter().any(|v| v["ok"] == "access-modes"), "{lines:?}");
+    assert!(lines.iter().any(|v| v.get("fenced_send").is_some()));
+}

@@ -31,6 +31,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::broker::dedup::Submitted;
+use crate::broker::producers::{AccessMode, Admission, ProducerHandle, ProducerSink};
 use crate::broker::subscription::{SeekTo, StartAt};
 use crate::broker::{
     Broker, BrokerError, ConsumerSink, SubType, SubscribeRequest, Subscription, Topic,
@@ -61,9 +62,20 @@ struct PendingSend {
 
 struct ProducerEntry {
     topic: Arc<Topic>,
-    name: String,
+    handle: Arc<ProducerHandle>,
     queue: mpsc::Sender<PendingSend>,
     receipts: JoinHandle<()>,
+}
+
+/// What PRODUCER_SUCCESS says about a new producer.
+struct CreatedProducer {
+    name: String,
+    /// On a deduplicating topic the highest sequence id persisted under the name, else -1.
+    last_sequence_id: i64,
+    /// The topic epoch granted to an exclusive producer.
+    epoch: Option<u64>,
+    /// WaitForExclusive in line: yields the epoch once the topic is granted.
+    waiting: Option<tokio::sync::oneshot::Receiver<u64>>,
 }
 
 struct ConsumerEntry {
@@ -306,13 +318,40 @@ impl Conn {
             Type::Producer => {
                 let p = c.producer.ok_or_else(|| missing("PRODUCER"))?;
                 let request_id = p.request_id;
-                let r = match self.create_producer(p).await {
-                    Ok((name, last_sequence_id)) => {
-                        cmd::producer_success(request_id, &name, last_sequence_id)
+                match self.create_producer(p).await {
+                    Ok(created) => {
+                        let success = |epoch: Option<u64>, ready: bool| {
+                            let mut r = cmd::producer_success(
+                                request_id,
+                                &created.name,
+                                created.last_sequence_id,
+                            );
+                            if let Some(ps) = r.producer_success.as_mut() {
+                                ps.topic_epoch = epoch;
+                                ps.producer_ready = Some(ready);
+                            }
+                            r
+                        };
+                        self.reply(success(created.epoch, created.waiting.is_none()))
+                            .await?;
+                        // WaitForExclusive: a second PRODUCER_SUCCESS, ready, once granted.
+                        if let Some(granted) = created.waiting {
+                            let tx = self.tx.clone();
+                            let base = success(None, true);
+                            tokio::spawn(async move {
+                                if let Ok(epoch) = granted.await {
+                                    let mut r = base;
+                                    if let Some(ps) = r.producer_success.as_mut() {
+                                        ps.topic_epoch = Some(epoch);
+                                    }
+                                    let _ = tx.send(frame(&r)).await;
+                                }
+                            });
+                        }
+                        Ok(())
                     }
-                    Err(e) => cmd::error(request_id, e.code, e.message),
-                };
-                self.reply(r).await
+                    Err(e) => self.reply(cmd::error(request_id, e.code, e.message)).await,
+                }
             }
             Type::Send => {
                 let s = c.send.ok_or_else(|| missing("SEND"))?;
@@ -560,40 +599,65 @@ impl Conn {
         Ok(())
     }
 
-    /// Creates a producer; answers its name and, on a deduplicating topic, the highest
-    /// sequence id persisted under that name (else -1).
+    /// Creates a producer in its access mode.
     async fn create_producer(
         &mut self,
         p: pb::CommandProducer,
-    ) -> Result<(String, i64), BrokerError> {
+    ) -> Result<CreatedProducer, BrokerError> {
         if let Some(existing) = self.producers.get(&p.producer_id) {
-            // A retried create of a producer that already exists on this connection.
-            if existing.topic.full_name() == self.broker.check_topic(&p.topic)?.to_string() {
+            if existing.handle.is_fenced() {
+                // Fenced meanwhile: the client re-creates it; it is judged afresh (and is
+                // refused if it comes back with its old epoch).
+                if let Some(e) = self.producers.remove(&p.producer_id) {
+                    close_producer(e).await;
+                }
+            } else if existing.topic.full_name() == self.broker.check_topic(&p.topic)?.to_string() {
+                // A retried create of a producer that already exists on this connection.
                 let last = match &existing.topic.dedup {
-                    Some(d) => d.last_sequence_id(&existing.name).await,
+                    Some(d) => d.last_sequence_id(&existing.handle.name).await,
                     None => -1,
                 };
-                return Ok((existing.name.clone(), last));
+                let exclusive = existing.handle.mode.is_exclusive();
+                return Ok(CreatedProducer {
+                    name: existing.handle.name.clone(),
+                    last_sequence_id: last,
+                    epoch: exclusive.then(|| existing.topic.producers.epoch()),
+                    waiting: None,
+                });
+            } else {
+                return Err(BrokerError::new(
+                    ServerError::ProducerBusy,
+                    format!("producer id {} is in use on this connection", p.producer_id),
+                ));
             }
-            return Err(BrokerError::new(
-                ServerError::ProducerBusy,
-                format!("producer id {} is in use on this connection", p.producer_id),
-            ));
         }
         self.check_handles()?;
-        if p.producer_access_mode.unwrap_or(0) != 0 {
-            return Err(BrokerError::new(
+        let mode = AccessMode::from_wire(p.producer_access_mode.unwrap_or(0)).ok_or_else(|| {
+            BrokerError::new(
                 ServerError::NotAllowedError,
-                "only the Shared producer access mode is supported yet",
-            ));
-        }
+                format!("unknown producer access mode {:?}", p.producer_access_mode),
+            )
+        })?;
         let name = self.broker.check_topic(&p.topic)?;
         let topic = self.broker.topic(&name, true).await?;
         let broker = Arc::clone(&self.broker);
-        let producer_name = topic
-            .add_producer(p.producer_name.as_deref().filter(|n| !n.is_empty()), || {
-                broker.generate_producer_name()
-            })?;
+        let sink = ProducerSink {
+            producer_id: p.producer_id,
+            tx: self.tx.clone(),
+        };
+        let admission = topic
+            .add_producer(
+                p.producer_name.as_deref().filter(|n| !n.is_empty()),
+                || broker.generate_producer_name(),
+                mode,
+                p.topic_epoch,
+                sink,
+            )
+            .await?;
+        let (handle, epoch, waiting) = match admission {
+            Admission::Ready { handle, epoch } => (handle, epoch, None),
+            Admission::Waiting { handle, ready } => (handle, None, Some(ready)),
+        };
         let (queue, rx) = mpsc::channel(self.broker.cfg.producer_pending_sends_max as usize);
         let receipts = tokio::spawn(receipt_loop(
             p.producer_id,
@@ -602,20 +666,26 @@ impl Conn {
             self.tx.clone(),
         ));
         let last_sequence_id = match &topic.dedup {
-            Some(d) => d.last_sequence_id(&producer_name).await,
+            Some(d) => d.last_sequence_id(&handle.name).await,
             None => -1,
         };
-        tracing::debug!(connection = self.id, topic = %topic.full_name(), producer = %producer_name, "producer created");
+        tracing::debug!(connection = self.id, topic = %topic.full_name(), producer = %handle.name, ?mode, "producer created");
+        let name = handle.name.clone();
         self.producers.insert(
             p.producer_id,
             ProducerEntry {
                 topic,
-                name: producer_name.clone(),
+                handle,
                 queue,
                 receipts,
             },
         );
-        Ok((producer_name, last_sequence_id))
+        Ok(CreatedProducer {
+            name,
+            last_sequence_id,
+            epoch,
+            waiting,
+        })
     }
 
     async fn send(
@@ -637,7 +707,12 @@ impl Conn {
         let messages = u64::try_from(s.num_messages.unwrap_or(1).max(1)).unwrap_or(1);
         let bytes = payload.body.len() as u64;
         let submitted = Instant::now();
-        let append = if !payload.checksum_ok() {
+        let append = if p.handle.is_fenced() {
+            Err(BrokerError::new(
+                ServerError::ProducerFenced,
+                "this producer was fenced by an exclusive producer",
+            ))
+        } else if !payload.checksum_ok() {
             Err(BrokerError::new(
                 ServerError::ChecksumError,
                 "message checksum mismatch",
@@ -651,7 +726,7 @@ impl Conn {
             let entry = Entry::from_payload(&payload);
             match &p.topic.dedup {
                 Some(d) => {
-                    d.submit(&p.topic.ml, &p.name, s.highest_sequence_id, entry)
+                    d.submit(&p.topic.ml, &p.handle.name, s.highest_sequence_id, entry)
                         .await
                 }
                 None => p
@@ -836,7 +911,7 @@ impl Conn {
 }
 
 async fn close_producer(p: ProducerEntry) {
-    p.topic.remove_producer(&p.name);
+    p.topic.remove_producer(&p.handle);
     drop(p.queue);
     let _ = p.receipts.await;
 }

@@ -2,7 +2,7 @@
 //!
 //! ```text
 //!  Broker ── topics: name ─► Topic ── ManagedLedger (the log)
-//!                               ├── producers (names, for ProducerBusy and generated names)
+//!                               ├── producers (names, access modes, topic epoch)
 //!                               ├── subscriptions: name ─► Subscription ── ManagedCursor
 //!                               │                                └── dispatcher task ─► consumers' connections
 //!                               └── appended: watch<last position> ─► wakes the dispatchers
@@ -13,6 +13,7 @@
 
 pub mod dedup;
 pub mod partitioned;
+pub mod producers;
 pub mod subscription;
 
 use std::collections::HashMap;
@@ -32,6 +33,9 @@ use tokio::sync::{watch, OnceCell};
 
 use crate::topic_name::{Domain, TopicName, TopicNameError};
 pub use subscription::{ConsumerSink, SubType, SubscribeRequest, Subscription, SubscriptionStats};
+
+/// Where topic epochs (raised by each grant of exclusive producer access) are kept.
+pub const TOPIC_EPOCHS_PREFIX: &str = "/topic-epochs/";
 
 /// Where namespaces are recorded (the tenancy issue adds their policies).
 pub const NAMESPACES_PREFIX: &str = "/admin/namespaces/";
@@ -136,7 +140,8 @@ pub struct Topic {
     pub ml: Arc<ManagedLedger>,
     client: LedgerClient,
     cfg: Arc<BrokerConfig>,
-    producers: Mutex<HashMap<String, u64>>,
+    meta: MetadataClient,
+    pub producers: producers::Producers,
     subscriptions: tokio::sync::Mutex<HashMap<String, Arc<Subscription>>>,
     appended: watch::Sender<Option<Position>>,
     pub counters: TopicCounters,
@@ -150,36 +155,46 @@ impl Topic {
         &self.full_name
     }
 
-    /// Registers a producer; generates a name unless one is given. A given name already
-    /// connected is refused with ProducerBusy.
-    pub fn add_producer(
+    /// Attaches a producer in its access mode; generates a name unless one is given. A given
+    /// name already connected is refused with ProducerBusy. A raised topic epoch is recorded
+    /// before the producer is answered, so fencing holds across restarts.
+    pub async fn add_producer(
         &self,
         given: Option<&str>,
         generated: impl FnOnce() -> String,
-    ) -> Result<String, BrokerError> {
-        let mut p = self.producers.lock().expect("producers lock");
-        let name = match given {
-            Some(n) => {
-                if p.contains_key(n) {
-                    return Err(BrokerError::new(
-                        ServerError::ProducerBusy,
-                        format!("producer {n:?} is already connected to {}", self.full_name),
-                    ));
-                }
-                n.to_string()
-            }
-            None => generated(),
-        };
-        p.insert(name.clone(), 0);
-        Ok(name)
+        mode: producers::AccessMode,
+        requested_epoch: Option<u64>,
+        sink: producers::ProducerSink,
+    ) -> Result<producers::Admission, BrokerError> {
+        let name = given.map_or_else(generated, str::to_string);
+        let before = self.producers.epoch();
+        let a = self
+            .producers
+            .add(name, mode, requested_epoch, sink, &self.full_name)?;
+        let after = self.producers.epoch();
+        if after != before {
+            self.record_epoch(after).await;
+        }
+        Ok(a)
     }
 
-    pub fn remove_producer(&self, name: &str) {
-        self.producers.lock().expect("producers lock").remove(name);
+    /// Detaches a producer; a waiting exclusive producer may be granted the topic.
+    pub fn remove_producer(self: &Arc<Self>, handle: &Arc<producers::ProducerHandle>) {
+        if let Some(epoch) = self.producers.remove(handle) {
+            let topic = Arc::clone(self);
+            tokio::spawn(async move { topic.record_epoch(epoch).await });
+        }
     }
 
     pub fn producer_count(&self) -> usize {
-        self.producers.lock().expect("producers lock").len()
+        self.producers.count()
+    }
+
+    async fn record_epoch(&self, epoch: u64) {
+        let key = format!("{TOPIC_EPOCHS_PREFIX}{}", self.ml.name());
+        if let Err(e) = self.meta.put(&key, epoch.to_string()).await {
+            tracing::warn!(topic = %self.full_name, epoch, error = %e, "recording the topic epoch failed");
+        }
     }
 
     /// Called once an entry is durable: counts it and wakes the dispatchers.
@@ -547,7 +562,15 @@ impl Broker {
         } else {
             None
         };
-        tracing::info!(topic = %full, deduplication = dedup.is_some(), "topic loaded");
+        let epoch = match self
+            .meta
+            .get(&format!("{TOPIC_EPOCHS_PREFIX}{ml_name}"))
+            .await?
+        {
+            Some(kv) => String::from_utf8_lossy(&kv.value).parse().unwrap_or(0),
+            None => 0,
+        };
+        tracing::info!(topic = %full, deduplication = dedup.is_some(), epoch, "topic loaded");
         let last = ml.last_confirmed();
         Ok(Arc::new(Topic {
             name: name.clone(),
@@ -555,7 +578,8 @@ impl Broker {
             ml,
             client: self.client.clone(),
             cfg: Arc::clone(&self.cfg),
-            producers: Mutex::default(),
+            meta: self.meta.clone(),
+            producers: producers::Producers::new(epoch),
             subscriptions: tokio::sync::Mutex::default(),
             appended: watch::channel(last).0,
             counters: TopicCounters::default(),

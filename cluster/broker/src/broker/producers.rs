@@ -1,0 +1,425 @@
+//! A topic's producers and their access modes, after Pulsar:
+//!
+//! - **Shared**: any number, unless an exclusive producer holds the topic.
+//! - **Exclusive**: only when no other producer is attached; refused otherwise
+//!   (ProducerFenced against an exclusive holder, ProducerBusy against shared ones).
+//! - **WaitForExclusive**: like Exclusive, but instead of failing it waits in line; the broker
+//!   answers PRODUCER_SUCCESS with `producer_ready = false` at once and again, ready, when the
+//!   topic is free.
+//! - **ExclusiveWithFencing**: takes the topic at once; every other producer is fenced
+//!   (closed by the broker, and refused when it comes back with an older epoch).
+//!
+//! Every grant of exclusive access raises the topic epoch (kept in the metadata store, so
+//! fencing survives restarts). A producer that comes back with an epoch older than the topic's
+//! is refused with ProducerFenced.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use bytes::{Bytes, BytesMut};
+use meridian_protocol::pb::ServerError;
+use meridian_protocol::{cmd, encode_command};
+use tokio::sync::{mpsc, oneshot};
+
+use super::BrokerError;
+
+/// How a producer shares its topic (CommandProducer.producer_access_mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AccessMode {
+    Shared,
+    Exclusive,
+    WaitForExclusive,
+    ExclusiveWithFencing,
+}
+
+impl AccessMode {
+    pub fn from_wire(v: i32) -> Option<AccessMode> {
+        Some(match v {
+            0 => AccessMode::Shared,
+            1 => AccessMode::Exclusive,
+            2 => AccessMode::WaitForExclusive,
+            3 => AccessMode::ExclusiveWithFencing,
+            _ => return None,
+        })
+    }
+
+    pub fn is_exclusive(self) -> bool {
+        self != AccessMode::Shared
+    }
+}
+
+/// Where a producer lives: its connection's writer and its id there.
+pub struct ProducerSink {
+    pub producer_id: u64,
+    pub tx: mpsc::Sender<Bytes>,
+}
+
+/// One attached (or waiting) producer.
+pub struct ProducerHandle {
+    pub name: String,
+    pub mode: AccessMode,
+    sink: ProducerSink,
+    fenced: AtomicBool,
+}
+
+impl ProducerHandle {
+    /// Fenced by an ExclusiveWithFencing producer: its sends are refused.
+    pub fn is_fenced(&self) -> bool {
+        self.fenced.load(Ordering::Acquire)
+    }
+
+    fn fence(&self) {
+        self.fenced.store(true, Ordering::Release);
+        let mut b = BytesMut::new();
+        encode_command(&mut b, &cmd::close_producer(self.sink.producer_id, 0));
+        // A full or closed writer: the connection is going away anyway.
+        let _ = self.sink.tx.try_send(b.freeze());
+    }
+}
+
+/// The outcome of attaching a producer.
+pub enum Admission {
+    /// Attached; `epoch` is the topic epoch granted to an exclusive producer.
+    Ready {
+        handle: Arc<ProducerHandle>,
+        epoch: Option<u64>,
+    },
+    /// In line for exclusive access: `ready` yields the epoch once granted.
+    Waiting {
+        handle: Arc<ProducerHandle>,
+        ready: oneshot::Receiver<u64>,
+    },
+}
+
+#[derive(Default)]
+struct Inner {
+    by_name: HashMap<String, Arc<ProducerHandle>>,
+    exclusive: Option<String>,
+    epoch: u64,
+    waiting: VecDeque<(Arc<ProducerHandle>, oneshot::Sender<u64>)>,
+}
+
+impl Inner {
+    fn grant(&mut self, handle: &Arc<ProducerHandle>, requested: Option<u64>) -> u64 {
+        if requested != Some(self.epoch) {
+            self.epoch += 1;
+        }
+        self.exclusive = Some(handle.name.clone());
+        self.by_name.insert(handle.name.clone(), Arc::clone(handle));
+        self.epoch
+    }
+
+    /// Hands the topic to the first waiter still there, if the topic is free.
+    fn promote(&mut self) -> Option<u64> {
+        while self.exclusive.is_none() && self.by_name.is_empty() {
+            let (h, tx) = self.waiting.pop_front()?;
+            let epoch = self.grant(&h, None);
+            if tx.send(epoch).is_ok() {
+                return Some(epoch);
+            }
+            // The waiter's connection is gone.
+            self.by_name.remove(&h.name);
+            self.exclusive = None;
+        }
+        None
+    }
+}
+
+/// The registry of one topic.
+#[derive(Default)]
+pub struct Producers {
+    inner: Mutex<Inner>,
+}
+
+impl Producers {
+    pub fn new(epoch: u64) -> Producers {
+        Producers {
+            inner: Mutex::new(Inner {
+                epoch,
+                ..Inner::default()
+            }),
+        }
+    }
+
+    /// The current topic epoch.
+    pub fn epoch(&self) -> u64 {
+        self.lock().epoch
+    }
+
+    pub fn count(&self) -> usize {
+        self.lock().by_name.len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().expect("producers lock")
+    }
+
+    /// Attaches a producer named `name` (generated or given) in `mode`; `requested_epoch` is
+    /// the epoch a returning exclusive producer held.
+    pub fn add(
+        &self,
+        name: String,
+        mode: AccessMode,
+        requested_epoch: Option<u64>,
+        sink: ProducerSink,
+        topic: &str,
+    ) -> Result<Admission, BrokerError> {
+        let mut g = self.lock();
+        if g.by_name.contains_key(&name) || g.waiting.iter().any(|(h, _)| h.name == name) {
+            return Err(BrokerError::new(
+                ServerError::ProducerBusy,
+                format!("producer {name:?} is already connected to {topic}"),
+            ));
+        }
+        if mode.is_exclusive() {
+            if let Some(e) = requested_epoch.filter(|e| *e < g.epoch) {
+                return Err(BrokerError::new(
+                    ServerError::ProducerFenced,
+                    format!(
+                        "producer {name:?} was fenced: its epoch {e} is older than {topic}'s {}",
+                        g.epoch
+                    ),
+                ));
+            }
+        }
+        let handle = Arc::new(ProducerHandle {
+            name: name.clone(),
+            mode,
+            sink,
+            fenced: AtomicBool::new(false),
+        });
+        let busy = |g: &Inner| -> Option<BrokerError> {
+            if let Some(x) = &g.exclusive {
+                return Some(BrokerError::new(
+                    ServerError::ProducerFenced,
+                    format!("{topic} has an exclusive producer, {x:?}"),
+                ));
+            }
+            if !g.by_name.is_empty() {
+                return Some(BrokerError::new(
+                    ServerError::ProducerBusy,
+                    format!(
+                        "{topic} has {} shared producers; exclusive access needs none",
+                        g.by_name.len()
+                    ),
+                ));
+            }
+            None
+        };
+        match mode {
+            AccessMode::Shared => {
+                if let Some(x) = &g.exclusive {
+                    return Err(BrokerError::new(
+                        ServerError::ProducerBusy,
+                        format!("{topic} has an exclusive producer, {x:?}"),
+                    ));
+                }
+                g.by_name.insert(name, Arc::clone(&handle));
+                Ok(Admission::Ready {
+                    handle,
+                    epoch: None,
+                })
+            }
+            AccessMode::Exclusive => match busy(&g) {
+                Some(e) => Err(e),
+                None => {
+                    let epoch = g.grant(&handle, requested_epoch);
+                    Ok(Admission::Ready {
+                        handle,
+                        epoch: Some(epoch),
+                    })
+                }
+            },
+            AccessMode::WaitForExclusive => {
+                if busy(&g).is_none() && g.waiting.is_empty() {
+                    let epoch = g.grant(&handle, requested_epoch);
+                    return Ok(Admission::Ready {
+                        handle,
+                        epoch: Some(epoch),
+                    });
+                }
+                let (tx, ready) = oneshot::channel();
+                g.waiting.push_back((Arc::clone(&handle), tx));
+                Ok(Admission::Waiting { handle, ready })
+            }
+            AccessMode::ExclusiveWithFencing => {
+                for (_, other) in g.by_name.drain() {
+                    other.fence();
+                }
+                g.exclusive = None;
+                let epoch = g.grant(&handle, None);
+                Ok(Admission::Ready {
+                    handle,
+                    epoch: Some(epoch),
+                })
+            }
+        }
+    }
+
+    /// Detaches a producer (or takes it out of line); the next waiter may get the topic.
+    /// Returns the epoch granted to a promoted waiter.
+    pub fn remove(&self, handle: &Arc<ProducerHandle>) -> Option<u64> {
+        let mut g = self.lock();
+        if g.by_name
+            .get(&handle.name)
+            .is_some_and(|h| Arc::ptr_eq(h, handle))
+        {
+            g.by_name.remove(&handle.name);
+            if g.exclusive.as_deref() == Some(handle.name.as_str()) {
+                g.exclusive = None;
+            }
+        }
+        g.waiting.retain(|(h, _)| !Arc::ptr_eq(h, handle));
+        g.promote()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sink(id: u64) -> (ProducerSink, mpsc::Receiver<Bytes>) {
+        let (tx, rx) = mpsc::channel(8);
+        (
+            ProducerSink {
+                producer_id: id,
+                tx,
+            },
+            rx,
+        )
+    }
+
+    fn add(p: &Producers, name: &str, mode: AccessMode) -> Result<Admission, BrokerError> {
+        p.add(name.into(), mode, None, sink(1).0, "t")
+    }
+
+    fn ready(a: Result<Admission, BrokerError>) -> (Arc<ProducerHandle>, Option<u64>) {
+        match a {
+            Ok(Admission::Ready { handle, epoch }) => (handle, epoch),
+            Ok(Admission::Waiting { .. }) => panic!("waiting, not ready"),
+            Err(e) => panic!("refused: {e}"),
+        }
+    }
+
+    fn code(a: Result<Admission, BrokerError>) -> ServerError {
+        match a {
+            Err(e) => e.code,
+            Ok(_) => panic!("admitted"),
+        }
+    }
+
+    #[test]
+    fn given_shared_producers_then_exclusive_is_busy_and_names_are_unique() {
+        let p = Producers::default();
+        ready(add(&p, "a", AccessMode::Shared));
+        ready(add(&p, "b", AccessMode::Shared));
+        assert_eq!(
+            code(add(&p, "a", AccessMode::Shared)),
+            ServerError::ProducerBusy
+        );
+        assert_eq!(
+            code(add(&p, "x", AccessMode::Exclusive)),
+            ServerError::ProducerBusy
+        );
+        assert_eq!(p.count(), 2);
+    }
+
+    #[test]
+    fn given_an_exclusive_producer_then_others_are_refused_until_it_leaves() {
+        let p = Producers::default();
+        let (x, epoch) = ready(add(&p, "x", AccessMode::Exclusive));
+        assert_eq!(epoch, Some(1));
+        assert_eq!(
+            code(add(&p, "s", AccessMode::Shared)),
+            ServerError::ProducerBusy
+        );
+        assert_eq!(
+            code(add(&p, "y", AccessMode::Exclusive)),
+            ServerError::ProducerFenced
+        );
+        p.remove(&x);
+        let (_, epoch) = ready(add(&p, "y", AccessMode::Exclusive));
+        assert_eq!(epoch, Some(2));
+    }
+
+    #[test]
+    fn given_waiters_then_they_get_the_topic_in_order_when_it_frees() {
+        let p = Producers::default();
+        let (x, _) = ready(add(&p, "x", AccessMode::Exclusive));
+        let Ok(Admission::Waiting {
+            handle: w1,
+            ready: mut r1,
+        }) = add(&p, "w1", AccessMode::WaitForExclusive)
+        else {
+            panic!("w1 waits")
+        };
+        let Ok(Admission::Waiting { ready: mut r2, .. }) =
+            add(&p, "w2", AccessMode::WaitForExclusive)
+        else {
+            panic!("w2 waits")
+        };
+        assert!(r1.try_recv().is_err());
+        assert_eq!(p.remove(&x), Some(2));
+        assert_eq!(r1.try_recv().unwrap(), 2);
+        assert!(r2.try_recv().is_err(), "w2 still waits behind w1");
+        assert_eq!(p.remove(&w1), Some(3));
+        assert_eq!(r2.try_recv().unwrap(), 3);
+    }
+
+    #[test]
+    fn given_a_waiter_whose_connection_left_then_the_next_one_is_promoted() {
+        let p = Producers::default();
+        let (x, _) = ready(add(&p, "x", AccessMode::Exclusive));
+        let Ok(Admission::Waiting { ready: r1, .. }) = add(&p, "w1", AccessMode::WaitForExclusive)
+        else {
+            panic!()
+        };
+        let Ok(Admission::Waiting { ready: mut r2, .. }) =
+            add(&p, "w2", AccessMode::WaitForExclusive)
+        else {
+            panic!()
+        };
+        drop(r1);
+        assert!(p.remove(&x).is_some());
+        assert!(r2.try_recv().is_ok());
+        assert_eq!(p.count(), 1);
+    }
+
+    #[test]
+    fn given_fencing_then_everyone_else_is_closed_and_old_epochs_are_refused() {
+        let p = Producers::default();
+        let (s1, mut rx1) = sink(7);
+        let a = ready(p.add("a".into(), AccessMode::Shared, None, s1, "t")).0;
+        let (old, old_epoch) = ready(p.add(
+            "f0".into(),
+            AccessMode::ExclusiveWithFencing,
+            None,
+            sink(2).0,
+            "t",
+        ));
+        assert!(a.is_fenced());
+        assert!(
+            rx1.try_recv().is_ok(),
+            "CLOSE_PRODUCER sent to the fenced producer"
+        );
+        let (_, epoch) = ready(p.add(
+            "f1".into(),
+            AccessMode::ExclusiveWithFencing,
+            None,
+            sink(3).0,
+            "t",
+        ));
+        assert!(old.is_fenced());
+        assert!(epoch > old_epoch);
+        // The first fencer comes back with its old epoch: refused.
+        let again = p.add(
+            "f0b".into(),
+            AccessMode::Exclusive,
+            old_epoch,
+            sink(4).0,
+            "t",
+        );
+        assert_eq!(code(again), ServerError::ProducerFenced);
+    }
+}
