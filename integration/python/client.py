@@ -302,6 +302,47 @@ def access_modes(a, c, t):
     c2.close()
 
 
+def batch_ack(a):
+    """Batch-index acks across a restart. Phase 1: one batch of 10, the even ones acked.
+    Phase 2 (after the restart): what comes back, acked; then nothing more."""
+    c = client(a.url)
+    kw = dict(consumer_type=pulsar.ConsumerType.Shared, batch_index_ack_enabled=True,
+              initial_position=pulsar.InitialPosition.Earliest)
+
+    def drain(cons):
+        got = []
+        while True:
+            try:
+                m = cons.receive(2000)
+            except pulsar.Timeout:
+                return got
+            got.append((int(m.properties()["i"]), m))
+
+    if a.phase == 1:
+        p = c.create_producer(a.topic, batching_enabled=True, batching_max_messages=10,
+                              batching_max_publish_delay_ms=1000)
+        for i in range(10):
+            p.send_async(("msg-%d" % i).encode(), None, properties={"i": str(i)})
+        p.flush()
+        cons = c.subscribe(a.topic, "bia", **kw)
+        got = drain(cons)
+        out({"first": [i for i, _ in got], "entries": len({m.message_id().entry_id() for _, m in got})})
+        for i, m in got:
+            if i % 2 == 0:
+                cons.acknowledge(m)
+        cons.close()
+    else:
+        cons = c.subscribe(a.topic, "bia", **kw)
+        got = drain(cons)
+        out({"again": [i for i, _ in got]})
+        for _, m in got:
+            cons.acknowledge(m)
+        cons.close()
+        cons = c.subscribe(a.topic, "bia", **kw)
+        out({"after_all_acked": [i for i, _ in drain(cons)]})
+    c.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -335,6 +376,11 @@ def main():
     p.add_argument("--from", dest="start", default="earliest")
     p.add_argument("--count", type=int, default=1 << 62)
     p.set_defaults(fn=read)
+    p = sub.add_parser("batch-ack")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("--phase", type=int, required=True)
+    p.set_defaults(fn=batch_ack)
     p = sub.add_parser("scenario")
     p.add_argument("url")
     p.add_argument("topic")

@@ -439,3 +439,34 @@ fn producer_access_modes_shared_exclusive_wait_for_exclusive_and_fencing_with_th
     assert!(lines.iter().any(|v| v["ok"] == "access-modes"), "{lines:?}");
     assert!(lines.iter().any(|v| v.get("fenced_send").is_some()));
 }
+
+#[test]
+fn batch_index_acks_with_the_python_client_survive_a_kill9_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = start_with(&dir, &[]);
+    step("one batch of 10; messages 0, 2, 4, 6, 8 acknowledged by index");
+    let lines = py(&dir, "bia1", &["batch-ack", &s.url, "bia", "--phase", "1"]);
+    let first = lines
+        .iter()
+        .find(|v| v.get("first").is_some())
+        .expect("phase 1");
+    assert_eq!(
+        first["first"],
+        serde_json::json!((0..10).collect::<Vec<_>>())
+    );
+    assert_eq!(first["entries"], 1, "the 10 messages are one stored entry");
+    // The subscription persists acknowledgements within broker.cursor_persist_interval_ms.
+    std::thread::sleep(Duration::from_millis(1000));
+    step("kill -9 and restart: only the odd ones come back");
+    s.kill9().unwrap();
+    s.start().unwrap();
+    let lines = py(&dir, "bia2", &["batch-ack", &s.url, "bia", "--phase", "2"]);
+    let again = lines.iter().find_map(|v| v.get("again")).expect("phase 2");
+    assert_eq!(again, &serde_json::json!([1, 3, 5, 7, 9]));
+    let after = lines.iter().find_map(|v| v.get("after_all_acked")).unwrap();
+    assert_eq!(
+        after,
+        &serde_json::json!([]),
+        "once every index is acked, nothing returns"
+    );
+}

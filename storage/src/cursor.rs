@@ -16,6 +16,7 @@
 //! them are lost by a crash and those entries are delivered again (at least once), as Pulsar's
 //! `managedLedgerMaxUnackedRangesToPersist` does.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -41,9 +42,14 @@ pub struct CursorSnapshot {
     /// `None`: nothing acknowledged yet (the cursor is before the first entry).
     pub mark_delete: Option<Position>,
     pub ranges: Vec<(Position, Position)>,
+    /// Batch entries partly acknowledged: bit i set = message i still unacknowledged.
+    pub batch_acks: Vec<(Position, Vec<u64>)>,
 }
 
-const SNAPSHOT_VERSION: u8 = 1;
+/// Version 1: mark-delete and ranges; version 2 adds partly acknowledged batches.
+const SNAPSHOT_VERSION: u8 = 2;
+/// Words of one batch's bit set (a batch of at most 64 × this many messages).
+const BATCH_ACK_WORDS_MAX: u64 = 1024;
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
     while v >= 0x80 {
@@ -70,7 +76,8 @@ impl CursorSnapshot {
     /// Compact encoding: varints, each range as deltas from the previous one (ledger delta,
     /// then start and length within the ledger), so many ranges cost a few bytes each.
     ///
-    /// `version | has_md | [md ledger, md entry] | count | (ledger delta, lo delta, hi - lo)*`
+    /// `version | has_md | [md ledger, md entry] | count | (ledger delta, lo delta, hi - lo)*
+    ///  | batch count | (ledger, entry, words, word*)*`
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(16 + self.ranges.len() * 6);
         out.push(SNAPSHOT_VERSION);
@@ -96,12 +103,21 @@ impl CursorSnapshot {
             ledger = lo.ledger_id;
             entry = hi.entry_id;
         }
+        put_varint(&mut out, self.batch_acks.len() as u64);
+        for (p, words) in &self.batch_acks {
+            put_varint(&mut out, p.ledger_id);
+            put_varint(&mut out, p.entry_id);
+            put_varint(&mut out, words.len() as u64);
+            for w in words {
+                put_varint(&mut out, *w);
+            }
+        }
         out
     }
 
     pub fn decode(mut b: &[u8]) -> Option<CursorSnapshot> {
         let (&version, rest) = b.split_first()?;
-        if version != SNAPSHOT_VERSION {
+        if version != 1 && version != SNAPSHOT_VERSION {
             return None;
         }
         b = rest;
@@ -129,9 +145,28 @@ impl CursorSnapshot {
             ranges.push((Position::new(ledger, lo), Position::new(ledger, hi)));
             entry = hi;
         }
+        let mut batch_acks = Vec::new();
+        if version >= 2 {
+            let count = get_varint(&mut b)?;
+            if count > b.len() as u64 {
+                return None;
+            }
+            for _ in 0..count {
+                let p = Position::new(get_varint(&mut b)?, get_varint(&mut b)?);
+                let n = get_varint(&mut b)?;
+                if n > BATCH_ACK_WORDS_MAX || n > b.len() as u64 {
+                    return None;
+                }
+                let words = (0..n)
+                    .map(|_| get_varint(&mut b))
+                    .collect::<Option<Vec<u64>>>()?;
+                batch_acks.push((p, words));
+            }
+        }
         b.is_empty().then_some(CursorSnapshot {
             mark_delete,
             ranges,
+            batch_acks,
         })
     }
 }
@@ -182,6 +217,9 @@ pub struct ManagedCursor {
     ml: Arc<ManagedLedger>,
     mark_delete: Option<Position>,
     ranges: RangeSet<Position>,
+    /// Batch entries partly acknowledged (batch-index acks): bit i set = message i still
+    /// unacknowledged, as in Pulsar's `ack_set`. Fully acknowledged entries leave this map.
+    batch_acks: BTreeMap<Position, Vec<u64>>,
     /// The last position handed out or skipped by reads; reading goes on after it.
     read_after: Option<Position>,
     durable: Option<Durable>,
@@ -207,6 +245,7 @@ impl ManagedCursor {
             ml,
             mark_delete: None,
             ranges: RangeSet::new(),
+            batch_acks: BTreeMap::new(),
             read_after: None,
             durable: None,
             ranges_persisted_max: 10_000,
@@ -287,6 +326,7 @@ impl ManagedCursor {
                         for (lo, hi) in snap.ranges {
                             c.ranges.insert_range(lo, hi);
                         }
+                        c.batch_acks = snap.batch_acks.into_iter().collect();
                     }
                 }
                 c.read_after = c.mark_delete;
@@ -380,13 +420,26 @@ impl ManagedCursor {
     fn snapshot_bytes(&self) -> Bytes {
         let ranges: Vec<(Position, Position)> =
             self.ranges.iter().take(self.ranges_persisted_max).collect();
+        let batch_acks = self
+            .batch_acks
+            .iter()
+            .take(self.ranges_persisted_max)
+            .map(|(p, w)| (*p, w.clone()))
+            .collect();
         Bytes::from(
             CursorSnapshot {
                 mark_delete: self.mark_delete,
                 ranges,
+                batch_acks,
             }
             .encode(),
         )
+    }
+
+    /// Whether acknowledgements wait to be persisted (by the next change after the interval,
+    /// or by [`flush`](ManagedCursor::flush)).
+    pub fn is_dirty(&self) -> bool {
+        self.dirty
     }
 
     /// Persists at most one snapshot per `interval` (as Pulsar's mark-delete rate limit does):
@@ -394,12 +447,6 @@ impl ManagedCursor {
     /// crash before it delivers them again. Zero (the default) persists every change.
     ///
     /// [`flush`]: ManagedCursor::flush
-    /// Whether acknowledgements wait to be persisted (by the next change after the interval,
-    /// or by [`flush`](ManagedCursor::flush)).
-    pub fn is_dirty(&self) -> bool {
-        self.dirty
-    }
-
     pub fn set_persist_interval(&mut self, interval: std::time::Duration) {
         self.persist_interval = interval;
     }
@@ -482,8 +529,45 @@ impl ManagedCursor {
             return Ok(());
         }
         self.ranges.insert(pos);
+        self.batch_acks.remove(&pos);
         self.fold().await;
         self.persist().await
+    }
+
+    /// Acknowledges some messages of a batch entry: `unacked` has bit i set for each message
+    /// still unacknowledged (the client's `ack_set`), and is intersected with what was left.
+    /// When none is left the entry is acknowledged. Returns whether it now is.
+    pub async fn ack_batch_index(
+        &mut self,
+        pos: Position,
+        unacked: &[u64],
+    ) -> Result<bool, CursorError> {
+        if self.is_acknowledged(pos) {
+            return Ok(true);
+        }
+        let merged: Vec<u64> = match self.batch_acks.get(&pos) {
+            Some(old) => old
+                .iter()
+                .zip(unacked.iter().chain(std::iter::repeat(&0)))
+                .map(|(a, b)| a & b)
+                .collect(),
+            None => unacked.to_vec(),
+        };
+        if merged.iter().all(|w| *w == 0) {
+            self.ack(pos).await?;
+            return Ok(true);
+        }
+        if self.batch_acks.get(&pos) == Some(&merged) {
+            return Ok(false);
+        }
+        self.batch_acks.insert(pos, merged);
+        self.persist().await?;
+        Ok(false)
+    }
+
+    /// What is left unacknowledged of a partly acknowledged batch entry (bit i = message i).
+    pub fn batch_ack_set(&self, pos: Position) -> Option<&[u64]> {
+        self.batch_acks.get(&pos).map(Vec::as_slice)
     }
 
     /// Acknowledges every entry up to and including `pos` (and persists the cursor).
@@ -493,6 +577,7 @@ impl ManagedCursor {
         }
         self.mark_delete = Some(pos);
         self.ranges.remove_through(pos);
+        self.batch_acks.retain(|p, _| *p > pos);
         self.fold().await;
         if self.read_after.is_none_or(|r| r < pos) {
             self.read_after = Some(pos);
@@ -566,6 +651,7 @@ impl ManagedCursor {
 
     async fn move_to(&mut self, to: InitialPosition) {
         self.ranges = RangeSet::new();
+        self.batch_acks.clear();
         match to {
             InitialPosition::Earliest => self.mark_delete = None,
             InitialPosition::Latest => self.mark_delete = self.ml.last_confirmed(),
@@ -578,6 +664,7 @@ impl ManagedCursor {
     /// acknowledged), as a reader started from a message id is.
     pub async fn reset_after(&mut self, pos: Position) -> Result<(), CursorError> {
         self.ranges = RangeSet::new();
+        self.batch_acks.clear();
         self.mark_delete = Some(pos);
         self.read_after = Some(pos);
         self.persist().await
@@ -630,6 +717,7 @@ impl ManagedCursor {
     /// acknowledged, everything from it on as not (and persists it).
     pub async fn reset_to_position(&mut self, pos: Position) -> Result<(), CursorError> {
         self.ranges = RangeSet::new();
+        self.batch_acks.clear();
         let index = self.ml.index_of(pos).await.unwrap_or(0);
         self.mark_delete = match index.checked_sub(1) {
             Some(i) => self.ml.position_at(i).await,
@@ -696,11 +784,18 @@ mod tests {
                 ranges.push((Position::new(ledger, lo), Position::new(ledger, hi)));
                 entry = hi + 2;
             }
+            let batch_acks = (0..rng.gen_range(0..4))
+                .map(|_| {
+                    let words = (0..rng.gen_range(1..3)).map(|_| rng.gen()).collect();
+                    (Position::new(rng.gen_range(0..1000), rng.gen()), words)
+                })
+                .collect();
             let s = CursorSnapshot {
                 mark_delete: rng
                     .gen_bool(0.8)
                     .then(|| Position::new(rng.gen(), rng.gen())),
                 ranges,
+                batch_acks,
             };
             let bytes = s.encode();
             assert_eq!(
@@ -709,7 +804,7 @@ mod tests {
                 "seed {seed}"
             );
             assert!(
-                bytes.len() <= 24 + s.ranges.len() * 6,
+                bytes.len() <= 24 + s.ranges.len() * 6 + s.batch_acks.len() * 60,
                 "seed {seed}: {} bytes",
                 bytes.len()
             );

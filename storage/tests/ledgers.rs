@@ -692,6 +692,11 @@ mod cursors {
         let backlog = c.backlog().await;
         assert_eq!(backlog.entries, 250 - 101 - 1);
         assert!(backlog.bytes > 0);
+        step("batch-index acks: messages 0 and 3 of the batch in entry 110 acknowledged (bits = left)");
+        assert!(!c.ack_batch_index(pos[110], &[0b1110]).await.expect("ack"));
+        assert!(!c.ack_batch_index(pos[110], &[0b0111]).await.expect("ack"));
+        assert_eq!(c.batch_ack_set(pos[110]), Some(&[0b0110u64][..]));
+        assert!(!c.is_acknowledged(pos[110]));
         step(
             "restart the bookie, reopen the cursor from another client: the same state comes back",
         );
@@ -706,6 +711,14 @@ mod cursors {
             .expect("reopen");
         assert_eq!(c.mark_delete(), Some(pos[100]));
         assert_eq!(c.acknowledged_ranges(), vec![(pos[105], pos[105])]);
+        assert_eq!(
+            c.batch_ack_set(pos[110]),
+            Some(&[0b0110u64][..]),
+            "partial batch acks survive reopening"
+        );
+        assert!(c.ack_batch_index(pos[110], &[0]).await.expect("ack"));
+        assert!(c.is_acknowledged(pos[110]));
+        assert_eq!(c.batch_ack_set(pos[110]), None);
         let next = c.read_entries(5).await.expect("read");
         let got: Vec<Position> = next.iter().map(|(p, _)| *p).collect();
         assert_eq!(

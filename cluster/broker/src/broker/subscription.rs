@@ -121,6 +121,19 @@ impl State {
             self.redeliver.insert(p, n);
         }
     }
+
+    /// Drops what is known about entries up to `pos` (acknowledged cumulatively).
+    fn forget_through(&mut self, pos: Position) {
+        let done: Vec<Position> = self.pending.range(..=pos).map(|(p, _)| *p).collect();
+        for p in done {
+            self.pending.remove(&p);
+            self.redelivery_counts.remove(&p);
+        }
+        let stale: Vec<Position> = self.redeliver.range(..=pos).map(|(p, _)| *p).collect();
+        for p in stale {
+            self.redeliver.remove(&p);
+        }
+    }
 }
 
 pub struct Subscription {
@@ -362,9 +375,10 @@ impl Subscription {
         self.wake.notify_one();
     }
 
-    /// Acknowledges message ids. A batch entry is acknowledged whole unless `ack_set` says some
-    /// of its messages are still unacknowledged (batch-index acks come with a later issue:
-    /// such partial acks are kept in the client until the batch is complete).
+    /// Acknowledges message ids. An id with an `ack_set` (bit i set = message i of the batch
+    /// still unacknowledged) acknowledges only the messages it clears; the cursor keeps the
+    /// rest durable and the entry is acknowledged once none is left. An id without one
+    /// acknowledges the whole entry (the Rust client's batch_index alone, as in Pulsar).
     pub async fn ack(
         &self,
         cumulative: bool,
@@ -372,43 +386,53 @@ impl Subscription {
     ) -> Result<(), BrokerError> {
         let mut st = self.state.lock().await;
         for id in ids {
-            if id.ack_set.iter().any(|w| *w != 0) {
-                continue;
-            }
-            let mut pos = Position::new(id.ledger_id, id.entry_id);
+            let pos = Position::new(id.ledger_id, id.entry_id);
+            let partial = id.ack_set.iter().any(|w| *w != 0);
             if cumulative {
-                if id.entry_id == ID_NONE {
-                    // "Nothing of this ledger yet": everything before its first entry.
-                    let ml = &self.topic.ml;
-                    let Some(i) = ml.index_of(Position::new(id.ledger_id, 0)).await else {
-                        continue;
-                    };
-                    let Some(prev) = (match i.checked_sub(1) {
-                        Some(j) => ml.position_at(j).await,
-                        None => None,
-                    }) else {
-                        continue;
-                    };
-                    pos = prev;
+                // Everything before the entry, then (partly or wholly) the entry itself.
+                let upto = if id.entry_id == ID_NONE || partial {
+                    // C++'s "nothing of this ledger yet", or a batch not yet complete.
+                    self.previous_position(Position::new(
+                        id.ledger_id,
+                        if id.entry_id == ID_NONE {
+                            0
+                        } else {
+                            id.entry_id
+                        },
+                    ))
+                    .await
+                } else {
+                    Some(pos)
+                };
+                if let Some(upto) = upto {
+                    st.cursor.ack_cumulative(upto).await?;
+                    st.forget_through(upto);
                 }
-                st.cursor.ack_cumulative(pos).await?;
-                let done: Vec<Position> = st.pending.range(..=pos).map(|(p, _)| *p).collect();
-                for p in done {
-                    st.pending.remove(&p);
-                    st.redelivery_counts.remove(&p);
+                if !partial || id.entry_id == ID_NONE {
+                    continue;
                 }
-                let stale: Vec<Position> = st.redeliver.range(..=pos).map(|(p, _)| *p).collect();
-                for p in stale {
-                    st.redeliver.remove(&p);
-                }
+            }
+            let done = if partial {
+                let bits: Vec<u64> = id.ack_set.iter().map(|w| *w as u64).collect();
+                st.cursor.ack_batch_index(pos, &bits).await?
             } else {
                 st.cursor.ack(pos).await?;
+                true
+            };
+            if done {
                 st.pending.remove(&pos);
                 st.redeliver.remove(&pos);
                 st.redelivery_counts.remove(&pos);
             }
         }
         Ok(())
+    }
+
+    /// The entry before `pos` in the log (`None` at the start of the log).
+    async fn previous_position(&self, pos: Position) -> Option<Position> {
+        let ml = &self.topic.ml;
+        let i = ml.index_of(pos).await?;
+        ml.position_at(i.checked_sub(1)?).await
     }
 
     /// Puts a consumer's unacknowledged entries (all of them, or those listed) back for
@@ -667,9 +691,14 @@ impl Subscription {
                 st.cursor.ack(pos).await?;
                 continue;
             }
-            let messages = meta
-                .as_ref()
-                .map_or(1, meridian_protocol::entry::message_count);
+            let ack_set = st.cursor.batch_ack_set(pos).map(<[u64]>::to_vec);
+            // A partly acknowledged batch costs only the messages left in it.
+            let messages = match &ack_set {
+                Some(bits) => bits.iter().map(|w| w.count_ones()).sum::<u32>().max(1),
+                None => meta
+                    .as_ref()
+                    .map_or(1, meridian_protocol::entry::message_count),
+            };
             st.msgs_per_entry = st.msgs_per_entry * 0.9 + f64::from(messages) * 0.1;
             let Some(idx) = self.pick(&mut st) else {
                 unassigned.push((pos, entry.into_bytes(), redeliveries));
@@ -677,16 +706,17 @@ impl Subscription {
             };
             let mut b = BytesMut::new();
             let c = &mut st.consumers[idx];
-            encode_message(
-                &mut b,
-                &cmd::message(
-                    c.sink.consumer_id,
-                    pos.ledger_id,
-                    pos.entry_id,
-                    redeliveries,
-                ),
-                entry.as_bytes(),
+            let mut command = cmd::message(
+                c.sink.consumer_id,
+                pos.ledger_id,
+                pos.entry_id,
+                redeliveries,
             );
+            if let (Some(m), Some(bits)) = (command.message.as_mut(), ack_set) {
+                // The wire's words are int64; the bits are the same.
+                m.ack_set = bits.into_iter().map(|w| w as i64).collect();
+            }
+            encode_message(&mut b, &command, entry.as_bytes());
             let len = entry.as_bytes().len() as u64;
             if c.sink.tx.send(b.freeze()).await.is_err() {
                 // The connection is gone; its close will remove the consumer.
