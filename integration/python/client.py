@@ -46,6 +46,8 @@ def produce(a):
         kwargs = dict(batching_enabled=False)
     if a.name:
         kwargs["producer_name"] = a.name
+    if a.batch and a.key_mod:
+        kwargs["batching_type"] = pulsar.BatchingType.KeyBased
     if a.routing == "single":
         kwargs["message_routing_mode"] = pulsar.PartitionsRoutingMode.UseSinglePartition
     try:
@@ -72,6 +74,8 @@ def produce(a):
                 else:
                     out({"failed": i, "result": str(res)})
             p.send_async(payload, done, **kw)
+        if a.pause_every and (i + 1) % a.pause_every == 0:
+            time.sleep(a.pause_ms / 1000.0)
     p.flush()
     out({"done": a.count, "last_sequence_id": p.last_sequence_id()})
     c.close()
@@ -343,6 +347,47 @@ def batch_ack(a):
     c.close()
 
 
+def ks_consume(a):
+    """A Key_Shared consumer: prints {"i", "key", "t", "r", "c"} per message (t: wall clock,
+    taken before the ack), acks each (unless --close-after K: the K-th is left unacked and the
+    consumer closes), and stops after --idle-ms without a message."""
+    c = client(a.url)
+    kw = {}
+    if a.sticky:
+        ranges = [tuple(int(x) for x in r.split("-")) for r in a.sticky.split(",")]
+        kw["key_shared_policy"] = pulsar.ConsumerKeySharedPolicy(
+            pulsar.KeySharedMode.Sticky, a.ooo, ranges)
+    elif a.ooo:
+        kw["key_shared_policy"] = pulsar.ConsumerKeySharedPolicy(
+            pulsar.KeySharedMode.AutoSplit, True)
+    try:
+        cons = c.subscribe(a.topic, a.sub, consumer_type=pulsar.ConsumerType.KeyShared,
+                           consumer_name=a.name, receiver_queue_size=a.queue,
+                           initial_position=pulsar.InitialPosition.Earliest, **kw)
+    except pulsar.PulsarException as e:
+        out({"subscribe_failed": str(e)})
+        c.close()
+        return
+    out({"subscribed": a.name})
+    n = 0
+    while True:
+        try:
+            m = cons.receive(timeout_millis=a.idle_ms)
+        except pulsar.Timeout:
+            break
+        i = int(m.properties()["i"])
+        out({"i": i, "key": m.partition_key(), "t": time.time(), "r": m.redelivery_count(), "c": a.name})
+        n += 1
+        if a.close_after and n >= a.close_after:
+            break
+        if a.delay_ms:
+            time.sleep(a.delay_ms / 1000.0)
+        cons.acknowledge(m)
+    out({"done": n})
+    cons.close()
+    c.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -357,6 +402,8 @@ def main():
     p.add_argument("--seq", action="store_true")
     p.add_argument("--key-mod", type=int, default=0)
     p.add_argument("--routing", default="round-robin")
+    p.add_argument("--pause-every", type=int, default=0)
+    p.add_argument("--pause-ms", type=int, default=0)
     p.set_defaults(fn=produce)
     p = sub.add_parser("consume")
     p.add_argument("url")
@@ -376,6 +423,18 @@ def main():
     p.add_argument("--from", dest="start", default="earliest")
     p.add_argument("--count", type=int, default=1 << 62)
     p.set_defaults(fn=read)
+    p = sub.add_parser("ks-consume")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("sub")
+    p.add_argument("--name", required=True)
+    p.add_argument("--sticky", default="")
+    p.add_argument("--ooo", action="store_true")
+    p.add_argument("--close-after", type=int, default=0)
+    p.add_argument("--idle-ms", type=int, default=4000)
+    p.add_argument("--delay-ms", type=int, default=0)
+    p.add_argument("--queue", type=int, default=100)
+    p.set_defaults(fn=ks_consume)
     p = sub.add_parser("batch-ack")
     p.add_argument("url")
     p.add_argument("topic")

@@ -470,3 +470,335 @@ fn batch_index_acks_with_the_python_client_survive_a_kill9_restart() {
         "once every index is acked, nothing returns"
     );
 }
+
+/// One delivery seen by a Key_Shared consumer.
+#[derive(Debug, Clone)]
+struct Delivery {
+    i: u64,
+    key: String,
+    t: f64,
+    redelivery: u64,
+    consumer: String,
+}
+
+fn deliveries(lines: &[Value]) -> Vec<Delivery> {
+    lines
+        .iter()
+        .filter_map(|v| {
+            Some(Delivery {
+                i: v["i"].as_u64()?,
+                key: v["key"].as_str()?.to_string(),
+                t: v["t"].as_f64()?,
+                redelivery: v["r"].as_u64()?,
+                consumer: v["c"].as_str()?.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// Every message delivered, first deliveries unique, and per key the messages in the order
+/// the consumers saw them (by wall clock, taken before each ack) never go backwards.
+fn assert_key_order(all: &[Delivery], n: u64, keys: u64) {
+    let firsts: Vec<u64> = all
+        .iter()
+        .filter(|d| d.redelivery == 0)
+        .map(|d| d.i)
+        .collect();
+    let mut seen: Vec<u64> = all.iter().map(|d| d.i).collect();
+    seen.sort_unstable();
+    seen.dedup();
+    assert_seq(&seen, 0..n);
+    let mut f = firsts.clone();
+    f.sort_unstable();
+    f.dedup();
+    assert_eq!(
+        f.len(),
+        firsts.len(),
+        "a message was delivered twice without a redelivery count"
+    );
+    let mut per_key: BTreeMap<&str, Vec<&Delivery>> = BTreeMap::new();
+    for d in all {
+        assert_eq!(
+            d.key,
+            format!("k{}", d.i % keys),
+            "message {} lost its key",
+            d.i
+        );
+        per_key.entry(&d.key).or_default().push(d);
+    }
+    for (k, mut ds) in per_key {
+        ds.sort_by(|a, b| a.t.total_cmp(&b.t));
+        for w in ds.windows(2) {
+            assert!(
+                w[0].i <= w[1].i,
+                "key {k}: message {} ({} at {:.6}) went out after {} ({} at {:.6})",
+                w[1].i,
+                w[1].consumer,
+                w[1].t,
+                w[0].i,
+                w[0].consumer,
+                w[0].t
+            );
+        }
+    }
+}
+
+#[test]
+fn key_shared_keeps_each_keys_order_while_consumers_join_and_leave() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start_with(&dir, &[]);
+    let url = s.url.as_str();
+    let ks = |name: &str, extra: &[&str]| {
+        let mut args = vec![
+            "ks-consume",
+            url,
+            "ks",
+            "s",
+            "--name",
+            name,
+            "--idle-ms",
+            "5000",
+        ];
+        args.extend_from_slice(extra);
+        PyClient::run(dir.path(), name, &args)
+    };
+    step("consumers a (slow) and b (leaves after 300 messages, one unacknowledged) subscribe");
+    let mut a = ks("a", &["--delay-ms", "1"]);
+    let mut b = ks("b", &["--close-after", "300"]);
+    for c in [&a, &b] {
+        c.wait_for("subscription", T, |l| {
+            l.iter().any(|v| v.get("subscribed").is_some())
+        })
+        .unwrap();
+    }
+    step("2,000 messages over 50 keys; consumer c joins part-way; then 1,000 more");
+    let mut p1 = PyClient::run(
+        dir.path(),
+        "p1",
+        &[
+            "produce",
+            url,
+            "ks",
+            "--count",
+            "2000",
+            "--key-mod",
+            "50",
+            "--pause-every",
+            "100",
+            "--pause-ms",
+            "40",
+        ],
+    );
+    p1.wait_for("500 receipts", T, |l| {
+        l.iter().filter(|v| v.get("acked").is_some()).count() >= 500
+    })
+    .unwrap();
+    let mut c = ks("c", &[]);
+    p1.finish(T).unwrap();
+    py(
+        &dir,
+        "p2",
+        &[
+            "produce",
+            url,
+            "ks",
+            "--count",
+            "1000",
+            "--start",
+            "2000",
+            "--key-mod",
+            "50",
+            "--batch",
+        ],
+    );
+    let mut all = Vec::new();
+    for (name, client) in [("a", &mut a), ("b", &mut b), ("c", &mut c)] {
+        let lines = client.finish(T).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        let d = deliveries(&lines);
+        eprintln!("consumer {name}: {} deliveries", d.len());
+        all.extend(d);
+    }
+    assert_eq!(all.iter().filter(|d| d.consumer == "b").count(), 300);
+    assert!(
+        all.iter().any(|d| d.consumer == "c"),
+        "the consumer that joined got no keys"
+    );
+    assert!(
+        all.iter().any(|d| d.redelivery > 0),
+        "b left with messages unacknowledged: they must be redelivered"
+    );
+    assert_key_order(&all, 3000, 50);
+}
+
+#[test]
+fn key_shared_sticky_ranges_split_the_keys_and_overlaps_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start_with(&dir, &[]);
+    let url = s.url.as_str();
+    let ks = |name: &str, ranges: &str| {
+        PyClient::run(
+            dir.path(),
+            name,
+            &[
+                "ks-consume",
+                url,
+                "sticky",
+                "s",
+                "--name",
+                name,
+                "--sticky",
+                ranges,
+                "--idle-ms",
+                "3000",
+            ],
+        )
+    };
+    let mut lo = ks("lo", "0-32767");
+    let mut hi = ks("hi", "32768-65535");
+    for c in [&lo, &hi] {
+        c.wait_for("subscription", T, |l| {
+            l.iter().any(|v| v.get("subscribed").is_some())
+        })
+        .unwrap();
+    }
+    step("a third consumer overlapping [30000, 40000] is refused");
+    let over = py(
+        &dir,
+        "over",
+        &[
+            "ks-consume",
+            url,
+            "sticky",
+            "s",
+            "--name",
+            "over",
+            "--sticky",
+            "30000-40000",
+        ],
+    );
+    let why = over
+        .iter()
+        .find_map(|v| v["subscribe_failed"].as_str())
+        .expect("overlapping ranges refused");
+    assert!(why.contains("ConsumerAssignError"), "{why}");
+    step("500 messages over 40 keys: each key to the consumer whose range holds its hash");
+    py(
+        &dir,
+        "p",
+        &[
+            "produce",
+            url,
+            "sticky",
+            "--count",
+            "500",
+            "--key-mod",
+            "40",
+        ],
+    );
+    let mut all = deliveries(&lo.finish(T).unwrap());
+    all.extend(deliveries(&hi.finish(T).unwrap()));
+    assert_key_order(&all, 500, 40);
+    let mut owner: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for d in &all {
+        owner
+            .entry(d.key.clone())
+            .or_default()
+            .insert(d.consumer.clone());
+    }
+    for (k, cs) in &owner {
+        let want = if meridian_broker::broker::key_shared::key_hash(k.as_bytes()) <= 32767 {
+            "lo"
+        } else {
+            "hi"
+        };
+        assert_eq!(cs, &BTreeSet::from([want.to_string()]), "key {k}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_shared_with_the_rust_client_gives_each_key_to_one_consumer_in_order() {
+    use futures::StreamExt;
+    let dir = tempfile::tempdir().unwrap();
+    let s = tokio::task::block_in_place(|| start_with(&dir, &[]));
+    let client = pulsar::Pulsar::builder(s.url.clone(), pulsar::TokioExecutor)
+        .build()
+        .await
+        .expect("rust client");
+    let topic = "rust-ks";
+    let mut consumers = Vec::new();
+    for name in ["x", "y"] {
+        let c: pulsar::Consumer<Vec<u8>, _> = client
+            .consumer()
+            .with_topic(topic)
+            .with_subscription("s")
+            .with_consumer_name(name)
+            .with_subscription_type(pulsar::SubType::KeyShared)
+            .with_options(pulsar::ConsumerOptions {
+                initial_position: pulsar::consumer::InitialPosition::Earliest,
+                ..Default::default()
+            })
+            .build()
+            .await
+            .expect("key_shared consumer");
+        consumers.push((name, c));
+    }
+    let mut producer = client
+        .producer()
+        .with_topic(topic)
+        .with_options(pulsar::ProducerOptions {
+            block_queue_if_full: true,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .expect("producer");
+    step("400 messages over 20 keys to two Key_Shared consumers");
+    let mut receipts = Vec::new();
+    for i in 0..400u64 {
+        let m = pulsar::producer::Message {
+            payload: format!("msg-{i}").into_bytes(),
+            properties: [("i".to_string(), i.to_string())].into(),
+            partition_key: Some(format!("k{}", i % 20)),
+            ..Default::default()
+        };
+        receipts.push(producer.send_non_blocking(m).await.expect("send"));
+    }
+    for r in receipts {
+        r.await.expect("receipt");
+    }
+    let mut per_consumer: BTreeMap<&str, Vec<u64>> = BTreeMap::new();
+    let mut total = 0;
+    while total < 400 {
+        for (name, c) in consumers.iter_mut() {
+            if let Ok(Some(Ok(msg))) =
+                tokio::time::timeout(Duration::from_millis(100), c.next()).await
+            {
+                let i: u64 = msg.metadata().properties[0].value.parse().unwrap();
+                assert_eq!(msg.key().as_deref(), Some(format!("k{}", i % 20).as_str()));
+                c.ack(&msg).await.expect("ack");
+                per_consumer.entry(name).or_default().push(i);
+                total += 1;
+            }
+        }
+    }
+    let mut all: Vec<u64> = per_consumer.values().flatten().copied().collect();
+    all.sort_unstable();
+    assert_seq(&all, 0..400);
+    assert_eq!(per_consumer.len(), 2, "both consumers got keys");
+    let mut key_owner: BTreeMap<u64, &str> = BTreeMap::new();
+    for (name, got) in &per_consumer {
+        for i in got {
+            let prev = key_owner.insert(i % 20, name);
+            assert!(
+                prev.is_none_or(|p| p == *name),
+                "key k{} went to both",
+                i % 20
+            );
+        }
+        for k in 0..20 {
+            let mine: Vec<u64> = got.iter().copied().filter(|i| i % 20 == k).collect();
+            assert_ascending(&format!("{name} k{k}"), &mine);
+        }
+    }
+    drop(s);
+}

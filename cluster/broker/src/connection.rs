@@ -31,6 +31,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::broker::dedup::Submitted;
+use crate::broker::key_shared::{self, KeySharedSpec};
 use crate::broker::producers::{AccessMode, Admission, ProducerHandle, ProducerSink};
 use crate::broker::subscription::{SeekTo, StartAt};
 use crate::broker::{
@@ -809,6 +810,10 @@ impl Conn {
             .broker
             .topic(&name, s.force_topic_creation.unwrap_or(true))
             .await?;
+        let key_shared = match (&s.key_shared_meta, sub_type) {
+            (Some(m), SubType::KeyShared) => Some(key_shared_spec(m)?),
+            _ => None,
+        };
         let req = SubscribeRequest {
             subscription: s.subscription.clone(),
             sub_type,
@@ -816,6 +821,7 @@ impl Conn {
             priority: s.priority_level.unwrap_or(0),
             durable,
             start,
+            key_shared,
         };
         let sink = ConsumerSink {
             connection_id: self.id,
@@ -914,6 +920,36 @@ async fn close_producer(p: ProducerEntry) {
     p.topic.remove_producer(&p.handle);
     drop(p.queue);
     let _ = p.receipts.await;
+}
+
+/// A Key_Shared consumer's request: mode (0 auto-split, 1 sticky), ranges within 0..=65535.
+fn key_shared_spec(m: &pb::KeySharedMeta) -> Result<KeySharedSpec, BrokerError> {
+    let bad = |msg: String| BrokerError::new(ServerError::ConsumerAssignError, msg);
+    let sticky = match m.key_shared_mode {
+        0 => false,
+        1 => true,
+        other => return Err(bad(format!("unknown Key_Shared mode {other}"))),
+    };
+    let max = (key_shared::HASH_RANGE - 1) as i32;
+    let ranges = m
+        .hash_ranges
+        .iter()
+        .map(|r| {
+            if (0..=max).contains(&r.start) && (0..=max).contains(&r.end) {
+                Ok((r.start as u16, r.end as u16))
+            } else {
+                Err(bad(format!(
+                    "hash range [{}, {}] is outside 0..={max}",
+                    r.start, r.end
+                )))
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(KeySharedSpec {
+        sticky,
+        ranges,
+        allow_out_of_order: m.allow_out_of_order_delivery.unwrap_or(false),
+    })
 }
 
 /// Where a message id from a client says to start.

@@ -12,6 +12,7 @@
 //! knows about sockets.
 
 pub mod dedup;
+pub mod key_shared;
 pub mod partitioned;
 pub mod producers;
 pub mod subscription;

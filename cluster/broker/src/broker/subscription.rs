@@ -5,6 +5,11 @@
 //! - Failover: many consumers, one active (lowest priority level, then name); the others
 //!   are told with ACTIVE_CONSUMER_CHANGE and take over when it leaves.
 //! - Shared: entries go round-robin to consumers that hold permits.
+//! - Key_Shared: an entry goes to the consumer that owns its key's hash ([`super::key_shared`]).
+//!   Unless the subscription allows out-of-order delivery, a hash is not given to a consumer
+//!   while another still holds unacknowledged messages of it (a joining consumer gets a key
+//!   only after the earlier messages of that key are acknowledged), and all candidates
+//!   (stashed, redelivered, new) are taken in log order, so a key's messages go out in order.
 //!
 //! Entries handed to a consumer and not yet acknowledged are pending on it; they are
 //! dispatched again (redelivery count + 1) when it leaves or asks for redelivery. Permits
@@ -23,6 +28,7 @@ use meridian_storage::ledger::LedgerClient;
 use meridian_storage::managed_ledger::Position;
 use tokio::sync::{mpsc, watch, Notify};
 
+use super::key_shared::{self, KeySharedSpec, Selector};
 use super::{BrokerError, Topic};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,6 +70,8 @@ pub struct SubscribeRequest {
     pub priority: i32,
     pub durable: bool,
     pub start: StartAt,
+    /// Key_Shared consumers: mode, sticky ranges, out-of-order delivery.
+    pub key_shared: Option<KeySharedSpec>,
 }
 
 /// Where a consumer's frames go: its connection's writer, with the client's consumer id.
@@ -107,6 +115,12 @@ struct State {
     active: Option<ConsumerKey>,
     round_robin: usize,
     deleted: bool,
+    /// Key_Shared: who owns which hash, and what the first consumer asked for.
+    selector: Option<Selector>,
+    key_shared: KeySharedSpec,
+    /// Key_Shared: the hash of each pending entry, and per hash who holds how many.
+    pending_hash: HashMap<Position, u16>,
+    hash_holders: HashMap<u16, Vec<(ConsumerKey, u32)>>,
 }
 
 impl State {
@@ -114,7 +128,7 @@ impl State {
     /// redelivery for each.
     fn requeue(&mut self, positions: Vec<Position>) {
         for p in positions {
-            self.pending.remove(&p);
+            self.unpend(p);
             let n = self.redelivery_counts.entry(p).or_insert(0);
             *n += 1;
             let n = *n;
@@ -122,11 +136,55 @@ impl State {
         }
     }
 
+    /// Records a dispatched entry as pending on `key` (with its key hash on Key_Shared).
+    fn pend(&mut self, pos: Position, key: ConsumerKey, hash: Option<u16>) {
+        self.pending.insert(pos, key);
+        if let Some(h) = hash {
+            self.pending_hash.insert(pos, h);
+            let holders = self.hash_holders.entry(h).or_default();
+            match holders.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, n)) => *n += 1,
+                None => holders.push((key, 1)),
+            }
+        }
+    }
+
+    /// An entry is no longer pending (acknowledged, or taken back).
+    fn unpend(&mut self, pos: Position) {
+        let Some(key) = self.pending.remove(&pos) else {
+            return;
+        };
+        let Some(h) = self.pending_hash.remove(&pos) else {
+            return;
+        };
+        if let Some(holders) = self.hash_holders.get_mut(&h) {
+            if let Some(i) = holders.iter().position(|(k, _)| *k == key) {
+                holders[i].1 -= 1;
+                if holders[i].1 == 0 {
+                    holders.swap_remove(i);
+                }
+            }
+            if holders.is_empty() {
+                self.hash_holders.remove(&h);
+            }
+        }
+    }
+
+    /// Forgets everything in flight (seek).
+    fn clear_in_flight(&mut self) {
+        self.stash.clear();
+        self.pending.clear();
+        self.pending_hash.clear();
+        self.hash_holders.clear();
+        self.redeliver.clear();
+        self.redelivery_counts.clear();
+    }
+
     /// Drops what is known about entries up to `pos` (acknowledged cumulatively).
     fn forget_through(&mut self, pos: Position) {
         let done: Vec<Position> = self.pending.range(..=pos).map(|(p, _)| *p).collect();
         for p in done {
-            self.pending.remove(&p);
+            self.unpend(p);
             self.redelivery_counts.remove(&p);
         }
         let stale: Vec<Position> = self.redeliver.range(..=pos).map(|(p, _)| *p).collect();
@@ -162,6 +220,11 @@ pub struct SubscriptionStats {
     pub backlog_bytes: u64,
     pub unacked_entries: usize,
 }
+
+/// Key_Shared reads ahead of what it can hand out by at most this many dispatch batches
+/// (`broker.dispatch_batch_entries_max` entries each); then a consumer that does not take its
+/// keys' messages holds the others up, as in Pulsar.
+const KEY_SHARED_LOOKAHEAD_BATCHES: usize = 10;
 
 fn cursor_name(subscription: &str) -> String {
     crate::topic_name::escape(subscription)
@@ -215,6 +278,10 @@ impl Subscription {
                 active: None,
                 round_robin: 0,
                 deleted: false,
+                selector: None,
+                key_shared: KeySharedSpec::default(),
+                pending_hash: HashMap::new(),
+                hash_holders: HashMap::new(),
             }),
             wake: Notify::new(),
             closed: AtomicBool::new(false),
@@ -272,12 +339,29 @@ impl Subscription {
             ));
         }
         if self.sub_type == SubType::KeyShared {
-            // Key_Shared dispatch arrives with the messaging-semantics issue; until then it
-            // is refused rather than silently treated as Shared.
-            return Err(BrokerError::new(
-                ServerError::NotAllowedError,
-                "Key_Shared subscriptions are not supported yet",
-            ));
+            let spec = req.key_shared.clone().unwrap_or_default();
+            if st.consumers.is_empty() {
+                st.selector = Some(Selector::new(spec.sticky));
+                st.key_shared = spec.clone();
+            } else if (spec.sticky, spec.allow_out_of_order)
+                != (st.key_shared.sticky, st.key_shared.allow_out_of_order)
+            {
+                return Err(BrokerError::new(
+                    ServerError::ConsumerAssignError,
+                    format!(
+                        "Key_Shared subscription {} is {} (out-of-order delivery {}); the consumer asked otherwise",
+                        self.name,
+                        if st.key_shared.sticky { "sticky" } else { "auto-split" },
+                        st.key_shared.allow_out_of_order
+                    ),
+                ));
+            }
+            let key = (sink.connection_id, sink.consumer_id);
+            let sel = st
+                .selector
+                .get_or_insert_with(|| Selector::new(spec.sticky));
+            sel.add(key, &req.consumer_name, &spec.ranges)
+                .map_err(|e| BrokerError::new(ServerError::ConsumerAssignError, e))?;
         }
         st.consumers.push(Consumer {
             sink,
@@ -319,7 +403,7 @@ impl Subscription {
                 .map(|(p, _)| *p)
                 .collect();
             for p in held {
-                st.pending.remove(&p);
+                st.unpend(p);
                 st.redeliver
                     .insert(p, st.redelivery_counts.get(&p).copied().unwrap_or(0));
             }
@@ -340,6 +424,9 @@ impl Subscription {
         let key = (connection_id, consumer_id);
         let mut st = self.state.lock().await;
         st.consumers.retain(|c| c.key() != key);
+        if let Some(sel) = st.selector.as_mut() {
+            sel.remove(key);
+        }
         let held: Vec<Position> = st
             .pending
             .iter()
@@ -420,7 +507,7 @@ impl Subscription {
                 true
             };
             if done {
-                st.pending.remove(&pos);
+                st.unpend(pos);
                 st.redeliver.remove(&pos);
                 st.redelivery_counts.remove(&pos);
             }
@@ -476,13 +563,11 @@ impl Subscription {
             }
         }
         st.cursor.flush().await?;
-        st.stash.clear();
-        st.pending.clear();
-        st.redeliver.clear();
-        st.redelivery_counts.clear();
+        st.clear_in_flight();
         // Detached under the same lock as the reset: nothing is dispatched from the new
         // position to a consumer that is about to be closed (it would arrive twice).
         st.active = None;
+        st.selector = None;
         let sinks = st.consumers.drain(..).map(|c| c.sink).collect();
         Ok(sinks)
     }
@@ -627,15 +712,21 @@ impl Subscription {
         }
         // Entries the permits cover (a batch entry costs its messages), at most batch_max.
         let budget = ((permits as f64 / st.msgs_per_entry).ceil() as usize).clamp(1, batch_max);
+        let key_shared = self.sub_type == SubType::KeyShared;
         let mut entries: Vec<(Position, Bytes, u32)> = Vec::new();
-        while entries.len() < budget {
+        let mut wanted = Vec::new();
+        // Key_Shared looks at every candidate, in log order: an entry held back for one
+        // consumer must not hold back the others', and a key's messages must not overtake
+        // each other. How far it reads ahead of what it could hand out is bounded.
+        let stashed = st.stash.len();
+        let stash_take = if key_shared { stashed } else { budget };
+        while entries.len() < stash_take {
             let Some(e) = st.stash.pop_front() else { break };
             if !st.cursor.is_acknowledged(e.0) {
                 entries.push(e);
             }
         }
-        let mut wanted = Vec::new();
-        while entries.len() + wanted.len() < budget {
+        while key_shared || entries.len() + wanted.len() < budget {
             let Some((p, n)) = st.redeliver.pop_first() else {
                 break;
             };
@@ -655,10 +746,19 @@ impl Subscription {
                 }
             }
         }
-        if entries.len() < budget {
+        let fresh_max = if key_shared {
+            if stashed < batch_max * KEY_SHARED_LOOKAHEAD_BATCHES {
+                budget
+            } else {
+                0
+            }
+        } else {
+            budget.saturating_sub(entries.len())
+        };
+        if fresh_max > 0 {
             let fresh = st
                 .cursor
-                .read_entries(budget - entries.len())
+                .read_entries(fresh_max)
                 .await
                 .map_err(BrokerError::from)?;
             for (p, b) in fresh {
@@ -668,6 +768,9 @@ impl Subscription {
                 let n = st.redelivery_counts.get(&p).copied().unwrap_or(0);
                 entries.push((p, b, n));
             }
+        }
+        if key_shared {
+            entries.sort_unstable_by_key(|e| e.0);
         }
         if entries.is_empty() {
             return Ok(false);
@@ -700,7 +803,17 @@ impl Subscription {
                     .map_or(1, meridian_protocol::entry::message_count),
             };
             st.msgs_per_entry = st.msgs_per_entry * 0.9 + f64::from(messages) * 0.1;
-            let Some(idx) = self.pick(&mut st) else {
+            let (target, hash) = if key_shared {
+                let key = meta.as_ref().map_or_else(
+                    || key_shared::NONE_KEY.to_vec(),
+                    |m| key_shared::entry_key(&entry, m),
+                );
+                let h = key_shared::key_hash(&key);
+                (Self::pick_by_hash(&st, h), Some(h))
+            } else {
+                (self.pick(&mut st), None)
+            };
+            let Some(idx) = target else {
                 unassigned.push((pos, entry.into_bytes(), redeliveries));
                 continue;
             };
@@ -725,7 +838,7 @@ impl Subscription {
             }
             c.permits -= i64::from(messages);
             let key = c.key();
-            st.pending.insert(pos, key);
+            st.pend(pos, key, hash);
             sent = true;
             out_msgs += u64::from(messages);
             out_bytes += len;
@@ -749,6 +862,25 @@ impl Subscription {
     }
 
     /// The consumer the next entry goes to, if any may take it.
+    /// Key_Shared: the consumer owning `hash`, if it has permits and (unless out-of-order
+    /// delivery is allowed) no other consumer still holds unacknowledged messages of the hash.
+    fn pick_by_hash(st: &State, hash: u16) -> Option<usize> {
+        let owner = st.selector.as_ref()?.owner(hash)?;
+        let idx = st
+            .consumers
+            .iter()
+            .position(|c| c.key() == owner && c.permits > 0)?;
+        if !st.key_shared.allow_out_of_order
+            && st
+                .hash_holders
+                .get(&hash)
+                .is_some_and(|h| h.iter().any(|(k, n)| *k != owner && *n > 0))
+        {
+            return None;
+        }
+        Some(idx)
+    }
+
     fn pick(&self, st: &mut State) -> Option<usize> {
         match self.sub_type {
             SubType::Exclusive => st.consumers.first().filter(|c| c.permits > 0).map(|_| 0),
