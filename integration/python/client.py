@@ -17,6 +17,7 @@ stdout sees progress as it happens (and sees what was acknowledged before a kill
       a reader; prints {"i": I, "id": HEX} per message, then {"done": n}
 """
 import argparse
+import datetime
 import json
 import sys
 import time
@@ -64,6 +65,10 @@ def produce(a):
             kw["sequence_id"] = i
         if a.key_mod:
             kw["partition_key"] = "k%d" % (i % a.key_mod)
+        if a.delay_ms and i % a.delay_mod == 0:
+            kw["deliver_after"] = datetime.timedelta(milliseconds=a.delay_ms)
+            # The client computes the same from its clock when it sends.
+            out({"delayed": i, "not_before": time.time() + a.delay_ms / 1000.0})
         if a.sync:
             p.send(payload, **kw)
             out({"acked": i})
@@ -103,7 +108,7 @@ def consume(a):
         i = int(m.properties()["i"])
         assert m.data() == ("msg-%d" % i).encode(), m.data()
         out({"i": i, "id": m.message_id().serialize().hex(), "redelivery": m.redelivery_count(),
-             "topic": m.topic_name(), "key": m.partition_key()})
+             "topic": m.topic_name(), "key": m.partition_key(), "t": time.time()})
         n += 1
         if a.close_after and n >= a.close_after:
             out({"closing": n})
@@ -403,6 +408,8 @@ def main():
     p.add_argument("--key-mod", type=int, default=0)
     p.add_argument("--routing", default="round-robin")
     p.add_argument("--pause-every", type=int, default=0)
+    p.add_argument("--delay-ms", type=int, default=0)
+    p.add_argument("--delay-mod", type=int, default=1)
     p.add_argument("--pause-ms", type=int, default=0)
     p.set_defaults(fn=produce)
     p = sub.add_parser("consume")

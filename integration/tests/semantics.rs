@@ -802,3 +802,127 @@ async fn key_shared_with_the_rust_client_gives_each_key_to_one_consumer_in_order
     }
     drop(s);
 }
+
+#[test]
+fn delayed_delivery_on_a_shared_subscription_is_never_early_and_survives_kill9() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = start_with(&dir, &[]);
+    let consume = |name: &str, url: &str, count: &str| {
+        PyClient::run(
+            dir.path(),
+            name,
+            &[
+                "consume",
+                url,
+                "delayed",
+                "d",
+                "--type",
+                "shared",
+                "--count",
+                count,
+                "--timeout-ms",
+                "15000",
+            ],
+        )
+    };
+    let not_before = |lines: &[Value]| -> BTreeMap<u64, f64> {
+        lines
+            .iter()
+            .filter_map(|v| Some((v["delayed"].as_u64()?, v["not_before"].as_f64()?)))
+            .collect()
+    };
+    step("20 messages, the even ones delayed by 3 s");
+    let mut c = consume("c1", &s.url, "20");
+    c.wait_for("subscription", T, |l| {
+        l.iter().any(|v| v.get("subscribed").is_some())
+    })
+    .unwrap();
+    let sent_at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64();
+    let p = py(
+        &dir,
+        "p1",
+        &[
+            "produce",
+            &s.url,
+            "delayed",
+            "--count",
+            "20",
+            "--delay-ms",
+            "3000",
+            "--delay-mod",
+            "2",
+        ],
+    );
+    let due = not_before(&p);
+    assert_eq!(due.len(), 10);
+    let got = c.finish(T).unwrap();
+    let recv: Vec<(u64, f64)> = got
+        .iter()
+        .filter_map(|v| Some((v["i"].as_u64()?, v["t"].as_f64()?)))
+        .collect();
+    assert_each_once(&recv.iter().map(|r| r.0).collect::<Vec<_>>(), 0..20);
+    for (i, t) in &recv {
+        match due.get(i) {
+            Some(nb) => assert!(t >= nb, "message {i} came {:.3} s early", nb - t),
+            None => assert!(
+                t - sent_at < 2.5,
+                "undelayed message {i} took {:.3} s",
+                t - sent_at
+            ),
+        }
+    }
+    let order: Vec<u64> = recv.iter().map(|r| r.0).collect();
+    assert!(
+        order[..10].iter().all(|i| i % 2 == 1),
+        "the undelayed ones come first: {order:?}"
+    );
+
+    step("10 more, all delayed by 5 s; kill -9 while they wait in the delay index");
+    let mut waiting = consume("c2", &s.url, "10");
+    waiting
+        .wait_for("subscription", T, |l| {
+            l.iter().any(|v| v.get("subscribed").is_some())
+        })
+        .unwrap();
+    let p = py(
+        &dir,
+        "p2",
+        &[
+            "produce",
+            &s.url,
+            "delayed",
+            "--count",
+            "10",
+            "--start",
+            "20",
+            "--delay-ms",
+            "5000",
+        ],
+    );
+    let due = not_before(&p);
+    std::thread::sleep(Duration::from_millis(1000));
+    s.kill9().unwrap();
+    waiting.kill9();
+    assert!(
+        !waiting.lines().iter().any(|v| v.get("i").is_some()),
+        "nothing delivered before its time"
+    );
+    s.start().unwrap();
+    let got = consume("c3", &s.url, "10").finish(T).unwrap();
+    let recv: Vec<(u64, f64)> = got
+        .iter()
+        .filter_map(|v| Some((v["i"].as_u64()?, v["t"].as_f64()?)))
+        .collect();
+    assert_each_once(&recv.iter().map(|r| r.0).collect::<Vec<_>>(), 20..30);
+    for (i, t) in &recv {
+        let nb = due[i];
+        assert!(
+            *t >= nb,
+            "message {i} came {:.3} s early after the restart",
+            nb - t
+        );
+    }
+}

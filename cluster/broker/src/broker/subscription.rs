@@ -11,6 +11,12 @@
 //!   only after the earlier messages of that key are acknowledged), and all candidates
 //!   (stashed, redelivered, new) are taken in log order, so a key's messages go out in order.
 //!
+//! Delayed delivery (Shared and Key_Shared, as in Pulsar): an entry whose `deliver_at_time`
+//! is in the future goes into the subscription's delay index (time, position) instead of to a
+//! consumer, and is dispatched when due. The index is rebuilt from the log after a restart:
+//! the time is in the stored entry and an undelivered message is never acknowledged, so the
+//! cursor reads it again from its mark-delete position; nothing is lost or delivered early.
+//!
 //! Entries handed to a consumer and not yet acknowledged are pending on it; they are
 //! dispatched again (redelivery count + 1) when it leaves or asks for redelivery. Permits
 //! count messages: a batch entry costs its number of messages.
@@ -121,6 +127,8 @@ struct State {
     /// Key_Shared: the hash of each pending entry, and per hash who holds how many.
     pending_hash: HashMap<Position, u16>,
     hash_holders: HashMap<u16, Vec<(ConsumerKey, u32)>>,
+    /// Delayed delivery: (deliver at, ms since the epoch; position), earliest first.
+    delayed: std::collections::BTreeSet<(i64, Position)>,
 }
 
 impl State {
@@ -178,6 +186,21 @@ impl State {
         self.hash_holders.clear();
         self.redeliver.clear();
         self.redelivery_counts.clear();
+        self.delayed.clear();
+    }
+
+    /// Moves delayed entries that are due to the redelivery queue; returns when the next one
+    /// is due (ms since the epoch).
+    fn release_due(&mut self, now_ms: i64) -> Option<i64> {
+        while let Some(&(at, p)) = self.delayed.first() {
+            if at > now_ms {
+                return Some(at);
+            }
+            self.delayed.pop_first();
+            let n = self.redelivery_counts.get(&p).copied().unwrap_or(0);
+            self.redeliver.insert(p, n);
+        }
+        None
     }
 
     /// Drops what is known about entries up to `pos` (acknowledged cumulatively).
@@ -219,12 +242,21 @@ pub struct SubscriptionStats {
     pub backlog_entries: u64,
     pub backlog_bytes: u64,
     pub unacked_entries: usize,
+    /// Entries waiting in the delay index for their delivery time.
+    pub delayed_entries: usize,
 }
 
 /// Key_Shared reads ahead of what it can hand out by at most this many dispatch batches
 /// (`broker.dispatch_batch_entries_max` entries each); then a consumer that does not take its
 /// keys' messages holds the others up, as in Pulsar.
 const KEY_SHARED_LOOKAHEAD_BATCHES: usize = 10;
+
+/// Wall-clock milliseconds since the epoch (the clock `deliver_at_time` is in).
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
 
 fn cursor_name(subscription: &str) -> String {
     crate::topic_name::escape(subscription)
@@ -282,6 +314,7 @@ impl Subscription {
                 key_shared: KeySharedSpec::default(),
                 pending_hash: HashMap::new(),
                 hash_holders: HashMap::new(),
+                delayed: std::collections::BTreeSet::new(),
             }),
             wake: Notify::new(),
             closed: AtomicBool::new(false),
@@ -622,6 +655,7 @@ impl Subscription {
             backlog_entries: backlog.entries,
             backlog_bytes: backlog.bytes,
             unacked_entries: st.pending.len(),
+            delayed_entries: st.delayed.len(),
         }
     }
 
@@ -677,8 +711,15 @@ impl Subscription {
             }
             // A timer only while acknowledgements wait to be persisted: idle subscriptions
             // cost no wake-ups.
-            let dirty = self.state.lock().await.cursor.is_dirty();
+            let (dirty, next_due) = {
+                let mut st = self.state.lock().await;
+                (st.cursor.is_dirty(), st.release_due(now_ms()))
+            };
+            let until_due = next_due.map_or(Duration::ZERO, |at| {
+                Duration::from_millis(u64::try_from(at - now_ms()).unwrap_or(0))
+            });
             tokio::select! {
+                _ = tokio::time::sleep(until_due), if next_due.is_some() => {}
                 _ = self.wake.notified() => {}
                 r = appended.changed() => if r.is_err() { return },
                 _ = stop.changed() => return,
@@ -692,12 +733,18 @@ impl Subscription {
         }
     }
 
-    /// Sends what the consumers have permits for. Returns whether anything was sent.
+    /// Sends what the consumers have permits for. Returns whether anything was sent (or
+    /// put into the delay index: then there may be more to read).
     async fn dispatch_once(&self) -> Result<bool, BrokerError> {
         let batch_max = self.topic.cfg.dispatch_batch_entries_max as usize;
         let mut st = self.state.lock().await;
         if st.deleted {
             return Ok(false);
+        }
+        let delays = matches!(self.sub_type, SubType::Shared | SubType::KeyShared);
+        let now = now_ms();
+        if delays {
+            st.release_due(now);
         }
         let permits: i64 = match self.sub_type {
             SubType::Exclusive => st.consumers.first().map_or(0, |c| c.permits),
@@ -792,6 +839,15 @@ impl Subscription {
             if meta.as_ref().is_some_and(|m| m.marker_type.is_some()) {
                 // Broker-internal markers are never dispatched; they count as acknowledged.
                 st.cursor.ack(pos).await?;
+                continue;
+            }
+            if let Some(at) = meta
+                .as_ref()
+                .and_then(|m| m.deliver_at_time)
+                .filter(|at| delays && *at > now)
+            {
+                st.delayed.insert((at, pos));
+                sent = true;
                 continue;
             }
             let ack_set = st.cursor.batch_ack_set(pos).map(<[u64]>::to_vec);
