@@ -469,6 +469,8 @@ impl ManagedLedger {
             .await
             .inspect_err(|_| st.fenced = true)?;
         st.meta = meta;
+        // A reader cached while it was open has its old metadata.
+        self.readers.lock().await.remove(&ledger_id);
         Ok(())
     }
 
@@ -656,27 +658,43 @@ impl ManagedLedger {
                 position: pos,
             });
         }
-        let reader = {
-            let mut readers = self.readers.lock().await;
-            match readers.get(&pos.ledger_id) {
-                Some(r) => Arc::clone(r),
-                None => {
-                    let r = Arc::new(self.client.open(pos.ledger_id).await?);
-                    // An open ledger's metadata changes as it closes: cache only closed ones.
-                    if r.last_entry().is_some() {
-                        readers.insert(pos.ledger_id, Arc::clone(&r));
-                    }
-                    r
-                }
+        let reader = self.reader(pos.ledger_id, false).await?;
+        let r = match reader.read(pos.entry_id).await {
+            // An open ledger's cached metadata may be stale (an ensemble change moved later
+            // entries to other bookies, or it was closed): refresh it once and retry.
+            Err(_) if reader.last_entry().is_none() => {
+                self.reader(pos.ledger_id, true)
+                    .await?
+                    .read(pos.entry_id)
+                    .await
             }
+            r => r,
         };
-        reader.read(pos.entry_id).await.map_err(|e| match e {
+        r.map_err(|e| match e {
             LedgerError::NoSuchEntry { .. } => ManagedLedgerError::NoEntry {
                 name: self.name.clone(),
                 position: pos,
             },
             other => other.into(),
         })
+    }
+
+    /// A reader of ledger `id`, cached: opening one reads the ledger's metadata from the
+    /// store, too slow to do per entry. `refresh` replaces the cached one.
+    async fn reader(
+        &self,
+        id: u64,
+        refresh: bool,
+    ) -> Result<Arc<LedgerReader>, ManagedLedgerError> {
+        let mut readers = self.readers.lock().await;
+        if !refresh {
+            if let Some(r) = readers.get(&id) {
+                return Ok(Arc::clone(r));
+            }
+        }
+        let r = Arc::new(self.client.open(id).await?);
+        readers.insert(id, Arc::clone(&r));
+        Ok(r)
     }
 
     /// Reads up to `max` entries from `from` on, in log order.

@@ -45,6 +45,14 @@ pub struct CommonArgs {
     /// latencies beside the disk's own.
     #[arg(long)]
     fsync_probe_dir: Option<String>,
+    /// The broker's PID (same machine): its resident memory (VmRSS) is printed at the start
+    /// and at the end of the run.
+    #[arg(long)]
+    broker_pid: Option<u32>,
+    /// The broker's HTTP address (`HOST:PORT`): its `/stats` of the topics is printed at the end
+    /// (backlog, unacknowledged and delayed entries per subscription).
+    #[arg(long)]
+    stats_http: Option<String>,
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -75,6 +83,40 @@ pub struct ProduceArgs {
     /// Stop after this many messages over all producers (0: no limit).
     #[arg(long, default_value_t = 0)]
     messages: u64,
+    /// Give messages one of this many keys (`key-<n mod N>`, as partition key), in turn
+    /// (0: no keys). For Key_Shared runs.
+    #[arg(long, default_value_t = 0)]
+    keys: u64,
+    /// Delayed delivery: each message is to be delivered this many milliseconds after it is
+    /// sent (`deliver_at_time`; 0: at once).
+    #[arg(long, default_value_t = 0)]
+    deliver_after_ms: u64,
+}
+
+/// How consumers share a subscription.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PerfSubType {
+    Exclusive,
+    Shared,
+    Failover,
+    KeyShared,
+}
+
+impl PerfSubType {
+    fn wire(self) -> i32 {
+        use pb::command_subscribe::SubType as W;
+        (match self {
+            PerfSubType::Exclusive => W::Exclusive,
+            PerfSubType::Shared => W::Shared,
+            PerfSubType::Failover => W::Failover,
+            PerfSubType::KeyShared => W::KeyShared,
+        }) as i32
+    }
+
+    /// Shared kinds acknowledge each message; the others cumulatively.
+    fn individual_acks(self) -> bool {
+        matches!(self, PerfSubType::Shared | PerfSubType::KeyShared)
+    }
 }
 
 #[derive(clap::Args, Clone, Debug)]
@@ -90,6 +132,12 @@ pub struct ConsumeArgs {
     /// Permits granted at once (the client's receiver queue).
     #[arg(long, default_value_t = 1000)]
     receiver_queue: u32,
+    /// Subscription type.
+    #[arg(long, value_enum, default_value = "exclusive")]
+    subscription_type: PerfSubType,
+    /// Consumers per topic, each on its own connection.
+    #[arg(long, default_value_t = 1)]
+    consumers: usize,
     /// Stop after this many messages over all topics (0: no limit).
     #[arg(long, default_value_t = 0)]
     messages: u64,
@@ -105,6 +153,12 @@ pub struct E2eArgs {
     /// Permits granted at once (the client's receiver queue).
     #[arg(long, default_value_t = 1000)]
     receiver_queue: u32,
+    /// Subscription type.
+    #[arg(long, value_enum, default_value = "exclusive")]
+    subscription_type: PerfSubType,
+    /// Consumers per topic, each on its own connection.
+    #[arg(long, default_value_t = 1)]
+    consumers: usize,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -437,13 +491,18 @@ async fn run_producer(
     let start = Instant::now();
     let mut n = 0u64;
     let filler = vec![0xabu8; size - 8];
+    let key_of = |seq: u64| (a.keys > 0).then(|| format!("key-{}", seq % a.keys));
     let flush = |batch: &mut BytesMut, due: &mut Vec<u64>, seq: &mut u64| -> (Bytes, InFlight) {
         let count = due.len();
+        let now = now_us() / 1000;
         let meta = pb::MessageMetadata {
             producer_name: name.clone(),
             sequence_id: *seq,
-            publish_time: now_us() / 1000,
+            publish_time: now,
             num_messages_in_batch: batching.then_some(count as i32),
+            // A batch's key is its items'; a single message carries its own.
+            partition_key: if batching { None } else { key_of(*seq) },
+            deliver_at_time: (a.deliver_after_ms > 0).then(|| (now + a.deliver_after_ms) as i64),
             ..Default::default()
         }
         .encode_to_vec();
@@ -514,6 +573,7 @@ async fn run_producer(
         if batching {
             let sm = pb::SingleMessageMetadata {
                 payload_size: size as i32,
+                partition_key: key_of(seq + due.len() as u64),
                 ..Default::default()
             }
             .encode_to_vec();
@@ -553,6 +613,7 @@ async fn run_consumer(
     url: String,
     topic: String,
     subscription: String,
+    sub_type: PerfSubType,
     earliest: bool,
     receiver_queue: u32,
     stop: Arc<AtomicBool>,
@@ -569,7 +630,7 @@ async fn run_consumer(
     c.subscribe = Some(pb::CommandSubscribe {
         topic: topic.clone(),
         subscription,
-        sub_type: pb::command_subscribe::SubType::Exclusive as i32,
+        sub_type: sub_type.wire(),
         consumer_id,
         initial_position: Some(if earliest {
             pb::command_subscribe::InitialPosition::Earliest as i32
@@ -594,7 +655,7 @@ async fn run_consumer(
     conn.tx.send(flow(receiver_queue)).await?;
     let _ = ready.send(());
     let mut since_flow = 0u32;
-    let mut since_ack = 0u32;
+    let mut to_ack: Vec<pb::MessageIdData> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
         let Ok(Some((id, entry))) =
             tokio::time::timeout(Duration::from_millis(200), mrx.recv()).await
@@ -628,25 +689,36 @@ async fn run_consumer(
             .bytes
             .fetch_add(payload.len() as u64, Ordering::Relaxed);
         since_flow += count;
-        since_ack += 1;
+        // Shared kinds acknowledge every entry (one ACK per 64 ids); the others the last
+        // entry cumulatively every 64 entries.
+        let individual = sub_type.individual_acks();
+        if individual || to_ack.is_empty() {
+            to_ack.push(pb::MessageIdData {
+                ledger_id: id.ledger_id,
+                entry_id: id.entry_id,
+                ..Default::default()
+            });
+        } else {
+            to_ack[0].ledger_id = id.ledger_id;
+            to_ack[0].entry_id = id.entry_id;
+        }
         if since_flow >= receiver_queue / 2 {
             conn.tx.send(flow(since_flow)).await?;
             since_flow = 0;
         }
-        if since_ack >= 64 {
+        if to_ack.len() >= 64 || (!individual && since_flow == 0) {
             let mut a = base(Type::Ack);
             a.ack = Some(pb::CommandAck {
                 consumer_id,
-                ack_type: pb::command_ack::AckType::Cumulative as i32,
-                message_id: vec![pb::MessageIdData {
-                    ledger_id: id.ledger_id,
-                    entry_id: id.entry_id,
-                    ..Default::default()
-                }],
+                ack_type: if individual {
+                    pb::command_ack::AckType::Individual
+                } else {
+                    pb::command_ack::AckType::Cumulative
+                } as i32,
+                message_id: std::mem::take(&mut to_ack),
                 ..Default::default()
             });
             conn.tx.send(frame(&a)).await?;
-            since_ack = 0;
         }
         if limit > 0 && counters.msgs.load(Ordering::Relaxed) >= limit {
             stop.store(true, Ordering::Relaxed);
@@ -764,6 +836,50 @@ async fn join_all(tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>) -> an
     Ok(())
 }
 
+/// VmRSS of a process, KiB.
+fn rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+}
+
+/// Prints the broker's resident memory, if asked (`--broker-pid`).
+fn print_broker_memory(c: &CommonArgs, when: &str) {
+    if let Some(pid) = c.broker_pid {
+        match rss_kib(pid) {
+            Some(kib) => println!(
+                "broker {pid} resident memory {when}: {:.1} MiB",
+                kib as f64 / 1024.0
+            ),
+            None => println!("broker {pid}: no /proc/{pid}/status"),
+        }
+    }
+}
+
+/// Prints the broker's `/stats` of the run's topics, if asked (`--stats-http`).
+async fn print_broker_stats(c: &CommonArgs) {
+    let Some(addr) = &c.stats_http else { return };
+    for t in topic_names(c) {
+        match http_get(addr, &format!("/stats?topic={t}")).await {
+            Ok(body) => println!("broker stats of {t}: {body}"),
+            Err(e) => println!("broker stats of {t}: {e:#}"),
+        }
+    }
+}
+
+async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).await?;
+    let body = out.split_once("\r\n\r\n").map_or(out.as_str(), |(_, b)| b);
+    Ok(body.trim().to_string())
+}
+
 fn print_probe(probe: Option<std::thread::JoinHandle<Histogram<u64>>>) {
     if let Some(p) = probe {
         if let Ok(h) = p.join() {
@@ -781,6 +897,8 @@ fn print_probe(probe: Option<std::thread::JoinHandle<Histogram<u64>>>) {
 async fn spawn_consumers(
     common: &CommonArgs,
     subscription: &str,
+    sub_type: PerfSubType,
+    consumers: usize,
     earliest: bool,
     receiver_queue: u32,
     stop: &Arc<AtomicBool>,
@@ -790,13 +908,17 @@ async fn spawn_consumers(
 ) -> Vec<tokio::task::JoinHandle<anyhow::Result<()>>> {
     let mut tasks = Vec::new();
     let mut readies = Vec::new();
-    for t in topic_names(common) {
+    for t in topic_names(common)
+        .into_iter()
+        .flat_map(|t| std::iter::repeat_n(t, consumers.max(1)))
+    {
         let (rt, rr) = oneshot::channel();
         readies.push(rr);
         tasks.push(tokio::spawn(run_consumer(
             common.url.clone(),
             t,
             subscription.to_string(),
+            sub_type,
             earliest,
             receiver_queue,
             Arc::clone(stop),
@@ -821,6 +943,7 @@ pub async fn produce(a: ProduceArgs) -> anyhow::Result<()> {
         .map(|d| fsync_probe(d, Arc::clone(&stop)));
     let counters = Arc::new(Counters::default());
     let latency = Arc::new(Recorder::new());
+    print_broker_memory(&a.common, "at the start");
     let start = Instant::now();
     let tasks = spawn_producers(&a, &stop, &counters, &latency);
     let reporter = tokio::spawn(report_loop(
@@ -840,6 +963,8 @@ pub async fn produce(a: ProduceArgs) -> anyhow::Result<()> {
     let _ = reporter.await;
     summary("produce", &counters, secs, Some(("publish", &latency)));
     print_probe(probe);
+    print_broker_memory(&a.common, "at the end");
+    print_broker_stats(&a.common).await;
     r
 }
 
@@ -851,9 +976,12 @@ pub async fn consume(a: ConsumeArgs) -> anyhow::Result<()> {
         .clone()
         .map(|d| fsync_probe(d, Arc::clone(&stop)));
     let counters = Arc::new(Counters::default());
+    print_broker_memory(&a.common, "at the start");
     let tasks = spawn_consumers(
         &a.common,
         &a.subscription,
+        a.subscription_type,
+        a.consumers,
         a.initial != "latest",
         a.receiver_queue,
         &stop,
@@ -880,6 +1008,8 @@ pub async fn consume(a: ConsumeArgs) -> anyhow::Result<()> {
     let _ = reporter.await;
     summary("consume", &counters, secs, None);
     print_probe(probe);
+    print_broker_memory(&a.common, "at the end");
+    print_broker_stats(&a.common).await;
     r
 }
 
@@ -893,9 +1023,12 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
         .map(|d| fsync_probe(d, Arc::clone(&stop)));
     let consumed = Arc::new(Counters::default());
     let e2e_latency = Arc::new(Recorder::new());
+    print_broker_memory(&p.common, "at the start");
     let tasks = spawn_consumers(
         &p.common,
         &a.subscription,
+        a.subscription_type,
+        a.consumers,
         false,
         a.receiver_queue,
         &stop,
@@ -946,5 +1079,7 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
         Some(("end-to-end", &e2e_latency)),
     );
     print_probe(probe);
+    print_broker_memory(&p.common, "at the end");
+    print_broker_stats(&p.common).await;
     r
 }
