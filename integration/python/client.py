@@ -393,6 +393,109 @@ def ks_consume(a):
     c.close()
 
 
+def payload_of(i, size):
+    """A deterministic, compressible but not constant payload of `size` bytes."""
+    head = ("msg-%d|" % i).encode()
+    body = bytes((i * 31 + k // 7) % 251 for k in range(max(0, size - len(head))))
+    return head + body
+
+
+def semantics(a):
+    """One-process checks of messaging semantics; prints {"ok": name} or raises."""
+    c = client(a.url)
+    t = a.topic
+    num = lambda m: int(m.properties()["i"])
+    if a.name == "compression":
+        # Every codec, batched and not: the consumer gets each payload intact.
+        for kind in ("NONE", "LZ4", "ZLib", "ZSTD", "SNAPPY"):
+            for batched in (False, True):
+                topic = "%s-%s-%s" % (t, kind.lower(), "b" if batched else "u")
+                cons = c.subscribe(topic, "s", initial_position=pulsar.InitialPosition.Earliest)
+                p = c.create_producer(topic, compression_type=getattr(pulsar.CompressionType, kind),
+                                      batching_enabled=batched, batching_max_messages=50)
+                for i in range(200):
+                    p.send_async(payload_of(i, 2000), None, properties={"i": str(i)})
+                p.flush()
+                for i in range(200):
+                    m = cons.receive(10000)
+                    assert num(m) == i and m.data() == payload_of(i, 2000), (kind, batched, i)
+                    cons.acknowledge(m)
+                p.close()
+                cons.close()
+                out({"codec": kind, "batched": batched})
+    elif a.name == "chunking":
+        # The broker's limit is small in this test (broker.message_bytes_max); a larger
+        # message fails without chunking and arrives whole with it.
+        limit = a.limit
+        cons = c.subscribe(t, "s", initial_position=pulsar.InitialPosition.Earliest)
+        p = c.create_producer(t, batching_enabled=False)
+        try:
+            p.send(payload_of(0, limit * 3), properties={"i": "0"})
+            raise AssertionError("an oversized unchunked message was accepted")
+        except pulsar.PulsarException as e:
+            out({"too_big": str(e)})
+        pc = c.create_producer(t, batching_enabled=False, chunking_enabled=True)
+        sizes = [limit * 3 + 17, 100, limit * 5]
+        for i, size in enumerate(sizes):
+            pc.send(payload_of(i, size), properties={"i": str(i)})
+        for i, size in enumerate(sizes):
+            m = cons.receive(10000)
+            assert num(m) == i and m.data() == payload_of(i, size), (i, len(m.data()))
+            cons.acknowledge(m)
+        out({"chunked": sizes})
+    elif a.name == "client-dlq":
+        # The Python client's own dead-letter topic relies on the broker's redelivery counts.
+        p = c.create_producer(t, batching_enabled=False)
+        for i in range(5):
+            p.send(("msg-%d" % i).encode(), properties={"i": str(i)})
+        dlq_topic = t + "-dlq"
+        dlq = c.subscribe(dlq_topic, "dlq-sub", initial_position=pulsar.InitialPosition.Earliest)
+        cons = c.subscribe(t, "s", consumer_type=pulsar.ConsumerType.Shared,
+                           initial_position=pulsar.InitialPosition.Earliest,
+                           negative_ack_redelivery_delay_ms=100,
+                           dead_letter_policy=pulsar.ConsumerDeadLetterPolicy(2, dlq_topic, "dlq-sub"))
+        counts = {}
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            try:
+                m = cons.receive(1000)
+            except pulsar.Timeout:
+                if len(counts) == 5 and all(v >= 3 for k, v in counts.items() if k == 3):
+                    break
+                continue
+            i = num(m)
+            counts[i] = counts.get(i, 0) + 1
+            if i == 3:
+                assert m.redelivery_count() == counts[i] - 1, (m.redelivery_count(), counts[i])
+                cons.negative_acknowledge(m)
+            else:
+                cons.acknowledge(m)
+        assert counts.get(3) == 3, counts
+        m = dlq.receive(10000)
+        assert num(m) == 3, num(m)
+        out({"dead_lettered": 3, "deliveries": counts[3]})
+    elif a.name == "reader-seek":
+        p = c.create_producer(t, batching_enabled=False)
+        ids = [p.send(("msg-%d" % i).encode(), properties={"i": str(i)}) for i in range(30)]
+        r = c.create_reader(t, pulsar.MessageId.earliest)
+        got = [num(r.read_next(10000)) for _ in range(30)]
+        assert got == list(range(30)), got
+        assert not r.has_message_available()
+        r.seek(ids[10])
+        m = r.read_next(10000)
+        assert num(m) in (10, 11), num(m)
+        first = num(m)
+        rest = [first] + [num(r.read_next(10000)) for _ in range(29 - first)]
+        assert rest == list(range(first, 30)), rest
+        r.seek(pulsar.MessageId.earliest)
+        assert num(r.read_next(10000)) == 0
+        out({"reader_seek_first": first})
+    else:
+        raise SystemExit("unknown check " + a.name)
+    out({"ok": a.name})
+    c.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -442,6 +545,12 @@ def main():
     p.add_argument("--delay-ms", type=int, default=0)
     p.add_argument("--queue", type=int, default=100)
     p.set_defaults(fn=ks_consume)
+    p = sub.add_parser("semantics")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("name")
+    p.add_argument("--limit", type=int, default=0)
+    p.set_defaults(fn=semantics)
     p = sub.add_parser("batch-ack")
     p.add_argument("url")
     p.add_argument("topic")

@@ -926,3 +926,39 @@ fn delayed_delivery_on_a_shared_subscription_is_never_early_and_survives_kill9()
         );
     }
 }
+
+/// Runs a one-process check of client.py's `semantics` command and returns its lines.
+fn check(dir: &tempfile::TempDir, s: &StandaloneProc, name: &str, extra: &[&str]) -> Vec<Value> {
+    let mut args = vec!["semantics", s.url.as_str(), name, name];
+    args.extend_from_slice(extra);
+    let lines = py(dir, name, &args);
+    assert!(lines.iter().any(|v| v["ok"] == name), "{name}: {lines:?}");
+    lines
+}
+
+#[test]
+fn compression_of_every_codec_passes_through_and_chunked_messages_arrive_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    // A 100 KiB limit, so that chunks are many and quick.
+    let s = start_with(&dir, &[("MERIDIAN_BROKER_MESSAGE_BYTES_MAX", "102400")]);
+    let lines = check(&dir, &s, "compression", &[]);
+    assert_eq!(
+        lines.iter().filter(|v| v.get("codec").is_some()).count(),
+        10
+    );
+    let lines = check(&dir, &s, "chunking", &["--limit", "102400"]);
+    let too_big = lines.iter().find_map(|v| v["too_big"].as_str()).unwrap();
+    assert!(
+        too_big.contains("MessageTooBig") || too_big.contains("too big"),
+        "{too_big}"
+    );
+}
+
+#[test]
+fn client_dead_letter_topics_reader_seek_work_with_the_python_client() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start_with(&dir, &[]);
+    let lines = check(&dir, &s, "client-dlq", &[]);
+    assert!(lines.iter().any(|v| v["dead_lettered"] == 3));
+    check(&dir, &s, "reader-seek", &[]);
+}

@@ -39,6 +39,8 @@ use crate::broker::{
 };
 
 const WRITE_QUEUE_FRAMES: usize = 8192;
+/// How long a reader's subscription waits for the reader to come back after a SEEK.
+const READER_RETURN_WAIT: Duration = Duration::from_secs(60);
 const SERVER_VERSION: &str = concat!("Meridian-", env!("CARGO_PKG_VERSION"));
 
 /// Why a connection is being closed (logged).
@@ -865,10 +867,12 @@ impl Conn {
         let topic = Arc::clone(&e.topic);
         match sub.seek(to).await {
             Ok(sinks) => {
-                self.reply(cmd::success(s.request_id)).await?;
-                // As Pulsar does: close the subscription's consumers; they re-subscribe and
-                // read from the new position.
-                // The consumers were detached by the seek; each re-subscribes with its id.
+                // As Pulsar does: the subscription's consumers are closed (they re-subscribe
+                // and read from the new position), and then the SEEK is answered. The order
+                // matters to the C++ client: a CLOSE_CONSUMER that arrives while its seek is
+                // in progress makes it re-subscribe from the seek target; one that arrives
+                // after the answer, from where it had read (a reader then drops everything
+                // before that).
                 for sink in sinks {
                     let _ = sink
                         .tx
@@ -878,11 +882,18 @@ impl Conn {
                         self.consumers.remove(&sink.consumer_id);
                     }
                 }
+                self.reply(cmd::success(s.request_id)).await?;
                 if !sub.is_durable() {
-                    // A reader's subscription ends with its consumer; it comes back at the
-                    // position the client asks for.
-                    sub.close().await;
-                    topic.drop_subscription(sub.name(), &sub).await;
+                    // A reader's subscription is kept, reset, for the reader to come back to
+                    // (its client re-subscribes from where it had read, not from the seek
+                    // target); if it has not come back within a minute it goes.
+                    tokio::spawn(async move {
+                        tokio::time::sleep(READER_RETURN_WAIT).await;
+                        if sub.consumer_count().await == 0 {
+                            sub.close().await;
+                            topic.drop_subscription(sub.name(), &sub).await;
+                        }
+                    });
                 }
                 Ok(())
             }
