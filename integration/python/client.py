@@ -474,6 +474,36 @@ def semantics(a):
         m = dlq.receive(10000)
         assert num(m) == 3, num(m)
         out({"dead_lettered": 3, "deliveries": counts[3]})
+    elif a.name == "broker-dlq":
+        # The namespace public/dlq has dead_letter_max_redeliveries = 2 (set by the test): the
+        # broker moves message 3 after its third delivery; no client-side policy here.
+        t = "persistent://public/dlq/" + t
+        p = c.create_producer(t, batching_enabled=False)
+        for i in range(5):
+            p.send(("msg-%d" % i).encode(), properties={"i": str(i)})
+        cons = c.subscribe(t, "s", consumer_type=pulsar.ConsumerType.Shared,
+                           initial_position=pulsar.InitialPosition.Earliest,
+                           negative_ack_redelivery_delay_ms=100)
+        counts = {}
+        while True:
+            try:
+                m = cons.receive(3000)
+            except pulsar.Timeout:
+                break
+            i = num(m)
+            counts[i] = counts.get(i, 0) + 1
+            if i == 3:
+                cons.negative_acknowledge(m)
+            else:
+                cons.acknowledge(m)
+        assert counts == {0: 1, 1: 1, 2: 1, 3: 3, 4: 1}, counts
+        dlq = c.subscribe(t + "-s-DLQ", "s", consumer_type=pulsar.ConsumerType.Shared)
+        m = dlq.receive(10000)
+        assert num(m) == 3 and m.data() == b"msg-3", num(m)
+        assert m.properties()["REAL_TOPIC"] == t, m.properties()
+        assert "ORIGIN_MESSAGE_ID" in m.properties(), m.properties()
+        dlq.acknowledge(m)
+        out({"broker_dead_lettered": 3, "deliveries": counts[3]})
     elif a.name == "reader-seek":
         p = c.create_producer(t, batching_enabled=False)
         ids = [p.send(("msg-%d" % i).encode(), properties={"i": str(i)}) for i in range(30)]

@@ -411,3 +411,44 @@ fn keepalive_pings_and_drops_silent_clients_and_connection_limits_hold() {
     assert!(msg.contains("broker.connection_handles_max"), "{msg}");
     assert_eq!(s.stop().unwrap(), 0);
 }
+
+#[test]
+fn subscription_properties_are_recorded_at_creation_and_survive_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    let mut sub = subscribe("props", "billing", 1, 1);
+    let props = |pairs: &[(&str, &str)]| -> Vec<pb::KeyValue> {
+        pairs
+            .iter()
+            .map(|(k, v)| pb::KeyValue {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect()
+    };
+    sub.subscribe.as_mut().unwrap().subscription_properties =
+        props(&[("team", "billing"), ("tier", "gold")]);
+    c.send(&sub);
+    assert!(c.expect().command.success.is_some());
+    let stats = meridian_integration::http_get(&s.http, "/stats?topic=props");
+    assert!(
+        stats.contains(r#""properties":{"team":"billing","tier":"gold"}"#),
+        "{stats}"
+    );
+    step("restart; a later subscribe with other properties does not change them");
+    drop(c);
+    assert_eq!(s.stop().unwrap(), 0);
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    let mut sub = subscribe("props", "billing", 1, 1);
+    sub.subscribe.as_mut().unwrap().subscription_properties = props(&[("team", "other")]);
+    c.send(&sub);
+    assert!(c.expect().command.success.is_some());
+    let stats = meridian_integration::http_get(&s.http, "/stats?topic=props");
+    assert!(
+        stats.contains(r#""properties":{"team":"billing","tier":"gold"}"#),
+        "{stats}"
+    );
+}

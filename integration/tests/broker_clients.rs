@@ -4,7 +4,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use meridian_integration::{assert_seq, step, PyClient, StandaloneProc};
+use meridian_integration::{assert_seq, http_get, step, PyClient, StandaloneProc};
 
 const T: Duration = Duration::from_secs(120);
 
@@ -16,15 +16,6 @@ fn start(dir: &tempfile::TempDir) -> StandaloneProc {
 
 fn py(dir: &tempfile::TempDir, name: &str, args: &[&str]) -> PyClient {
     PyClient::run(dir.path(), name, args)
-}
-
-fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("http connect");
-    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
 }
 
 #[test]

@@ -962,3 +962,22 @@ fn client_dead_letter_topics_reader_seek_work_with_the_python_client() {
     assert!(lines.iter().any(|v| v["dead_lettered"] == 3));
     check(&dir, &s, "reader-seek", &[]);
 }
+
+#[test]
+fn broker_side_dead_letter_policy_moves_a_message_after_n_redeliveries() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start_with(&dir, &[]);
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        s.metadata_client()
+            .unwrap()
+            .put(
+                "/admin/namespaces/public/dlq",
+                br#"{"dead_letter_max_redeliveries":2}"#.to_vec(),
+            )
+            .await
+            .unwrap();
+    });
+    let lines = check(&dir, &s, "broker-dlq", &[]);
+    assert!(lines.iter().any(|v| v["broker_dead_lettered"] == 3));
+    assert!(s.log_text().contains("entries dead-lettered"));
+}

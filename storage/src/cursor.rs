@@ -176,6 +176,9 @@ impl CursorSnapshot {
 pub struct CursorInfo {
     pub cursor_ledger: Option<u64>,
     pub mark_delete: Option<Position>,
+    /// Given when the cursor was created (a subscription's properties); kept as they are.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub properties: BTreeMap<String, String>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -220,6 +223,8 @@ pub struct ManagedCursor {
     /// Batch entries partly acknowledged (batch-index acks): bit i set = message i still
     /// unacknowledged, as in Pulsar's `ack_set`. Fully acknowledged entries leave this map.
     batch_acks: BTreeMap<Position, Vec<u64>>,
+    /// Properties given at creation (a subscription's).
+    properties: BTreeMap<String, String>,
     /// The last position handed out or skipped by reads; reading goes on after it.
     read_after: Option<Position>,
     durable: Option<Durable>,
@@ -246,6 +251,7 @@ impl ManagedCursor {
             mark_delete: None,
             ranges: RangeSet::new(),
             batch_acks: BTreeMap::new(),
+            properties: BTreeMap::new(),
             read_after: None,
             durable: None,
             ranges_persisted_max: 10_000,
@@ -270,6 +276,18 @@ impl ManagedCursor {
         name: &str,
         initial: InitialPosition,
     ) -> Result<ManagedCursor, CursorError> {
+        Self::open_with_properties(client, ml, name, initial, BTreeMap::new()).await
+    }
+
+    /// [`open`](ManagedCursor::open), recording `properties` if the cursor is created now (an
+    /// existing cursor keeps the ones it was created with).
+    pub async fn open_with_properties(
+        client: LedgerClient,
+        ml: Arc<ManagedLedger>,
+        name: &str,
+        initial: InitialPosition,
+        properties: BTreeMap<String, String>,
+    ) -> Result<ManagedCursor, CursorError> {
         if name.is_empty() || name.contains('/') {
             return Err(CursorError::BadName(name.to_string()));
         }
@@ -281,9 +299,11 @@ impl ManagedCursor {
                 c.move_to(initial).await;
                 // Recorded now (so the subscription and its start position exist), without a
                 // ledger: that comes with the first acknowledgement.
+                c.properties = properties;
                 let info = CursorInfo {
                     cursor_ledger: None,
                     mark_delete: c.mark_delete,
+                    properties: c.properties.clone(),
                 };
                 let put = client
                     .metadata_client()
@@ -311,6 +331,7 @@ impl ManagedCursor {
                         detail: e.to_string(),
                     })?;
                 c.mark_delete = info.mark_delete;
+                c.properties = info.properties;
                 if let Some(id) = info.cursor_ledger {
                     // Its writer may be a crashed owner: recover before reading the last snapshot.
                     let reader = client.open_recover(id).await?;
@@ -348,6 +369,11 @@ impl ManagedCursor {
         &self.name
     }
 
+    /// The properties the cursor was created with.
+    pub fn properties(&self) -> &BTreeMap<String, String> {
+        &self.properties
+    }
+
     /// Every entry up to this position is acknowledged (`None`: none is).
     pub fn mark_delete(&self) -> Option<Position> {
         self.mark_delete
@@ -377,6 +403,7 @@ impl ManagedCursor {
         let info = CursorInfo {
             cursor_ledger: Some(writer.id()),
             mark_delete: self.mark_delete,
+            properties: self.properties.clone(),
         };
         let put = client
             .metadata_client()

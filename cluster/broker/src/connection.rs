@@ -824,6 +824,11 @@ impl Conn {
             durable,
             start,
             key_shared,
+            properties: s
+                .subscription_properties
+                .iter()
+                .map(|kv| (kv.key.clone(), kv.value.clone()))
+                .collect(),
         };
         let sink = ConsumerSink {
             connection_id: self.id,

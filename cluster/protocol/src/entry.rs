@@ -35,6 +35,24 @@ impl Entry {
         Entry(b.freeze())
     }
 
+    /// The same message with `properties` added to its metadata. The metadata bytes are kept
+    /// and the properties appended as further occurrences of the repeated field, which
+    /// protobuf readers merge; nothing is re-encoded. The checksum is computed anew.
+    pub fn with_properties(&self, properties: &[(&str, &str)]) -> Entry {
+        let mut meta = self.metadata_bytes().to_vec();
+        for (k, v) in properties {
+            let kv = crate::pb::KeyValue {
+                key: (*k).to_string(),
+                value: (*v).to_string(),
+            };
+            // Field 4 (properties), wire type 2 (length-delimited).
+            prost::encoding::encode_key(4, prost::encoding::WireType::LengthDelimited, &mut meta);
+            prost::encoding::encode_varint(prost::Message::encoded_len(&kv) as u64, &mut meta);
+            prost::Message::encode_raw(&kv, &mut meta);
+        }
+        Entry::build(&meta, &self.payload())
+    }
+
     /// The entry for a received payload. Call only after [`Payload::checksum_ok`]; a payload
     /// sent without a checksum gets one computed here.
     pub fn from_payload(p: &Payload) -> Entry {
@@ -105,4 +123,41 @@ impl Entry {
 /// recognise a batch by the field's presence, so presence with any value is a batch.
 pub fn message_count(meta: &MessageMetadata) -> u32 {
     meta.num_messages_in_batch.map_or(1, |n| n.max(1) as u32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::{KeyValue, MessageMetadata};
+
+    #[test]
+    fn given_properties_added_then_old_and_new_ones_read_back_and_the_checksum_verifies() {
+        let meta = MessageMetadata {
+            producer_name: "p".into(),
+            sequence_id: 3,
+            publish_time: 9,
+            properties: vec![KeyValue {
+                key: "a".into(),
+                value: "1".into(),
+            }],
+            ..Default::default()
+        };
+        let e = Entry::build(&meta.encode_to_vec(), b"payload");
+        let d = e.with_properties(&[("REAL_TOPIC", "persistent://t/n/x"), ("b", "2")]);
+        assert!(d.verify());
+        assert_eq!(d.payload().as_ref(), b"payload");
+        let m = d.metadata().unwrap();
+        assert_eq!((m.producer_name.as_str(), m.sequence_id), ("p", 3));
+        let props: Vec<(&str, &str)> = m
+            .properties
+            .iter()
+            .map(|kv| (kv.key.as_str(), kv.value.as_str()))
+            .collect();
+        assert_eq!(
+            props,
+            vec![("a", "1"), ("REAL_TOPIC", "persistent://t/n/x"), ("b", "2")]
+        );
+        // The original metadata bytes are a prefix: nothing was re-encoded.
+        assert!(d.metadata_bytes().starts_with(&e.metadata_bytes()));
+    }
 }

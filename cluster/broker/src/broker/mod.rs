@@ -47,6 +47,9 @@ pub const NAMESPACES_PREFIX: &str = "/admin/namespaces/";
 #[serde(default)]
 pub struct NamespacePolicies {
     pub deduplication_enabled: Option<bool>,
+    /// Broker-side dead-letter policy of the namespace's subscriptions: a message about to be
+    /// redelivered more than this many times is moved to `<topic>-<subscription>-DLQ` instead.
+    pub dead_letter_max_redeliveries: Option<u32>,
 }
 
 /// A failure that a client sees as a `ServerError` and a message.
@@ -149,6 +152,10 @@ pub struct Topic {
     rates: Mutex<Rates>,
     /// Present when the topic deduplicates sends.
     pub dedup: Option<Arc<dedup::Dedup>>,
+    /// The namespace's policies when the topic was loaded.
+    pub policies: NamespacePolicies,
+    /// The broker, for what a topic does to other topics (dead-lettering).
+    pub broker: std::sync::Weak<Broker>,
 }
 
 impl Topic {
@@ -237,6 +244,36 @@ impl Topic {
         sub.add_consumer(&req, sink).await?;
         subs.insert(req.subscription.clone(), Arc::clone(&sub));
         Ok(sub)
+    }
+
+    /// Creates a durable subscription with no consumer, from the earliest entry, unless it
+    /// exists (the subscription a dead-letter topic is created with).
+    pub async fn create_subscription(self: &Arc<Self>, name: &str) -> Result<(), BrokerError> {
+        let mut subs = self.subscriptions.lock().await;
+        if subs.get(name).is_some_and(|s| !s.is_closed()) {
+            return Ok(());
+        }
+        let req = SubscribeRequest {
+            subscription: name.to_string(),
+            sub_type: SubType::Shared,
+            consumer_name: String::new(),
+            priority: 0,
+            durable: true,
+            start: subscription::StartAt::Initial(
+                meridian_storage::cursor::InitialPosition::Earliest,
+            ),
+            key_shared: None,
+            properties: Default::default(),
+        };
+        let sub = Subscription::open(
+            Arc::clone(self),
+            &req,
+            self.client.clone(),
+            self.appended.subscribe(),
+        )
+        .await?;
+        subs.insert(name.to_string(), sub);
+        Ok(())
     }
 
     /// Forgets a subscription that has ended (unsubscribed, or a reader whose consumer left).
@@ -357,6 +394,7 @@ pub struct Broker {
     tail_cache_budget: Arc<meridian_storage::managed_ledger::CacheBudget>,
     closing: AtomicBool,
     connections: AtomicU64,
+    me: std::sync::Weak<Broker>,
 }
 
 impl Broker {
@@ -375,7 +413,8 @@ impl Broker {
         let tail_cache_budget = meridian_storage::managed_ledger::CacheBudget::new(
             cfg.tail_cache_total_bytes_max as usize,
         );
-        Arc::new(Broker {
+        Arc::new_cyclic(|me| Broker {
+            me: me.clone(),
             tail_cache_budget,
             cfg: Arc::new(cfg),
             meta,
@@ -480,7 +519,20 @@ impl Broker {
             Arc::clone(topics.entry(full.clone()).or_default())
         };
         let topic = cell
-            .get_or_try_init(|| async { self.load_topic(name, create).await })
+            .get_or_try_init(|| async { self.load_topic(name, create, false).await })
+            .await?;
+        Ok(Arc::clone(topic))
+    }
+
+    /// A topic the broker itself needs (a dead-letter topic): created in its (existing)
+    /// namespace whatever `broker.allow_auto_topic_creation` says.
+    pub async fn topic_for_broker(&self, name: &TopicName) -> Result<Arc<Topic>, BrokerError> {
+        let cell = {
+            let mut topics = self.topics.lock().expect("topics lock");
+            Arc::clone(topics.entry(name.to_string()).or_default())
+        };
+        let topic = cell
+            .get_or_try_init(|| async { self.load_topic(name, true, true).await })
             .await?;
         Ok(Arc::clone(topic))
     }
@@ -494,7 +546,12 @@ impl Broker {
             .is_some())
     }
 
-    async fn load_topic(&self, name: &TopicName, create: bool) -> Result<Arc<Topic>, BrokerError> {
+    async fn load_topic(
+        &self,
+        name: &TopicName,
+        create: bool,
+        force: bool,
+    ) -> Result<Arc<Topic>, BrokerError> {
         let full = name.to_string();
         if name.partition().is_none() && self.partitions_of(name).await?.is_some() {
             return Err(BrokerError::new(
@@ -519,7 +576,7 @@ impl Broker {
                     }
                 }
                 None => {
-                    if !(create && self.cfg.allow_auto_topic_creation) {
+                    if !(create && (force || self.cfg.allow_auto_topic_creation)) {
                         return Err(BrokerError::new(
                             ServerError::TopicNotFound,
                             format!("topic {full} does not exist"),
@@ -548,6 +605,7 @@ impl Broker {
         };
         let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
         let policies = self.namespace_policies(&name.namespace()).await?;
+        let policies_kept = policies.clone();
         let dedup = if policies
             .deduplication_enabled
             .unwrap_or(self.cfg.deduplication_enabled)
@@ -586,6 +644,8 @@ impl Broker {
             counters: TopicCounters::default(),
             rates: Mutex::default(),
             dedup,
+            policies: policies_kept,
+            broker: self.me.clone(),
         }))
     }
 

@@ -78,6 +78,8 @@ pub struct SubscribeRequest {
     pub start: StartAt,
     /// Key_Shared consumers: mode, sticky ranges, out-of-order delivery.
     pub key_shared: Option<KeySharedSpec>,
+    /// Subscription properties, recorded when the subscription is created.
+    pub properties: std::collections::BTreeMap<String, String>,
 }
 
 /// Where a consumer's frames go: its connection's writer, with the client's consumer id.
@@ -244,6 +246,8 @@ pub struct SubscriptionStats {
     pub unacked_entries: usize,
     /// Entries waiting in the delay index for their delivery time.
     pub delayed_entries: usize,
+    /// The subscription's properties (given by the client that created it).
+    pub properties: std::collections::BTreeMap<String, String>,
 }
 
 /// A subscription's delayed messages: (deliver at, ms since the epoch; position), earliest
@@ -286,7 +290,14 @@ impl Subscription {
             _ => InitialPosition::Latest,
         };
         let mut cursor = if req.durable {
-            ManagedCursor::open(client, ml, &cursor_name(&req.subscription), initial).await?
+            ManagedCursor::open_with_properties(
+                client,
+                ml,
+                &cursor_name(&req.subscription),
+                initial,
+                req.properties.clone(),
+            )
+            .await?
         } else {
             ManagedCursor::non_durable(ml, initial).await
         };
@@ -661,6 +672,7 @@ impl Subscription {
             backlog_bytes: backlog.bytes,
             unacked_entries: st.pending.len(),
             delayed_entries: st.delayed.len(),
+            properties: st.cursor.properties().clone(),
         }
     }
 
@@ -702,7 +714,7 @@ impl Subscription {
                 return;
             }
             // Boxed: the task of an idle subscription stays small.
-            let progressed = match Box::pin(self.dispatch_once()).await {
+            let progressed = match Box::pin(Self::dispatch_once(&self)).await {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(topic = %self.topic.full_name(), subscription = %self.name, error = %e, "dispatch failed; retrying");
@@ -740,7 +752,7 @@ impl Subscription {
 
     /// Sends what the consumers have permits for. Returns whether anything was sent (or
     /// put into the delay index: then there may be more to read).
-    async fn dispatch_once(&self) -> Result<bool, BrokerError> {
+    async fn dispatch_once(self: &Arc<Self>) -> Result<bool, BrokerError> {
         let batch_max = self.topic.cfg.dispatch_batch_entries_max as usize;
         let mut st = self.state.lock().await;
         if st.deleted {
@@ -829,6 +841,12 @@ impl Subscription {
         }
         let mut sent = false;
         let mut unassigned = Vec::new();
+        let mut dead = Vec::new();
+        let dead_letter_after = self
+            .topic
+            .policies
+            .dead_letter_max_redeliveries
+            .filter(|_| self.durable);
         let mut out_msgs = 0u64;
         let mut out_bytes = 0u64;
         for (pos, bytes, redeliveries) in entries {
@@ -853,6 +871,10 @@ impl Subscription {
             {
                 st.delayed.insert((at, pos));
                 sent = true;
+                continue;
+            }
+            if dead_letter_after.is_some_and(|max| redeliveries > max) {
+                dead.push((pos, entry, redeliveries));
                 continue;
             }
             let ack_set = st.cursor.batch_ack_set(pos).map(<[u64]>::to_vec);
@@ -908,6 +930,10 @@ impl Subscription {
         for e in unassigned.into_iter().rev() {
             st.stash.push_front(e);
         }
+        if !dead.is_empty() {
+            // Neither pending nor queued while they are moved; put back if that fails.
+            tokio::spawn(Arc::clone(self).dead_letter(dead));
+        }
         self.topic
             .counters
             .msgs_out
@@ -923,6 +949,72 @@ impl Subscription {
     }
 
     /// The consumer the next entry goes to, if any may take it.
+    /// Moves entries redelivered too often to `<topic>-<subscription>-DLQ` (created with a
+    /// subscription of the same name, so nothing moved there is lost), then acknowledges them
+    /// here. Each gets the properties Pulsar's clients give dead-lettered messages
+    /// (`REAL_TOPIC`, `ORIGIN_MESSAGE_ID`). At least once: a crash between the two steps moves
+    /// an entry again.
+    ///
+    /// Boxed with a named type: its future opens subscriptions, whose dispatchers call this.
+    fn dead_letter(
+        self: Arc<Self>,
+        dead: Vec<(Position, Entry, u32)>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+        Box::pin(async move {
+            let t = &self.topic.name;
+            let dlq_name = crate::topic_name::TopicName {
+                local: format!("{}-{}-DLQ", t.local, self.name),
+                ..t.clone()
+            };
+            let moved = async {
+                let broker = self.topic.broker.upgrade().ok_or_else(|| {
+                    BrokerError::new(ServerError::ServiceNotReady, "the broker is shutting down")
+                })?;
+                let dlq = broker.topic_for_broker(&dlq_name).await?;
+                dlq.create_subscription(&self.name).await?;
+                let real_topic = self.topic.full_name().to_string();
+                for (pos, entry, _) in &dead {
+                    let origin = format!("{}:{}:-1", pos.ledger_id, pos.entry_id);
+                    let copy = entry.with_properties(&[
+                        ("REAL_TOPIC", real_topic.as_str()),
+                        ("ORIGIN_MESSAGE_ID", origin.as_str()),
+                    ]);
+                    let messages = copy
+                        .metadata()
+                        .map_or(1, |m| meridian_protocol::entry::message_count(&m));
+                    let bytes = copy.as_bytes().len() as u64;
+                    // Durable (fsynced on the ack quorum) before the original is acknowledged.
+                    let at = dlq.ml.append(copy.into_bytes()).await?;
+                    dlq.on_appended(at, u64::from(messages), bytes);
+                }
+                Ok::<(), BrokerError>(())
+            }
+            .await;
+            let mut st = self.state.lock().await;
+            match moved {
+                Ok(()) => {
+                    for (pos, _, _) in &dead {
+                        if let Err(e) = st.cursor.ack(*pos).await {
+                            tracing::warn!(subscription = %self.name, position = %pos, error = %e, "acknowledging a dead-lettered entry failed");
+                        }
+                        st.redelivery_counts.remove(pos);
+                    }
+                    metrics::counter!("meridian_dead_lettered_entries_total")
+                        .increment(dead.len() as u64);
+                    tracing::info!(topic = %self.topic.full_name(), subscription = %self.name, entries = dead.len(), dead_letter_topic = %dlq_name, "entries dead-lettered");
+                }
+                Err(e) => {
+                    tracing::warn!(topic = %self.topic.full_name(), subscription = %self.name, error = %e, "dead-lettering failed; the entries stay");
+                    for (pos, _, n) in dead {
+                        st.redeliver.insert(pos, n);
+                    }
+                }
+            }
+            drop(st);
+            self.wake.notify_one();
+        })
+    }
+
     /// Key_Shared: the consumer owning `hash`, if it has permits and (unless out-of-order
     /// delivery is allowed) no other consumer still holds unacknowledged messages of the hash.
     fn pick_by_hash(st: &State, hash: u16) -> Option<usize> {
