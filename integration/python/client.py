@@ -504,6 +504,50 @@ def semantics(a):
         assert "ORIGIN_MESSAGE_ID" in m.properties(), m.properties()
         dlq.acknowledge(m)
         out({"broker_dead_lettered": 3, "deliveries": counts[3]})
+    elif a.name == "schema":
+        # JSON schemas evolve under the default FULL strategy: an optional field with a default
+        # may be added; a required field without one may not; another schema type may not.
+        from pulsar.schema import Record, String, Integer, Double, JsonSchema, StringSchema
+
+        class User(Record):
+            name = String()
+            age = Integer()
+
+        class UserV2(Record):
+            name = String()
+            age = Integer()
+            email = String(required_default=True)
+
+        class UserBad(Record):
+            name = String()
+            age = Integer()
+            score = Double(required=True)
+
+        p1 = c.create_producer(t, schema=JsonSchema(User))
+        p1.send(User(name="ann", age=31))
+        # A consumer's schema that can read the topic's is accepted without being added.
+        cons = c.subscribe(t, "s", schema=JsonSchema(UserV2),
+                           initial_position=pulsar.InitialPosition.Earliest)
+        p2 = c.create_producer(t, schema=JsonSchema(UserV2))
+        p2.send(UserV2(name="bob", age=42, email="bob@example.com"))
+        for kind, kw in (("required field", dict(schema=JsonSchema(UserBad))),
+                         ("other type", dict(schema=StringSchema()))):
+            try:
+                c.create_producer(t, **kw)
+                raise AssertionError("an incompatible schema was accepted: " + kind)
+            except pulsar.PulsarException as e:
+                assert "IncompatibleSchema" in str(e), str(e)
+                out({"refused": kind})
+        plain = c.create_producer(t)  # no schema: let in, as Pulsar does by default
+        got = [cons.receive(10000) for _ in range(2)]
+        vals = [(m.value().name, m.value().age, m.value().email) for m in got]
+        assert vals == [("ann", 31, None), ("bob", 42, "bob@example.com")], vals
+        raw = [m.schema_version() for m in got]  # the 8 version bytes, as a str here
+        versions = [int.from_bytes(v.encode("latin-1") if isinstance(v, str) else v, "big")
+                    for v in raw]
+        assert versions == [0, 1], versions
+        plain.close()
+        out({"schema_versions": versions})
     elif a.name == "reader-seek":
         p = c.create_producer(t, batching_enabled=False)
         ids = [p.send(("msg-%d" % i).encode(), properties={"i": str(i)}) for i in range(30)]

@@ -10,6 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
+
+pub mod raw;
 use meridian_metadata::MetadataClient;
 
 /// The `meridian` binary: `$MERIDIAN_BIN`, else the one cargo built next to this test.

@@ -2,182 +2,12 @@
 //! malformed, oversize and out-of-order frames close that one connection; refusals come back
 //! as precise errors; a consumer without permits receives nothing.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, BytesMut};
+use meridian_integration::raw::{cmd, error_of, producer, send_frame, subscribe, Got, Raw};
 use meridian_integration::{step, StandaloneProc};
 use meridian_protocol::pb::{self, base_command::Type, ServerError};
-use meridian_protocol::{decode_frame, encode_command, encode_message, Entry, Frame};
-use prost::Message as _;
-
-struct Raw {
-    s: TcpStream,
-    buf: BytesMut,
-}
-
-enum Got {
-    Frame(Box<Frame>),
-    Closed,
-    Nothing,
-}
-
-impl Raw {
-    fn open(url: &str) -> Raw {
-        let addr = url.trim_start_matches("pulsar://");
-        let s = TcpStream::connect(addr).expect("connect");
-        Raw {
-            s,
-            buf: BytesMut::new(),
-        }
-    }
-
-    fn connected(url: &str) -> Raw {
-        let mut r = Raw::open(url);
-        r.send(&pb::BaseCommand {
-            r#type: Type::Connect as i32,
-            connect: Some(pb::CommandConnect {
-                client_version: "raw-test".into(),
-                protocol_version: Some(19),
-                ..Default::default()
-            }),
-            ..Default::default()
-        });
-        match r.recv(Duration::from_secs(10)) {
-            Got::Frame(f) => assert!(f.command.connected.is_some(), "{:?}", f.command),
-            _ => panic!("no CONNECTED"),
-        }
-        r
-    }
-
-    fn send(&mut self, c: &pb::BaseCommand) {
-        let mut b = BytesMut::new();
-        encode_command(&mut b, c);
-        self.s.write_all(&b).unwrap();
-    }
-
-    fn send_raw(&mut self, bytes: &[u8]) {
-        let _ = self.s.write_all(bytes);
-    }
-
-    fn recv(&mut self, timeout: Duration) -> Got {
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(f) =
-                decode_frame(&mut self.buf, 64 << 20).expect("valid frames from the broker")
-            {
-                if f.command.ping.is_some() {
-                    continue;
-                }
-                return Got::Frame(Box::new(f));
-            }
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Got::Nothing;
-            }
-            self.s.set_read_timeout(Some(left)).unwrap();
-            let mut tmp = [0u8; 65536];
-            match self.s.read(&mut tmp) {
-                Ok(0) => return Got::Closed,
-                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Got::Nothing
-                }
-                Err(_) => return Got::Closed,
-            }
-        }
-    }
-
-    fn expect(&mut self) -> Frame {
-        match self.recv(Duration::from_secs(10)) {
-            Got::Frame(f) => *f,
-            Got::Closed => panic!("connection closed"),
-            Got::Nothing => panic!("no reply"),
-        }
-    }
-
-    fn assert_closed(&mut self, why: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            match self.recv(Duration::from_secs(1)) {
-                Got::Closed => return,
-                Got::Frame(_) => continue,
-                Got::Nothing if Instant::now() < deadline => continue,
-                Got::Nothing => panic!("{why}: the connection stayed open"),
-            }
-        }
-    }
-}
-
-fn cmd(t: Type, f: impl FnOnce(&mut pb::BaseCommand)) -> pb::BaseCommand {
-    let mut c = pb::BaseCommand {
-        r#type: t as i32,
-        ..Default::default()
-    };
-    f(&mut c);
-    c
-}
-
-fn producer(topic: &str, producer_id: u64, request_id: u64) -> pb::BaseCommand {
-    cmd(Type::Producer, |c| {
-        c.producer = Some(pb::CommandProducer {
-            topic: topic.into(),
-            producer_id,
-            request_id,
-            ..Default::default()
-        })
-    })
-}
-
-fn subscribe(topic: &str, sub: &str, consumer_id: u64, request_id: u64) -> pb::BaseCommand {
-    cmd(Type::Subscribe, |c| {
-        c.subscribe = Some(pb::CommandSubscribe {
-            topic: topic.into(),
-            subscription: sub.into(),
-            sub_type: pb::command_subscribe::SubType::Exclusive as i32,
-            consumer_id,
-            request_id,
-            initial_position: Some(pb::command_subscribe::InitialPosition::Earliest as i32),
-            ..Default::default()
-        })
-    })
-}
-
-fn send_frame(producer_id: u64, sequence_id: u64, payload: &[u8]) -> Vec<u8> {
-    let meta = pb::MessageMetadata {
-        producer_name: "raw".into(),
-        sequence_id,
-        publish_time: 1,
-        ..Default::default()
-    }
-    .encode_to_vec();
-    let entry = Entry::build(&meta, payload);
-    let c = cmd(Type::Send, |c| {
-        c.send = Some(pb::CommandSend {
-            producer_id,
-            sequence_id,
-            ..Default::default()
-        })
-    });
-    let mut b = BytesMut::new();
-    encode_message(&mut b, &c, entry.as_bytes());
-    b.to_vec()
-}
-
-fn error_of(f: &Frame) -> (ServerError, String) {
-    let e = f
-        .command
-        .error
-        .as_ref()
-        .unwrap_or_else(|| panic!("expected ERROR, got {:?}", f.command));
-    (ServerError::try_from(e.error).unwrap(), e.message.clone())
-}
 
 #[test]
 fn bad_frames_close_only_their_connection_and_refusals_are_precise() {
@@ -361,27 +191,10 @@ fn keepalive_pings_and_drops_silent_clients_and_connection_limits_hold() {
     let started = Instant::now();
     let mut pinged = false;
     loop {
-        // Read raw frames here (Raw::recv skips pings).
-        match decode_frame(&mut silent.buf, 1 << 20).unwrap() {
-            Some(f) if f.command.ping.is_some() => pinged = true,
-            Some(_) => {}
-            None => {
-                silent
-                    .s
-                    .set_read_timeout(Some(Duration::from_millis(200)))
-                    .unwrap();
-                let mut tmp = [0u8; 4096];
-                match silent.s.read(&mut tmp) {
-                    Ok(0) => break,
-                    Ok(n) => silent.buf.extend_from_slice(&tmp[..n]),
-                    Err(e)
-                        if matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                        ) => {}
-                    Err(_) => break,
-                }
-            }
+        match silent.recv_any(Duration::from_millis(200)) {
+            Got::Frame(f) if f.command.ping.is_some() => pinged = true,
+            Got::Frame(_) | Got::Nothing => {}
+            Got::Closed => break,
         }
         assert!(started.elapsed() < Duration::from_secs(10), "never dropped");
     }

@@ -981,3 +981,68 @@ fn broker_side_dead_letter_policy_moves_a_message_after_n_redeliveries() {
     assert!(lines.iter().any(|v| v["broker_dead_lettered"] == 3));
     assert!(s.log_text().contains("entries dead-lettered"));
 }
+
+#[test]
+fn schemas_register_evolve_under_full_and_are_served_by_version() {
+    use meridian_integration::raw::{cmd, Raw};
+    use meridian_protocol::pb::{self, base_command::Type, ServerError};
+    let dir = tempfile::tempdir().unwrap();
+    let s = start_with(&dir, &[]);
+    step("Python: JSON schema v1, then v2 with a defaulted field; incompatible ones refused");
+    let lines = check(&dir, &s, "schema", &[]);
+    assert_eq!(
+        lines.iter().filter(|v| v.get("refused").is_some()).count(),
+        2
+    );
+
+    step("GET_SCHEMA by version and latest; GET_OR_CREATE_SCHEMA; a topic without schema");
+    let mut r = Raw::connected(&s.url);
+    let get = |r: &mut Raw, topic: &str, version: Option<u64>| {
+        r.send(&cmd(Type::GetSchema, |c| {
+            c.get_schema = Some(pb::CommandGetSchema {
+                request_id: 7,
+                topic: topic.into(),
+                schema_version: version.map(|v| v.to_be_bytes().to_vec()),
+            })
+        }));
+        r.expect()
+            .command
+            .get_schema_response
+            .expect("GET_SCHEMA_RESPONSE")
+    };
+    let latest = get(&mut r, "schema", None);
+    assert_eq!(latest.schema_version, Some(1u64.to_be_bytes().to_vec()));
+    let schema = latest.schema.expect("the latest schema");
+    assert_eq!(schema.r#type, 2, "JSON");
+    assert!(String::from_utf8_lossy(&schema.schema_data).contains("email"));
+    let v0 = get(&mut r, "schema", Some(0)).schema.expect("version 0");
+    assert!(!String::from_utf8_lossy(&v0.schema_data).contains("email"));
+    let none = get(&mut r, "no-schema-here", None);
+    assert_eq!(none.error_code, Some(ServerError::TopicNotFound as i32));
+    assert!(get(&mut r, "schema", Some(9)).schema.is_none());
+    let get_or_create = |r: &mut Raw, schema: pb::Schema| {
+        r.send(&cmd(Type::GetOrCreateSchema, |c| {
+            c.get_or_create_schema = Some(pb::CommandGetOrCreateSchema {
+                request_id: 8,
+                topic: "schema".into(),
+                schema,
+            })
+        }));
+        r.expect()
+            .command
+            .get_or_create_schema_response
+            .expect("GET_OR_CREATE_SCHEMA_RESPONSE")
+    };
+    let again = get_or_create(&mut r, v0.clone());
+    assert_eq!(again.schema_version, Some(0u64.to_be_bytes().to_vec()));
+    let bad = get_or_create(
+        &mut r,
+        pb::Schema {
+            schema_data:
+                br#"{"type":"record","name":"U","fields":[{"name":"name","type":"long"}]}"#.to_vec(),
+            ..v0
+        },
+    );
+    assert_eq!(bad.error_code, Some(ServerError::IncompatibleSchema as i32));
+    assert!(bad.error_message.unwrap_or_default().contains("name"));
+}

@@ -33,6 +33,7 @@ use tokio::task::JoinHandle;
 use crate::broker::dedup::Submitted;
 use crate::broker::key_shared::{self, KeySharedSpec};
 use crate::broker::producers::{AccessMode, Admission, ProducerHandle, ProducerSink};
+use crate::broker::schema::version_bytes;
 use crate::broker::subscription::{SeekTo, StartAt};
 use crate::broker::{
     Broker, BrokerError, ConsumerSink, SubType, SubscribeRequest, Subscription, Topic,
@@ -66,6 +67,7 @@ struct PendingSend {
 struct ProducerEntry {
     topic: Arc<Topic>,
     handle: Arc<ProducerHandle>,
+    schema_version: Option<u64>,
     queue: mpsc::Sender<PendingSend>,
     receipts: JoinHandle<()>,
 }
@@ -73,6 +75,8 @@ struct ProducerEntry {
 /// What PRODUCER_SUCCESS says about a new producer.
 struct CreatedProducer {
     name: String,
+    /// The version of the producer's schema, if it has one.
+    schema_version: Option<u64>,
     /// On a deduplicating topic the highest sequence id persisted under the name, else -1.
     last_sequence_id: i64,
     /// The topic epoch granted to an exclusive producer.
@@ -332,6 +336,7 @@ impl Conn {
                             if let Some(ps) = r.producer_success.as_mut() {
                                 ps.topic_epoch = epoch;
                                 ps.producer_ready = Some(ready);
+                                ps.schema_version = created.schema_version.map(version_bytes);
                             }
                             r
                         };
@@ -489,24 +494,41 @@ impl Conn {
             }
             Type::GetSchema => {
                 let g = c.get_schema.ok_or_else(|| missing("GET_SCHEMA"))?;
-                // No schema registry yet: "no schema" is TopicNotFound to the clients.
-                self.reply(cmd::get_schema_error(
-                    g.request_id,
-                    ServerError::TopicNotFound,
-                    "no schema",
-                ))
-                .await
+                let found = match self.broker.check_topic(&g.topic) {
+                    Ok(t) => {
+                        self.broker
+                            .get_schema(&t, g.schema_version.as_deref())
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                let r = match found {
+                    Ok(Some((v, schema))) => {
+                        cmd::get_schema(g.request_id, schema.to_wire(), version_bytes(v))
+                    }
+                    // "No schema" is TopicNotFound to the clients (C++ reads it so).
+                    Ok(None) => cmd::get_schema_error(
+                        g.request_id,
+                        ServerError::TopicNotFound,
+                        format!("{} has no schema", g.topic),
+                    ),
+                    Err(e) => cmd::get_schema_error(g.request_id, e.code, e.message),
+                };
+                self.reply(r).await
             }
             Type::GetOrCreateSchema => {
                 let g = c
                     .get_or_create_schema
                     .ok_or_else(|| missing("GET_OR_CREATE_SCHEMA"))?;
-                self.reply(cmd::get_or_create_schema_error(
-                    g.request_id,
-                    ServerError::NotAllowedError,
-                    "schemas are not supported yet",
-                ))
-                .await
+                let added = match self.broker.check_topic(&g.topic) {
+                    Ok(t) => self.broker.schema_for_producer(&t, Some(&g.schema)).await,
+                    Err(e) => Err(e),
+                };
+                let r = match added {
+                    Ok(v) => cmd::get_or_create_schema(g.request_id, version_bytes(v.unwrap_or(0))),
+                    Err(e) => cmd::get_or_create_schema_error(g.request_id, e.code, e.message),
+                };
+                self.reply(r).await
             }
             Type::ConsumerStats => {
                 let s = c.consumer_stats.ok_or_else(|| missing("CONSUMER_STATS"))?;
@@ -621,7 +643,9 @@ impl Conn {
                     None => -1,
                 };
                 let exclusive = existing.handle.mode.is_exclusive();
+                let schema_version = existing.schema_version;
                 return Ok(CreatedProducer {
+                    schema_version,
                     name: existing.handle.name.clone(),
                     last_sequence_id: last,
                     epoch: exclusive.then(|| existing.topic.producers.epoch()),
@@ -643,6 +667,10 @@ impl Conn {
         })?;
         let name = self.broker.check_topic(&p.topic)?;
         let topic = self.broker.topic(&name, true).await?;
+        let schema_version = self
+            .broker
+            .schema_for_producer(&name, p.schema.as_ref())
+            .await?;
         let broker = Arc::clone(&self.broker);
         let sink = ProducerSink {
             producer_id: p.producer_id,
@@ -681,9 +709,11 @@ impl Conn {
                 handle,
                 queue,
                 receipts,
+                schema_version,
             },
         );
         Ok(CreatedProducer {
+            schema_version,
             name,
             last_sequence_id,
             epoch,
@@ -811,6 +841,9 @@ impl Conn {
         let topic = self
             .broker
             .topic(&name, s.force_topic_creation.unwrap_or(true))
+            .await?;
+        self.broker
+            .schema_for_consumer(&name, s.schema.as_ref())
             .await?;
         let key_shared = match (&s.key_shared_meta, sub_type) {
             (Some(m), SubType::KeyShared) => Some(key_shared_spec(m)?),

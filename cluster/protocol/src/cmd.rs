@@ -258,6 +258,29 @@ pub fn get_schema_error(
     c
 }
 
+pub fn get_schema(request_id: u64, schema: Schema, version: Vec<u8>) -> BaseCommand {
+    let mut c = base(Type::GetSchemaResponse);
+    c.get_schema_response = Some(CommandGetSchemaResponse {
+        request_id,
+        error_code: None,
+        error_message: None,
+        schema: Some(schema),
+        schema_version: Some(version),
+    });
+    c
+}
+
+pub fn get_or_create_schema(request_id: u64, version: Vec<u8>) -> BaseCommand {
+    let mut c = base(Type::GetOrCreateSchemaResponse);
+    c.get_or_create_schema_response = Some(CommandGetOrCreateSchemaResponse {
+        request_id,
+        error_code: None,
+        error_message: None,
+        schema_version: Some(version),
+    });
+    c
+}
+
 pub fn get_or_create_schema_error(
     request_id: u64,
     error: ServerError,

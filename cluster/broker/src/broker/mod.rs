@@ -11,10 +11,12 @@
 //! Connections ([`crate::connection`]) decode frames and call in here; nothing in this module
 //! knows about sockets.
 
+pub mod avro;
 pub mod dedup;
 pub mod key_shared;
 pub mod partitioned;
 pub mod producers;
+pub mod schema;
 pub mod subscription;
 
 use std::collections::HashMap;
@@ -50,6 +52,9 @@ pub struct NamespacePolicies {
     /// Broker-side dead-letter policy of the namespace's subscriptions: a message about to be
     /// redelivered more than this many times is moved to `<topic>-<subscription>-DLQ` instead.
     pub dead_letter_max_redeliveries: Option<u32>,
+    /// How a topic's schemas may evolve: ALWAYS_COMPATIBLE, ALWAYS_INCOMPATIBLE, BACKWARD,
+    /// FORWARD, FULL (the default), or one of the last three with `_TRANSITIVE`.
+    pub schema_compatibility_strategy: Option<String>,
 }
 
 /// A failure that a client sees as a `ServerError` and a message.

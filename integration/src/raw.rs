@@ -1,0 +1,189 @@
+//! A raw Pulsar-protocol client over our codec, for tests that need frames the stock clients
+//! never send (bad input) or fields they do not expose.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use meridian_protocol::pb::{self, base_command::Type, ServerError};
+use meridian_protocol::{decode_frame, encode_command, encode_message, Entry, Frame};
+use prost::Message as _;
+
+/// One connection, read with a timeout.
+pub struct Raw {
+    s: TcpStream,
+    buf: BytesMut,
+}
+
+pub enum Got {
+    Frame(Box<Frame>),
+    Closed,
+    Nothing,
+}
+
+impl Raw {
+    pub fn open(url: &str) -> Raw {
+        let addr = url.trim_start_matches("pulsar://");
+        let s = TcpStream::connect(addr).expect("connect");
+        Raw {
+            s,
+            buf: BytesMut::new(),
+        }
+    }
+
+    pub fn connected(url: &str) -> Raw {
+        let mut r = Raw::open(url);
+        r.send(&pb::BaseCommand {
+            r#type: Type::Connect as i32,
+            connect: Some(pb::CommandConnect {
+                client_version: "raw-test".into(),
+                protocol_version: Some(19),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        match r.recv(Duration::from_secs(10)) {
+            Got::Frame(f) => assert!(f.command.connected.is_some(), "{:?}", f.command),
+            _ => panic!("no CONNECTED"),
+        }
+        r
+    }
+
+    pub fn send(&mut self, c: &pb::BaseCommand) {
+        let mut b = BytesMut::new();
+        encode_command(&mut b, c);
+        self.s.write_all(&b).unwrap();
+    }
+
+    pub fn send_raw(&mut self, bytes: &[u8]) {
+        let _ = self.s.write_all(bytes);
+    }
+
+    /// The next frame other than a PING.
+    pub fn recv(&mut self, timeout: Duration) -> Got {
+        self.recv_inner(timeout, true)
+    }
+
+    /// The next frame, PINGs included.
+    pub fn recv_any(&mut self, timeout: Duration) -> Got {
+        self.recv_inner(timeout, false)
+    }
+
+    fn recv_inner(&mut self, timeout: Duration, skip_pings: bool) -> Got {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(f) =
+                decode_frame(&mut self.buf, 64 << 20).expect("valid frames from the broker")
+            {
+                if skip_pings && f.command.ping.is_some() {
+                    continue;
+                }
+                return Got::Frame(Box::new(f));
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Got::Nothing;
+            }
+            self.s.set_read_timeout(Some(left)).unwrap();
+            let mut tmp = [0u8; 65536];
+            match self.s.read(&mut tmp) {
+                Ok(0) => return Got::Closed,
+                Ok(n) => self.buf.extend_from_slice(&tmp[..n]),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Got::Nothing
+                }
+                Err(_) => return Got::Closed,
+            }
+        }
+    }
+
+    pub fn expect(&mut self) -> Frame {
+        match self.recv(Duration::from_secs(10)) {
+            Got::Frame(f) => *f,
+            Got::Closed => panic!("connection closed"),
+            Got::Nothing => panic!("no reply"),
+        }
+    }
+
+    pub fn assert_closed(&mut self, why: &str) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match self.recv(Duration::from_secs(1)) {
+                Got::Closed => return,
+                Got::Frame(_) => continue,
+                Got::Nothing if Instant::now() < deadline => continue,
+                Got::Nothing => panic!("{why}: the connection stayed open"),
+            }
+        }
+    }
+}
+
+pub fn cmd(t: Type, f: impl FnOnce(&mut pb::BaseCommand)) -> pb::BaseCommand {
+    let mut c = pb::BaseCommand {
+        r#type: t as i32,
+        ..Default::default()
+    };
+    f(&mut c);
+    c
+}
+
+pub fn producer(topic: &str, producer_id: u64, request_id: u64) -> pb::BaseCommand {
+    cmd(Type::Producer, |c| {
+        c.producer = Some(pb::CommandProducer {
+            topic: topic.into(),
+            producer_id,
+            request_id,
+            ..Default::default()
+        })
+    })
+}
+
+pub fn subscribe(topic: &str, sub: &str, consumer_id: u64, request_id: u64) -> pb::BaseCommand {
+    cmd(Type::Subscribe, |c| {
+        c.subscribe = Some(pb::CommandSubscribe {
+            topic: topic.into(),
+            subscription: sub.into(),
+            sub_type: pb::command_subscribe::SubType::Exclusive as i32,
+            consumer_id,
+            request_id,
+            initial_position: Some(pb::command_subscribe::InitialPosition::Earliest as i32),
+            ..Default::default()
+        })
+    })
+}
+
+pub fn send_frame(producer_id: u64, sequence_id: u64, payload: &[u8]) -> Vec<u8> {
+    let meta = pb::MessageMetadata {
+        producer_name: "raw".into(),
+        sequence_id,
+        publish_time: 1,
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let entry = Entry::build(&meta, payload);
+    let c = cmd(Type::Send, |c| {
+        c.send = Some(pb::CommandSend {
+            producer_id,
+            sequence_id,
+            ..Default::default()
+        })
+    });
+    let mut b = BytesMut::new();
+    encode_message(&mut b, &c, entry.as_bytes());
+    b.to_vec()
+}
+
+pub fn error_of(f: &Frame) -> (ServerError, String) {
+    let e = f
+        .command
+        .error
+        .as_ref()
+        .unwrap_or_else(|| panic!("expected ERROR, got {:?}", f.command));
+    (ServerError::try_from(e.error).unwrap(), e.message.clone())
+}
