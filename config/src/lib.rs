@@ -352,6 +352,9 @@ pub struct BrokerConfig {
     /// Socket address of the HTTP endpoint (`/metrics`, `/health`), `IP:PORT`.
     /// Default `127.0.0.1:8080`.
     pub http_listen: String,
+    /// Socket address of the gRPC admin API (`meridian-admin`), `IP:PORT`.
+    /// Default `127.0.0.1:6680`.
+    pub admin_listen: String,
     /// This site's name, used in generated producer names. Non-empty, default `standalone`.
     pub cluster_name: String,
     /// Create topics when a producer or consumer first names them. Default `true`.
@@ -413,6 +416,7 @@ impl Default for BrokerConfig {
             listen: "127.0.0.1:6650".to_string(),
             advertise: String::new(),
             http_listen: "127.0.0.1:8080".to_string(),
+            admin_listen: "127.0.0.1:6680".to_string(),
             cluster_name: "standalone".to_string(),
             allow_auto_topic_creation: true,
             allow_auto_topic_creation_type: "non-partitioned".to_string(),
@@ -442,6 +446,7 @@ impl BrokerConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         socket_addr("broker.listen", &self.listen)?;
         socket_addr("broker.http_listen", &self.http_listen)?;
+        socket_addr("broker.admin_listen", &self.admin_listen)?;
         if !self.advertise.is_empty() {
             host_port(&self.advertise)
                 .map_err(|reason| invalid("broker.advertise", &self.advertise, reason))?;

@@ -16,19 +16,29 @@ use meridian_metadata::MetadataClient;
 
 /// The `meridian` binary: `$MERIDIAN_BIN`, else the one cargo built next to this test.
 pub fn meridian_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("MERIDIAN_BIN") {
+    built_bin("meridian", "MERIDIAN_BIN")
+}
+
+/// The `meridian-admin` binary: `$MERIDIAN_ADMIN_BIN`, else the one cargo built next to this
+/// test.
+pub fn admin_bin() -> PathBuf {
+    built_bin("meridian-admin", "MERIDIAN_ADMIN_BIN")
+}
+
+fn built_bin(name: &str, env: &str) -> PathBuf {
+    if let Some(p) = std::env::var_os(env) {
         return PathBuf::from(p);
     }
     let exe = std::env::current_exe().expect("current_exe");
-    // target/<profile>/deps/<test> -> target/<profile>/meridian
+    // target/<profile>/deps/<test> -> target/<profile>/<name>
     let profile_dir = exe
         .parent()
         .and_then(Path::parent)
         .expect("test binary lives in target/<profile>/deps");
-    let bin = profile_dir.join("meridian");
+    let bin = profile_dir.join(name);
     assert!(
         bin.exists(),
-        "{} not found: run `cargo build --bin meridian` first (scripts/test does)",
+        "{} not found: run `cargo build --bin {name}` first (scripts/test does)",
         bin.display()
     );
     bin
@@ -253,7 +263,16 @@ impl MetaCluster {
 
 /// Runs `meridian ARGS` to completion; returns (exit code, stdout, stderr).
 pub fn run_cli(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
-    let out = Command::new(meridian_bin())
+    run_bin(&meridian_bin(), args)
+}
+
+/// Runs `meridian-admin` with `args`: (exit code, stdout, stderr).
+pub fn run_admin(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
+    run_bin(&admin_bin(), args)
+}
+
+fn run_bin(bin: &Path, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
+    let out = Command::new(bin)
         .args(args)
         .env_remove("RUST_LOG")
         .stdin(Stdio::null())
@@ -383,6 +402,8 @@ pub struct StandaloneProc {
     pub url: String,
     /// `127.0.0.1:PORT` of /metrics and /health once started.
     pub http: String,
+    /// `http://127.0.0.1:PORT` of the admin API once started.
+    pub admin_url: String,
     child: Option<Child>,
     extra_env: Vec<(String, String)>,
 }
@@ -394,6 +415,7 @@ impl StandaloneProc {
             log: root.join("standalone.log"),
             url: String::new(),
             http: String::new(),
+            admin_url: String::new(),
             child: None,
             extra_env: Vec::new(),
         }
@@ -419,6 +441,7 @@ impl StandaloneProc {
             .arg(&self.data_dir)
             .args(["--pulsar-listen", "127.0.0.1:0"])
             .args(["--http-listen", "127.0.0.1:0"])
+            .args(["--admin-listen", "127.0.0.1:0"])
             .env("RUST_LOG", "info,openraft=warn")
             .env("MERIDIAN_BOOKIE_FLUSH_INTERVAL_MS", "500")
             .stdin(Stdio::null())
@@ -446,6 +469,12 @@ impl StandaloneProc {
                     .find(|w| w.starts_with("http://"))
                     .context("no http:// in the banner")?;
                 self.http = http.trim_start_matches("http://").to_string();
+                self.admin_url = line
+                    .split("admin API on ")
+                    .nth(1)
+                    .and_then(|r| r.split_whitespace().next())
+                    .context("no admin API in the banner")?
+                    .to_string();
                 return Ok(());
             }
             if let Some(status) = self.child.as_mut().expect("child").try_wait()? {

@@ -1046,3 +1046,84 @@ fn schemas_register_evolve_under_full_and_are_served_by_version() {
     assert_eq!(bad.error_code, Some(ServerError::IncompatibleSchema as i32));
     assert!(bad.error_message.unwrap_or_default().contains("name"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_topics_refuse_producers_and_tell_consumers_that_handle_it() {
+    use futures::StreamExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = tokio::task::block_in_place(|| start_with(&dir, &[]));
+    let url = s.url.clone();
+    tokio::task::block_in_place(|| {
+        py(&dir, "p1", &["produce", &url, "term", "--count", "10"]);
+    });
+    let client = pulsar::Pulsar::builder(url.clone(), pulsar::TokioExecutor)
+        .build()
+        .await
+        .expect("rust client");
+    let mut consumer: pulsar::Consumer<Vec<u8>, _> = client
+        .consumer()
+        .with_topic("term")
+        .with_subscription("rs")
+        .with_options(pulsar::ConsumerOptions {
+            initial_position: pulsar::consumer::InitialPosition::Earliest,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .expect("consumer");
+    for _ in 0..10 {
+        let m = tokio::time::timeout(T, consumer.next())
+            .await
+            .expect("a message")
+            .expect("stream open")
+            .expect("message");
+        consumer.ack(&m).await.expect("ack");
+    }
+    step("terminate through the admin API");
+    let admin = s.admin_url.clone();
+    let (code, out, err) = tokio::task::block_in_place(|| {
+        meridian_integration::run_admin(&["--admin-url", &admin, "topics", "terminate", "term"])
+    })
+    .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("terminated term; last message "), "{out}");
+    step("the Rust consumer, fully caught up, is told (its stream ends)");
+    let end = tokio::time::timeout(T, consumer.next())
+        .await
+        .expect("the stream ends");
+    assert!(
+        end.is_none(),
+        "a message after the end: {:?}",
+        end.map(|r| r.is_ok())
+    );
+    step("producers are refused; the Python consumer (no handler) still reads everything");
+    tokio::task::block_in_place(|| {
+        let p = py(&dir, "p2", &["produce", &url, "term", "--count", "1"]);
+        let why = p
+            .iter()
+            .find_map(|v| v["create_failed"].as_str())
+            .expect("refused");
+        assert!(why.contains("TopicTerminated"), "{why}");
+        let c = py(&dir, "c", &["consume", &url, "term", "py", "--count", "10"]);
+        assert_seq(&ints(&c, "i"), 0..10);
+        step("after a restart the topic is still terminated");
+        s.stop().unwrap();
+        s.start().unwrap();
+        let p = py(&dir, "p3", &["produce", &s.url, "term", "--count", "1"]);
+        assert!(p.iter().any(|v| v["create_failed"]
+            .as_str()
+            .is_some_and(|w| w.contains("TopicTerminated"))));
+        let (code, out, _) = meridian_integration::run_admin(&[
+            "--admin-url",
+            &s.admin_url,
+            "--output",
+            "json",
+            "topics",
+            "stats",
+            "term",
+        ])
+        .unwrap();
+        assert_eq!(code, 0);
+        assert!(out.contains("\"terminated\": true"), "{out}");
+    });
+}

@@ -131,7 +131,12 @@ pub enum ManagedLedgerError {
     BadName(String),
     #[error("corrupt managed ledger metadata {key}: {detail}")]
     BadMetadata { key: String, detail: String },
+    #[error("managed ledger {name} is terminated: it takes no more entries")]
+    Terminated { name: String },
 }
+
+/// The property of a terminated log (it takes no more entries).
+pub const TERMINATED_PROPERTY: &str = "terminated";
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -516,6 +521,11 @@ impl ManagedLedger {
                     name: self.name.clone(),
                 });
             }
+            if st.meta.properties.contains_key(TERMINATED_PROPERTY) {
+                return Err(ManagedLedgerError::Terminated {
+                    name: self.name.clone(),
+                });
+            }
             if let Some(id) = st.broken.take() {
                 if st.open.as_ref().is_some_and(|o| o.ledger_id == id) {
                     self.abandon_open(&mut st).await?;
@@ -561,6 +571,39 @@ impl ManagedLedger {
             };
             c.account(0, v.len());
         }
+    }
+
+    /// Ends the log: later appends fail with [`ManagedLedgerError::Terminated`], also after a
+    /// restart (recorded in the log's metadata). Appends already submitted complete. Returns
+    /// the last position once they have.
+    pub async fn terminate(&self) -> Result<Option<Position>, ManagedLedgerError> {
+        let mut st = self.state.lock().await;
+        if !st.meta.properties.contains_key(TERMINATED_PROPERTY) {
+            let mut meta = st.meta.clone();
+            meta.properties
+                .insert(TERMINATED_PROPERTY.to_string(), now_ms().to_string());
+            st.version = self
+                .cas(&meta, st.version)
+                .await
+                .inspect_err(|_| st.fenced = true)?;
+            st.meta = meta;
+        }
+        // What was submitted before is on its way; closing the open ledger waits for it.
+        if st.open.is_some() {
+            self.close_open(&mut st).await?;
+        }
+        drop(st);
+        Ok(self.last_confirmed())
+    }
+
+    /// Whether the log is terminated.
+    pub async fn is_terminated(&self) -> bool {
+        self.state
+            .lock()
+            .await
+            .meta
+            .properties
+            .contains_key(TERMINATED_PROPERTY)
     }
 
     /// The newest acknowledged position.

@@ -667,6 +667,12 @@ impl Conn {
         })?;
         let name = self.broker.check_topic(&p.topic)?;
         let topic = self.broker.topic(&name, true).await?;
+        if topic.ml.is_terminated().await {
+            return Err(BrokerError::new(
+                ServerError::TopicTerminatedError,
+                format!("{name} is terminated: it takes no more messages"),
+            ));
+        }
         let schema_version = self
             .broker
             .schema_for_producer(&name, p.schema.as_ref())
@@ -741,10 +747,17 @@ impl Conn {
         let bytes = payload.body.len() as u64;
         let submitted = Instant::now();
         let append = if p.handle.is_fenced() {
-            Err(BrokerError::new(
-                ServerError::ProducerFenced,
-                "this producer was fenced by an exclusive producer",
-            ))
+            Err(if p.topic.ml.is_terminated().await {
+                BrokerError::new(
+                    ServerError::TopicTerminatedError,
+                    "the topic is terminated: it takes no more messages",
+                )
+            } else {
+                BrokerError::new(
+                    ServerError::ProducerFenced,
+                    "this producer was fenced by an exclusive producer",
+                )
+            })
         } else if !payload.checksum_ok() {
             Err(BrokerError::new(
                 ServerError::ChecksumError,
@@ -867,6 +880,7 @@ impl Conn {
             connection_id: self.id,
             consumer_id: s.consumer_id,
             tx: self.tx.clone(),
+            end_of_topic: !self.client_version.starts_with("Pulsar-CPP"),
         };
         let sub = topic.subscribe(req, sink).await?;
         tracing::debug!(connection = self.id, topic = %topic.full_name(), subscription = %s.subscription, "consumer subscribed");

@@ -2,11 +2,13 @@
 //!
 //! Owns: topic names ([`topic_name`]), topics, producers and subscriptions ([`broker`]), client
 //! connections ([`connection`]), the listener ([`server`]), `/metrics` and `/health`
-//! ([`http`]), and `meridian standalone` ([`standalone`]).
+//! ([`http`]), the broker's side of the admin API ([`admin`]), and `meridian standalone`
+//! ([`standalone`]).
 //!
 //! Does not know about: how entries reach bookies (that is `meridian-storage`), frame bytes
 //! (that is `meridian-protocol`).
 
+pub mod admin;
 pub mod broker;
 pub mod connection;
 pub mod http;

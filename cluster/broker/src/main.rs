@@ -76,6 +76,9 @@ struct StandaloneArgs {
     /// Address of /metrics and /health (broker.http_listen).
     #[arg(long)]
     http_listen: Option<String>,
+    /// Address of the gRPC admin API (broker.admin_listen).
+    #[arg(long)]
+    admin_listen: Option<String>,
     /// Address clients are told to connect to (broker.advertise).
     #[arg(long)]
     advertise: Option<String>,
@@ -92,6 +95,7 @@ impl StandaloneArgs {
         add("standalone.data_dir", &self.data_dir);
         add("broker.listen", &self.pulsar_listen);
         add("broker.http_listen", &self.http_listen);
+        add("broker.admin_listen", &self.admin_listen);
         add("broker.advertise", &self.advertise);
         o
     }
@@ -111,6 +115,9 @@ struct BrokerArgs {
     /// Address of /metrics and /health (broker.http_listen).
     #[arg(long)]
     http_listen: Option<String>,
+    /// Address of the gRPC admin API (broker.admin_listen).
+    #[arg(long)]
+    admin_listen: Option<String>,
 }
 
 impl BrokerArgs {
@@ -125,6 +132,7 @@ impl BrokerArgs {
         add("broker.listen", &self.listen);
         add("broker.advertise", &self.advertise);
         add("broker.http_listen", &self.http_listen);
+        add("broker.admin_listen", &self.admin_listen);
         o
     }
 }
@@ -133,9 +141,10 @@ async fn run_standalone(cfg: Config) -> anyhow::Result<()> {
     meridian_broker::http::metrics_handle();
     let s = meridian_broker::standalone::Standalone::start(&cfg).await?;
     println!(
-        "meridian standalone: Pulsar protocol on pulsar://{}, HTTP on http://{} (/metrics, /health), data in {}",
+        "meridian standalone: Pulsar protocol on pulsar://{}, HTTP on http://{} (/metrics, /health), admin API on http://{} (meridian-admin), data in {}",
         s.pulsar_addr,
         s.http_addr,
+        s.admin_addr,
         s.data_dir.display()
     );
     shutdown_signal().await;
@@ -164,7 +173,10 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
         client,
         format!("pulsar://{advertise}"),
     );
-    broker.ensure_namespace("public/default").await?;
+    let al = tokio::net::TcpListener::bind(&cfg.broker.admin_listen)
+        .await
+        .with_context(|| format!("broker.admin_listen {}", cfg.broker.admin_listen))?;
+    let admin = meridian_broker::admin::start(&broker, al).await?;
     let hl = tokio::net::TcpListener::bind(&cfg.broker.http_listen)
         .await
         .with_context(|| format!("broker.http_listen {}", cfg.broker.http_listen))?;
@@ -173,13 +185,15 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     let stats =
         tokio::spawn(std::sync::Arc::clone(&broker).stats_loop(std::time::Duration::from_secs(5)));
     println!(
-        "meridian broker: Pulsar protocol on pulsar://{addr}, HTTP on http://{} (/metrics, /health); metadata {}",
+        "meridian broker: Pulsar protocol on pulsar://{addr}, HTTP on http://{} (/metrics, /health), admin API on http://{}; metadata {}",
         http.addr,
+        admin.addr,
         cfg.client.endpoints.join(",")
     );
     shutdown_signal().await;
     tracing::info!("signal received; stopping");
     server.shutdown().await;
+    admin.stop().await;
     broker.close().await;
     http.shutdown().await;
     stats.abort();

@@ -40,8 +40,10 @@ pub struct Standalone {
     pub broker: Arc<Broker>,
     pub pulsar_addr: SocketAddr,
     pub http_addr: SocketAddr,
+    pub admin_addr: SocketAddr,
     pub data_dir: PathBuf,
     server: RunningServer,
+    admin: meridian_tenancy::service::RunningAdmin,
     http: RunningHttp,
     bookie: RunningBookie,
     store: EmbeddedStore,
@@ -137,10 +139,8 @@ impl Standalone {
             client,
             format!("pulsar://{advertise}"),
         );
-        broker
-            .ensure_namespace("public/default")
-            .await
-            .context("creating namespace public/default")?;
+        let al = bind(&cfg.broker.admin_listen, "broker.admin_listen").await?;
+        let admin = crate::admin::start(&broker, al).await?;
         let hl = bind(&cfg.broker.http_listen, "broker.http_listen").await?;
         let http = crate::http::serve(Arc::clone(&broker), hl)?;
         let server = crate::server::serve(Arc::clone(&broker), pl)?;
@@ -151,8 +151,10 @@ impl Standalone {
             broker,
             pulsar_addr,
             http_addr: http.addr,
+            admin_addr: admin.addr,
             data_dir,
             server,
+            admin,
             http,
             bookie,
             store,
@@ -166,6 +168,7 @@ impl Standalone {
     pub async fn shutdown(self) {
         let started = Instant::now();
         self.server.shutdown().await;
+        self.admin.stop().await;
         self.broker.close().await;
         self.http.shutdown().await;
         let _ = self.stop_bg.send(true);

@@ -198,6 +198,12 @@ pub fn close_producer(producer_id: u64, request_id: u64) -> BaseCommand {
     c
 }
 
+pub fn reached_end_of_topic(consumer_id: u64) -> BaseCommand {
+    let mut c = base(Type::ReachedEndOfTopic);
+    c.reached_end_of_topic = Some(CommandReachedEndOfTopic { consumer_id });
+    c
+}
+
 pub fn close_consumer(consumer_id: u64, request_id: u64) -> BaseCommand {
     let mut c = base(Type::CloseConsumer);
     c.close_consumer = Some(CommandCloseConsumer {

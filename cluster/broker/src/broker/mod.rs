@@ -40,22 +40,11 @@ pub use subscription::{ConsumerSink, SubType, SubscribeRequest, Subscription, Su
 /// Where topic epochs (raised by each grant of exclusive producer access) are kept.
 pub const TOPIC_EPOCHS_PREFIX: &str = "/topic-epochs/";
 
-/// Where namespaces are recorded (the tenancy issue adds their policies).
-pub const NAMESPACES_PREFIX: &str = "/admin/namespaces/";
+/// Where namespaces are recorded (the tenancy crate owns the records).
+pub use meridian_tenancy::model::NAMESPACES_PREFIX;
 
-/// A namespace's record at `/admin/namespaces/<tenant>/<ns>`: its policies. A policy left out
-/// falls back to the broker's configuration. (The tenancy issue adds the rest.)
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
-#[serde(default)]
-pub struct NamespacePolicies {
-    pub deduplication_enabled: Option<bool>,
-    /// Broker-side dead-letter policy of the namespace's subscriptions: a message about to be
-    /// redelivered more than this many times is moved to `<topic>-<subscription>-DLQ` instead.
-    pub dead_letter_max_redeliveries: Option<u32>,
-    /// How a topic's schemas may evolve: ALWAYS_COMPATIBLE, ALWAYS_INCOMPATIBLE, BACKWARD,
-    /// FORWARD, FULL (the default), or one of the last three with `_TRANSITIVE`.
-    pub schema_compatibility_strategy: Option<String>,
-}
+/// A namespace's record: its policies (the tenancy crate owns the model).
+pub use meridian_tenancy::NamespacePolicies;
 
 /// A failure that a client sees as a `ServerError` and a message.
 #[derive(Debug, thiserror::Error)]
@@ -84,6 +73,7 @@ impl From<ManagedLedgerError> for BrokerError {
     fn from(e: ManagedLedgerError) -> Self {
         let code = match &e {
             ManagedLedgerError::Fenced { .. } => ServerError::ServiceNotReady,
+            ManagedLedgerError::Terminated { .. } => ServerError::TopicTerminatedError,
             _ => ServerError::PersistenceError,
         };
         BrokerError::new(code, e.to_string())
@@ -161,6 +151,8 @@ pub struct Topic {
     pub policies: NamespacePolicies,
     /// The broker, for what a topic does to other topics (dead-lettering).
     pub broker: std::sync::Weak<Broker>,
+    /// Terminated: no more messages (mirrors the log's record, for cheap checks).
+    pub terminated: AtomicBool,
 }
 
 impl Topic {
@@ -371,6 +363,20 @@ impl Topic {
         }
     }
 
+    /// Terminates the topic: no more messages (its log refuses appends, also after restarts);
+    /// its producers are closed and new ones refused; consumers are told once they have read
+    /// everything. Returns the last message's position.
+    pub async fn terminate(&self) -> Result<Option<Position>, BrokerError> {
+        let last = self.ml.terminate().await?;
+        self.terminated.store(true, Ordering::Release);
+        self.producers.fence_all();
+        for sub in self.subscriptions().await {
+            sub.wake();
+        }
+        tracing::info!(topic = %self.full_name, last = ?last, "topic terminated");
+        Ok(last)
+    }
+
     /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
     pub async fn close(&self) {
         for sub in self.subscriptions().await {
@@ -455,26 +461,6 @@ impl Broker {
 
     pub fn connection_count(&self) -> u64 {
         self.connections.load(Ordering::Relaxed)
-    }
-
-    /// Creates a namespace record if absent (standalone's `public/default`).
-    pub async fn ensure_namespace(&self, namespace: &str) -> Result<(), BrokerError> {
-        let key = format!("{NAMESPACES_PREFIX}{namespace}");
-        let r = self
-            .meta
-            .put_with(
-                &key,
-                b"{}".to_vec(),
-                meridian_metadata::client::PutOptions {
-                    expected_version: Some(0),
-                    ..Default::default()
-                },
-            )
-            .await;
-        match r {
-            Ok(_) | Err(meridian_metadata::client::ClientError::Conflict { .. }) => Ok(()),
-            Err(e) => Err(e.into()),
-        }
     }
 
     /// A namespace's policies (defaults if it has no record or an empty one).
@@ -609,6 +595,7 @@ impl Broker {
             ..ManagedLedgerOptions::default()
         };
         let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
+        let terminated = ml.is_terminated().await;
         let policies = self.namespace_policies(&name.namespace()).await?;
         let policies_kept = policies.clone();
         let dedup = if policies
@@ -651,6 +638,7 @@ impl Broker {
             dedup,
             policies: policies_kept,
             broker: self.me.clone(),
+            terminated: AtomicBool::new(terminated),
         }))
     }
 

@@ -257,6 +257,15 @@ impl Producers {
         }
     }
 
+    /// Closes every producer (the topic was terminated); their sends are refused.
+    pub fn fence_all(&self) {
+        let mut g = self.lock();
+        for (_, p) in g.by_name.drain() {
+            p.fence();
+        }
+        g.exclusive = None;
+    }
+
     /// Detaches a producer (or takes it out of line); the next waiter may get the topic.
     /// Returns the epoch granted to a promoted waiter.
     pub fn remove(&self, handle: &Arc<ProducerHandle>) -> Option<u64> {

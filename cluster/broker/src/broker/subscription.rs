@@ -88,12 +88,17 @@ pub struct ConsumerSink {
     pub connection_id: u64,
     pub consumer_id: u64,
     pub tx: mpsc::Sender<Bytes>,
+    /// The client handles REACHED_END_OF_TOPIC (the C++ client, and so Python, does not: it
+    /// would drop the connection and reconnect, again and again).
+    pub end_of_topic: bool,
 }
 
 type ConsumerKey = (u64, u64);
 
 struct Consumer {
     sink: ConsumerSink,
+    /// Told the (terminated) topic is fully consumed.
+    told_end: bool,
     name: String,
     priority: i32,
     permits: i64,
@@ -345,6 +350,11 @@ impl Subscription {
         &self.name
     }
 
+    /// Makes the dispatcher look again (the topic changed state).
+    pub fn wake(&self) {
+        self.wake.notify_one();
+    }
+
     pub fn sub_type(&self) -> SubType {
         self.sub_type
     }
@@ -414,6 +424,7 @@ impl Subscription {
         }
         st.consumers.push(Consumer {
             sink,
+            told_end: false,
             name: req.consumer_name.clone(),
             priority: req.priority,
             permits: 0,
@@ -560,6 +571,10 @@ impl Subscription {
                 st.redeliver.remove(&pos);
                 st.redelivery_counts.remove(&pos);
             }
+        }
+        if self.topic.terminated.load(Ordering::Acquire) {
+            // The last acknowledgement of a terminated topic is when consumers are told.
+            self.wake.notify_one();
         }
         Ok(())
     }
@@ -837,6 +852,25 @@ impl Subscription {
             entries.sort_unstable_by_key(|e| e.0);
         }
         if entries.is_empty() {
+            if self.topic.terminated.load(Ordering::Acquire)
+                && st
+                    .consumers
+                    .iter()
+                    .any(|c| c.sink.end_of_topic && !c.told_end)
+                && st.cursor.backlog().await.entries == 0
+            {
+                for c in st
+                    .consumers
+                    .iter_mut()
+                    .filter(|c| c.sink.end_of_topic && !c.told_end)
+                {
+                    c.told_end = true;
+                    let _ = c
+                        .sink
+                        .tx
+                        .try_send(frame(&cmd::reached_end_of_topic(c.sink.consumer_id)));
+                }
+            }
             return Ok(false);
         }
         let mut sent = false;

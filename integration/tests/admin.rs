@@ -1,0 +1,219 @@
+//! The gRPC admin API through the `meridian-admin` CLI against a real `meridian standalone`:
+//! clusters, tenants, namespaces and policies, topics; refusals with precise statuses that
+//! change nothing; `--output json` for scripts; `--dry-run` on deletions.
+
+use meridian_integration::{run_admin, step, StandaloneProc};
+use serde_json::Value;
+
+struct Admin<'a> {
+    url: &'a str,
+}
+
+impl Admin<'_> {
+    /// Runs a command; returns (exit code, stdout, stderr).
+    fn run(&self, args: &[&str]) -> (i32, String, String) {
+        let mut all = vec!["--admin-url", self.url];
+        all.extend_from_slice(args);
+        run_admin(&all).expect("meridian-admin runs")
+    }
+
+    fn ok(&self, args: &[&str]) -> String {
+        let (code, out, err) = self.run(args);
+        assert_eq!(code, 0, "meridian-admin {args:?} failed: {err}");
+        out
+    }
+
+    fn json(&self, args: &[&str]) -> Value {
+        let mut all = vec!["--output", "json"];
+        all.extend_from_slice(args);
+        serde_json::from_str(&self.ok(&all)).expect("json output")
+    }
+
+    /// A refusal: exit 1 and the gRPC status code named on stderr.
+    fn refused(&self, args: &[&str], status: &str) -> String {
+        let (code, _, err) = self.run(args);
+        assert_eq!(code, 1, "meridian-admin {args:?} should fail");
+        assert!(err.contains(status), "{args:?}: want {status}, got {err}");
+        err
+    }
+}
+
+#[test]
+fn clusters_tenants_namespaces_policies_and_topics_through_the_cli() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+
+    step("the standalone's defaults: cluster standalone, tenant public, namespace public/default");
+    assert_eq!(
+        a.json(&["clusters", "list"]),
+        serde_json::json!(["standalone"])
+    );
+    let c = a.json(&["clusters", "get", "standalone"]);
+    assert_eq!(c["broker_url"], s.url.as_str());
+    assert_eq!(a.json(&["tenants", "list"]), serde_json::json!(["public"]));
+    assert_eq!(
+        a.json(&["namespaces", "list", "public"]),
+        serde_json::json!(["public/default"])
+    );
+
+    step("tenants: create, refusals that change nothing");
+    a.ok(&[
+        "tenants",
+        "create",
+        "acme",
+        "--admin-roles",
+        "ops",
+        "--allowed-clusters",
+        "standalone",
+    ]);
+    let err = a.refused(
+        &["tenants", "create", "beta", "--allowed-clusters", "nowhere"],
+        "InvalidArgument",
+    );
+    assert!(
+        err.contains("allowed cluster nowhere does not exist"),
+        "{err}"
+    );
+    a.refused(&["tenants", "create", "acme"], "AlreadyExists");
+    a.refused(&["tenants", "create", "bad/name"], "InvalidArgument");
+    a.refused(&["tenants", "get", "beta"], "NotFound");
+    assert_eq!(
+        a.json(&["tenants", "list"]),
+        serde_json::json!(["acme", "public"])
+    );
+    let t = a.json(&["tenants", "get", "acme"]);
+    assert_eq!(t["admin_roles"], serde_json::json!(["ops"]));
+
+    step("namespaces and policies");
+    a.ok(&["namespaces", "create", "acme/orders"]);
+    a.refused(&["namespaces", "create", "nobody/orders"], "NotFound");
+    a.refused(&["namespaces", "create", "acme"], "InvalidArgument");
+    a.ok(&["namespaces", "set-deduplication", "acme/orders", "--enable"]);
+    a.ok(&[
+        "namespaces",
+        "set-dead-letter",
+        "acme/orders",
+        "--max-redeliveries",
+        "5",
+    ]);
+    a.ok(&[
+        "namespaces",
+        "set-schema-compatibility-strategy",
+        "acme/orders",
+        "--compatibility",
+        "backward",
+    ]);
+    let err = a.refused(
+        &[
+            "namespaces",
+            "set-dead-letter",
+            "acme/orders",
+            "--max-redeliveries",
+            "0",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("1..=1000000"), "{err}");
+    let err = a.refused(
+        &[
+            "namespaces",
+            "set-schema-compatibility-strategy",
+            "acme/orders",
+            "--compatibility",
+            "sideways",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("FULL_TRANSITIVE"), "{err}");
+    let p = a.json(&["namespaces", "policies", "acme/orders"]);
+    assert_eq!(p["deduplication_enabled"], true);
+    assert_eq!(p["dead_letter_max_redeliveries"], 5);
+    assert_eq!(p["schema_compatibility_strategy"], "BACKWARD");
+    a.ok(&["namespaces", "remove-deduplication", "acme/orders"]);
+    let p = a.json(&["namespaces", "policies", "acme/orders"]);
+    assert_eq!(p["deduplication_enabled"], Value::Null);
+    assert_eq!(p["dead_letter_max_redeliveries"], 5, "the others stay");
+
+    step("topics: partitioned and not; growth only");
+    a.ok(&[
+        "topics",
+        "create-partitioned-topic",
+        "persistent://acme/orders/events",
+        "-p",
+        "3",
+    ]);
+    a.ok(&["topics", "create", "acme/orders/audit"]);
+    a.refused(&["topics", "create", "acme/orders/audit"], "AlreadyExists");
+    a.refused(&["topics", "create", "acme/orders/events"], "AlreadyExists");
+    let err = a.refused(
+        &[
+            "topics",
+            "update-partitioned-topic",
+            "acme/orders/events",
+            "-p",
+            "2",
+        ],
+        "FailedPrecondition",
+    );
+    assert!(err.contains("can only grow"), "{err}");
+    a.ok(&[
+        "topics",
+        "update-partitioned-topic",
+        "acme/orders/events",
+        "-p",
+        "5",
+    ]);
+    assert_eq!(
+        a.json(&["topics", "list", "acme/orders"]),
+        serde_json::json!([
+            {"name": "persistent://acme/orders/audit", "partitions": 0},
+            {"name": "persistent://acme/orders/events", "partitions": 5}
+        ])
+    );
+    let st = a.json(&["topics", "stats", "acme/orders/audit"]);
+    assert_eq!(st["storage_entries"], 0);
+    assert_eq!(st["terminated"], false);
+    a.refused(&["topics", "stats", "acme/orders/nothing"], "NotFound");
+    a.refused(&["topics", "list", "acme/nothing"], "NotFound");
+
+    step("deletions: refused while not empty; --dry-run lists and keeps");
+    let err = a.refused(&["tenants", "delete", "acme"], "FailedPrecondition");
+    assert!(err.contains("acme/orders"), "{err}");
+    a.refused(
+        &["namespaces", "delete", "acme/orders"],
+        "FailedPrecondition",
+    );
+    a.ok(&["namespaces", "create", "acme/empty"]);
+    let d = a.json(&["namespaces", "delete", "acme/empty", "--dry-run"]);
+    assert_eq!(d["dry_run"], true);
+    assert_eq!(d["deleted"], serde_json::json!(["namespace acme/empty"]));
+    assert!(a.ok(&["namespaces", "list", "acme"]).contains("acme/empty"));
+    let out = a.ok(&["namespaces", "delete", "acme/empty"]);
+    assert!(out.contains("deleted namespace acme/empty"), "{out}");
+    assert!(!a.ok(&["namespaces", "list", "acme"]).contains("acme/empty"));
+
+    step("records survive a restart; the environment variable gives the endpoint");
+    assert_eq!(s.stop().unwrap(), 0);
+    s.start().unwrap();
+    let (code, out, err) = std::process::Command::new(meridian_integration::admin_bin())
+        .args(["--output", "json", "namespaces", "policies", "acme/orders"])
+        .env("MERIDIAN_ADMIN_URL", &s.admin_url)
+        .output()
+        .map(|o| {
+            (
+                o.status.code().unwrap_or(-1),
+                String::from_utf8_lossy(&o.stdout).into_owned(),
+                String::from_utf8_lossy(&o.stderr).into_owned(),
+            )
+        })
+        .unwrap();
+    assert_eq!(code, 0, "{err}");
+    let p: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(p["schema_compatibility_strategy"], "BACKWARD");
+    let (code, _, err) =
+        run_admin(&["--admin-url", "http://127.0.0.1:1", "tenants", "list"]).unwrap();
+    assert_eq!(code, 1);
+    assert!(err.contains("cannot reach the admin API"), "{err}");
+}

@@ -1,0 +1,611 @@
+//! `meridian-admin`: the admin CLI, a client of the gRPC admin API. Command groups and flags
+//! follow `pulsar-admin` (clusters, tenants, namespaces, topics), so that Pulsar operators and
+//! their scripts feel at home. Tables for people, `--output json` for scripts.
+//!
+//! ```text
+//! meridian-admin [--admin-url URL] [--token T] [--output table|json] GROUP COMMAND ...
+//! ```
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use meridian_tenancy::pb::admin_client::AdminClient;
+use meridian_tenancy::pb::*;
+use serde_json::{json, Value};
+use tonic::metadata::MetadataValue;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+#[command(
+    name = "meridian-admin",
+    version,
+    about = "Administer a Meridian site over its gRPC admin API"
+)]
+struct Cli {
+    /// The admin API, e.g. http://127.0.0.1:6680.
+    #[arg(
+        long,
+        env = "MERIDIAN_ADMIN_URL",
+        default_value = "http://127.0.0.1:6680",
+        global = true
+    )]
+    admin_url: String,
+    /// A token, sent as `authorization: Bearer TOKEN`.
+    #[arg(long, env = "MERIDIAN_TOKEN", global = true, hide_env_values = true)]
+    token: Option<String>,
+    /// Output for people (table) or for scripts (json).
+    #[arg(long, value_enum, default_value = "table", global = true)]
+    output: Output,
+    #[command(subcommand)]
+    group: Group,
+}
+
+#[derive(Clone, Copy, ValueEnum, PartialEq, Eq)]
+enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Group {
+    /// The site's clusters (this site's entry; more with geo-replication).
+    #[command(subcommand)]
+    Clusters(Clusters),
+    /// Tenants: admin roles and allowed clusters.
+    #[command(subcommand)]
+    Tenants(Tenants),
+    /// Namespaces and their policies.
+    #[command(subcommand)]
+    Namespaces(Namespaces),
+    /// Topics.
+    #[command(subcommand)]
+    Topics(Topics),
+}
+
+#[derive(Subcommand)]
+enum Clusters {
+    List,
+    Get { cluster: String },
+    Create(ClusterArgs),
+    Update(ClusterArgs),
+    Delete(DeleteArgs),
+}
+
+#[derive(Args)]
+struct ClusterArgs {
+    cluster: String,
+    /// The cluster's admin API URL (http://...).
+    #[arg(long, default_value = "")]
+    url: String,
+    /// The cluster's brokers (pulsar://...).
+    #[arg(long, default_value = "")]
+    broker_url: String,
+}
+
+#[derive(Args)]
+struct DeleteArgs {
+    name: String,
+    /// List what would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+}
+
+#[derive(Subcommand)]
+enum Tenants {
+    List,
+    Get { tenant: String },
+    Create(TenantArgs),
+    Update(TenantArgs),
+    Delete(DeleteArgs),
+}
+
+#[derive(Args)]
+struct TenantArgs {
+    tenant: String,
+    /// Comma-separated roles that administer the tenant.
+    #[arg(long, short = 'r', value_delimiter = ',')]
+    admin_roles: Vec<String>,
+    /// Comma-separated clusters the tenant may use.
+    #[arg(long, short = 'c', value_delimiter = ',')]
+    allowed_clusters: Vec<String>,
+}
+
+#[derive(Subcommand)]
+enum Namespaces {
+    /// The namespaces of a tenant.
+    List {
+        tenant: String,
+    },
+    /// A namespace's policies.
+    Policies {
+        namespace: String,
+    },
+    Create {
+        namespace: String,
+    },
+    Delete(DeleteArgs),
+    /// Deduplication of sends by producer name and sequence id.
+    SetDeduplication {
+        namespace: String,
+        #[arg(long, conflicts_with = "disable", required_unless_present = "disable")]
+        enable: bool,
+        #[arg(long)]
+        disable: bool,
+    },
+    /// Back to the broker's default (`broker.deduplication_enabled`).
+    RemoveDeduplication {
+        namespace: String,
+    },
+    /// Broker-side dead-letter policy: after N redeliveries a message moves to
+    /// `<topic>-<subscription>-DLQ`.
+    SetDeadLetter {
+        namespace: String,
+        #[arg(long)]
+        max_redeliveries: u32,
+    },
+    RemoveDeadLetter {
+        namespace: String,
+    },
+    /// How schemas may evolve: ALWAYS_COMPATIBLE, ALWAYS_INCOMPATIBLE, BACKWARD, FORWARD, FULL,
+    /// BACKWARD_TRANSITIVE, FORWARD_TRANSITIVE, FULL_TRANSITIVE.
+    SetSchemaCompatibilityStrategy {
+        namespace: String,
+        #[arg(long)]
+        compatibility: String,
+    },
+    GetSchemaCompatibilityStrategy {
+        namespace: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum Topics {
+    /// The topics of a namespace.
+    List { namespace: String },
+    /// Creates a topic; with --partitions N > 0 a partitioned one.
+    Create {
+        topic: String,
+        #[arg(long, short = 'p', default_value_t = 0)]
+        partitions: u32,
+    },
+    /// Creates a partitioned topic (as `pulsar-admin topics create-partitioned-topic`).
+    CreatePartitionedTopic {
+        topic: String,
+        #[arg(long, short = 'p')]
+        partitions: u32,
+    },
+    /// Grows a partitioned topic.
+    UpdatePartitionedTopic {
+        topic: String,
+        #[arg(long, short = 'p')]
+        partitions: u32,
+    },
+    /// Rates, backlog, storage and subscriptions of a topic.
+    Stats { topic: String },
+    /// Ends a topic: no more messages; consumers are told once they have read it all.
+    Terminate { topic: String },
+}
+
+type Client = AdminClient<InterceptedService<Channel, Auth>>;
+
+#[derive(Clone)]
+struct Auth(Option<MetadataValue<tonic::metadata::Ascii>>);
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut r: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            r.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(r)
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    match rt.block_on(run(cli)) {
+        Ok(()) => {}
+        Err(e) => {
+            match e.downcast_ref::<tonic::Status>() {
+                Some(s) => eprintln!("error: {:?}: {}", s.code(), s.message()),
+                None => eprintln!("error: {e:#}"),
+            }
+            std::process::exit(1);
+        }
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
+    let channel = Channel::from_shared(cli.admin_url.clone())
+        .with_context(|| format!("--admin-url {:?} is not a URL", cli.admin_url))?
+        .connect_timeout(std::time::Duration::from_secs(10))
+        .timeout(std::time::Duration::from_secs(60))
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach the admin API at {}", cli.admin_url))?;
+    let auth = match &cli.token {
+        Some(t) => Some(
+            format!("Bearer {t}")
+                .parse()
+                .context("--token has characters a header cannot carry")?,
+        ),
+        None => None,
+    };
+    let mut c: Client = AdminClient::with_interceptor(channel, Auth(auth));
+    let out = cli.output;
+    match cli.group {
+        Group::Clusters(cmd) => clusters(&mut c, cmd, out).await,
+        Group::Tenants(cmd) => tenants(&mut c, cmd, out).await,
+        Group::Namespaces(cmd) => namespaces(&mut c, cmd, out).await,
+        Group::Topics(cmd) => topics(&mut c, cmd, out).await,
+    }
+}
+
+/// Prints `v` as JSON, or as `table` rendered for people.
+fn print(out: Output, v: &Value, table: impl FnOnce() -> String) {
+    match out {
+        Output::Json => println!("{}", serde_json::to_string_pretty(v).expect("json")),
+        Output::Table => {
+            let t = table();
+            if !t.is_empty() {
+                println!("{t}");
+            }
+        }
+    }
+}
+
+fn names(out: Output, n: Names) {
+    let v = json!(n.names);
+    print(out, &v, || n.names.join("\n"));
+}
+
+/// Two columns, aligned.
+fn rows(rows: &[(&str, String)]) -> String {
+    let w = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    rows.iter()
+        .map(|(k, v)| format!("{k:<w$}  {v}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn deleted(out: Output, d: DeleteResponse) {
+    let v = json!({"deleted": d.deleted, "dry_run": d.dry_run});
+    print(out, &v, || {
+        let verb = if d.dry_run { "would delete" } else { "deleted" };
+        d.deleted
+            .iter()
+            .map(|x| format!("{verb} {x}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
+}
+
+fn done(out: Output, what: String) {
+    print(out, &json!({"ok": what}), || what.clone());
+}
+
+async fn clusters(c: &mut Client, cmd: Clusters, out: Output) -> anyhow::Result<()> {
+    match cmd {
+        Clusters::List => names(out, c.list_clusters(Empty {}).await?.into_inner()),
+        Clusters::Get { cluster } => {
+            let x = c.get_cluster(Name { name: cluster }).await?.into_inner();
+            let v = json!({"name": x.name, "broker_url": x.service_url, "url": x.admin_url});
+            print(out, &v, || {
+                rows(&[
+                    ("name", x.name.clone()),
+                    ("broker-url", x.service_url.clone()),
+                    ("url", x.admin_url.clone()),
+                ])
+            });
+        }
+        Clusters::Create(a) => {
+            c.create_cluster(cluster_of(&a)).await?;
+            done(out, format!("created cluster {}", a.cluster));
+        }
+        Clusters::Update(a) => {
+            c.update_cluster(cluster_of(&a)).await?;
+            done(out, format!("updated cluster {}", a.cluster));
+        }
+        Clusters::Delete(d) => deleted(
+            out,
+            c.delete_cluster(DeleteRequest {
+                name: d.name,
+                dry_run: d.dry_run,
+            })
+            .await?
+            .into_inner(),
+        ),
+    }
+    Ok(())
+}
+
+fn cluster_of(a: &ClusterArgs) -> Cluster {
+    Cluster {
+        name: a.cluster.clone(),
+        service_url: a.broker_url.clone(),
+        admin_url: a.url.clone(),
+    }
+}
+
+async fn tenants(c: &mut Client, cmd: Tenants, out: Output) -> anyhow::Result<()> {
+    let tenant_of = |a: &TenantArgs| Tenant {
+        name: a.tenant.clone(),
+        admin_roles: a.admin_roles.clone(),
+        allowed_clusters: a.allowed_clusters.clone(),
+    };
+    match cmd {
+        Tenants::List => names(out, c.list_tenants(Empty {}).await?.into_inner()),
+        Tenants::Get { tenant } => {
+            let t = c.get_tenant(Name { name: tenant }).await?.into_inner();
+            let v = json!({"name": t.name, "admin_roles": t.admin_roles, "allowed_clusters": t.allowed_clusters});
+            print(out, &v, || {
+                rows(&[
+                    ("name", t.name.clone()),
+                    ("admin-roles", t.admin_roles.join(",")),
+                    ("allowed-clusters", t.allowed_clusters.join(",")),
+                ])
+            });
+        }
+        Tenants::Create(a) => {
+            c.create_tenant(tenant_of(&a)).await?;
+            done(out, format!("created tenant {}", a.tenant));
+        }
+        Tenants::Update(a) => {
+            c.update_tenant(tenant_of(&a)).await?;
+            done(out, format!("updated tenant {}", a.tenant));
+        }
+        Tenants::Delete(d) => deleted(
+            out,
+            c.delete_tenant(DeleteRequest {
+                name: d.name,
+                dry_run: d.dry_run,
+            })
+            .await?
+            .into_inner(),
+        ),
+    }
+    Ok(())
+}
+
+fn policies_json(p: &NamespacePolicies) -> Value {
+    json!({
+        "deduplication_enabled": p.deduplication_enabled,
+        "dead_letter_max_redeliveries": p.dead_letter_max_redeliveries,
+        "schema_compatibility_strategy": p.schema_compatibility_strategy,
+    })
+}
+
+fn show<T: ToString>(v: &Option<T>) -> String {
+    v.as_ref()
+        .map_or_else(|| "(broker default)".to_string(), T::to_string)
+}
+
+async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Result<()> {
+    let update = |ns: String, set: NamespacePolicies, clear: Vec<&str>| UpdatePoliciesRequest {
+        namespace: ns,
+        set: Some(set),
+        clear: clear.into_iter().map(str::to_string).collect(),
+    };
+    let req = match cmd {
+        Namespaces::List { tenant } => {
+            names(
+                out,
+                c.list_namespaces(Name { name: tenant }).await?.into_inner(),
+            );
+            return Ok(());
+        }
+        Namespaces::Policies { namespace } => {
+            let n = c
+                .get_namespace(Name { name: namespace })
+                .await?
+                .into_inner();
+            let p = n.policies.unwrap_or_default();
+            print(out, &policies_json(&p), || {
+                rows(&[
+                    ("deduplication_enabled", show(&p.deduplication_enabled)),
+                    (
+                        "dead_letter_max_redeliveries",
+                        show(&p.dead_letter_max_redeliveries),
+                    ),
+                    (
+                        "schema_compatibility_strategy",
+                        show(&p.schema_compatibility_strategy),
+                    ),
+                ])
+            });
+            return Ok(());
+        }
+        Namespaces::GetSchemaCompatibilityStrategy { namespace } => {
+            let n = c
+                .get_namespace(Name { name: namespace })
+                .await?
+                .into_inner();
+            let s = n
+                .policies
+                .unwrap_or_default()
+                .schema_compatibility_strategy
+                .unwrap_or_else(|| "FULL".into());
+            print(out, &json!(s), || s.clone());
+            return Ok(());
+        }
+        Namespaces::Create { namespace } => {
+            c.create_namespace(Namespace {
+                name: namespace.clone(),
+                policies: None,
+            })
+            .await?;
+            done(out, format!("created namespace {namespace}"));
+            return Ok(());
+        }
+        Namespaces::Delete(d) => {
+            deleted(
+                out,
+                c.delete_namespace(DeleteRequest {
+                    name: d.name,
+                    dry_run: d.dry_run,
+                })
+                .await?
+                .into_inner(),
+            );
+            return Ok(());
+        }
+        Namespaces::SetDeduplication {
+            namespace, enable, ..
+        } => update(
+            namespace,
+            NamespacePolicies {
+                deduplication_enabled: Some(enable),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::RemoveDeduplication { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["deduplication_enabled"],
+        ),
+        Namespaces::SetDeadLetter {
+            namespace,
+            max_redeliveries,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                dead_letter_max_redeliveries: Some(max_redeliveries),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::RemoveDeadLetter { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["dead_letter_max_redeliveries"],
+        ),
+        Namespaces::SetSchemaCompatibilityStrategy {
+            namespace,
+            compatibility,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                schema_compatibility_strategy: Some(compatibility),
+                ..Default::default()
+            },
+            vec![],
+        ),
+    };
+    let ns = req.namespace.clone();
+    let n = c.update_namespace_policies(req).await?.into_inner();
+    let p = n.policies.unwrap_or_default();
+    print(out, &policies_json(&p), || {
+        format!("updated the policies of {ns}")
+    });
+    Ok(())
+}
+
+async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> {
+    match cmd {
+        Topics::List { namespace } => {
+            let t = c.list_topics(Name { name: namespace }).await?.into_inner();
+            let v: Vec<Value> = t
+                .topics
+                .iter()
+                .map(|t| json!({"name": t.name, "partitions": t.partitions}))
+                .collect();
+            print(out, &json!(v), || {
+                t.topics
+                    .iter()
+                    .map(|t| match t.partitions {
+                        0 => t.name.clone(),
+                        n => format!("{}  ({n} partitions)", t.name),
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
+        Topics::Create { topic, partitions }
+        | Topics::CreatePartitionedTopic { topic, partitions } => {
+            c.create_topic(CreateTopicRequest {
+                topic: topic.clone(),
+                partitions,
+            })
+            .await?;
+            done(out, format!("created topic {topic}"));
+        }
+        Topics::UpdatePartitionedTopic { topic, partitions } => {
+            c.update_partitions(UpdatePartitionsRequest {
+                topic: topic.clone(),
+                partitions,
+            })
+            .await?;
+            done(out, format!("{topic} now has {partitions} partitions"));
+        }
+        Topics::Stats { topic } => {
+            let s = c.get_topic_stats(Name { name: topic }).await?.into_inner();
+            let subs: Vec<Value> = s
+                .subscriptions
+                .iter()
+                .map(|x| {
+                    json!({"name": x.name, "sub_type": x.sub_type, "durable": x.durable,
+                        "consumers": x.consumers, "msg_rate_out": x.msg_rate_out,
+                        "msgs_out_total": x.msgs_out_total, "backlog_entries": x.backlog_entries,
+                        "backlog_bytes": x.backlog_bytes, "unacked_entries": x.unacked_entries,
+                        "delayed_entries": x.delayed_entries, "properties": x.properties})
+                })
+                .collect();
+            let v = json!({"topic": s.topic, "msg_rate_in": s.msg_rate_in,
+                "msg_rate_out": s.msg_rate_out, "bytes_rate_in": s.bytes_rate_in,
+                "bytes_rate_out": s.bytes_rate_out, "msgs_in_total": s.msgs_in_total,
+                "msgs_out_total": s.msgs_out_total, "storage_entries": s.storage_entries,
+                "storage_bytes": s.storage_bytes, "producers": s.producers,
+                "terminated": s.terminated, "subscriptions": subs});
+            print(out, &v, || {
+                let mut t = rows(&[
+                    ("topic", s.topic.clone()),
+                    (
+                        "msg rate in / out",
+                        format!("{:.1} / {:.1} msg/s", s.msg_rate_in, s.msg_rate_out),
+                    ),
+                    (
+                        "messages in / out",
+                        format!("{} / {}", s.msgs_in_total, s.msgs_out_total),
+                    ),
+                    (
+                        "storage",
+                        format!("{} entries, {} bytes", s.storage_entries, s.storage_bytes),
+                    ),
+                    ("producers", s.producers.to_string()),
+                    ("terminated", s.terminated.to_string()),
+                ]);
+                for x in &s.subscriptions {
+                    t.push_str(&format!(
+                        "\nsubscription {} ({}{}): {} consumers, backlog {} entries / {} bytes, {} unacked, {} delayed",
+                        x.name,
+                        x.sub_type,
+                        if x.durable { "" } else { ", non-durable" },
+                        x.consumers,
+                        x.backlog_entries,
+                        x.backlog_bytes,
+                        x.unacked_entries,
+                        x.delayed_entries
+                    ));
+                }
+                t
+            });
+        }
+        Topics::Terminate { topic } => {
+            let r = c
+                .terminate_topic(Name {
+                    name: topic.clone(),
+                })
+                .await?
+                .into_inner();
+            let v = json!({"topic": topic, "last_message_id": r.last_message_id});
+            print(out, &v, || {
+                format!("terminated {topic}; last message {}", r.last_message_id)
+            });
+        }
+    }
+    Ok(())
+}

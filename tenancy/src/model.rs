@@ -1,0 +1,211 @@
+//! The tenancy model as stored in the metadata store, with its validation. Sans-IO.
+//!
+//! ```text
+//!  /admin/clusters/<cluster>            ClusterData (JSON)
+//!  /admin/tenants/<tenant>              TenantInfo
+//!  /admin/namespaces/<tenant>/<ns>      NamespacePolicies
+//! ```
+
+use std::fmt;
+
+use serde::{Deserialize, Serialize};
+
+pub const CLUSTERS_PREFIX: &str = "/admin/clusters/";
+pub const TENANTS_PREFIX: &str = "/admin/tenants/";
+pub const NAMESPACES_PREFIX: &str = "/admin/namespaces/";
+
+/// Longest tenant, cluster or namespace name part.
+pub const NAME_BYTES_MAX: usize = 128;
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ClusterData {
+    pub service_url: String,
+    pub admin_url: String,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TenantInfo {
+    pub admin_roles: Vec<String>,
+    pub allowed_clusters: Vec<String>,
+}
+
+/// A namespace's record: its policies. A policy left out falls back to the broker's
+/// configuration.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct NamespacePolicies {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deduplication_enabled: Option<bool>,
+    /// Broker-side dead-letter policy of the namespace's subscriptions: a message about to be
+    /// redelivered more than this many times is moved to `<topic>-<subscription>-DLQ` instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dead_letter_max_redeliveries: Option<u32>,
+    /// How a topic's schemas may evolve: one of [`SCHEMA_STRATEGIES`]; FULL when unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub schema_compatibility_strategy: Option<String>,
+}
+
+/// The schema compatibility strategies (Pulsar's names).
+pub const SCHEMA_STRATEGIES: &[&str] = &[
+    "ALWAYS_COMPATIBLE",
+    "ALWAYS_INCOMPATIBLE",
+    "BACKWARD",
+    "FORWARD",
+    "FULL",
+    "BACKWARD_TRANSITIVE",
+    "FORWARD_TRANSITIVE",
+    "FULL_TRANSITIVE",
+];
+
+/// Field names of [`NamespacePolicies`], as `clear` takes them.
+pub const POLICY_FIELDS: &[&str] = &[
+    "deduplication_enabled",
+    "dead_letter_max_redeliveries",
+    "schema_compatibility_strategy",
+];
+
+impl NamespacePolicies {
+    /// Checks the values; the error names the policy and the accepted range.
+    pub fn validate(&self) -> Result<(), String> {
+        if let Some(n) = self.dead_letter_max_redeliveries {
+            if !(1..=1_000_000).contains(&n) {
+                return Err(format!(
+                    "dead_letter_max_redeliveries {n} is out of range 1..=1000000"
+                ));
+            }
+        }
+        if let Some(s) = &self.schema_compatibility_strategy {
+            if !SCHEMA_STRATEGIES.contains(&s.to_ascii_uppercase().as_str()) {
+                return Err(format!(
+                    "schema_compatibility_strategy {s:?} is not one of {}",
+                    SCHEMA_STRATEGIES.join(", ")
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies `set` (its present fields) and then removes the fields named in `clear`.
+    pub fn updated(&self, set: &NamespacePolicies, clear: &[String]) -> Result<Self, String> {
+        let mut p = self.clone();
+        if set.deduplication_enabled.is_some() {
+            p.deduplication_enabled = set.deduplication_enabled;
+        }
+        if set.dead_letter_max_redeliveries.is_some() {
+            p.dead_letter_max_redeliveries = set.dead_letter_max_redeliveries;
+        }
+        if let Some(s) = &set.schema_compatibility_strategy {
+            p.schema_compatibility_strategy = Some(s.to_ascii_uppercase());
+        }
+        for f in clear {
+            match f.as_str() {
+                "deduplication_enabled" => p.deduplication_enabled = None,
+                "dead_letter_max_redeliveries" => p.dead_letter_max_redeliveries = None,
+                "schema_compatibility_strategy" => p.schema_compatibility_strategy = None,
+                other => {
+                    return Err(format!(
+                        "unknown policy {other:?}; policies are {}",
+                        POLICY_FIELDS.join(", ")
+                    ))
+                }
+            }
+        }
+        p.validate()?;
+        Ok(p)
+    }
+}
+
+/// What is wrong with a name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadName(pub String);
+
+impl fmt::Display for BadName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A tenant or cluster name, or one part of a namespace: letters, digits, `-`, `_`, `.`, `=`,
+/// `:`, 1 to 128 bytes (Pulsar's characters).
+pub fn check_name(what: &str, name: &str) -> Result<(), BadName> {
+    if name.is_empty() || name.len() > NAME_BYTES_MAX {
+        return Err(BadName(format!(
+            "{what} name {name:?} must be 1 to {NAME_BYTES_MAX} bytes"
+        )));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || "-_.=:".contains(*c)))
+    {
+        return Err(BadName(format!(
+            "{what} name {name:?} has {c:?}; use letters, digits, '-', '_', '.', '=', ':'"
+        )));
+    }
+    Ok(())
+}
+
+/// Splits `tenant/namespace`, checking both parts.
+pub fn split_namespace(ns: &str) -> Result<(&str, &str), BadName> {
+    let Some((t, n)) = ns.split_once('/') else {
+        return Err(BadName(format!(
+            "namespace {ns:?} must be tenant/namespace"
+        )));
+    };
+    check_name("tenant", t)?;
+    check_name("namespace", n)?;
+    Ok((t, n))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_names_then_only_pulsar_characters_pass() {
+        assert!(check_name("tenant", "acme-1_x.y").is_ok());
+        assert!(check_name("tenant", "").is_err());
+        assert!(check_name("tenant", "a/b").unwrap_err().0.contains("'/'"));
+        assert!(check_name("tenant", &"x".repeat(129)).is_err());
+        assert_eq!(split_namespace("acme/orders").unwrap(), ("acme", "orders"));
+        assert!(split_namespace("acme").is_err());
+        assert!(split_namespace("acme/or/ders").is_err());
+    }
+
+    #[test]
+    fn given_policy_updates_then_bad_values_are_refused_with_the_range() {
+        let p = NamespacePolicies::default();
+        let set = NamespacePolicies {
+            dead_letter_max_redeliveries: Some(0),
+            ..Default::default()
+        };
+        assert!(p.updated(&set, &[]).unwrap_err().contains("1..=1000000"));
+        let set = NamespacePolicies {
+            schema_compatibility_strategy: Some("sideways".into()),
+            ..Default::default()
+        };
+        assert!(p.updated(&set, &[]).unwrap_err().contains("FULL"));
+        let set = NamespacePolicies {
+            deduplication_enabled: Some(true),
+            schema_compatibility_strategy: Some("backward".into()),
+            ..Default::default()
+        };
+        let q = p.updated(&set, &[]).unwrap();
+        assert_eq!(q.schema_compatibility_strategy.as_deref(), Some("BACKWARD"));
+        let r = q.updated(
+            &NamespacePolicies::default(),
+            &["deduplication_enabled".into()],
+        );
+        assert_eq!(r.unwrap().deduplication_enabled, None);
+        assert!(q
+            .updated(&NamespacePolicies::default(), &["nope".into()])
+            .unwrap_err()
+            .contains("unknown policy"));
+        // Stored form: only what is set.
+        assert_eq!(
+            serde_json::to_string(&NamespacePolicies::default()).unwrap(),
+            "{}"
+        );
+    }
+}

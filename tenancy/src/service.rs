@@ -1,0 +1,302 @@
+//! The gRPC admin service. Clusters, tenants and namespaces are handled here through the
+//! [`TenancyStore`]; topic operations go to the broker through [`TopicOps`] (the broker
+//! depends on this crate, not the other way round).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use tonic::{Request, Response, Status};
+
+use crate::model::{ClusterData, NamespacePolicies, TenantInfo};
+use crate::pb::admin_server::{Admin, AdminServer};
+use crate::pb::*;
+use crate::store::{AdminError, TenancyStore};
+
+/// What the admin service asks of the broker.
+pub trait TopicOps: Send + Sync + 'static {
+    /// Topics of a namespace: (full name, partitions; 0 for a non-partitioned topic),
+    /// partitions of partitioned topics folded into their topic.
+    fn list(&self, namespace: String) -> BoxFuture<'_, Result<Vec<(String, u32)>, AdminError>>;
+    /// Creates a topic; `partitions` 0 makes a non-partitioned one.
+    fn create(&self, topic: String, partitions: u32) -> BoxFuture<'_, Result<(), AdminError>>;
+    fn update_partitions(
+        &self,
+        topic: String,
+        partitions: u32,
+    ) -> BoxFuture<'_, Result<(), AdminError>>;
+    fn stats(&self, topic: String) -> BoxFuture<'_, Result<TopicStats, AdminError>>;
+    /// Terminates a topic; answers its last message id (`ledger:entry`, empty if none).
+    fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>>;
+}
+
+pub struct AdminService {
+    store: TenancyStore,
+    topics: Arc<dyn TopicOps>,
+}
+
+impl AdminService {
+    pub fn new(store: TenancyStore, topics: Arc<dyn TopicOps>) -> AdminService {
+        AdminService { store, topics }
+    }
+}
+
+fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
+    let p = p.unwrap_or_default();
+    NamespacePolicies {
+        deduplication_enabled: p.deduplication_enabled,
+        dead_letter_max_redeliveries: p.dead_letter_max_redeliveries,
+        schema_compatibility_strategy: p.schema_compatibility_strategy,
+    }
+}
+
+fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
+    crate::pb::NamespacePolicies {
+        deduplication_enabled: p.deduplication_enabled,
+        dead_letter_max_redeliveries: p.dead_letter_max_redeliveries,
+        schema_compatibility_strategy: p.schema_compatibility_strategy.clone(),
+    }
+}
+
+type Reply<T> = Result<Response<T>, Status>;
+
+fn ok<T>(t: T) -> Reply<T> {
+    Ok(Response::new(t))
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn list_clusters(&self, _: Request<Empty>) -> Reply<Names> {
+        ok(Names {
+            names: self.store.clusters().await?,
+        })
+    }
+
+    async fn get_cluster(&self, r: Request<Name>) -> Reply<Cluster> {
+        let name = r.into_inner().name;
+        let c = self.store.cluster(&name).await?;
+        ok(Cluster {
+            name,
+            service_url: c.service_url,
+            admin_url: c.admin_url,
+        })
+    }
+
+    async fn create_cluster(&self, r: Request<Cluster>) -> Reply<Empty> {
+        let c = r.into_inner();
+        let data = ClusterData {
+            service_url: c.service_url,
+            admin_url: c.admin_url,
+        };
+        self.store.create_cluster(&c.name, &data).await?;
+        ok(Empty {})
+    }
+
+    async fn update_cluster(&self, r: Request<Cluster>) -> Reply<Empty> {
+        let c = r.into_inner();
+        let data = ClusterData {
+            service_url: c.service_url,
+            admin_url: c.admin_url,
+        };
+        self.store.update_cluster(&c.name, &data).await?;
+        ok(Empty {})
+    }
+
+    async fn delete_cluster(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
+        let d = r.into_inner();
+        let deleted = self.store.delete_cluster(&d.name, d.dry_run).await?;
+        ok(DeleteResponse {
+            deleted,
+            dry_run: d.dry_run,
+        })
+    }
+
+    async fn list_tenants(&self, _: Request<Empty>) -> Reply<Names> {
+        ok(Names {
+            names: self.store.tenants().await?,
+        })
+    }
+
+    async fn get_tenant(&self, r: Request<Name>) -> Reply<Tenant> {
+        let name = r.into_inner().name;
+        let t = self.store.tenant(&name).await?;
+        ok(Tenant {
+            name,
+            admin_roles: t.admin_roles,
+            allowed_clusters: t.allowed_clusters,
+        })
+    }
+
+    async fn create_tenant(&self, r: Request<Tenant>) -> Reply<Empty> {
+        let t = r.into_inner();
+        let info = TenantInfo {
+            admin_roles: t.admin_roles,
+            allowed_clusters: t.allowed_clusters,
+        };
+        self.store.create_tenant(&t.name, &info).await?;
+        ok(Empty {})
+    }
+
+    async fn update_tenant(&self, r: Request<Tenant>) -> Reply<Empty> {
+        let t = r.into_inner();
+        let info = TenantInfo {
+            admin_roles: t.admin_roles,
+            allowed_clusters: t.allowed_clusters,
+        };
+        self.store.update_tenant(&t.name, &info).await?;
+        ok(Empty {})
+    }
+
+    async fn delete_tenant(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
+        let d = r.into_inner();
+        let deleted = self.store.delete_tenant(&d.name, d.dry_run).await?;
+        ok(DeleteResponse {
+            deleted,
+            dry_run: d.dry_run,
+        })
+    }
+
+    async fn list_namespaces(&self, r: Request<Name>) -> Reply<Names> {
+        let tenant = r.into_inner().name;
+        self.store.tenant(&tenant).await?;
+        ok(Names {
+            names: self.store.namespaces(&tenant).await?,
+        })
+    }
+
+    async fn get_namespace(&self, r: Request<Name>) -> Reply<Namespace> {
+        let name = r.into_inner().name;
+        let (p, _) = self.store.policies(&name).await?;
+        ok(Namespace {
+            name,
+            policies: Some(policies_to(&p)),
+        })
+    }
+
+    async fn create_namespace(&self, r: Request<Namespace>) -> Reply<Empty> {
+        let n = r.into_inner();
+        self.store
+            .create_namespace(&n.name, &policies_from(n.policies))
+            .await?;
+        ok(Empty {})
+    }
+
+    async fn update_namespace_policies(
+        &self,
+        r: Request<UpdatePoliciesRequest>,
+    ) -> Reply<Namespace> {
+        let u = r.into_inner();
+        let p = self
+            .store
+            .update_policies(&u.namespace, &policies_from(u.set), &u.clear)
+            .await?;
+        ok(Namespace {
+            name: u.namespace,
+            policies: Some(policies_to(&p)),
+        })
+    }
+
+    async fn delete_namespace(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
+        let d = r.into_inner();
+        self.store.policies(&d.name).await?;
+        let topics: Vec<String> = self
+            .topics
+            .list(d.name.clone())
+            .await?
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect();
+        let deleted = self
+            .store
+            .delete_namespace(&d.name, &topics, d.dry_run)
+            .await?;
+        ok(DeleteResponse {
+            deleted,
+            dry_run: d.dry_run,
+        })
+    }
+
+    async fn list_topics(&self, r: Request<Name>) -> Reply<Topics> {
+        let ns = r.into_inner().name;
+        self.store.policies(&ns).await?;
+        let topics = self
+            .topics
+            .list(ns)
+            .await?
+            .into_iter()
+            .map(|(name, partitions)| Topic { name, partitions })
+            .collect();
+        ok(Topics { topics })
+    }
+
+    async fn create_topic(&self, r: Request<CreateTopicRequest>) -> Reply<Empty> {
+        let c = r.into_inner();
+        self.topics.create(c.topic, c.partitions).await?;
+        ok(Empty {})
+    }
+
+    async fn update_partitions(&self, r: Request<UpdatePartitionsRequest>) -> Reply<Empty> {
+        let u = r.into_inner();
+        self.topics.update_partitions(u.topic, u.partitions).await?;
+        ok(Empty {})
+    }
+
+    async fn get_topic_stats(&self, r: Request<Name>) -> Reply<TopicStats> {
+        ok(self.topics.stats(r.into_inner().name).await?)
+    }
+
+    async fn terminate_topic(&self, r: Request<Name>) -> Reply<TerminateResponse> {
+        let last = self.topics.terminate(r.into_inner().name).await?;
+        ok(TerminateResponse {
+            last_message_id: last,
+        })
+    }
+}
+
+/// A running admin server.
+pub struct RunningAdmin {
+    pub addr: SocketAddr,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RunningAdmin {
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// Serves the admin API (and gRPC reflection) on `listener` until stopped.
+pub fn serve(
+    listener: tokio::net::TcpListener,
+    service: AdminService,
+) -> anyhow::Result<RunningAdmin> {
+    let addr = listener.local_addr()?;
+    let reflection = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(crate::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    // TCP_NODELAY, as the metadata server: small answers must not wait for delayed ACKs.
+    let incoming = futures::StreamExt::map(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        |conn| {
+            conn.inspect(|s| {
+                let _ = s.set_nodelay(true);
+            })
+        },
+    );
+    let task = tokio::spawn(async move {
+        let r = tonic::transport::Server::builder()
+            .add_service(AdminServer::new(service))
+            .add_service(reflection)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            })
+            .await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "admin server failed");
+        }
+    });
+    Ok(RunningAdmin { addr, stop, task })
+}

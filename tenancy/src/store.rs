@@ -1,0 +1,405 @@
+//! Clusters, tenants and namespaces in the metadata store: every change a compare-and-set,
+//! every refusal a precise [`AdminError`] that changes nothing.
+
+use meridian_metadata::client::{ClientError, PutOptions};
+use meridian_metadata::MetadataClient;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::model::*;
+
+/// An admin request's failure, grouped by what the caller can do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    AlreadyExists(String),
+    #[error("{0}")]
+    Invalid(String),
+    /// The target is in a state that forbids the request (not empty, in use).
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// Retry later: the metadata store or the broker is not reachable or busy.
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    PermissionDenied(String),
+    #[error("{0}")]
+    Unauthenticated(String),
+}
+
+impl From<AdminError> for tonic::Status {
+    fn from(e: AdminError) -> tonic::Status {
+        match e {
+            AdminError::NotFound(m) => tonic::Status::not_found(m),
+            AdminError::AlreadyExists(m) => tonic::Status::already_exists(m),
+            AdminError::Invalid(m) => tonic::Status::invalid_argument(m),
+            AdminError::FailedPrecondition(m) => tonic::Status::failed_precondition(m),
+            AdminError::Unavailable(m) => tonic::Status::unavailable(m),
+            AdminError::PermissionDenied(m) => tonic::Status::permission_denied(m),
+            AdminError::Unauthenticated(m) => tonic::Status::unauthenticated(m),
+        }
+    }
+}
+
+impl From<ClientError> for AdminError {
+    fn from(e: ClientError) -> AdminError {
+        AdminError::Unavailable(format!("metadata store: {e}"))
+    }
+}
+
+impl From<BadName> for AdminError {
+    fn from(e: BadName) -> AdminError {
+        AdminError::Invalid(e.0)
+    }
+}
+
+/// The tenancy records of one site.
+#[derive(Clone)]
+pub struct TenancyStore {
+    meta: MetadataClient,
+}
+
+fn decode<T: DeserializeOwned>(key: &str, value: &[u8]) -> Result<T, AdminError> {
+    serde_json::from_slice(value)
+        .map_err(|e| AdminError::Unavailable(format!("record {key} is damaged: {e}")))
+}
+
+fn encode<T: Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("records serialise")
+}
+
+impl TenancyStore {
+    pub fn new(meta: MetadataClient) -> TenancyStore {
+        TenancyStore { meta }
+    }
+
+    async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<(T, u64)>, AdminError> {
+        match self.meta.get(key).await? {
+            Some(kv) => Ok(Some((decode(key, &kv.value)?, kv.mod_revision))),
+            None => Ok(None),
+        }
+    }
+
+    async fn children(&self, prefix: &str) -> Result<Vec<String>, AdminError> {
+        let mut out = Vec::new();
+        let mut after = String::new();
+        loop {
+            let page = self.meta.children(prefix, &after, 0).await?;
+            out.extend(page.children.iter().cloned());
+            match page.children.last() {
+                Some(last) if page.more => after = last.clone(),
+                _ => return Ok(out),
+            }
+        }
+    }
+
+    /// Creates `key` (absent) or replaces it at `version` (present); a race is reported.
+    async fn put<T: Serialize>(
+        &self,
+        key: &str,
+        value: &T,
+        version: u64,
+        what: &str,
+    ) -> Result<(), AdminError> {
+        let opts = PutOptions {
+            expected_version: Some(version),
+            ..Default::default()
+        };
+        match self.meta.put_with(key, encode(value), opts).await {
+            Ok(_) => Ok(()),
+            Err(ClientError::Conflict { .. }) if version == 0 => {
+                Err(AdminError::AlreadyExists(format!("{what} already exists")))
+            }
+            Err(ClientError::Conflict { .. }) => Err(AdminError::FailedPrecondition(format!(
+                "{what} changed meanwhile; retry"
+            ))),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn delete(&self, key: &str, version: u64, what: &str) -> Result<(), AdminError> {
+        match self.meta.delete(key, Some(version)).await {
+            Ok(_) => Ok(()),
+            Err(ClientError::Conflict { .. }) => Err(AdminError::FailedPrecondition(format!(
+                "{what} changed meanwhile; retry"
+            ))),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    // --- clusters ------------------------------------------------------------------------
+
+    pub async fn clusters(&self) -> Result<Vec<String>, AdminError> {
+        self.children(CLUSTERS_PREFIX).await
+    }
+
+    pub async fn cluster(&self, name: &str) -> Result<ClusterData, AdminError> {
+        check_name("cluster", name)?;
+        self.get(&format!("{CLUSTERS_PREFIX}{name}"))
+            .await?
+            .map(|(c, _)| c)
+            .ok_or_else(|| AdminError::NotFound(format!("cluster {name} does not exist")))
+    }
+
+    pub async fn create_cluster(&self, name: &str, c: &ClusterData) -> Result<(), AdminError> {
+        check_name("cluster", name)?;
+        check_cluster(c)?;
+        self.put(
+            &format!("{CLUSTERS_PREFIX}{name}"),
+            c,
+            0,
+            &format!("cluster {name}"),
+        )
+        .await
+    }
+
+    pub async fn update_cluster(&self, name: &str, c: &ClusterData) -> Result<(), AdminError> {
+        check_cluster(c)?;
+        let key = format!("{CLUSTERS_PREFIX}{name}");
+        let (_, v) = self
+            .get::<ClusterData>(&key)
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("cluster {name} does not exist")))?;
+        self.put(&key, c, v, &format!("cluster {name}")).await
+    }
+
+    /// Deletes a cluster no tenant may use.
+    pub async fn delete_cluster(
+        &self,
+        name: &str,
+        dry_run: bool,
+    ) -> Result<Vec<String>, AdminError> {
+        check_name("cluster", name)?;
+        let key = format!("{CLUSTERS_PREFIX}{name}");
+        let (_, v) = self
+            .get::<ClusterData>(&key)
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("cluster {name} does not exist")))?;
+        for t in self.tenants().await? {
+            if self
+                .tenant(&t)
+                .await?
+                .allowed_clusters
+                .iter()
+                .any(|c| c == name)
+            {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "cluster {name} is allowed to tenant {t}; update the tenant first"
+                )));
+            }
+        }
+        if !dry_run {
+            self.delete(&key, v, &format!("cluster {name}")).await?;
+        }
+        Ok(vec![format!("cluster {name}")])
+    }
+
+    // --- tenants -------------------------------------------------------------------------
+
+    pub async fn tenants(&self) -> Result<Vec<String>, AdminError> {
+        self.children(TENANTS_PREFIX).await
+    }
+
+    pub async fn tenant(&self, name: &str) -> Result<TenantInfo, AdminError> {
+        check_name("tenant", name)?;
+        self.get(&format!("{TENANTS_PREFIX}{name}"))
+            .await?
+            .map(|(t, _)| t)
+            .ok_or_else(|| AdminError::NotFound(format!("tenant {name} does not exist")))
+    }
+
+    async fn check_tenant(&self, t: &TenantInfo) -> Result<(), AdminError> {
+        for c in &t.allowed_clusters {
+            check_name("cluster", c)?;
+            if self
+                .meta
+                .get(&format!("{CLUSTERS_PREFIX}{c}"))
+                .await?
+                .is_none()
+            {
+                return Err(AdminError::Invalid(format!(
+                    "allowed cluster {c} does not exist"
+                )));
+            }
+        }
+        for r in &t.admin_roles {
+            if r.is_empty() {
+                return Err(AdminError::Invalid("an admin role is empty".into()));
+            }
+        }
+        Ok(())
+    }
+
+    pub async fn create_tenant(&self, name: &str, t: &TenantInfo) -> Result<(), AdminError> {
+        check_name("tenant", name)?;
+        self.check_tenant(t).await?;
+        self.put(
+            &format!("{TENANTS_PREFIX}{name}"),
+            t,
+            0,
+            &format!("tenant {name}"),
+        )
+        .await
+    }
+
+    pub async fn update_tenant(&self, name: &str, t: &TenantInfo) -> Result<(), AdminError> {
+        check_name("tenant", name)?;
+        self.check_tenant(t).await?;
+        let key = format!("{TENANTS_PREFIX}{name}");
+        let (_, v) = self
+            .get::<TenantInfo>(&key)
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("tenant {name} does not exist")))?;
+        self.put(&key, t, v, &format!("tenant {name}")).await
+    }
+
+    /// Deletes a tenant without namespaces.
+    pub async fn delete_tenant(
+        &self,
+        name: &str,
+        dry_run: bool,
+    ) -> Result<Vec<String>, AdminError> {
+        check_name("tenant", name)?;
+        let key = format!("{TENANTS_PREFIX}{name}");
+        let (_, v) = self
+            .get::<TenantInfo>(&key)
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("tenant {name} does not exist")))?;
+        let ns = self.namespaces(name).await?;
+        if !ns.is_empty() {
+            return Err(AdminError::FailedPrecondition(format!(
+                "tenant {name} has {} namespaces ({}); delete them first",
+                ns.len(),
+                ns.join(", ")
+            )));
+        }
+        if !dry_run {
+            self.delete(&key, v, &format!("tenant {name}")).await?;
+        }
+        Ok(vec![format!("tenant {name}")])
+    }
+
+    // --- namespaces ----------------------------------------------------------------------
+
+    /// The namespaces of a tenant, as `tenant/namespace`.
+    pub async fn namespaces(&self, tenant: &str) -> Result<Vec<String>, AdminError> {
+        check_name("tenant", tenant)?;
+        Ok(self
+            .children(&format!("{NAMESPACES_PREFIX}{tenant}/"))
+            .await?
+            .into_iter()
+            .map(|n| format!("{tenant}/{n}"))
+            .collect())
+    }
+
+    pub async fn policies(&self, ns: &str) -> Result<(NamespacePolicies, u64), AdminError> {
+        split_namespace(ns)?;
+        self.get(&format!("{NAMESPACES_PREFIX}{ns}"))
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("namespace {ns} does not exist")))
+    }
+
+    pub async fn create_namespace(
+        &self,
+        ns: &str,
+        p: &NamespacePolicies,
+    ) -> Result<(), AdminError> {
+        let (tenant, _) = split_namespace(ns)?;
+        p.validate().map_err(AdminError::Invalid)?;
+        self.tenant(tenant).await?;
+        self.put(
+            &format!("{NAMESPACES_PREFIX}{ns}"),
+            p,
+            0,
+            &format!("namespace {ns}"),
+        )
+        .await
+    }
+
+    pub async fn update_policies(
+        &self,
+        ns: &str,
+        set: &NamespacePolicies,
+        clear: &[String],
+    ) -> Result<NamespacePolicies, AdminError> {
+        let (old, v) = self.policies(ns).await?;
+        let new = old.updated(set, clear).map_err(AdminError::Invalid)?;
+        self.put(
+            &format!("{NAMESPACES_PREFIX}{ns}"),
+            &new,
+            v,
+            &format!("namespace {ns}"),
+        )
+        .await?;
+        Ok(new)
+    }
+
+    /// Deletes a namespace; `topics` are what it still holds (then it is refused).
+    pub async fn delete_namespace(
+        &self,
+        ns: &str,
+        topics: &[String],
+        dry_run: bool,
+    ) -> Result<Vec<String>, AdminError> {
+        let (_, v) = self.policies(ns).await?;
+        if !topics.is_empty() {
+            return Err(AdminError::FailedPrecondition(format!(
+                "namespace {ns} has {} topics (first: {}); delete them first",
+                topics.len(),
+                topics[0]
+            )));
+        }
+        if !dry_run {
+            self.delete(
+                &format!("{NAMESPACES_PREFIX}{ns}"),
+                v,
+                &format!("namespace {ns}"),
+            )
+            .await?;
+        }
+        Ok(vec![format!("namespace {ns}")])
+    }
+
+    /// A one-site standalone's records: the cluster, tenant `public`, namespace
+    /// `public/default` (each created only if absent).
+    pub async fn bootstrap_standalone(
+        &self,
+        cluster: &str,
+        c: &ClusterData,
+    ) -> Result<(), AdminError> {
+        let ignore_existing = |r: Result<(), AdminError>| match r {
+            Ok(()) | Err(AdminError::AlreadyExists(_)) => Ok(()),
+            Err(e) => Err(e),
+        };
+        ignore_existing(self.create_cluster(cluster, c).await)?;
+        let public = TenantInfo {
+            admin_roles: Vec::new(),
+            allowed_clusters: vec![cluster.to_string()],
+        };
+        ignore_existing(self.create_tenant("public", &public).await)?;
+        ignore_existing(
+            self.create_namespace("public/default", &NamespacePolicies::default())
+                .await,
+        )
+    }
+}
+
+fn check_cluster(c: &ClusterData) -> Result<(), AdminError> {
+    let has_scheme =
+        |url: &str, schemes: &[&str]| url.is_empty() || schemes.iter().any(|s| url.starts_with(s));
+    if !has_scheme(&c.service_url, &["pulsar://", "pulsar+ssl://"]) {
+        return Err(AdminError::Invalid(format!(
+            "broker URL {:?} must start with pulsar:// or pulsar+ssl://",
+            c.service_url
+        )));
+    }
+    if !has_scheme(&c.admin_url, &["http://", "https://"]) {
+        return Err(AdminError::Invalid(format!(
+            "admin URL {:?} must start with http:// or https://",
+            c.admin_url
+        )));
+    }
+    Ok(())
+}
