@@ -548,6 +548,21 @@ def semantics(a):
         assert versions == [0, 1], versions
         plain.close()
         out({"schema_versions": versions})
+    elif a.name == "ack-timeout":
+        # Unacknowledged messages come back by themselves after the client's ack timeout (the
+        # C++ client's minimum is 10 s), with their redelivery count.
+        p = c.create_producer(t, batching_enabled=False)
+        for i in range(4):
+            p.send(("msg-%d" % i).encode(), properties={"i": str(i)})
+        cons = c.subscribe(t, "s", consumer_type=pulsar.ConsumerType.Shared,
+                           initial_position=pulsar.InitialPosition.Earliest,
+                           unacked_messages_timeout_ms=10000)
+        first = [cons.receive(10000) for _ in range(4)]
+        for m in first[:2]:
+            cons.acknowledge(m)
+        again = sorted((num(m), m.redelivery_count()) for m in (cons.receive(20000) for _ in range(2)))
+        assert again == [(2, 1), (3, 1)], again
+        out({"redelivered_after_timeout": [i for i, _ in again]})
     elif a.name == "reader-seek":
         p = c.create_producer(t, batching_enabled=False)
         ids = [p.send(("msg-%d" % i).encode(), properties={"i": str(i)}) for i in range(30)]

@@ -406,6 +406,8 @@ pub struct StandaloneProc {
     pub admin_url: String,
     child: Option<Child>,
     extra_env: Vec<(String, String)>,
+    /// Restart on the same ports (clients that stay up reconnect to them).
+    keep_ports: bool,
 }
 
 impl StandaloneProc {
@@ -418,7 +420,14 @@ impl StandaloneProc {
             admin_url: String::new(),
             child: None,
             extra_env: Vec::new(),
+            keep_ports: false,
         }
+    }
+
+    /// Later starts reuse the ports of the first one.
+    pub fn keep_ports(&mut self) -> &mut Self {
+        self.keep_ports = true;
+        self
     }
 
     /// A `MERIDIAN_*` setting for the next start.
@@ -435,13 +444,24 @@ impl StandaloneProc {
             .create(true)
             .append(true)
             .open(&self.log)?;
+        let again = self.keep_ports && !self.url.is_empty();
+        let (pulsar, http, admin) = if again {
+            (
+                self.url.trim_start_matches("pulsar://").to_string(),
+                self.http.clone(),
+                self.admin_url.trim_start_matches("http://").to_string(),
+            )
+        } else {
+            let any = "127.0.0.1:0".to_string();
+            (any.clone(), any.clone(), any)
+        };
         let mut cmd = Command::new(meridian_bin());
         cmd.arg("standalone")
             .arg("--data-dir")
             .arg(&self.data_dir)
-            .args(["--pulsar-listen", "127.0.0.1:0"])
-            .args(["--http-listen", "127.0.0.1:0"])
-            .args(["--admin-listen", "127.0.0.1:0"])
+            .args(["--pulsar-listen", &pulsar])
+            .args(["--http-listen", &http])
+            .args(["--admin-listen", &admin])
             .env("RUST_LOG", "info,openraft=warn")
             .env("MERIDIAN_BOOKIE_FLUSH_INTERVAL_MS", "500")
             .stdin(Stdio::null())

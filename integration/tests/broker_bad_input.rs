@@ -265,3 +265,42 @@ fn subscription_properties_are_recorded_at_creation_and_survive_a_restart() {
         "{stats}"
     );
 }
+
+#[test]
+fn acks_with_a_request_id_get_an_ack_response_and_errors_name_the_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    c.send(&producer("acks", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    c.send_raw(&send_frame(1, 0, b"one"));
+    let receipt = c.expect().command.send_receipt.expect("receipt");
+    let id = receipt.message_id.expect("position");
+    c.send(&subscribe("acks", "s", 7, 2));
+    assert!(c.expect().command.success.is_some());
+    let ack = |consumer_id: u64, request_id: u64| {
+        cmd(Type::Ack, |c| {
+            c.ack = Some(pb::CommandAck {
+                consumer_id,
+                ack_type: pb::command_ack::AckType::Individual as i32,
+                message_id: vec![pb::MessageIdData {
+                    ledger_id: id.ledger_id,
+                    entry_id: id.entry_id,
+                    ..Default::default()
+                }],
+                request_id: Some(request_id),
+                ..Default::default()
+            })
+        })
+    };
+    c.send(&ack(7, 40));
+    let r = c.expect().command.ack_response.expect("ACK_RESPONSE");
+    assert_eq!((r.consumer_id, r.request_id), (7, Some(40)));
+    assert_eq!(r.error, None);
+    c.send(&ack(99, 41));
+    let r = c.expect().command.ack_response.expect("ACK_RESPONSE");
+    assert_eq!(r.request_id, Some(41));
+    assert_eq!(r.error, Some(ServerError::ConsumerNotFound as i32));
+    assert!(r.message.unwrap_or_default().contains("99"));
+}

@@ -198,6 +198,59 @@ mod tests {
         );
     }
 
+    fn entry(meta: &MessageMetadata, payload: &[u8]) -> Entry {
+        use prost::Message as _;
+        Entry::build(&meta.encode_to_vec(), payload)
+    }
+
+    #[test]
+    fn given_entries_then_the_key_is_ordering_key_partition_key_or_first_batch_item() {
+        use meridian_protocol::pb::SingleMessageMetadata;
+        use prost::Message as _;
+        let base = MessageMetadata {
+            producer_name: "p".into(),
+            sequence_id: 1,
+            publish_time: 1,
+            ..Default::default()
+        };
+        let both = MessageMetadata {
+            ordering_key: Some(b"ord".to_vec()),
+            partition_key: Some("part".into()),
+            ..base.clone()
+        };
+        assert_eq!(entry_key(&entry(&both, b"x"), &both), b"ord");
+        let part = MessageMetadata {
+            partition_key: Some("part".into()),
+            ..base.clone()
+        };
+        assert_eq!(entry_key(&entry(&part, b"x"), &part), b"part");
+        assert_eq!(entry_key(&entry(&base, b"x"), &base), NONE_KEY);
+        // A batch whose outer metadata has no key: its first item's ordering key, else its
+        // partition key.
+        let item = |ordering: Option<&[u8]>, key: Option<&str>| {
+            let m = SingleMessageMetadata {
+                payload_size: 1,
+                ordering_key: ordering.map(<[u8]>::to_vec),
+                partition_key: key.map(str::to_string),
+                ..Default::default()
+            }
+            .encode_to_vec();
+            let mut b = (m.len() as u32).to_be_bytes().to_vec();
+            b.extend_from_slice(&m);
+            b.push(b'x');
+            b
+        };
+        let batch = MessageMetadata {
+            num_messages_in_batch: Some(2),
+            ..base.clone()
+        };
+        let mut payload = item(None, Some("first"));
+        payload.extend(item(None, Some("second")));
+        assert_eq!(entry_key(&entry(&batch, &payload), &batch), b"first");
+        let payload = item(Some(b"o1"), Some("k1"));
+        assert_eq!(entry_key(&entry(&batch, &payload), &batch), b"o1");
+    }
+
     #[test]
     fn given_auto_split_then_every_hash_has_one_owner_and_a_join_moves_only_some() {
         let mut s = Selector::new(false);
