@@ -1189,3 +1189,145 @@ async fn terminated_topics_refuse_producers_and_tell_consumers_that_handle_it() 
         assert!(out.contains("\"terminated\": true"), "{out}");
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rust_client_schemas_evolve_and_delayed_messages_wait_on_key_shared() {
+    use futures::StreamExt;
+    let dir = tempfile::tempdir().unwrap();
+    let s = tokio::task::block_in_place(|| start_with(&dir, &[]));
+    let client = pulsar::Pulsar::builder(s.url.clone(), pulsar::TokioExecutor)
+        .build()
+        .await
+        .expect("rust client");
+    let avro = |def: &str| pulsar::proto::Schema {
+        name: "user".into(),
+        schema_data: def.as_bytes().to_vec(),
+        r#type: pulsar::proto::schema::Type::Avro as i32,
+        properties: Vec::new(),
+    };
+    let producer_with = |schema| {
+        client
+            .producer()
+            .with_topic("rust-schema")
+            .with_options(pulsar::ProducerOptions {
+                schema: Some(schema),
+                ..Default::default()
+            })
+            .build()
+    };
+    step("Avro v1, then v2 with a defaulted field; a required new field is refused");
+    let v1 = r#"{"type":"record","name":"U","fields":[{"name":"id","type":"long"}]}"#;
+    let v2 = r#"{"type":"record","name":"U","fields":[{"name":"id","type":"long"},{"name":"tag","type":"string","default":""}]}"#;
+    let bad = r#"{"type":"record","name":"U","fields":[{"name":"id","type":"long"},{"name":"n","type":"int"}]}"#;
+    let mut p1 = producer_with(avro(v1)).await.expect("v1 registers");
+    p1.send_non_blocking(b"one".to_vec())
+        .await
+        .unwrap()
+        .await
+        .expect("sent with v1");
+    let mut p2 = producer_with(avro(v2)).await.expect("v2 is compatible");
+    p2.send_non_blocking(b"two".to_vec())
+        .await
+        .unwrap()
+        .await
+        .expect("sent with v2");
+    let refused = tokio::time::timeout(Duration::from_secs(30), producer_with(avro(bad)))
+        .await
+        .expect("the client gives up on IncompatibleSchema");
+    let err = format!("{:?}", refused.err().expect("refused"));
+    assert!(err.contains("IncompatibleSchema"), "{err}");
+    let mut consumer: pulsar::Consumer<Vec<u8>, _> = client
+        .consumer()
+        .with_topic("rust-schema")
+        .with_subscription("s")
+        .with_options(pulsar::ConsumerOptions {
+            initial_position: pulsar::consumer::InitialPosition::Earliest,
+            ..Default::default()
+        })
+        .build()
+        .await
+        .expect("consumer");
+    let mut versions = Vec::new();
+    for _ in 0..2 {
+        let m = tokio::time::timeout(T, consumer.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        versions.push(m.payload.metadata.schema_version.clone());
+        consumer.ack(&m).await.unwrap();
+    }
+    assert_eq!(
+        versions,
+        vec![
+            Some(0u64.to_be_bytes().to_vec()),
+            Some(1u64.to_be_bytes().to_vec())
+        ]
+    );
+
+    step("Key_Shared: messages delayed by 2 s come after the others, never before their time");
+    let mut ks: pulsar::Consumer<Vec<u8>, _> = client
+        .consumer()
+        .with_topic("rust-delayed")
+        .with_subscription("ks")
+        .with_subscription_type(pulsar::SubType::KeyShared)
+        .build()
+        .await
+        .expect("key_shared consumer");
+    let mut producer = client
+        .producer()
+        .with_topic("rust-delayed")
+        .build()
+        .await
+        .expect("producer");
+    let now_ms = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as i64
+    };
+    let mut due = BTreeMap::new();
+    for i in 0..20u64 {
+        let mut m = pulsar::producer::Message {
+            payload: format!("msg-{i}").into_bytes(),
+            properties: [("i".to_string(), i.to_string())].into(),
+            partition_key: Some(format!("k{}", i % 3)),
+            ..Default::default()
+        };
+        if i % 2 == 0 {
+            let at = now_ms() + 2000;
+            m.deliver_at_time = Some(at);
+            due.insert(i, at);
+        }
+        producer
+            .send_non_blocking(m)
+            .await
+            .unwrap()
+            .await
+            .expect("sent");
+    }
+    let mut order = Vec::new();
+    while order.len() < 20 {
+        let m = tokio::time::timeout(T, ks.next())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        let i: u64 = m.metadata().properties[0].value.parse().unwrap();
+        if let Some(at) = due.get(&i) {
+            assert!(
+                now_ms() >= *at,
+                "message {i} came {} ms early",
+                at - now_ms()
+            );
+        }
+        ks.ack(&m).await.unwrap();
+        order.push(i);
+    }
+    assert!(
+        order[..10].iter().all(|i| i % 2 == 1),
+        "undelayed first: {order:?}"
+    );
+    assert_each_once(&order, 0..20);
+    drop(s);
+}
