@@ -217,3 +217,134 @@ fn clusters_tenants_namespaces_policies_and_topics_through_the_cli() {
     assert_eq!(code, 1);
     assert!(err.contains("cannot reach the admin API"), "{err}");
 }
+
+#[test]
+fn subscription_operations_peek_skip_expire_clear_reset_and_unsubscribe() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    let t = "persistent://public/default/ops";
+    let mut p = meridian_integration::PyClient::run(
+        dir.path(),
+        "p",
+        &["produce", &s.url, t, "--count", "10", "--sync"],
+    );
+    p.finish(std::time::Duration::from_secs(60)).unwrap();
+    let peek = |n: &str| -> Vec<String> {
+        a.json(&["topics", "peek-messages", t, "-s", "audit", "-n", n])
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["payload"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let backlog = || a.json(&["topics", "stats", t])["subscriptions"][0]["backlog_entries"].clone();
+
+    step("create a subscription at the earliest message; peeking does not move it");
+    assert_eq!(
+        a.json(&["topics", "subscriptions", t]),
+        serde_json::json!([])
+    );
+    a.ok(&[
+        "topics",
+        "create-subscription",
+        t,
+        "-s",
+        "audit",
+        "-m",
+        "earliest",
+    ]);
+    a.refused(
+        &["topics", "create-subscription", t, "-s", "audit"],
+        "AlreadyExists",
+    );
+    assert_eq!(
+        a.json(&["subscriptions", "list", t]),
+        serde_json::json!(["audit"])
+    );
+    assert_eq!(peek("3"), ["msg-0", "msg-1", "msg-2"]);
+    assert_eq!(peek("1"), ["msg-0"]);
+
+    step("skip: --dry-run counts, then two go");
+    let d = a.json(&["topics", "skip", t, "-s", "audit", "-n", "2", "--dry-run"]);
+    assert_eq!(
+        (d["entries"].as_u64(), d["dry_run"].as_bool()),
+        (Some(2), Some(true))
+    );
+    assert_eq!(peek("1"), ["msg-0"]);
+    a.ok(&["topics", "skip", t, "-s", "audit", "-n", "2"]);
+    assert_eq!(peek("1"), ["msg-2"]);
+    assert_eq!(backlog(), 8);
+
+    step("expire: nothing is an hour old; everything is older than 0 s");
+    assert_eq!(
+        a.json(&["topics", "expire-messages", t, "-s", "audit", "-t", "3600"])["entries"],
+        0
+    );
+    let d = a.json(&[
+        "topics",
+        "expire-messages",
+        t,
+        "-s",
+        "audit",
+        "-t",
+        "0",
+        "--dry-run",
+    ]);
+    assert_eq!(d["entries"], 8);
+    assert_eq!(backlog(), 8);
+
+    step("reset to the earliest, clear the backlog, reset to a relative time");
+    a.ok(&["topics", "reset-cursor", t, "-s", "audit", "-m", "earliest"]);
+    assert_eq!(peek("1"), ["msg-0"]);
+    let d = a.json(&["topics", "clear-backlog", t, "-s", "audit"]);
+    assert_eq!(d["entries"], 10);
+    assert_eq!(backlog(), 0);
+    assert!(peek("1").is_empty());
+    a.ok(&["topics", "reset-cursor", t, "-s", "audit", "-t", "1h"]);
+    assert_eq!(backlog(), 10);
+    a.refused(
+        &["topics", "reset-cursor", t, "-s", "audit", "-m", "nonsense"],
+        "InvalidArgument",
+    );
+    a.refused(&["topics", "peek-messages", t, "-s", "nobody"], "NotFound");
+
+    step("unsubscribe: refused while a consumer is attached; --dry-run lists; then gone");
+    let mut c = meridian_integration::PyClient::run(
+        dir.path(),
+        "c",
+        &[
+            "consume",
+            &s.url,
+            t,
+            "live",
+            "--count",
+            "100",
+            "--timeout-ms",
+            "30000",
+        ],
+    );
+    c.wait_for("subscription", std::time::Duration::from_secs(60), |l| {
+        l.iter().any(|v| v.get("subscribed").is_some())
+    })
+    .unwrap();
+    a.refused(
+        &["topics", "unsubscribe", t, "-s", "live"],
+        "FailedPrecondition",
+    );
+    c.kill9();
+    let d = a.json(&["topics", "unsubscribe", t, "-s", "audit", "--dry-run"]);
+    assert!(
+        d["deleted"][0]
+            .as_str()
+            .unwrap()
+            .contains("backlog 10 entries"),
+        "{d}"
+    );
+    assert!(a.ok(&["topics", "subscriptions", t]).contains("audit"));
+    a.ok(&["subscriptions", "delete", t, "-s", "audit"]);
+    assert!(!a.ok(&["topics", "subscriptions", t]).contains("audit"));
+    a.refused(&["topics", "peek-messages", t, "-s", "audit"], "NotFound");
+    assert_eq!(s.stop().unwrap(), 0);
+}

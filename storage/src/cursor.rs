@@ -761,8 +761,24 @@ impl ManagedCursor {
         time: u64,
         publish_time: impl Fn(&Bytes) -> u64,
     ) -> Result<(), CursorError> {
-        let Some(last) = self.ml.last_confirmed() else {
+        if self.ml.last_confirmed().is_none() {
             return self.reset(InitialPosition::Earliest).await;
+        }
+        match self.position_at_time(time, publish_time).await? {
+            Some(p) => self.reset_to_position(p).await,
+            None => self.reset(InitialPosition::Latest).await,
+        }
+    }
+
+    /// The first entry published at or after `time` (binary search over the log; publish
+    /// times are taken as non-decreasing), `None` if every entry is older.
+    pub async fn position_at_time(
+        &self,
+        time: u64,
+        publish_time: impl Fn(&Bytes) -> u64,
+    ) -> Result<Option<Position>, CursorError> {
+        let Some(last) = self.ml.last_confirmed() else {
+            return Ok(None);
         };
         let first = self.ml.first_position().await.unwrap_or(last);
         let (mut lo, mut hi) = (
@@ -780,10 +796,7 @@ impl ManagedCursor {
                 hi = mid;
             }
         }
-        match self.ml.position_at(lo).await {
-            Some(p) => self.reset_to_position(p).await,
-            None => self.reset(InitialPosition::Latest).await,
-        }
+        Ok(self.ml.position_at(lo).await)
     }
 }
 

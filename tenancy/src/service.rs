@@ -28,6 +28,25 @@ pub trait TopicOps: Send + Sync + 'static {
     fn stats(&self, topic: String) -> BoxFuture<'_, Result<TopicStats, AdminError>>;
     /// Terminates a topic; answers its last message id (`ledger:entry`, empty if none).
     fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>>;
+    fn subscriptions(&self, topic: String) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
+    fn create_subscription(
+        &self,
+        r: CreateSubscriptionRequest,
+    ) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// Deletes a subscription without consumers; answers what goes.
+    fn delete_subscription(
+        &self,
+        r: SubscriptionRequest,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
+    fn peek(&self, r: PeekRequest) -> BoxFuture<'_, Result<Vec<PeekedMessage>, AdminError>>;
+    /// Acknowledges entries: `count` of them, or (`None`) the whole backlog.
+    fn skip(
+        &self,
+        r: SubscriptionRequest,
+        count: Option<u64>,
+    ) -> BoxFuture<'_, Result<u64, AdminError>>;
+    fn expire(&self, r: ExpireRequest) -> BoxFuture<'_, Result<u64, AdminError>>;
+    fn reset_cursor(&self, r: ResetCursorRequest) -> BoxFuture<'_, Result<(), AdminError>>;
 }
 
 pub struct AdminService {
@@ -250,6 +269,61 @@ impl Admin for AdminService {
         ok(TerminateResponse {
             last_message_id: last,
         })
+    }
+
+    async fn list_subscriptions(&self, r: Request<Name>) -> Reply<Names> {
+        ok(Names {
+            names: self.topics.subscriptions(r.into_inner().name).await?,
+        })
+    }
+
+    async fn create_subscription(&self, r: Request<CreateSubscriptionRequest>) -> Reply<Empty> {
+        self.topics.create_subscription(r.into_inner()).await?;
+        ok(Empty {})
+    }
+
+    async fn delete_subscription(&self, r: Request<SubscriptionRequest>) -> Reply<DeleteResponse> {
+        let r = r.into_inner();
+        let dry_run = r.dry_run;
+        let deleted = self.topics.delete_subscription(r).await?;
+        ok(DeleteResponse { deleted, dry_run })
+    }
+
+    async fn peek_messages(&self, r: Request<PeekRequest>) -> Reply<PeekResponse> {
+        ok(PeekResponse {
+            messages: self.topics.peek(r.into_inner()).await?,
+        })
+    }
+
+    async fn skip_messages(&self, r: Request<SkipRequest>) -> Reply<CountResponse> {
+        let r = r.into_inner();
+        let dry_run = r.dry_run;
+        let sub = SubscriptionRequest {
+            topic: r.topic,
+            subscription: r.subscription,
+            dry_run,
+        };
+        let entries = self.topics.skip(sub, Some(r.count)).await?;
+        ok(CountResponse { entries, dry_run })
+    }
+
+    async fn clear_backlog(&self, r: Request<SubscriptionRequest>) -> Reply<CountResponse> {
+        let r = r.into_inner();
+        let dry_run = r.dry_run;
+        let entries = self.topics.skip(r, None).await?;
+        ok(CountResponse { entries, dry_run })
+    }
+
+    async fn expire_messages(&self, r: Request<ExpireRequest>) -> Reply<CountResponse> {
+        let r = r.into_inner();
+        let dry_run = r.dry_run;
+        let entries = self.topics.expire(r).await?;
+        ok(CountResponse { entries, dry_run })
+    }
+
+    async fn reset_cursor(&self, r: Request<ResetCursorRequest>) -> Reply<Empty> {
+        self.topics.reset_cursor(r.into_inner()).await?;
+        ok(Empty {})
     }
 }
 

@@ -175,6 +175,192 @@ impl TopicOps for BrokerTopics {
         }
         .boxed()
     }
+
+    fn subscriptions(&self, topic: String) -> BoxFuture<'_, Result<Vec<String>, AdminError>> {
+        async move {
+            let name = self.name(&topic)?;
+            let t = self.0.topic(&name, false).await.map_err(admin_error)?;
+            let mut subs = t.durable_subscriptions().await.map_err(admin_error)?;
+            subs.sort();
+            Ok(subs)
+        }
+        .boxed()
+    }
+
+    fn create_subscription(
+        &self,
+        r: pb::CreateSubscriptionRequest,
+    ) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            let name = self.name(&r.topic)?;
+            if r.subscription.is_empty() {
+                return Err(AdminError::Invalid("empty subscription name".into()));
+            }
+            let t = self.0.topic(&name, false).await.map_err(admin_error)?;
+            if t.durable_subscriptions()
+                .await
+                .map_err(admin_error)?
+                .contains(&r.subscription)
+            {
+                return Err(AdminError::AlreadyExists(format!(
+                    "{name} already has subscription {:?}",
+                    r.subscription
+                )));
+            }
+            t.create_subscription(&r.subscription)
+                .await
+                .map_err(admin_error)?;
+            let sub = t
+                .subscription_for_admin(&r.subscription)
+                .await
+                .map_err(admin_error)?;
+            use crate::broker::subscription::SeekTo;
+            use meridian_storage::cursor::InitialPosition;
+            let to = match r.position.as_str() {
+                "" | "latest" => SeekTo::Initial(InitialPosition::Latest),
+                "earliest" => SeekTo::Initial(InitialPosition::Earliest),
+                id => SeekTo::Position(position(id)?),
+            };
+            sub.reset(to).await.map_err(admin_error)
+        }
+        .boxed()
+    }
+
+    fn delete_subscription(
+        &self,
+        r: pb::SubscriptionRequest,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>> {
+        async move {
+            let sub = self.subscription(&r.topic, &r.subscription).await?;
+            let n = sub.consumer_count().await;
+            if n > 0 {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "subscription {:?} has {n} consumers; close them first",
+                    r.subscription
+                )));
+            }
+            let backlog = sub.backlog().await.entries;
+            let what = format!(
+                "subscription {} of {} (backlog {backlog} entries)",
+                r.subscription, r.topic
+            );
+            if !r.dry_run {
+                sub.delete_without_consumers().await.map_err(admin_error)?;
+            }
+            Ok(vec![what])
+        }
+        .boxed()
+    }
+
+    fn peek(
+        &self,
+        r: pb::PeekRequest,
+    ) -> BoxFuture<'_, Result<Vec<pb::PeekedMessage>, AdminError>> {
+        async move {
+            let sub = self.subscription(&r.topic, &r.subscription).await?;
+            let n = r.count.clamp(1, 1000) as usize;
+            let entries = sub.peek(n).await.map_err(admin_error)?;
+            Ok(entries
+                .into_iter()
+                .map(|(p, bytes)| {
+                    let entry = meridian_protocol::Entry::parse(bytes).ok();
+                    let meta = entry
+                        .as_ref()
+                        .and_then(|e| e.metadata().ok())
+                        .unwrap_or_default();
+                    pb::PeekedMessage {
+                        message_id: format!("{}:{}", p.ledger_id, p.entry_id),
+                        publish_time: meta.publish_time,
+                        producer_name: meta.producer_name.clone(),
+                        sequence_id: meta.sequence_id,
+                        properties: meta
+                            .properties
+                            .iter()
+                            .map(|kv| (kv.key.clone(), kv.value.clone()))
+                            .collect(),
+                        key: meta.partition_key.clone().unwrap_or_default(),
+                        messages: meridian_protocol::entry::message_count(&meta),
+                        payload: entry.map(|e| e.payload().to_vec()).unwrap_or_default(),
+                    }
+                })
+                .collect())
+        }
+        .boxed()
+    }
+
+    fn skip(
+        &self,
+        r: pb::SubscriptionRequest,
+        count: Option<u64>,
+    ) -> BoxFuture<'_, Result<u64, AdminError>> {
+        async move {
+            let sub = self.subscription(&r.topic, &r.subscription).await?;
+            sub.skip(count, r.dry_run).await.map_err(admin_error)
+        }
+        .boxed()
+    }
+
+    fn expire(&self, r: pb::ExpireRequest) -> BoxFuture<'_, Result<u64, AdminError>> {
+        async move {
+            let sub = self.subscription(&r.topic, &r.subscription).await?;
+            let cutoff = now_ms().saturating_sub(r.expire_seconds.saturating_mul(1000));
+            sub.expire_before(cutoff, r.dry_run)
+                .await
+                .map_err(admin_error)
+        }
+        .boxed()
+    }
+
+    fn reset_cursor(&self, r: pb::ResetCursorRequest) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            use crate::broker::subscription::SeekTo;
+            use meridian_storage::cursor::InitialPosition;
+            let sub = self.subscription(&r.topic, &r.subscription).await?;
+            let to = match r.to {
+                Some(pb::reset_cursor_request::To::PublishTimeMs(t)) => SeekTo::PublishTime(t),
+                Some(pb::reset_cursor_request::To::MessageId(id)) => match id.as_str() {
+                    "earliest" => SeekTo::Initial(InitialPosition::Earliest),
+                    "latest" => SeekTo::Initial(InitialPosition::Latest),
+                    id => SeekTo::Position(position(id)?),
+                },
+                None => {
+                    return Err(AdminError::Invalid(
+                        "reset-cursor needs a time or a message id".into(),
+                    ))
+                }
+            };
+            sub.reset(to).await.map_err(admin_error)
+        }
+        .boxed()
+    }
+}
+
+/// `ledger:entry`
+fn position(s: &str) -> Result<meridian_storage::managed_ledger::Position, AdminError> {
+    let bad = || AdminError::Invalid(format!("message id {s:?} must be ledger:entry"));
+    let (l, e) = s.split_once(':').ok_or_else(bad)?;
+    Ok(meridian_storage::managed_ledger::Position::new(
+        l.parse().map_err(|_| bad())?,
+        e.parse().map_err(|_| bad())?,
+    ))
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl BrokerTopics {
+    async fn subscription(
+        &self,
+        topic: &str,
+        sub: &str,
+    ) -> Result<Arc<crate::broker::Subscription>, AdminError> {
+        let name = self.name(topic)?;
+        let t = self.0.topic(&name, false).await.map_err(admin_error)?;
+        t.subscription_for_admin(sub).await.map_err(admin_error)
+    }
 }
 
 /// Records the site's tenancy defaults (this cluster, tenant `public`, namespace

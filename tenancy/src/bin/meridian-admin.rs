@@ -57,9 +57,12 @@ enum Group {
     /// Namespaces and their policies.
     #[command(subcommand)]
     Namespaces(Namespaces),
-    /// Topics.
+    /// Topics (and, as in pulsar-admin, their subscriptions).
     #[command(subcommand)]
     Topics(Topics),
+    /// Subscriptions of a topic (the same commands as under `topics`).
+    #[command(subcommand)]
+    Subscriptions(SubsGroup),
 }
 
 #[derive(Subcommand)]
@@ -184,6 +187,46 @@ enum Topics {
     Stats { topic: String },
     /// Ends a topic: no more messages; consumers are told once they have read it all.
     Terminate { topic: String },
+    #[command(flatten)]
+    Subs(Subs),
+}
+
+#[derive(Args)]
+struct SubArgs {
+    topic: String,
+    /// The subscription.
+    #[arg(long, short = 's')]
+    subscription: String,
+}
+
+/// Under `topics`: pulsar-admin's names.
+#[derive(Subcommand)]
+enum Subs {
+    /// The durable subscriptions of a topic.
+    Subscriptions { topic: String },
+    /// Creates a subscription at a position: earliest, latest (the default) or ledger:entry.
+    CreateSubscription {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long, short = 'm', default_value = "latest")]
+        message_id: String,
+    },
+    /// Deletes a subscription that has no consumers.
+    Unsubscribe {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// The next messages of a subscription, without moving it.
+    PeekMessages {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long, short = 'n', default_value_t = 1)]
+        count: u32,
+    },
+    #[command(flatten)]
+    Same(SubsSame),
 }
 
 type Client = AdminClient<InterceptedService<Channel, Auth>>;
@@ -241,6 +284,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Tenants(cmd) => tenants(&mut c, cmd, out).await,
         Group::Namespaces(cmd) => namespaces(&mut c, cmd, out).await,
         Group::Topics(cmd) => topics(&mut c, cmd, out).await,
+        Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
     }
 }
 
@@ -594,6 +638,7 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                 t
             });
         }
+        Topics::Subs(cmd) => subscriptions(c, cmd, out).await?,
         Topics::Terminate { topic } => {
             let r = c
                 .terminate_topic(Name {
@@ -605,6 +650,248 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
             print(out, &v, || {
                 format!("terminated {topic}; last message {}", r.last_message_id)
             });
+        }
+    }
+    Ok(())
+}
+
+/// Subscription commands named alike under `topics` and `subscriptions`.
+#[derive(Subcommand)]
+enum SubsSame {
+    /// Acknowledges the next N entries.
+    Skip {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long, short = 'n')]
+        count: u64,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Acknowledges the whole backlog.
+    ClearBacklog {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Acknowledges what was published more than T seconds ago.
+    ExpireMessages {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long, short = 't')]
+        expire_time_seconds: u64,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Moves a subscription: to a relative time (-t 10m: what was published in the last ten
+    /// minutes comes again) or a message id (-m earliest|latest|ledger:entry).
+    ResetCursor {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(
+            long,
+            short = 't',
+            conflicts_with = "message_id",
+            required_unless_present = "message_id"
+        )]
+        time: Option<String>,
+        #[arg(long, short = 'm')]
+        message_id: Option<String>,
+    },
+}
+
+/// The `subscriptions` group: short names.
+#[derive(Subcommand)]
+enum SubsGroup {
+    /// The durable subscriptions of a topic.
+    List { topic: String },
+    /// Creates a subscription at a position: earliest, latest (the default) or ledger:entry.
+    Create {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long, short = 'm', default_value = "latest")]
+        message_id: String,
+    },
+    /// Deletes a subscription that has no consumers.
+    Delete {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// The next messages of a subscription, without moving it.
+    Peek {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long, short = 'n', default_value_t = 1)]
+        count: u32,
+    },
+    #[command(flatten)]
+    Same(SubsSame),
+}
+
+impl From<SubsGroup> for Subs {
+    fn from(g: SubsGroup) -> Subs {
+        match g {
+            SubsGroup::List { topic } => Subs::Subscriptions { topic },
+            SubsGroup::Create { s, message_id } => Subs::CreateSubscription { s, message_id },
+            SubsGroup::Delete { s, dry_run } => Subs::Unsubscribe { s, dry_run },
+            SubsGroup::Peek { s, count } => Subs::PeekMessages { s, count },
+            SubsGroup::Same(x) => Subs::Same(x),
+        }
+    }
+}
+
+/// `10`, `10s`, `5m`, `2h`, `1d` as seconds.
+fn parse_duration_s(s: &str) -> anyhow::Result<u64> {
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, "s"),
+    };
+    let n: u64 = num
+        .parse()
+        .with_context(|| format!("{s:?} is not a duration like 30s, 10m, 2h, 1d"))?;
+    let unit_s = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        other => anyhow::bail!("unknown unit {other:?} in {s:?}; use s, m, h or d"),
+    };
+    Ok(n * unit_s)
+}
+
+fn counted(out: Output, what: &str, r: CountResponse) {
+    let v = json!({"entries": r.entries, "dry_run": r.dry_run});
+    print(out, &v, || {
+        if r.dry_run {
+            format!("would {what} {} entries", r.entries)
+        } else {
+            format!("{what}: {} entries", r.entries)
+        }
+    });
+}
+
+async fn subscriptions(c: &mut Client, cmd: Subs, out: Output) -> anyhow::Result<()> {
+    let req = |s: SubArgs, dry_run: bool| SubscriptionRequest {
+        topic: s.topic,
+        subscription: s.subscription,
+        dry_run,
+    };
+    match cmd {
+        Subs::Subscriptions { topic } => names(
+            out,
+            c.list_subscriptions(Name { name: topic })
+                .await?
+                .into_inner(),
+        ),
+        Subs::CreateSubscription { s, message_id } => {
+            let what = format!("created subscription {} on {}", s.subscription, s.topic);
+            c.create_subscription(CreateSubscriptionRequest {
+                topic: s.topic,
+                subscription: s.subscription,
+                position: message_id,
+            })
+            .await?;
+            done(out, what);
+        }
+        Subs::Unsubscribe { s, dry_run } => deleted(
+            out,
+            c.delete_subscription(req(s, dry_run)).await?.into_inner(),
+        ),
+        Subs::PeekMessages { s, count } => {
+            let r = c
+                .peek_messages(PeekRequest {
+                    topic: s.topic,
+                    subscription: s.subscription,
+                    count,
+                })
+                .await?
+                .into_inner();
+            let v: Vec<Value> = r
+                .messages
+                .iter()
+                .map(|m| {
+                    json!({"message_id": m.message_id, "publish_time": m.publish_time,
+                        "producer_name": m.producer_name, "sequence_id": m.sequence_id,
+                        "properties": m.properties, "key": m.key, "messages": m.messages,
+                        "payload": String::from_utf8_lossy(&m.payload)})
+                })
+                .collect();
+            print(out, &json!(v), || {
+                r.messages
+                    .iter()
+                    .map(|m| {
+                        format!(
+                            "{}  {} message(s)  published {}  {:?}",
+                            m.message_id,
+                            m.messages,
+                            m.publish_time,
+                            String::from_utf8_lossy(&m.payload)
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
+        Subs::Same(SubsSame::Skip { s, count, dry_run }) => {
+            let r = c
+                .skip_messages(SkipRequest {
+                    topic: s.topic,
+                    subscription: s.subscription,
+                    count,
+                    dry_run,
+                })
+                .await?
+                .into_inner();
+            counted(out, "skip", r);
+        }
+        Subs::Same(SubsSame::ClearBacklog { s, dry_run }) => counted(
+            out,
+            "clear",
+            c.clear_backlog(req(s, dry_run)).await?.into_inner(),
+        ),
+        Subs::Same(SubsSame::ExpireMessages {
+            s,
+            expire_time_seconds,
+            dry_run,
+        }) => {
+            let r = c
+                .expire_messages(ExpireRequest {
+                    topic: s.topic,
+                    subscription: s.subscription,
+                    expire_seconds: expire_time_seconds,
+                    dry_run,
+                })
+                .await?
+                .into_inner();
+            counted(out, "expire", r);
+        }
+        Subs::Same(SubsSame::ResetCursor {
+            s,
+            time,
+            message_id,
+        }) => {
+            use meridian_tenancy::pb::reset_cursor_request::To;
+            let to = match (time, message_id) {
+                (Some(t), _) => {
+                    let back_ms = parse_duration_s(&t)? * 1000;
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)?
+                        .as_millis() as u64;
+                    To::PublishTimeMs(now.saturating_sub(back_ms))
+                }
+                (None, Some(m)) => To::MessageId(m),
+                (None, None) => anyhow::bail!("reset-cursor needs -t or -m"),
+            };
+            let what = format!("reset subscription {} of {}", s.subscription, s.topic);
+            c.reset_cursor(ResetCursorRequest {
+                topic: s.topic,
+                subscription: s.subscription,
+                to: Some(to),
+            })
+            .await?;
+            done(out, what);
         }
     }
     Ok(())

@@ -225,9 +225,15 @@ impl Topic {
         let mut subs = self.subscriptions.lock().await;
         if let Some(sub) = subs.get(&req.subscription) {
             let sub = Arc::clone(sub);
-            if !sub.is_closed() {
+            // Opened without consumers (by the admin API, or as a dead-letter topic's) under
+            // another type: reopened under the type its first consumer asks for.
+            let retype = sub.sub_type() != req.sub_type && sub.consumer_count().await == 0;
+            if !sub.is_closed() && !retype {
                 sub.add_consumer(&req, sink).await?;
                 return Ok(sub);
+            }
+            if retype {
+                sub.close().await;
             }
             subs.remove(&req.subscription);
         }
@@ -271,6 +277,67 @@ impl Topic {
         .await?;
         subs.insert(name.to_string(), sub);
         Ok(())
+    }
+
+    /// A durable subscription for the admin API: the open one, or its cursor opened (without
+    /// consumers); NotFound if the subscription does not exist.
+    pub async fn subscription_for_admin(
+        self: &Arc<Self>,
+        name: &str,
+    ) -> Result<Arc<Subscription>, BrokerError> {
+        if let Some(s) = self
+            .subscriptions
+            .lock()
+            .await
+            .get(name)
+            .filter(|s| !s.is_closed())
+        {
+            return Ok(Arc::clone(s));
+        }
+        if !self
+            .durable_subscriptions()
+            .await?
+            .iter()
+            .any(|s| s == name)
+        {
+            return Err(BrokerError::new(
+                ServerError::SubscriptionNotFound,
+                format!("{} has no subscription {name:?}", self.full_name),
+            ));
+        }
+        self.create_subscription(name).await?;
+        self.subscriptions
+            .lock()
+            .await
+            .get(name)
+            .cloned()
+            .ok_or_else(|| {
+                BrokerError::new(
+                    ServerError::ServiceNotReady,
+                    "subscription closed meanwhile",
+                )
+            })
+    }
+
+    /// The names of the topic's durable subscriptions (open or not).
+    pub async fn durable_subscriptions(&self) -> Result<Vec<String>, BrokerError> {
+        let prefix = format!(
+            "{}{}/",
+            meridian_storage::cursor::MANAGED_CURSORS_PREFIX,
+            self.ml.name()
+        );
+        let mut out = Vec::new();
+        let mut after = String::new();
+        loop {
+            let page = self.meta.children(&prefix, &after, 0).await?;
+            for c in &page.children {
+                out.push(c.replace("%2F", "/").replace("%25", "%"));
+            }
+            match page.children.last() {
+                Some(last) if page.more => after = last.clone(),
+                _ => return Ok(out),
+            }
+        }
     }
 
     /// Forgets a subscription that has ended (unsubscribed, or a reader whose consumer left).

@@ -636,6 +636,143 @@ impl Subscription {
         Ok(sinks)
     }
 
+    /// Admin: moves the subscription (as SEEK) and closes its consumers, which re-subscribe
+    /// and read from the new position.
+    pub async fn reset(&self, to: SeekTo) -> Result<(), BrokerError> {
+        for sink in self.seek(to).await? {
+            let _ = sink
+                .tx
+                .send(frame(&cmd::close_consumer(sink.consumer_id, 0)))
+                .await;
+        }
+        Ok(())
+    }
+
+    /// Admin: the first `n` unacknowledged entries after the mark-delete position, without
+    /// moving anything.
+    pub async fn peek(&self, n: usize) -> Result<Vec<(Position, Bytes)>, BrokerError> {
+        let st = self.state.lock().await;
+        let ml = &self.topic.ml;
+        let mut pos = match st.cursor.mark_delete() {
+            Some(md) => ml.next_position(md).await,
+            None => ml.first_position().await,
+        };
+        let mut out = Vec::new();
+        while let Some(p) = pos {
+            if out.len() >= n {
+                break;
+            }
+            if !st.cursor.is_acknowledged(p) {
+                out.push((p, ml.read(p).await?));
+            }
+            pos = ml.next_position(p).await;
+        }
+        Ok(out)
+    }
+
+    /// Admin: acknowledges the first `n` unacknowledged entries (all of them with `None`);
+    /// with `dry_run` only counts them. Returns how many entries.
+    pub async fn skip(&self, n: Option<u64>, dry_run: bool) -> Result<u64, BrokerError> {
+        let mut st = self.state.lock().await;
+        let ml = Arc::clone(&self.topic.ml);
+        if n.is_none() {
+            let entries = st.cursor.backlog().await.entries;
+            if !dry_run {
+                if let Some(last) = ml.last_confirmed() {
+                    st.cursor.ack_cumulative(last).await?;
+                    st.forget_through(last);
+                }
+            }
+            return Ok(entries);
+        }
+        let n = n.unwrap_or(0);
+        let mut pos = match st.cursor.mark_delete() {
+            Some(md) => ml.next_position(md).await,
+            None => ml.first_position().await,
+        };
+        let mut done = 0;
+        while let Some(p) = pos {
+            if done >= n {
+                break;
+            }
+            if !st.cursor.is_acknowledged(p) {
+                if !dry_run {
+                    st.cursor.ack(p).await?;
+                    st.unpend(p);
+                    st.redeliver.remove(&p);
+                }
+                done += 1;
+            }
+            pos = ml.next_position(p).await;
+        }
+        Ok(done)
+    }
+
+    /// Admin (and TTL): acknowledges every entry published before `cutoff_ms`; with `dry_run`
+    /// only counts them. Returns how many unacknowledged entries that was.
+    pub async fn expire_before(&self, cutoff_ms: u64, dry_run: bool) -> Result<u64, BrokerError> {
+        let mut st = self.state.lock().await;
+        let ml = Arc::clone(&self.topic.ml);
+        let Some(last) = ml.last_confirmed() else {
+            return Ok(0);
+        };
+        let first_kept = st
+            .cursor
+            .position_at_time(cutoff_ms, |b| {
+                Entry::parse(b.clone())
+                    .ok()
+                    .and_then(|e| e.metadata().ok())
+                    .map_or(0, |m| m.publish_time)
+            })
+            .await?;
+        let upto = match first_kept {
+            None => Some(last),
+            Some(p) => match ml.index_of(p).await.and_then(|i| i.checked_sub(1)) {
+                Some(i) => ml.position_at(i).await,
+                None => None,
+            },
+        };
+        let Some(upto) = upto.filter(|u| st.cursor.mark_delete().is_none_or(|md| *u > md)) else {
+            return Ok(0);
+        };
+        let before = st.cursor.backlog().await.entries;
+        let mut count = 0;
+        let mut pos = match st.cursor.mark_delete() {
+            Some(md) => ml.next_position(md).await,
+            None => ml.first_position().await,
+        };
+        while let Some(p) = pos.filter(|p| *p <= upto) {
+            if !st.cursor.is_acknowledged(p) {
+                count += 1;
+            }
+            pos = ml.next_position(p).await;
+        }
+        if !dry_run {
+            st.cursor.ack_cumulative(upto).await?;
+            st.forget_through(upto);
+            debug_assert!(st.cursor.backlog().await.entries <= before);
+        }
+        Ok(count)
+    }
+
+    /// Admin: deletes a subscription that has no consumers.
+    pub async fn delete_without_consumers(self: &Arc<Self>) -> Result<(), BrokerError> {
+        let mut st = self.state.lock().await;
+        if !st.consumers.is_empty() {
+            return Err(BrokerError::new(
+                ServerError::ConsumerBusy,
+                format!("subscription {} has consumers", self.name),
+            ));
+        }
+        st.cursor.delete().await?;
+        st.deleted = true;
+        drop(st);
+        self.closed.store(true, Ordering::Relaxed);
+        let _ = self.stop.send(true);
+        self.topic.drop_subscription(&self.name, self).await;
+        Ok(())
+    }
+
     /// UNSUBSCRIBE: deletes the subscription if `by` is its only consumer.
     pub async fn unsubscribe(
         self: &Arc<Self>,
