@@ -370,6 +370,9 @@ pub struct BrokerConfig {
     /// Deduplicate sends by producer name and sequence id in namespaces whose policies do
     /// not say otherwise. Default `false` (as Pulsar's `brokerDeduplicationEnabled`).
     pub deduplication_enabled: bool,
+    /// Re-read namespace policies and apply message TTLs this often, milliseconds.
+    /// Range 100..=60000, default 1000.
+    pub policy_refresh_interval_ms: u64,
     /// Entries between two snapshots of a topic's deduplication state; a restart replays at
     /// most this many entries to rebuild it. Range 1..=1000000, default 1000.
     pub deduplication_snapshot_entries: u64,
@@ -424,6 +427,7 @@ impl Default for BrokerConfig {
             partitions_max: 10_000,
             deduplication_enabled: false,
             deduplication_snapshot_entries: 1_000,
+            policy_refresh_interval_ms: 1_000,
             message_bytes_max: 5 << 20,
             producer_pending_sends_max: 10_000,
             connection_handles_max: 10_000,
@@ -473,6 +477,7 @@ impl BrokerConfig {
             ("broker.partitions_max", b.partitions_max, 1, 100_000, ""),
             ("broker.default_num_partitions", b.default_num_partitions, 1, b.partitions_max, " (at most broker.partitions_max)"),
             ("broker.deduplication_snapshot_entries", b.deduplication_snapshot_entries, 1, 1_000_000, ""),
+            ("broker.policy_refresh_interval_ms", b.policy_refresh_interval_ms, 100, 60_000, ""),
             ("broker.message_bytes_max", b.message_bytes_max, 1_024, 104_857_600, ""),
             ("broker.producer_pending_sends_max", b.producer_pending_sends_max, 1, 1_000_000, ""),
             ("broker.connection_handles_max", b.connection_handles_max, 1, 1_000_000, ""),

@@ -348,3 +348,89 @@ fn subscription_operations_peek_skip_expire_clear_reset_and_unsubscribe() {
     a.refused(&["topics", "peek-messages", t, "-s", "audit"], "NotFound");
     assert_eq!(s.stop().unwrap(), 0);
 }
+
+#[test]
+fn message_ttl_expires_on_every_subscription_promptly() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    a.ok(&["namespaces", "create", "public/ttl"]);
+    a.ok(&["namespaces", "set-message-ttl", "public/ttl", "--ttl", "2"]);
+    assert_eq!(a.json(&["namespaces", "get-message-ttl", "public/ttl"]), 2);
+    let err = a.refused(
+        &[
+            "namespaces",
+            "set-message-ttl",
+            "public/ttl",
+            "--ttl",
+            "999999999",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("0..=315360000"), "{err}");
+    let t = "persistent://public/ttl/t";
+    a.ok(&["topics", "create", t]);
+    for sub in ["one", "two"] {
+        a.ok(&[
+            "topics",
+            "create-subscription",
+            t,
+            "-s",
+            sub,
+            "-m",
+            "earliest",
+        ]);
+    }
+    let backlogs = || -> Vec<u64> {
+        a.json(&["topics", "stats", t])["subscriptions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["backlog_entries"].as_u64().unwrap())
+            .collect()
+    };
+    let wait_for = |want: Vec<u64>, within: std::time::Duration| {
+        let deadline = std::time::Instant::now() + within;
+        loop {
+            let got = backlogs();
+            if got == want {
+                return std::time::Instant::now();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "backlogs {got:?}, want {want:?}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    };
+    step("5 messages: in the backlog of both subscriptions, then expired after about 2 s");
+    let started = std::time::Instant::now();
+    meridian_integration::PyClient::run(
+        dir.path(),
+        "p1",
+        &["produce", &s.url, t, "--count", "5", "--sync"],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    assert_eq!(backlogs(), vec![5, 5], "not expired before the TTL");
+    let gone = wait_for(vec![0, 0], std::time::Duration::from_secs(10));
+    let after = gone.duration_since(started);
+    assert!(
+        after >= std::time::Duration::from_millis(1800),
+        "expired after {after:?}, before the TTL"
+    );
+    step("removing the TTL keeps new messages");
+    a.ok(&["namespaces", "remove-message-ttl", "public/ttl"]);
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    meridian_integration::PyClient::run(
+        dir.path(),
+        "p2",
+        &["produce", &s.url, t, "--count", "3", "--sync"],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    assert_eq!(backlogs(), vec![3, 3]);
+}

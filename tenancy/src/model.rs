@@ -45,6 +45,10 @@ pub struct NamespacePolicies {
     /// How a topic's schemas may evolve: one of [`SCHEMA_STRATEGIES`]; FULL when unset.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub schema_compatibility_strategy: Option<String>,
+    /// Messages older than this many seconds are acknowledged on every subscription (0: no
+    /// TTL).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message_ttl_seconds: Option<u32>,
 }
 
 /// The schema compatibility strategies (Pulsar's names).
@@ -64,6 +68,7 @@ pub const POLICY_FIELDS: &[&str] = &[
     "deduplication_enabled",
     "dead_letter_max_redeliveries",
     "schema_compatibility_strategy",
+    "message_ttl_seconds",
 ];
 
 impl NamespacePolicies {
@@ -73,6 +78,13 @@ impl NamespacePolicies {
             if !(1..=1_000_000).contains(&n) {
                 return Err(format!(
                     "dead_letter_max_redeliveries {n} is out of range 1..=1000000"
+                ));
+            }
+        }
+        if let Some(t) = self.message_ttl_seconds {
+            if t > 315_360_000 {
+                return Err(format!(
+                    "message_ttl_seconds {t} is out of range 0..=315360000 (ten years; 0: no TTL)"
                 ));
             }
         }
@@ -99,11 +111,15 @@ impl NamespacePolicies {
         if let Some(s) = &set.schema_compatibility_strategy {
             p.schema_compatibility_strategy = Some(s.to_ascii_uppercase());
         }
+        if set.message_ttl_seconds.is_some() {
+            p.message_ttl_seconds = set.message_ttl_seconds;
+        }
         for f in clear {
             match f.as_str() {
                 "deduplication_enabled" => p.deduplication_enabled = None,
                 "dead_letter_max_redeliveries" => p.dead_letter_max_redeliveries = None,
                 "schema_compatibility_strategy" => p.schema_compatibility_strategy = None,
+                "message_ttl_seconds" => p.message_ttl_seconds = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",

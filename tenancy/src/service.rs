@@ -66,6 +66,7 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
         deduplication_enabled: p.deduplication_enabled,
         dead_letter_max_redeliveries: p.dead_letter_max_redeliveries,
         schema_compatibility_strategy: p.schema_compatibility_strategy,
+        message_ttl_seconds: p.message_ttl_seconds,
     }
 }
 
@@ -74,6 +75,7 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
         deduplication_enabled: p.deduplication_enabled,
         dead_letter_max_redeliveries: p.dead_letter_max_redeliveries,
         schema_compatibility_strategy: p.schema_compatibility_strategy.clone(),
+        message_ttl_seconds: p.message_ttl_seconds,
     }
 }
 

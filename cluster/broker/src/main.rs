@@ -184,6 +184,7 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     let server = meridian_broker::server::serve(std::sync::Arc::clone(&broker), pl)?;
     let stats =
         tokio::spawn(std::sync::Arc::clone(&broker).stats_loop(std::time::Duration::from_secs(5)));
+    let policies = tokio::spawn(std::sync::Arc::clone(&broker).policy_loop());
     println!(
         "meridian broker: Pulsar protocol on pulsar://{addr}, HTTP on http://{} (/metrics, /health), admin API on http://{}; metadata {}",
         http.addr,
@@ -197,6 +198,7 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     broker.close().await;
     http.shutdown().await;
     stats.abort();
+    policies.abort();
     Ok(())
 }
 

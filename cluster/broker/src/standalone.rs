@@ -147,6 +147,7 @@ impl Standalone {
         background.push(tokio::spawn(
             Arc::clone(&broker).stats_loop(Duration::from_secs(5)),
         ));
+        background.push(tokio::spawn(Arc::clone(&broker).policy_loop()));
         Ok(Standalone {
             broker,
             pulsar_addr,

@@ -159,6 +159,19 @@ enum Namespaces {
     GetSchemaCompatibilityStrategy {
         namespace: String,
     },
+    /// Messages older than the TTL are acknowledged on every subscription (0: none).
+    SetMessageTtl {
+        namespace: String,
+        /// Seconds.
+        #[arg(long)]
+        ttl: u32,
+    },
+    RemoveMessageTtl {
+        namespace: String,
+    },
+    GetMessageTtl {
+        namespace: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -419,6 +432,7 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "deduplication_enabled": p.deduplication_enabled,
         "dead_letter_max_redeliveries": p.dead_letter_max_redeliveries,
         "schema_compatibility_strategy": p.schema_compatibility_strategy,
+        "message_ttl_seconds": p.message_ttl_seconds,
     })
 }
 
@@ -458,6 +472,7 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                         "schema_compatibility_strategy",
                         show(&p.schema_compatibility_strategy),
                     ),
+                    ("message_ttl_seconds", show(&p.message_ttl_seconds)),
                 ])
             });
             return Ok(());
@@ -475,6 +490,28 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             print(out, &json!(s), || s.clone());
             return Ok(());
         }
+        Namespaces::GetMessageTtl { namespace } => {
+            let n = c
+                .get_namespace(Name { name: namespace })
+                .await?
+                .into_inner();
+            let t = n.policies.unwrap_or_default().message_ttl_seconds;
+            print(out, &json!(t), || show(&t));
+            return Ok(());
+        }
+        Namespaces::SetMessageTtl { namespace, ttl } => update(
+            namespace,
+            NamespacePolicies {
+                message_ttl_seconds: Some(ttl),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::RemoveMessageTtl { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["message_ttl_seconds"],
+        ),
         Namespaces::Create { namespace } => {
             c.create_namespace(Namespace {
                 name: namespace.clone(),

@@ -147,8 +147,8 @@ pub struct Topic {
     rates: Mutex<Rates>,
     /// Present when the topic deduplicates sends.
     pub dedup: Option<Arc<dedup::Dedup>>,
-    /// The namespace's policies when the topic was loaded.
-    pub policies: NamespacePolicies,
+    /// The namespace's policies, refreshed by the broker's policy loop.
+    policies: Mutex<NamespacePolicies>,
     /// The broker, for what a topic does to other topics (dead-lettering).
     pub broker: std::sync::Weak<Broker>,
     /// Terminated: no more messages (mirrors the log's record, for cheap checks).
@@ -340,6 +340,32 @@ impl Topic {
         }
     }
 
+    /// Acknowledges, on every durable subscription, what was published before `cutoff_ms`
+    /// (message TTL). Returns the entries acknowledged.
+    pub async fn expire_all_before(self: &Arc<Self>, cutoff_ms: u64) -> u64 {
+        let subs = match self.durable_subscriptions().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(topic = %self.full_name, error = %e, "listing subscriptions failed");
+                return 0;
+            }
+        };
+        let mut total = 0;
+        for name in subs {
+            let r = match self.subscription_for_admin(&name).await {
+                Ok(sub) => sub.expire_before(cutoff_ms, false).await,
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(n) => total += n,
+                Err(e) => {
+                    tracing::warn!(topic = %self.full_name, subscription = %name, error = %e, "TTL expiry failed")
+                }
+            }
+        }
+        total
+    }
+
     /// Forgets a subscription that has ended (unsubscribed, or a reader whose consumer left).
     pub async fn drop_subscription(&self, name: &str, sub: &Arc<Subscription>) {
         let mut subs = self.subscriptions.lock().await;
@@ -428,6 +454,11 @@ impl Topic {
             producers: self.producer_count(),
             subscriptions,
         }
+    }
+
+    /// The namespace's policies as last read.
+    pub fn policies(&self) -> NamespacePolicies {
+        self.policies.lock().expect("policies lock").clone()
     }
 
     /// Terminates the topic: no more messages (its log refuses appends, also after restarts);
@@ -703,7 +734,7 @@ impl Broker {
             counters: TopicCounters::default(),
             rates: Mutex::default(),
             dedup,
-            policies: policies_kept,
+            policies: Mutex::new(policies_kept),
             broker: self.me.clone(),
             terminated: AtomicBool::new(terminated),
         }))
@@ -757,6 +788,42 @@ impl Broker {
             .await;
     }
 
+    /// Every `broker.policy_refresh_interval_ms`: re-reads the policies of the namespaces of
+    /// loaded topics (an admin change takes effect within one interval; deduplication on or
+    /// off applies when a topic is next loaded) and applies message TTLs: on every durable
+    /// subscription, what was published more than the TTL ago is acknowledged.
+    pub async fn policy_loop(self: Arc<Self>) {
+        let every = Duration::from_millis(self.cfg.policy_refresh_interval_ms);
+        let expired = metrics::counter!("meridian_ttl_expired_entries_total");
+        loop {
+            tokio::time::sleep(every).await;
+            if self.is_closing() {
+                return;
+            }
+            let mut by_ns: HashMap<String, Vec<Arc<Topic>>> = HashMap::new();
+            for t in self.loaded_topics() {
+                by_ns.entry(t.name.namespace()).or_default().push(t);
+            }
+            for (ns, topics) in by_ns {
+                let p = match self.namespace_policies(&ns).await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        tracing::warn!(namespace = %ns, error = %e, "reading policies failed");
+                        continue;
+                    }
+                };
+                let ttl_ms = u64::from(p.message_ttl_seconds.unwrap_or(0)) * 1000;
+                for t in topics {
+                    *t.policies.lock().expect("policies lock") = p.clone();
+                    if ttl_ms > 0 {
+                        let n = t.expire_all_before(now_ms().saturating_sub(ttl_ms)).await;
+                        expired.increment(n);
+                    }
+                }
+            }
+        }
+    }
+
     /// Publishes backlog and size gauges of every loaded topic every `interval`.
     pub async fn stats_loop(self: Arc<Self>, interval: Duration) {
         loop {
@@ -781,4 +848,10 @@ impl Broker {
             }
         }
     }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }

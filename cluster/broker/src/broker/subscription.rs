@@ -1015,7 +1015,7 @@ impl Subscription {
         let mut dead = Vec::new();
         let dead_letter_after = self
             .topic
-            .policies
+            .policies()
             .dead_letter_max_redeliveries
             .filter(|_| self.durable);
         let mut out_msgs = 0u64;
