@@ -434,3 +434,97 @@ fn message_ttl_expires_on_every_subscription_promptly() {
     std::thread::sleep(std::time::Duration::from_secs(3));
     assert_eq!(backlogs(), vec![3, 3]);
 }
+
+#[test]
+fn per_topic_limits_of_producers_consumers_and_subscriptions_are_enforced() {
+    use meridian_integration::raw::{error_of, producer, subscribe, Raw};
+    use meridian_protocol::pb::{command_subscribe::SubType, ServerError};
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    a.ok(&["namespaces", "create", "public/limits"]);
+    a.ok(&[
+        "namespaces",
+        "set-max-producers-per-topic",
+        "public/limits",
+        "-p",
+        "2",
+    ]);
+    a.ok(&[
+        "namespaces",
+        "set-max-consumers-per-topic",
+        "public/limits",
+        "-c",
+        "2",
+    ]);
+    a.ok(&[
+        "namespaces",
+        "set-max-subscriptions-per-topic",
+        "public/limits",
+        "-m",
+        "1",
+    ]);
+    let p = a.json(&["namespaces", "policies", "public/limits"]);
+    assert_eq!(
+        (
+            &p["max_producers_per_topic"],
+            &p["max_consumers_per_topic"],
+            &p["max_subscriptions_per_topic"]
+        ),
+        (
+            &serde_json::json!(2),
+            &serde_json::json!(2),
+            &serde_json::json!(1)
+        )
+    );
+    let t = "persistent://public/limits/t";
+    let mut c = Raw::connected(&s.url);
+    step("two producers, the third is busy");
+    for id in 1..=2 {
+        c.send(&producer(t, id, id));
+        assert!(c.expect().command.producer_success.is_some());
+    }
+    c.send(&producer(t, 3, 3));
+    let (code, msg) = error_of(&c.expect());
+    assert_eq!(code, ServerError::ProducerBusy);
+    assert!(msg.contains("limit of 2 producers"), "{msg}");
+    step("one subscription; two consumers on it, the third is busy");
+    let shared = |sub: &str, consumer: u64, request: u64| {
+        let mut cmd = subscribe(t, sub, consumer, request);
+        cmd.subscribe.as_mut().unwrap().sub_type = SubType::Shared as i32;
+        cmd
+    };
+    c.send(&shared("s1", 10, 10));
+    assert!(c.expect().command.success.is_some());
+    c.send(&shared("s2", 11, 11));
+    let (code, msg) = error_of(&c.expect());
+    assert_eq!(code, ServerError::NotAllowedError);
+    assert!(msg.contains("limit of 1 subscriptions"), "{msg}");
+    c.send(&shared("s1", 12, 12));
+    assert!(c.expect().command.success.is_some());
+    c.send(&shared("s1", 13, 13));
+    let (code, msg) = error_of(&c.expect());
+    assert_eq!(code, ServerError::ConsumerBusy);
+    assert!(msg.contains("limit of 2 consumers"), "{msg}");
+    step("removing a limit lets the next one in (within the policy refresh)");
+    a.ok(&[
+        "namespaces",
+        "remove-max-producers-per-topic",
+        "public/limits",
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    c.send(&producer(t, 4, 4));
+    assert!(c.expect().command.producer_success.is_some());
+    let err = a.refused(
+        &[
+            "namespaces",
+            "set-max-consumers-per-topic",
+            "public/limits",
+            "-c",
+            "2000000",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("0..=1000000"), "{err}");
+}

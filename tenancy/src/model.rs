@@ -49,6 +49,15 @@ pub struct NamespacePolicies {
     /// TTL).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub message_ttl_seconds: Option<u32>,
+    /// Most producers on one topic (0: no limit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_producers_per_topic: Option<u32>,
+    /// Most consumers on one topic, over its subscriptions (0: no limit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_consumers_per_topic: Option<u32>,
+    /// Most subscriptions on one topic (0: no limit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_subscriptions_per_topic: Option<u32>,
 }
 
 /// The schema compatibility strategies (Pulsar's names).
@@ -69,6 +78,9 @@ pub const POLICY_FIELDS: &[&str] = &[
     "dead_letter_max_redeliveries",
     "schema_compatibility_strategy",
     "message_ttl_seconds",
+    "max_producers_per_topic",
+    "max_consumers_per_topic",
+    "max_subscriptions_per_topic",
 ];
 
 impl NamespacePolicies {
@@ -85,6 +97,20 @@ impl NamespacePolicies {
             if t > 315_360_000 {
                 return Err(format!(
                     "message_ttl_seconds {t} is out of range 0..=315360000 (ten years; 0: no TTL)"
+                ));
+            }
+        }
+        for (name, v) in [
+            ("max_producers_per_topic", self.max_producers_per_topic),
+            ("max_consumers_per_topic", self.max_consumers_per_topic),
+            (
+                "max_subscriptions_per_topic",
+                self.max_subscriptions_per_topic,
+            ),
+        ] {
+            if let Some(n) = v.filter(|n| *n > 1_000_000) {
+                return Err(format!(
+                    "{name} {n} is out of range 0..=1000000 (0: no limit)"
                 ));
             }
         }
@@ -114,12 +140,24 @@ impl NamespacePolicies {
         if set.message_ttl_seconds.is_some() {
             p.message_ttl_seconds = set.message_ttl_seconds;
         }
+        if set.max_producers_per_topic.is_some() {
+            p.max_producers_per_topic = set.max_producers_per_topic;
+        }
+        if set.max_consumers_per_topic.is_some() {
+            p.max_consumers_per_topic = set.max_consumers_per_topic;
+        }
+        if set.max_subscriptions_per_topic.is_some() {
+            p.max_subscriptions_per_topic = set.max_subscriptions_per_topic;
+        }
         for f in clear {
             match f.as_str() {
                 "deduplication_enabled" => p.deduplication_enabled = None,
                 "dead_letter_max_redeliveries" => p.dead_letter_max_redeliveries = None,
                 "schema_compatibility_strategy" => p.schema_compatibility_strategy = None,
                 "message_ttl_seconds" => p.message_ttl_seconds = None,
+                "max_producers_per_topic" => p.max_producers_per_topic = None,
+                "max_consumers_per_topic" => p.max_consumers_per_topic = None,
+                "max_subscriptions_per_topic" => p.max_subscriptions_per_topic = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",

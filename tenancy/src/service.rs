@@ -67,6 +67,9 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
         dead_letter_max_redeliveries: p.dead_letter_max_redeliveries,
         schema_compatibility_strategy: p.schema_compatibility_strategy,
         message_ttl_seconds: p.message_ttl_seconds,
+        max_producers_per_topic: p.max_producers_per_topic,
+        max_consumers_per_topic: p.max_consumers_per_topic,
+        max_subscriptions_per_topic: p.max_subscriptions_per_topic,
     }
 }
 
@@ -76,6 +79,9 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
         dead_letter_max_redeliveries: p.dead_letter_max_redeliveries,
         schema_compatibility_strategy: p.schema_compatibility_strategy.clone(),
         message_ttl_seconds: p.message_ttl_seconds,
+        max_producers_per_topic: p.max_producers_per_topic,
+        max_consumers_per_topic: p.max_consumers_per_topic,
+        max_subscriptions_per_topic: p.max_subscriptions_per_topic,
     }
 }
 

@@ -169,6 +169,33 @@ enum Namespaces {
     RemoveMessageTtl {
         namespace: String,
     },
+    /// Most producers on one topic (0: no limit).
+    SetMaxProducersPerTopic {
+        namespace: String,
+        #[arg(long, short = 'p')]
+        max_producers_per_topic: u32,
+    },
+    RemoveMaxProducersPerTopic {
+        namespace: String,
+    },
+    /// Most consumers on one topic (0: no limit).
+    SetMaxConsumersPerTopic {
+        namespace: String,
+        #[arg(long, short = 'c')]
+        max_consumers_per_topic: u32,
+    },
+    RemoveMaxConsumersPerTopic {
+        namespace: String,
+    },
+    /// Most subscriptions on one topic (0: no limit).
+    SetMaxSubscriptionsPerTopic {
+        namespace: String,
+        #[arg(long, short = 'm')]
+        max_subscriptions_per_topic: u32,
+    },
+    RemoveMaxSubscriptionsPerTopic {
+        namespace: String,
+    },
     GetMessageTtl {
         namespace: String,
     },
@@ -433,6 +460,9 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "dead_letter_max_redeliveries": p.dead_letter_max_redeliveries,
         "schema_compatibility_strategy": p.schema_compatibility_strategy,
         "message_ttl_seconds": p.message_ttl_seconds,
+        "max_producers_per_topic": p.max_producers_per_topic,
+        "max_consumers_per_topic": p.max_consumers_per_topic,
+        "max_subscriptions_per_topic": p.max_subscriptions_per_topic,
     })
 }
 
@@ -473,6 +503,12 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                         show(&p.schema_compatibility_strategy),
                     ),
                     ("message_ttl_seconds", show(&p.message_ttl_seconds)),
+                    ("max_producers_per_topic", show(&p.max_producers_per_topic)),
+                    ("max_consumers_per_topic", show(&p.max_consumers_per_topic)),
+                    (
+                        "max_subscriptions_per_topic",
+                        show(&p.max_subscriptions_per_topic),
+                    ),
                 ])
             });
             return Ok(());
@@ -506,6 +542,54 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                 ..Default::default()
             },
             vec![],
+        ),
+        Namespaces::SetMaxProducersPerTopic {
+            namespace,
+            max_producers_per_topic: n,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                max_producers_per_topic: Some(n),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::RemoveMaxProducersPerTopic { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["max_producers_per_topic"],
+        ),
+        Namespaces::SetMaxConsumersPerTopic {
+            namespace,
+            max_consumers_per_topic: n,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                max_consumers_per_topic: Some(n),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::RemoveMaxConsumersPerTopic { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["max_consumers_per_topic"],
+        ),
+        Namespaces::SetMaxSubscriptionsPerTopic {
+            namespace,
+            max_subscriptions_per_topic: n,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                max_subscriptions_per_topic: Some(n),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::RemoveMaxSubscriptionsPerTopic { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["max_subscriptions_per_topic"],
         ),
         Namespaces::RemoveMessageTtl { namespace } => update(
             namespace,

@@ -173,9 +173,14 @@ impl Topic {
     ) -> Result<producers::Admission, BrokerError> {
         let name = given.map_or_else(generated, str::to_string);
         let before = self.producers.epoch();
-        let a = self
-            .producers
-            .add(name, mode, requested_epoch, sink, &self.full_name)?;
+        let a = self.producers.add(
+            name,
+            mode,
+            requested_epoch,
+            sink,
+            &self.full_name,
+            self.policies().max_producers_per_topic.unwrap_or(0) as usize,
+        )?;
         let after = self.producers.epoch();
         if after != before {
             self.record_epoch(after).await;
@@ -223,6 +228,38 @@ impl Topic {
         sink: ConsumerSink,
     ) -> Result<Arc<Subscription>, BrokerError> {
         let mut subs = self.subscriptions.lock().await;
+        let limits = self.policies();
+        if let Some(max) = limits.max_consumers_per_topic.filter(|m| *m > 0) {
+            let mut n = 0;
+            for s in subs.values() {
+                n += s.consumer_count().await;
+            }
+            if n >= max as usize {
+                return Err(BrokerError::new(
+                    ServerError::ConsumerBusy,
+                    format!(
+                        "{} has reached its limit of {max} consumers (max_consumers_per_topic)",
+                        self.full_name
+                    ),
+                ));
+            }
+        }
+        if let Some(max) = limits.max_subscriptions_per_topic.filter(|m| *m > 0) {
+            if !subs.contains_key(&req.subscription) {
+                let mut names: std::collections::BTreeSet<String> =
+                    self.durable_subscriptions().await?.into_iter().collect();
+                names.extend(subs.keys().cloned());
+                if !names.contains(&req.subscription) && names.len() >= max as usize {
+                    return Err(BrokerError::new(
+                        ServerError::NotAllowedError,
+                        format!(
+                            "{} has reached its limit of {max} subscriptions (max_subscriptions_per_topic)",
+                            self.full_name
+                        ),
+                    ));
+                }
+            }
+        }
         if let Some(sub) = subs.get(&req.subscription) {
             let sub = Arc::clone(sub);
             // Opened without consumers (by the admin API, or as a dead-letter topic's) under

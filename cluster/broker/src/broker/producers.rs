@@ -156,7 +156,7 @@ impl Producers {
     }
 
     /// Attaches a producer named `name` (generated or given) in `mode`; `requested_epoch` is
-    /// the epoch a returning exclusive producer held.
+    /// the epoch a returning exclusive producer held; at most `max` producers (0: no limit).
     pub fn add(
         &self,
         name: String,
@@ -164,8 +164,17 @@ impl Producers {
         requested_epoch: Option<u64>,
         sink: ProducerSink,
         topic: &str,
+        max: usize,
     ) -> Result<Admission, BrokerError> {
         let mut g = self.lock();
+        if max > 0 && g.by_name.len() + g.waiting.len() >= max {
+            return Err(BrokerError::new(
+                ServerError::ProducerBusy,
+                format!(
+                    "{topic} has reached its limit of {max} producers (max_producers_per_topic)"
+                ),
+            ));
+        }
         if g.by_name.contains_key(&name) || g.waiting.iter().any(|(h, _)| h.name == name) {
             return Err(BrokerError::new(
                 ServerError::ProducerBusy,
@@ -300,7 +309,17 @@ mod tests {
     }
 
     fn add(p: &Producers, name: &str, mode: AccessMode) -> Result<Admission, BrokerError> {
-        p.add(name.into(), mode, None, sink(1).0, "t")
+        p.add(name.into(), mode, None, sink(1).0, "t", 0)
+    }
+
+    #[test]
+    fn given_a_limit_then_producers_beyond_it_are_busy() {
+        let p = Producers::default();
+        for n in ["a", "b"] {
+            ready(p.add(n.into(), AccessMode::Shared, None, sink(1).0, "t", 2));
+        }
+        let e = p.add("c".into(), AccessMode::Shared, None, sink(1).0, "t", 2);
+        assert_eq!(code(e), ServerError::ProducerBusy);
     }
 
     fn ready(a: Result<Admission, BrokerError>) -> (Arc<ProducerHandle>, Option<u64>) {
@@ -399,13 +418,14 @@ mod tests {
     fn given_fencing_then_everyone_else_is_closed_and_old_epochs_are_refused() {
         let p = Producers::default();
         let (s1, mut rx1) = sink(7);
-        let a = ready(p.add("a".into(), AccessMode::Shared, None, s1, "t")).0;
+        let a = ready(p.add("a".into(), AccessMode::Shared, None, s1, "t", 0)).0;
         let (old, old_epoch) = ready(p.add(
             "f0".into(),
             AccessMode::ExclusiveWithFencing,
             None,
             sink(2).0,
             "t",
+            0,
         ));
         assert!(a.is_fenced());
         assert!(
@@ -418,6 +438,7 @@ mod tests {
             None,
             sink(3).0,
             "t",
+            0,
         ));
         assert!(old.is_fenced());
         assert!(epoch > old_epoch);
@@ -428,6 +449,7 @@ mod tests {
             old_epoch,
             sink(4).0,
             "t",
+            0,
         );
         assert_eq!(code(again), ServerError::ProducerFenced);
     }
