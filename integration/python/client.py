@@ -311,6 +311,23 @@ def access_modes(a, c, t):
     c2.close()
 
 
+def timed_sends(a):
+    """Sends --count messages one at a time (a pause between them) and prints how long each
+    took to be acknowledged: {"acked": i, "took": seconds}, or {"failed": i, "error": ...}."""
+    c = client(a.url)
+    p = c.create_producer(a.topic, batching_enabled=False, send_timeout_millis=a.send_timeout_ms)
+    out({"created": True})
+    for i in range(a.count):
+        t0 = time.time()
+        try:
+            p.send(("msg-%d" % i).encode(), properties={"i": str(i)})
+            out({"acked": i, "took": time.time() - t0})
+        except pulsar.PulsarException as e:
+            out({"failed": i, "error": str(e), "took": time.time() - t0})
+        time.sleep(a.pause_ms / 1000.0)
+    c.close()
+
+
 def batch_ack(a):
     """Batch-index acks across a restart. Phase 1: one batch of 10, the even ones acked.
     Phase 2 (after the restart): what comes back, acked; then nothing more."""
@@ -640,6 +657,13 @@ def main():
     p.add_argument("name")
     p.add_argument("--limit", type=int, default=0)
     p.set_defaults(fn=semantics)
+    p = sub.add_parser("timed-sends")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("--count", type=int, required=True)
+    p.add_argument("--pause-ms", type=int, default=50)
+    p.add_argument("--send-timeout-ms", type=int, default=30000)
+    p.set_defaults(fn=timed_sends)
     p = sub.add_parser("batch-ack")
     p.add_argument("url")
     p.add_argument("topic")

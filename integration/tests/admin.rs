@@ -528,3 +528,216 @@ fn per_topic_limits_of_producers_consumers_and_subscriptions_are_enforced() {
     );
     assert!(err.contains("0..=1000000"), "{err}");
 }
+
+/// A standalone with a fast policy loop and namespace `public/NS` under a backlog quota of
+/// 1 KiB with `policy`; topic `t` has a subscription `slow` from the earliest message.
+fn quota_setup(dir: &tempfile::TempDir, ns: &str, policy: &str) -> StandaloneProc {
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    let ns = format!("public/{ns}");
+    a.ok(&["namespaces", "create", &ns]);
+    a.ok(&[
+        "namespaces",
+        "set-backlog-quota",
+        &ns,
+        "--limit-size",
+        "1K",
+        "--limit-time",
+        "1h",
+        "--policy",
+        policy,
+    ]);
+    let q = a.json(&["namespaces", "get-backlog-quotas", &ns]);
+    assert_eq!(q["limit_size_bytes"], 1024);
+    assert_eq!(q["limit_time_seconds"], 3600);
+    let t = format!("persistent://{ns}/t");
+    a.ok(&["topics", "create", &t]);
+    a.ok(&[
+        "topics",
+        "create-subscription",
+        &t,
+        "-s",
+        "slow",
+        "-m",
+        "earliest",
+    ]);
+    s
+}
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !f() {
+        assert!(std::time::Instant::now() < deadline, "timed out: {what}");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn backlog_quota_exception_refuses_producers_at_once_and_names_the_subscription() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = quota_setup(&dir, "qe", "producer_exception");
+    let a = Admin { url: &s.admin_url };
+    let t = "persistent://public/qe/t";
+    let err = a.refused(
+        &[
+            "namespaces",
+            "set-backlog-quota",
+            "public/qe",
+            "--limit-size",
+            "1K",
+            "--policy",
+            "drop_everything",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("producer_request_hold"), "{err}");
+    step("40 messages pass the 1 KiB quota; the stats name the subscription");
+    let lines = meridian_integration::PyClient::run(
+        dir.path(),
+        "p1",
+        &[
+            "timed-sends",
+            &s.url,
+            t,
+            "--count",
+            "40",
+            "--pause-ms",
+            "0",
+            "--send-timeout-ms",
+            "3000",
+        ],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    assert!(lines.iter().any(|v| v.get("acked").is_some()));
+    wait_until("the quota shows in the stats", || {
+        a.json(&["topics", "stats", t])["backlog_quota_exceeded"]
+            .as_str()
+            .is_some_and(|d| d.contains("subscription slow"))
+    });
+    step("a new producer is refused at once");
+    let p = meridian_integration::PyClient::run(
+        dir.path(),
+        "p2",
+        &["produce", &s.url, t, "--count", "1"],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    let why = p
+        .iter()
+        .find_map(|v| v["create_failed"].as_str())
+        .expect("refused");
+    assert!(
+        why.contains("ProducerBlockedQuotaExceededException"),
+        "{why}"
+    );
+    step("clearing the backlog lets producers in again");
+    a.ok(&["topics", "clear-backlog", t, "-s", "slow"]);
+    wait_until("the quota clears", || {
+        a.json(&["topics", "stats", t])["backlog_quota_exceeded"].is_null()
+    });
+    let p = meridian_integration::PyClient::run(
+        dir.path(),
+        "p3",
+        &["produce", &s.url, t, "--count", "1", "--sync"],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    assert!(p.iter().any(|v| v["acked"] == 0), "{p:?}");
+}
+
+#[test]
+fn backlog_quota_hold_makes_a_send_wait_until_a_consumer_frees_space() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = quota_setup(&dir, "qh", "producer_request_hold");
+    let a = Admin { url: &s.admin_url };
+    let t = "persistent://public/qh/t";
+    step("a producer sends one message every 50 ms; past 1 KiB its sends wait");
+    let mut p = meridian_integration::PyClient::run(
+        dir.path(),
+        "p",
+        &[
+            "timed-sends",
+            &s.url,
+            t,
+            // About 21 messages fill the 1 KiB; after the backlog is cleared the rest fit.
+            "--count",
+            "30",
+            "--send-timeout-ms",
+            "30000",
+        ],
+    );
+    wait_until("the quota is passed", || {
+        !a.json(&["topics", "stats", t])["backlog_quota_exceeded"].is_null()
+    });
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let before = p
+        .lines()
+        .iter()
+        .filter(|v| v.get("acked").is_some())
+        .count();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    let after = p
+        .lines()
+        .iter()
+        .filter(|v| v.get("acked").is_some())
+        .count();
+    assert_eq!(before, after, "sends went on while the quota was passed");
+    step("the slow subscription catches up: the held send goes through, then the rest");
+    a.ok(&["topics", "clear-backlog", t, "-s", "slow"]);
+    let lines = p.finish(std::time::Duration::from_secs(90)).unwrap();
+    let acked: Vec<u64> = lines.iter().filter_map(|v| v["acked"].as_u64()).collect();
+    assert!(
+        !lines.iter().any(|v| v.get("failed").is_some()),
+        "a send failed: {lines:?}"
+    );
+    assert_eq!(acked.len(), 30, "every send went through in the end");
+    let held = lines
+        .iter()
+        .filter_map(|v| v["took"].as_f64())
+        .fold(0.0f64, f64::max);
+    assert!(held >= 2.0, "no send was held (longest {held:.2} s)");
+}
+
+#[test]
+fn backlog_quota_eviction_moves_the_slow_subscription_and_the_producer_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = quota_setup(&dir, "qv", "consumer_backlog_eviction");
+    let a = Admin { url: &s.admin_url };
+    let t = "persistent://public/qv/t";
+    let lines = meridian_integration::PyClient::run(
+        dir.path(),
+        "p",
+        &[
+            "timed-sends",
+            &s.url,
+            t,
+            "--count",
+            "40",
+            "--pause-ms",
+            "20",
+            "--send-timeout-ms",
+            "5000",
+        ],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    assert_eq!(
+        lines.iter().filter(|v| v.get("acked").is_some()).count(),
+        40,
+        "the producer was held"
+    );
+    wait_until("the slow subscription is moved forward", || {
+        let st = a.json(&["topics", "stats", t]);
+        st["subscriptions"][0]["backlog_bytes"].as_u64().unwrap() <= 1024
+            && st["subscriptions"][0]["backlog_entries"].as_u64().unwrap() > 0
+    });
+    let st = a.json(&["topics", "stats", t]);
+    assert!(st["backlog_quota_exceeded"].is_null());
+    // What is left is the newest: peeking shows the last messages.
+    let peeked = a.json(&["topics", "peek-messages", t, "-s", "slow", "-n", "100"]);
+    let last = peeked.as_array().unwrap().last().unwrap()["payload"].clone();
+    assert_eq!(last, "msg-39");
+}

@@ -58,7 +58,28 @@ pub struct NamespacePolicies {
     /// Most subscriptions on one topic (0: no limit).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_subscriptions_per_topic: Option<u32>,
+    /// How large and how old a topic's backlog (its slowest subscription's) may grow, and what
+    /// happens then.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backlog_quota: Option<BacklogQuota>,
 }
+
+/// A backlog quota: limits (0: none) and the action when one is passed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BacklogQuota {
+    pub limit_size_bytes: u64,
+    pub limit_time_seconds: u64,
+    /// One of [`BACKLOG_QUOTA_POLICIES`].
+    pub policy: String,
+}
+
+/// What a passed backlog quota does (Pulsar's names).
+pub const BACKLOG_QUOTA_POLICIES: &[&str] = &[
+    "producer_request_hold",
+    "producer_exception",
+    "consumer_backlog_eviction",
+];
 
 /// The schema compatibility strategies (Pulsar's names).
 pub const SCHEMA_STRATEGIES: &[&str] = &[
@@ -81,6 +102,7 @@ pub const POLICY_FIELDS: &[&str] = &[
     "max_producers_per_topic",
     "max_consumers_per_topic",
     "max_subscriptions_per_topic",
+    "backlog_quota",
 ];
 
 impl NamespacePolicies {
@@ -112,6 +134,18 @@ impl NamespacePolicies {
                 return Err(format!(
                     "{name} {n} is out of range 0..=1000000 (0: no limit)"
                 ));
+            }
+        }
+        if let Some(q) = &self.backlog_quota {
+            if !BACKLOG_QUOTA_POLICIES.contains(&q.policy.as_str()) {
+                return Err(format!(
+                    "backlog quota policy {:?} is not one of {}",
+                    q.policy,
+                    BACKLOG_QUOTA_POLICIES.join(", ")
+                ));
+            }
+            if q.limit_size_bytes == 0 && q.limit_time_seconds == 0 {
+                return Err("a backlog quota needs a size limit, a time limit or both".into());
             }
         }
         if let Some(s) = &self.schema_compatibility_strategy {
@@ -149,6 +183,9 @@ impl NamespacePolicies {
         if set.max_subscriptions_per_topic.is_some() {
             p.max_subscriptions_per_topic = set.max_subscriptions_per_topic;
         }
+        if set.backlog_quota.is_some() {
+            p.backlog_quota = set.backlog_quota.clone();
+        }
         for f in clear {
             match f.as_str() {
                 "deduplication_enabled" => p.deduplication_enabled = None,
@@ -158,6 +195,7 @@ impl NamespacePolicies {
                 "max_producers_per_topic" => p.max_producers_per_topic = None,
                 "max_consumers_per_topic" => p.max_consumers_per_topic = None,
                 "max_subscriptions_per_topic" => p.max_subscriptions_per_topic = None,
+                "backlog_quota" => p.backlog_quota = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",

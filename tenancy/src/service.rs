@@ -70,6 +70,11 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
         max_producers_per_topic: p.max_producers_per_topic,
         max_consumers_per_topic: p.max_consumers_per_topic,
         max_subscriptions_per_topic: p.max_subscriptions_per_topic,
+        backlog_quota: p.backlog_quota.map(|q| crate::model::BacklogQuota {
+            limit_size_bytes: q.limit_size_bytes,
+            limit_time_seconds: q.limit_time_seconds,
+            policy: q.policy,
+        }),
     }
 }
 
@@ -82,6 +87,11 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
         max_producers_per_topic: p.max_producers_per_topic,
         max_consumers_per_topic: p.max_consumers_per_topic,
         max_subscriptions_per_topic: p.max_subscriptions_per_topic,
+        backlog_quota: p.backlog_quota.as_ref().map(|q| crate::pb::BacklogQuota {
+            limit_size_bytes: q.limit_size_bytes,
+            limit_time_seconds: q.limit_time_seconds,
+            policy: q.policy.clone(),
+        }),
     }
 }
 

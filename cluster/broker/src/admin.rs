@@ -43,6 +43,7 @@ fn to_pb(s: TopicStats, terminated: bool) -> pb::TopicStats {
         storage_bytes: s.storage_bytes,
         producers: s.producers as u32,
         terminated,
+        backlog_quota_exceeded: s.backlog_quota_exceeded.unwrap_or_default(),
         subscriptions: s
             .subscriptions
             .into_iter()

@@ -673,6 +673,9 @@ impl Conn {
                 format!("{name} is terminated: it takes no more messages"),
             ));
         }
+        if let Some(b) = topic.quota_breach() {
+            return Err(b.error());
+        }
         let schema_version = self
             .broker
             .schema_for_producer(&name, p.schema.as_ref())
@@ -747,7 +750,9 @@ impl Conn {
         let bytes = payload.body.len() as u64;
         let submitted = Instant::now();
         let append = if p.handle.is_fenced() {
-            Err(if p.topic.ml.is_terminated().await {
+            Err(if let Some(b) = p.topic.quota_breach() {
+                b.error()
+            } else if p.topic.ml.is_terminated().await {
                 BrokerError::new(
                     ServerError::TopicTerminatedError,
                     "the topic is terminated: it takes no more messages",

@@ -196,6 +196,26 @@ enum Namespaces {
     RemoveMaxSubscriptionsPerTopic {
         namespace: String,
     },
+    /// Limits a topic's backlog (its slowest subscription's) by size and/or age; the policy
+    /// says what happens when one is passed.
+    SetBacklogQuota {
+        namespace: String,
+        /// Bytes, or with K, M, G, T (powers of 1024), e.g. 10M.
+        #[arg(long)]
+        limit_size: Option<String>,
+        /// Seconds, or with s, m, h, d, e.g. 1h.
+        #[arg(long)]
+        limit_time: Option<String>,
+        /// producer_request_hold, producer_exception or consumer_backlog_eviction.
+        #[arg(long)]
+        policy: String,
+    },
+    GetBacklogQuotas {
+        namespace: String,
+    },
+    RemoveBacklogQuota {
+        namespace: String,
+    },
     GetMessageTtl {
         namespace: String,
     },
@@ -463,6 +483,7 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "max_producers_per_topic": p.max_producers_per_topic,
         "max_consumers_per_topic": p.max_consumers_per_topic,
         "max_subscriptions_per_topic": p.max_subscriptions_per_topic,
+        "backlog_quota": p.backlog_quota.as_ref().map(quota_json),
     })
 }
 
@@ -508,6 +529,12 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                     (
                         "max_subscriptions_per_topic",
                         show(&p.max_subscriptions_per_topic),
+                    ),
+                    (
+                        "backlog_quota",
+                        p.backlog_quota
+                            .as_ref()
+                            .map_or_else(|| "(none)".to_string(), |q| quota_json(q).to_string()),
                     ),
                 ])
             });
@@ -590,6 +617,50 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             namespace,
             NamespacePolicies::default(),
             vec!["max_subscriptions_per_topic"],
+        ),
+        Namespaces::SetBacklogQuota {
+            namespace,
+            limit_size,
+            limit_time,
+            policy,
+        } => {
+            let size = limit_size
+                .as_deref()
+                .map(parse_size)
+                .transpose()?
+                .unwrap_or(0);
+            let time = limit_time
+                .as_deref()
+                .map(parse_duration_s)
+                .transpose()?
+                .unwrap_or(0);
+            update(
+                namespace,
+                NamespacePolicies {
+                    backlog_quota: Some(BacklogQuota {
+                        limit_size_bytes: size,
+                        limit_time_seconds: time,
+                        policy,
+                    }),
+                    ..Default::default()
+                },
+                vec![],
+            )
+        }
+        Namespaces::GetBacklogQuotas { namespace } => {
+            let n = c
+                .get_namespace(Name { name: namespace })
+                .await?
+                .into_inner();
+            let q = n.policies.unwrap_or_default().backlog_quota;
+            let v = q.as_ref().map_or(Value::Null, quota_json);
+            print(out, &v, || v.to_string());
+            return Ok(());
+        }
+        Namespaces::RemoveBacklogQuota { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["backlog_quota"],
         ),
         Namespaces::RemoveMessageTtl { namespace } => update(
             namespace,
@@ -724,7 +795,9 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                 "bytes_rate_out": s.bytes_rate_out, "msgs_in_total": s.msgs_in_total,
                 "msgs_out_total": s.msgs_out_total, "storage_entries": s.storage_entries,
                 "storage_bytes": s.storage_bytes, "producers": s.producers,
-                "terminated": s.terminated, "subscriptions": subs});
+                "terminated": s.terminated, "subscriptions": subs,
+                "backlog_quota_exceeded": (!s.backlog_quota_exceeded.is_empty())
+                    .then_some(&s.backlog_quota_exceeded)});
             print(out, &v, || {
                 let mut t = rows(&[
                     ("topic", s.topic.clone()),
@@ -742,6 +815,14 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                     ),
                     ("producers", s.producers.to_string()),
                     ("terminated", s.terminated.to_string()),
+                    (
+                        "backlog quota",
+                        if s.backlog_quota_exceeded.is_empty() {
+                            "within".to_string()
+                        } else {
+                            format!("exceeded: {}", s.backlog_quota_exceeded)
+                        },
+                    ),
                 ]);
                 for x in &s.subscriptions {
                     t.push_str(&format!(
@@ -861,6 +942,32 @@ impl From<SubsGroup> for Subs {
             SubsGroup::Same(x) => Subs::Same(x),
         }
     }
+}
+
+fn quota_json(q: &BacklogQuota) -> Value {
+    json!({"limit_size_bytes": q.limit_size_bytes, "limit_time_seconds": q.limit_time_seconds,
+        "policy": q.policy})
+}
+
+/// `1024`, `10K`, `10M`, `1G`, `1T` (powers of 1024) as bytes.
+fn parse_size(s: &str) -> anyhow::Result<u64> {
+    let (num, unit) = match s.find(|c: char| !c.is_ascii_digit()) {
+        Some(i) => s.split_at(i),
+        None => (s, ""),
+    };
+    let n: u64 = num
+        .parse()
+        .with_context(|| format!("{s:?} is not a size like 512K, 10M, 1G"))?;
+    let shift = match unit.to_ascii_uppercase().as_str() {
+        "" | "B" => 0,
+        "K" | "KB" => 10,
+        "M" | "MB" => 20,
+        "G" | "GB" => 30,
+        "T" | "TB" => 40,
+        other => anyhow::bail!("unknown unit {other:?} in {s:?}; use K, M, G or T"),
+    };
+    n.checked_mul(1 << shift)
+        .with_context(|| format!("{s:?} is too large"))
 }
 
 /// `10`, `10s`, `5m`, `2h`, `1d` as seconds.

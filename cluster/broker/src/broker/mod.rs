@@ -121,6 +121,29 @@ pub struct TopicStats {
     pub storage_bytes: u64,
     pub producers: usize,
     pub subscriptions: Vec<SubscriptionStats>,
+    /// While the backlog quota is passed: which subscription pins the backlog, and how.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backlog_quota_exceeded: Option<String>,
+}
+
+/// A passed backlog quota whose policy stops producers.
+#[derive(Debug, Clone)]
+pub struct QuotaBreach {
+    /// producer_exception (else producer_request_hold).
+    pub exception: bool,
+    /// Names the subscription that pins the backlog.
+    pub detail: String,
+}
+
+impl QuotaBreach {
+    pub fn error(&self) -> BrokerError {
+        let code = if self.exception {
+            ServerError::ProducerBlockedQuotaExceededException
+        } else {
+            ServerError::ProducerBlockedQuotaExceededError
+        };
+        BrokerError::new(code, format!("backlog quota exceeded: {}", self.detail))
+    }
 }
 
 /// The last sample of a topic's counters and the rates computed from it.
@@ -153,6 +176,8 @@ pub struct Topic {
     pub broker: std::sync::Weak<Broker>,
     /// Terminated: no more messages (mirrors the log's record, for cheap checks).
     pub terminated: AtomicBool,
+    /// Set while a backlog quota with a producer policy is passed.
+    quota_breach: Mutex<Option<QuotaBreach>>,
 }
 
 impl Topic {
@@ -490,6 +515,103 @@ impl Topic {
             storage_bytes,
             producers: self.producer_count(),
             subscriptions,
+            backlog_quota_exceeded: self.quota_breach().map(|b| b.detail),
+        }
+    }
+
+    /// The passed backlog quota that stops producers, if any.
+    pub fn quota_breach(&self) -> Option<QuotaBreach> {
+        self.quota_breach.lock().expect("quota lock").clone()
+    }
+
+    /// Checks the backlog quota against every durable subscription and acts on its policy:
+    /// eviction moves the subscriptions that pass it forward; the producer policies close the
+    /// topic's producers and refuse new ones until the backlog is back within the quota.
+    pub async fn check_backlog_quota(self: &Arc<Self>, q: &meridian_tenancy::model::BacklogQuota) {
+        let now = now_ms();
+        let mut worst: Option<String> = None;
+        let names = match self.durable_subscriptions().await {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::warn!(topic = %self.full_name, error = %e, "listing subscriptions failed");
+                return;
+            }
+        };
+        for name in names {
+            let Ok(sub) = self.subscription_for_admin(&name).await else {
+                continue;
+            };
+            let backlog = sub.backlog().await;
+            let size_over = q.limit_size_bytes > 0 && backlog.bytes > q.limit_size_bytes;
+            let age_limit_ms = q.limit_time_seconds.saturating_mul(1000);
+            let oldest = if q.limit_time_seconds > 0 {
+                sub.oldest_unacked_publish_time().await
+            } else {
+                None
+            };
+            let time_over = oldest.is_some_and(|t| t + age_limit_ms < now);
+            if !(size_over || time_over) {
+                continue;
+            }
+            if q.policy == "consumer_backlog_eviction" {
+                let r = async {
+                    let mut n = 0;
+                    if time_over {
+                        n += sub
+                            .expire_before(now.saturating_sub(age_limit_ms), false)
+                            .await?;
+                    }
+                    if size_over {
+                        n += sub.evict_to_bytes(q.limit_size_bytes).await?;
+                    }
+                    Ok::<u64, BrokerError>(n)
+                }
+                .await;
+                match r {
+                    Ok(n) => {
+                        metrics::counter!("meridian_backlog_evicted_entries_total").increment(n);
+                        tracing::info!(topic = %self.full_name, subscription = %name, entries = n, "backlog quota: evicted");
+                    }
+                    Err(e) => {
+                        tracing::warn!(topic = %self.full_name, subscription = %name, error = %e, "backlog eviction failed")
+                    }
+                }
+                continue;
+            }
+            let detail = if size_over {
+                format!(
+                    "subscription {name} holds {} bytes of backlog (limit {})",
+                    backlog.bytes, q.limit_size_bytes
+                )
+            } else {
+                format!(
+                    "subscription {name} holds a message {} s old (limit {} s)",
+                    (now - oldest.unwrap_or(now)) / 1000,
+                    q.limit_time_seconds
+                )
+            };
+            worst.get_or_insert(detail);
+        }
+        let breach = worst.map(|detail| QuotaBreach {
+            exception: q.policy == "producer_exception",
+            detail,
+        });
+        self.set_quota_breach(breach);
+    }
+
+    fn set_quota_breach(&self, breach: Option<QuotaBreach>) {
+        let newly = {
+            let mut g = self.quota_breach.lock().expect("quota lock");
+            let newly = g.is_none() && breach.is_some();
+            if g.is_some() && breach.is_none() {
+                tracing::info!(topic = %self.full_name, "backlog quota: back within it");
+            }
+            *g = breach;
+            newly
+        };
+        if newly {
+            tracing::info!(topic = %self.full_name, detail = ?self.quota_breach().map(|b| b.detail), "backlog quota exceeded: producers closed");
+            self.producers.fence_all();
         }
     }
 
@@ -774,6 +896,7 @@ impl Broker {
             policies: Mutex::new(policies_kept),
             broker: self.me.clone(),
             terminated: AtomicBool::new(terminated),
+            quota_breach: Mutex::new(None),
         }))
     }
 
@@ -852,6 +975,10 @@ impl Broker {
                 let ttl_ms = u64::from(p.message_ttl_seconds.unwrap_or(0)) * 1000;
                 for t in topics {
                     *t.policies.lock().expect("policies lock") = p.clone();
+                    match &p.backlog_quota {
+                        Some(q) => t.check_backlog_quota(q).await,
+                        None => t.set_quota_breach(None),
+                    }
                     if ttl_ms > 0 {
                         let n = t.expire_all_before(now_ms().saturating_sub(ttl_ms)).await;
                         expired.increment(n);

@@ -708,6 +708,38 @@ impl Subscription {
         Ok(done)
     }
 
+    /// The publish time of the oldest unacknowledged message, if any.
+    pub async fn oldest_unacked_publish_time(&self) -> Option<u64> {
+        let (_, bytes) = self.peek(1).await.ok()?.into_iter().next()?;
+        let e = Entry::parse(bytes).ok()?;
+        e.metadata().ok().map(|m| m.publish_time)
+    }
+
+    /// Backlog eviction: acknowledges the oldest entries until the backlog is at most
+    /// `limit_bytes`. Returns how many entries.
+    pub async fn evict_to_bytes(&self, limit_bytes: u64) -> Result<u64, BrokerError> {
+        let mut st = self.state.lock().await;
+        let ml = Arc::clone(&self.topic.ml);
+        let mut excess = st.cursor.backlog().await.bytes.saturating_sub(limit_bytes);
+        let mut pos = match st.cursor.mark_delete() {
+            Some(md) => ml.next_position(md).await,
+            None => ml.first_position().await,
+        };
+        let mut done = 0;
+        while let Some(p) = pos.filter(|_| excess > 0) {
+            if !st.cursor.is_acknowledged(p) {
+                let len = ml.read(p).await?.len() as u64;
+                st.cursor.ack(p).await?;
+                st.unpend(p);
+                st.redeliver.remove(&p);
+                excess = excess.saturating_sub(len);
+                done += 1;
+            }
+            pos = ml.next_position(p).await;
+        }
+        Ok(done)
+    }
+
     /// Admin (and TTL): acknowledges every entry published before `cutoff_ms`; with `dry_run`
     /// only counts them. Returns how many unacknowledged entries that was.
     pub async fn expire_before(&self, cutoff_ms: u64, dry_run: bool) -> Result<u64, BrokerError> {
