@@ -741,3 +741,89 @@ fn backlog_quota_eviction_moves_the_slow_subscription_and_the_producer_goes_on()
     let last = peeked.as_array().unwrap().last().unwrap()["payload"].clone();
     assert_eq!(last, "msg-39");
 }
+
+#[test]
+fn retention_keeps_acknowledged_data_for_readers_or_frees_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
+        .env("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "5")
+        .env("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    a.ok(&["namespaces", "create", "public/keep"]);
+    a.ok(&["namespaces", "create", "public/drop"]);
+    a.ok(&[
+        "namespaces",
+        "set-retention",
+        "public/keep",
+        "--size",
+        "1G",
+        "--time",
+        "-1",
+    ]);
+    a.ok(&[
+        "namespaces",
+        "set-retention",
+        "public/drop",
+        "--size",
+        "0",
+        "--time",
+        "0",
+    ]);
+    assert_eq!(
+        a.json(&["namespaces", "get-retention", "public/keep"]),
+        serde_json::json!({"size_mb": 1024, "time_minutes": -1})
+    );
+    let (code, _, err) = a.run(&[
+        "namespaces",
+        "set-retention",
+        "public/keep",
+        "--size",
+        "1G",
+        "--time",
+        "-5",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.contains("\"-5\""), "{err}");
+    for ns in ["keep", "drop"] {
+        let t = format!("persistent://public/{ns}/t");
+        a.ok(&["topics", "create", &t]);
+        a.ok(&[
+            "topics",
+            "create-subscription",
+            &t,
+            "-s",
+            "s",
+            "-m",
+            "earliest",
+        ]);
+        meridian_integration::PyClient::run(
+            dir.path(),
+            &format!("p-{ns}"),
+            &["produce", &s.url, &t, "--count", "20", "--sync"],
+        )
+        .finish(std::time::Duration::from_secs(60))
+        .unwrap();
+        let st = a.json(&["topics", "stats", &t]);
+        assert_eq!(st["storage_entries"], 20);
+        step(format!("{ns}: the subscription acknowledges everything"));
+        a.ok(&["topics", "clear-backlog", &t, "-s", "s"]);
+    }
+    step("drop: the consumed ledgers go (the open one stays)");
+    wait_until("consumed ledgers deleted", || {
+        a.json(&["topics", "stats", "persistent://public/drop/t"])["storage_entries"]
+            .as_u64()
+            .unwrap()
+            < 20
+    });
+    step("keep: everything stays and a reader from the earliest reads all 20");
+    std::thread::sleep(std::time::Duration::from_millis(1000));
+    let t = "persistent://public/keep/t";
+    assert_eq!(a.json(&["topics", "stats", t])["storage_entries"], 20);
+    let r = meridian_integration::PyClient::run(dir.path(), "r", &["read", &s.url, t])
+        .finish(std::time::Duration::from_secs(60))
+        .unwrap();
+    let got: Vec<u64> = r.iter().filter_map(|v| v["i"].as_u64()).collect();
+    assert_eq!(got, (0..20).collect::<Vec<_>>());
+}

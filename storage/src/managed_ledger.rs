@@ -775,6 +775,27 @@ impl ManagedLedger {
     /// Deletes the ledgers that end before `keep_from` (what no cursor needs) and that no
     /// retention rule keeps. The open ledger is never deleted. Returns the deleted ids.
     pub async fn trim(&self, keep_from: Position) -> Result<Vec<u64>, ManagedLedgerError> {
+        // Options: 0 is "no such rule"; a rule that is set keeps what it covers.
+        let (ms, bytes) = (self.opts.retention_ms, self.opts.retention_bytes);
+        let rule = |v: u64, other: u64| match (v, other) {
+            (0, 0) => Some(0),
+            (0, _) => None,
+            (v, _) => Some(v),
+        };
+        self.trim_retaining(keep_from, rule(ms, bytes), rule(bytes, ms))
+            .await
+    }
+
+    /// [`trim`](ManagedLedger::trim) with a retention given here, as Pulsar's: a consumed
+    /// ledger is deleted once it passes either rule: older than `retention_ms`, or beyond
+    /// `retention_bytes` counting from the newest (`None`: no limit by that rule; `Some(0)`:
+    /// that rule keeps nothing).
+    pub async fn trim_retaining(
+        &self,
+        keep_from: Position,
+        retention_ms: Option<u64>,
+        retention_bytes: Option<u64>,
+    ) -> Result<Vec<u64>, ManagedLedgerError> {
         let mut st = self.state.lock().await;
         let now = now_ms();
         let candidates: Vec<&LedgerInfo> = st
@@ -787,12 +808,10 @@ impl ManagedLedger {
         let mut kept_bytes = 0u64;
         let mut doomed = Vec::new();
         for l in candidates.iter().rev() {
-            let young = self.opts.retention_ms > 0
-                && l.closed_ms
-                    .is_some_and(|c| now.saturating_sub(c) < self.opts.retention_ms);
-            let fits =
-                self.opts.retention_bytes > 0 && kept_bytes + l.bytes <= self.opts.retention_bytes;
-            if young || fits {
+            let young =
+                retention_ms.is_none_or(|r| l.closed_ms.is_some_and(|c| now.saturating_sub(c) < r));
+            let fits = retention_bytes.is_none_or(|r| kept_bytes.saturating_add(l.bytes) <= r);
+            if young && fits {
                 kept_bytes += l.bytes;
             } else {
                 doomed.push(l.ledger_id);

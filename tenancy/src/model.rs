@@ -62,6 +62,18 @@ pub struct NamespacePolicies {
     /// happens then.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backlog_quota: Option<BacklogQuota>,
+    /// How much acknowledged data is kept (for readers); none set: all of it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retention: Option<Retention>,
+}
+
+/// Retention of acknowledged data, as Pulsar's: -1 is no limit, 0 keeps nothing by that rule;
+/// data is kept while either rule keeps it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Retention {
+    pub time_minutes: i64,
+    pub size_mb: i64,
 }
 
 /// A backlog quota: limits (0: none) and the action when one is passed.
@@ -103,6 +115,7 @@ pub const POLICY_FIELDS: &[&str] = &[
     "max_consumers_per_topic",
     "max_subscriptions_per_topic",
     "backlog_quota",
+    "retention",
 ];
 
 impl NamespacePolicies {
@@ -148,6 +161,16 @@ impl NamespacePolicies {
                 return Err("a backlog quota needs a size limit, a time limit or both".into());
             }
         }
+        if let Some(r) = &self.retention {
+            if r.time_minutes < -1 || r.size_mb < -1 {
+                return Err(format!(
+                    "retention time {} min and size {} MB must each be -1 (no limit) or more",
+                    r.time_minutes, r.size_mb
+                ));
+            }
+            // A quota that evicts by size needs no retention; one that holds producers keeps
+            // unacknowledged data, which retention never deletes: nothing contradicts.
+        }
         if let Some(s) = &self.schema_compatibility_strategy {
             if !SCHEMA_STRATEGIES.contains(&s.to_ascii_uppercase().as_str()) {
                 return Err(format!(
@@ -186,6 +209,9 @@ impl NamespacePolicies {
         if set.backlog_quota.is_some() {
             p.backlog_quota = set.backlog_quota.clone();
         }
+        if set.retention.is_some() {
+            p.retention = set.retention.clone();
+        }
         for f in clear {
             match f.as_str() {
                 "deduplication_enabled" => p.deduplication_enabled = None,
@@ -196,6 +222,7 @@ impl NamespacePolicies {
                 "max_consumers_per_topic" => p.max_consumers_per_topic = None,
                 "max_subscriptions_per_topic" => p.max_subscriptions_per_topic = None,
                 "backlog_quota" => p.backlog_quota = None,
+                "retention" => p.retention = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",
@@ -294,6 +321,28 @@ mod tests {
             .updated(&NamespacePolicies::default(), &["nope".into()])
             .unwrap_err()
             .contains("unknown policy"));
+        let set = NamespacePolicies {
+            retention: Some(Retention {
+                time_minutes: -2,
+                size_mb: 10,
+            }),
+            ..Default::default()
+        };
+        assert!(p
+            .updated(&set, &[])
+            .unwrap_err()
+            .contains("-1 (no limit) or more"));
+        let set = NamespacePolicies {
+            backlog_quota: Some(BacklogQuota {
+                policy: "producer_exception".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        assert!(p
+            .updated(&set, &[])
+            .unwrap_err()
+            .contains("needs a size limit"));
         // Stored form: only what is set.
         assert_eq!(
             serde_json::to_string(&NamespacePolicies::default()).unwrap(),

@@ -75,6 +75,10 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
             limit_time_seconds: q.limit_time_seconds,
             policy: q.policy,
         }),
+        retention: p.retention.map(|r| crate::model::Retention {
+            time_minutes: r.time_minutes,
+            size_mb: r.size_mb,
+        }),
     }
 }
 
@@ -91,6 +95,10 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
             limit_size_bytes: q.limit_size_bytes,
             limit_time_seconds: q.limit_time_seconds,
             policy: q.policy.clone(),
+        }),
+        retention: p.retention.as_ref().map(|r| crate::pb::Retention {
+            time_minutes: r.time_minutes,
+            size_mb: r.size_mb,
         }),
     }
 }

@@ -213,6 +213,22 @@ enum Namespaces {
     GetBacklogQuotas {
         namespace: String,
     },
+    /// Keeps acknowledged data (for readers) up to a size and/or age; -1 is no limit.
+    SetRetention {
+        namespace: String,
+        /// -1, or a size with K, M, G, T (powers of 1024), e.g. 10G.
+        #[arg(long, allow_hyphen_values = true)]
+        size: String,
+        /// -1, or a time with s, m, h, d, e.g. 3h.
+        #[arg(long, allow_hyphen_values = true)]
+        time: String,
+    },
+    GetRetention {
+        namespace: String,
+    },
+    RemoveRetention {
+        namespace: String,
+    },
     RemoveBacklogQuota {
         namespace: String,
     },
@@ -484,6 +500,7 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "max_consumers_per_topic": p.max_consumers_per_topic,
         "max_subscriptions_per_topic": p.max_subscriptions_per_topic,
         "backlog_quota": p.backlog_quota.as_ref().map(quota_json),
+        "retention": p.retention.as_ref().map(retention_json),
     })
 }
 
@@ -656,6 +673,44 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             let v = q.as_ref().map_or(Value::Null, quota_json);
             print(out, &v, || v.to_string());
             return Ok(());
+        }
+        Namespaces::SetRetention {
+            namespace,
+            size,
+            time,
+        } => {
+            let size_mb = match size.as_str() {
+                "-1" => -1,
+                s => i64::try_from(parse_size(s)? >> 20)?,
+            };
+            let time_minutes = match time.as_str() {
+                "-1" => -1,
+                t => i64::try_from(parse_duration_s(t)? / 60)?,
+            };
+            update(
+                namespace,
+                NamespacePolicies {
+                    retention: Some(Retention {
+                        time_minutes,
+                        size_mb,
+                    }),
+                    ..Default::default()
+                },
+                vec![],
+            )
+        }
+        Namespaces::GetRetention { namespace } => {
+            let n = c
+                .get_namespace(Name { name: namespace })
+                .await?
+                .into_inner();
+            let r = n.policies.unwrap_or_default().retention;
+            let v = r.as_ref().map_or(Value::Null, retention_json);
+            print(out, &v, || v.to_string());
+            return Ok(());
+        }
+        Namespaces::RemoveRetention { namespace } => {
+            update(namespace, NamespacePolicies::default(), vec!["retention"])
         }
         Namespaces::RemoveBacklogQuota { namespace } => update(
             namespace,
@@ -942,6 +997,10 @@ impl From<SubsGroup> for Subs {
             SubsGroup::Same(x) => Subs::Same(x),
         }
     }
+}
+
+fn retention_json(r: &Retention) -> Value {
+    json!({"time_minutes": r.time_minutes, "size_mb": r.size_mb})
 }
 
 fn quota_json(q: &BacklogQuota) -> Value {

@@ -599,6 +599,46 @@ impl Topic {
         self.set_quota_breach(breach);
     }
 
+    /// Deletes the ledgers every durable subscription has consumed, except what `retention`
+    /// keeps (-1: no limit). Without a retention policy nothing is deleted.
+    pub async fn trim_consumed(self: &Arc<Self>, retention: &meridian_tenancy::model::Retention) {
+        if retention.time_minutes == -1 && retention.size_mb == -1 {
+            return; // keeps everything
+        }
+        let Some(last) = self.ml.last_confirmed() else {
+            return;
+        };
+        // The first entry some subscription still needs; past the end if none does.
+        let mut keep_from = Position::new(last.ledger_id, last.entry_id.saturating_add(1));
+        let names = match self.durable_subscriptions().await {
+            Ok(n) => n,
+            Err(_) => return,
+        };
+        for name in names {
+            let Ok(sub) = self.subscription_for_admin(&name).await else {
+                return; // unknown position: keep everything
+            };
+            let needed = match sub.mark_delete().await {
+                Some(md) => self.ml.next_position(md).await.unwrap_or(keep_from),
+                None => match self.ml.first_position().await {
+                    Some(p) => p,
+                    None => return,
+                },
+            };
+            keep_from = keep_from.min(needed);
+        }
+        // -1: no limit by that rule (None); 0 or more: the limit.
+        let ms = (retention.time_minutes >= 0).then(|| retention.time_minutes as u64 * 60_000);
+        let bytes = (retention.size_mb >= 0).then_some((retention.size_mb as u64) << 20);
+        match self.ml.trim_retaining(keep_from, ms, bytes).await {
+            Ok(d) if !d.is_empty() => {
+                tracing::info!(topic = %self.full_name, ledgers = ?d, "consumed ledgers deleted (retention)")
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(topic = %self.full_name, error = %e, "trimming failed"),
+        }
+    }
+
     fn set_quota_breach(&self, breach: Option<QuotaBreach>) {
         let newly = {
             let mut g = self.quota_breach.lock().expect("quota lock");
@@ -978,6 +1018,9 @@ impl Broker {
                     match &p.backlog_quota {
                         Some(q) => t.check_backlog_quota(q).await,
                         None => t.set_quota_breach(None),
+                    }
+                    if let Some(r) = &p.retention {
+                        t.trim_consumed(r).await;
                     }
                     if ttl_ms > 0 {
                         let n = t.expire_all_before(now_ms().saturating_sub(ttl_ms)).await;
