@@ -26,6 +26,11 @@ pub trait TopicOps: Send + Sync + 'static {
         partitions: u32,
     ) -> BoxFuture<'_, Result<(), AdminError>>;
     fn stats(&self, topic: String) -> BoxFuture<'_, Result<TopicStats, AdminError>>;
+    /// The stats of a namespace's topics loaded on this broker.
+    fn namespace_stats(
+        &self,
+        namespace: String,
+    ) -> BoxFuture<'_, Result<Vec<TopicStats>, AdminError>>;
     /// Terminates a topic; answers its last message id (`ledger:entry`, empty if none).
     fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>>;
     fn subscriptions(&self, topic: String) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
@@ -288,6 +293,14 @@ impl Admin for AdminService {
 
     async fn get_topic_stats(&self, r: Request<Name>) -> Reply<TopicStats> {
         ok(self.topics.stats(r.into_inner().name).await?)
+    }
+
+    async fn get_namespace_topic_stats(&self, r: Request<Name>) -> Reply<TopicStatsList> {
+        let ns = r.into_inner().name;
+        self.store.policies(&ns).await?;
+        ok(TopicStatsList {
+            topics: self.topics.namespace_stats(ns).await?,
+        })
     }
 
     async fn terminate_topic(&self, r: Request<Name>) -> Reply<TerminateResponse> {

@@ -156,6 +156,32 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn namespace_stats(
+        &self,
+        namespace: String,
+    ) -> BoxFuture<'_, Result<Vec<pb::TopicStats>, AdminError>> {
+        async move {
+            use futures::StreamExt;
+            let topics: Vec<_> = self
+                .0
+                .loaded_topics()
+                .into_iter()
+                .filter(|t| t.name.namespace() == namespace)
+                .collect();
+            let mut out: Vec<pb::TopicStats> = futures::stream::iter(topics)
+                .map(|t| async move {
+                    let terminated = t.terminated.load(std::sync::atomic::Ordering::Acquire);
+                    to_pb(t.stats().await, terminated)
+                })
+                .buffer_unordered(64)
+                .collect()
+                .await;
+            out.sort_by(|a, b| a.topic.cmp(&b.topic));
+            Ok(out)
+        }
+        .boxed()
+    }
+
     fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>> {
         async move {
             let name = self.name(&topic)?;

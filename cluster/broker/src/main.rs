@@ -9,6 +9,7 @@
 //! - `meridian broker`: run a broker against a metadata store and bookies.
 //! - `meridian config print --role ROLE`: show the effective configuration.
 
+mod admin_perf;
 mod bench;
 mod meta;
 mod pulsar_perf;

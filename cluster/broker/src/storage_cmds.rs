@@ -269,6 +269,8 @@ enum PerfCommand {
     Consume(crate::pulsar_perf::ConsumeArgs),
     /// Publish and consume the same topics; print publish and end-to-end latency.
     E2e(crate::pulsar_perf::E2eArgs),
+    /// Time the admin API's namespace-wide topic stats over many topics.
+    Admin(crate::admin_perf::AdminPerfArgs),
 }
 
 #[derive(clap::Args)]
@@ -334,6 +336,9 @@ pub async fn run_perf(args: PerfArgs, cfg: Config) -> anyhow::Result<ExitCode> {
                 .map(|()| ExitCode::SUCCESS)
         }
         PerfCommand::E2e(a) => return crate::pulsar_perf::e2e(a).await.map(|()| ExitCode::SUCCESS),
+        PerfCommand::Admin(a) => {
+            return crate::admin_perf::run(a).await.map(|()| ExitCode::SUCCESS)
+        }
     };
     let meta = MetadataClient::new(&cfg.client).context("client.endpoints")?;
     let client = LedgerClient::new(

@@ -261,6 +261,9 @@ enum Topics {
     },
     /// Rates, backlog, storage and subscriptions of a topic.
     Stats { topic: String },
+    /// The stats of every topic of a namespace (loaded on the broker), as JSON lines or a
+    /// table of one line per topic.
+    StatsAll { namespace: String },
     /// Ends a topic: no more messages; consumers are told once they have read it all.
     Terminate { topic: String },
     #[command(flatten)]
@@ -896,6 +899,38 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
             });
         }
         Topics::Subs(cmd) => subscriptions(c, cmd, out).await?,
+        Topics::StatsAll { namespace } => {
+            let l = c
+                .get_namespace_topic_stats(Name { name: namespace })
+                .await?
+                .into_inner();
+            let v: Vec<Value> = l
+                .topics
+                .iter()
+                .map(|s| {
+                    json!({"topic": s.topic, "msg_rate_in": s.msg_rate_in,
+                        "msg_rate_out": s.msg_rate_out, "msgs_in_total": s.msgs_in_total,
+                        "storage_entries": s.storage_entries, "storage_bytes": s.storage_bytes,
+                        "producers": s.producers, "subscriptions": s.subscriptions.len()})
+                })
+                .collect();
+            print(out, &json!(v), || {
+                l.topics
+                    .iter()
+                    .map(|s| {
+                        format!(
+                            "{}  in {:.1} msg/s  out {:.1} msg/s  {} entries  {} subscriptions",
+                            s.topic,
+                            s.msg_rate_in,
+                            s.msg_rate_out,
+                            s.storage_entries,
+                            s.subscriptions.len()
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
         Topics::Terminate { topic } => {
             let r = c
                 .terminate_topic(Name {
