@@ -370,6 +370,14 @@ pub struct BrokerConfig {
     /// Deduplicate sends by producer name and sequence id in namespaces whose policies do
     /// not say otherwise. Default `false` (as Pulsar's `brokerDeduplicationEnabled`).
     pub deduplication_enabled: bool,
+    /// Require a token (JWT) from Pulsar clients (CONNECT, method `token`) and on the admin
+    /// API (bearer). Default `false`. Needs `broker.token_secret_key_file` or
+    /// `broker.token_public_key_file`.
+    pub authentication_enabled: bool,
+    /// HS256 secret key (raw bytes, as `meridian-admin tokens create-secret-key` writes it).
+    pub token_secret_key_file: String,
+    /// RS256 public key (PEM).
+    pub token_public_key_file: String,
     /// Re-read namespace policies and apply message TTLs this often, milliseconds.
     /// Range 100..=60000, default 1000.
     pub policy_refresh_interval_ms: u64,
@@ -428,6 +436,9 @@ impl Default for BrokerConfig {
             deduplication_enabled: false,
             deduplication_snapshot_entries: 1_000,
             policy_refresh_interval_ms: 1_000,
+            authentication_enabled: false,
+            token_secret_key_file: String::new(),
+            token_public_key_file: String::new(),
             message_bytes_max: 5 << 20,
             producer_pending_sends_max: 10_000,
             connection_handles_max: 10_000,
@@ -460,6 +471,15 @@ impl BrokerConfig {
                 "broker.cluster_name",
                 &self.cluster_name,
                 "must be non-empty and without `/`",
+            ));
+        }
+        if self.authentication_enabled
+            && self.token_secret_key_file.is_empty() == self.token_public_key_file.is_empty()
+        {
+            return Err(invalid(
+                "broker.authentication_enabled",
+                &self.authentication_enabled,
+                "needs exactly one of broker.token_secret_key_file and broker.token_public_key_file",
             ));
         }
         if !["non-partitioned", "partitioned"]

@@ -35,7 +35,13 @@ def out(obj):
 
 
 def client(url):
-    return pulsar.Client(url, operation_timeout_seconds=30, connection_timeout_ms=10000, logger=LOG)
+    # A token from the environment authenticates (the broker checks it when authentication is on).
+    import os
+    token = os.environ.get("MERIDIAN_TEST_TOKEN")
+    auth = pulsar.AuthenticationToken(token) if token else None
+    timeout = int(os.environ.get("MERIDIAN_TEST_OP_TIMEOUT_S", "30"))
+    return pulsar.Client(url, authentication=auth, operation_timeout_seconds=timeout,
+                         connection_timeout_ms=10000, logger=LOG)
 
 
 def produce(a):

@@ -569,11 +569,21 @@ impl PyClient {
     }
 
     pub fn spawn(args: &[&str], stderr_file: &Path) -> anyhow::Result<PyClient> {
+        Self::spawn_env(args, stderr_file, &[])
+    }
+
+    /// [`spawn`](PyClient::spawn) with extra environment variables.
+    pub fn spawn_env(
+        args: &[&str],
+        stderr_file: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<PyClient> {
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/client.py");
         let err = std::fs::File::create(stderr_file)?;
         let mut child = Command::new(python())
             .arg(script)
             .args(args)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(err)

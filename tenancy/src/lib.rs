@@ -6,6 +6,7 @@
 //! It knows nothing of the data path: no sockets of the Pulsar protocol, no ledgers. The broker
 //! reads the records (policies) and enforces them.
 
+pub mod auth;
 pub mod model;
 pub mod service;
 pub mod store;

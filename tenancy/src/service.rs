@@ -380,10 +380,17 @@ impl RunningAdmin {
     }
 }
 
-/// Serves the admin API (and gRPC reflection) on `listener` until stopped.
+/// The role an authenticated admin request carries (in the request's extensions).
+#[derive(Debug, Clone)]
+pub struct Role(pub String);
+
+/// Serves the admin API (and gRPC reflection) on `listener` until stopped. With `auth`, every
+/// admin call needs `authorization: Bearer TOKEN`; a missing or bad token is refused with
+/// UNAUTHENTICATED before the request is looked at, the same whatever it names.
 pub fn serve(
     listener: tokio::net::TcpListener,
     service: AdminService,
+    auth: Option<std::sync::Arc<crate::auth::Authenticator>>,
 ) -> anyhow::Result<RunningAdmin> {
     let addr = listener.local_addr()?;
     let reflection = tonic_reflection::server::Builder::configure()
@@ -401,7 +408,23 @@ pub fn serve(
     );
     let task = tokio::spawn(async move {
         let r = tonic::transport::Server::builder()
-            .add_service(AdminServer::new(service))
+            .add_service(AdminServer::with_interceptor(
+                service,
+                move |mut r: Request<()>| {
+                    let Some(a) = &auth else { return Ok(r) };
+                    let token = r
+                        .metadata()
+                        .get("authorization")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.strip_prefix("Bearer "))
+                        .ok_or_else(|| Status::unauthenticated("a bearer token is required"))?;
+                    let role = a
+                        .authenticate(token)
+                        .map_err(|e| Status::unauthenticated(e.to_string()))?;
+                    r.extensions_mut().insert(Role(role));
+                    Ok(r)
+                },
+            ))
             .add_service(reflection)
             .serve_with_incoming_shutdown(incoming, async {
                 let _ = stopped.await;

@@ -409,5 +409,5 @@ pub async fn start(
         .await
         .map_err(|e| anyhow::anyhow!("recording the site's tenancy defaults: {e}"))?;
     let service = AdminService::new(store, Arc::new(BrokerTopics(Arc::clone(broker))));
-    meridian_tenancy::service::serve(listener, service)
+    meridian_tenancy::service::serve(listener, service, broker.auth.clone())
 }

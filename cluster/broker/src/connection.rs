@@ -97,6 +97,8 @@ struct Conn {
     tx: mpsc::Sender<Bytes>,
     connected: bool,
     client_version: String,
+    /// The authenticated role (with `broker.authentication_enabled`).
+    role: Option<String>,
     producers: HashMap<u64, ProducerEntry>,
     consumers: HashMap<u64, ConsumerEntry>,
 }
@@ -121,6 +123,7 @@ pub async fn serve(
         tx,
         connected: false,
         client_version: String::new(),
+        role: None,
         producers: HashMap::new(),
         consumers: HashMap::new(),
     };
@@ -284,13 +287,39 @@ impl Conn {
                 if self.connected {
                     return Err(Close("a second CONNECT".into()));
                 }
+                if let Some(a) = &self.broker.auth {
+                    // Token authentication: CONNECT carries method "token" and the JWT.
+                    let token = (connect.auth_method_name.as_deref() == Some("token")).then(|| {
+                        String::from_utf8_lossy(connect.auth_data.as_deref().unwrap_or_default())
+                            .into_owned()
+                    });
+                    let checked = match token {
+                        Some(t) => a.authenticate(&t).map_err(|e| e.to_string()),
+                        None => Err(format!(
+                            "authentication failed: method {:?}; this broker takes \"token\"",
+                            connect.auth_method_name.as_deref().unwrap_or("none")
+                        )),
+                    };
+                    match checked {
+                        Ok(role) => self.role = Some(role),
+                        Err(why) => {
+                            self.reply(cmd::error(
+                                u64::MAX,
+                                ServerError::AuthenticationError,
+                                why.clone(),
+                            ))
+                            .await?;
+                            return Err(Close(why));
+                        }
+                    }
+                }
                 self.connected = true;
                 self.client_version = connect.client_version.clone();
                 let version = connect
                     .protocol_version
                     .unwrap_or(0)
                     .clamp(0, PROTOCOL_VERSION_MAX);
-                tracing::debug!(connection = self.id, peer = %self.peer, client = %connect.client_version, version, "connected");
+                tracing::debug!(connection = self.id, peer = %self.peer, client = %connect.client_version, version, role = ?self.role, "connected");
                 self.reply(cmd::connected(
                     SERVER_VERSION,
                     version,

@@ -173,7 +173,7 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
         meta,
         client,
         format!("pulsar://{advertise}"),
-    );
+    )?;
     let al = tokio::net::TcpListener::bind(&cfg.broker.admin_listen)
         .await
         .with_context(|| format!("broker.admin_listen {}", cfg.broker.admin_listen))?;

@@ -138,7 +138,7 @@ impl Standalone {
             store.client.clone(),
             client,
             format!("pulsar://{advertise}"),
-        );
+        )?;
         let al = bind(&cfg.broker.admin_listen, "broker.admin_listen").await?;
         let admin = crate::admin::start(&broker, al).await?;
         let hl = bind(&cfg.broker.http_listen, "broker.http_listen").await?;

@@ -63,6 +63,36 @@ enum Group {
     /// Subscriptions of a topic (the same commands as under `topics`).
     #[command(subcommand)]
     Subscriptions(SubsGroup),
+    /// Keys and tokens for token authentication (local; no admin API needed).
+    #[command(subcommand)]
+    Tokens(Tokens),
+}
+
+#[derive(Subcommand)]
+enum Tokens {
+    /// A new HS256 secret key (32 random bytes), written to --output-file (pulsar's
+    /// `--output`; here `--output` is the global table/json switch).
+    CreateSecretKey {
+        #[arg(long)]
+        output_file: std::path::PathBuf,
+    },
+    /// A token for a role (its `sub`), signed with a secret key (HS256) or an RSA private key
+    /// in PEM (RS256).
+    Create {
+        #[arg(
+            long,
+            conflicts_with = "private_key",
+            required_unless_present = "private_key"
+        )]
+        secret_key: Option<std::path::PathBuf>,
+        #[arg(long)]
+        private_key: Option<std::path::PathBuf>,
+        #[arg(long)]
+        subject: String,
+        /// Validity from now, e.g. 30m, 12h, 365d (none: no expiry).
+        #[arg(long)]
+        expiry_time: Option<String>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -340,7 +370,61 @@ fn main() {
     }
 }
 
+fn tokens(cmd: Tokens) -> anyhow::Result<()> {
+    use meridian_tenancy::auth;
+    match cmd {
+        Tokens::CreateSecretKey { output_file } => {
+            write_private(&output_file, &auth::create_secret_key())?;
+            println!("secret key written to {}", output_file.display());
+        }
+        Tokens::Create {
+            secret_key,
+            private_key,
+            subject,
+            expiry_time,
+        } => {
+            let read = |p: &std::path::Path| {
+                std::fs::read(p).with_context(|| format!("reading {}", p.display()))
+            };
+            let secret = secret_key.as_deref().map(read).transpose()?;
+            let private = private_key.as_deref().map(read).transpose()?;
+            let exp = match expiry_time {
+                Some(t) => {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)?
+                        .as_secs();
+                    Some(now + parse_duration_s(&t)?)
+                }
+                None => None,
+            };
+            let token = auth::create_token(secret.as_deref(), private.as_deref(), &subject, exp)
+                .map_err(|e| anyhow::anyhow!(e))?;
+            println!("{token}");
+        }
+    }
+    Ok(())
+}
+
+/// Writes a key readable by its owner only.
+fn write_private(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("creating {} (it must not exist)", path.display()))?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    Ok(())
+}
+
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    let cli = match cli.group {
+        Group::Tokens(cmd) => return tokens(cmd),
+        _ => cli,
+    };
     let channel = Channel::from_shared(cli.admin_url.clone())
         .with_context(|| format!("--admin-url {:?} is not a URL", cli.admin_url))?
         .connect_timeout(std::time::Duration::from_secs(10))
@@ -364,6 +448,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Namespaces(cmd) => namespaces(&mut c, cmd, out).await,
         Group::Topics(cmd) => topics(&mut c, cmd, out).await,
         Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
+        Group::Tokens(cmd) => tokens(cmd),
     }
 }
 

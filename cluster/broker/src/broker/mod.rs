@@ -703,6 +703,8 @@ pub struct Broker {
     closing: AtomicBool,
     connections: AtomicU64,
     me: std::sync::Weak<Broker>,
+    /// Checks tokens when `broker.authentication_enabled`.
+    pub auth: Option<Arc<meridian_tenancy::auth::Authenticator>>,
 }
 
 impl Broker {
@@ -711,7 +713,7 @@ impl Broker {
         meta: MetadataClient,
         client: LedgerClient,
         service_url: String,
-    ) -> Arc<Broker> {
+    ) -> anyhow::Result<Arc<Broker>> {
         let run_id = format!(
             "{:x}",
             std::time::SystemTime::now()
@@ -721,8 +723,20 @@ impl Broker {
         let tail_cache_budget = meridian_storage::managed_ledger::CacheBudget::new(
             cfg.tail_cache_total_bytes_max as usize,
         );
-        Arc::new_cyclic(|me| Broker {
+        let auth = if cfg.authentication_enabled {
+            let path = |p: &str| (!p.is_empty()).then(|| std::path::PathBuf::from(p));
+            let a = meridian_tenancy::auth::Authenticator::from_files(
+                path(&cfg.token_secret_key_file).as_deref(),
+                path(&cfg.token_public_key_file).as_deref(),
+            )
+            .map_err(|e| anyhow::anyhow!("broker.token_*_key_file: {e}"))?;
+            Some(Arc::new(a))
+        } else {
+            None
+        };
+        Ok(Arc::new_cyclic(|me| Broker {
             me: me.clone(),
+            auth,
             tail_cache_budget,
             cfg: Arc::new(cfg),
             meta,
@@ -733,7 +747,7 @@ impl Broker {
             run_id,
             closing: AtomicBool::new(false),
             connections: AtomicU64::new(0),
-        })
+        }))
     }
 
     /// A producer name unique on this site: `<cluster>-<broker run>-<n>`.
