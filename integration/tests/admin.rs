@@ -924,4 +924,41 @@ fn token_authentication_on_the_pulsar_protocol_and_the_admin_api() {
     }
     let refusals = s.log_text().matches("authentication failed").count();
     assert!(refusals >= 3, "each refused client was logged ({refusals})");
+
+    step("the Rust crate: the good token produces, a forged one gets no producer");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let with = |t: &str| {
+            pulsar::Pulsar::builder(s.url.clone(), pulsar::TokioExecutor).with_auth(
+                pulsar::Authentication {
+                    name: "token".into(),
+                    data: t.as_bytes().to_vec(),
+                },
+            )
+        };
+        let client = with(&good)
+            .build()
+            .await
+            .expect("connects with the good token");
+        let mut p = client
+            .producer()
+            .with_topic("auth-rs")
+            .build()
+            .await
+            .expect("producer");
+        p.send_non_blocking(b"x".to_vec())
+            .await
+            .unwrap()
+            .await
+            .expect("sent");
+        let refused = tokio::time::timeout(std::time::Duration::from_secs(30), async {
+            let c = with(&forged).build().await?;
+            c.producer().with_topic("auth-rs").build().await.map(|_| ())
+        })
+        .await;
+        assert!(
+            !matches!(refused, Ok(Ok(()))),
+            "a forged token must not get a producer"
+        );
+    });
 }
