@@ -378,6 +378,9 @@ pub struct BrokerConfig {
     pub token_secret_key_file: String,
     /// RS256 public key (PEM).
     pub token_public_key_file: String,
+    /// Roles (tokens' `sub`) that may administer everything, comma-separated. With
+    /// authentication on, everyone else administers only the tenants that list them.
+    pub superuser_roles: String,
     /// Re-read namespace policies and apply message TTLs this often, milliseconds.
     /// Range 100..=60000, default 1000.
     pub policy_refresh_interval_ms: u64,
@@ -439,6 +442,7 @@ impl Default for BrokerConfig {
             authentication_enabled: false,
             token_secret_key_file: String::new(),
             token_public_key_file: String::new(),
+            superuser_roles: String::new(),
             message_bytes_max: 5 << 20,
             producer_pending_sends_max: 10_000,
             connection_handles_max: 10_000,

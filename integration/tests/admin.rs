@@ -860,10 +860,12 @@ fn token_authentication_on_the_pulsar_protocol_and_the_admin_api() {
     let short = token(key_s, &["--expiry-time", "1s"]);
     let mut s = StandaloneProc::new(dir.path());
     s.env("MERIDIAN_BROKER_AUTHENTICATION_ENABLED", "true")
-        .env("MERIDIAN_BROKER_TOKEN_SECRET_KEY_FILE", key_s);
+        .env("MERIDIAN_BROKER_TOKEN_SECRET_KEY_FILE", key_s)
+        .env("MERIDIAN_BROKER_SUPERUSER_ROLES", "admin");
     s.start().unwrap();
     let a = Admin { url: &s.admin_url };
-    std::thread::sleep(std::time::Duration::from_millis(1500)); // `short` expires
+    // `short` expires (exp is in whole seconds: wait past the next second boundary).
+    std::thread::sleep(std::time::Duration::from_millis(2500));
 
     step("admin API: no token, a forged one, an expired one are refused; the good one works");
     let no = a.refused(&["tenants", "list"], "Unauthenticated");
@@ -961,4 +963,96 @@ fn token_authentication_on_the_pulsar_protocol_and_the_admin_api() {
             "a forged token must not get a producer"
         );
     });
+}
+
+#[test]
+fn admin_authorization_superusers_and_tenant_admins() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("secret.key");
+    let key_s = key.to_str().unwrap();
+    let (code, _, err) =
+        run_admin(&["tokens", "create-secret-key", "--output-file", key_s]).unwrap();
+    assert_eq!(code, 0, "{err}");
+    let token = |role: &str| -> String {
+        let (code, out, err) =
+            run_admin(&["tokens", "create", "--secret-key", key_s, "--subject", role]).unwrap();
+        assert_eq!(code, 0, "{err}");
+        out.trim().to_string()
+    };
+    let (root, acme, app) = (token("root"), token("acme-ops"), token("app"));
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_AUTHENTICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_TOKEN_SECRET_KEY_FILE", key_s)
+        .env("MERIDIAN_BROKER_SUPERUSER_ROLES", "root");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    let as_ = |t: &str, args: &[&str]| -> Vec<String> {
+        let mut v = vec!["--token".to_string(), t.to_string()];
+        v.extend(args.iter().map(|x| x.to_string()));
+        v
+    };
+    let run = |t: &str, args: &[&str]| {
+        let v = as_(t, args);
+        let refs: Vec<&str> = v.iter().map(String::as_str).collect();
+        a.run(&refs)
+    };
+    let ok = |t: &str, args: &[&str]| {
+        let (code, out, err) = run(t, args);
+        assert_eq!(code, 0, "{args:?}: {err}");
+        out
+    };
+    let denied = |t: &str, args: &[&str]| {
+        let (code, _, err) = run(t, args);
+        assert_eq!(code, 1, "{args:?} should be refused");
+        assert!(err.contains("PermissionDenied"), "{args:?}: {err}");
+    };
+    step("the superuser sets up tenants acme (admin role acme-ops) and beta");
+    ok(
+        &root,
+        &[
+            "tenants",
+            "create",
+            "acme",
+            "--admin-roles",
+            "acme-ops",
+            "--allowed-clusters",
+            "standalone",
+        ],
+    );
+    ok(
+        &root,
+        &[
+            "tenants",
+            "create",
+            "beta",
+            "--allowed-clusters",
+            "standalone",
+        ],
+    );
+    ok(&root, &["namespaces", "create", "beta/ns"]);
+    ok(&root, &["topics", "create", "persistent://beta/ns/t"]);
+    step("acme-ops administers acme only; beta and unknown tenants are refused alike");
+    ok(&acme, &["namespaces", "create", "acme/ns"]);
+    ok(&acme, &["topics", "create", "persistent://acme/ns/t"]);
+    ok(&acme, &["topics", "stats", "persistent://acme/ns/t"]);
+    assert!(ok(&acme, &["tenants", "list"]).trim() == "acme");
+    ok(&acme, &["clusters", "list"]);
+    for args in [
+        &["namespaces", "create", "beta/x"][..],
+        &["namespaces", "policies", "beta/ns"],
+        &["topics", "list", "beta/ns"],
+        &["topics", "stats", "persistent://beta/ns/t"],
+        &["topics", "terminate", "persistent://beta/ns/t"],
+        &["namespaces", "policies", "nobody/ns"],
+        &["tenants", "create", "gamma"],
+        &["tenants", "delete", "beta"],
+        &["clusters", "create", "other"],
+    ] {
+        denied(&acme, args);
+    }
+    step("a role that administers nothing sees no tenants and changes nothing");
+    assert_eq!(ok(&app, &["tenants", "list"]).trim(), "");
+    denied(&app, &["namespaces", "create", "acme/y"]);
+    denied(&app, &["topics", "list", "acme/ns"]);
+    assert!(ok(&root, &["tenants", "list"]).contains("beta"));
 }

@@ -57,12 +57,90 @@ pub trait TopicOps: Send + Sync + 'static {
 pub struct AdminService {
     store: TenancyStore,
     topics: Arc<dyn TopicOps>,
+    /// With authentication on: the roles that may do everything. Off: everyone may.
+    authz: Option<Vec<String>>,
 }
 
+/// What a role may administer (with authentication on):
+/// - superusers: everything;
+/// - a tenant's admin roles: that tenant's namespaces, topics and subscriptions, and reading
+///   the tenant; listings show them only their tenants;
+/// - any authenticated role: reading the clusters.
+///
+/// Creating, updating or deleting clusters and tenants is for superusers. A refusal is
+/// PERMISSION_DENIED and says nothing of whether the target exists.
 impl AdminService {
     pub fn new(store: TenancyStore, topics: Arc<dyn TopicOps>) -> AdminService {
-        AdminService { store, topics }
+        AdminService {
+            store,
+            topics,
+            authz: None,
+        }
     }
+
+    /// Turns authorization on, with these superusers.
+    pub fn with_superusers(mut self, superusers: Vec<String>) -> AdminService {
+        self.authz = Some(superusers);
+        self
+    }
+
+    fn is_superuser(&self, role: Option<&Role>) -> bool {
+        match &self.authz {
+            None => true,
+            Some(su) => role.is_some_and(|r| su.contains(&r.0)),
+        }
+    }
+
+    fn superuser(&self, role: Option<&Role>) -> Result<(), Status> {
+        if self.is_superuser(role) {
+            Ok(())
+        } else {
+            Err(Status::permission_denied("only a superuser may do this"))
+        }
+    }
+
+    /// Superusers and the tenant's admin roles. An unknown tenant is refused like a known one.
+    async fn tenant_admin(&self, role: Option<&Role>, tenant: &str) -> Result<(), Status> {
+        if self.is_superuser(role) {
+            return Ok(());
+        }
+        let admin = match (role, self.store.tenant(tenant).await) {
+            (Some(r), Ok(t)) => t.admin_roles.contains(&r.0),
+            (_, Err(AdminError::Unavailable(m))) => return Err(Status::unavailable(m)),
+            _ => false,
+        };
+        if admin {
+            Ok(())
+        } else {
+            Err(Status::permission_denied(format!(
+                "role {} may not administer tenant {tenant}",
+                role.map_or("(none)", |r| r.0.as_str())
+            )))
+        }
+    }
+}
+
+/// The tenant of `tenant/namespace`.
+fn tenant_of_namespace(ns: &str) -> &str {
+    ns.split('/').next().unwrap_or(ns)
+}
+
+/// The tenant of a topic name in any form clients use (`x` is in `public/default`).
+fn tenant_of_topic(topic: &str) -> &str {
+    let rest = topic
+        .strip_prefix("persistent://")
+        .or_else(|| topic.strip_prefix("non-persistent://"))
+        .unwrap_or(topic);
+    let parts: Vec<&str> = rest.split('/').collect();
+    if parts.len() >= 3 {
+        parts[0]
+    } else {
+        "public"
+    }
+}
+
+fn role_of<T>(r: &Request<T>) -> Option<Role> {
+    r.extensions().get::<Role>().cloned()
 }
 
 fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
@@ -133,6 +211,7 @@ impl Admin for AdminService {
     }
 
     async fn create_cluster(&self, r: Request<Cluster>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
         let c = r.into_inner();
         let data = ClusterData {
             service_url: c.service_url,
@@ -143,6 +222,7 @@ impl Admin for AdminService {
     }
 
     async fn update_cluster(&self, r: Request<Cluster>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
         let c = r.into_inner();
         let data = ClusterData {
             service_url: c.service_url,
@@ -153,6 +233,7 @@ impl Admin for AdminService {
     }
 
     async fn delete_cluster(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
+        self.superuser(role_of(&r).as_ref())?;
         let d = r.into_inner();
         let deleted = self.store.delete_cluster(&d.name, d.dry_run).await?;
         ok(DeleteResponse {
@@ -161,14 +242,21 @@ impl Admin for AdminService {
         })
     }
 
-    async fn list_tenants(&self, _: Request<Empty>) -> Reply<Names> {
-        ok(Names {
-            names: self.store.tenants().await?,
-        })
+    async fn list_tenants(&self, r: Request<Empty>) -> Reply<Names> {
+        let role = role_of(&r);
+        let mut names = Vec::new();
+        for t in self.store.tenants().await? {
+            if self.tenant_admin(role.as_ref(), &t).await.is_ok() {
+                names.push(t);
+            }
+        }
+        ok(Names { names })
     }
 
     async fn get_tenant(&self, r: Request<Name>) -> Reply<Tenant> {
+        let role = role_of(&r);
         let name = r.into_inner().name;
+        self.tenant_admin(role.as_ref(), &name).await?;
         let t = self.store.tenant(&name).await?;
         ok(Tenant {
             name,
@@ -178,6 +266,7 @@ impl Admin for AdminService {
     }
 
     async fn create_tenant(&self, r: Request<Tenant>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
         let t = r.into_inner();
         let info = TenantInfo {
             admin_roles: t.admin_roles,
@@ -188,6 +277,7 @@ impl Admin for AdminService {
     }
 
     async fn update_tenant(&self, r: Request<Tenant>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
         let t = r.into_inner();
         let info = TenantInfo {
             admin_roles: t.admin_roles,
@@ -198,6 +288,7 @@ impl Admin for AdminService {
     }
 
     async fn delete_tenant(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
+        self.superuser(role_of(&r).as_ref())?;
         let d = r.into_inner();
         let deleted = self.store.delete_tenant(&d.name, d.dry_run).await?;
         ok(DeleteResponse {
@@ -207,7 +298,9 @@ impl Admin for AdminService {
     }
 
     async fn list_namespaces(&self, r: Request<Name>) -> Reply<Names> {
+        let role = role_of(&r);
         let tenant = r.into_inner().name;
+        self.tenant_admin(role.as_ref(), &tenant).await?;
         self.store.tenant(&tenant).await?;
         ok(Names {
             names: self.store.namespaces(&tenant).await?,
@@ -215,7 +308,10 @@ impl Admin for AdminService {
     }
 
     async fn get_namespace(&self, r: Request<Name>) -> Reply<Namespace> {
+        let role = role_of(&r);
         let name = r.into_inner().name;
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&name))
+            .await?;
         let (p, _) = self.store.policies(&name).await?;
         ok(Namespace {
             name,
@@ -224,7 +320,10 @@ impl Admin for AdminService {
     }
 
     async fn create_namespace(&self, r: Request<Namespace>) -> Reply<Empty> {
+        let role = role_of(&r);
         let n = r.into_inner();
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&n.name))
+            .await?;
         self.store
             .create_namespace(&n.name, &policies_from(n.policies))
             .await?;
@@ -235,7 +334,10 @@ impl Admin for AdminService {
         &self,
         r: Request<UpdatePoliciesRequest>,
     ) -> Reply<Namespace> {
+        let role = role_of(&r);
         let u = r.into_inner();
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&u.namespace))
+            .await?;
         let p = self
             .store
             .update_policies(&u.namespace, &policies_from(u.set), &u.clear)
@@ -247,7 +349,10 @@ impl Admin for AdminService {
     }
 
     async fn delete_namespace(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
+        let role = role_of(&r);
         let d = r.into_inner();
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&d.name))
+            .await?;
         self.store.policies(&d.name).await?;
         let topics: Vec<String> = self
             .topics
@@ -267,7 +372,10 @@ impl Admin for AdminService {
     }
 
     async fn list_topics(&self, r: Request<Name>) -> Reply<Topics> {
+        let role = role_of(&r);
         let ns = r.into_inner().name;
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&ns))
+            .await?;
         self.store.policies(&ns).await?;
         let topics = self
             .topics
@@ -280,23 +388,32 @@ impl Admin for AdminService {
     }
 
     async fn create_topic(&self, r: Request<CreateTopicRequest>) -> Reply<Empty> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         let c = r.into_inner();
         self.topics.create(c.topic, c.partitions).await?;
         ok(Empty {})
     }
 
     async fn update_partitions(&self, r: Request<UpdatePartitionsRequest>) -> Reply<Empty> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         let u = r.into_inner();
         self.topics.update_partitions(u.topic, u.partitions).await?;
         ok(Empty {})
     }
 
     async fn get_topic_stats(&self, r: Request<Name>) -> Reply<TopicStats> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+            .await?;
         ok(self.topics.stats(r.into_inner().name).await?)
     }
 
     async fn get_namespace_topic_stats(&self, r: Request<Name>) -> Reply<TopicStatsList> {
+        let role = role_of(&r);
         let ns = r.into_inner().name;
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&ns))
+            .await?;
         self.store.policies(&ns).await?;
         ok(TopicStatsList {
             topics: self.topics.namespace_stats(ns).await?,
@@ -304,6 +421,8 @@ impl Admin for AdminService {
     }
 
     async fn terminate_topic(&self, r: Request<Name>) -> Reply<TerminateResponse> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+            .await?;
         let last = self.topics.terminate(r.into_inner().name).await?;
         ok(TerminateResponse {
             last_message_id: last,
@@ -311,17 +430,23 @@ impl Admin for AdminService {
     }
 
     async fn list_subscriptions(&self, r: Request<Name>) -> Reply<Names> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+            .await?;
         ok(Names {
             names: self.topics.subscriptions(r.into_inner().name).await?,
         })
     }
 
     async fn create_subscription(&self, r: Request<CreateSubscriptionRequest>) -> Reply<Empty> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         self.topics.create_subscription(r.into_inner()).await?;
         ok(Empty {})
     }
 
     async fn delete_subscription(&self, r: Request<SubscriptionRequest>) -> Reply<DeleteResponse> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let deleted = self.topics.delete_subscription(r).await?;
@@ -329,12 +454,16 @@ impl Admin for AdminService {
     }
 
     async fn peek_messages(&self, r: Request<PeekRequest>) -> Reply<PeekResponse> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         ok(PeekResponse {
             messages: self.topics.peek(r.into_inner()).await?,
         })
     }
 
     async fn skip_messages(&self, r: Request<SkipRequest>) -> Reply<CountResponse> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let sub = SubscriptionRequest {
@@ -347,6 +476,8 @@ impl Admin for AdminService {
     }
 
     async fn clear_backlog(&self, r: Request<SubscriptionRequest>) -> Reply<CountResponse> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let entries = self.topics.skip(r, None).await?;
@@ -354,6 +485,8 @@ impl Admin for AdminService {
     }
 
     async fn expire_messages(&self, r: Request<ExpireRequest>) -> Reply<CountResponse> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let entries = self.topics.expire(r).await?;
@@ -361,6 +494,8 @@ impl Admin for AdminService {
     }
 
     async fn reset_cursor(&self, r: Request<ResetCursorRequest>) -> Reply<Empty> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
         self.topics.reset_cursor(r.into_inner()).await?;
         ok(Empty {})
     }

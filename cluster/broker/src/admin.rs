@@ -408,6 +408,17 @@ pub async fn start(
         )
         .await
         .map_err(|e| anyhow::anyhow!("recording the site's tenancy defaults: {e}"))?;
-    let service = AdminService::new(store, Arc::new(BrokerTopics(Arc::clone(broker))));
+    let mut service = AdminService::new(store, Arc::new(BrokerTopics(Arc::clone(broker))));
+    if broker.auth.is_some() {
+        let superusers = broker
+            .cfg
+            .superuser_roles
+            .split(',')
+            .map(str::trim)
+            .filter(|r| !r.is_empty())
+            .map(str::to_string)
+            .collect();
+        service = service.with_superusers(superusers);
+    }
     meridian_tenancy::service::serve(listener, service, broker.auth.clone())
 }
