@@ -1056,3 +1056,184 @@ fn admin_authorization_superusers_and_tenant_admins() {
     denied(&app, &["topics", "list", "acme/ns"]);
     assert!(ok(&root, &["tenants", "list"]).contains("beta"));
 }
+
+#[test]
+fn namespace_grants_decide_who_produces_and_consumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("secret.key");
+    let key_s = key.to_str().unwrap();
+    let (code, _, err) =
+        run_admin(&["tokens", "create-secret-key", "--output-file", key_s]).unwrap();
+    assert_eq!(code, 0, "{err}");
+    let token = |role: &str| -> String {
+        let (code, out, err) =
+            run_admin(&["tokens", "create", "--secret-key", key_s, "--subject", role]).unwrap();
+        assert_eq!(code, 0, "{err}");
+        out.trim().to_string()
+    };
+    let (root, app, reader, beta_ops) = (
+        token("root"),
+        token("app"),
+        token("reader"),
+        token("beta-ops"),
+    );
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_AUTHENTICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_TOKEN_SECRET_KEY_FILE", key_s)
+        .env("MERIDIAN_BROKER_SUPERUSER_ROLES", "root");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    let root_ok = |args: &[&str]| {
+        let mut v = vec!["--token", root.as_str()];
+        v.extend_from_slice(args);
+        a.ok(&v)
+    };
+    root_ok(&[
+        "tenants",
+        "create",
+        "acme",
+        "--allowed-clusters",
+        "standalone",
+    ]);
+    root_ok(&[
+        "tenants",
+        "create",
+        "beta",
+        "--admin-roles",
+        "beta-ops",
+        "--allowed-clusters",
+        "standalone",
+    ]);
+    for ns in ["acme/ns1", "acme/ns2", "beta/x"] {
+        root_ok(&["namespaces", "create", ns]);
+    }
+    root_ok(&[
+        "namespaces",
+        "grant-permission",
+        "acme/ns1",
+        "--role",
+        "app",
+        "--actions",
+        "produce",
+    ]);
+    root_ok(&[
+        "namespaces",
+        "grant-permission",
+        "acme/ns1",
+        "--role",
+        "reader",
+        "--actions",
+        "consume",
+    ]);
+    let p: Value = serde_json::from_str(&root_ok(&[
+        "--output",
+        "json",
+        "namespaces",
+        "permissions",
+        "acme/ns1",
+    ]))
+    .unwrap();
+    assert_eq!(
+        p,
+        serde_json::json!({"app": ["produce"], "reader": ["consume"]})
+    );
+    let err = a.refused(
+        &[
+            "--token",
+            &root,
+            "namespaces",
+            "grant-permission",
+            "acme/ns1",
+            "--role",
+            "x",
+            "--actions",
+            "delete",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("produce, consume"), "{err}");
+
+    let py = |name: &str, tok: &str, args: &[&str]| -> Vec<Value> {
+        let env = [
+            ("MERIDIAN_TEST_TOKEN", tok),
+            ("MERIDIAN_TEST_OP_TIMEOUT_S", "10"),
+        ];
+        meridian_integration::PyClient::spawn_env(
+            args,
+            &dir.path().join(format!("{name}.stderr")),
+            &env,
+        )
+        .unwrap()
+        .finish(std::time::Duration::from_secs(60))
+        .unwrap()
+    };
+    let produce = |name: &str, tok: &str, topic: &str| {
+        py(
+            name,
+            tok,
+            &["produce", &s.url, topic, "--count", "3", "--sync"],
+        )
+    };
+    let refused = |lines: &[Value], field: &str, what: &str| {
+        let why = lines
+            .iter()
+            .find_map(|v| v[field].as_str())
+            .unwrap_or_else(|| panic!("{what} must be refused: {lines:?}"));
+        assert!(why.contains("AuthorizationError"), "{what}: {why}");
+    };
+    let t1 = "persistent://acme/ns1/t";
+    step("app produces in acme/ns1 only");
+    let ok = produce("app1", &app, t1);
+    assert_eq!(ok.iter().filter(|v| v.get("acked").is_some()).count(), 3);
+    refused(
+        &produce("app2", &app, "persistent://acme/ns2/t"),
+        "create_failed",
+        "app in acme/ns2",
+    );
+    step("reader consumes in acme/ns1 but cannot produce; app cannot consume");
+    let consume = |name: &str, tok: &str| {
+        py(
+            name,
+            tok,
+            &[
+                "ks-consume",
+                &s.url,
+                t1,
+                "s",
+                "--name",
+                name,
+                "--idle-ms",
+                "2000",
+            ],
+        )
+    };
+    let got = consume("reader", &reader);
+    assert_eq!(got.iter().filter(|v| v.get("i").is_some()).count(), 3);
+    refused(&consume("app-c", &app), "subscribe_failed", "app consuming");
+    refused(
+        &produce("reader-p", &reader, t1),
+        "create_failed",
+        "reader producing",
+    );
+    step("beta's admin has no rights in acme, all of them in beta");
+    refused(
+        &produce("beta1", &beta_ops, t1),
+        "create_failed",
+        "beta-ops in acme",
+    );
+    let ok = produce("beta2", &beta_ops, "persistent://beta/x/t");
+    assert_eq!(ok.iter().filter(|v| v.get("acked").is_some()).count(), 3);
+    step("a revoked grant is gone at once");
+    root_ok(&[
+        "namespaces",
+        "revoke-permission",
+        "acme/ns1",
+        "--role",
+        "app",
+    ]);
+    refused(
+        &produce("app3", &app, t1),
+        "create_failed",
+        "app after the revocation",
+    );
+}

@@ -65,7 +65,13 @@ pub struct NamespacePolicies {
     /// How much acknowledged data is kept (for readers); none set: all of it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retention: Option<Retention>,
+    /// Roles granted `produce` and/or `consume` in the namespace (with authentication on).
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub permissions: std::collections::BTreeMap<String, Vec<String>>,
 }
+
+/// The actions a namespace grant can give.
+pub const ACTIONS: &[&str] = &["produce", "consume"];
 
 /// Retention of acknowledged data, as Pulsar's: -1 is no limit, 0 keeps nothing by that rule;
 /// data is kept while either rule keeps it.
@@ -159,6 +165,17 @@ impl NamespacePolicies {
             }
             if q.limit_size_bytes == 0 && q.limit_time_seconds == 0 {
                 return Err("a backlog quota needs a size limit, a time limit or both".into());
+            }
+        }
+        for (role, actions) in &self.permissions {
+            if role.is_empty() {
+                return Err("a permission's role is empty".into());
+            }
+            if let Some(a) = actions.iter().find(|a| !ACTIONS.contains(&a.as_str())) {
+                return Err(format!(
+                    "action {a:?} for role {role} is not one of {}",
+                    ACTIONS.join(", ")
+                ));
             }
         }
         if let Some(r) = &self.retention {

@@ -162,6 +162,7 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
             time_minutes: r.time_minutes,
             size_mb: r.size_mb,
         }),
+        permissions: Default::default(),
     }
 }
 
@@ -183,6 +184,15 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
             time_minutes: r.time_minutes,
             size_mb: r.size_mb,
         }),
+    }
+}
+
+fn permissions_to(p: std::collections::BTreeMap<String, Vec<String>>) -> Permissions {
+    Permissions {
+        roles: p
+            .into_iter()
+            .map(|(role, actions)| (role, Actions { actions }))
+            .collect(),
     }
 }
 
@@ -369,6 +379,39 @@ impl Admin for AdminService {
             deleted,
             dry_run: d.dry_run,
         })
+    }
+
+    async fn grant_permission(&self, r: Request<PermissionRequest>) -> Reply<Permissions> {
+        let role = role_of(&r);
+        let g = r.into_inner();
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&g.namespace))
+            .await?;
+        let p = self
+            .store
+            .set_permission(&g.namespace, &g.role, Some(g.actions))
+            .await?;
+        ok(permissions_to(p))
+    }
+
+    async fn revoke_permission(&self, r: Request<PermissionRequest>) -> Reply<Permissions> {
+        let role = role_of(&r);
+        let g = r.into_inner();
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&g.namespace))
+            .await?;
+        let p = self
+            .store
+            .set_permission(&g.namespace, &g.role, None)
+            .await?;
+        ok(permissions_to(p))
+    }
+
+    async fn get_permissions(&self, r: Request<Name>) -> Reply<Permissions> {
+        let role = role_of(&r);
+        let ns = r.into_inner().name;
+        self.tenant_admin(role.as_ref(), tenant_of_namespace(&ns))
+            .await?;
+        let (p, _) = self.store.policies(&ns).await?;
+        ok(permissions_to(p.permissions))
     }
 
     async fn list_topics(&self, r: Request<Name>) -> Reply<Topics> {

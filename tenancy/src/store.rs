@@ -336,6 +336,46 @@ impl TenancyStore {
         Ok(new)
     }
 
+    /// Grants `actions` to `role` in a namespace (replacing its earlier grant), or with `None`
+    /// revokes the role's grant. Returns the namespace's permissions.
+    pub async fn set_permission(
+        &self,
+        ns: &str,
+        role: &str,
+        actions: Option<Vec<String>>,
+    ) -> Result<std::collections::BTreeMap<String, Vec<String>>, AdminError> {
+        let (mut p, v) = self.policies(ns).await?;
+        match actions {
+            Some(a) => {
+                if a.is_empty() {
+                    return Err(AdminError::Invalid(
+                        "grant at least one of the actions produce, consume".into(),
+                    ));
+                }
+                let mut a = a;
+                a.sort();
+                a.dedup();
+                p.permissions.insert(role.to_string(), a);
+            }
+            None => {
+                if p.permissions.remove(role).is_none() {
+                    return Err(AdminError::NotFound(format!(
+                        "role {role} has no grant in namespace {ns}"
+                    )));
+                }
+            }
+        }
+        p.validate().map_err(AdminError::Invalid)?;
+        self.put(
+            &format!("{NAMESPACES_PREFIX}{ns}"),
+            &p,
+            v,
+            &format!("namespace {ns}"),
+        )
+        .await?;
+        Ok(p.permissions)
+    }
+
     /// Deletes a namespace; `topics` are what it still holds (then it is refused).
     pub async fn delete_namespace(
         &self,

@@ -334,7 +334,14 @@ impl Conn {
                     .partition_metadata
                     .ok_or_else(|| missing("PARTITIONED_METADATA"))?;
                 let n = match self.broker.check_topic(&m.topic) {
-                    Ok(t) => self.broker.partitioned_metadata(&t).await,
+                    Ok(t) => match self
+                        .broker
+                        .authorize(self.role.as_deref(), &t.namespace(), None)
+                        .await
+                    {
+                        Ok(()) => self.broker.partitioned_metadata(&t).await,
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 };
                 let r = match n {
@@ -345,8 +352,16 @@ impl Conn {
             }
             Type::Lookup => {
                 let l = c.lookup_topic.ok_or_else(|| missing("LOOKUP"))?;
-                let r = match self.broker.check_topic(&l.topic) {
-                    Ok(_) => cmd::lookup_connect(l.request_id, &self.broker.service_url, None),
+                let checked = match self.broker.check_topic(&l.topic) {
+                    Ok(t) => {
+                        self.broker
+                            .authorize(self.role.as_deref(), &t.namespace(), None)
+                            .await
+                    }
+                    Err(e) => Err(e),
+                };
+                let r = match checked {
+                    Ok(()) => cmd::lookup_connect(l.request_id, &self.broker.service_url, None),
                     Err(e) => cmd::lookup_error(l.request_id, e.code, e.message),
                 };
                 self.reply(r).await
@@ -515,7 +530,15 @@ impl Conn {
                 let g = c
                     .get_topics_of_namespace
                     .ok_or_else(|| missing("GET_TOPICS_OF_NAMESPACE"))?;
-                let r = match self.broker.topics_of_namespace(&g.namespace).await {
+                let listed = match self
+                    .broker
+                    .authorize(self.role.as_deref(), &g.namespace, None)
+                    .await
+                {
+                    Ok(()) => self.broker.topics_of_namespace(&g.namespace).await,
+                    Err(e) => Err(e),
+                };
+                let r = match listed {
                     Ok(t) => cmd::topics_of_namespace(g.request_id, t),
                     Err(e) => cmd::error(g.request_id, e.code, e.message),
                 };
@@ -695,6 +718,9 @@ impl Conn {
             )
         })?;
         let name = self.broker.check_topic(&p.topic)?;
+        self.broker
+            .authorize(self.role.as_deref(), &name.namespace(), Some("produce"))
+            .await?;
         let topic = self.broker.topic(&name, true).await?;
         if topic.ml.is_terminated().await {
             return Err(BrokerError::new(
@@ -839,6 +865,9 @@ impl Conn {
 
     async fn subscribe(&mut self, s: pb::CommandSubscribe) -> Result<(), BrokerError> {
         let name = self.broker.check_topic(&s.topic)?;
+        self.broker
+            .authorize(self.role.as_deref(), &name.namespace(), Some("consume"))
+            .await?;
         if s.subscription.is_empty() {
             return Err(BrokerError::new(
                 ServerError::NotAllowedError,

@@ -243,6 +243,24 @@ enum Namespaces {
     GetBacklogQuotas {
         namespace: String,
     },
+    /// Lets a role produce and/or consume in the namespace (with authentication on).
+    GrantPermission {
+        namespace: String,
+        #[arg(long)]
+        role: String,
+        /// Comma-separated: produce, consume.
+        #[arg(long, value_delimiter = ',')]
+        actions: Vec<String>,
+    },
+    RevokePermission {
+        namespace: String,
+        #[arg(long)]
+        role: String,
+    },
+    /// The roles granted in the namespace and their actions.
+    Permissions {
+        namespace: String,
+    },
     /// Keeps acknowledged data (for readers) up to a size and/or age; -1 is no limit.
     SetRetention {
         namespace: String,
@@ -810,6 +828,42 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             NamespacePolicies::default(),
             vec!["message_ttl_seconds"],
         ),
+        Namespaces::GrantPermission {
+            namespace,
+            role,
+            actions,
+        } => {
+            let p = c
+                .grant_permission(PermissionRequest {
+                    namespace,
+                    role,
+                    actions,
+                })
+                .await?
+                .into_inner();
+            print_permissions(out, &p);
+            return Ok(());
+        }
+        Namespaces::RevokePermission { namespace, role } => {
+            let p = c
+                .revoke_permission(PermissionRequest {
+                    namespace,
+                    role,
+                    actions: Vec::new(),
+                })
+                .await?
+                .into_inner();
+            print_permissions(out, &p);
+            return Ok(());
+        }
+        Namespaces::Permissions { namespace } => {
+            let p = c
+                .get_permissions(Name { name: namespace })
+                .await?
+                .into_inner();
+            print_permissions(out, &p);
+            return Ok(());
+        }
         Namespaces::Create { namespace } => {
             c.create_namespace(Namespace {
                 name: namespace.clone(),
@@ -1117,6 +1171,23 @@ impl From<SubsGroup> for Subs {
             SubsGroup::Same(x) => Subs::Same(x),
         }
     }
+}
+
+fn print_permissions(out: Output, p: &Permissions) {
+    let v: serde_json::Map<String, Value> = p
+        .roles
+        .iter()
+        .map(|(r, a)| (r.clone(), json!(a.actions)))
+        .collect();
+    print(out, &Value::Object(v), || {
+        let mut roles: Vec<_> = p.roles.iter().collect();
+        roles.sort_by(|a, b| a.0.cmp(b.0));
+        roles
+            .iter()
+            .map(|(r, a)| format!("{r}  {}", a.actions.join(",")))
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
 }
 
 fn retention_json(r: &Retention) -> Value {
