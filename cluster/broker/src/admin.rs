@@ -330,7 +330,8 @@ impl TopicOps for BrokerTopics {
     fn expire(&self, r: pb::ExpireRequest) -> BoxFuture<'_, Result<u64, AdminError>> {
         async move {
             let sub = self.subscription(&r.topic, &r.subscription).await?;
-            let cutoff = now_ms().saturating_sub(r.expire_seconds.saturating_mul(1000));
+            let cutoff =
+                crate::broker::now_ms().saturating_sub(r.expire_seconds.saturating_mul(1000));
             sub.expire_before(cutoff, r.dry_run)
                 .await
                 .map_err(admin_error)
@@ -370,12 +371,6 @@ fn position(s: &str) -> Result<meridian_storage::managed_ledger::Position, Admin
         l.parse().map_err(|_| bad())?,
         e.parse().map_err(|_| bad())?,
     ))
-}
-
-fn now_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 impl BrokerTopics {

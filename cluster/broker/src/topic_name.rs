@@ -141,6 +141,11 @@ pub fn escape(s: &str) -> String {
     s.replace('%', "%25").replace('/', "%2F")
 }
 
+/// The inverse of [`escape`].
+pub fn unescape(s: &str) -> String {
+    s.replace("%2F", "/").replace("%25", "%")
+}
+
 impl fmt::Display for TopicName {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let d = match self.domain {
@@ -172,6 +177,13 @@ mod tests {
         let t = TopicName::parse("a/b/x-partition-3").unwrap();
         assert_eq!(t.partition(), Some(3));
         assert_eq!(t.managed_ledger_name(), "a/b/persistent/x-partition-3");
+    }
+
+    #[test]
+    fn given_names_with_slashes_and_percents_then_escape_round_trips() {
+        for n in ["a/b", "50%", "%2F", "x"] {
+            assert_eq!(unescape(&escape(n)), n);
+        }
     }
 
     #[test]

@@ -393,7 +393,7 @@ impl Topic {
         loop {
             let page = self.meta.children(&prefix, &after, 0).await?;
             for c in &page.children {
-                out.push(c.replace("%2F", "/").replace("%25", "%"));
+                out.push(crate::topic_name::unescape(c));
             }
             match page.children.last() {
                 Some(last) if page.more => after = last.clone(),
@@ -402,26 +402,27 @@ impl Topic {
         }
     }
 
+    /// Every durable subscription, opened (without consumers) where it is not. One listing of
+    /// the topic's cursors; fails if any cannot be opened (callers then do nothing).
+    pub async fn durable_subscription_handles(
+        self: &Arc<Self>,
+    ) -> Result<Vec<Arc<Subscription>>, BrokerError> {
+        let mut out = Vec::new();
+        for name in self.durable_subscriptions().await? {
+            out.push(self.subscription_for_admin(&name).await?);
+        }
+        Ok(out)
+    }
+
     /// Acknowledges, on every durable subscription, what was published before `cutoff_ms`
     /// (message TTL). Returns the entries acknowledged.
-    pub async fn expire_all_before(self: &Arc<Self>, cutoff_ms: u64) -> u64 {
-        let subs = match self.durable_subscriptions().await {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(topic = %self.full_name, error = %e, "listing subscriptions failed");
-                return 0;
-            }
-        };
+    pub async fn expire_all_before(&self, subs: &[Arc<Subscription>], cutoff_ms: u64) -> u64 {
         let mut total = 0;
-        for name in subs {
-            let r = match self.subscription_for_admin(&name).await {
-                Ok(sub) => sub.expire_before(cutoff_ms, false).await,
-                Err(e) => Err(e),
-            };
-            match r {
+        for sub in subs {
+            match sub.expire_before(cutoff_ms, false).await {
                 Ok(n) => total += n,
                 Err(e) => {
-                    tracing::warn!(topic = %self.full_name, subscription = %name, error = %e, "TTL expiry failed")
+                    tracing::warn!(topic = %self.full_name, subscription = %sub.name(), error = %e, "TTL expiry failed")
                 }
             }
         }
@@ -527,20 +528,15 @@ impl Topic {
     /// Checks the backlog quota against every durable subscription and acts on its policy:
     /// eviction moves the subscriptions that pass it forward; the producer policies close the
     /// topic's producers and refuse new ones until the backlog is back within the quota.
-    pub async fn check_backlog_quota(self: &Arc<Self>, q: &meridian_tenancy::model::BacklogQuota) {
+    pub async fn check_backlog_quota(
+        &self,
+        subs: &[Arc<Subscription>],
+        q: &meridian_tenancy::model::BacklogQuota,
+    ) {
         let now = now_ms();
         let mut worst: Option<String> = None;
-        let names = match self.durable_subscriptions().await {
-            Ok(n) => n,
-            Err(e) => {
-                tracing::warn!(topic = %self.full_name, error = %e, "listing subscriptions failed");
-                return;
-            }
-        };
-        for name in names {
-            let Ok(sub) = self.subscription_for_admin(&name).await else {
-                continue;
-            };
+        for sub in subs {
+            let name = sub.name();
             let backlog = sub.backlog().await;
             let size_over = q.limit_size_bytes > 0 && backlog.bytes > q.limit_size_bytes;
             let age_limit_ms = q.limit_time_seconds.saturating_mul(1000);
@@ -601,7 +597,11 @@ impl Topic {
 
     /// Deletes the ledgers every durable subscription has consumed, except what `retention`
     /// keeps (-1: no limit). Without a retention policy nothing is deleted.
-    pub async fn trim_consumed(self: &Arc<Self>, retention: &meridian_tenancy::model::Retention) {
+    pub async fn trim_consumed(
+        &self,
+        subs: &[Arc<Subscription>],
+        retention: &meridian_tenancy::model::Retention,
+    ) {
         if retention.time_minutes == -1 && retention.size_mb == -1 {
             return; // keeps everything
         }
@@ -610,14 +610,7 @@ impl Topic {
         };
         // The first entry some subscription still needs; past the end if none does.
         let mut keep_from = Position::new(last.ledger_id, last.entry_id.saturating_add(1));
-        let names = match self.durable_subscriptions().await {
-            Ok(n) => n,
-            Err(_) => return,
-        };
-        for name in names {
-            let Ok(sub) = self.subscription_for_admin(&name).await else {
-                return; // unknown position: keep everything
-            };
+        for sub in subs {
             let needed = match sub.mark_delete().await {
                 Some(md) => self.ml.next_position(md).await.unwrap_or(keep_from),
                 None => match self.ml.first_position().await {
@@ -653,6 +646,15 @@ impl Topic {
             tracing::info!(topic = %self.full_name, detail = ?self.quota_breach().map(|b| b.detail), "backlog quota exceeded: producers closed");
             self.producers.fence_all();
         }
+    }
+
+    /// The dead-letter policy's redelivery limit (read on every dispatch: no clone of the
+    /// policies).
+    pub fn dead_letter_max_redeliveries(&self) -> Option<u32> {
+        self.policies
+            .lock()
+            .expect("policies lock")
+            .dead_letter_max_redeliveries
     }
 
     /// The namespace's policies as last read.
@@ -1033,7 +1035,7 @@ impl Broker {
         loop {
             let page = self.meta.children(&prefix, &after, 0).await?;
             for local in &page.children {
-                let local = local.replace("%2F", "/").replace("%25", "%");
+                let local = crate::topic_name::unescape(local);
                 out.insert(format!("persistent://{namespace}/{local}"));
             }
             match page.children.last() {
@@ -1086,16 +1088,30 @@ impl Broker {
                 let ttl_ms = u64::from(p.message_ttl_seconds.unwrap_or(0)) * 1000;
                 for t in topics {
                     *t.policies.lock().expect("policies lock") = p.clone();
-                    match &p.backlog_quota {
-                        Some(q) => t.check_backlog_quota(q).await,
-                        None => t.set_quota_breach(None),
+                    if p.backlog_quota.is_none() {
+                        t.set_quota_breach(None);
+                    }
+                    if ttl_ms == 0 && p.backlog_quota.is_none() && p.retention.is_none() {
+                        continue;
+                    }
+                    // One listing of the subscriptions serves the three; TTL first (it moves
+                    // subscriptions forward), then the quota, then what became trimmable.
+                    let subs = match t.durable_subscription_handles().await {
+                        Ok(s) => s,
+                        Err(e) => {
+                            tracing::warn!(topic = %t.full_name, error = %e, "opening subscriptions failed");
+                            continue;
+                        }
+                    };
+                    if ttl_ms > 0 {
+                        let cutoff = now_ms().saturating_sub(ttl_ms);
+                        expired.increment(t.expire_all_before(&subs, cutoff).await);
+                    }
+                    if let Some(q) = &p.backlog_quota {
+                        t.check_backlog_quota(&subs, q).await;
                     }
                     if let Some(r) = &p.retention {
-                        t.trim_consumed(r).await;
-                    }
-                    if ttl_ms > 0 {
-                        let n = t.expire_all_before(now_ms().saturating_sub(ttl_ms)).await;
-                        expired.increment(n);
+                        t.trim_consumed(&subs, r).await;
                     }
                 }
             }
@@ -1128,7 +1144,8 @@ impl Broker {
     }
 }
 
-fn now_ms() -> u64 {
+/// Wall-clock milliseconds since the epoch.
+pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)

@@ -208,7 +208,7 @@ impl Broker {
         loop {
             let page = self.meta.children(&prefix, &after, 0).await?;
             for local in &page.children {
-                let unescaped = local.replace("%2F", "/").replace("%25", "%");
+                let unescaped = crate::topic_name::unescape(local);
                 let name = TopicName::parse(&format!("persistent://{namespace}/{unescaped}"))?;
                 if let Some((n, _)) = self.partitions_of(&name).await? {
                     out.push((name, n));

@@ -31,7 +31,7 @@ use meridian_protocol::pb::{self, ServerError};
 use meridian_protocol::{cmd, encode_command, encode_message, Entry, ID_NONE};
 use meridian_storage::cursor::{Backlog, InitialPosition, ManagedCursor};
 use meridian_storage::ledger::LedgerClient;
-use meridian_storage::managed_ledger::Position;
+use meridian_storage::managed_ledger::{ManagedLedger, Position};
 use tokio::sync::{mpsc, watch, Notify};
 
 use super::key_shared::{self, KeySharedSpec, Selector};
@@ -267,9 +267,16 @@ const KEY_SHARED_LOOKAHEAD_BATCHES: usize = 10;
 
 /// Wall-clock milliseconds since the epoch (the clock `deliver_at_time` is in).
 fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64)
+    super::now_ms() as i64
+}
+
+/// The entry after the mark-delete position: where a subscription's unacknowledged entries
+/// start (some later ones may be acknowledged individually).
+async fn first_after_mark_delete(st: &State, ml: &ManagedLedger) -> Option<Position> {
+    match st.cursor.mark_delete() {
+        Some(md) => ml.next_position(md).await,
+        None => ml.first_position().await,
+    }
 }
 
 fn cursor_name(subscription: &str) -> String {
@@ -653,10 +660,7 @@ impl Subscription {
     pub async fn peek(&self, n: usize) -> Result<Vec<(Position, Bytes)>, BrokerError> {
         let st = self.state.lock().await;
         let ml = &self.topic.ml;
-        let mut pos = match st.cursor.mark_delete() {
-            Some(md) => ml.next_position(md).await,
-            None => ml.first_position().await,
-        };
+        let mut pos = first_after_mark_delete(&st, ml).await;
         let mut out = Vec::new();
         while let Some(p) = pos {
             if out.len() >= n {
@@ -686,10 +690,7 @@ impl Subscription {
             return Ok(entries);
         }
         let n = n.unwrap_or(0);
-        let mut pos = match st.cursor.mark_delete() {
-            Some(md) => ml.next_position(md).await,
-            None => ml.first_position().await,
-        };
+        let mut pos = first_after_mark_delete(&st, &ml).await;
         let mut done = 0;
         while let Some(p) = pos {
             if done >= n {
@@ -721,10 +722,7 @@ impl Subscription {
         let mut st = self.state.lock().await;
         let ml = Arc::clone(&self.topic.ml);
         let mut excess = st.cursor.backlog().await.bytes.saturating_sub(limit_bytes);
-        let mut pos = match st.cursor.mark_delete() {
-            Some(md) => ml.next_position(md).await,
-            None => ml.first_position().await,
-        };
+        let mut pos = first_after_mark_delete(&st, &ml).await;
         let mut done = 0;
         while let Some(p) = pos.filter(|_| excess > 0) {
             if !st.cursor.is_acknowledged(p) {
@@ -769,10 +767,7 @@ impl Subscription {
         };
         let before = st.cursor.backlog().await.entries;
         let mut count = 0;
-        let mut pos = match st.cursor.mark_delete() {
-            Some(md) => ml.next_position(md).await,
-            None => ml.first_position().await,
-        };
+        let mut pos = first_after_mark_delete(&st, &ml).await;
         while let Some(p) = pos.filter(|p| *p <= upto) {
             if !st.cursor.is_acknowledged(p) {
                 count += 1;
@@ -789,20 +784,7 @@ impl Subscription {
 
     /// Admin: deletes a subscription that has no consumers.
     pub async fn delete_without_consumers(self: &Arc<Self>) -> Result<(), BrokerError> {
-        let mut st = self.state.lock().await;
-        if !st.consumers.is_empty() {
-            return Err(BrokerError::new(
-                ServerError::ConsumerBusy,
-                format!("subscription {} has consumers", self.name),
-            ));
-        }
-        st.cursor.delete().await?;
-        st.deleted = true;
-        drop(st);
-        self.closed.store(true, Ordering::Relaxed);
-        let _ = self.stop.send(true);
-        self.topic.drop_subscription(&self.name, self).await;
-        Ok(())
+        self.delete_unless_others(None).await
     }
 
     /// UNSUBSCRIBE: deletes the subscription if `by` is its only consumer.
@@ -811,12 +793,17 @@ impl Subscription {
         connection_id: u64,
         consumer_id: u64,
     ) -> Result<(), BrokerError> {
+        self.delete_unless_others(Some((connection_id, consumer_id)))
+            .await
+    }
+
+    /// Deletes the subscription (cursor and all) if no consumer other than `by` is attached.
+    async fn delete_unless_others(
+        self: &Arc<Self>,
+        by: Option<ConsumerKey>,
+    ) -> Result<(), BrokerError> {
         let mut st = self.state.lock().await;
-        if st
-            .consumers
-            .iter()
-            .any(|c| c.key() != (connection_id, consumer_id))
-        {
+        if st.consumers.iter().any(|c| Some(c.key()) != by) {
             return Err(BrokerError::new(
                 ServerError::ConsumerBusy,
                 format!("subscription {} has other consumers", self.name),
@@ -1047,8 +1034,7 @@ impl Subscription {
         let mut dead = Vec::new();
         let dead_letter_after = self
             .topic
-            .policies()
-            .dead_letter_max_redeliveries
+            .dead_letter_max_redeliveries()
             .filter(|_| self.durable);
         let mut out_msgs = 0u64;
         let mut out_bytes = 0u64;
