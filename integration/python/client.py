@@ -334,6 +334,56 @@ def timed_sends(a):
     c.close()
 
 
+def rate_produce(a):
+    """Sends as fast as the client lets it for --seconds; prints the acknowledged rate over the
+    window after the first second: {"rate": messages per second, "acked": n}."""
+    import threading
+    c = client(a.url)
+    kw = dict(send_timeout_millis=60000, block_if_queue_full=True, max_pending_messages=500)
+    if a.batch:
+        kw.update(batching_enabled=True, batching_max_messages=10, batching_max_publish_delay_ms=5)
+    else:
+        kw.update(batching_enabled=False)
+    p = c.create_producer(a.topic, **kw)
+    acks = []
+    lock = threading.Lock()
+
+    def done(res, _msg_id):
+        if res == pulsar.Result.Ok:
+            with lock:
+                acks.append(time.time())
+
+    t0 = time.time()
+    payload = b"x" * a.size
+    while time.time() - t0 < a.seconds:
+        p.send_async(payload, done)
+    with lock:
+        inside = [t for t in acks if t0 + 1 <= t <= t0 + a.seconds]
+    out({"rate": len(inside) / (a.seconds - 1), "acked": len(acks)})
+    # Unsent messages are dropped with the client: the test has what it measured.
+    c.close()
+
+
+def rate_consume(a):
+    """Receives for --seconds on an existing backlog; prints the rate over the window after the
+    first second: {"rate": messages per second, "received": n}."""
+    c = client(a.url)
+    cons = c.subscribe(a.topic, a.sub, consumer_type=pulsar.ConsumerType.Shared,
+                       initial_position=pulsar.InitialPosition.Earliest)
+    t0 = time.time()
+    times = []
+    while time.time() - t0 < a.seconds:
+        try:
+            m = cons.receive(200)
+        except pulsar.Timeout:
+            continue
+        times.append(time.time())
+        cons.acknowledge(m)
+    inside = [t for t in times if t0 + 1 <= t <= t0 + a.seconds]
+    out({"rate": len(inside) / (a.seconds - 1), "received": len(times)})
+    c.close()
+
+
 def batch_ack(a):
     """Batch-index acks across a restart. Phase 1: one batch of 10, the even ones acked.
     Phase 2 (after the restart): what comes back, acked; then nothing more."""
@@ -670,6 +720,19 @@ def main():
     p.add_argument("--pause-ms", type=int, default=50)
     p.add_argument("--send-timeout-ms", type=int, default=30000)
     p.set_defaults(fn=timed_sends)
+    p = sub.add_parser("rate-produce")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("--seconds", type=float, default=6)
+    p.add_argument("--size", type=int, default=100)
+    p.add_argument("--batch", action="store_true")
+    p.set_defaults(fn=rate_produce)
+    p = sub.add_parser("rate-consume")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("sub")
+    p.add_argument("--seconds", type=float, default=6)
+    p.set_defaults(fn=rate_consume)
     p = sub.add_parser("batch-ack")
     p.add_argument("url")
     p.add_argument("topic")

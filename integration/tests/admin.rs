@@ -1237,3 +1237,161 @@ fn namespace_grants_decide_who_produces_and_consumes() {
         "app after the revocation",
     );
 }
+
+/// Runs a Python client to its end and returns the `rate` it printed.
+fn py_rate(dir: &std::path::Path, name: &str, args: &[&str]) -> f64 {
+    let lines = meridian_integration::PyClient::run(dir, name, args)
+        .finish(std::time::Duration::from_secs(120))
+        .unwrap();
+    lines
+        .iter()
+        .find_map(|v| v["rate"].as_f64())
+        .unwrap_or_else(|| panic!("{name} printed no rate: {lines:?}"))
+}
+
+fn assert_within_10_percent(what: &str, got: f64, want: f64) {
+    eprintln!("{what}: {got:.1} msg/s (limit {want})");
+    assert!(
+        (got - want).abs() <= want * 0.10,
+        "{what}: {got:.1} msg/s is not within 10% of {want}"
+    );
+}
+
+#[test]
+fn publish_and_dispatch_rate_limits_hold_clients_within_ten_percent() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    a.ok(&["namespaces", "create", "public/pub"]);
+    a.ok(&["namespaces", "create", "public/disp"]);
+    step("publish rate 200 msg/s on every topic of public/pub");
+    a.ok(&[
+        "namespaces",
+        "set-publish-rate",
+        "public/pub",
+        "--msg-publish-rate",
+        "200",
+    ]);
+    assert_eq!(
+        a.json(&["namespaces", "get-publish-rate", "public/pub"]),
+        serde_json::json!({"msgs_per_sec": 200, "bytes_per_sec": 0})
+    );
+    let r = py_rate(
+        dir.path(),
+        "pub-unbatched",
+        &["rate-produce", &s.url, "persistent://public/pub/a"],
+    );
+    assert_within_10_percent("unbatched producer", r, 200.0);
+    let r = py_rate(
+        dir.path(),
+        "pub-batched",
+        &[
+            "rate-produce",
+            &s.url,
+            "persistent://public/pub/b",
+            "--batch",
+        ],
+    );
+    assert_within_10_percent("batched producer (messages)", r, 200.0);
+    step("a byte rate: 20 KB/s of 1 KB messages is 20 msg/s");
+    a.ok(&[
+        "namespaces",
+        "set-publish-rate",
+        "public/pub",
+        "-b",
+        "20480",
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let r = py_rate(
+        dir.path(),
+        "pub-bytes",
+        &[
+            "rate-produce",
+            &s.url,
+            "persistent://public/pub/c",
+            "--size",
+            "1024",
+        ],
+    );
+    // Each message is 1 KiB of payload plus its metadata: a little under 20 per second.
+    assert_within_10_percent("byte-limited producer", r, 20.0 * 1024.0 / 1070.0);
+    step("a backlog of 4,000 on public/disp; subscription dispatch rate 150 msg/s");
+    let t = "persistent://public/disp/t";
+    a.ok(&["topics", "create", t]);
+    for sub in ["s1", "s2", "s3"] {
+        a.ok(&["topics", "create-subscription", t, "-s", sub]);
+    }
+    meridian_integration::PyClient::run(
+        dir.path(),
+        "fill",
+        &["produce", &s.url, t, "--count", "4000"],
+    )
+    .finish(std::time::Duration::from_secs(120))
+    .unwrap();
+    a.ok(&[
+        "namespaces",
+        "set-subscription-dispatch-rate",
+        "public/disp",
+        "--msg-dispatch-rate",
+        "150",
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let r = py_rate(dir.path(), "c1", &["rate-consume", &s.url, t, "s1"]);
+    assert_within_10_percent("one subscription", r, 150.0);
+    step("topic dispatch rate 200 msg/s: two subscriptions share it");
+    a.ok(&[
+        "namespaces",
+        "remove-subscription-dispatch-rate",
+        "public/disp",
+    ]);
+    a.ok(&[
+        "namespaces",
+        "set-dispatch-rate",
+        "public/disp",
+        "--msg-dispatch-rate",
+        "200",
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    let mut both = [
+        meridian_integration::PyClient::run(dir.path(), "c2", &["rate-consume", &s.url, t, "s2"]),
+        meridian_integration::PyClient::run(dir.path(), "c3", &["rate-consume", &s.url, t, "s3"]),
+    ];
+    let total: f64 = both
+        .iter_mut()
+        .map(|c| {
+            c.finish(std::time::Duration::from_secs(120))
+                .unwrap()
+                .iter()
+                .find_map(|v| v["rate"].as_f64())
+                .expect("rate")
+        })
+        .sum();
+    assert_within_10_percent("two subscriptions together", total, 200.0);
+    step("bad rates are refused");
+    let err = a.refused(
+        &[
+            "namespaces",
+            "set-dispatch-rate",
+            "public/disp",
+            "--msg-dispatch-rate",
+            "100",
+            "--dispatch-rate-period",
+            "0",
+        ],
+        "",
+    );
+    assert!(err.contains("1..=86400"), "{err}");
+    let err = a.refused(
+        &[
+            "namespaces",
+            "set-publish-rate",
+            "public/pub",
+            "-m",
+            "1000000000",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("0..=100000000"), "{err}");
+}

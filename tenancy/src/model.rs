@@ -65,10 +65,38 @@ pub struct NamespacePolicies {
     /// How much acknowledged data is kept (for readers); none set: all of it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retention: Option<Retention>,
+    /// Each topic's publish rate (Pulsar's `set-publish-rate`): producers past it are slowed
+    /// (the broker stops reading their connections), not refused.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub publish_rate: Option<RateLimit>,
+    /// Each topic's dispatch rate, over its subscriptions together.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dispatch_rate: Option<RateLimit>,
+    /// Each subscription's dispatch rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub subscription_dispatch_rate: Option<RateLimit>,
     /// Roles granted `produce` and/or `consume` in the namespace (with authentication on).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub permissions: std::collections::BTreeMap<String, Vec<String>>,
 }
+
+/// A rate limit by messages and bytes per second; 0 limits nothing by that measure.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RateLimit {
+    pub msgs_per_sec: u64,
+    pub bytes_per_sec: u64,
+}
+
+impl RateLimit {
+    pub fn is_unlimited(&self) -> bool {
+        self.msgs_per_sec == 0 && self.bytes_per_sec == 0
+    }
+}
+
+/// Highest rate limits accepted (messages and bytes per second).
+pub const RATE_MSGS_MAX: u64 = 100_000_000;
+pub const RATE_BYTES_MAX: u64 = 1 << 40;
 
 /// The actions a namespace grant can give.
 pub const ACTIONS: &[&str] = &["produce", "consume"];
@@ -122,6 +150,9 @@ pub const POLICY_FIELDS: &[&str] = &[
     "max_subscriptions_per_topic",
     "backlog_quota",
     "retention",
+    "publish_rate",
+    "dispatch_rate",
+    "subscription_dispatch_rate",
 ];
 
 impl NamespacePolicies {
@@ -165,6 +196,23 @@ impl NamespacePolicies {
             }
             if q.limit_size_bytes == 0 && q.limit_time_seconds == 0 {
                 return Err("a backlog quota needs a size limit, a time limit or both".into());
+            }
+        }
+        for (name, r) in [
+            ("publish_rate", &self.publish_rate),
+            ("dispatch_rate", &self.dispatch_rate),
+            (
+                "subscription_dispatch_rate",
+                &self.subscription_dispatch_rate,
+            ),
+        ] {
+            if let Some(r) = r {
+                if r.msgs_per_sec > RATE_MSGS_MAX || r.bytes_per_sec > RATE_BYTES_MAX {
+                    return Err(format!(
+                        "{name} {} msg/s, {} B/s is out of range: messages 0..={RATE_MSGS_MAX}, bytes 0..={RATE_BYTES_MAX} per second (0: no limit)",
+                        r.msgs_per_sec, r.bytes_per_sec
+                    ));
+                }
             }
         }
         for (role, actions) in &self.permissions {
@@ -229,6 +277,15 @@ impl NamespacePolicies {
         if set.retention.is_some() {
             p.retention = set.retention.clone();
         }
+        if set.publish_rate.is_some() {
+            p.publish_rate = set.publish_rate.clone();
+        }
+        if set.dispatch_rate.is_some() {
+            p.dispatch_rate = set.dispatch_rate.clone();
+        }
+        if set.subscription_dispatch_rate.is_some() {
+            p.subscription_dispatch_rate = set.subscription_dispatch_rate.clone();
+        }
         for f in clear {
             match f.as_str() {
                 "deduplication_enabled" => p.deduplication_enabled = None,
@@ -240,6 +297,9 @@ impl NamespacePolicies {
                 "max_subscriptions_per_topic" => p.max_subscriptions_per_topic = None,
                 "backlog_quota" => p.backlog_quota = None,
                 "retention" => p.retention = None,
+                "publish_rate" => p.publish_rate = None,
+                "dispatch_rate" => p.dispatch_rate = None,
+                "subscription_dispatch_rate" => p.subscription_dispatch_rate = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",

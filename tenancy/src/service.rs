@@ -162,7 +162,24 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
             time_minutes: r.time_minutes,
             size_mb: r.size_mb,
         }),
+        publish_rate: p.publish_rate.map(rate_from),
+        dispatch_rate: p.dispatch_rate.map(rate_from),
+        subscription_dispatch_rate: p.subscription_dispatch_rate.map(rate_from),
         permissions: Default::default(),
+    }
+}
+
+fn rate_from(r: crate::pb::RateLimit) -> crate::model::RateLimit {
+    crate::model::RateLimit {
+        msgs_per_sec: r.msgs_per_sec,
+        bytes_per_sec: r.bytes_per_sec,
+    }
+}
+
+fn rate_to(r: &crate::model::RateLimit) -> crate::pb::RateLimit {
+    crate::pb::RateLimit {
+        msgs_per_sec: r.msgs_per_sec,
+        bytes_per_sec: r.bytes_per_sec,
     }
 }
 
@@ -184,6 +201,9 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
             time_minutes: r.time_minutes,
             size_mb: r.size_mb,
         }),
+        publish_rate: p.publish_rate.as_ref().map(rate_to),
+        dispatch_rate: p.dispatch_rate.as_ref().map(rate_to),
+        subscription_dispatch_rate: p.subscription_dispatch_rate.as_ref().map(rate_to),
     }
 }
 

@@ -803,6 +803,15 @@ impl Conn {
         let received = Instant::now();
         let messages = u64::try_from(s.num_messages.unwrap_or(1).max(1)).unwrap_or(1);
         let bytes = payload.body.len() as u64;
+        if let Some(l) = p.topic.publish_limiter.get() {
+            // Past the publish rate: this connection is not read until the debt is repaid,
+            // as Pulsar throttles (the client's own queue and send timeout then apply).
+            let wait = l.take(messages, bytes, received);
+            if !wait.is_zero() {
+                metrics::counter!("meridian_publish_throttled_total").increment(1);
+                tokio::time::sleep(wait).await;
+            }
+        }
         let submitted = Instant::now();
         let append = if p.handle.is_fenced() {
             Err(if let Some(b) = p.topic.quota_breach() {

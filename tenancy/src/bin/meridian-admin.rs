@@ -283,6 +283,104 @@ enum Namespaces {
     GetMessageTtl {
         namespace: String,
     },
+    /// Each topic's publish rate: producers past it are slowed, not refused.
+    SetPublishRate {
+        namespace: String,
+        /// Messages per second (-1 or 0: no limit).
+        #[arg(long, short = 'm', allow_hyphen_values = true, default_value_t = -1)]
+        msg_publish_rate: i64,
+        /// Bytes per second (-1 or 0: no limit).
+        #[arg(long, short = 'b', allow_hyphen_values = true, default_value_t = -1)]
+        byte_publish_rate: i64,
+    },
+    GetPublishRate {
+        namespace: String,
+    },
+    RemovePublishRate {
+        namespace: String,
+    },
+    /// Each topic's dispatch rate, its subscriptions together.
+    SetDispatchRate(DispatchRateArgs),
+    GetDispatchRate {
+        namespace: String,
+    },
+    RemoveDispatchRate {
+        namespace: String,
+    },
+    /// Each subscription's dispatch rate.
+    SetSubscriptionDispatchRate(DispatchRateArgs),
+    GetSubscriptionDispatchRate {
+        namespace: String,
+    },
+    RemoveSubscriptionDispatchRate {
+        namespace: String,
+    },
+}
+
+#[derive(Args)]
+struct DispatchRateArgs {
+    namespace: String,
+    /// Messages per period (-1 or 0: no limit).
+    #[arg(long, visible_alias = "md", allow_hyphen_values = true, default_value_t = -1)]
+    msg_dispatch_rate: i64,
+    /// Bytes per period (-1 or 0: no limit).
+    #[arg(long, visible_alias = "bd", allow_hyphen_values = true, default_value_t = -1)]
+    byte_dispatch_rate: i64,
+    /// The period in seconds the rates are given for; stored per second.
+    #[arg(long, visible_alias = "dt", default_value_t = 1)]
+    dispatch_rate_period: u64,
+}
+
+impl DispatchRateArgs {
+    fn limit(&self) -> anyhow::Result<RateLimit> {
+        rate_limit(
+            self.msg_dispatch_rate,
+            self.byte_dispatch_rate,
+            self.dispatch_rate_period,
+        )
+    }
+}
+
+/// Pulsar's rate flags (-1: no limit) over a period, as a limit per second (0: no limit).
+fn rate_limit(msgs: i64, bytes: i64, period_s: u64) -> anyhow::Result<RateLimit> {
+    anyhow::ensure!(
+        (1..=86_400).contains(&period_s),
+        "the rate period {period_s} s is out of range 1..=86400"
+    );
+    let per_sec = |v: i64| -> u64 {
+        match u64::try_from(v) {
+            Ok(0) | Err(_) => 0,
+            Ok(v) => (v / period_s).max(1),
+        }
+    };
+    Ok(RateLimit {
+        msgs_per_sec: per_sec(msgs),
+        bytes_per_sec: per_sec(bytes),
+    })
+}
+
+async fn print_rate(
+    c: &mut Client,
+    namespace: String,
+    out: Output,
+    pick: fn(NamespacePolicies) -> Option<RateLimit>,
+) -> anyhow::Result<()> {
+    let p = c
+        .get_namespace(Name { name: namespace })
+        .await?
+        .into_inner()
+        .policies
+        .unwrap_or_default();
+    let v = rate_json(pick(p).as_ref());
+    print(out, &v, || v.to_string());
+    Ok(())
+}
+
+fn rate_json(r: Option<&RateLimit>) -> Value {
+    r.map_or(
+        Value::Null,
+        |r| json!({"msgs_per_sec": r.msgs_per_sec, "bytes_per_sec": r.bytes_per_sec}),
+    )
 }
 
 #[derive(Subcommand)]
@@ -822,6 +920,58 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             namespace,
             NamespacePolicies::default(),
             vec!["backlog_quota"],
+        ),
+        Namespaces::SetPublishRate {
+            namespace,
+            msg_publish_rate,
+            byte_publish_rate,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                publish_rate: Some(rate_limit(msg_publish_rate, byte_publish_rate, 1)?),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::SetDispatchRate(a) => update(
+            a.namespace.clone(),
+            NamespacePolicies {
+                dispatch_rate: Some(a.limit()?),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::SetSubscriptionDispatchRate(a) => update(
+            a.namespace.clone(),
+            NamespacePolicies {
+                subscription_dispatch_rate: Some(a.limit()?),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        Namespaces::GetPublishRate { namespace } => {
+            return print_rate(c, namespace, out, |p| p.publish_rate).await
+        }
+        Namespaces::GetDispatchRate { namespace } => {
+            return print_rate(c, namespace, out, |p| p.dispatch_rate).await
+        }
+        Namespaces::GetSubscriptionDispatchRate { namespace } => {
+            return print_rate(c, namespace, out, |p| p.subscription_dispatch_rate).await
+        }
+        Namespaces::RemovePublishRate { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["publish_rate"],
+        ),
+        Namespaces::RemoveDispatchRate { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["dispatch_rate"],
+        ),
+        Namespaces::RemoveSubscriptionDispatchRate { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["subscription_dispatch_rate"],
         ),
         Namespaces::RemoveMessageTtl { namespace } => update(
             namespace,

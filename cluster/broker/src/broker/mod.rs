@@ -16,6 +16,7 @@ pub mod dedup;
 pub mod key_shared;
 pub mod partitioned;
 pub mod producers;
+pub mod rate;
 pub mod schema;
 pub mod subscription;
 
@@ -178,6 +179,10 @@ pub struct Topic {
     pub terminated: AtomicBool,
     /// Set while a backlog quota with a producer policy is passed.
     quota_breach: Mutex<Option<QuotaBreach>>,
+    /// The publish rate policy: sends past it wait (the connection is not read meanwhile).
+    pub publish_limiter: rate::PolicyLimiter,
+    /// The topic's dispatch rate policy, its subscriptions together.
+    pub dispatch_limiter: rate::PolicyLimiter,
 }
 
 impl Topic {
@@ -657,6 +662,18 @@ impl Topic {
             .dead_letter_max_redeliveries
     }
 
+    /// Sets the policies (as last read) and the rate limits that follow them, for the topic
+    /// and its open subscriptions.
+    pub async fn set_policies(&self, p: NamespacePolicies) {
+        self.publish_limiter.update(p.publish_rate.as_ref());
+        self.dispatch_limiter.update(p.dispatch_rate.as_ref());
+        let sub_rate = p.subscription_dispatch_rate.clone();
+        *self.policies.lock().expect("policies lock") = p;
+        for s in self.subscriptions().await {
+            s.limiter.update(sub_rate.as_ref());
+        }
+    }
+
     /// The namespace's policies as last read.
     pub fn policies(&self) -> NamespacePolicies {
         self.policies.lock().expect("policies lock").clone()
@@ -993,7 +1010,7 @@ impl Broker {
         };
         tracing::info!(topic = %full, deduplication = dedup.is_some(), epoch, "topic loaded");
         let last = ml.last_confirmed();
-        Ok(Arc::new(Topic {
+        let topic = Arc::new(Topic {
             name: name.clone(),
             full_name: full,
             ml,
@@ -1006,11 +1023,15 @@ impl Broker {
             counters: TopicCounters::default(),
             rates: Mutex::default(),
             dedup,
-            policies: Mutex::new(policies_kept),
+            policies: Mutex::new(NamespacePolicies::default()),
             broker: self.me.clone(),
             terminated: AtomicBool::new(terminated),
             quota_breach: Mutex::new(None),
-        }))
+            publish_limiter: rate::PolicyLimiter::default(),
+            dispatch_limiter: rate::PolicyLimiter::default(),
+        });
+        topic.set_policies(policies_kept).await;
+        Ok(topic)
     }
 
     /// Topics loaded on this broker.
@@ -1087,7 +1108,7 @@ impl Broker {
                 };
                 let ttl_ms = u64::from(p.message_ttl_seconds.unwrap_or(0)) * 1000;
                 for t in topics {
-                    *t.policies.lock().expect("policies lock") = p.clone();
+                    t.set_policies(p.clone()).await;
                     if p.backlog_quota.is_none() {
                         t.set_quota_breach(None);
                     }

@@ -235,6 +235,8 @@ pub struct Subscription {
     stop: watch::Sender<bool>,
     /// Messages dispatched (counted per message of a batch), for stats.
     pub msgs_out: std::sync::atomic::AtomicU64,
+    /// The subscription dispatch rate policy.
+    pub limiter: super::rate::PolicyLimiter,
 }
 
 /// A subscription's figures, as the stats and the admin API show them.
@@ -348,7 +350,16 @@ impl Subscription {
             closed: AtomicBool::new(false),
             stop,
             msgs_out: std::sync::atomic::AtomicU64::new(0),
+            limiter: super::rate::PolicyLimiter::default(),
         });
+        sub.limiter.update(
+            sub.topic
+                .policies
+                .lock()
+                .expect("policies lock")
+                .subscription_dispatch_rate
+                .as_ref(),
+        );
         tokio::spawn(Arc::clone(&sub).dispatch_loop(appended, stop_rx));
         Ok(sub)
     }
@@ -925,6 +936,22 @@ impl Subscription {
     /// put into the delay index: then there may be more to read).
     async fn dispatch_once(self: &Arc<Self>) -> Result<bool, BrokerError> {
         let batch_max = self.topic.cfg.dispatch_batch_entries_max as usize;
+        // Dispatch rate limits (the topic's, over its subscriptions, and this one's): wait
+        // while one is spent, then send at most what both allow.
+        let limiters: Vec<_> = [self.topic.dispatch_limiter.get(), self.limiter.get()]
+            .into_iter()
+            .flatten()
+            .collect();
+        let mut allowed = u64::MAX;
+        let started = std::time::Instant::now();
+        for l in &limiters {
+            let wait = l.wait(started);
+            if !wait.is_zero() {
+                tokio::time::sleep(wait.min(Duration::from_millis(500))).await;
+                return Ok(true);
+            }
+            allowed = allowed.min(l.available_msgs(started));
+        }
         let mut st = self.state.lock().await;
         if st.deleted {
             return Ok(false);
@@ -942,6 +969,7 @@ impl Subscription {
                 .map_or(0, |c| c.permits),
             _ => st.consumers.iter().map(|c| c.permits.max(0)).sum(),
         };
+        let permits = permits.min(i64::try_from(allowed).unwrap_or(i64::MAX).max(1));
         if permits <= 0 {
             return Ok(false);
         }
@@ -1039,6 +1067,11 @@ impl Subscription {
         let mut out_msgs = 0u64;
         let mut out_bytes = 0u64;
         for (pos, bytes, redeliveries) in entries {
+            if out_msgs >= allowed {
+                // The rate limit is spent: the rest waits, in order, for the next round.
+                unassigned.push((pos, bytes, redeliveries));
+                continue;
+            }
             let entry = match Entry::parse(bytes) {
                 Ok(e) => e,
                 Err(e) => {
@@ -1132,6 +1165,9 @@ impl Subscription {
             .counters
             .bytes_out
             .fetch_add(out_bytes, Ordering::Relaxed);
+        for l in &limiters {
+            l.take(out_msgs, out_bytes, std::time::Instant::now());
+        }
         metrics::counter!("meridian_dispatch_messages_total").increment(out_msgs);
         metrics::counter!("meridian_dispatch_bytes_total").increment(out_bytes);
         Ok(sent)
