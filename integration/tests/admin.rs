@@ -1395,3 +1395,165 @@ fn publish_and_dispatch_rate_limits_hold_clients_within_ten_percent() {
     );
     assert!(err.contains("0..=100000000"), "{err}");
 }
+
+/// Whether these metadata keys exist, in order.
+fn keys_exist(s: &StandaloneProc, keys: &[String]) -> Vec<bool> {
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let meta = s.metadata_client().unwrap();
+        let mut out = Vec::new();
+        for k in keys {
+            out.push(meta.get(k).await.unwrap().is_some());
+        }
+        out
+    })
+}
+
+#[test]
+fn topics_delete_unload_internal_stats_and_forced_namespace_and_tenant_deletion() {
+    use meridian_integration::raw::{producer, Raw};
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    a.ok(&["namespaces", "create", "public/del"]);
+    let t1 = "persistent://public/del/t1";
+    a.ok(&["topics", "create", t1]);
+    a.ok(&["topics", "create-subscription", t1, "-s", "s1"]);
+    a.ok(&[
+        "topics",
+        "create-partitioned-topic",
+        "persistent://public/del/parts",
+        "-p",
+        "2",
+    ]);
+    for t in [t1, "persistent://public/del/parts"] {
+        meridian_integration::PyClient::run(
+            dir.path(),
+            "fill",
+            &["produce", &s.url, t, "--count", "50", "--sync"],
+        )
+        .finish(std::time::Duration::from_secs(60))
+        .unwrap();
+    }
+
+    step("internal stats: the log's ledgers and the cursor with its backlog");
+    let st = a.json(&["topics", "stats-internal", t1]);
+    assert_eq!(st["entries"], 50, "{st}");
+    assert_eq!(st["managed_ledger"], "public/del/persistent/t1");
+    let ledgers: Vec<u64> = st["ledgers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|l| l["ledger_id"].as_u64().unwrap())
+        .collect();
+    assert!(!ledgers.is_empty());
+    let cursor = &st["cursors"][0];
+    assert_eq!(
+        (&cursor["name"], &cursor["backlog_entries"]),
+        (&serde_json::json!("s1"), &serde_json::json!(50)),
+        "{st}"
+    );
+    a.ok(&["topics", "skip", t1, "-s", "s1", "-n", "10"]);
+    let st = a.json(&["topics", "internal-stats", t1]);
+    assert_eq!(st["cursors"][0]["backlog_entries"], 40);
+    assert!(!st["cursors"][0]["mark_delete_position"]
+        .as_str()
+        .unwrap()
+        .is_empty());
+    let parts = a.json(&["topics", "stats-internal", "persistent://public/del/parts"]);
+    assert_eq!(parts.as_array().map(Vec::len), Some(2), "{parts}");
+
+    step("unload: the producer is closed, comes back, and the topic reloads with its data");
+    let mut c = Raw::connected(&s.url);
+    c.send(&producer(t1, 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    a.ok(&["topics", "unload", t1]);
+    let closed = c.expect();
+    assert!(
+        closed.command.close_producer.is_some(),
+        "{:?}",
+        closed.command
+    );
+    c.send(&producer(t1, 2, 2));
+    assert!(c.expect().command.producer_success.is_some());
+    let st = a.json(&["topics", "stats-internal", t1]);
+    assert_eq!(st["entries"], 50);
+    assert!(
+        st["ledgers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|l| !l["entries"].is_null()),
+        "the unloaded log's ledger is closed: {st}"
+    );
+
+    step("delete is refused while a producer is connected; --dry-run lists what would go");
+    let err = a.refused(&["topics", "delete", t1], "FailedPrecondition");
+    assert!(err.contains("--force"), "{err}");
+    let plan = a.json(&["topics", "delete", t1, "--force", "--dry-run"]);
+    let plan = plan.to_string();
+    assert!(plan.contains("subscription s1"), "{plan}");
+    assert!(plan.contains(&format!("ledgers {}", ledgers[0])), "{plan}");
+    let log_keys = vec![
+        "/managed-ledgers/public/del/persistent/t1".to_string(),
+        "/managed-cursors/public/del/persistent/t1/s1".to_string(),
+        meridian_storage_key(ledgers[0]),
+    ];
+    assert_eq!(keys_exist(&s, &log_keys), vec![true, true, true]);
+
+    step("delete --force closes the producer and removes log, cursor and ledgers");
+    a.ok(&["topics", "delete", t1, "--force"]);
+    let closed = c.expect();
+    assert!(
+        closed.command.close_producer.is_some(),
+        "{:?}",
+        closed.command
+    );
+    assert_eq!(keys_exist(&s, &log_keys), vec![false, false, false]);
+    let listed = a.json(&["topics", "list", "public/del"]).to_string();
+    assert!(!listed.contains("/t1"), "{listed}");
+    a.refused(&["topics", "stats-internal", t1], "NotFound");
+
+    step("a namespace with topics needs --force; --dry-run lists its topics");
+    let err = a.refused(
+        &["namespaces", "delete", "public/del"],
+        "FailedPrecondition",
+    );
+    assert!(err.contains("topics"), "{err}");
+    let plan = a
+        .json(&["namespaces", "delete", "public/del", "--force", "--dry-run"])
+        .to_string();
+    assert!(
+        plan.contains("partitioned topic persistent://public/del/parts (2 partitions)"),
+        "{plan}"
+    );
+    assert!(plan.contains("namespace public/del"), "{plan}");
+    a.ok(&["namespaces", "delete", "public/del", "--force"]);
+    let nss = a.json(&["namespaces", "list", "public"]).to_string();
+    assert!(!nss.contains("public/del"), "{nss}");
+    assert_eq!(
+        keys_exist(
+            &s,
+            &["/admin/partitioned-topics/public/del/persistent/parts".to_string()]
+        ),
+        vec![false]
+    );
+
+    step("a tenant with namespaces needs --force");
+    a.ok(&[
+        "tenants",
+        "create",
+        "gone",
+        "--allowed-clusters",
+        "standalone",
+    ]);
+    a.ok(&["namespaces", "create", "gone/ns"]);
+    a.ok(&["topics", "create", "persistent://gone/ns/t"]);
+    a.refused(&["tenants", "delete", "gone"], "FailedPrecondition");
+    a.ok(&["tenants", "delete", "gone", "--force"]);
+    a.refused(&["tenants", "get", "gone"], "NotFound");
+}
+
+fn meridian_storage_key(ledger: u64) -> String {
+    format!("/ledgers/L{ledger:020}")
+}

@@ -379,6 +379,12 @@ impl ManagedCursor {
         self.mark_delete
     }
 
+    /// The ledger the cursor's snapshots go to (`None`: not durable, or none started yet).
+    pub fn cursor_ledger(&self) -> Option<u64> {
+        let d = self.durable.as_ref()?;
+        d.writer.as_ref().map(|w| w.id()).or(d.previous)
+    }
+
     /// Ranges acknowledged beyond the mark-delete position.
     pub fn acknowledged_ranges(&self) -> Vec<(Position, Position)> {
         self.ranges.iter().collect()

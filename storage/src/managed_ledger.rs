@@ -845,6 +845,50 @@ impl ManagedLedger {
         Ok(doomed)
     }
 
+    /// Deletes the log: closes its open ledger, removes its record (CAS: a log another owner
+    /// changed meanwhile is left alone, with [`ManagedLedgerError::Fenced`]), then deletes its
+    /// ledgers from the bookies. Afterwards this handle refuses appends. Returns the ids of the
+    /// deleted ledgers. The caller deletes the cursors first: a cursor left behind would
+    /// point into ledgers that are gone.
+    pub async fn delete(&self) -> Result<Vec<u64>, ManagedLedgerError> {
+        let mut st = self.state.lock().await;
+        self.close_open(&mut st).await?;
+        match self
+            .client
+            .metadata_client()
+            .delete(&self.key, Some(st.version))
+            .await
+        {
+            Ok(_) => {}
+            Err(ClientError::Conflict { .. }) => {
+                st.fenced = true;
+                return Err(ManagedLedgerError::Fenced {
+                    name: self.name.clone(),
+                });
+            }
+            Err(e) => return Err(e.into()),
+        }
+        st.fenced = true;
+        let ids: Vec<u64> = st.meta.ledgers.iter().map(|l| l.ledger_id).collect();
+        st.meta.ledgers.clear();
+        drop(st);
+        self.readers.lock().await.clear();
+        for id in &ids {
+            if let Err(e) = self.client.delete(*id).await {
+                // Its metadata stays, so `meridian ledger list` shows it and the orphan scan
+                // does not apply: logged for the operator.
+                tracing::warn!(name = %self.name, ledger = id, error = %e, "deleting a ledger of a deleted log failed");
+            }
+        }
+        {
+            let mut c = self.cache.lock().expect("cache lock");
+            c.entries.clear();
+            let dropped = c.bytes;
+            c.account(0, dropped);
+        }
+        Ok(ids)
+    }
+
     /// Closes the open ledger; the managed ledger can be opened again (by this or another
     /// owner) later.
     pub async fn close(&self) -> Result<(), ManagedLedgerError> {

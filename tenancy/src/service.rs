@@ -33,6 +33,18 @@ pub trait TopicOps: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<Vec<TopicStats>, AdminError>>;
     /// Terminates a topic; answers its last message id (`ledger:entry`, empty if none).
     fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>>;
+    /// Deletes a topic (or lists what would go); answers what goes.
+    fn delete(
+        &self,
+        topic: String,
+        force: bool,
+        dry_run: bool,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
+    fn unload(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>>;
+    fn internal_stats(
+        &self,
+        topic: String,
+    ) -> BoxFuture<'_, Result<Vec<crate::pb::TopicInternalStats>, AdminError>>;
     fn subscriptions(&self, topic: String) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
     fn create_subscription(
         &self,
@@ -70,6 +82,44 @@ pub struct AdminService {
 /// Creating, updating or deleting clusters and tenants is for superusers. A refusal is
 /// PERMISSION_DENIED and says nothing of whether the target exists.
 impl AdminService {
+    /// Deletes a namespace; with `force`, its topics first (their clients are closed).
+    /// With `dry_run`, lists what would go.
+    async fn delete_namespace_with_topics(
+        &self,
+        ns: &str,
+        force: bool,
+        dry_run: bool,
+    ) -> Result<Vec<String>, AdminError> {
+        self.store.policies(ns).await?;
+        let topics: Vec<String> = self
+            .topics
+            .list(ns.to_string())
+            .await?
+            .into_iter()
+            .map(|(t, _)| t)
+            .collect();
+        if !force {
+            return self.store.delete_namespace(ns, &topics, dry_run).await;
+        }
+        let mut out = Vec::new();
+        for t in topics {
+            out.extend(self.topics.delete(t, true, dry_run).await?);
+        }
+        let left: Vec<String> = if dry_run {
+            Vec::new()
+        } else {
+            // A producer may have created a topic meanwhile: then the namespace stays.
+            self.topics
+                .list(ns.to_string())
+                .await?
+                .into_iter()
+                .map(|(t, _)| t)
+                .collect()
+        };
+        out.extend(self.store.delete_namespace(ns, &left, dry_run).await?);
+        Ok(out)
+    }
+
     pub fn new(store: TenancyStore, topics: Arc<dyn TopicOps>) -> AdminService {
         AdminService {
             store,
@@ -320,7 +370,23 @@ impl Admin for AdminService {
     async fn delete_tenant(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
         self.superuser(role_of(&r).as_ref())?;
         let d = r.into_inner();
-        let deleted = self.store.delete_tenant(&d.name, d.dry_run).await?;
+        let mut deleted = Vec::new();
+        if d.force {
+            self.store.tenant(&d.name).await?;
+            for ns in self.store.namespaces(&d.name).await? {
+                deleted.extend(
+                    self.delete_namespace_with_topics(&ns, true, d.dry_run)
+                        .await?,
+                );
+            }
+        }
+        let left = if d.force && d.dry_run {
+            // The namespaces listed above would be gone.
+            self.store.tenant_deletion_plan(&d.name).await?
+        } else {
+            self.store.delete_tenant(&d.name, d.dry_run).await?
+        };
+        deleted.extend(left);
         ok(DeleteResponse {
             deleted,
             dry_run: d.dry_run,
@@ -383,17 +449,8 @@ impl Admin for AdminService {
         let d = r.into_inner();
         self.tenant_admin(role.as_ref(), tenant_of_namespace(&d.name))
             .await?;
-        self.store.policies(&d.name).await?;
-        let topics: Vec<String> = self
-            .topics
-            .list(d.name.clone())
-            .await?
-            .into_iter()
-            .map(|(t, _)| t)
-            .collect();
         let deleted = self
-            .store
-            .delete_namespace(&d.name, &topics, d.dry_run)
+            .delete_namespace_with_topics(&d.name, d.force, d.dry_run)
             .await?;
         ok(DeleteResponse {
             deleted,
@@ -480,6 +537,32 @@ impl Admin for AdminService {
         self.store.policies(&ns).await?;
         ok(TopicStatsList {
             topics: self.topics.namespace_stats(ns).await?,
+        })
+    }
+
+    async fn delete_topic(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+            .await?;
+        let d = r.into_inner();
+        let deleted = self.topics.delete(d.name, d.force, d.dry_run).await?;
+        ok(DeleteResponse {
+            deleted,
+            dry_run: d.dry_run,
+        })
+    }
+
+    async fn unload_topic(&self, r: Request<Name>) -> Reply<Empty> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+            .await?;
+        self.topics.unload(r.into_inner().name).await?;
+        ok(Empty {})
+    }
+
+    async fn get_topic_internal_stats(&self, r: Request<Name>) -> Reply<InternalStatsList> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+            .await?;
+        ok(InternalStatsList {
+            topics: self.topics.internal_stats(r.into_inner().name).await?,
         })
     }
 

@@ -261,6 +261,20 @@ impl TenancyStore {
         name: &str,
         dry_run: bool,
     ) -> Result<Vec<String>, AdminError> {
+        self.delete_tenant_with(name, dry_run, false).await
+    }
+
+    /// What deleting a tenant whose namespaces go first (listed by the caller) removes.
+    pub async fn tenant_deletion_plan(&self, name: &str) -> Result<Vec<String>, AdminError> {
+        self.delete_tenant_with(name, true, true).await
+    }
+
+    async fn delete_tenant_with(
+        &self,
+        name: &str,
+        dry_run: bool,
+        skip_namespaces: bool,
+    ) -> Result<Vec<String>, AdminError> {
         check_name("tenant", name)?;
         let key = format!("{TENANTS_PREFIX}{name}");
         let (_, v) = self
@@ -268,7 +282,7 @@ impl TenancyStore {
             .await?
             .ok_or_else(|| AdminError::NotFound(format!("tenant {name} does not exist")))?;
         let ns = self.namespaces(name).await?;
-        if !ns.is_empty() {
+        if !ns.is_empty() && !skip_namespaces {
             return Err(AdminError::FailedPrecondition(format!(
                 "tenant {name} has {} namespaces ({}); delete them first",
                 ns.len(),

@@ -11,7 +11,7 @@ use meridian_tenancy::pb;
 use meridian_tenancy::service::{AdminService, RunningAdmin, TopicOps};
 use meridian_tenancy::{AdminError, TenancyStore};
 
-use crate::broker::{Broker, BrokerError, TopicStats};
+use crate::broker::{Broker, BrokerError, Topic, TopicStats};
 use crate::topic_name::TopicName;
 
 /// The admin API's view of a broker error.
@@ -62,6 +62,67 @@ fn to_pb(s: TopicStats, terminated: bool) -> pb::TopicStats {
             })
             .collect(),
     }
+}
+
+fn show_position(p: Option<meridian_storage::managed_ledger::Position>) -> String {
+    p.map_or_else(String::new, |p| format!("{}:{}", p.ledger_id, p.entry_id))
+}
+
+/// The ranges shown of a cursor's acknowledged ranges (all are counted).
+const RANGES_SHOWN: usize = 100;
+
+async fn internal_stats(t: &Arc<Topic>) -> Result<pb::TopicInternalStats, BrokerError> {
+    let (entries, bytes) = t.ml.size().await;
+    let mut subs = t.durable_subscription_handles().await?;
+    for s in t.subscriptions().await {
+        if !subs.iter().any(|d| Arc::ptr_eq(d, &s)) {
+            subs.push(s);
+        }
+    }
+    let mut cursors = Vec::new();
+    for s in subs {
+        let c = s.internal_stats().await;
+        cursors.push(pb::CursorInternalStats {
+            name: c.name,
+            durable: c.durable,
+            mark_delete_position: show_position(c.mark_delete),
+            read_position: show_position(c.read_position),
+            individually_deleted: c
+                .acknowledged_ranges
+                .iter()
+                .take(RANGES_SHOWN)
+                .map(|(a, b)| format!("[{}..{}]", show_position(Some(*a)), show_position(Some(*b))))
+                .collect(),
+            individually_deleted_ranges: c.acknowledged_ranges.len() as u64,
+            cursor_ledger: c.cursor_ledger,
+            backlog_entries: c.backlog_entries,
+            unacked_entries: c.unacked_entries as u64,
+            consumers: c.consumers as u32,
+        });
+    }
+    cursors.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(pb::TopicInternalStats {
+        topic: t.full_name().to_string(),
+        managed_ledger: t.ml.name().to_string(),
+        entries,
+        bytes,
+        last_confirmed: show_position(t.ml.last_confirmed()),
+        terminated: t.ml.is_terminated().await,
+        ledgers: t
+            .ml
+            .ledgers()
+            .await
+            .into_iter()
+            .map(|l| pb::LedgerInternalStats {
+                ledger_id: l.ledger_id,
+                entries: l.entries,
+                bytes: l.bytes,
+                created_ms: l.created_ms,
+                closed_ms: l.closed_ms,
+            })
+            .collect(),
+        cursors,
+    })
 }
 
 /// [`TopicOps`] over a broker.
@@ -198,7 +259,56 @@ impl TopicOps for BrokerTopics {
             }
             let t = self.0.topic(&name, false).await.map_err(admin_error)?;
             let last = t.terminate().await.map_err(admin_error)?;
-            Ok(last.map_or_else(String::new, |p| format!("{}:{}", p.ledger_id, p.entry_id)))
+            Ok(show_position(last))
+        }
+        .boxed()
+    }
+
+    fn delete(
+        &self,
+        topic: String,
+        force: bool,
+        dry_run: bool,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>> {
+        async move {
+            let name = self.name(&topic)?;
+            self.0
+                .delete_topic(&name, force, dry_run)
+                .await
+                .map_err(admin_error)
+        }
+        .boxed()
+    }
+
+    fn unload(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            let name = self.name(&topic)?;
+            self.0.unload_topic(&name).await.map_err(admin_error)?;
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn internal_stats(
+        &self,
+        topic: String,
+    ) -> BoxFuture<'_, Result<Vec<pb::TopicInternalStats>, AdminError>> {
+        async move {
+            let name = self.name(&topic)?;
+            let b = &self.0;
+            let parts = match (
+                name.partition(),
+                b.partitions_of(&name).await.map_err(admin_error)?,
+            ) {
+                (None, Some((n, _))) => (0..n).map(|i| name.partition_name(i)).collect(),
+                _ => vec![name],
+            };
+            let mut out = Vec::new();
+            for p in parts {
+                let t = b.topic(&p, false).await.map_err(admin_error)?;
+                out.push(internal_stats(&t).await.map_err(admin_error)?);
+            }
+            Ok(out)
         }
         .boxed()
     }

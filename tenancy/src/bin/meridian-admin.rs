@@ -123,13 +123,36 @@ struct DeleteArgs {
     dry_run: bool,
 }
 
+#[derive(Args)]
+struct ForceDeleteArgs {
+    name: String,
+    /// List what would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Delete what it holds too (a namespace's topics, closing their clients; a tenant's
+    /// namespaces).
+    #[arg(long, short = 'f')]
+    force: bool,
+}
+
+#[derive(Args)]
+struct TopicDeleteArgs {
+    topic: String,
+    /// List what would be deleted; delete nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Close connected producers and consumers instead of refusing.
+    #[arg(long, short = 'f')]
+    force: bool,
+}
+
 #[derive(Subcommand)]
 enum Tenants {
     List,
     Get { tenant: String },
     Create(TenantArgs),
     Update(TenantArgs),
-    Delete(DeleteArgs),
+    Delete(ForceDeleteArgs),
 }
 
 #[derive(Args)]
@@ -156,7 +179,7 @@ enum Namespaces {
     Create {
         namespace: String,
     },
-    Delete(DeleteArgs),
+    Delete(ForceDeleteArgs),
     /// Deduplication of sends by producer name and sequence id.
     SetDeduplication {
         namespace: String,
@@ -412,6 +435,16 @@ enum Topics {
     StatsAll { namespace: String },
     /// Ends a topic: no more messages; consumers are told once they have read it all.
     Terminate { topic: String },
+    /// Deletes a topic (a partitioned one with all its partitions), its subscriptions, data
+    /// and schema. Refused while clients are connected, unless --force.
+    Delete(TopicDeleteArgs),
+    /// The same, as `pulsar-admin topics delete-partitioned-topic`.
+    DeletePartitionedTopic(TopicDeleteArgs),
+    /// Closes the topic on its broker; its clients reconnect and it is loaded again.
+    Unload { topic: String },
+    /// Ledgers and cursors of a topic (of each partition of a partitioned one).
+    #[command(visible_alias = "internal-stats")]
+    StatsInternal { topic: String },
     #[command(flatten)]
     Subs(Subs),
 }
@@ -638,6 +671,7 @@ async fn clusters(c: &mut Client, cmd: Clusters, out: Output) -> anyhow::Result<
             c.delete_cluster(DeleteRequest {
                 name: d.name,
                 dry_run: d.dry_run,
+                force: false,
             })
             .await?
             .into_inner(),
@@ -686,6 +720,7 @@ async fn tenants(c: &mut Client, cmd: Tenants, out: Output) -> anyhow::Result<()
             c.delete_tenant(DeleteRequest {
                 name: d.name,
                 dry_run: d.dry_run,
+                force: d.force,
             })
             .await?
             .into_inner(),
@@ -1029,6 +1064,7 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                 c.delete_namespace(DeleteRequest {
                     name: d.name,
                     dry_run: d.dry_run,
+                    force: d.force,
                 })
                 .await?
                 .into_inner(),
@@ -1220,6 +1256,32 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                     .join("\n")
             });
         }
+        Topics::Delete(d) | Topics::DeletePartitionedTopic(d) => {
+            deleted(
+                out,
+                c.delete_topic(DeleteRequest {
+                    name: d.topic,
+                    dry_run: d.dry_run,
+                    force: d.force,
+                })
+                .await?
+                .into_inner(),
+            );
+        }
+        Topics::Unload { topic } => {
+            c.unload_topic(Name {
+                name: topic.clone(),
+            })
+            .await?;
+            done(out, format!("unloaded {topic}"));
+        }
+        Topics::StatsInternal { topic } => {
+            let r = c
+                .get_topic_internal_stats(Name { name: topic })
+                .await?
+                .into_inner();
+            print_internal_stats(out, &r);
+        }
         Topics::Terminate { topic } => {
             let r = c
                 .terminate_topic(Name {
@@ -1321,6 +1383,74 @@ impl From<SubsGroup> for Subs {
             SubsGroup::Same(x) => Subs::Same(x),
         }
     }
+}
+
+fn print_internal_stats(out: Output, r: &InternalStatsList) {
+    let v: Vec<Value> = r
+        .topics
+        .iter()
+        .map(|t| {
+            json!({
+                "topic": t.topic, "managed_ledger": t.managed_ledger, "entries": t.entries,
+                "bytes": t.bytes, "last_confirmed": t.last_confirmed, "terminated": t.terminated,
+                "ledgers": t.ledgers.iter().map(|l| json!({"ledger_id": l.ledger_id,
+                    "entries": l.entries, "bytes": l.bytes, "created_ms": l.created_ms,
+                    "closed_ms": l.closed_ms})).collect::<Vec<_>>(),
+                "cursors": t.cursors.iter().map(|c| json!({"name": c.name,
+                    "durable": c.durable, "mark_delete_position": c.mark_delete_position,
+                    "read_position": c.read_position,
+                    "individually_deleted": c.individually_deleted,
+                    "individually_deleted_ranges": c.individually_deleted_ranges,
+                    "cursor_ledger": c.cursor_ledger, "backlog_entries": c.backlog_entries,
+                    "unacked_entries": c.unacked_entries, "consumers": c.consumers}))
+                    .collect::<Vec<_>>(),
+            })
+        })
+        .collect();
+    // One topic: its object; a partitioned topic: one per partition.
+    let v = match v.as_slice() {
+        [one] => one.clone(),
+        _ => Value::Array(v),
+    };
+    print(out, &v, || {
+        let mut lines = Vec::new();
+        for t in &r.topics {
+            lines.push(format!(
+                "{}  log {}  {} entries  {} bytes  last {}{}",
+                t.topic,
+                t.managed_ledger,
+                t.entries,
+                t.bytes,
+                if t.last_confirmed.is_empty() {
+                    "-"
+                } else {
+                    &t.last_confirmed
+                },
+                if t.terminated { "  terminated" } else { "" }
+            ));
+            for l in &t.ledgers {
+                lines.push(format!(
+                    "  ledger {}  {}  {} bytes",
+                    l.ledger_id,
+                    l.entries
+                        .map_or_else(|| "open".to_string(), |n| format!("{n} entries")),
+                    l.bytes
+                ));
+            }
+            for c in &t.cursors {
+                lines.push(format!(
+                    "  cursor {}  mark-delete {}  read {}  {} ranges acked  backlog {}  cursor ledger {}",
+                    c.name,
+                    if c.mark_delete_position.is_empty() { "-" } else { &c.mark_delete_position },
+                    if c.read_position.is_empty() { "-" } else { &c.read_position },
+                    c.individually_deleted_ranges,
+                    c.backlog_entries,
+                    c.cursor_ledger.map_or_else(|| "-".to_string(), |l| l.to_string())
+                ));
+            }
+        }
+        lines.join("\n")
+    });
 }
 
 fn print_permissions(out: Output, p: &Permissions) {

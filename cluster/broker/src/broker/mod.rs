@@ -693,6 +693,60 @@ impl Topic {
         Ok(last)
     }
 
+    /// What deleting the topic removes: the topic, its subscriptions, its ledgers. Refused
+    /// while producers or consumers are connected, unless `force` (they are closed then).
+    async fn deletion_plan(&self, force: bool) -> Result<Vec<String>, BrokerError> {
+        let producers = self.producer_count();
+        let mut consumers = 0;
+        for s in self.subscriptions().await {
+            consumers += s.consumer_count().await;
+        }
+        if (producers > 0 || consumers > 0) && !force {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!(
+                    "{} has {producers} producers and {consumers} consumers connected; --force closes them",
+                    self.full_name
+                ),
+            ));
+        }
+        let mut out = vec![format!("topic {}", self.full_name)];
+        for s in self.durable_subscriptions().await? {
+            out.push(format!("subscription {s} of {}", self.full_name));
+        }
+        let ledgers = self.ml.ledgers().await;
+        if !ledgers.is_empty() {
+            let ids: Vec<String> = ledgers.iter().map(|l| l.ledger_id.to_string()).collect();
+            out.push(format!("ledgers {} of {}", ids.join(","), self.full_name));
+        }
+        Ok(out)
+    }
+
+    /// Deletes the topic: closes its producers and consumers, deletes its subscriptions
+    /// (cursors and their ledgers), its log and ledgers, and its epoch and deduplication
+    /// records. The caller forgets the topic.
+    async fn delete(self: &Arc<Self>) -> Result<(), BrokerError> {
+        self.producers.fence_all();
+        for name in self.durable_subscriptions().await? {
+            self.subscription_for_admin(&name)
+                .await?
+                .delete_forced()
+                .await?;
+        }
+        // Readers (non-durable) are closed too.
+        for s in self.subscriptions().await {
+            s.delete_forced().await?;
+        }
+        self.ml.delete().await?;
+        for prefix in [TOPIC_EPOCHS_PREFIX, dedup::DEDUP_PREFIX] {
+            self.meta
+                .delete(&format!("{prefix}{}", self.ml.name()), None)
+                .await?;
+        }
+        tracing::info!(topic = %self.full_name, "topic deleted");
+        Ok(())
+    }
+
     /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
     pub async fn close(&self) {
         for sub in self.subscriptions().await {
@@ -720,6 +774,9 @@ pub struct Broker {
     /// Shared by every topic's tail cache (`broker.tail_cache_total_bytes_max`).
     tail_cache_budget: Arc<meridian_storage::managed_ledger::CacheBudget>,
     closing: AtomicBool,
+    /// Topics being unloaded: loading them waits for that (ServiceNotReady, which clients
+    /// retry), so a returning client never meets two owners of one log.
+    unloading: Mutex<std::collections::HashSet<String>>,
     connections: AtomicU64,
     me: std::sync::Weak<Broker>,
     /// Checks tokens when `broker.authentication_enabled`.
@@ -765,6 +822,7 @@ impl Broker {
             producer_names: AtomicU64::new(0),
             run_id,
             closing: AtomicBool::new(false),
+            unloading: Mutex::default(),
             connections: AtomicU64::new(0),
         }))
     }
@@ -915,6 +973,120 @@ impl Broker {
         Ok(Arc::clone(topic))
     }
 
+    /// Deletes a topic (a partitioned topic: all its partitions and its record), its
+    /// subscriptions, ledgers and schema. Refused while clients are connected unless `force`;
+    /// with `dry_run` only lists what would go. Every partition is checked before any is
+    /// deleted.
+    pub async fn delete_topic(
+        &self,
+        name: &TopicName,
+        force: bool,
+        dry_run: bool,
+    ) -> Result<Vec<String>, BrokerError> {
+        let parts: Vec<TopicName> = match (name.partition(), self.partitions_of(name).await?) {
+            (None, Some((n, _))) => (0..n).map(|i| name.partition_name(i)).collect(),
+            _ => {
+                if !self.topic_exists(name).await? {
+                    return Err(BrokerError::new(
+                        ServerError::TopicNotFound,
+                        format!("topic {name} does not exist"),
+                    ));
+                }
+                vec![name.clone()]
+            }
+        };
+        let partitioned = parts.len() != 1 || parts[0] != *name;
+        let mut topics = Vec::new();
+        let mut out = Vec::new();
+        if partitioned {
+            out.push(format!(
+                "partitioned topic {name} ({} partitions)",
+                parts.len()
+            ));
+        }
+        for p in &parts {
+            // A partition never written to has no log: nothing to delete for it.
+            if !self.topic_exists(p).await? {
+                continue;
+            }
+            let t = self.topic_for_broker(p).await?;
+            out.extend(t.deletion_plan(force).await?);
+            topics.push(t);
+        }
+        if dry_run {
+            return Ok(out);
+        }
+        for t in &topics {
+            let key = t.name.to_string();
+            self.unloading
+                .lock()
+                .expect("unloading lock")
+                .insert(key.clone());
+            self.forget_topic(&t.name);
+            let r = t.delete().await;
+            self.unloading.lock().expect("unloading lock").remove(&key);
+            r?;
+        }
+        if partitioned {
+            self.meta
+                .delete(&partitioned::partitioned_topic_key(name), None)
+                .await?;
+        }
+        if name.partition().is_none() {
+            self.meta.delete(&Self::schema_key(name), None).await?;
+        }
+        Ok(out)
+    }
+
+    /// Unloads a topic (a partitioned topic: its loaded partitions): its producers and
+    /// consumers are closed (they reconnect by themselves), its cursors persisted and its log
+    /// closed; the next lookup loads it again. Answers how many topics were unloaded.
+    pub async fn unload_topic(&self, name: &TopicName) -> Result<usize, BrokerError> {
+        let parts: Vec<TopicName> = match (name.partition(), self.partitions_of(name).await?) {
+            (None, Some((n, _))) => (0..n).map(|i| name.partition_name(i)).collect(),
+            _ => {
+                if !self.topic_exists(name).await? {
+                    return Err(BrokerError::new(
+                        ServerError::TopicNotFound,
+                        format!("topic {name} does not exist"),
+                    ));
+                }
+                vec![name.clone()]
+            }
+        };
+        let mut n = 0;
+        for p in parts {
+            let loaded = {
+                let topics = self.topics.lock().expect("topics lock");
+                topics.get(&p.to_string()).and_then(|c| c.get().cloned())
+            };
+            let Some(t) = loaded else { continue };
+            let key = p.to_string();
+            self.unloading
+                .lock()
+                .expect("unloading lock")
+                .insert(key.clone());
+            self.forget_topic(&p);
+            t.producers.fence_all();
+            for s in t.subscriptions().await {
+                s.disconnect_consumers().await;
+            }
+            t.close().await;
+            self.unloading.lock().expect("unloading lock").remove(&key);
+            tracing::info!(topic = %p, "topic unloaded");
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Drops a topic from the loaded ones (after deleting or unloading it).
+    fn forget_topic(&self, name: &TopicName) {
+        self.topics
+            .lock()
+            .expect("topics lock")
+            .remove(&name.to_string());
+    }
+
     /// Whether a (non-partitioned) topic or partition has a log.
     pub async fn topic_exists(&self, name: &TopicName) -> Result<bool, BrokerError> {
         Ok(self
@@ -931,6 +1103,17 @@ impl Broker {
         force: bool,
     ) -> Result<Arc<Topic>, BrokerError> {
         let full = name.to_string();
+        if self
+            .unloading
+            .lock()
+            .expect("unloading lock")
+            .contains(&full)
+        {
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!("{full} is being unloaded; retry"),
+            ));
+        }
         if name.partition().is_none() && self.partitions_of(name).await?.is_some() {
             return Err(BrokerError::new(
                 ServerError::NotAllowedError,

@@ -190,7 +190,7 @@ pub fn check_compatible(
 }
 
 impl Broker {
-    fn schema_key(name: &TopicName) -> String {
+    pub(super) fn schema_key(name: &TopicName) -> String {
         let base = name.parent().unwrap_or_else(|| name.clone());
         format!(
             "{SCHEMAS_PREFIX}{}/{}/persistent/{}",

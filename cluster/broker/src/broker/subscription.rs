@@ -257,6 +257,20 @@ pub struct SubscriptionStats {
     pub properties: std::collections::BTreeMap<String, String>,
 }
 
+/// A subscription's cursor, for `topics stats-internal`.
+#[derive(Debug, Clone)]
+pub struct CursorInternalStats {
+    pub name: String,
+    pub durable: bool,
+    pub mark_delete: Option<Position>,
+    pub read_position: Option<Position>,
+    pub acknowledged_ranges: Vec<(Position, Position)>,
+    pub cursor_ledger: Option<u64>,
+    pub backlog_entries: u64,
+    pub unacked_entries: usize,
+    pub consumers: usize,
+}
+
 /// A subscription's delayed messages: (deliver at, ms since the epoch; position), earliest
 /// first. Its memory per message is measured by `cargo bench -p meridian-broker --bench
 /// delay_index`.
@@ -813,8 +827,21 @@ impl Subscription {
         self: &Arc<Self>,
         by: Option<ConsumerKey>,
     ) -> Result<(), BrokerError> {
+        self.delete_with(by, false).await
+    }
+
+    /// Deletes the subscription with its topic: its consumers are closed (CLOSE_CONSUMER).
+    pub async fn delete_forced(self: &Arc<Self>) -> Result<(), BrokerError> {
+        self.delete_with(None, true).await
+    }
+
+    async fn delete_with(
+        self: &Arc<Self>,
+        by: Option<ConsumerKey>,
+        force: bool,
+    ) -> Result<(), BrokerError> {
         let mut st = self.state.lock().await;
-        if st.consumers.iter().any(|c| Some(c.key()) != by) {
+        if !force && st.consumers.iter().any(|c| Some(c.key()) != by) {
             return Err(BrokerError::new(
                 ServerError::ConsumerBusy,
                 format!("subscription {} has other consumers", self.name),
@@ -822,7 +849,12 @@ impl Subscription {
         }
         st.cursor.delete().await?;
         st.deleted = true;
-        st.consumers.clear();
+        for c in st.consumers.drain(..) {
+            let _ = c
+                .sink
+                .tx
+                .try_send(frame(&cmd::close_consumer(c.sink.consumer_id, 0)));
+        }
         drop(st);
         self.closed.store(true, Ordering::Relaxed);
         let _ = self.stop.send(true);
@@ -855,6 +887,36 @@ impl Subscription {
             unacked_entries: st.pending.len(),
             delayed_entries: st.delayed.len(),
             properties: st.cursor.properties().clone(),
+        }
+    }
+
+    /// The cursor's state, as `topics stats-internal` shows it.
+    pub async fn internal_stats(&self) -> CursorInternalStats {
+        let st = self.state.lock().await;
+        CursorInternalStats {
+            name: self.name.clone(),
+            durable: self.durable,
+            mark_delete: st.cursor.mark_delete(),
+            read_position: st.cursor.read_position(),
+            acknowledged_ranges: st.cursor.acknowledged_ranges(),
+            cursor_ledger: st.cursor.cursor_ledger(),
+            backlog_entries: st.cursor.backlog().await.entries,
+            unacked_entries: st.pending.len(),
+            consumers: st.consumers.len(),
+        }
+    }
+
+    /// Detaches every consumer and tells it (CLOSE_CONSUMER); the clients reconnect.
+    pub async fn disconnect_consumers(&self) {
+        let mut st = self.state.lock().await;
+        st.clear_in_flight();
+        st.active = None;
+        st.selector = None;
+        for c in st.consumers.drain(..) {
+            let _ = c
+                .sink
+                .tx
+                .try_send(frame(&cmd::close_consumer(c.sink.consumer_id, 0)));
         }
     }
 
