@@ -50,6 +50,29 @@ impl Raw {
         r
     }
 
+    /// CONNECT with a token (method `token`), or none; the broker's refusal if it refuses.
+    pub fn connect_as(url: &str, token: Option<&str>) -> Result<Raw, (ServerError, String)> {
+        let mut r = Raw::open(url);
+        r.send(&pb::BaseCommand {
+            r#type: Type::Connect as i32,
+            connect: Some(pb::CommandConnect {
+                client_version: "raw-test".into(),
+                protocol_version: Some(19),
+                auth_method_name: token.map(|_| "token".to_string()),
+                auth_data: token.map(|t| t.as_bytes().to_vec()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        match r.recv(Duration::from_secs(10)) {
+            Got::Frame(f) if f.command.connected.is_some() => Ok(r),
+            Got::Frame(f) if f.command.error.is_some() => Err(error_of(&f)),
+            Got::Frame(f) => panic!("unexpected answer to CONNECT: {:?}", f.command),
+            Got::Closed => Err((ServerError::UnknownError, "closed".into())),
+            Got::Nothing => panic!("no answer to CONNECT"),
+        }
+    }
+
     pub fn send(&mut self, c: &pb::BaseCommand) {
         let mut b = BytesMut::new();
         encode_command(&mut b, c);

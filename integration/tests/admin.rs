@@ -1557,3 +1557,276 @@ fn topics_delete_unload_internal_stats_and_forced_namespace_and_tenant_deletion(
 fn meridian_storage_key(ledger: u64) -> String {
     format!("/ledgers/L{ledger:020}")
 }
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Op {
+    Lookup,
+    Produce,
+    Consume,
+    ListTopics,
+    Stats,
+    AdminListTopics,
+    AdminReadPolicies,
+    AdminSetPolicy,
+}
+
+const OPS: [Op; 8] = [
+    Op::Lookup,
+    Op::Produce,
+    Op::Consume,
+    Op::ListTopics,
+    Op::Stats,
+    Op::AdminListTopics,
+    Op::AdminReadPolicies,
+    Op::AdminSetPolicy,
+];
+
+/// What each role may do in tenant `ta` (A) and `tb` (B).
+fn allowed(role: &str, tenant: &str, op: Op) -> bool {
+    let reader = matches!(
+        op,
+        Op::Lookup | Op::ListTopics | Op::Stats | Op::AdminListTopics
+    );
+    match role {
+        "root" => true,
+        "admin-a" => tenant == "ta",
+        "admin-b" => tenant == "tb",
+        "prod-a" => tenant == "ta" && (reader || op == Op::Produce),
+        "cons-a" => tenant == "ta" && (reader || op == Op::Consume),
+        _ => false,
+    }
+}
+
+/// Runs one data-path operation over a raw connection; Ok or the refusal.
+fn data_op(
+    url: &str,
+    token: Option<&str>,
+    ns: &str,
+    op: Op,
+) -> Result<(), (meridian_protocol::pb::ServerError, String)> {
+    use meridian_integration::raw::{cmd, error_of, producer, subscribe, Raw};
+    use meridian_protocol::pb::{self, base_command::Type};
+    let topic = format!("persistent://{ns}/t");
+    let mut c = Raw::connect_as(url, token)?;
+    match op {
+        Op::Lookup => {
+            c.send(&cmd(Type::Lookup, |x| {
+                x.lookup_topic = Some(pb::CommandLookupTopic {
+                    topic: topic.clone(),
+                    request_id: 1,
+                    ..Default::default()
+                })
+            }));
+            let f = c.expect();
+            let r = f.command.lookup_topic_response.expect("LOOKUP_RESPONSE");
+            match r.error {
+                None => Ok(()),
+                Some(e) => Err((
+                    pb::ServerError::try_from(e).unwrap(),
+                    r.message.unwrap_or_default(),
+                )),
+            }
+        }
+        Op::Produce | Op::Consume | Op::ListTopics => {
+            c.send(&match op {
+                Op::Produce => producer(&topic, 1, 1),
+                Op::Consume => subscribe(&topic, "matrix", 1, 1),
+                _ => cmd(Type::GetTopicsOfNamespace, |x| {
+                    x.get_topics_of_namespace = Some(pb::CommandGetTopicsOfNamespace {
+                        request_id: 1,
+                        namespace: ns.to_string(),
+                        ..Default::default()
+                    })
+                }),
+            });
+            let f = c.expect();
+            if f.command.error.is_some() {
+                Err(error_of(&f))
+            } else {
+                Ok(())
+            }
+        }
+        _ => unreachable!("an admin operation"),
+    }
+}
+
+#[test]
+fn authorization_matrix_every_role_against_every_operation_in_two_tenants() {
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("secret.key");
+    let other = dir.path().join("other.key");
+    let (key_s, other_s) = (key.to_str().unwrap(), other.to_str().unwrap());
+    for k in [key_s, other_s] {
+        let (code, _, err) =
+            run_admin(&["tokens", "create-secret-key", "--output-file", k]).unwrap();
+        assert_eq!(code, 0, "{err}");
+    }
+    let token = |k: &str, role: &str, expiry: Option<&str>| -> String {
+        let mut args = vec!["tokens", "create", "--secret-key", k, "--subject", role];
+        if let Some(e) = expiry {
+            args.extend(["--expiry-time", e]);
+        }
+        let (code, out, err) = run_admin(&args).unwrap();
+        assert_eq!(code, 0, "{err}");
+        out.trim().to_string()
+    };
+    let expired = token(key_s, "root", Some("1s"));
+    let roles: Vec<(&str, Option<String>)> = vec![
+        ("root", Some(token(key_s, "root", None))),
+        ("admin-a", Some(token(key_s, "admin-a", None))),
+        ("prod-a", Some(token(key_s, "prod-a", None))),
+        ("cons-a", Some(token(key_s, "cons-a", None))),
+        ("admin-b", Some(token(key_s, "admin-b", None))),
+        ("no-token", None),
+        ("expired", Some(expired)),
+        ("forged", Some(token(other_s, "root", None))),
+    ];
+    let root = roles[0].1.clone().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_AUTHENTICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_TOKEN_SECRET_KEY_FILE", key_s)
+        .env("MERIDIAN_BROKER_SUPERUSER_ROLES", "root");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    let as_role = |t: Option<&str>, args: &[&str]| -> (i32, String, String) {
+        let mut v: Vec<&str> = Vec::new();
+        if let Some(t) = t {
+            v.extend(["--token", t]);
+        }
+        v.extend_from_slice(args);
+        a.run(&v)
+    };
+    step("tenants ta (admin-a) and tb (admin-b), each with ns1 and topic t; grants in ta/ns1");
+    for (tenant, admin) in [("ta", "admin-a"), ("tb", "admin-b")] {
+        for args in [
+            &[
+                "tenants",
+                "create",
+                tenant,
+                "--admin-roles",
+                admin,
+                "--allowed-clusters",
+                "standalone",
+            ][..],
+            &["namespaces", "create", &format!("{tenant}/ns1")],
+            &["topics", "create", &format!("persistent://{tenant}/ns1/t")],
+        ] {
+            let (code, _, err) = as_role(Some(&root), args);
+            assert_eq!(code, 0, "{args:?}: {err}");
+        }
+    }
+    for (role, action) in [("prod-a", "produce"), ("cons-a", "consume")] {
+        let (code, _, err) = as_role(
+            Some(&root),
+            &[
+                "namespaces",
+                "grant-permission",
+                "ta/ns1",
+                "--role",
+                role,
+                "--actions",
+                action,
+            ],
+        );
+        assert_eq!(code, 0, "{err}");
+    }
+    // The expired token was made before the set-up; it has passed its second by now.
+    std::thread::sleep(std::time::Duration::from_millis(1200));
+
+    step("every cell: 8 roles x 8 operations x 2 tenants");
+    let mut table = String::new();
+    let mut wrong = Vec::new();
+    let mut cells = 0;
+    for (role, tok) in &roles {
+        for tenant in ["ta", "tb"] {
+            let ns = format!("{tenant}/ns1");
+            let topic = format!("persistent://{ns}/t");
+            let mut row = format!("{role:>9} {tenant}:");
+            for op in OPS {
+                let (ok, why) = match op {
+                    Op::Lookup | Op::Produce | Op::Consume | Op::ListTopics => {
+                        match data_op(&s.url, tok.as_deref(), &ns, op) {
+                            Ok(()) => (true, String::new()),
+                            Err((code, msg)) => (false, format!("{code:?}: {msg}")),
+                        }
+                    }
+                    _ => {
+                        let args: Vec<&str> = match op {
+                            Op::Stats => vec!["topics", "stats", &topic],
+                            Op::AdminListTopics => vec!["topics", "list", &ns],
+                            Op::AdminReadPolicies => vec!["namespaces", "policies", &ns],
+                            _ => vec!["namespaces", "set-message-ttl", &ns, "--ttl", "0"],
+                        };
+                        let (code, _, err) = as_role(tok.as_deref(), &args);
+                        (code == 0, err)
+                    }
+                };
+                cells += 1;
+                row.push_str(if ok { " Y" } else { " -" });
+                let want = allowed(role, tenant, op);
+                if ok != want {
+                    wrong.push(format!(
+                        "{role} {op:?} in {tenant}: {} ({why})",
+                        if ok { "ALLOWED (an escape)" } else { "refused" }
+                    ));
+                }
+                if !ok {
+                    // A refusal says nothing of whether the target exists.
+                    assert!(
+                        !why.contains("NotFound") && !why.contains("does not exist"),
+                        "{role} {op:?} in {tenant} refused by existence: {why}"
+                    );
+                    let authn = matches!(*role, "no-token" | "expired" | "forged");
+                    let want_status = match (op, authn) {
+                        (Op::Lookup | Op::Produce | Op::Consume | Op::ListTopics, true) => {
+                            "AuthenticationError"
+                        }
+                        (Op::Lookup | Op::Produce | Op::Consume | Op::ListTopics, false) => {
+                            "AuthorizationError"
+                        }
+                        (_, true) => "Unauthenticated",
+                        (_, false) => "PermissionDenied",
+                    };
+                    assert!(
+                        why.contains(want_status),
+                        "{role} {op:?} in {tenant}: want {want_status}, got {why}"
+                    );
+                }
+            }
+            table.push_str(&row);
+            table.push('\n');
+        }
+    }
+    eprintln!("              Lk Pr Co Ls St AL AR AS\n{table}");
+    assert_eq!(cells, 8 * 8 * 2);
+    assert!(
+        wrong.is_empty(),
+        "cells not as they should be:\n{}",
+        wrong.join("\n")
+    );
+
+    step("refusals are the same for targets that do not exist");
+    for (role, tok) in &roles[1..] {
+        for ns in ["tb/ns1", "tb/ghost", "nobody/ns1"] {
+            if *role == "admin-b" {
+                continue;
+            }
+            let topic = format!("persistent://{ns}/t");
+            let (code, _, err) = as_role(tok.as_deref(), &["topics", "stats", &topic]);
+            assert_eq!(code, 1, "{role} stats of {topic}");
+            assert!(
+                err.contains("PermissionDenied") || err.contains("Unauthenticated"),
+                "{role} stats of {topic}: {err}"
+            );
+            let lookup = data_op(&s.url, tok.as_deref(), ns, Op::Lookup).unwrap_err();
+            assert!(
+                matches!(
+                    lookup.0,
+                    meridian_protocol::pb::ServerError::AuthorizationError
+                        | meridian_protocol::pb::ServerError::AuthenticationError
+                ),
+                "{role} lookup of {topic}: {lookup:?}"
+            );
+        }
+    }
+}

@@ -170,6 +170,34 @@ impl AdminService {
     }
 }
 
+impl AdminService {
+    /// Reading a namespace's topics (lists, stats): superusers, the tenant's admins, and roles
+    /// granted produce or consume there, as Pulsar's lookup permission. An unknown namespace
+    /// is refused like a known one.
+    async fn namespace_reader(&self, role: Option<&Role>, ns: &str) -> Result<(), Status> {
+        if self
+            .tenant_admin(role, tenant_of_namespace(ns))
+            .await
+            .is_ok()
+        {
+            return Ok(());
+        }
+        let granted = match (role, self.store.policies(ns).await) {
+            (Some(r), Ok((p, _))) => p.permissions.get(&r.0).is_some_and(|a| !a.is_empty()),
+            (_, Err(AdminError::Unavailable(m))) => return Err(Status::unavailable(m)),
+            _ => false,
+        };
+        if granted {
+            Ok(())
+        } else {
+            Err(Status::permission_denied(format!(
+                "role {} may not read namespace {ns}",
+                role.map_or("(none)", |r| r.0.as_str())
+            )))
+        }
+    }
+}
+
 /// The tenant of `tenant/namespace`.
 fn tenant_of_namespace(ns: &str) -> &str {
     ns.split('/').next().unwrap_or(ns)
@@ -186,6 +214,20 @@ fn tenant_of_topic(topic: &str) -> &str {
         parts[0]
     } else {
         "public"
+    }
+}
+
+/// The namespace of a topic name in any form clients use (`x` is in `public/default`).
+fn namespace_of_topic(topic: &str) -> String {
+    let rest = topic
+        .strip_prefix("persistent://")
+        .or_else(|| topic.strip_prefix("non-persistent://"))
+        .unwrap_or(topic);
+    let parts: Vec<&str> = rest.split('/').collect();
+    if parts.len() >= 3 {
+        format!("{}/{}", parts[0], parts[1])
+    } else {
+        "public/default".to_string()
     }
 }
 
@@ -494,8 +536,7 @@ impl Admin for AdminService {
     async fn list_topics(&self, r: Request<Name>) -> Reply<Topics> {
         let role = role_of(&r);
         let ns = r.into_inner().name;
-        self.tenant_admin(role.as_ref(), tenant_of_namespace(&ns))
-            .await?;
+        self.namespace_reader(role.as_ref(), &ns).await?;
         self.store.policies(&ns).await?;
         let topics = self
             .topics
@@ -524,7 +565,7 @@ impl Admin for AdminService {
     }
 
     async fn get_topic_stats(&self, r: Request<Name>) -> Reply<TopicStats> {
-        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+        self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
         ok(self.topics.stats(r.into_inner().name).await?)
     }
@@ -532,8 +573,7 @@ impl Admin for AdminService {
     async fn get_namespace_topic_stats(&self, r: Request<Name>) -> Reply<TopicStatsList> {
         let role = role_of(&r);
         let ns = r.into_inner().name;
-        self.tenant_admin(role.as_ref(), tenant_of_namespace(&ns))
-            .await?;
+        self.namespace_reader(role.as_ref(), &ns).await?;
         self.store.policies(&ns).await?;
         ok(TopicStatsList {
             topics: self.topics.namespace_stats(ns).await?,
@@ -559,7 +599,7 @@ impl Admin for AdminService {
     }
 
     async fn get_topic_internal_stats(&self, r: Request<Name>) -> Reply<InternalStatsList> {
-        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+        self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
         ok(InternalStatsList {
             topics: self.topics.internal_stats(r.into_inner().name).await?,
@@ -576,7 +616,7 @@ impl Admin for AdminService {
     }
 
     async fn list_subscriptions(&self, r: Request<Name>) -> Reply<Names> {
-        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+        self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
         ok(Names {
             names: self.topics.subscriptions(r.into_inner().name).await?,
