@@ -381,6 +381,21 @@ pub struct BrokerConfig {
     /// Roles (tokens' `sub`) that may administer everything, comma-separated. With
     /// authentication on, everyone else administers only the tenants that list them.
     pub superuser_roles: String,
+    /// Socket address of the Pulsar protocol over TLS (`pulsar+ssl://`), `IP:PORT`; served
+    /// only when `broker.tls_cert_file` is set. Default `127.0.0.1:6651`.
+    pub tls_listen: String,
+    /// The server's certificate chain (PEM) for the TLS port and, with `broker.admin_tls`,
+    /// the admin API. Empty (the default): no TLS.
+    pub tls_cert_file: String,
+    /// The private key (PEM, PKCS#8, PKCS#1 or SEC1) of `broker.tls_cert_file`.
+    pub tls_key_file: String,
+    /// CA certificates (PEM) that client certificates are checked against (mutual TLS; the
+    /// certificate's subject CN is the client's role). Empty: client certificates are not
+    /// asked for.
+    pub tls_trust_certs_file: String,
+    /// Serve the admin API over TLS only (`https://`). Default `false`. Needs
+    /// `broker.tls_cert_file`.
+    pub admin_tls: bool,
     /// Re-read namespace policies and apply message TTLs this often, milliseconds.
     /// Range 100..=60000, default 1000.
     pub policy_refresh_interval_ms: u64,
@@ -443,6 +458,11 @@ impl Default for BrokerConfig {
             token_secret_key_file: String::new(),
             token_public_key_file: String::new(),
             superuser_roles: String::new(),
+            tls_listen: "127.0.0.1:6651".to_string(),
+            tls_cert_file: String::new(),
+            tls_key_file: String::new(),
+            tls_trust_certs_file: String::new(),
+            admin_tls: false,
             message_bytes_max: 5 << 20,
             producer_pending_sends_max: 10_000,
             connection_handles_max: 10_000,
@@ -477,13 +497,42 @@ impl BrokerConfig {
                 "must be non-empty and without `/`",
             ));
         }
-        if self.authentication_enabled
-            && self.token_secret_key_file.is_empty() == self.token_public_key_file.is_empty()
-        {
+        socket_addr("broker.tls_listen", &self.tls_listen)?;
+        if !self.token_secret_key_file.is_empty() && !self.token_public_key_file.is_empty() {
+            return Err(invalid(
+                "broker.token_public_key_file",
+                &self.token_public_key_file,
+                "give broker.token_secret_key_file or broker.token_public_key_file, not both",
+            ));
+        }
+        let token_key =
+            !self.token_secret_key_file.is_empty() || !self.token_public_key_file.is_empty();
+        if self.authentication_enabled && !token_key && self.tls_trust_certs_file.is_empty() {
             return Err(invalid(
                 "broker.authentication_enabled",
                 &self.authentication_enabled,
-                "needs exactly one of broker.token_secret_key_file and broker.token_public_key_file",
+                "needs a token key (broker.token_secret_key_file or broker.token_public_key_file) or client certificates (broker.tls_trust_certs_file)",
+            ));
+        }
+        if self.tls_cert_file.is_empty() != self.tls_key_file.is_empty() {
+            return Err(invalid(
+                "broker.tls_key_file",
+                &self.tls_key_file,
+                "broker.tls_cert_file and broker.tls_key_file go together",
+            ));
+        }
+        if self.tls_cert_file.is_empty() && !self.tls_trust_certs_file.is_empty() {
+            return Err(invalid(
+                "broker.tls_trust_certs_file",
+                &self.tls_trust_certs_file,
+                "needs broker.tls_cert_file (client certificates come over TLS)",
+            ));
+        }
+        if self.admin_tls && self.tls_cert_file.is_empty() {
+            return Err(invalid(
+                "broker.admin_tls",
+                &self.admin_tls,
+                "needs broker.tls_cert_file and broker.tls_key_file",
             ));
         }
         if !["non-partitioned", "partitioned"]

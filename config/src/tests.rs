@@ -591,3 +591,28 @@ fn mutated_files_never_panic() {
         "mutations too weak or too strong: {loaded} loaded, {refused} refused"
     );
 }
+
+#[test]
+fn tls_and_authentication_settings_that_do_not_go_together_are_refused() {
+    check(
+        [
+            set("broker.admin_tls", "true"),
+            set("broker.tls_cert_file", "/x/server.pem"),
+            set("broker.tls_trust_certs_file", "/x/ca.pem"),
+            set("broker.authentication_enabled", "true"),
+            set("broker.tls_listen", "nowhere"),
+        ],
+        expect![[r#"
+            set broker.admin_tls=true
+              error: broker.admin_tls = true is invalid: needs broker.tls_cert_file and broker.tls_key_file
+            set broker.tls_cert_file=/x/server.pem
+              error: broker.tls_key_file = "" is invalid: broker.tls_cert_file and broker.tls_key_file go together
+            set broker.tls_trust_certs_file=/x/ca.pem
+              error: broker.tls_trust_certs_file = "/x/ca.pem" is invalid: needs broker.tls_cert_file (client certificates come over TLS)
+            set broker.authentication_enabled=true
+              error: broker.authentication_enabled = true is invalid: needs a token key (broker.token_secret_key_file or broker.token_public_key_file) or client certificates (broker.tls_trust_certs_file)
+            set broker.tls_listen=nowhere
+              error: broker.tls_listen = "nowhere" is invalid: expected IP:PORT, e.g. 127.0.0.1:7101
+        "#]],
+    );
+}

@@ -39,9 +39,18 @@ def client(url):
     import os
     token = os.environ.get("MERIDIAN_TEST_TOKEN")
     auth = pulsar.AuthenticationToken(token) if token else None
+    # TLS (pulsar+ssl:// URLs): the CA to trust and, for mutual TLS, a client certificate.
+    kw = {}
+    ca = os.environ.get("MERIDIAN_TEST_TLS_CA")
+    if ca:
+        kw = dict(tls_trust_certs_file_path=ca, tls_allow_insecure_connection=False,
+                  tls_validate_hostname=True)
+    cert, key = os.environ.get("MERIDIAN_TEST_TLS_CERT"), os.environ.get("MERIDIAN_TEST_TLS_KEY")
+    if cert and key:
+        auth = pulsar.AuthenticationTLS(cert, key)
     timeout = int(os.environ.get("MERIDIAN_TEST_OP_TIMEOUT_S", "30"))
     return pulsar.Client(url, authentication=auth, operation_timeout_seconds=timeout,
-                         connection_timeout_ms=10000, logger=LOG)
+                         connection_timeout_ms=10000, logger=LOG, **kw)
 
 
 def produce(a):

@@ -402,8 +402,11 @@ pub struct StandaloneProc {
     pub url: String,
     /// `127.0.0.1:PORT` of /metrics and /health once started.
     pub http: String,
-    /// `http://127.0.0.1:PORT` of the admin API once started.
+    /// `http://127.0.0.1:PORT` of the admin API once started (`https://` with
+    /// `MERIDIAN_BROKER_ADMIN_TLS`).
     pub admin_url: String,
+    /// `pulsar+ssl://127.0.0.1:PORT` once started, when TLS is configured.
+    pub tls_url: Option<String>,
     child: Option<Child>,
     extra_env: Vec<(String, String)>,
     /// Restart on the same ports (clients that stay up reconnect to them).
@@ -418,6 +421,7 @@ impl StandaloneProc {
             url: String::new(),
             http: String::new(),
             admin_url: String::new(),
+            tls_url: None,
             child: None,
             extra_env: Vec::new(),
             keep_ports: false,
@@ -462,6 +466,7 @@ impl StandaloneProc {
             .args(["--pulsar-listen", &pulsar])
             .args(["--http-listen", &http])
             .args(["--admin-listen", &admin])
+            .args(["--pulsar-tls-listen", "127.0.0.1:0"])
             .env("RUST_LOG", "info,openraft=warn")
             .env("MERIDIAN_BOOKIE_FLUSH_INTERVAL_MS", "500")
             .stdin(Stdio::null())
@@ -484,6 +489,10 @@ impl StandaloneProc {
                     .find(|w| w.starts_with("pulsar://"))
                     .context("no pulsar:// in the banner")?;
                 self.url = url.trim_end_matches(',').to_string();
+                self.tls_url = line
+                    .split_whitespace()
+                    .find(|w| w.starts_with("pulsar+ssl://"))
+                    .map(|w| w.trim_end_matches(',').to_string());
                 let http = line
                     .split_whitespace()
                     .find(|w| w.starts_with("http://"))

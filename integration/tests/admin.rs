@@ -1830,3 +1830,208 @@ fn authorization_matrix_every_role_against_every_operation_in_two_tenants() {
         }
     }
 }
+
+/// A test PKI in `dir`: a CA, a server certificate for localhost and 127.0.0.1, client
+/// certificates with CNs `app` and `root`, and a client certificate (CN `root`) from a rogue
+/// CA. Files: `<name>.pem` and `<name>.key`.
+fn test_pki(dir: &std::path::Path) {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let write = |name: &str, cert: &rcgen::Certificate, key: &KeyPair| {
+        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
+        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
+    };
+    let ca = |cn: &str| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        p.distinguished_name.push(DnType::CommonName, cn);
+        let cert = p.self_signed(&key).unwrap();
+        (cert, key)
+    };
+    let leaf = |cn: &str, sans: Vec<String>, ca: &(rcgen::Certificate, KeyPair)| {
+        let key = KeyPair::generate().unwrap();
+        let mut p = CertificateParams::new(sans).unwrap();
+        p.distinguished_name.push(DnType::CommonName, cn);
+        let cert = p.signed_by(&key, &ca.0, &ca.1).unwrap();
+        (cert, key)
+    };
+    let good = ca("Meridian test CA");
+    write("ca", &good.0, &good.1);
+    let server = leaf(
+        "localhost",
+        vec!["localhost".into(), "127.0.0.1".into()],
+        &good,
+    );
+    write("server", &server.0, &server.1);
+    for cn in ["app", "root"] {
+        let c = leaf(cn, Vec::new(), &good);
+        write(cn, &c.0, &c.1);
+    }
+    let rogue = ca("Rogue CA");
+    let c = leaf("root", Vec::new(), &rogue);
+    write("rogue-root", &c.0, &c.1);
+}
+
+#[test]
+fn tls_on_the_pulsar_port_and_the_admin_api_with_client_certificates_as_roles() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    test_pki(d);
+    let f = |n: &str| d.join(n).to_str().unwrap().to_string();
+    let key = f("secret.key");
+    let (code, _, err) =
+        run_admin(&["tokens", "create-secret-key", "--output-file", &key]).unwrap();
+    assert_eq!(code, 0, "{err}");
+    let (_, app_token, _) =
+        run_admin(&["tokens", "create", "--secret-key", &key, "--subject", "app"]).unwrap();
+    let app_token = app_token.trim().to_string();
+    let mut s = StandaloneProc::new(d);
+    s.env("MERIDIAN_BROKER_AUTHENTICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_TOKEN_SECRET_KEY_FILE", &key)
+        .env("MERIDIAN_BROKER_SUPERUSER_ROLES", "root")
+        .env("MERIDIAN_BROKER_TLS_CERT_FILE", &f("server.pem"))
+        .env("MERIDIAN_BROKER_TLS_KEY_FILE", &f("server.key"))
+        .env("MERIDIAN_BROKER_TLS_TRUST_CERTS_FILE", &f("ca.pem"))
+        .env("MERIDIAN_BROKER_ADMIN_TLS", "true");
+    s.start().unwrap();
+    let tls_url = s
+        .tls_url
+        .clone()
+        .expect("a pulsar+ssl:// port in the banner");
+    assert!(s.admin_url.starts_with("https://"), "{}", s.admin_url);
+    let admin = |who: &[&str], args: &[&str]| -> (i32, String, String) {
+        let mut v = vec![
+            "--admin-url",
+            &s.admin_url,
+            "--tls-trust-cert-path",
+            d.join("ca.pem").to_str().unwrap(),
+        ]
+        .into_iter()
+        .map(str::to_string)
+        .collect::<Vec<_>>();
+        v.extend(who.iter().map(|x| x.to_string()));
+        v.extend(args.iter().map(|x| x.to_string()));
+        let refs: Vec<&str> = v.iter().map(String::as_str).collect();
+        run_admin(&refs).unwrap()
+    };
+    let (root_pem, root_key) = (f("root.pem"), f("root.key"));
+    let as_root = ["--tls-cert-file", &root_pem, "--tls-key-file", &root_key];
+    let (app_pem, app_key) = (f("app.pem"), f("app.key"));
+    let as_app = ["--tls-cert-file", &app_pem, "--tls-key-file", &app_key];
+
+    step("admin over https: the client certificate's CN is the role");
+    let (code, _, err) = admin(&as_root, &["namespaces", "create", "public/sec"]);
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = admin(
+        &as_root,
+        &[
+            "namespaces",
+            "grant-permission",
+            "public/sec",
+            "--role",
+            "app",
+            "--actions",
+            "produce,consume",
+        ],
+    );
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = admin(&as_app, &["namespaces", "create", "public/other"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("PermissionDenied"), "{err}");
+    let (code, _, err) = admin(&[], &["tenants", "list"]);
+    assert_eq!(code, 1);
+    assert!(err.contains("Unauthenticated"), "{err}");
+    let (code, _, err) = admin(&["--token", &app_token], &["topics", "list", "public/sec"]);
+    assert_eq!(code, 0, "a token over https: {err}");
+    step("admin: a certificate from another CA, or plain http, gets nowhere");
+    let (rogue_pem, rogue_key) = (f("rogue-root.pem"), f("rogue-root.key"));
+    let (code, _, _) = admin(
+        &["--tls-cert-file", &rogue_pem, "--tls-key-file", &rogue_key],
+        &["tenants", "list"],
+    );
+    assert_eq!(code, 1);
+    let plain = s.admin_url.replace("https://", "http://");
+    let (code, _, _) = run_admin(&["--admin-url", &plain, "tenants", "list"]).unwrap();
+    assert_eq!(code, 1);
+
+    step("Python over pulsar+ssl:// with the app certificate: produce and consume");
+    let t = "persistent://public/sec/t";
+    let env_cert: Vec<(String, String)> = vec![
+        ("MERIDIAN_TEST_TLS_CA".into(), f("ca.pem")),
+        ("MERIDIAN_TEST_TLS_CERT".into(), app_pem.clone()),
+        ("MERIDIAN_TEST_TLS_KEY".into(), app_key.clone()),
+    ];
+    let py = |name: &str, env: &[(String, String)], args: &[&str]| {
+        let env: Vec<(&str, &str)> = env
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .chain([("MERIDIAN_TEST_OP_TIMEOUT_S", "8")])
+            .collect();
+        meridian_integration::PyClient::spawn_env(args, &d.join(format!("{name}.stderr")), &env)
+            .unwrap()
+            .finish(std::time::Duration::from_secs(90))
+            .unwrap()
+    };
+    let out = py(
+        "tls-produce",
+        &env_cert,
+        &["produce", &tls_url, t, "--count", "20", "--sync"],
+    );
+    assert!(out.iter().any(|v| v["done"] == 20), "{out:?}");
+    let out = py(
+        "tls-consume",
+        &env_cert,
+        &["consume", &tls_url, t, "s", "--count", "20"],
+    );
+    assert!(out.iter().any(|v| v["done"] == 20), "{out:?}");
+    step("a token over TLS works too; plain pulsar:// still takes tokens");
+    let env_token = vec![
+        ("MERIDIAN_TEST_TLS_CA".to_string(), f("ca.pem")),
+        ("MERIDIAN_TEST_TOKEN".to_string(), app_token.clone()),
+    ];
+    let out = py(
+        "tls-token",
+        &env_token,
+        &["produce", &tls_url, t, "--count", "5", "--sync"],
+    );
+    assert!(out.iter().any(|v| v["done"] == 5), "{out:?}");
+    let out = py(
+        "plain-token",
+        &[("MERIDIAN_TEST_TOKEN".to_string(), app_token.clone())],
+        &["produce", &s.url, t, "--count", "5", "--sync"],
+    );
+    assert!(out.iter().any(|v| v["done"] == 5), "{out:?}");
+    step("refused: a rogue CA's certificate, and no credentials over TLS");
+    let env_rogue = vec![
+        ("MERIDIAN_TEST_TLS_CA".to_string(), f("ca.pem")),
+        ("MERIDIAN_TEST_TLS_CERT".to_string(), rogue_pem.clone()),
+        ("MERIDIAN_TEST_TLS_KEY".to_string(), rogue_key.clone()),
+    ];
+    for (name, env) in [
+        ("tls-rogue", env_rogue),
+        (
+            "tls-none",
+            vec![("MERIDIAN_TEST_TLS_CA".to_string(), f("ca.pem"))],
+        ),
+    ] {
+        let out = py(
+            name,
+            &env,
+            &["produce", &tls_url, t, "--count", "1", "--sync"],
+        );
+        assert!(
+            out.iter().any(|v| v.get("create_failed").is_some()),
+            "{name}: {out:?}"
+        );
+    }
+    let log = s.log_text();
+    assert!(
+        log.contains("TLS handshake failed"),
+        "the rogue handshake is logged"
+    );
+}

@@ -20,10 +20,9 @@ struct Claims {
     exp: Option<u64>,
 }
 
-/// Checks tokens.
+/// Checks tokens (when a key is configured) and names the roles of client certificates.
 pub struct Authenticator {
-    key: DecodingKey,
-    validation: Validation,
+    tokens: Option<(DecodingKey, Validation)>,
 }
 
 impl std::fmt::Debug for Authenticator {
@@ -33,7 +32,8 @@ impl std::fmt::Debug for Authenticator {
 }
 
 impl Authenticator {
-    /// From a secret key file (HS256, raw bytes) or an RSA public key file (RS256, PEM).
+    /// From a secret key file (HS256, raw bytes) or an RSA public key file (RS256, PEM); with
+    /// neither, tokens are refused (clients authenticate with certificates).
     pub fn from_files(secret: Option<&Path>, public: Option<&Path>) -> Result<Self, String> {
         let read = |p: &Path| std::fs::read(p).map_err(|e| format!("{}: {e}", p.display()));
         let (key, alg) = match (secret, public) {
@@ -44,20 +44,28 @@ impl Authenticator {
                 Algorithm::RS256,
             ),
             (Some(_), Some(_)) => return Err("give a secret key or a public key, not both".into()),
-            (None, None) => return Err("a secret key or a public key is needed".into()),
+            (None, None) => return Ok(Authenticator { tokens: None }),
         };
         let mut validation = Validation::new(alg);
         // Pulsar's tokens need not expire; `exp` is checked when present.
         validation.required_spec_claims = ["sub".to_string()].into_iter().collect();
         validation.leeway = 0;
-        Ok(Authenticator { key, validation })
+        Ok(Authenticator {
+            tokens: Some((key, validation)),
+        })
     }
 
     /// The role a token carries, if it verifies.
     pub fn authenticate(&self, token: &str) -> Result<String, AuthError> {
         let t = token.trim();
         let t = t.strip_prefix("token:").unwrap_or(t);
-        decode::<Claims>(t, &self.key, &self.validation)
+        let Some((key, validation)) = &self.tokens else {
+            return Err(AuthError(
+                "this server takes no tokens (no token key is configured); use a client certificate"
+                    .into(),
+            ));
+        };
+        decode::<Claims>(t, key, validation)
             .map(|d| d.claims.sub)
             .map_err(|e| AuthError(e.to_string()))
     }
@@ -143,5 +151,99 @@ mod tests {
             "eyJzdWIiOiJhZG1pbiJ9"  // {"sub":"admin"}
         );
         assert!(a.authenticate(&unsigned).is_err());
+    }
+}
+
+/// The role of a client certificate (DER): its subject's common name (the last CN, the most
+/// specific, if there are several). `None` when the certificate has none or is not DER.
+pub fn certificate_role(cert: &[u8]) -> Option<String> {
+    let (0x30, cert, _) = der(cert)? else {
+        return None;
+    };
+    let (0x30, tbs, _) = der(cert)? else {
+        return None;
+    };
+    let mut rest = tbs;
+    // [0] version, when present; then serial, signature algorithm, issuer, validity.
+    if let Some((0xa0, _, r)) = der(rest) {
+        rest = r;
+    }
+    for _ in 0..4 {
+        rest = der(rest)?.2;
+    }
+    let (0x30, mut rdns, _) = der(rest)? else {
+        return None;
+    };
+    let mut cn = None;
+    while !rdns.is_empty() {
+        let (0x31, mut set, r) = der(rdns)? else {
+            return None;
+        };
+        rdns = r;
+        while !set.is_empty() {
+            let (0x30, atv, r) = der(set)? else {
+                return None;
+            };
+            set = r;
+            let (0x06, oid, value) = der(atv)? else {
+                return None;
+            };
+            // id-at-commonName 2.5.4.3, as UTF8String, PrintableString, T61String or
+            // IA5String.
+            if oid == [0x55, 0x04, 0x03] {
+                if let Some((0x0c | 0x13 | 0x14 | 0x16, v, _)) = der(value) {
+                    cn = Some(String::from_utf8(v.to_vec()).ok()?);
+                }
+            }
+        }
+    }
+    cn.filter(|c| !c.is_empty())
+}
+
+/// One DER element: (tag, contents, what follows). Lengths of up to four bytes.
+fn der(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
+    let (&tag, b) = b.split_first()?;
+    let (&first, mut b) = b.split_first()?;
+    let len = if first & 0x80 == 0 {
+        usize::from(first)
+    } else {
+        let n = usize::from(first & 0x7f);
+        if n == 0 || n > 4 || b.len() < n {
+            return None;
+        }
+        let len = b[..n]
+            .iter()
+            .fold(0usize, |l, x| (l << 8) | usize::from(*x));
+        b = &b[n..];
+        len
+    };
+    (b.len() >= len).then(|| (tag, &b[..len], &b[len..]))
+}
+
+#[cfg(test)]
+mod certificate_tests {
+    use super::certificate_role;
+
+    #[test]
+    fn given_certificates_then_the_subject_common_name_is_the_role() {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::new(vec!["localhost".into()]).unwrap();
+        p.distinguished_name
+            .push(rcgen::DnType::OrganizationName, "Acme");
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, "app-1");
+        let cert = p.self_signed(&key).unwrap();
+        assert_eq!(certificate_role(cert.der()).as_deref(), Some("app-1"));
+        // No CN: no role.
+        let mut p = rcgen::CertificateParams::new(vec!["localhost".into()]).unwrap();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        let cert = p.self_signed(&key).unwrap();
+        assert_eq!(certificate_role(cert.der()), None);
+        // Garbage and truncations never panic.
+        let der = cert.der().to_vec();
+        for n in 0..der.len() {
+            let _ = certificate_role(&der[..n]);
+        }
+        assert_eq!(certificate_role(b"not a certificate"), None);
     }
 }

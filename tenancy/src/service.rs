@@ -708,10 +708,14 @@ pub struct Role(pub String);
 /// Serves the admin API (and gRPC reflection) on `listener` until stopped. With `auth`, every
 /// admin call needs `authorization: Bearer TOKEN`; a missing or bad token is refused with
 /// UNAUTHENTICATED before the request is looked at, the same whatever it names.
+///
+/// With `tls`, the API is served over TLS only; a client certificate (when the configuration
+/// asks for them) authenticates a request that carries no token: its CN is the role.
 pub fn serve(
     listener: tokio::net::TcpListener,
     service: AdminService,
     auth: Option<std::sync::Arc<crate::auth::Authenticator>>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
 ) -> anyhow::Result<RunningAdmin> {
     let addr = listener.local_addr()?;
     let reflection = tonic_reflection::server::Builder::configure()
@@ -727,8 +731,12 @@ pub fn serve(
             })
         },
     );
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls)?;
+    }
     let task = tokio::spawn(async move {
-        let r = tonic::transport::Server::builder()
+        let r = builder
             .add_service(AdminServer::with_interceptor(
                 service,
                 move |mut r: Request<()>| {
@@ -737,11 +745,20 @@ pub fn serve(
                         .metadata()
                         .get("authorization")
                         .and_then(|v| v.to_str().ok())
-                        .and_then(|v| v.strip_prefix("Bearer "))
-                        .ok_or_else(|| Status::unauthenticated("a bearer token is required"))?;
-                    let role = a
-                        .authenticate(token)
-                        .map_err(|e| Status::unauthenticated(e.to_string()))?;
+                        .and_then(|v| v.strip_prefix("Bearer "));
+                    let role = match token {
+                        Some(t) => a
+                            .authenticate(t)
+                            .map_err(|e| Status::unauthenticated(e.to_string()))?,
+                        None => r
+                            .peer_certs()
+                            .and_then(|c| c.first().and_then(|c| crate::auth::certificate_role(c)))
+                            .ok_or_else(|| {
+                                Status::unauthenticated(
+                                    "a bearer token (or a client certificate) is required",
+                                )
+                            })?,
+                    };
                     r.extensions_mut().insert(Role(role));
                     Ok(r)
                 },

@@ -508,7 +508,14 @@ pub async fn start(
             &broker.cfg.cluster_name,
             &ClusterData {
                 service_url: broker.service_url.clone(),
-                admin_url: format!("http://{addr}"),
+                admin_url: format!(
+                    "{}://{addr}",
+                    if broker.cfg.admin_tls {
+                        "https"
+                    } else {
+                        "http"
+                    }
+                ),
             },
         )
         .await
@@ -525,5 +532,10 @@ pub async fn start(
             .collect();
         service = service.with_superusers(superusers);
     }
-    meridian_tenancy::service::serve(listener, service, broker.auth.clone())
+    let tls = if broker.cfg.admin_tls {
+        Some(crate::tls::admin_config(&broker.cfg)?)
+    } else {
+        None
+    };
+    meridian_tenancy::service::serve(listener, service, broker.auth.clone(), tls)
 }

@@ -26,7 +26,6 @@ use meridian_protocol::{
 use meridian_storage::cursor::InitialPosition;
 use meridian_storage::managed_ledger::Position;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -99,20 +98,26 @@ struct Conn {
     client_version: String,
     /// The authenticated role (with `broker.authentication_enabled`).
     role: Option<String>,
+    /// The role of the client certificate (TLS with client certificates).
+    tls_role: Option<String>,
     producers: HashMap<u64, ProducerEntry>,
     consumers: HashMap<u64, ConsumerEntry>,
 }
 
 /// Serves one accepted connection until the client leaves, a frame is bad, or `stop`.
-pub async fn serve(
+/// `tls_role` is the role of the client certificate of a TLS connection (mutual TLS).
+pub async fn serve<R, W>(
     broker: Arc<Broker>,
-    stream: TcpStream,
+    mut rd: R,
+    wr: W,
     peer: SocketAddr,
     id: u64,
+    tls_role: Option<String>,
     mut stop: watch::Receiver<bool>,
-) {
-    let _ = stream.set_nodelay(true);
-    let (mut rd, wr) = stream.into_split();
+) where
+    R: tokio::io::AsyncRead + Unpin + Send,
+    W: tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
     let (tx, rx) = mpsc::channel::<Bytes>(WRITE_QUEUE_FRAMES);
     let writer = tokio::spawn(write_loop(wr, rx));
     broker.connection_opened();
@@ -124,6 +129,7 @@ pub async fn serve(
         connected: false,
         client_version: String::new(),
         role: None,
+        tls_role,
         producers: HashMap::new(),
         consumers: HashMap::new(),
     };
@@ -184,7 +190,10 @@ pub async fn serve(
 
 /// Writes queued frames, coalescing whatever is queued (up to 1 MiB) into one write, until
 /// every sender is gone or the socket fails. Shared with `meridian perf`'s client.
-pub async fn write_loop(mut wr: tokio::net::tcp::OwnedWriteHalf, mut rx: mpsc::Receiver<Bytes>) {
+pub async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
+    mut wr: W,
+    mut rx: mpsc::Receiver<Bytes>,
+) {
     let mut out = Vec::with_capacity(256 * 1024);
     while let Some(b) = rx.recv().await {
         out.extend_from_slice(&b);
@@ -288,16 +297,20 @@ impl Conn {
                     return Err(Close("a second CONNECT".into()));
                 }
                 if let Some(a) = &self.broker.auth {
-                    // Token authentication: CONNECT carries method "token" and the JWT.
-                    let token = (connect.auth_method_name.as_deref() == Some("token")).then(|| {
-                        String::from_utf8_lossy(connect.auth_data.as_deref().unwrap_or_default())
-                            .into_owned()
-                    });
-                    let checked = match token {
-                        Some(t) => a.authenticate(&t).map_err(|e| e.to_string()),
-                        None => Err(format!(
-                            "authentication failed: method {:?}; this broker takes \"token\"",
-                            connect.auth_method_name.as_deref().unwrap_or("none")
+                    // Tokens: CONNECT carries method "token" and the JWT. Client
+                    // certificates: method "tls"; the role is the certificate's CN.
+                    let checked = match connect.auth_method_name.as_deref() {
+                        Some("token") => a
+                            .authenticate(&String::from_utf8_lossy(
+                                connect.auth_data.as_deref().unwrap_or_default(),
+                            ))
+                            .map_err(|e| e.to_string()),
+                        Some("tls") => self.tls_role.clone().ok_or_else(|| {
+                            "authentication failed: method \"tls\" without a verified client certificate with a CN".to_string()
+                        }),
+                        other => Err(format!(
+                            "authentication failed: method {:?}; this broker takes \"token\" and, on its TLS port, \"tls\"",
+                            other.unwrap_or("none")
                         )),
                     };
                     match checked {
@@ -361,7 +374,11 @@ impl Conn {
                     Err(e) => Err(e),
                 };
                 let r = match checked {
-                    Ok(()) => cmd::lookup_connect(l.request_id, &self.broker.service_url, None),
+                    Ok(()) => cmd::lookup_connect(
+                        l.request_id,
+                        &self.broker.service_url,
+                        self.broker.service_url_tls.get().map(String::as_str),
+                    ),
                     Err(e) => cmd::lookup_error(l.request_id, e.code, e.message),
                 };
                 self.reply(r).await

@@ -1,7 +1,7 @@
 //! Meridian's broker: the Pulsar protocol over the storage layer, and the process roles.
 //!
 //! Owns: topic names ([`topic_name`]), topics, producers and subscriptions ([`broker`]), client
-//! connections ([`connection`]), the listener ([`server`]), `/metrics` and `/health`
+//! connections ([`connection`]), the listeners ([`server`], TLS in [`tls`]), `/metrics` and `/health`
 //! ([`http`]), the broker's side of the admin API ([`admin`]), and `meridian standalone`
 //! ([`standalone`]).
 //!
@@ -14,4 +14,5 @@ pub mod connection;
 pub mod http;
 pub mod server;
 pub mod standalone;
+pub mod tls;
 pub mod topic_name;

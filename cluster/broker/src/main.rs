@@ -83,6 +83,10 @@ struct StandaloneArgs {
     /// Address clients are told to connect to (broker.advertise).
     #[arg(long)]
     advertise: Option<String>,
+    /// Address of the Pulsar protocol over TLS (broker.tls_listen; served with
+    /// broker.tls_cert_file).
+    #[arg(long)]
+    pulsar_tls_listen: Option<String>,
 }
 
 impl StandaloneArgs {
@@ -98,6 +102,7 @@ impl StandaloneArgs {
         add("broker.http_listen", &self.http_listen);
         add("broker.admin_listen", &self.admin_listen);
         add("broker.advertise", &self.advertise);
+        add("broker.tls_listen", &self.pulsar_tls_listen);
         o
     }
 }
@@ -141,10 +146,15 @@ impl BrokerArgs {
 async fn run_standalone(cfg: Config) -> anyhow::Result<()> {
     meridian_broker::http::metrics_handle();
     let s = meridian_broker::standalone::Standalone::start(&cfg).await?;
+    let tls = s
+        .pulsar_tls_addr
+        .map(|a| format!(" and pulsar+ssl://{a}"))
+        .unwrap_or_default();
     println!(
-        "meridian standalone: Pulsar protocol on pulsar://{}, HTTP on http://{} (/metrics, /health), admin API on http://{} (meridian-admin), data in {}",
+        "meridian standalone: Pulsar protocol on pulsar://{}{tls}, HTTP on http://{} (/metrics, /health), admin API on {}://{} (meridian-admin), data in {}",
         s.pulsar_addr,
         s.http_addr,
+        if cfg.broker.admin_tls { "https" } else { "http" },
         s.admin_addr,
         s.data_dir.display()
     );
@@ -183,18 +193,27 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
         .with_context(|| format!("broker.http_listen {}", cfg.broker.http_listen))?;
     let http = meridian_broker::http::serve(std::sync::Arc::clone(&broker), hl)?;
     let server = meridian_broker::server::serve(std::sync::Arc::clone(&broker), pl)?;
+    let tls_server = meridian_broker::tls::start(&broker).await?;
     let stats =
         tokio::spawn(std::sync::Arc::clone(&broker).stats_loop(std::time::Duration::from_secs(5)));
     let policies = tokio::spawn(std::sync::Arc::clone(&broker).policy_loop());
+    let tls = tls_server
+        .as_ref()
+        .map(|t| format!(" and pulsar+ssl://{}", t.addr))
+        .unwrap_or_default();
     println!(
-        "meridian broker: Pulsar protocol on pulsar://{addr}, HTTP on http://{} (/metrics, /health), admin API on http://{}; metadata {}",
+        "meridian broker: Pulsar protocol on pulsar://{addr}{tls}, HTTP on http://{} (/metrics, /health), admin API on {}://{}; metadata {}",
         http.addr,
+        if cfg.broker.admin_tls { "https" } else { "http" },
         admin.addr,
         cfg.client.endpoints.join(",")
     );
     shutdown_signal().await;
     tracing::info!("signal received; stopping");
     server.shutdown().await;
+    if let Some(t) = tls_server {
+        t.shutdown().await;
+    }
     admin.stop().await;
     broker.close().await;
     http.shutdown().await;

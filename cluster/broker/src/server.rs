@@ -8,6 +8,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
+use tokio_rustls::TlsAcceptor;
 
 use crate::broker::Broker;
 
@@ -19,13 +20,64 @@ pub struct RunningServer {
 
 /// Serves the Pulsar protocol on `listener` for `broker`.
 pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<RunningServer> {
+    serve_with(broker, listener, None)
+}
+
+/// Serves the Pulsar protocol over TLS (`pulsar+ssl://`) on `listener`.
+pub fn serve_tls(
+    broker: Arc<Broker>,
+    listener: TcpListener,
+    tls: TlsAcceptor,
+) -> std::io::Result<RunningServer> {
+    serve_with(broker, listener, Some(tls))
+}
+
+fn serve_with(
+    broker: Arc<Broker>,
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+) -> std::io::Result<RunningServer> {
     let addr = listener.local_addr()?;
     let (stop, stop_rx) = watch::channel(false);
-    let accept = tokio::spawn(accept_loop(broker, listener, stop_rx));
+    let accept = tokio::spawn(accept_loop(broker, listener, tls, stop_rx));
     Ok(RunningServer { addr, stop, accept })
 }
 
-async fn accept_loop(broker: Arc<Broker>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+/// A TLS handshake that takes longer than this is given up.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn serve_one(
+    broker: Arc<Broker>,
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    id: u64,
+    tls: Option<TlsAcceptor>,
+    stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let Some(tls) = tls else {
+        let (rd, wr) = stream.into_split();
+        return crate::connection::serve(broker, rd, wr, peer, id, None, stop).await;
+    };
+    match tokio::time::timeout(HANDSHAKE_TIMEOUT, tls.accept(stream)).await {
+        Ok(Ok(s)) => {
+            let role = crate::tls::peer_role(s.get_ref().1);
+            let (rd, wr) = tokio::io::split(s);
+            crate::connection::serve(broker, rd, wr, peer, id, role, stop).await;
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(peer = %peer, error = %e, "TLS handshake failed");
+        }
+        Err(_) => tracing::warn!(peer = %peer, "TLS handshake timed out"),
+    }
+}
+
+async fn accept_loop(
+    broker: Arc<Broker>,
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    mut stop: watch::Receiver<bool>,
+) {
     static IDS: AtomicU64 = AtomicU64::new(1);
     let mut conns = JoinSet::new();
     loop {
@@ -33,7 +85,7 @@ async fn accept_loop(broker: Arc<Broker>, listener: TcpListener, mut stop: watch
             r = listener.accept() => match r {
                 Ok((stream, peer)) => {
                     let id = IDS.fetch_add(1, Ordering::Relaxed);
-                    conns.spawn(crate::connection::serve(Arc::clone(&broker), stream, peer, id, stop.clone()));
+                    conns.spawn(serve_one(Arc::clone(&broker), stream, peer, id, tls.clone(), stop.clone()));
                 }
                 Err(e) => {
                     // Out of descriptors and the like: wait a little instead of spinning.

@@ -41,8 +41,11 @@ pub struct Standalone {
     pub pulsar_addr: SocketAddr,
     pub http_addr: SocketAddr,
     pub admin_addr: SocketAddr,
+    /// The Pulsar protocol over TLS, when `broker.tls_cert_file` is set.
+    pub pulsar_tls_addr: Option<SocketAddr>,
     pub data_dir: PathBuf,
     server: RunningServer,
+    tls_server: Option<RunningServer>,
     admin: meridian_tenancy::service::RunningAdmin,
     http: RunningHttp,
     bookie: RunningBookie,
@@ -144,6 +147,7 @@ impl Standalone {
         let hl = bind(&cfg.broker.http_listen, "broker.http_listen").await?;
         let http = crate::http::serve(Arc::clone(&broker), hl)?;
         let server = crate::server::serve(Arc::clone(&broker), pl)?;
+        let tls_server = crate::tls::start(&broker).await?;
         background.push(tokio::spawn(
             Arc::clone(&broker).stats_loop(Duration::from_secs(5)),
         ));
@@ -153,8 +157,10 @@ impl Standalone {
             pulsar_addr,
             http_addr: http.addr,
             admin_addr: admin.addr,
+            pulsar_tls_addr: tls_server.as_ref().map(|t| t.addr),
             data_dir,
             server,
+            tls_server,
             admin,
             http,
             bookie,
@@ -169,6 +175,9 @@ impl Standalone {
     pub async fn shutdown(self) {
         let started = Instant::now();
         self.server.shutdown().await;
+        if let Some(t) = self.tls_server {
+            t.shutdown().await;
+        }
         self.admin.stop().await;
         self.broker.close().await;
         self.http.shutdown().await;

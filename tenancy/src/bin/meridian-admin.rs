@@ -33,6 +33,25 @@ struct Cli {
     /// A token, sent as `authorization: Bearer TOKEN`.
     #[arg(long, env = "MERIDIAN_TOKEN", global = true, hide_env_values = true)]
     token: Option<String>,
+    /// CA certificates (PEM) to trust for an https:// admin URL (pulsar-admin's name).
+    #[arg(long, env = "MERIDIAN_TLS_TRUST_CERT_PATH", global = true)]
+    tls_trust_cert_path: Option<String>,
+    /// A client certificate (PEM) for mutual TLS: its CN is the role.
+    #[arg(
+        long,
+        env = "MERIDIAN_TLS_CERT_FILE",
+        global = true,
+        requires = "tls_key_file"
+    )]
+    tls_cert_file: Option<String>,
+    /// The client certificate's private key (PEM).
+    #[arg(
+        long,
+        env = "MERIDIAN_TLS_KEY_FILE",
+        global = true,
+        requires = "tls_cert_file"
+    )]
+    tls_key_file: Option<String>,
     /// Output for people (table) or for scripts (json).
     #[arg(long, value_enum, default_value = "table", global = true)]
     output: Output,
@@ -574,8 +593,28 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Tokens(cmd) => return tokens(cmd),
         _ => cli,
     };
-    let channel = Channel::from_shared(cli.admin_url.clone())
-        .with_context(|| format!("--admin-url {:?} is not a URL", cli.admin_url))?
+    let mut endpoint = Channel::from_shared(cli.admin_url.clone())
+        .with_context(|| format!("--admin-url {:?} is not a URL", cli.admin_url))?;
+    if cli.admin_url.starts_with("https://") {
+        let read = |p: &str, flag: &str| std::fs::read(p).with_context(|| format!("{flag} {p}"));
+        let mut tls = tonic::transport::ClientTlsConfig::new();
+        if let Some(ca) = &cli.tls_trust_cert_path {
+            tls = tls.ca_certificate(tonic::transport::Certificate::from_pem(read(
+                ca,
+                "--tls-trust-cert-path",
+            )?));
+        }
+        if let (Some(c), Some(k)) = (&cli.tls_cert_file, &cli.tls_key_file) {
+            tls = tls.identity(tonic::transport::Identity::from_pem(
+                read(c, "--tls-cert-file")?,
+                read(k, "--tls-key-file")?,
+            ));
+        }
+        endpoint = endpoint
+            .tls_config(tls)
+            .context("the TLS configuration of the admin URL")?;
+    }
+    let channel = endpoint
         .connect_timeout(std::time::Duration::from_secs(10))
         .timeout(std::time::Duration::from_secs(60))
         .connect()

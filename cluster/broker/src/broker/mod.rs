@@ -769,6 +769,8 @@ pub struct Broker {
     topics: Mutex<HashMap<String, Arc<OnceCell<Arc<Topic>>>>>,
     /// `pulsar://host:port` that lookups answer with.
     pub service_url: String,
+    /// `pulsar+ssl://...` once the TLS port is bound (lookups answer it too).
+    pub service_url_tls: std::sync::OnceLock<String>,
     producer_names: AtomicU64,
     run_id: String,
     /// Shared by every topic's tail cache (`broker.tail_cache_total_bytes_max`).
@@ -819,6 +821,7 @@ impl Broker {
             client,
             topics: Mutex::default(),
             service_url,
+            service_url_tls: std::sync::OnceLock::new(),
             producer_names: AtomicU64::new(0),
             run_id,
             closing: AtomicBool::new(false),
