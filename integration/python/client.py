@@ -335,7 +335,7 @@ def timed_sends(a):
     for i in range(a.count):
         t0 = time.time()
         try:
-            p.send(("msg-%d" % i).encode(), properties={"i": str(i)})
+            p.send(("msg-%d" % i).encode().ljust(a.size, b"x"), properties={"i": str(i)})
             out({"acked": i, "took": time.time() - t0})
         except pulsar.PulsarException as e:
             out({"failed": i, "error": str(e), "took": time.time() - t0})
@@ -728,6 +728,7 @@ def main():
     p.add_argument("--count", type=int, required=True)
     p.add_argument("--pause-ms", type=int, default=50)
     p.add_argument("--send-timeout-ms", type=int, default=30000)
+    p.add_argument("--size", type=int, default=0)
     p.set_defaults(fn=timed_sends)
     p = sub.add_parser("rate-produce")
     p.add_argument("url")

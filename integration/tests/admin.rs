@@ -2035,3 +2035,119 @@ fn tls_on_the_pulsar_port_and_the_admin_api_with_client_certificates_as_roles() 
         "the rogue handshake is logged"
     );
 }
+
+#[test]
+fn tenant_storage_quota_refuses_producers_past_it_and_not_other_tenants() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    step("tenant small with a storage quota of 20 KiB");
+    a.ok(&[
+        "tenants",
+        "create",
+        "small",
+        "--allowed-clusters",
+        "standalone",
+        "--storage-quota",
+        "20K",
+    ]);
+    assert_eq!(
+        a.json(&["tenants", "get", "small"])["storage_quota_bytes"],
+        20480
+    );
+    a.ok(&["namespaces", "create", "small/ns"]);
+    let t = "persistent://small/ns/t";
+    step("1 KiB messages: past 20 KiB its producer is closed and refused");
+    let lines = meridian_integration::PyClient::run(
+        dir.path(),
+        "fill",
+        &[
+            "timed-sends",
+            &s.url,
+            t,
+            "--count",
+            "40",
+            "--pause-ms",
+            "20",
+            "--size",
+            "1024",
+            "--send-timeout-ms",
+            "3000",
+        ],
+    )
+    .finish(std::time::Duration::from_secs(120))
+    .unwrap();
+    let acked = lines.iter().filter(|v| v.get("acked").is_some()).count();
+    let failed: Vec<&Value> = lines.iter().filter(|v| v.get("failed").is_some()).collect();
+    assert!((15..40).contains(&acked), "acked {acked}: {lines:?}");
+    assert!(!failed.is_empty(), "{lines:?}");
+    let p = meridian_integration::PyClient::run(
+        dir.path(),
+        "again",
+        &[
+            "produce",
+            &s.url,
+            "persistent://small/ns/other",
+            "--count",
+            "1",
+        ],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    let why = p
+        .iter()
+        .find_map(|v| v["create_failed"].as_str())
+        .unwrap_or_else(|| panic!("a new producer in the tenant is refused: {p:?}"));
+    assert!(
+        why.contains("ProducerBlockedQuotaExceededException"),
+        "{why}"
+    );
+    step("another tenant produces as usual");
+    let p = meridian_integration::PyClient::run(
+        dir.path(),
+        "public",
+        &[
+            "produce",
+            &s.url,
+            "persistent://public/default/t",
+            "--count",
+            "5",
+            "--sync",
+        ],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    assert!(p.iter().any(|v| v["done"] == 5), "{p:?}");
+    step("deleting the topic frees the space: producers are let in again");
+    a.ok(&["topics", "delete", t, "--force"]);
+    wait_until("the tenant is back within its quota", || {
+        let p = meridian_integration::PyClient::run(
+            dir.path(),
+            "after",
+            &[
+                "produce",
+                &s.url,
+                "persistent://small/ns/other",
+                "--count",
+                "1",
+                "--sync",
+            ],
+        )
+        .finish(std::time::Duration::from_secs(60))
+        .unwrap();
+        p.iter().any(|v| v["done"] == 1)
+    });
+    step("raising the quota on update; -1 removes it");
+    a.ok(&[
+        "tenants",
+        "update",
+        "small",
+        "--allowed-clusters",
+        "standalone",
+        "--storage-quota",
+        "-1",
+    ]);
+    assert!(a.json(&["tenants", "get", "small"])["storage_quota_bytes"].is_null());
+}

@@ -29,6 +29,10 @@ pub struct ClusterData {
 pub struct TenantInfo {
     pub admin_roles: Vec<String>,
     pub allowed_clusters: Vec<String>,
+    /// Most bytes the tenant's topics may store together (their logs, backlog and retained
+    /// data alike); past it the brokers refuse its producers. None: no quota.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub storage_quota_bytes: Option<u64>,
 }
 
 /// A namespace's record: its policies. A policy left out falls back to the broker's

@@ -384,6 +384,7 @@ impl Admin for AdminService {
             name,
             admin_roles: t.admin_roles,
             allowed_clusters: t.allowed_clusters,
+            storage_quota_bytes: t.storage_quota_bytes,
         })
     }
 
@@ -393,6 +394,7 @@ impl Admin for AdminService {
         let info = TenantInfo {
             admin_roles: t.admin_roles,
             allowed_clusters: t.allowed_clusters,
+            storage_quota_bytes: t.storage_quota_bytes.filter(|q| *q > 0),
         };
         self.store.create_tenant(&t.name, &info).await?;
         ok(Empty {})
@@ -401,9 +403,15 @@ impl Admin for AdminService {
     async fn update_tenant(&self, r: Request<Tenant>) -> Reply<Empty> {
         self.superuser(role_of(&r).as_ref())?;
         let t = r.into_inner();
+        let storage_quota_bytes = match t.storage_quota_bytes {
+            Some(0) => None,
+            Some(q) => Some(q),
+            None => self.store.tenant(&t.name).await?.storage_quota_bytes,
+        };
         let info = TenantInfo {
             admin_roles: t.admin_roles,
             allowed_clusters: t.allowed_clusters,
+            storage_quota_bytes,
         };
         self.store.update_tenant(&t.name, &info).await?;
         ok(Empty {})

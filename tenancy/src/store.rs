@@ -431,6 +431,7 @@ impl TenancyStore {
         let public = TenantInfo {
             admin_roles: Vec::new(),
             allowed_clusters: vec![cluster.to_string()],
+            storage_quota_bytes: None,
         };
         ignore_existing(self.create_tenant("public", &public).await)?;
         ignore_existing(

@@ -132,7 +132,9 @@ pub struct TopicStats {
 pub struct QuotaBreach {
     /// producer_exception (else producer_request_hold).
     pub exception: bool,
-    /// Names the subscription that pins the backlog.
+    /// Which quota: "backlog quota" or "tenant storage quota".
+    pub quota: &'static str,
+    /// Names what passes it: the subscription that pins the backlog, or the tenant's usage.
     pub detail: String,
 }
 
@@ -143,7 +145,7 @@ impl QuotaBreach {
         } else {
             ServerError::ProducerBlockedQuotaExceededError
         };
-        BrokerError::new(code, format!("backlog quota exceeded: {}", self.detail))
+        BrokerError::new(code, format!("{} exceeded: {}", self.quota, self.detail))
     }
 }
 
@@ -179,6 +181,8 @@ pub struct Topic {
     pub terminated: AtomicBool,
     /// Set while a backlog quota with a producer policy is passed.
     quota_breach: Mutex<Option<QuotaBreach>>,
+    /// Set while the tenant stores more than its storage quota.
+    storage_breach: Mutex<Option<QuotaBreach>>,
     /// The publish rate policy: sends past it wait (the connection is not read meanwhile).
     pub publish_limiter: rate::PolicyLimiter,
     /// The topic's dispatch rate policy, its subscriptions together.
@@ -526,8 +530,31 @@ impl Topic {
     }
 
     /// The passed backlog quota that stops producers, if any.
+    /// The quota that stops producers now, if one does: the backlog quota's, else the
+    /// tenant's storage quota's.
     pub fn quota_breach(&self) -> Option<QuotaBreach> {
-        self.quota_breach.lock().expect("quota lock").clone()
+        self.quota_breach
+            .lock()
+            .expect("quota lock")
+            .clone()
+            .or_else(|| self.storage_breach.lock().expect("quota lock").clone())
+    }
+
+    /// Sets or clears the tenant storage quota's breach; producers are closed when it starts.
+    pub fn set_storage_breach(&self, breach: Option<QuotaBreach>) {
+        let newly = {
+            let mut g = self.storage_breach.lock().expect("quota lock");
+            let newly = g.is_none() && breach.is_some();
+            if g.is_some() && breach.is_none() {
+                tracing::info!(topic = %self.full_name, "tenant storage quota: back within it");
+            }
+            *g = breach;
+            newly
+        };
+        if newly {
+            tracing::info!(topic = %self.full_name, "tenant storage quota exceeded: producers closed");
+            self.producers.fence_all();
+        }
     }
 
     /// Checks the backlog quota against every durable subscription and acts on its policy:
@@ -595,6 +622,7 @@ impl Topic {
         }
         let breach = worst.map(|detail| QuotaBreach {
             exception: q.policy == "producer_exception",
+            quota: "backlog quota",
             detail,
         });
         self.set_quota_breach(breach);
@@ -779,6 +807,8 @@ pub struct Broker {
     /// Topics being unloaded: loading them waits for that (ServiceNotReady, which clients
     /// retry), so a returning client never meets two owners of one log.
     unloading: Mutex<std::collections::HashSet<String>>,
+    /// Tenants past their storage quota (as of the last policy beat), by name.
+    storage_breaches: Mutex<HashMap<String, QuotaBreach>>,
     connections: AtomicU64,
     me: std::sync::Weak<Broker>,
     /// Checks tokens when `broker.authentication_enabled`.
@@ -826,6 +856,7 @@ impl Broker {
             run_id,
             closing: AtomicBool::new(false),
             unloading: Mutex::default(),
+            storage_breaches: Mutex::default(),
             connections: AtomicU64::new(0),
         }))
     }
@@ -1213,10 +1244,18 @@ impl Broker {
             broker: self.me.clone(),
             terminated: AtomicBool::new(terminated),
             quota_breach: Mutex::new(None),
+            storage_breach: Mutex::new(None),
             publish_limiter: rate::PolicyLimiter::default(),
             dispatch_limiter: rate::PolicyLimiter::default(),
         });
         topic.set_policies(policies_kept).await;
+        let breach = self
+            .storage_breaches
+            .lock()
+            .expect("breaches lock")
+            .get(&name.tenant)
+            .cloned();
+        topic.set_storage_breach(breach);
         Ok(topic)
     }
 
@@ -1322,7 +1361,99 @@ impl Broker {
                     }
                 }
             }
+            self.check_storage_quotas().await;
         }
+    }
+
+    /// The tenants' storage quotas: for each tenant of a loaded topic that has one, the bytes
+    /// all its topics store (loaded topics' logs as this broker knows them, the others' as
+    /// their records say) against the quota; past it, every loaded topic of the tenant refuses
+    /// producers (ProducerBlockedQuotaExceededException) until it is back within.
+    async fn check_storage_quotas(&self) {
+        let mut by_tenant: HashMap<String, Vec<Arc<Topic>>> = HashMap::new();
+        for t in self.loaded_topics() {
+            by_tenant.entry(t.name.tenant.clone()).or_default().push(t);
+        }
+        let store = meridian_tenancy::TenancyStore::new(self.meta.clone());
+        for (tenant, topics) in by_tenant {
+            let quota = match store.tenant(&tenant).await {
+                Ok(t) => t.storage_quota_bytes,
+                Err(_) => None,
+            };
+            let Some(quota) = quota else {
+                self.storage_breaches
+                    .lock()
+                    .expect("breaches lock")
+                    .remove(&tenant);
+                for t in &topics {
+                    t.set_storage_breach(None);
+                }
+                continue;
+            };
+            let used = match self.tenant_storage_bytes(&tenant, &topics).await {
+                Ok(u) => u,
+                Err(e) => {
+                    tracing::warn!(tenant = %tenant, error = %e, "measuring the tenant's storage failed");
+                    continue;
+                }
+            };
+            metrics::gauge!("meridian_tenant_storage_bytes", "tenant" => tenant.clone())
+                .set(used as f64);
+            let breach = (used > quota).then(|| QuotaBreach {
+                exception: true,
+                quota: "tenant storage quota",
+                detail: format!("tenant {tenant} stores {used} bytes (quota {quota} bytes)"),
+            });
+            // Topics loaded before the next beat start with it.
+            {
+                let mut b = self.storage_breaches.lock().expect("breaches lock");
+                match &breach {
+                    Some(x) => b.insert(tenant.clone(), x.clone()),
+                    None => b.remove(&tenant),
+                };
+            }
+            for t in &topics {
+                t.set_storage_breach(breach.clone());
+            }
+        }
+    }
+
+    /// Bytes stored by all of a tenant's topics.
+    async fn tenant_storage_bytes(
+        &self,
+        tenant: &str,
+        loaded: &[Arc<Topic>],
+    ) -> Result<u64, BrokerError> {
+        let mut by_log: HashMap<&str, &Arc<Topic>> =
+            loaded.iter().map(|t| (t.ml.name(), t)).collect();
+        let prefix = format!(
+            "{}{tenant}/",
+            meridian_storage::managed_ledger::MANAGED_LEDGERS_PREFIX
+        );
+        let mut used = 0u64;
+        let mut after = String::new();
+        loop {
+            let page = self.meta.list(&prefix, &after, 0).await?;
+            for kv in &page.kvs {
+                let log = &kv.key[meridian_storage::managed_ledger::MANAGED_LEDGERS_PREFIX.len()..];
+                if let Some(t) = by_log.remove(log) {
+                    used += t.ml.size().await.1;
+                } else if let Ok(m) = serde_json::from_slice::<
+                    meridian_storage::managed_ledger::ManagedLedgerMetadata,
+                >(&kv.value)
+                {
+                    used += m.ledgers.iter().map(|l| l.bytes).sum::<u64>();
+                }
+            }
+            match page.kvs.last() {
+                Some(last) if page.more => after = last.key.clone(),
+                _ => break,
+            }
+        }
+        for t in by_log.values() {
+            used += t.ml.size().await.1;
+        }
+        Ok(used)
     }
 
     /// Publishes backlog and size gauges of every loaded topic every `interval`.
