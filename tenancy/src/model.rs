@@ -13,6 +13,46 @@ use serde::{Deserialize, Serialize};
 pub const CLUSTERS_PREFIX: &str = "/admin/clusters/";
 pub const TENANTS_PREFIX: &str = "/admin/tenants/";
 pub const NAMESPACES_PREFIX: &str = "/admin/namespaces/";
+/// A topic's own policies: `/admin/topic-policies/<tenant>/<namespace>/<topic>` (the topic's
+/// local name with `%` and `/` escaped), in the namespace record's form.
+pub const TOPIC_POLICIES_PREFIX: &str = "/admin/topic-policies/";
+
+/// The record of a topic's own policies.
+pub fn topic_policies_key(tenant: &str, namespace: &str, local: &str) -> String {
+    format!(
+        "{TOPIC_POLICIES_PREFIX}{tenant}/{namespace}/{}",
+        local.replace('%', "%25").replace('/', "%2F")
+    )
+}
+
+/// Splits a topic name as clients write it (`persistent://t/n/x`, `t/n/x`, or `x` in
+/// `public/default`) into tenant, namespace and local name, checking them.
+pub fn split_topic(topic: &str) -> Result<(String, String, String), BadName> {
+    let rest = topic.strip_prefix("persistent://").unwrap_or(topic);
+    if rest.contains("://") {
+        return Err(BadName(format!(
+            "topic {topic:?}: only persistent:// topics have policies"
+        )));
+    }
+    let parts: Vec<&str> = rest.splitn(3, '/').collect();
+    let (t, n, local) = match parts.as_slice() {
+        [x] => ("public", "default", *x),
+        [t, n, x] => (*t, *n, *x),
+        _ => {
+            return Err(BadName(format!(
+                "topic {topic:?} must be persistent://tenant/namespace/topic"
+            )))
+        }
+    };
+    check_name("tenant", t)?;
+    check_name("namespace", n)?;
+    if local.is_empty() || local.len() > 1024 {
+        return Err(BadName(format!(
+            "topic {topic:?}: the topic's name must be 1 to 1024 bytes"
+        )));
+    }
+    Ok((t.to_string(), n.to_string(), local.to_string()))
+}
 
 /// Longest tenant, cluster or namespace name part.
 pub const NAME_BYTES_MAX: usize = 128;
@@ -251,9 +291,16 @@ impl NamespacePolicies {
         Ok(())
     }
 
-    /// Applies `set` (its present fields) and then removes the fields named in `clear`.
-    pub fn updated(&self, set: &NamespacePolicies, clear: &[String]) -> Result<Self, String> {
+    /// These policies with the fields `over` sets in their place: a topic's own policies over
+    /// its namespace's. Grants stay the namespace's.
+    pub fn overlaid(&self, over: &NamespacePolicies) -> NamespacePolicies {
         let mut p = self.clone();
+        p.apply_set(over);
+        p
+    }
+
+    fn apply_set(&mut self, set: &NamespacePolicies) {
+        let p = self;
         if set.deduplication_enabled.is_some() {
             p.deduplication_enabled = set.deduplication_enabled;
         }
@@ -290,6 +337,12 @@ impl NamespacePolicies {
         if set.subscription_dispatch_rate.is_some() {
             p.subscription_dispatch_rate = set.subscription_dispatch_rate.clone();
         }
+    }
+
+    /// Applies `set` (its present fields) and then removes the fields named in `clear`.
+    pub fn updated(&self, set: &NamespacePolicies, clear: &[String]) -> Result<Self, String> {
+        let mut p = self.clone();
+        p.apply_set(set);
         for f in clear {
             match f.as_str() {
                 "deduplication_enabled" => p.deduplication_enabled = None,

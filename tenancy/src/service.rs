@@ -453,6 +453,33 @@ impl Admin for AdminService {
         })
     }
 
+    async fn get_topic_policies(&self, r: Request<Name>) -> Reply<Namespace> {
+        let role = role_of(&r);
+        let name = r.into_inner().name;
+        self.tenant_admin(role.as_ref(), tenant_of_topic(&name))
+            .await?;
+        let (p, _) = self.store.topic_policies(&name).await?;
+        ok(Namespace {
+            name,
+            policies: Some(policies_to(&p)),
+        })
+    }
+
+    async fn update_topic_policies(&self, r: Request<UpdatePoliciesRequest>) -> Reply<Namespace> {
+        let role = role_of(&r);
+        let u = r.into_inner();
+        self.tenant_admin(role.as_ref(), tenant_of_topic(&u.namespace))
+            .await?;
+        let p = self
+            .store
+            .update_topic_policies(&u.namespace, &policies_from(u.set), &u.clear)
+            .await?;
+        ok(Namespace {
+            name: u.namespace,
+            policies: Some(policies_to(&p)),
+        })
+    }
+
     async fn get_namespace(&self, r: Request<Name>) -> Reply<Namespace> {
         let role = role_of(&r);
         let name = r.into_inner().name;

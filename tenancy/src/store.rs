@@ -350,6 +350,42 @@ impl TenancyStore {
         Ok(new)
     }
 
+    /// A topic's own policies (empty when it has none) and their record's version (0: none).
+    pub async fn topic_policies(
+        &self,
+        topic: &str,
+    ) -> Result<(NamespacePolicies, u64), AdminError> {
+        let (t, n, local) = split_topic(topic)?;
+        self.policies(&format!("{t}/{n}")).await?;
+        Ok(self
+            .get(&topic_policies_key(&t, &n, &local))
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// Changes a topic's own policies (its namespace must exist); all cleared: the record
+    /// goes.
+    pub async fn update_topic_policies(
+        &self,
+        topic: &str,
+        set: &NamespacePolicies,
+        clear: &[String],
+    ) -> Result<NamespacePolicies, AdminError> {
+        let (t, n, local) = split_topic(topic)?;
+        let (old, v) = self.topic_policies(topic).await?;
+        let new = old.updated(set, clear).map_err(AdminError::Invalid)?;
+        let key = topic_policies_key(&t, &n, &local);
+        let what = format!("the policies of topic {topic}");
+        if new == NamespacePolicies::default() {
+            if v != 0 {
+                self.delete(&key, v, &what).await?;
+            }
+        } else {
+            self.put(&key, &new, v, &what).await?;
+        }
+        Ok(new)
+    }
+
     /// Grants `actions` to `role` in a namespace (replacing its earlier grant), or with `None`
     /// revokes the role's grant. Returns the namespace's permissions.
     pub async fn set_permission(
@@ -412,6 +448,18 @@ impl TenancyStore {
                 &format!("namespace {ns}"),
             )
             .await?;
+            // Topic policies left by topics deleted without the broker (none of a live
+            // topic: the namespace had none): a namespace created again starts clean.
+            let prefix = format!("{TOPIC_POLICIES_PREFIX}{ns}/");
+            loop {
+                let page = self.meta.list(&prefix, "", 0).await?;
+                for kv in &page.kvs {
+                    self.meta.delete(&kv.key, None).await?;
+                }
+                if !page.more {
+                    break;
+                }
+            }
         }
         Ok(vec![format!("namespace {ns}")])
     }

@@ -195,100 +195,10 @@ enum Namespaces {
     List {
         tenant: String,
     },
-    /// A namespace's policies.
-    Policies {
-        namespace: String,
-    },
     Create {
         namespace: String,
     },
     Delete(ForceDeleteArgs),
-    /// Deduplication of sends by producer name and sequence id.
-    SetDeduplication {
-        namespace: String,
-        #[arg(long, conflicts_with = "disable", required_unless_present = "disable")]
-        enable: bool,
-        #[arg(long)]
-        disable: bool,
-    },
-    /// Back to the broker's default (`broker.deduplication_enabled`).
-    RemoveDeduplication {
-        namespace: String,
-    },
-    /// Broker-side dead-letter policy: after N redeliveries a message moves to
-    /// `<topic>-<subscription>-DLQ`.
-    SetDeadLetter {
-        namespace: String,
-        #[arg(long)]
-        max_redeliveries: u32,
-    },
-    RemoveDeadLetter {
-        namespace: String,
-    },
-    /// How schemas may evolve: ALWAYS_COMPATIBLE, ALWAYS_INCOMPATIBLE, BACKWARD, FORWARD, FULL,
-    /// BACKWARD_TRANSITIVE, FORWARD_TRANSITIVE, FULL_TRANSITIVE.
-    SetSchemaCompatibilityStrategy {
-        namespace: String,
-        #[arg(long)]
-        compatibility: String,
-    },
-    GetSchemaCompatibilityStrategy {
-        namespace: String,
-    },
-    /// Messages older than the TTL are acknowledged on every subscription (0: none).
-    SetMessageTtl {
-        namespace: String,
-        /// Seconds.
-        #[arg(long)]
-        ttl: u32,
-    },
-    RemoveMessageTtl {
-        namespace: String,
-    },
-    /// Most producers on one topic (0: no limit).
-    SetMaxProducersPerTopic {
-        namespace: String,
-        #[arg(long, short = 'p')]
-        max_producers_per_topic: u32,
-    },
-    RemoveMaxProducersPerTopic {
-        namespace: String,
-    },
-    /// Most consumers on one topic (0: no limit).
-    SetMaxConsumersPerTopic {
-        namespace: String,
-        #[arg(long, short = 'c')]
-        max_consumers_per_topic: u32,
-    },
-    RemoveMaxConsumersPerTopic {
-        namespace: String,
-    },
-    /// Most subscriptions on one topic (0: no limit).
-    SetMaxSubscriptionsPerTopic {
-        namespace: String,
-        #[arg(long, short = 'm')]
-        max_subscriptions_per_topic: u32,
-    },
-    RemoveMaxSubscriptionsPerTopic {
-        namespace: String,
-    },
-    /// Limits a topic's backlog (its slowest subscription's) by size and/or age; the policy
-    /// says what happens when one is passed.
-    SetBacklogQuota {
-        namespace: String,
-        /// Bytes, or with K, M, G, T (powers of 1024), e.g. 10M.
-        #[arg(long)]
-        limit_size: Option<String>,
-        /// Seconds, or with s, m, h, d, e.g. 1h.
-        #[arg(long)]
-        limit_time: Option<String>,
-        /// producer_request_hold, producer_exception or consumer_backlog_eviction.
-        #[arg(long)]
-        policy: String,
-    },
-    GetBacklogQuotas {
-        namespace: String,
-    },
     /// Lets a role produce and/or consume in the namespace (with authentication on).
     GrantPermission {
         namespace: String,
@@ -307,8 +217,124 @@ enum Namespaces {
     Permissions {
         namespace: String,
     },
+    #[command(flatten)]
+    Policy(PolicyCmd),
+}
+
+/// Policies, of a namespace (under `namespaces`) or of one topic, overriding its namespace's
+/// (under `topics`, with the topic's full name).
+#[derive(Subcommand)]
+enum PolicyCmd {
+    /// A namespace's policies.
+    Policies {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Deduplication of sends by producer name and sequence id.
+    SetDeduplication {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        #[arg(long, conflicts_with = "disable", required_unless_present = "disable")]
+        enable: bool,
+        #[arg(long)]
+        disable: bool,
+    },
+    /// Back to the broker's default (`broker.deduplication_enabled`).
+    RemoveDeduplication {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Broker-side dead-letter policy: after N redeliveries a message moves to
+    /// `<topic>-<subscription>-DLQ`.
+    SetDeadLetter {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        #[arg(long)]
+        max_redeliveries: u32,
+    },
+    RemoveDeadLetter {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// How schemas may evolve: ALWAYS_COMPATIBLE, ALWAYS_INCOMPATIBLE, BACKWARD, FORWARD, FULL,
+    /// BACKWARD_TRANSITIVE, FORWARD_TRANSITIVE, FULL_TRANSITIVE.
+    SetSchemaCompatibilityStrategy {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        #[arg(long)]
+        compatibility: String,
+    },
+    GetSchemaCompatibilityStrategy {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Messages older than the TTL are acknowledged on every subscription (0: none).
+    SetMessageTtl {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        /// Seconds.
+        #[arg(long)]
+        ttl: u32,
+    },
+    RemoveMessageTtl {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Most producers on one topic (0: no limit).
+    SetMaxProducersPerTopic {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        #[arg(long, short = 'p')]
+        max_producers_per_topic: u32,
+    },
+    RemoveMaxProducersPerTopic {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Most consumers on one topic (0: no limit).
+    SetMaxConsumersPerTopic {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        #[arg(long, short = 'c')]
+        max_consumers_per_topic: u32,
+    },
+    RemoveMaxConsumersPerTopic {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Most subscriptions on one topic (0: no limit).
+    SetMaxSubscriptionsPerTopic {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        #[arg(long, short = 'm')]
+        max_subscriptions_per_topic: u32,
+    },
+    RemoveMaxSubscriptionsPerTopic {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Limits a topic's backlog (its slowest subscription's) by size and/or age; the policy
+    /// says what happens when one is passed.
+    SetBacklogQuota {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        /// Bytes, or with K, M, G, T (powers of 1024), e.g. 10M.
+        #[arg(long)]
+        limit_size: Option<String>,
+        /// Seconds, or with s, m, h, d, e.g. 1h.
+        #[arg(long)]
+        limit_time: Option<String>,
+        /// producer_request_hold, producer_exception or consumer_backlog_eviction.
+        #[arg(long)]
+        policy: String,
+    },
+    GetBacklogQuotas {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
     /// Keeps acknowledged data (for readers) up to a size and/or age; -1 is no limit.
     SetRetention {
+        #[arg(value_name = "TARGET")]
         namespace: String,
         /// -1, or a size with K, M, G, T (powers of 1024), e.g. 10G.
         #[arg(long, allow_hyphen_values = true)]
@@ -318,19 +344,24 @@ enum Namespaces {
         time: String,
     },
     GetRetention {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     RemoveRetention {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     RemoveBacklogQuota {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     GetMessageTtl {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     /// Each topic's publish rate: producers past it are slowed, not refused.
     SetPublishRate {
+        #[arg(value_name = "TARGET")]
         namespace: String,
         /// Messages per second (-1 or 0: no limit).
         #[arg(long, short = 'm', allow_hyphen_values = true, default_value_t = -1)]
@@ -340,31 +371,38 @@ enum Namespaces {
         byte_publish_rate: i64,
     },
     GetPublishRate {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     RemovePublishRate {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     /// Each topic's dispatch rate, its subscriptions together.
     SetDispatchRate(DispatchRateArgs),
     GetDispatchRate {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     RemoveDispatchRate {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     /// Each subscription's dispatch rate.
     SetSubscriptionDispatchRate(DispatchRateArgs),
     GetSubscriptionDispatchRate {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
     RemoveSubscriptionDispatchRate {
+        #[arg(value_name = "TARGET")]
         namespace: String,
     },
 }
 
 #[derive(Args)]
 struct DispatchRateArgs {
+    #[arg(value_name = "TARGET")]
     namespace: String,
     /// Messages per period (-1 or 0: no limit).
     #[arg(long, visible_alias = "md", allow_hyphen_values = true, default_value_t = -1)]
@@ -408,18 +446,39 @@ fn rate_limit(msgs: i64, bytes: i64, period_s: u64) -> anyhow::Result<RateLimit>
 async fn print_rate(
     c: &mut Client,
     namespace: String,
+    topic: bool,
     out: Output,
     pick: fn(NamespacePolicies) -> Option<RateLimit>,
 ) -> anyhow::Result<()> {
-    let p = c
-        .get_namespace(Name { name: namespace })
+    let p = get_policies(c, namespace, topic)
         .await?
-        .into_inner()
         .policies
         .unwrap_or_default();
     let v = rate_json(pick(p).as_ref());
     print(out, &v, || v.to_string());
     Ok(())
+}
+
+/// A namespace's policies, or (`topic`) a topic's own.
+async fn get_policies(c: &mut Client, target: String, topic: bool) -> anyhow::Result<Namespace> {
+    let name = Name { name: target };
+    Ok(if topic {
+        c.get_topic_policies(name).await?.into_inner()
+    } else {
+        c.get_namespace(name).await?.into_inner()
+    })
+}
+
+async fn update_policies(
+    c: &mut Client,
+    req: UpdatePoliciesRequest,
+    topic: bool,
+) -> anyhow::Result<Namespace> {
+    Ok(if topic {
+        c.update_topic_policies(req).await?.into_inner()
+    } else {
+        c.update_namespace_policies(req).await?.into_inner()
+    })
 }
 
 fn rate_json(r: Option<&RateLimit>) -> Value {
@@ -458,6 +517,10 @@ enum Topics {
     StatsAll { namespace: String },
     /// Ends a topic: no more messages; consumers are told once they have read it all.
     Terminate { topic: String },
+    /// A topic's own policies (`set-message-ttl TOPIC --ttl 60`, ...), overriding its
+    /// namespace's; a partitioned topic's apply to its partitions.
+    #[command(flatten)]
+    Policy(PolicyCmd),
     /// Deletes a topic (a partitioned one with all its partitions), its subscriptions, data
     /// and schema. Refused while clients are connected, unless --force.
     Delete(TopicDeleteArgs),
@@ -796,6 +859,9 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "max_subscriptions_per_topic": p.max_subscriptions_per_topic,
         "backlog_quota": p.backlog_quota.as_ref().map(quota_json),
         "retention": p.retention.as_ref().map(retention_json),
+        "publish_rate": p.publish_rate.as_ref().map(|r| rate_json(Some(r))),
+        "dispatch_rate": p.dispatch_rate.as_ref().map(|r| rate_json(Some(r))),
+        "subscription_dispatch_rate": p.subscription_dispatch_rate.as_ref().map(|r| rate_json(Some(r))),
     })
 }
 
@@ -805,58 +871,111 @@ fn show<T: ToString>(v: &Option<T>) -> String {
 }
 
 async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Result<()> {
+    match cmd {
+        Namespaces::List { tenant } => {
+            names(
+                out,
+                c.list_namespaces(Name { name: tenant }).await?.into_inner(),
+            );
+            Ok(())
+        }
+        Namespaces::GrantPermission {
+            namespace,
+            role,
+            actions,
+        } => {
+            let p = c
+                .grant_permission(PermissionRequest {
+                    namespace,
+                    role,
+                    actions,
+                })
+                .await?
+                .into_inner();
+            print_permissions(out, &p);
+            Ok(())
+        }
+        Namespaces::RevokePermission { namespace, role } => {
+            let p = c
+                .revoke_permission(PermissionRequest {
+                    namespace,
+                    role,
+                    actions: Vec::new(),
+                })
+                .await?
+                .into_inner();
+            print_permissions(out, &p);
+            Ok(())
+        }
+        Namespaces::Permissions { namespace } => {
+            let p = c
+                .get_permissions(Name { name: namespace })
+                .await?
+                .into_inner();
+            print_permissions(out, &p);
+            Ok(())
+        }
+        Namespaces::Create { namespace } => {
+            c.create_namespace(Namespace {
+                name: namespace.clone(),
+                policies: None,
+            })
+            .await?;
+            done(out, format!("created namespace {namespace}"));
+            Ok(())
+        }
+        Namespaces::Delete(d) => {
+            deleted(
+                out,
+                c.delete_namespace(DeleteRequest {
+                    name: d.name,
+                    dry_run: d.dry_run,
+                    force: d.force,
+                })
+                .await?
+                .into_inner(),
+            );
+            Ok(())
+        }
+        Namespaces::Policy(p) => policy(c, p, out, false).await,
+    }
+}
+
+/// A policy command on a namespace or (`topic`) on a topic.
+async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> anyhow::Result<()> {
     let update = |ns: String, set: NamespacePolicies, clear: Vec<&str>| UpdatePoliciesRequest {
         namespace: ns,
         set: Some(set),
         clear: clear.into_iter().map(str::to_string).collect(),
     };
     let req = match cmd {
-        Namespaces::List { tenant } => {
-            names(
-                out,
-                c.list_namespaces(Name { name: tenant }).await?.into_inner(),
-            );
-            return Ok(());
-        }
-        Namespaces::Policies { namespace } => {
-            let n = c
-                .get_namespace(Name { name: namespace })
-                .await?
-                .into_inner();
-            let p = n.policies.unwrap_or_default();
-            print(out, &policies_json(&p), || {
-                rows(&[
-                    ("deduplication_enabled", show(&p.deduplication_enabled)),
-                    (
-                        "dead_letter_max_redeliveries",
-                        show(&p.dead_letter_max_redeliveries),
-                    ),
-                    (
-                        "schema_compatibility_strategy",
-                        show(&p.schema_compatibility_strategy),
-                    ),
-                    ("message_ttl_seconds", show(&p.message_ttl_seconds)),
-                    ("max_producers_per_topic", show(&p.max_producers_per_topic)),
-                    ("max_consumers_per_topic", show(&p.max_consumers_per_topic)),
-                    (
-                        "max_subscriptions_per_topic",
-                        show(&p.max_subscriptions_per_topic),
-                    ),
-                    (
-                        "backlog_quota",
-                        p.backlog_quota
-                            .as_ref()
-                            .map_or_else(|| "(none)".to_string(), |q| quota_json(q).to_string()),
-                    ),
-                ])
+        PolicyCmd::Policies { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
+            let v = policies_json(&n.policies.unwrap_or_default());
+            print(out, &v, || {
+                let unset = if topic {
+                    "(the namespace's)"
+                } else {
+                    "(broker default)"
+                };
+                v.as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, x)| {
+                        let shown = if x.is_null() {
+                            unset.to_string()
+                        } else {
+                            x.to_string()
+                        };
+                        format!("{k:<32}{shown}")
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
             });
             return Ok(());
         }
-        Namespaces::GetSchemaCompatibilityStrategy { namespace } => {
-            let n = c
-                .get_namespace(Name { name: namespace })
-                .await?
-                .into_inner();
+        PolicyCmd::GetSchemaCompatibilityStrategy { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
             let s = n
                 .policies
                 .unwrap_or_default()
@@ -865,16 +984,13 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             print(out, &json!(s), || s.clone());
             return Ok(());
         }
-        Namespaces::GetMessageTtl { namespace } => {
-            let n = c
-                .get_namespace(Name { name: namespace })
-                .await?
-                .into_inner();
+        PolicyCmd::GetMessageTtl { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
             let t = n.policies.unwrap_or_default().message_ttl_seconds;
             print(out, &json!(t), || show(&t));
             return Ok(());
         }
-        Namespaces::SetMessageTtl { namespace, ttl } => update(
+        PolicyCmd::SetMessageTtl { namespace, ttl } => update(
             namespace,
             NamespacePolicies {
                 message_ttl_seconds: Some(ttl),
@@ -882,7 +998,7 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::SetMaxProducersPerTopic {
+        PolicyCmd::SetMaxProducersPerTopic {
             namespace,
             max_producers_per_topic: n,
         } => update(
@@ -893,12 +1009,12 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::RemoveMaxProducersPerTopic { namespace } => update(
+        PolicyCmd::RemoveMaxProducersPerTopic { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["max_producers_per_topic"],
         ),
-        Namespaces::SetMaxConsumersPerTopic {
+        PolicyCmd::SetMaxConsumersPerTopic {
             namespace,
             max_consumers_per_topic: n,
         } => update(
@@ -909,12 +1025,12 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::RemoveMaxConsumersPerTopic { namespace } => update(
+        PolicyCmd::RemoveMaxConsumersPerTopic { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["max_consumers_per_topic"],
         ),
-        Namespaces::SetMaxSubscriptionsPerTopic {
+        PolicyCmd::SetMaxSubscriptionsPerTopic {
             namespace,
             max_subscriptions_per_topic: n,
         } => update(
@@ -925,12 +1041,12 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::RemoveMaxSubscriptionsPerTopic { namespace } => update(
+        PolicyCmd::RemoveMaxSubscriptionsPerTopic { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["max_subscriptions_per_topic"],
         ),
-        Namespaces::SetBacklogQuota {
+        PolicyCmd::SetBacklogQuota {
             namespace,
             limit_size,
             limit_time,
@@ -959,17 +1075,14 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                 vec![],
             )
         }
-        Namespaces::GetBacklogQuotas { namespace } => {
-            let n = c
-                .get_namespace(Name { name: namespace })
-                .await?
-                .into_inner();
+        PolicyCmd::GetBacklogQuotas { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
             let q = n.policies.unwrap_or_default().backlog_quota;
             let v = q.as_ref().map_or(Value::Null, quota_json);
             print(out, &v, || v.to_string());
             return Ok(());
         }
-        Namespaces::SetRetention {
+        PolicyCmd::SetRetention {
             namespace,
             size,
             time,
@@ -994,25 +1107,22 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                 vec![],
             )
         }
-        Namespaces::GetRetention { namespace } => {
-            let n = c
-                .get_namespace(Name { name: namespace })
-                .await?
-                .into_inner();
+        PolicyCmd::GetRetention { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
             let r = n.policies.unwrap_or_default().retention;
             let v = r.as_ref().map_or(Value::Null, retention_json);
             print(out, &v, || v.to_string());
             return Ok(());
         }
-        Namespaces::RemoveRetention { namespace } => {
+        PolicyCmd::RemoveRetention { namespace } => {
             update(namespace, NamespacePolicies::default(), vec!["retention"])
         }
-        Namespaces::RemoveBacklogQuota { namespace } => update(
+        PolicyCmd::RemoveBacklogQuota { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["backlog_quota"],
         ),
-        Namespaces::SetPublishRate {
+        PolicyCmd::SetPublishRate {
             namespace,
             msg_publish_rate,
             byte_publish_rate,
@@ -1024,7 +1134,7 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::SetDispatchRate(a) => update(
+        PolicyCmd::SetDispatchRate(a) => update(
             a.namespace.clone(),
             NamespacePolicies {
                 dispatch_rate: Some(a.limit()?),
@@ -1032,7 +1142,7 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::SetSubscriptionDispatchRate(a) => update(
+        PolicyCmd::SetSubscriptionDispatchRate(a) => update(
             a.namespace.clone(),
             NamespacePolicies {
                 subscription_dispatch_rate: Some(a.limit()?),
@@ -1040,94 +1150,36 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::GetPublishRate { namespace } => {
-            return print_rate(c, namespace, out, |p| p.publish_rate).await
+        PolicyCmd::GetPublishRate { namespace } => {
+            return print_rate(c, namespace, topic, out, |p| p.publish_rate).await
         }
-        Namespaces::GetDispatchRate { namespace } => {
-            return print_rate(c, namespace, out, |p| p.dispatch_rate).await
+        PolicyCmd::GetDispatchRate { namespace } => {
+            return print_rate(c, namespace, topic, out, |p| p.dispatch_rate).await
         }
-        Namespaces::GetSubscriptionDispatchRate { namespace } => {
-            return print_rate(c, namespace, out, |p| p.subscription_dispatch_rate).await
+        PolicyCmd::GetSubscriptionDispatchRate { namespace } => {
+            return print_rate(c, namespace, topic, out, |p| p.subscription_dispatch_rate).await
         }
-        Namespaces::RemovePublishRate { namespace } => update(
+        PolicyCmd::RemovePublishRate { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["publish_rate"],
         ),
-        Namespaces::RemoveDispatchRate { namespace } => update(
+        PolicyCmd::RemoveDispatchRate { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["dispatch_rate"],
         ),
-        Namespaces::RemoveSubscriptionDispatchRate { namespace } => update(
+        PolicyCmd::RemoveSubscriptionDispatchRate { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["subscription_dispatch_rate"],
         ),
-        Namespaces::RemoveMessageTtl { namespace } => update(
+        PolicyCmd::RemoveMessageTtl { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["message_ttl_seconds"],
         ),
-        Namespaces::GrantPermission {
-            namespace,
-            role,
-            actions,
-        } => {
-            let p = c
-                .grant_permission(PermissionRequest {
-                    namespace,
-                    role,
-                    actions,
-                })
-                .await?
-                .into_inner();
-            print_permissions(out, &p);
-            return Ok(());
-        }
-        Namespaces::RevokePermission { namespace, role } => {
-            let p = c
-                .revoke_permission(PermissionRequest {
-                    namespace,
-                    role,
-                    actions: Vec::new(),
-                })
-                .await?
-                .into_inner();
-            print_permissions(out, &p);
-            return Ok(());
-        }
-        Namespaces::Permissions { namespace } => {
-            let p = c
-                .get_permissions(Name { name: namespace })
-                .await?
-                .into_inner();
-            print_permissions(out, &p);
-            return Ok(());
-        }
-        Namespaces::Create { namespace } => {
-            c.create_namespace(Namespace {
-                name: namespace.clone(),
-                policies: None,
-            })
-            .await?;
-            done(out, format!("created namespace {namespace}"));
-            return Ok(());
-        }
-        Namespaces::Delete(d) => {
-            deleted(
-                out,
-                c.delete_namespace(DeleteRequest {
-                    name: d.name,
-                    dry_run: d.dry_run,
-                    force: d.force,
-                })
-                .await?
-                .into_inner(),
-            );
-            return Ok(());
-        }
-        Namespaces::SetDeduplication {
+        PolicyCmd::SetDeduplication {
             namespace, enable, ..
         } => update(
             namespace,
@@ -1137,12 +1189,12 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::RemoveDeduplication { namespace } => update(
+        PolicyCmd::RemoveDeduplication { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["deduplication_enabled"],
         ),
-        Namespaces::SetDeadLetter {
+        PolicyCmd::SetDeadLetter {
             namespace,
             max_redeliveries,
         } => update(
@@ -1153,12 +1205,12 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             },
             vec![],
         ),
-        Namespaces::RemoveDeadLetter { namespace } => update(
+        PolicyCmd::RemoveDeadLetter { namespace } => update(
             namespace,
             NamespacePolicies::default(),
             vec!["dead_letter_max_redeliveries"],
         ),
-        Namespaces::SetSchemaCompatibilityStrategy {
+        PolicyCmd::SetSchemaCompatibilityStrategy {
             namespace,
             compatibility,
         } => update(
@@ -1171,7 +1223,7 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
         ),
     };
     let ns = req.namespace.clone();
-    let n = c.update_namespace_policies(req).await?.into_inner();
+    let n = update_policies(c, req, topic).await?;
     let p = n.policies.unwrap_or_default();
     print(out, &policies_json(&p), || {
         format!("updated the policies of {ns}")
@@ -1324,6 +1376,7 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                 .into_inner(),
             );
         }
+        Topics::Policy(p) => policy(c, p, out, true).await?,
         Topics::Unload { topic } => {
             c.unload_topic(Name {
                 name: topic.clone(),

@@ -942,6 +942,57 @@ impl Broker {
         }
     }
 
+    /// A topic's own policies (a partition's are its partitioned topic's); empty if none.
+    pub async fn topic_own_policies(
+        &self,
+        name: &TopicName,
+    ) -> Result<NamespacePolicies, BrokerError> {
+        let Some(kv) = self.meta.get(&Self::topic_policies_key(name)).await? else {
+            return Ok(NamespacePolicies::default());
+        };
+        serde_json::from_slice(&kv.value).map_err(|e| {
+            BrokerError::new(
+                ServerError::MetadataError,
+                format!("policies of topic {name} are damaged: {e}"),
+            )
+        })
+    }
+
+    fn topic_policies_key(name: &TopicName) -> String {
+        let base = name.parent().unwrap_or_else(|| name.clone());
+        meridian_tenancy::model::topic_policies_key(&base.tenant, &base.namespace, &base.local)
+    }
+
+    /// The topic policies recorded in a namespace, by record key (one listing).
+    async fn namespace_topic_policies(
+        &self,
+        namespace: &str,
+    ) -> Result<HashMap<String, NamespacePolicies>, BrokerError> {
+        let prefix = format!(
+            "{}{namespace}/",
+            meridian_tenancy::model::TOPIC_POLICIES_PREFIX
+        );
+        let mut out = HashMap::new();
+        let mut after = String::new();
+        loop {
+            let page = self.meta.list(&prefix, &after, 0).await?;
+            for kv in &page.kvs {
+                match serde_json::from_slice(&kv.value) {
+                    Ok(p) => {
+                        out.insert(kv.key.clone(), p);
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %kv.key, error = %e, "damaged topic policies ignored")
+                    }
+                }
+            }
+            match page.kvs.last() {
+                Some(last) if page.more => after = last.key.clone(),
+                _ => return Ok(out),
+            }
+        }
+    }
+
     /// A namespace's policies (defaults if it has no record or an empty one).
     pub async fn namespace_policies(
         &self,
@@ -1068,6 +1119,9 @@ impl Broker {
         }
         if name.partition().is_none() {
             self.meta.delete(&Self::schema_key(name), None).await?;
+            self.meta
+                .delete(&Self::topic_policies_key(name), None)
+                .await?;
         }
         Ok(out)
     }
@@ -1200,7 +1254,10 @@ impl Broker {
         };
         let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
         let terminated = ml.is_terminated().await;
-        let policies = self.namespace_policies(&name.namespace()).await?;
+        let policies = self
+            .namespace_policies(&name.namespace())
+            .await?
+            .overlaid(&self.topic_own_policies(name).await?);
         let policies_kept = policies.clone();
         let dedup = if policies
             .deduplication_enabled
@@ -1331,8 +1388,21 @@ impl Broker {
                         continue;
                     }
                 };
-                let ttl_ms = u64::from(p.message_ttl_seconds.unwrap_or(0)) * 1000;
+                let own = match self.namespace_topic_policies(&ns).await {
+                    Ok(o) => o,
+                    Err(e) => {
+                        tracing::warn!(namespace = %ns, error = %e, "reading topic policies failed");
+                        continue;
+                    }
+                };
+                let ns_policies = p;
                 for t in topics {
+                    // Resolution: the topic's own, else the namespace's, else the broker's.
+                    let p = match own.get(&Self::topic_policies_key(&t.name)) {
+                        Some(o) => ns_policies.overlaid(o),
+                        None => ns_policies.clone(),
+                    };
+                    let ttl_ms = u64::from(p.message_ttl_seconds.unwrap_or(0)) * 1000;
                     t.set_policies(p.clone()).await;
                     if p.backlog_quota.is_none() {
                         t.set_quota_breach(None);
