@@ -277,8 +277,28 @@ impl NamespacePolicies {
                     r.time_minutes, r.size_mb
                 ));
             }
-            // A quota that evicts by size needs no retention; one that holds producers keeps
-            // unacknowledged data, which retention never deletes: nothing contradicts.
+            // As Pulsar: a backlog quota larger than the retention that is to keep the data
+            // contradicts it (0: retention keeps nothing by that rule; -1: no limit).
+            if let Some(q) = &self.backlog_quota {
+                let size = u64::try_from(r.size_mb)
+                    .unwrap_or(0)
+                    .saturating_mul(1 << 20);
+                if size > 0 && q.limit_size_bytes > size {
+                    return Err(format!(
+                        "retention size {} MB is smaller than the backlog quota's {} bytes: the quota needs retention at least as large",
+                        r.size_mb, q.limit_size_bytes
+                    ));
+                }
+                let secs = u64::try_from(r.time_minutes)
+                    .unwrap_or(0)
+                    .saturating_mul(60);
+                if secs > 0 && q.limit_time_seconds > secs {
+                    return Err(format!(
+                        "retention time {} min is shorter than the backlog quota's {} s: the quota needs retention at least as long",
+                        r.time_minutes, q.limit_time_seconds
+                    ));
+                }
+            }
         }
         if let Some(s) = &self.schema_compatibility_strategy {
             if !SCHEMA_STRATEGIES.contains(&s.to_ascii_uppercase().as_str()) {
@@ -477,6 +497,50 @@ mod tests {
             .updated(&set, &[])
             .unwrap_err()
             .contains("needs a size limit"));
+        // A backlog quota beyond the retention that keeps its data contradicts it.
+        let set = NamespacePolicies {
+            backlog_quota: Some(BacklogQuota {
+                limit_size_bytes: 20 << 20,
+                limit_time_seconds: 0,
+                policy: "producer_request_hold".into(),
+            }),
+            retention: Some(Retention {
+                time_minutes: -1,
+                size_mb: 10,
+            }),
+            ..Default::default()
+        };
+        assert!(p
+            .updated(&set, &[])
+            .unwrap_err()
+            .contains("retention size 10 MB is smaller"));
+        let mut ok = set.clone();
+        ok.retention = Some(Retention {
+            time_minutes: 60,
+            size_mb: 20,
+        });
+        assert!(p.updated(&ok, &[]).is_ok());
+        let mut long = ok.clone();
+        long.backlog_quota.as_mut().unwrap().limit_time_seconds = 7200;
+        assert!(p
+            .updated(&long, &[])
+            .unwrap_err()
+            .contains("retention time 60 min is shorter"));
+        // A topic's overrides over its namespace's, field by field; grants stay.
+        let mut ns = NamespacePolicies {
+            message_ttl_seconds: Some(3600),
+            max_producers_per_topic: Some(5),
+            ..Default::default()
+        };
+        ns.permissions.insert("app".into(), vec!["produce".into()]);
+        let own = NamespacePolicies {
+            message_ttl_seconds: Some(1),
+            ..Default::default()
+        };
+        let eff = ns.overlaid(&own);
+        assert_eq!(eff.message_ttl_seconds, Some(1));
+        assert_eq!(eff.max_producers_per_topic, Some(5));
+        assert_eq!(eff.permissions.len(), 1);
         // Stored form: only what is set.
         assert_eq!(
             serde_json::to_string(&NamespacePolicies::default()).unwrap(),

@@ -374,6 +374,11 @@ impl TenancyStore {
         let (t, n, local) = split_topic(topic)?;
         let (old, v) = self.topic_policies(topic).await?;
         let new = old.updated(set, clear).map_err(AdminError::Invalid)?;
+        // What the topic ends up with must hold together too.
+        let (ns, _) = self.policies(&format!("{t}/{n}")).await?;
+        ns.overlaid(&new)
+            .validate()
+            .map_err(|e| AdminError::Invalid(format!("with namespace {t}/{n}'s policies: {e}")))?;
         let key = topic_policies_key(&t, &n, &local);
         let what = format!("the policies of topic {topic}");
         if new == NamespacePolicies::default() {
