@@ -2305,7 +2305,7 @@ fn noisy_neighbour_tenant_b_at_its_maximum_leaves_tenant_a_p99_within_2x() {
     step("tenant A alone: 200 msg/s end to end");
     let alone = e2e_p99(&s.url, "persistent://ta/ns/alone");
     step("tenant B produces as fast as it can (held at its maximum); A again");
-    let mut b = std::process::Command::new(meridian_integration::meridian_bin())
+    let b = std::process::Command::new(meridian_integration::meridian_bin())
         .args([
             "perf",
             "produce",
