@@ -86,8 +86,25 @@ pub struct BookieCore {
     journal: Journal,
     read_only: AtomicBool,
     read_only_reason: std::sync::Mutex<String>,
+    /// Read-only because the disk is too full (not for an error): lifted once usage falls
+    /// [`DISK_HYSTERESIS_PERCENT`] below the limit.
+    disk_full: AtomicBool,
     opts: BookieOptions,
 }
+
+/// Whether a bookie is read-only for a full disk after a usage reading: past `max` it turns
+/// so, and stays so until usage is [`DISK_HYSTERESIS_PERCENT`] below `max`.
+fn disk_full_next(was_full: bool, used_pct: u64, max: u64) -> bool {
+    if used_pct > max {
+        true
+    } else {
+        was_full && used_pct + DISK_HYSTERESIS_PERCENT > max
+    }
+}
+
+/// How far below `bookie.disk_usage_percent_max` usage must fall before a bookie that turned
+/// read-only for a full disk takes writes again (BookKeeper's low-water mark, 5 points lower).
+pub const DISK_HYSTERESIS_PERCENT: u64 = 5;
 
 impl BookieCore {
     pub fn storage(&self) -> &LedgerStorage {
@@ -95,13 +112,39 @@ impl BookieCore {
     }
 
     pub fn is_read_only(&self) -> bool {
-        self.read_only.load(Ordering::Relaxed)
+        self.read_only.load(Ordering::Relaxed) || self.disk_full.load(Ordering::Relaxed)
     }
 
     /// Why the bookie is read-only, if it is.
     pub fn read_only_reason(&self) -> Option<String> {
         self.is_read_only()
             .then(|| self.read_only_reason.lock().expect("lock").clone())
+    }
+
+    /// Turns read-only while the disk is past the limit, writable again once usage is
+    /// [`DISK_HYSTERESIS_PERCENT`] below it (unless an error made it read-only for good).
+    fn check_disk(&self, used_pct: u64) {
+        let max = self.opts.disk_usage_percent_max;
+        let was = self.disk_full.load(Ordering::Relaxed);
+        let full = disk_full_next(was, used_pct, max);
+        if full {
+            if !self.disk_full.swap(true, Ordering::Relaxed) {
+                let why =
+                    format!("disk {used_pct}% used, above bookie.disk_usage_percent_max = {max}");
+                tracing::error!(reason = %why, "bookie is read-only until the disk frees up");
+                if !self.read_only.load(Ordering::Relaxed) {
+                    *self.read_only_reason.lock().expect("lock") = why;
+                }
+            }
+        } else if was
+            && self.disk_full.swap(false, Ordering::Relaxed)
+            && !self.read_only.load(Ordering::Relaxed)
+        {
+            tracing::info!(
+                used_pct,
+                "disk usage is back under the limit: the bookie takes writes again"
+            );
+        }
     }
 
     fn set_read_only(&self, why: String) {
@@ -215,6 +258,7 @@ pub async fn start(
         journal,
         read_only: AtomicBool::new(false),
         read_only_reason: std::sync::Mutex::default(),
+        disk_full: AtomicBool::new(false),
         opts,
     });
     let (stop, stop_rx) = watch::channel(false);
@@ -343,12 +387,7 @@ fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
             flush_once(&core);
             last_flush = std::time::Instant::now();
             let (_, used_pct) = core.disk_usage();
-            if used_pct > core.opts.disk_usage_percent_max {
-                core.set_read_only(format!(
-                    "disk {used_pct}% used, above bookie.disk_usage_percent_max = {}",
-                    core.opts.disk_usage_percent_max
-                ));
-            }
+            core.check_disk(used_pct);
         }
         if last_gc.elapsed() >= gc_interval {
             match core.storage.collect_garbage() {
@@ -810,5 +849,20 @@ pub async fn orphan_scanner(
             _ = tokio::time::sleep(interval) => {}
         }
         delete_orphans(&core, &meta).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::disk_full_next;
+
+    #[test]
+    fn given_disk_usage_readings_then_read_only_has_a_low_water_mark() {
+        // A 90% limit: past it read-only; back to writable at 85% or less, not before.
+        assert!(!disk_full_next(false, 90, 90));
+        assert!(disk_full_next(false, 91, 90));
+        assert!(disk_full_next(true, 86, 90));
+        assert!(!disk_full_next(true, 85, 90));
+        assert!(!disk_full_next(false, 86, 90));
     }
 }
