@@ -21,7 +21,7 @@ pub mod schema;
 pub mod subscription;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -183,6 +183,11 @@ pub struct Topic {
     quota_breach: Mutex<Option<QuotaBreach>>,
     /// Set while the tenant stores more than its storage quota.
     storage_breach: Mutex<Option<QuotaBreach>>,
+    /// Bytes that may be appended before the backlog quota's size limit may be passed (the
+    /// limit less the largest backlog at the last check; `i64::MAX` without a size limit).
+    /// The append that uses it up asks for a check at once: the quota is checked on the
+    /// write path, not only on the policy beat.
+    quota_headroom: AtomicI64,
     /// The publish rate policy: sends past it wait (the connection is not read meanwhile).
     pub publish_limiter: rate::PolicyLimiter,
     /// The topic's dispatch rate policy, its subscriptions together.
@@ -245,6 +250,14 @@ impl Topic {
     pub fn on_appended(&self, pos: Position, messages: u64, bytes: u64) {
         self.counters.msgs_in.fetch_add(messages, Ordering::Relaxed);
         self.counters.bytes_in.fetch_add(bytes, Ordering::Relaxed);
+        let b = i64::try_from(bytes).unwrap_or(i64::MAX);
+        let before = self.quota_headroom.fetch_sub(b, Ordering::Relaxed);
+        if before >= 0 && before < b && before != i64::MAX {
+            // This append may have passed the backlog quota: check the topic now.
+            if let Some(broker) = self.broker.upgrade() {
+                broker.request_quota_check(&self.full_name);
+            }
+        }
         self.appended.send_if_modified(|last| {
             if last.is_none_or(|l| pos > l) {
                 *last = Some(pos);
@@ -567,9 +580,11 @@ impl Topic {
     ) {
         let now = now_ms();
         let mut worst: Option<String> = None;
+        let mut largest = 0u64;
         for sub in subs {
             let name = sub.name();
             let backlog = sub.backlog().await;
+            largest = largest.max(backlog.bytes);
             let size_over = q.limit_size_bytes > 0 && backlog.bytes > q.limit_size_bytes;
             let age_limit_ms = q.limit_time_seconds.saturating_mul(1000);
             let oldest = if q.limit_time_seconds > 0 {
@@ -620,6 +635,12 @@ impl Topic {
             };
             worst.get_or_insert(detail);
         }
+        let headroom = if q.limit_size_bytes > 0 {
+            i64::try_from(q.limit_size_bytes.saturating_sub(largest)).unwrap_or(i64::MAX - 1)
+        } else {
+            i64::MAX
+        };
+        self.quota_headroom.store(headroom, Ordering::Relaxed);
         let breach = worst.map(|detail| QuotaBreach {
             exception: q.policy == "producer_exception",
             quota: "backlog quota",
@@ -693,6 +714,18 @@ impl Topic {
     /// Sets the policies (as last read) and the rate limits that follow them, for the topic
     /// and its open subscriptions.
     pub async fn set_policies(&self, p: NamespacePolicies) {
+        match p.backlog_quota.as_ref().map(|q| q.limit_size_bytes) {
+            // A size limit not checked yet: the next append asks for a check.
+            Some(l) if l > 0 => {
+                let _ = self.quota_headroom.compare_exchange(
+                    i64::MAX,
+                    0,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                );
+            }
+            _ => self.quota_headroom.store(i64::MAX, Ordering::Relaxed),
+        }
         self.publish_limiter.update(p.publish_rate.as_ref());
         self.dispatch_limiter.update(p.dispatch_rate.as_ref());
         let sub_rate = p.subscription_dispatch_rate.clone();
@@ -809,6 +842,10 @@ pub struct Broker {
     unloading: Mutex<std::collections::HashSet<String>>,
     /// Tenants past their storage quota (as of the last policy beat), by name.
     storage_breaches: Mutex<HashMap<String, QuotaBreach>>,
+    /// Topics whose appends may have passed their backlog quota, checked by the policy loop
+    /// at once (woken by `quota_wake`).
+    quota_checks: Mutex<std::collections::HashSet<String>>,
+    quota_wake: tokio::sync::Notify,
     connections: AtomicU64,
     me: std::sync::Weak<Broker>,
     /// Checks tokens when `broker.authentication_enabled`.
@@ -857,6 +894,8 @@ impl Broker {
             closing: AtomicBool::new(false),
             unloading: Mutex::default(),
             storage_breaches: Mutex::default(),
+            quota_checks: Mutex::default(),
+            quota_wake: tokio::sync::Notify::new(),
             connections: AtomicU64::new(0),
         }))
     }
@@ -1302,6 +1341,7 @@ impl Broker {
             terminated: AtomicBool::new(terminated),
             quota_breach: Mutex::new(None),
             storage_breach: Mutex::new(None),
+            quota_headroom: AtomicI64::new(i64::MAX),
             publish_limiter: rate::PolicyLimiter::default(),
             dispatch_limiter: rate::PolicyLimiter::default(),
         });
@@ -1371,8 +1411,18 @@ impl Broker {
     pub async fn policy_loop(self: Arc<Self>) {
         let every = Duration::from_millis(self.cfg.policy_refresh_interval_ms);
         let expired = metrics::counter!("meridian_ttl_expired_entries_total");
+        let mut next_beat = tokio::time::Instant::now() + every;
         loop {
-            tokio::time::sleep(every).await;
+            tokio::select! {
+                _ = tokio::time::sleep_until(next_beat) => {}
+                _ = self.quota_wake.notified() => {
+                    self.check_requested_quotas().await;
+                    // At most one such check per topic every 10 ms.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            }
+            next_beat = tokio::time::Instant::now() + every;
             if self.is_closing() {
                 return;
             }
@@ -1432,6 +1482,51 @@ impl Broker {
                 }
             }
             self.check_storage_quotas().await;
+        }
+    }
+
+    /// Asks the policy loop to check a topic's backlog quota now (an append may have passed
+    /// it).
+    pub fn request_quota_check(&self, topic: &str) {
+        let new = self
+            .quota_checks
+            .lock()
+            .expect("quota checks lock")
+            .insert(topic.to_string());
+        if new {
+            self.quota_wake.notify_one();
+        }
+    }
+
+    /// Checks the backlog quotas of the topics appends asked for, with the policies they hold.
+    async fn check_requested_quotas(&self) {
+        let names: Vec<String> = self
+            .quota_checks
+            .lock()
+            .expect("quota checks lock")
+            .drain()
+            .collect();
+        for name in names {
+            let loaded = {
+                let topics = self.topics.lock().expect("topics lock");
+                topics.get(&name).and_then(|c| c.get().cloned())
+            };
+            let Some(t) = loaded else { continue };
+            let Some(q) = t
+                .policies
+                .lock()
+                .expect("policies lock")
+                .backlog_quota
+                .clone()
+            else {
+                continue;
+            };
+            match t.durable_subscription_handles().await {
+                Ok(subs) => t.check_backlog_quota(&subs, &q).await,
+                Err(e) => {
+                    tracing::warn!(topic = %name, error = %e, "opening subscriptions failed")
+                }
+            }
         }
     }
 
