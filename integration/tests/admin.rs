@@ -2420,3 +2420,80 @@ fn backlog_quota_is_checked_on_the_write_path_not_only_on_the_policy_beat() {
         "{st}"
     );
 }
+
+/// Runs Python clients side by side; the sum of the rates they print.
+fn py_rates_together(dir: &std::path::Path, runs: &[(&str, Vec<&str>)]) -> f64 {
+    let mut clients: Vec<_> = runs
+        .iter()
+        .map(|(name, args)| meridian_integration::PyClient::run(dir, name, args))
+        .collect();
+    clients
+        .iter_mut()
+        .map(|c| {
+            let lines = c.finish(std::time::Duration::from_secs(120)).unwrap();
+            lines
+                .iter()
+                .find_map(|v| v["rate"].as_f64())
+                .unwrap_or_else(|| panic!("no rate: {lines:?}"))
+        })
+        .sum()
+}
+
+#[test]
+fn namespace_wide_rate_limits_hold_all_its_topics_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    a.ok(&["namespaces", "create", "public/tot"]);
+    a.ok(&[
+        "namespaces",
+        "set-publish-rate-total",
+        "public/tot",
+        "--msg-publish-rate",
+        "300",
+    ]);
+    assert_eq!(
+        a.json(&["namespaces", "get-publish-rate-total", "public/tot"]),
+        serde_json::json!({"msgs_per_sec": 300, "bytes_per_sec": 0})
+    );
+    step("two topics' producers share the namespace's 300 msg/s");
+    let (t1, t2) = ("persistent://public/tot/t1", "persistent://public/tot/t2");
+    let total = py_rates_together(
+        dir.path(),
+        &[
+            ("p1", vec!["rate-produce", &s.url, t1]),
+            ("p2", vec!["rate-produce", &s.url, t2]),
+        ],
+    );
+    assert_within_10_percent("two topics' producers together", total, 300.0);
+    step("two topics' consumers share the namespace's dispatch total of 200 msg/s");
+    a.ok(&["namespaces", "remove-publish-rate-total", "public/tot"]);
+    for t in [t1, t2] {
+        a.ok(&[
+            "topics",
+            "create-subscription",
+            t,
+            "-s",
+            "c",
+            "-m",
+            "earliest",
+        ]);
+    }
+    a.ok(&[
+        "namespaces",
+        "set-dispatch-rate-total",
+        "public/tot",
+        "--msg-dispatch-rate",
+        "200",
+    ]);
+    std::thread::sleep(std::time::Duration::from_millis(1500));
+    let total = py_rates_together(
+        dir.path(),
+        &[
+            ("c1", vec!["rate-consume", &s.url, t1, "c"]),
+            ("c2", vec!["rate-consume", &s.url, t2, "c"]),
+        ],
+    );
+    assert_within_10_percent("two topics' consumers together", total, 200.0);
+}

@@ -119,6 +119,13 @@ pub struct NamespacePolicies {
     /// Each subscription's dispatch rate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub subscription_dispatch_rate: Option<RateLimit>,
+    /// The namespace's topics together (on each broker): publish rate. A tenant cannot get
+    /// around it by opening more topics.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub publish_rate_total: Option<RateLimit>,
+    /// The namespace's topics together (on each broker): dispatch rate.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dispatch_rate_total: Option<RateLimit>,
     /// Roles granted `produce` and/or `consume` in the namespace (with authentication on).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub permissions: std::collections::BTreeMap<String, Vec<String>>,
@@ -197,6 +204,8 @@ pub const POLICY_FIELDS: &[&str] = &[
     "publish_rate",
     "dispatch_rate",
     "subscription_dispatch_rate",
+    "publish_rate_total",
+    "dispatch_rate_total",
 ];
 
 impl NamespacePolicies {
@@ -249,6 +258,8 @@ impl NamespacePolicies {
                 "subscription_dispatch_rate",
                 &self.subscription_dispatch_rate,
             ),
+            ("publish_rate_total", &self.publish_rate_total),
+            ("dispatch_rate_total", &self.dispatch_rate_total),
         ] {
             if let Some(r) = r {
                 if r.msgs_per_sec > RATE_MSGS_MAX || r.bytes_per_sec > RATE_BYTES_MAX {
@@ -357,6 +368,12 @@ impl NamespacePolicies {
         if set.subscription_dispatch_rate.is_some() {
             p.subscription_dispatch_rate = set.subscription_dispatch_rate.clone();
         }
+        if set.publish_rate_total.is_some() {
+            p.publish_rate_total = set.publish_rate_total.clone();
+        }
+        if set.dispatch_rate_total.is_some() {
+            p.dispatch_rate_total = set.dispatch_rate_total.clone();
+        }
     }
 
     /// Applies `set` (its present fields) and then removes the fields named in `clear`.
@@ -377,6 +394,8 @@ impl NamespacePolicies {
                 "publish_rate" => p.publish_rate = None,
                 "dispatch_rate" => p.dispatch_rate = None,
                 "subscription_dispatch_rate" => p.subscription_dispatch_rate = None,
+                "publish_rate_total" => p.publish_rate_total = None,
+                "dispatch_rate_total" => p.dispatch_rate_total = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",

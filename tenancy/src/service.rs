@@ -257,6 +257,8 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
         publish_rate: p.publish_rate.map(rate_from),
         dispatch_rate: p.dispatch_rate.map(rate_from),
         subscription_dispatch_rate: p.subscription_dispatch_rate.map(rate_from),
+        publish_rate_total: p.publish_rate_total.map(rate_from),
+        dispatch_rate_total: p.dispatch_rate_total.map(rate_from),
         permissions: Default::default(),
     }
 }
@@ -296,6 +298,8 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
         publish_rate: p.publish_rate.as_ref().map(rate_to),
         dispatch_rate: p.dispatch_rate.as_ref().map(rate_to),
         subscription_dispatch_rate: p.subscription_dispatch_rate.as_ref().map(rate_to),
+        publish_rate_total: p.publish_rate_total.as_ref().map(rate_to),
+        dispatch_rate_total: p.dispatch_rate_total.as_ref().map(rate_to),
     }
 }
 

@@ -372,6 +372,11 @@ impl TenancyStore {
         clear: &[String],
     ) -> Result<NamespacePolicies, AdminError> {
         let (t, n, local) = split_topic(topic)?;
+        if set.publish_rate_total.is_some() || set.dispatch_rate_total.is_some() {
+            return Err(AdminError::Invalid(
+                "publish_rate_total and dispatch_rate_total are for the namespace's topics together: set them on the namespace".into(),
+            ));
+        }
         let (old, v) = self.topic_policies(topic).await?;
         let new = old.updated(set, clear).map_err(AdminError::Invalid)?;
         // What the topic ends up with must hold together too.

@@ -820,14 +820,21 @@ impl Conn {
         let received = Instant::now();
         let messages = u64::try_from(s.num_messages.unwrap_or(1).max(1)).unwrap_or(1);
         let bytes = payload.body.len() as u64;
-        if let Some(l) = p.topic.publish_limiter.get() {
-            // Past the publish rate: this connection is not read until the debt is repaid,
-            // as Pulsar throttles (the client's own queue and send timeout then apply).
-            let wait = l.take(messages, bytes, received);
-            if !wait.is_zero() {
-                metrics::counter!("meridian_publish_throttled_total").increment(1);
-                tokio::time::sleep(wait).await;
-            }
+        // Past a publish rate (the topic's, or the namespace's over all its topics): this
+        // connection is not read until the debt is repaid, as Pulsar throttles (the client's
+        // own queue and send timeout then apply).
+        let wait = [
+            p.topic.publish_limiter.get(),
+            p.topic.ns_limiters.publish.get(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|l| l.take(messages, bytes, received))
+        .max()
+        .unwrap_or_default();
+        if !wait.is_zero() {
+            metrics::counter!("meridian_publish_throttled_total").increment(1);
+            tokio::time::sleep(wait).await;
         }
         let submitted = Instant::now();
         let append = if p.handle.is_fenced() {

@@ -217,6 +217,31 @@ enum Namespaces {
     Permissions {
         namespace: String,
     },
+    /// The namespace's topics together (on each broker): their publish rate. Producers past
+    /// it are slowed, as with set-publish-rate.
+    SetPublishRateTotal {
+        namespace: String,
+        /// Messages per second (-1 or 0: no limit).
+        #[arg(long, short = 'm', allow_hyphen_values = true, default_value_t = -1)]
+        msg_publish_rate: i64,
+        /// Bytes per second (-1 or 0: no limit).
+        #[arg(long, short = 'b', allow_hyphen_values = true, default_value_t = -1)]
+        byte_publish_rate: i64,
+    },
+    GetPublishRateTotal {
+        namespace: String,
+    },
+    RemovePublishRateTotal {
+        namespace: String,
+    },
+    /// The namespace's topics together (on each broker): their dispatch rate.
+    SetDispatchRateTotal(DispatchRateArgs),
+    GetDispatchRateTotal {
+        namespace: String,
+    },
+    RemoveDispatchRateTotal {
+        namespace: String,
+    },
     #[command(flatten)]
     Policy(PolicyCmd),
 }
@@ -456,6 +481,29 @@ async fn print_rate(
         .unwrap_or_default();
     let v = rate_json(pick(p).as_ref());
     print(out, &v, || v.to_string());
+    Ok(())
+}
+
+/// Changes a namespace's policies and prints the result.
+async fn update_and_print(
+    c: &mut Client,
+    namespace: String,
+    set: NamespacePolicies,
+    clear: Vec<String>,
+    out: Output,
+) -> anyhow::Result<()> {
+    let n = c
+        .update_namespace_policies(UpdatePoliciesRequest {
+            namespace: namespace.clone(),
+            set: Some(set),
+            clear,
+        })
+        .await?
+        .into_inner();
+    let p = n.policies.unwrap_or_default();
+    print(out, &policies_json(&p), || {
+        format!("updated the policies of {namespace}")
+    });
     Ok(())
 }
 
@@ -862,6 +910,8 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "publish_rate": p.publish_rate.as_ref().map(|r| rate_json(Some(r))),
         "dispatch_rate": p.dispatch_rate.as_ref().map(|r| rate_json(Some(r))),
         "subscription_dispatch_rate": p.subscription_dispatch_rate.as_ref().map(|r| rate_json(Some(r))),
+        "publish_rate_total": p.publish_rate_total.as_ref().map(|r| rate_json(Some(r))),
+        "dispatch_rate_total": p.dispatch_rate_total.as_ref().map(|r| rate_json(Some(r))),
     })
 }
 
@@ -938,6 +988,38 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             Ok(())
         }
         Namespaces::Policy(p) => policy(c, p, out, false).await,
+        Namespaces::SetPublishRateTotal {
+            namespace,
+            msg_publish_rate,
+            byte_publish_rate,
+        } => {
+            let set = NamespacePolicies {
+                publish_rate_total: Some(rate_limit(msg_publish_rate, byte_publish_rate, 1)?),
+                ..Default::default()
+            };
+            update_and_print(c, namespace, set, vec![], out).await
+        }
+        Namespaces::SetDispatchRateTotal(a) => {
+            let set = NamespacePolicies {
+                dispatch_rate_total: Some(a.limit()?),
+                ..Default::default()
+            };
+            update_and_print(c, a.namespace.clone(), set, vec![], out).await
+        }
+        Namespaces::GetPublishRateTotal { namespace } => {
+            print_rate(c, namespace, false, out, |p| p.publish_rate_total).await
+        }
+        Namespaces::GetDispatchRateTotal { namespace } => {
+            print_rate(c, namespace, false, out, |p| p.dispatch_rate_total).await
+        }
+        Namespaces::RemovePublishRateTotal { namespace } => {
+            let clear = vec!["publish_rate_total".to_string()];
+            update_and_print(c, namespace, NamespacePolicies::default(), clear, out).await
+        }
+        Namespaces::RemoveDispatchRateTotal { namespace } => {
+            let clear = vec!["dispatch_rate_total".to_string()];
+            update_and_print(c, namespace, NamespacePolicies::default(), clear, out).await
+        }
     }
 }
 

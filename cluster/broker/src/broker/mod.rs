@@ -192,6 +192,16 @@ pub struct Topic {
     pub publish_limiter: rate::PolicyLimiter,
     /// The topic's dispatch rate policy, its subscriptions together.
     pub dispatch_limiter: rate::PolicyLimiter,
+    /// The namespace's totals (`publish_rate_total`, `dispatch_rate_total`), shared by all
+    /// its topics on this broker.
+    pub ns_limiters: Arc<NamespaceLimiters>,
+}
+
+/// Rate limits over all of a namespace's topics on this broker.
+#[derive(Debug, Default)]
+pub struct NamespaceLimiters {
+    pub publish: rate::PolicyLimiter,
+    pub dispatch: rate::PolicyLimiter,
 }
 
 impl Topic {
@@ -728,6 +738,12 @@ impl Topic {
         }
         self.publish_limiter.update(p.publish_rate.as_ref());
         self.dispatch_limiter.update(p.dispatch_rate.as_ref());
+        self.ns_limiters
+            .publish
+            .update(p.publish_rate_total.as_ref());
+        self.ns_limiters
+            .dispatch
+            .update(p.dispatch_rate_total.as_ref());
         let sub_rate = p.subscription_dispatch_rate.clone();
         *self.policies.lock().expect("policies lock") = p;
         for s in self.subscriptions().await {
@@ -846,6 +862,8 @@ pub struct Broker {
     /// at once (woken by `quota_wake`).
     quota_checks: Mutex<std::collections::HashSet<String>>,
     quota_wake: tokio::sync::Notify,
+    /// Namespace-wide rate limits, by namespace.
+    ns_limiters: Mutex<HashMap<String, Arc<NamespaceLimiters>>>,
     connections: AtomicU64,
     me: std::sync::Weak<Broker>,
     /// Checks tokens when `broker.authentication_enabled`.
@@ -895,6 +913,7 @@ impl Broker {
             unloading: Mutex::default(),
             storage_breaches: Mutex::default(),
             quota_checks: Mutex::default(),
+            ns_limiters: Mutex::default(),
             quota_wake: tokio::sync::Notify::new(),
             connections: AtomicU64::new(0),
         }))
@@ -1344,6 +1363,13 @@ impl Broker {
             quota_headroom: AtomicI64::new(i64::MAX),
             publish_limiter: rate::PolicyLimiter::default(),
             dispatch_limiter: rate::PolicyLimiter::default(),
+            ns_limiters: Arc::clone(
+                self.ns_limiters
+                    .lock()
+                    .expect("limiters lock")
+                    .entry(name.namespace())
+                    .or_default(),
+            ),
         });
         topic.set_policies(policies_kept).await;
         let breach = self

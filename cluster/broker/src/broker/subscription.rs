@@ -1000,10 +1000,14 @@ impl Subscription {
         let batch_max = self.topic.cfg.dispatch_batch_entries_max as usize;
         // Dispatch rate limits (the topic's, over its subscriptions, and this one's): wait
         // while one is spent, then send at most what both allow.
-        let limiters: Vec<_> = [self.topic.dispatch_limiter.get(), self.limiter.get()]
-            .into_iter()
-            .flatten()
-            .collect();
+        let limiters: Vec<_> = [
+            self.topic.ns_limiters.dispatch.get(),
+            self.topic.dispatch_limiter.get(),
+            self.limiter.get(),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
         let mut allowed = u64::MAX;
         let started = std::time::Instant::now();
         for l in &limiters {
