@@ -565,17 +565,28 @@ impl Topic {
 
     /// Sets or clears the tenant storage quota's breach; producers are closed when it starts.
     pub fn set_storage_breach(&self, breach: Option<QuotaBreach>) {
-        let newly = {
-            let mut g = self.storage_breach.lock().expect("quota lock");
-            let newly = g.is_none() && breach.is_some();
-            if g.is_some() && breach.is_none() {
-                tracing::info!(topic = %self.full_name, "tenant storage quota: back within it");
+        self.set_breach(&self.storage_breach, breach);
+    }
+
+    /// Sets or clears a quota's breach (`slot`); the topic's producers are closed when one
+    /// starts.
+    fn set_breach(&self, slot: &Mutex<Option<QuotaBreach>>, breach: Option<QuotaBreach>) {
+        let started = {
+            let mut g = slot.lock().expect("quota lock");
+            match (g.as_ref(), breach.as_ref()) {
+                (Some(old), None) => {
+                    tracing::info!(topic = %self.full_name, quota = old.quota, "back within the quota");
+                }
+                (None, Some(new)) => {
+                    tracing::info!(topic = %self.full_name, quota = new.quota, detail = %new.detail, "quota exceeded: producers closed");
+                }
+                _ => {}
             }
+            let started = g.is_none() && breach.is_some();
             *g = breach;
-            newly
+            started
         };
-        if newly {
-            tracing::info!(topic = %self.full_name, "tenant storage quota exceeded: producers closed");
+        if started {
             self.producers.fence_all();
         }
     }
@@ -697,19 +708,7 @@ impl Topic {
     }
 
     fn set_quota_breach(&self, breach: Option<QuotaBreach>) {
-        let newly = {
-            let mut g = self.quota_breach.lock().expect("quota lock");
-            let newly = g.is_none() && breach.is_some();
-            if g.is_some() && breach.is_none() {
-                tracing::info!(topic = %self.full_name, "backlog quota: back within it");
-            }
-            *g = breach;
-            newly
-        };
-        if newly {
-            tracing::info!(topic = %self.full_name, detail = ?self.quota_breach().map(|b| b.detail), "backlog quota exceeded: producers closed");
-            self.producers.fence_all();
-        }
+        self.set_breach(&self.quota_breach, breach);
     }
 
     /// The dead-letter policy's redelivery limit (read on every dispatch: no clone of the
