@@ -2209,6 +2209,36 @@ fn topic_policies_override_the_namespace_field_by_field() {
         |t: &str| a.json(&["topics", "stats", t])["subscriptions"][0]["backlog_entries"].clone();
     wait_until("topic a's messages expire after 1 s", || backlog(ta) == 0);
     assert_eq!(backlog(tb), 5, "topic b keeps the namespace's TTL");
+    step("a partitioned topic's own TTL applies to its partitions");
+    let parts = "persistent://public/tp/parts";
+    a.ok(&["topics", "create-partitioned-topic", parts, "-p", "2"]);
+    a.ok(&["topics", "set-message-ttl", parts, "--ttl", "1"]);
+    for i in 0..2 {
+        let p = format!("{parts}-partition-{i}");
+        a.ok(&[
+            "topics",
+            "create-subscription",
+            &p,
+            "-s",
+            "s",
+            "-m",
+            "earliest",
+        ]);
+    }
+    meridian_integration::PyClient::run(
+        dir.path(),
+        "parts",
+        &["produce", &s.url, parts, "--count", "10", "--sync"],
+    )
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    for i in 0..2 {
+        let p = format!("{parts}-partition-{i}");
+        wait_until("the partition's messages expire after 1 s", || {
+            backlog(&p) == 0
+        });
+    }
+    assert_eq!(backlog(tb), 5, "topic b still keeps the namespace's TTL");
     step("the namespace's other policies still apply to topic a");
     use meridian_integration::raw::{producer, Raw};
     let mut c = Raw::connected(&s.url);

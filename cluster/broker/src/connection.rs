@@ -818,8 +818,12 @@ impl Conn {
                 .await;
         };
         let received = Instant::now();
-        let messages = u64::try_from(s.num_messages.unwrap_or(1).max(1)).unwrap_or(1);
         let bytes = payload.body.len() as u64;
+        // Each message of a batch takes at least a byte: a count beyond that is not believed
+        // (it would only feed rate limits and stats).
+        let messages = u64::try_from(s.num_messages.unwrap_or(1).max(1))
+            .unwrap_or(1)
+            .min(bytes.max(1));
         // Past a publish rate (the topic's, or the namespace's over all its topics): this
         // connection is not read until the debt is repaid, as Pulsar throttles (the client's
         // own queue and send timeout then apply).

@@ -314,6 +314,13 @@ impl Dedup {
     }
 
     /// Writes a snapshot now (topic close), after any in flight.
+    /// Waits for a snapshot being written and starts no more (the topic is being deleted).
+    pub async fn stop_snapshots(&self) {
+        while self.snapshotting.swap(true, Ordering::AcqRel) {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     pub async fn flush(&self) {
         while self.snapshotting.swap(true, Ordering::AcqRel) {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;

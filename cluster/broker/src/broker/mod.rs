@@ -175,6 +175,8 @@ pub struct Topic {
     pub dedup: Option<Arc<dedup::Dedup>>,
     /// The namespace's policies, refreshed by the broker's policy loop.
     policies: Mutex<NamespacePolicies>,
+    /// The record of the topic's own policies (its partitioned topic's, for a partition).
+    policies_key: String,
     /// The broker, for what a topic does to other topics (dead-lettering).
     pub broker: std::sync::Weak<Broker>,
     /// Terminated: no more messages (mirrors the log's record, for cheap checks).
@@ -814,6 +816,10 @@ impl Topic {
             s.delete_forced().await?;
         }
         self.ml.delete().await?;
+        // A deduplication snapshot still being written would re-create its record.
+        if let Some(d) = &self.dedup {
+            d.stop_snapshots().await;
+        }
         for prefix in [TOPIC_EPOCHS_PREFIX, dedup::DEDUP_PREFIX] {
             self.meta
                 .delete(&format!("{prefix}{}", self.ml.name()), None)
@@ -854,7 +860,7 @@ pub struct Broker {
     closing: AtomicBool,
     /// Topics being unloaded: loading them waits for that (ServiceNotReady, which clients
     /// retry), so a returning client never meets two owners of one log.
-    unloading: Mutex<std::collections::HashSet<String>>,
+    unloading: Mutex<HashMap<String, usize>>,
     /// Tenants past their storage quota (as of the last policy beat), by name.
     storage_breaches: Mutex<HashMap<String, QuotaBreach>>,
     /// Topics whose appends may have passed their backlog quota, checked by the policy loop
@@ -999,25 +1005,30 @@ impl Broker {
         }
     }
 
+    /// The record of a topic's own policies: a partition's are its partitioned topic's (only
+    /// when that exists: a plain topic may be named `x-partition-0` too).
+    async fn own_policies_key(&self, name: &TopicName) -> Result<String, BrokerError> {
+        Ok(match name.parent() {
+            Some(p) if self.partitions_of(&p).await?.is_some() => Self::topic_policies_key(&p),
+            _ => Self::topic_policies_key(name),
+        })
+    }
+
     /// A topic's own policies (a partition's are its partitioned topic's); empty if none.
-    pub async fn topic_own_policies(
-        &self,
-        name: &TopicName,
-    ) -> Result<NamespacePolicies, BrokerError> {
-        let Some(kv) = self.meta.get(&Self::topic_policies_key(name)).await? else {
+    pub async fn topic_own_policies(&self, key: &str) -> Result<NamespacePolicies, BrokerError> {
+        let Some(kv) = self.meta.get(key).await? else {
             return Ok(NamespacePolicies::default());
         };
         serde_json::from_slice(&kv.value).map_err(|e| {
             BrokerError::new(
                 ServerError::MetadataError,
-                format!("policies of topic {name} are damaged: {e}"),
+                format!("topic policies {key} are damaged: {e}"),
             )
         })
     }
 
     fn topic_policies_key(name: &TopicName) -> String {
-        let base = name.parent().unwrap_or_else(|| name.clone());
-        meridian_tenancy::model::topic_policies_key(&base.tenant, &base.namespace, &base.local)
+        meridian_tenancy::model::topic_policies_key(&name.tenant, &name.namespace, &name.local)
     }
 
     /// The topic policies recorded in a namespace, by record key (one listing).
@@ -1158,29 +1169,55 @@ impl Broker {
         if dry_run {
             return Ok(out);
         }
-        for t in &topics {
-            let key = t.name.to_string();
-            self.unloading
-                .lock()
-                .expect("unloading lock")
-                .insert(key.clone());
-            self.forget_topic(&t.name);
-            let r = t.delete().await;
-            self.unloading.lock().expect("unloading lock").remove(&key);
-            r?;
+        // Every partition is held (loads answer ServiceNotReady) until the whole topic is
+        // gone: a client that comes back early must not re-create a deleted partition while
+        // its partitioned topic still exists.
+        let keys: Vec<String> = parts.iter().map(ToString::to_string).collect();
+        self.hold(&keys);
+        let r = async {
+            for t in &topics {
+                self.forget_topic(&t.name);
+                t.delete().await?;
+            }
+            if partitioned {
+                self.meta
+                    .delete(&partitioned::partitioned_topic_key(name), None)
+                    .await?;
+            }
+            if name.partition().is_none() {
+                self.meta.delete(&Self::schema_key(name), None).await?;
+                self.meta
+                    .delete(&Self::topic_policies_key(name), None)
+                    .await?;
+            }
+            Ok::<(), BrokerError>(())
         }
-        if partitioned {
-            self.meta
-                .delete(&partitioned::partitioned_topic_key(name), None)
-                .await?;
-        }
-        if name.partition().is_none() {
-            self.meta.delete(&Self::schema_key(name), None).await?;
-            self.meta
-                .delete(&Self::topic_policies_key(name), None)
-                .await?;
-        }
+        .await;
+        self.release(&keys);
+        r?;
         Ok(out)
+    }
+
+    /// Holds topics (being unloaded or deleted): loading them answers ServiceNotReady, which
+    /// clients retry. Holds nest: two operations on one topic release it only when both
+    /// are done.
+    fn hold(&self, keys: &[String]) {
+        let mut u = self.unloading.lock().expect("unloading lock");
+        for k in keys {
+            *u.entry(k.clone()).or_default() += 1;
+        }
+    }
+
+    fn release(&self, keys: &[String]) {
+        let mut u = self.unloading.lock().expect("unloading lock");
+        for k in keys {
+            if let Some(n) = u.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    u.remove(k);
+                }
+            }
+        }
     }
 
     /// Unloads a topic (a partitioned topic: its loaded partitions): its producers and
@@ -1206,18 +1243,15 @@ impl Broker {
                 topics.get(&p.to_string()).and_then(|c| c.get().cloned())
             };
             let Some(t) = loaded else { continue };
-            let key = p.to_string();
-            self.unloading
-                .lock()
-                .expect("unloading lock")
-                .insert(key.clone());
+            let keys = [p.to_string()];
+            self.hold(&keys);
             self.forget_topic(&p);
             t.producers.fence_all();
             for s in t.subscriptions().await {
                 s.disconnect_consumers().await;
             }
             t.close().await;
-            self.unloading.lock().expect("unloading lock").remove(&key);
+            self.release(&keys);
             tracing::info!(topic = %p, "topic unloaded");
             n += 1;
         }
@@ -1252,7 +1286,7 @@ impl Broker {
             .unloading
             .lock()
             .expect("unloading lock")
-            .contains(&full)
+            .contains_key(&full)
         {
             return Err(BrokerError::new(
                 ServerError::ServiceNotReady,
@@ -1311,10 +1345,11 @@ impl Broker {
         };
         let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
         let terminated = ml.is_terminated().await;
+        let policies_key = self.own_policies_key(name).await?;
         let policies = self
             .namespace_policies(&name.namespace())
             .await?
-            .overlaid(&self.topic_own_policies(name).await?);
+            .overlaid(&self.topic_own_policies(&policies_key).await?);
         let policies_kept = policies.clone();
         let dedup = if policies
             .deduplication_enabled
@@ -1355,6 +1390,7 @@ impl Broker {
             rates: Mutex::default(),
             dedup,
             policies: Mutex::new(NamespacePolicies::default()),
+            policies_key,
             broker: self.me.clone(),
             terminated: AtomicBool::new(terminated),
             quota_breach: Mutex::new(None),
@@ -1473,7 +1509,7 @@ impl Broker {
                 let ns_policies = p;
                 for t in topics {
                     // Resolution: the topic's own, else the namespace's, else the broker's.
-                    let p = match own.get(&Self::topic_policies_key(&t.name)) {
+                    let p = match own.get(&t.policies_key) {
                         Some(o) => ns_policies.overlaid(o),
                         None => ns_policies.clone(),
                     };
@@ -1568,7 +1604,12 @@ impl Broker {
         for (tenant, topics) in by_tenant {
             let quota = match store.tenant(&tenant).await {
                 Ok(t) => t.storage_quota_bytes,
-                Err(_) => None,
+                Err(meridian_tenancy::AdminError::NotFound(_)) => None,
+                Err(e) => {
+                    // Not known now: the breach (or its absence) stands until the next beat.
+                    tracing::warn!(tenant = %tenant, error = %e, "reading the tenant failed");
+                    continue;
+                }
             };
             let Some(quota) = quota else {
                 self.storage_breaches

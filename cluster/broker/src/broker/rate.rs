@@ -12,6 +12,9 @@ use std::time::{Duration, Instant};
 
 use meridian_tenancy::model::RateLimit;
 
+/// The longest a debt can make a limiter wait, seconds.
+pub const DEBT_SECONDS_MAX: f64 = 60.0;
+
 /// A token bucket over messages and bytes (a limit of 0 is none).
 #[derive(Debug)]
 pub struct RateLimiter {
@@ -47,7 +50,11 @@ impl RateLimiter {
     }
 
     fn refill(&self, b: &mut Bucket, now: Instant) {
-        let dt = now.saturating_duration_since(b.at).as_secs_f64();
+        // Callers may pass instants taken a little earlier: time never runs back.
+        if now <= b.at {
+            return;
+        }
+        let dt = now.duration_since(b.at).as_secs_f64();
         b.at = now;
         let m = self.limit.msgs_per_sec as f64;
         let y = self.limit.bytes_per_sec as f64;
@@ -71,11 +78,15 @@ impl RateLimiter {
     pub fn take(&self, msgs: u64, bytes: u64, now: Instant) -> Duration {
         let mut b = self.state.lock().expect("rate limiter lock");
         self.refill(&mut b, now);
+        // A debt is bounded (DEBT_SECONDS_MAX of the rate): a client that declares absurd
+        // message counts cannot stall a topic or namespace for days.
+        let m = self.limit.msgs_per_sec as f64;
+        let y = self.limit.bytes_per_sec as f64;
         if self.limit.msgs_per_sec > 0 {
-            b.msgs -= msgs as f64;
+            b.msgs = (b.msgs - msgs as f64).max(-m * DEBT_SECONDS_MAX);
         }
         if self.limit.bytes_per_sec > 0 {
-            b.bytes -= bytes as f64;
+            b.bytes = (b.bytes - bytes as f64).max(-y * DEBT_SECONDS_MAX);
         }
         self.debt(&b)
     }
@@ -167,6 +178,18 @@ mod tests {
         assert_eq!(r.available_msgs(t0 + Duration::from_secs(5)), 0);
         assert!(r.wait(t0 + Duration::from_secs(10)) > Duration::ZERO);
         assert_eq!(r.available_msgs(t0 + Duration::from_secs(11)), 100);
+    }
+
+    #[test]
+    fn given_an_absurd_batch_then_the_wait_is_bounded_and_time_never_runs_back() {
+        let t0 = Instant::now();
+        let r = RateLimiter::new(&limit(100, 0), t0).unwrap();
+        let w = r.take(u64::from(u32::MAX), 0, t0);
+        assert_eq!(w, Duration::from_secs(60));
+        // An instant from before the last one refills nothing.
+        let r = RateLimiter::new(&limit(100, 0), t0 + Duration::from_secs(1)).unwrap();
+        assert_eq!(r.available_msgs(t0), 0);
+        assert_eq!(r.available_msgs(t0 + Duration::from_secs(2)), 100);
     }
 
     #[test]

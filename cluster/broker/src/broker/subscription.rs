@@ -299,6 +299,17 @@ fn cursor_name(subscription: &str) -> String {
     crate::topic_name::escape(subscription)
 }
 
+/// Tells consumers they are closed (outside the subscription's lock: a full connection queue
+/// must not hold it, and the frame must not be dropped).
+async fn close_consumers(sinks: Vec<ConsumerSink>) {
+    for sink in sinks {
+        let _ = sink
+            .tx
+            .send(frame(&cmd::close_consumer(sink.consumer_id, 0)))
+            .await;
+    }
+}
+
 fn frame(cmd: &pb::BaseCommand) -> Bytes {
     let mut b = BytesMut::new();
     encode_command(&mut b, cmd);
@@ -849,16 +860,12 @@ impl Subscription {
         }
         st.cursor.delete().await?;
         st.deleted = true;
-        for c in st.consumers.drain(..) {
-            let _ = c
-                .sink
-                .tx
-                .try_send(frame(&cmd::close_consumer(c.sink.consumer_id, 0)));
-        }
+        let sinks: Vec<ConsumerSink> = st.consumers.drain(..).map(|c| c.sink).collect();
         drop(st);
         self.closed.store(true, Ordering::Relaxed);
         let _ = self.stop.send(true);
         self.topic.drop_subscription(&self.name, self).await;
+        close_consumers(sinks).await;
         Ok(())
     }
 
@@ -908,16 +915,14 @@ impl Subscription {
 
     /// Detaches every consumer and tells it (CLOSE_CONSUMER); the clients reconnect.
     pub async fn disconnect_consumers(&self) {
-        let mut st = self.state.lock().await;
-        st.clear_in_flight();
-        st.active = None;
-        st.selector = None;
-        for c in st.consumers.drain(..) {
-            let _ = c
-                .sink
-                .tx
-                .try_send(frame(&cmd::close_consumer(c.sink.consumer_id, 0)));
-        }
+        let sinks: Vec<ConsumerSink> = {
+            let mut st = self.state.lock().await;
+            st.clear_in_flight();
+            st.active = None;
+            st.selector = None;
+            st.consumers.drain(..).map(|c| c.sink).collect()
+        };
+        close_consumers(sinks).await;
     }
 
     /// One consumer's name, available permits and unacknowledged entries.
@@ -1173,6 +1178,12 @@ impl Subscription {
                     .as_ref()
                     .map_or(1, meridian_protocol::entry::message_count),
             };
+            // A declared count beyond the entry's bytes is not believed (rate limits, permits).
+            let messages = messages.min(
+                u32::try_from(entry.as_bytes().len())
+                    .unwrap_or(u32::MAX)
+                    .max(1),
+            );
             st.msgs_per_entry = st.msgs_per_entry * 0.9 + f64::from(messages) * 0.1;
             let (target, hash) = if key_shared {
                 let key = meta.as_ref().map_or_else(
