@@ -2527,3 +2527,84 @@ fn namespace_wide_rate_limits_hold_all_its_topics_together() {
     );
     assert_within_10_percent("two topics' consumers together", total, 200.0);
 }
+
+#[test]
+fn rs256_tokens_from_a_key_pair_made_by_meridian_admin() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
+    let (private, public) = (f("private.pem"), f("public.pem"));
+    step("tokens create-key-pair, then tokens create --private-key");
+    let (code, _, err) = run_admin(&[
+        "tokens",
+        "create-key-pair",
+        "--output-private-key",
+        &private,
+        "--output-public-key",
+        &public,
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(std::fs::read_to_string(&public)
+        .unwrap()
+        .starts_with("-----BEGIN PUBLIC KEY-----"));
+    let token = |key: &str| -> String {
+        let (code, out, err) = run_admin(&[
+            "tokens",
+            "create",
+            "--private-key",
+            key,
+            "--subject",
+            "root",
+        ])
+        .unwrap();
+        assert_eq!(code, 0, "{err}");
+        out.trim().to_string()
+    };
+    let good = token(&private);
+    // A key pair the broker does not know signs a forged token.
+    let (other_private, other_public) = (f("other.pem"), f("other.pub"));
+    run_admin(&[
+        "tokens",
+        "create-key-pair",
+        "--output-private-key",
+        &other_private,
+        "--output-public-key",
+        &other_public,
+    ])
+    .unwrap();
+    let forged = token(&other_private);
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_AUTHENTICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_TOKEN_PUBLIC_KEY_FILE", &public)
+        .env("MERIDIAN_BROKER_SUPERUSER_ROLES", "root");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    step("the admin API and the Python client take the RS256 token; a forged one is refused");
+    a.ok(&["--token", &good, "tenants", "list"]);
+    a.refused(&["--token", &forged, "tenants", "list"], "Unauthenticated");
+    let env = [("MERIDIAN_TEST_TOKEN", good.as_str())];
+    let out = meridian_integration::PyClient::spawn_env(
+        &[
+            "produce",
+            &s.url,
+            "persistent://public/default/rs",
+            "--count",
+            "3",
+            "--sync",
+        ],
+        &dir.path().join("rs.stderr"),
+        &env,
+    )
+    .unwrap()
+    .finish(std::time::Duration::from_secs(60))
+    .unwrap();
+    assert!(out.iter().any(|v| v["done"] == 3), "{out:?}");
+    let refused = meridian_integration::raw::Raw::connect_as(&s.url, Some(&forged)).err();
+    assert!(
+        matches!(
+            refused,
+            Some((meridian_protocol::pb::ServerError::AuthenticationError, _))
+        ),
+        "a forged RS256 token is refused at CONNECT"
+    );
+}

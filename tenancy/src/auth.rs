@@ -79,6 +79,23 @@ pub fn create_secret_key() -> Vec<u8> {
     k
 }
 
+/// A new RSA key pair for RS256 tokens, as PEM: (private key in PKCS#8, public key in SPKI).
+/// The brokers need only the public key (`broker.token_public_key_file`).
+pub fn create_key_pair() -> Result<(String, String), String> {
+    use rsa::pkcs8::{EncodePrivateKey, EncodePublicKey, LineEnding};
+    let private = rsa::RsaPrivateKey::new(&mut rand::thread_rng(), 2048)
+        .map_err(|e| format!("generating an RSA key: {e}"))?;
+    let private_pem = private
+        .to_pkcs8_pem(LineEnding::LF)
+        .map_err(|e| e.to_string())?
+        .to_string();
+    let public_pem = private
+        .to_public_key()
+        .to_public_key_pem(LineEnding::LF)
+        .map_err(|e| e.to_string())?;
+    Ok((private_pem, public_pem))
+}
+
 /// A token for `subject`, signed with a secret key (HS256) or an RSA private key in PEM
 /// (RS256); `expires_at` in seconds since the epoch.
 pub fn create_token(

@@ -95,6 +95,15 @@ enum Tokens {
         #[arg(long)]
         output_file: std::path::PathBuf,
     },
+    /// A new RSA key pair (2048 bits, PEM) for RS256 tokens: the private key signs tokens
+    /// (`create --private-key`), the public key goes to the brokers
+    /// (`broker.token_public_key_file`).
+    CreateKeyPair {
+        #[arg(long)]
+        output_private_key: std::path::PathBuf,
+        #[arg(long)]
+        output_public_key: std::path::PathBuf,
+    },
     /// A token for a role (its `sub`), signed with a secret key (HS256) or an RSA private key
     /// in PEM (RS256).
     Create {
@@ -659,6 +668,20 @@ fn tokens(cmd: Tokens) -> anyhow::Result<()> {
         Tokens::CreateSecretKey { output_file } => {
             write_private(&output_file, &auth::create_secret_key())?;
             println!("secret key written to {}", output_file.display());
+        }
+        Tokens::CreateKeyPair {
+            output_private_key,
+            output_public_key,
+        } => {
+            let (private, public) = auth::create_key_pair().map_err(anyhow::Error::msg)?;
+            write_private(&output_private_key, private.as_bytes())?;
+            std::fs::write(&output_public_key, public)
+                .with_context(|| format!("writing {}", output_public_key.display()))?;
+            println!(
+                "private key written to {}, public key to {}",
+                output_private_key.display(),
+                output_public_key.display()
+            );
         }
         Tokens::Create {
             secret_key,
