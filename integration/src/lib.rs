@@ -73,9 +73,15 @@ pub fn assert_seq(got: &[u64], want: std::ops::Range<u64>) {
 
 /// GET over HTTP/1.0; the whole response (status line, headers, body).
 pub fn http_get(addr: &str, path: &str) -> String {
+    http_get_with(addr, path, None)
+}
+
+/// [`http_get`] with `Authorization: Bearer TOKEN`.
+pub fn http_get_with(addr: &str, path: &str, token: Option<&str>) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr).expect("http connect");
-    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let auth = token.map_or_else(String::new, |t| format!("Authorization: Bearer {t}\r\n"));
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n{auth}\r\n").unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out

@@ -1815,6 +1815,25 @@ fn authorization_matrix_every_role_against_every_operation_in_two_tenants() {
         wrong.join("\n")
     );
 
+    step("HTTP /stats and /metrics (they name topics) are for superusers; /health stays open");
+    for page in ["/stats", "/metrics"] {
+        let status = |token: Option<&str>| {
+            let r = meridian_integration::http_get_with(&s.http, page, token);
+            r.lines().next().unwrap_or_default().to_string()
+        };
+        assert!(
+            status(roles[0].1.as_deref()).contains("200"),
+            "root reads {page}"
+        );
+        for (role, tok) in &roles[1..] {
+            let line = status(tok.as_deref());
+            assert!(
+                line.contains("401") || line.contains("403"),
+                "{role} must not read {page}: {line}"
+            );
+        }
+    }
+    assert!(meridian_integration::http_get(&s.http, "/health").contains("200"));
     step("refusals are the same for targets that do not exist");
     for (role, tok) in &roles[1..] {
         for ns in ["tb/ns1", "tb/ghost", "nobody/ns1"] {

@@ -44,11 +44,47 @@ struct Ctx {
     metrics: PrometheusHandle,
 }
 
-async fn metrics_page(State(c): State<Ctx>) -> impl IntoResponse {
+/// With authentication on, pages that name topics (`/metrics`, `/stats`) answer only a
+/// superuser's bearer token (Prometheus: `authorization: {credentials: TOKEN}`): topic names
+/// are not for every tenant to see. The refusal, if any.
+fn superuser_only(c: &Ctx, headers: &axum::http::HeaderMap) -> Option<axum::response::Response> {
+    let a = c.broker.auth.as_ref()?;
+    let role = headers
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| a.authenticate(t));
+    match role {
+        Some(Ok(r)) if c.broker.is_superuser(&r) => None,
+        Some(Ok(_)) => Some(
+            (
+                StatusCode::FORBIDDEN,
+                "only a superuser may read this page\n",
+            )
+                .into_response(),
+        ),
+        _ => Some(
+            (
+                StatusCode::UNAUTHORIZED,
+                "a bearer token of a superuser is required\n",
+            )
+                .into_response(),
+        ),
+    }
+}
+
+async fn metrics_page(
+    State(c): State<Ctx>,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
+    if let Some(refused) = superuser_only(&c, &headers) {
+        return refused;
+    }
     (
         [("content-type", "text/plain; version=0.0.4")],
         c.metrics.render(),
     )
+        .into_response()
 }
 
 async fn health(State(c): State<Ctx>) -> impl IntoResponse {
@@ -69,11 +105,16 @@ async fn health(State(c): State<Ctx>) -> impl IntoResponse {
     )
 }
 
-/// Every loaded topic's stats, as JSON (`?topic=NAME` for one).
+/// Every loaded topic's stats, as JSON (`?topic=NAME` for one); superusers only with
+/// authentication on.
 async fn stats(
     State(c): State<Ctx>,
+    headers: axum::http::HeaderMap,
     axum::extract::Query(q): axum::extract::Query<std::collections::HashMap<String, String>>,
-) -> impl IntoResponse {
+) -> axum::response::Response {
+    if let Some(refused) = superuser_only(&c, &headers) {
+        return refused;
+    }
     let want = q.get("topic").map(|t| {
         crate::topic_name::TopicName::parse(t).map_or_else(|_| t.clone(), |n| n.to_string())
     });
@@ -88,6 +129,7 @@ async fn stats(
         [("content-type", "application/json")],
         serde_json::to_string(&out).expect("serializable"),
     )
+        .into_response()
 }
 
 pub struct RunningHttp {

@@ -948,6 +948,15 @@ impl Broker {
         self.connections.load(Ordering::Relaxed)
     }
 
+    /// Whether `role` is one of `broker.superuser_roles`.
+    pub fn is_superuser(&self, role: &str) -> bool {
+        self.cfg
+            .superuser_roles
+            .split(',')
+            .map(str::trim)
+            .any(|r| !r.is_empty() && r == role)
+    }
+
     /// With authentication on: may `role` do `action` ("produce", "consume", or `None` for
     /// either, as a lookup needs) on topics of `namespace`? Superusers and the tenant's admin
     /// roles may; others need a grant in the namespace. The refusal says nothing of whether
@@ -967,13 +976,7 @@ impl Broker {
                 "not authenticated",
             ));
         };
-        if self
-            .cfg
-            .superuser_roles
-            .split(',')
-            .map(str::trim)
-            .any(|r| !r.is_empty() && r == role)
-        {
+        if self.is_superuser(role) {
             return Ok(());
         }
         let tenant = namespace.split('/').next().unwrap_or(namespace);
