@@ -378,6 +378,10 @@ pub struct LedgerStorage {
     usage: Mutex<BTreeMap<u64, LogUsage>>,
     /// Journal file of the newest record applied here (records are applied in journal order).
     applied_file: std::sync::atomic::AtomicU64,
+    /// The checkpoint last written to the index: a flush with nothing new to write (no
+    /// entries, no changed ledger states, the same checkpoint) writes nothing and syncs
+    /// nothing, so frequent flushes cost an idle bookie nothing.
+    flushed_checkpoint: std::sync::atomic::AtomicU64,
     /// Woken whenever a flush empties the write cache (adds wait on it while it is full).
     space: tokio::sync::Notify,
     /// Ledgers fenced since the last flush (ledgers that got entries are known from the batch,
@@ -441,6 +445,7 @@ impl LedgerStorage {
                 writer: Mutex::new(writer),
                 usage: Mutex::new(usage),
                 applied_file: std::sync::atomic::AtomicU64::new(checkpoint),
+                flushed_checkpoint: std::sync::atomic::AtomicU64::new(checkpoint),
                 space: tokio::sync::Notify::new(),
                 dirty: Mutex::default(),
             },
@@ -694,8 +699,21 @@ impl LedgerStorage {
             (Arc::new(taken), checkpoint)
         };
         self.space.notify_waiters();
+        if batch_entries.is_empty()
+            && self.dirty.lock().expect("dirty lock").is_empty()
+            && self
+                .flushed_checkpoint
+                .load(std::sync::atomic::Ordering::Relaxed)
+                == checkpoint
+        {
+            return Ok(checkpoint);
+        }
         *self.flushing.write().expect("flushing lock") = Arc::clone(&batch_entries);
         let result = self.write_entries(&mut writer, &batch_entries, checkpoint);
+        if result.is_ok() {
+            self.flushed_checkpoint
+                .store(checkpoint, std::sync::atomic::Ordering::Relaxed);
+        }
         if result.is_err() {
             // Put them back: still in the journal, still readable, flushed next time.
             let mut cache = self.cache.lock().expect("cache lock");
