@@ -296,13 +296,7 @@ impl TopicOps for BrokerTopics {
         async move {
             let name = self.name(&topic)?;
             let b = &self.0;
-            let parts = match (
-                name.partition(),
-                b.partitions_of(&name).await.map_err(admin_error)?,
-            ) {
-                (None, Some((n, _))) => (0..n).map(|i| name.partition_name(i)).collect(),
-                _ => vec![name],
-            };
+            let parts = b.topic_parts(&name).await.map_err(admin_error)?;
             let mut out = Vec::new();
             for p in parts {
                 let t = b.topic(&p, false).await.map_err(admin_error)?;

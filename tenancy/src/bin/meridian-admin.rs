@@ -496,24 +496,28 @@ async fn print_rate(
 /// Changes a namespace's policies and prints the result.
 async fn update_and_print(
     c: &mut Client,
-    namespace: String,
-    set: NamespacePolicies,
-    clear: Vec<String>,
+    req: UpdatePoliciesRequest,
+    topic: bool,
     out: Output,
 ) -> anyhow::Result<()> {
-    let n = c
-        .update_namespace_policies(UpdatePoliciesRequest {
-            namespace: namespace.clone(),
-            set: Some(set),
-            clear,
-        })
+    let target = req.namespace.clone();
+    let p = update_policies(c, req, topic)
         .await?
-        .into_inner();
-    let p = n.policies.unwrap_or_default();
+        .policies
+        .unwrap_or_default();
     print(out, &policies_json(&p), || {
-        format!("updated the policies of {namespace}")
+        format!("updated the policies of {target}")
     });
     Ok(())
+}
+
+/// A change of a namespace's (or topic's) policies: `set` set, `clear` removed.
+fn policy_update(target: String, set: NamespacePolicies, clear: &[&str]) -> UpdatePoliciesRequest {
+    UpdatePoliciesRequest {
+        namespace: target,
+        set: Some(set),
+        clear: clear.iter().map(|c| c.to_string()).collect(),
+    }
 }
 
 /// A namespace's policies, or (`topic`) a topic's own.
@@ -1020,14 +1024,14 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                 publish_rate_total: Some(rate_limit(msg_publish_rate, byte_publish_rate, 1)?),
                 ..Default::default()
             };
-            update_and_print(c, namespace, set, vec![], out).await
+            update_and_print(c, policy_update(namespace, set, &[]), false, out).await
         }
         Namespaces::SetDispatchRateTotal(a) => {
             let set = NamespacePolicies {
                 dispatch_rate_total: Some(a.limit()?),
                 ..Default::default()
             };
-            update_and_print(c, a.namespace.clone(), set, vec![], out).await
+            update_and_print(c, policy_update(a.namespace.clone(), set, &[]), false, out).await
         }
         Namespaces::GetPublishRateTotal { namespace } => {
             print_rate(c, namespace, false, out, |p| p.publish_rate_total).await
@@ -1036,23 +1040,28 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             print_rate(c, namespace, false, out, |p| p.dispatch_rate_total).await
         }
         Namespaces::RemovePublishRateTotal { namespace } => {
-            let clear = vec!["publish_rate_total".to_string()];
-            update_and_print(c, namespace, NamespacePolicies::default(), clear, out).await
+            let req = policy_update(
+                namespace,
+                NamespacePolicies::default(),
+                &["publish_rate_total"],
+            );
+            update_and_print(c, req, false, out).await
         }
         Namespaces::RemoveDispatchRateTotal { namespace } => {
-            let clear = vec!["dispatch_rate_total".to_string()];
-            update_and_print(c, namespace, NamespacePolicies::default(), clear, out).await
+            let req = policy_update(
+                namespace,
+                NamespacePolicies::default(),
+                &["dispatch_rate_total"],
+            );
+            update_and_print(c, req, false, out).await
         }
     }
 }
 
 /// A policy command on a namespace or (`topic`) on a topic.
 async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> anyhow::Result<()> {
-    let update = |ns: String, set: NamespacePolicies, clear: Vec<&str>| UpdatePoliciesRequest {
-        namespace: ns,
-        set: Some(set),
-        clear: clear.into_iter().map(str::to_string).collect(),
-    };
+    let update =
+        |ns: String, set: NamespacePolicies, clear: Vec<&str>| policy_update(ns, set, &clear);
     let req = match cmd {
         PolicyCmd::Policies { namespace } => {
             let n = get_policies(c, namespace, topic).await?;
@@ -1327,13 +1336,7 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
             vec![],
         ),
     };
-    let ns = req.namespace.clone();
-    let n = update_policies(c, req, topic).await?;
-    let p = n.policies.unwrap_or_default();
-    print(out, &policies_json(&p), || {
-        format!("updated the policies of {ns}")
-    });
-    Ok(())
+    update_and_print(c, req, topic, out).await
 }
 
 async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> {

@@ -1139,18 +1139,7 @@ impl Broker {
         force: bool,
         dry_run: bool,
     ) -> Result<Vec<String>, BrokerError> {
-        let parts: Vec<TopicName> = match (name.partition(), self.partitions_of(name).await?) {
-            (None, Some((n, _))) => (0..n).map(|i| name.partition_name(i)).collect(),
-            _ => {
-                if !self.topic_exists(name).await? {
-                    return Err(BrokerError::new(
-                        ServerError::TopicNotFound,
-                        format!("topic {name} does not exist"),
-                    ));
-                }
-                vec![name.clone()]
-            }
-        };
+        let parts = self.topic_parts(name).await?;
         let partitioned = parts.len() != 1 || parts[0] != *name;
         let mut topics = Vec::new();
         let mut out = Vec::new();
@@ -1201,6 +1190,19 @@ impl Broker {
         Ok(out)
     }
 
+    /// The topics behind a name: a partitioned topic's partitions, or the topic itself
+    /// (TopicNotFound if it has no log).
+    pub async fn topic_parts(&self, name: &TopicName) -> Result<Vec<TopicName>, BrokerError> {
+        match (name.partition(), self.partitions_of(name).await?) {
+            (None, Some((n, _))) => Ok((0..n).map(|i| name.partition_name(i)).collect()),
+            _ if self.topic_exists(name).await? => Ok(vec![name.clone()]),
+            _ => Err(BrokerError::new(
+                ServerError::TopicNotFound,
+                format!("topic {name} does not exist"),
+            )),
+        }
+    }
+
     /// Holds topics (being unloaded or deleted): loading them answers ServiceNotReady, which
     /// clients retry. Holds nest: two operations on one topic release it only when both
     /// are done.
@@ -1227,18 +1229,7 @@ impl Broker {
     /// consumers are closed (they reconnect by themselves), its cursors persisted and its log
     /// closed; the next lookup loads it again. Answers how many topics were unloaded.
     pub async fn unload_topic(&self, name: &TopicName) -> Result<usize, BrokerError> {
-        let parts: Vec<TopicName> = match (name.partition(), self.partitions_of(name).await?) {
-            (None, Some((n, _))) => (0..n).map(|i| name.partition_name(i)).collect(),
-            _ => {
-                if !self.topic_exists(name).await? {
-                    return Err(BrokerError::new(
-                        ServerError::TopicNotFound,
-                        format!("topic {name} does not exist"),
-                    ));
-                }
-                vec![name.clone()]
-            }
-        };
+        let parts = self.topic_parts(name).await?;
         let mut n = 0;
         for p in parts {
             let loaded = {
