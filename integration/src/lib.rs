@@ -350,6 +350,9 @@ impl BookieProc {
             .env("RUST_LOG", "info")
             .env("MERIDIAN_BOOKIE_SESSION_TTL_MS", "2000")
             .env("MERIDIAN_BOOKIE_FLUSH_INTERVAL_MS", "200")
+            // Small journal files: a fresh bookie zero-fills its first one before it starts,
+            // and tests roll and recycle files.
+            .env("MERIDIAN_BOOKIE_JOURNAL_FILE_BYTES_MAX", "8388608")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
@@ -475,6 +478,7 @@ impl StandaloneProc {
             .args(["--pulsar-tls-listen", "127.0.0.1:0"])
             .env("RUST_LOG", "info,openraft=warn")
             .env("MERIDIAN_BOOKIE_FLUSH_INTERVAL_MS", "500")
+            .env("MERIDIAN_BOOKIE_JOURNAL_FILE_BYTES_MAX", "8388608")
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);

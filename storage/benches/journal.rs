@@ -91,6 +91,7 @@ fn main() {
         preallocate_bytes: 64 << 20,
         queue_records_max: a.window.max(1),
         fsync: true,
+        prefill: true,
     })
     .expect("journal");
     let in_flight = Arc::new((Mutex::new(0usize), Condvar::new()));

@@ -10,9 +10,8 @@
 //! An entry is acknowledged (its callback gets `Ok`) only after the fdatasync that covers it has
 //! returned: one fsync acknowledges every record of the batch.
 //!
-//! Files are `journal-<seq as 16 hex digits>.log`, pre-allocated in steps of
-//! `preallocate_bytes` and rotated after `file_bytes_max`. A file starts with a 16-byte header
-//! (magic, format version, sequence number); then records:
+//! Files are `journal-<seq as 16 hex digits>.log`, rotated after `file_bytes_max`. A file starts
+//! with a 16-byte header (magic, format version, sequence number); then records:
 //!
 //! ```text
 //!  len: u32 LE | crc32c: u32 LE | payload (len bytes)
@@ -24,6 +23,16 @@
 //! not whole or does not verify (a torn tail: a write cut by a crash, which no fsync covered, so
 //! nobody was acknowledged for it). It truncates the file there and never panics on it. A new
 //! process always writes into a new file.
+//!
+//! Pre-filled files (`prefill`): an fdatasync after an append that grows a file, or that
+//! writes into space reserved with `fallocate`, must also commit file metadata (the size, the
+//! extents), which costs this machine's disk about 40% more per fsync than overwriting blocks
+//! that already hold data. So a new journal file is, when one is ready, the spare
+//! `journal-spare.log`: either a checkpointed journal file recycled whole (its old records are
+//! left in place and never verify in the new file: the checksum covers the file's sequence) or a
+//! file of zeroes written ahead ([`prepare_spare`], from the bookie's flusher thread, at most a
+//! few MiB at a time). A fresh journal directory gets its first file zero-filled before the
+//! journal starts. Without a spare, files are reserved in steps of `preallocate_bytes`.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Read, Write};
@@ -125,6 +134,70 @@ pub struct Decoded {
     pub damage: Option<TailDamage>,
 }
 
+/// One step of decoding: what starts at the front of `rest`.
+enum Step {
+    /// A whole record of this many bytes (header included).
+    Record(Record, usize),
+    /// The record goes on past `rest`; more bytes may complete it.
+    NeedMore,
+    /// The last record was before this point; with damage unless what follows is zeroes.
+    End(Option<TailDamage>),
+}
+
+/// Decodes the record at the front of `rest`, in file `file`. `eof`: nothing follows `rest`.
+fn decode_step(file: u64, rest: &[u8], eof: bool) -> Step {
+    if rest.len() < RECORD_HEADER_BYTES {
+        return if !eof {
+            Step::NeedMore
+        } else if rest.iter().any(|b| *b != 0) {
+            Step::End(Some(TailDamage::Short { len: rest.len() }))
+        } else {
+            Step::End(None)
+        };
+    }
+    let len = u32::from_le_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
+    let crc = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes"));
+    if len == 0 && crc == 0 {
+        // Pre-allocated space: the end of what was written, unless non-zero bytes follow
+        // (looked for in what was read: the rest of the file when decoding a whole file).
+        return Step::End(
+            rest.iter()
+                .any(|b| *b != 0)
+                .then_some(TailDamage::BadLength { len }),
+        );
+    }
+    if !(17..=RECORD_BYTES_MAX).contains(&len) {
+        return Step::End(Some(TailDamage::BadLength { len }));
+    }
+    if rest.len() < RECORD_HEADER_BYTES + len {
+        return if eof {
+            Step::End(Some(TailDamage::Short { len }))
+        } else {
+            Step::NeedMore
+        };
+    }
+    let payload = &rest[RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + len];
+    let actual = record_crc(file, &rest[0..4], payload);
+    if actual != crc {
+        return Step::End(Some(TailDamage::Checksum {
+            expected: crc,
+            actual,
+        }));
+    }
+    let Some(kind) = RecordKind::from_u8(payload[0]) else {
+        return Step::End(Some(TailDamage::BadPayload));
+    };
+    Step::Record(
+        Record {
+            kind,
+            ledger_id: u64::from_le_bytes(payload[1..9].try_into().expect("8 bytes")),
+            entry_id: u64::from_le_bytes(payload[9..17].try_into().expect("8 bytes")),
+            data: payload[17..].to_vec(),
+        },
+        RECORD_HEADER_BYTES + len,
+    )
+}
+
 /// Decodes the records of file `file` whose bytes (header included) are `bytes`. Pure: no I/O.
 pub fn decode_file(file: u64, bytes: &[u8]) -> Decoded {
     let mut out = Decoded {
@@ -133,60 +206,87 @@ pub fn decode_file(file: u64, bytes: &[u8]) -> Decoded {
     };
     let mut at = FILE_HEADER_BYTES as usize;
     while at < bytes.len() {
-        let rest = &bytes[at..];
-        if rest.len() < RECORD_HEADER_BYTES {
-            if rest.iter().any(|b| *b != 0) {
-                out.damage = Some(TailDamage::Short { len: rest.len() });
+        match decode_step(file, &bytes[at..], true) {
+            Step::Record(record, n) => {
+                out.records.push((
+                    Position {
+                        file,
+                        offset: at as u64,
+                    },
+                    record,
+                ));
+                at += n;
+                out.end = at as u64;
             }
-            break;
-        }
-        let len = u32::from_le_bytes(rest[0..4].try_into().expect("4 bytes")) as usize;
-        let crc = u32::from_le_bytes(rest[4..8].try_into().expect("4 bytes"));
-        if len == 0 && crc == 0 {
-            // Pre-allocated space: the end of what was written, unless non-zero bytes follow.
-            if rest.iter().any(|b| *b != 0) {
-                out.damage = Some(TailDamage::BadLength { len });
+            Step::NeedMore => unreachable!("eof is set"),
+            Step::End(damage) => {
+                out.damage = damage;
+                break;
             }
-            break;
         }
-        if !(17..=RECORD_BYTES_MAX).contains(&len) {
-            out.damage = Some(TailDamage::BadLength { len });
-            break;
-        }
-        if rest.len() < RECORD_HEADER_BYTES + len {
-            out.damage = Some(TailDamage::Short { len });
-            break;
-        }
-        let payload = &rest[RECORD_HEADER_BYTES..RECORD_HEADER_BYTES + len];
-        let actual = record_crc(file, &rest[0..4], payload);
-        if actual != crc {
-            out.damage = Some(TailDamage::Checksum {
-                expected: crc,
-                actual,
-            });
-            break;
-        }
-        let Some(kind) = RecordKind::from_u8(payload[0]) else {
-            out.damage = Some(TailDamage::BadPayload);
-            break;
-        };
-        let record = Record {
-            kind,
-            ledger_id: u64::from_le_bytes(payload[1..9].try_into().expect("8 bytes")),
-            entry_id: u64::from_le_bytes(payload[9..17].try_into().expect("8 bytes")),
-            data: payload[17..].to_vec(),
-        };
-        out.records.push((
-            Position {
-                file,
-                offset: at as u64,
-            },
-            record,
-        ));
-        at += RECORD_HEADER_BYTES + len;
-        out.end = at as u64;
     }
     out
+}
+
+/// [`decode_file`] over a file read a chunk at a time: a pre-filled file is mostly zeroes or
+/// an older file's bytes after its records, and is not read past its end of records (beyond
+/// one chunk).
+fn decode_path(file: u64, path: &Path) -> Result<Option<Decoded>, JournalError> {
+    const CHUNK: usize = 8 << 20;
+    let mut f = File::open(path).map_err(io_at(path))?;
+    let mut buf: Vec<u8> = Vec::new();
+    let mut eof = false;
+    let mut fill = |buf: &mut Vec<u8>, eof: &mut bool| -> Result<(), JournalError> {
+        let n = (&mut f)
+            .take(CHUNK as u64)
+            .read_to_end(buf)
+            .map_err(io_at(path))?;
+        *eof = n < CHUNK;
+        Ok(())
+    };
+    fill(&mut buf, &mut eof)?;
+    if buf.len() < FILE_HEADER_BYTES as usize {
+        return Ok(None);
+    }
+    check_header(&buf, file).map_err(|()| JournalError::BadHeader {
+        path: path.to_path_buf(),
+    })?;
+    let mut out = Decoded {
+        end: FILE_HEADER_BYTES,
+        ..Decoded::default()
+    };
+    // `buf` holds the file's bytes from offset `base`; `at` is relative to it.
+    let mut base = 0u64;
+    let mut at = FILE_HEADER_BYTES as usize;
+    loop {
+        if at >= buf.len() && eof {
+            break;
+        }
+        match decode_step(file, &buf[at..], eof) {
+            Step::Record(record, n) => {
+                out.records.push((
+                    Position {
+                        file,
+                        offset: base + at as u64,
+                    },
+                    record,
+                ));
+                at += n;
+                out.end = base + at as u64;
+            }
+            Step::NeedMore => {
+                buf.drain(..at);
+                base += at as u64;
+                at = 0;
+                fill(&mut buf, &mut eof)?;
+            }
+            Step::End(damage) => {
+                out.damage = damage;
+                break;
+            }
+        }
+    }
+    Ok(Some(out))
 }
 
 /// Settings of a journal (from `bookie.journal_*` in the configuration).
@@ -205,6 +305,8 @@ pub struct JournalOptions {
     pub queue_records_max: usize,
     /// fdatasync each batch (only tests and benchmarks of the CPU path turn this off).
     pub fsync: bool,
+    /// Write into pre-filled files (recycled or zero-filled spares; module docs).
+    pub prefill: bool,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -257,6 +359,89 @@ pub fn list_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, JournalError> {
     Ok(files)
 }
 
+const SPARE_NAME: &str = "journal-spare.log";
+const SPARE_TMP_NAME: &str = "journal-spare.tmp";
+
+fn sync_dir(dir: &Path) -> Result<(), JournalError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_at(dir))
+}
+
+/// The sequence a recycled spare had as a journal file (from its header, which keeps the low
+/// 32 bits), or `None` for a zero-filled one.
+fn spare_former_seq(dir: &Path) -> Option<u64> {
+    let mut h = [0u8; FILE_HEADER_BYTES as usize];
+    File::open(dir.join(SPARE_NAME))
+        .and_then(|mut f| f.read_exact(&mut h))
+        .ok()?;
+    (h[0..12] == header(0)[0..12])
+        .then(|| u32::from_le_bytes(h[12..16].try_into().expect("4 bytes")) as u64)
+}
+
+/// Whether a spare file is ready in `dir`.
+pub fn spare_ready(dir: &Path) -> bool {
+    dir.join(SPARE_NAME).exists()
+}
+
+/// Zero-fills the next spare journal file of `dir`, at most `budget` more bytes per call (each
+/// call's zeroes are fsynced before it returns, so that they never wait in the page cache for
+/// the journal's own fdatasync). Returns `true` once a spare of `file_bytes_max` bytes is
+/// ready. On failure the partial spare is removed.
+pub fn prepare_spare(dir: &Path, file_bytes_max: u64, budget: u64) -> Result<bool, JournalError> {
+    if spare_ready(dir) {
+        return Ok(true);
+    }
+    let tmp = dir.join(SPARE_TMP_NAME);
+    let mut f = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&tmp)
+        .map_err(io_at(&tmp))?;
+    let have = f.metadata().map_err(io_at(&tmp))?.len();
+    let target = have.saturating_add(budget).min(file_bytes_max);
+    let zeros = vec![0u8; 1 << 20];
+    let mut at = have;
+    let written = (|| {
+        while at < target {
+            let n = (target - at).min(zeros.len() as u64) as usize;
+            f.write_all(&zeros[..n])?;
+            at += n as u64;
+        }
+        f.sync_data()
+    })();
+    if let Err(e) = written {
+        // Give the space back (a full disk is the likely cause).
+        let _ = fs::remove_file(&tmp);
+        return Err(io_at(&tmp)(e));
+    }
+    if at < file_bytes_max {
+        return Ok(false);
+    }
+    fs::rename(&tmp, dir.join(SPARE_NAME)).map_err(io_at(&tmp))?;
+    sync_dir(dir)?;
+    Ok(true)
+}
+
+/// Disposes of a journal file that a checkpoint no longer needs: it becomes the spare when there
+/// is none and it holds at least half of `file_bytes_max` (with `prefill`), else it is removed.
+pub fn retire(
+    dir: &Path,
+    path: &Path,
+    file_bytes_max: u64,
+    prefill: bool,
+) -> Result<(), JournalError> {
+    let len = fs::metadata(path).map_err(io_at(path))?.len();
+    if prefill && !spare_ready(dir) && len >= file_bytes_max / 2 {
+        // A half-made zero-filled spare is not needed any more.
+        let _ = fs::remove_file(dir.join(SPARE_TMP_NAME));
+        // No directory fsync: after a crash the old name may come back, and a journal file
+        // older than the checkpoint is removed at start-up.
+        return fs::rename(path, dir.join(SPARE_NAME)).map_err(io_at(path));
+    }
+    fs::remove_file(path).map_err(io_at(path))
+}
+
 /// What replay did to one file.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileReplay {
@@ -277,24 +462,20 @@ pub fn replay(
     fs::create_dir_all(dir).map_err(io_at(dir))?;
     let mut report = Vec::new();
     for (seq, path) in list_files(dir)? {
-        let mut bytes = Vec::new();
-        File::open(&path)
-            .and_then(|mut f| f.read_to_end(&mut bytes))
-            .map_err(io_at(&path))?;
-        if bytes.len() < FILE_HEADER_BYTES as usize {
+        let Some(decoded) = decode_path(seq, &path)? else {
             // Created but the header never made it to disk: nothing was acknowledged from it.
-            tracing::warn!(path = %path.display(), len = bytes.len(), "journal file without a whole header; removing it");
+            tracing::warn!(path = %path.display(), "journal file without a whole header; removing it");
             fs::remove_file(&path).map_err(io_at(&path))?;
             continue;
-        }
-        check_header(&bytes, seq).map_err(|()| JournalError::BadHeader { path: path.clone() })?;
-        let decoded = decode_file(seq, &bytes);
+        };
         if let Some(damage) = &decoded.damage {
-            tracing::warn!(
+            // Expected after a crash (a write no fsync covered), and in a recycled file (an
+            // older file's bytes follow the records); corruption otherwise.
+            tracing::info!(
                 path = %path.display(),
                 offset = decoded.end,
                 ?damage,
-                "journal tail is torn or corrupt; truncating it there"
+                "journal records end before the file does (a torn tail, or a recycled file's older bytes); truncating it there"
             );
             let f = OpenOptions::new()
                 .write(true)
@@ -355,6 +536,8 @@ pub struct JournalStats {
     pub flushes: AtomicU64,
     pub records: AtomicU64,
     pub bytes: AtomicU64,
+    /// Bytes written into the current file (header included).
+    pub file_len: AtomicU64,
 }
 
 /// Handle to the journal thread. Dropping every handle stops the thread after it has flushed
@@ -394,7 +577,21 @@ impl Journal {
     /// first: files written before are not read here.
     pub fn start(opts: JournalOptions) -> Result<(Journal, JournalThread), JournalError> {
         fs::create_dir_all(&opts.dir).map_err(io_at(&opts.dir))?;
-        let next = list_files(&opts.dir)?.last().map_or(1, |(s, _)| s + 1);
+        let existing = list_files(&opts.dir)?;
+        if opts.prefill && existing.is_empty() {
+            // A fresh journal: its first file is zero-filled now (once per bookie), so that
+            // its fdatasyncs are as fast as later ones. Best effort: without the room for it,
+            // files grow as they are written.
+            if let Err(e) = prepare_spare(&opts.dir, opts.file_bytes_max, u64::MAX) {
+                tracing::warn!(error = %e, "zero-filling the first journal file failed; writing without it");
+            }
+        }
+        // After every file older than it: a recycled spare's older records are told apart
+        // from new ones by the sequence in their checksums, so no sequence is used twice.
+        let next = existing
+            .last()
+            .map_or(1, |(s, _)| s + 1)
+            .max(spare_former_seq(&opts.dir).map_or(0, |s| s + 1));
         let writer = Writer::create(&opts, next)?;
         let (tx, rx) = mpsc::sync_channel(opts.queue_records_max.max(1));
         let stats = Arc::new(JournalStats::default());
@@ -460,6 +657,11 @@ struct Writer {
 impl Writer {
     fn create(opts: &JournalOptions, seq: u64) -> Result<Writer, JournalError> {
         let path = opts.dir.join(file_name(seq));
+        if opts.prefill {
+            if let Some(w) = Self::from_spare(opts, seq, &path)? {
+                return Ok(w);
+            }
+        }
         let mut file = OpenOptions::new()
             .create_new(true)
             .read(true)
@@ -478,10 +680,37 @@ impl Writer {
         w.reserve(0)?;
         w.file.sync_all().map_err(io_at(&w.path))?;
         // The new name must survive a crash too.
-        File::open(&opts.dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io_at(&opts.dir))?;
+        sync_dir(&opts.dir)?;
         Ok(w)
+    }
+
+    /// Takes the spare file as file `seq`: its header is rewritten and made durable before
+    /// the rename, so that a crash leaves either the spare or a file with this header.
+    fn from_spare(
+        opts: &JournalOptions,
+        seq: u64,
+        path: &Path,
+    ) -> Result<Option<Writer>, JournalError> {
+        let spare = opts.dir.join(SPARE_NAME);
+        let mut file = match OpenOptions::new().read(true).write(true).open(&spare) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io_at(&spare)(e)),
+        };
+        file.write_all(&header(seq)).map_err(io_at(&spare))?;
+        file.sync_data().map_err(io_at(&spare))?;
+        let size = file.metadata().map_err(io_at(&spare))?.len();
+        fs::rename(&spare, path).map_err(io_at(&spare))?;
+        sync_dir(&opts.dir)?;
+        Ok(Some(Writer {
+            seq,
+            path: path.to_path_buf(),
+            file,
+            len: FILE_HEADER_BYTES,
+            // Appends below this overwrite blocks that hold data already.
+            allocated: size,
+            preallocate_bytes: opts.preallocate_bytes,
+        }))
     }
 
     /// Makes sure the file has room for `more` bytes past `len`, reserving whole steps of
@@ -525,6 +754,8 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
     let mut buf: Vec<u8> = Vec::with_capacity(opts.batch_bytes_max + 4096);
     let mut waiting: Vec<(Position, Done)> = Vec::new();
     let mut pending_op: Option<Op> = None;
+    let sync_latency = metrics::histogram!("meridian_journal_sync_seconds");
+    let batch_records = metrics::histogram!("meridian_journal_batch_records");
     loop {
         let first = match pending_op.take() {
             Some(op) => op,
@@ -595,6 +826,8 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
             let write_started = Instant::now();
             let result = writer.write_batch(&buf, opts.fsync);
             let took = write_started.elapsed();
+            sync_latency.record(took.as_secs_f64());
+            batch_records.record(waiting.len() as f64);
             if took > Duration::from_millis(10) {
                 tracing::debug!(
                     records = waiting.len(),
@@ -608,6 +841,7 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
                 .records
                 .fetch_add(waiting.len() as u64, Ordering::Relaxed);
             stats.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+            stats.file_len.store(writer.len, Ordering::Relaxed);
             buf.clear();
             match result {
                 Ok(()) => {
@@ -668,6 +902,7 @@ mod tests {
             flush_delay_us: 0,
             file_bytes_max: 1 << 20,
             preallocate_bytes: 256 << 10,
+            prefill: false,
             queue_records_max: 1024,
             fsync: true,
         }
@@ -708,6 +943,122 @@ mod tests {
         let mut out = Vec::new();
         let report = replay(dir, |p, r| out.push((p, r))).expect("replay");
         (out, report)
+    }
+
+    fn prefilled(dir: &Path, file_bytes_max: u64) -> JournalOptions {
+        JournalOptions {
+            file_bytes_max,
+            prefill: true,
+            ..opts(dir)
+        }
+    }
+
+    #[test]
+    fn given_prefill_when_a_fresh_journal_starts_then_its_first_file_is_zeroes_of_full_size() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let records: Vec<Record> = (0..50).map(|i| rec(3, i, 100)).collect();
+        let positions = write_all(prefilled(dir.path(), 4 << 20), &records);
+        let files = list_files(dir.path()).expect("list");
+        assert_eq!(files.len(), 1);
+        let len = fs::metadata(&files[0].1).expect("metadata").len();
+        assert_eq!(len, 4 << 20, "appends overwrote the zero-filled file");
+        let (replayed, report) = read_back(dir.path());
+        assert_eq!(replayed.len(), 50);
+        assert_eq!(
+            replayed.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+            positions
+        );
+        assert_eq!(report[0].damage, None, "zeroes follow the records");
+        assert!(!spare_ready(dir.path()), "the spare became the first file");
+    }
+
+    #[test]
+    fn given_a_recycled_file_when_replayed_then_only_its_new_records_return() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let o = prefilled(dir.path(), 2 << 20);
+        // File 1 full of old records (the rest went into file 2), then retired as the spare.
+        let old: Vec<Record> = (0..1100).map(|i| rec(1, i, 2000)).collect();
+        write_all(o.clone(), &old);
+        let (first, _) = list_files(dir.path()).expect("list")[0].clone();
+        assert_eq!(first, 1);
+        let mut files = list_files(dir.path()).expect("list");
+        assert!(files.len() >= 2, "2 MiB files rotate: {files:?}");
+        let (_, path1) = files.remove(0);
+        retire(dir.path(), &path1, o.file_bytes_max, true).expect("retire");
+        assert!(spare_ready(dir.path()), "a full file is recycled");
+        for (_, p) in files {
+            fs::remove_file(p).expect("remove");
+        }
+        // The next journal writes far fewer records of the same size into the recycled file:
+        // its records end where an old one starts, and that one must not verify.
+        let new: Vec<Record> = (0..10).map(|i| rec(2, i, 2000)).collect();
+        write_all(o.clone(), &new);
+        let files = list_files(dir.path()).expect("list");
+        assert_eq!(files.len(), 1);
+        assert_eq!(
+            files[0].0, 2,
+            "no sequence is used twice, even with no file left"
+        );
+        assert!(fs::metadata(&files[0].1).expect("metadata").len() >= 1 << 20);
+        let (replayed, report) = read_back(dir.path());
+        assert_eq!(
+            replayed.into_iter().map(|(_, r)| r).collect::<Vec<_>>(),
+            new,
+            "the old records under the new header do not verify"
+        );
+        assert!(
+            matches!(report[0].damage, Some(TailDamage::Checksum { .. })),
+            "{report:?}"
+        );
+        // Replay truncated the file at its last record: a second replay finds the same.
+        let (again, report) = read_back(dir.path());
+        assert_eq!(again.len(), 10);
+        assert_eq!(report[0].damage, None);
+    }
+
+    #[test]
+    fn given_a_file_larger_than_a_read_chunk_when_replayed_then_records_across_chunks_return() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let o = JournalOptions {
+            batch_bytes_max: 1 << 20,
+            ..prefilled(dir.path(), 24 << 20)
+        };
+        // About 18 MiB of odd-sized records: several cross the 8 MiB read chunks.
+        let records: Vec<Record> = (0..6000)
+            .map(|i| rec(5, i, 3001 + (i % 7) as usize))
+            .collect();
+        let positions = write_all(o, &records);
+        let (replayed, report) = read_back(dir.path());
+        assert_eq!(report.len(), 1);
+        assert_eq!(
+            replayed.iter().map(|(p, _)| *p).collect::<Vec<_>>(),
+            positions
+        );
+        assert_eq!(
+            replayed.into_iter().map(|(_, r)| r).collect::<Vec<_>>(),
+            records
+        );
+    }
+
+    #[test]
+    fn given_a_spare_prepared_in_steps_then_it_is_ready_only_when_whole() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let max = 3 << 20;
+        assert!(!prepare_spare(dir.path(), max, 1 << 20).expect("step 1"));
+        assert!(!prepare_spare(dir.path(), max, 1 << 20).expect("step 2"));
+        assert!(!spare_ready(dir.path()));
+        assert!(prepare_spare(dir.path(), max, 1 << 20).expect("step 3"));
+        assert!(spare_ready(dir.path()));
+        let spare = dir.path().join(SPARE_NAME);
+        assert_eq!(fs::metadata(&spare).expect("metadata").len(), max);
+        // Not a journal file: replay skips it.
+        let (replayed, report) = read_back(dir.path());
+        assert!(replayed.is_empty() && report.is_empty());
+        // A short file is removed, not recycled, and the spare stays.
+        let short = dir.path().join(file_name(9));
+        fs::write(&short, header(9)).expect("write");
+        retire(dir.path(), &short, max, true).expect("retire");
+        assert!(!short.exists() && spare_ready(dir.path()));
     }
 
     #[test]

@@ -30,10 +30,11 @@ fn bookie_opts(dir: &Path) -> BookieOptions {
             dir: dir.join("journal"),
             batch_bytes_max: 1 << 20,
             flush_delay_us: 0,
-            file_bytes_max: 64 << 20,
+            file_bytes_max: 8 << 20,
             preallocate_bytes: 4 << 20,
             queue_records_max: 10_000,
             fsync: true,
+            prefill: true,
         },
         storage: StorageOptions {
             ledger_dir: dir.join("ledgers"),
