@@ -228,6 +228,7 @@ async fn receipt_loop(
     // Once the client is gone receipts are no longer written, but every pending send is
     // still awaited: deduplication must learn what became durable.
     let mut client_gone = false;
+    let mut last_error_logged: Option<Instant> = None;
     while let Some(ps) = rx.recv().await {
         let submitted = ps.submitted;
         let outcome = match ps.append {
@@ -262,6 +263,13 @@ async fn receipt_loop(
             }
             Err(e) => {
                 errors.increment(1);
+                // At most one line a second per producer: a failing topic can refuse many
+                // sends.
+                if last_error_logged.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(1))
+                {
+                    last_error_logged = Some(Instant::now());
+                    tracing::warn!(topic = %topic.name, producer_id, code = ?e.code, error = %e.message, "send refused");
+                }
                 cmd::send_error(producer_id, ps.sequence_id, e.code, e.message)
             }
         };

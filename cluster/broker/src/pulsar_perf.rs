@@ -366,6 +366,8 @@ struct Counters {
     msgs: AtomicU64,
     bytes: AtomicU64,
     errors: AtomicU64,
+    /// The broker's message of the first refused send, printed with the summary.
+    first_error: Mutex<Option<String>>,
 }
 
 fn now_us() -> u64 {
@@ -505,6 +507,13 @@ async fn run_producer(
                     counters
                         .errors
                         .fetch_add(b.due.len() as u64, Ordering::Relaxed);
+                    if let Err(why) = r {
+                        counters
+                            .first_error
+                            .lock()
+                            .expect("lock")
+                            .get_or_insert(why);
+                    }
                 }
                 window.add_permits(b.due.len());
             }
@@ -809,7 +818,13 @@ fn summary(label: &str, c: &Counters, secs: f64, latency: Option<(&str, &Mutex<R
         m as f64 / secs,
         b as f64 / secs / 1048576.0,
         if e > 0 {
-            format!(", {e} failed")
+            let first = c
+                .first_error
+                .lock()
+                .expect("lock")
+                .clone()
+                .unwrap_or_default();
+            format!(", {e} failed (first: {first})")
         } else {
             String::new()
         }

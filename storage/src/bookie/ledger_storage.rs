@@ -163,6 +163,18 @@ struct EntryLogWriter {
 
 /// Alignment of O_DIRECT writes (offset, length and buffer address).
 const DIRECT_ALIGN: usize = 4096;
+/// Entries at least this large are read from entry logs with O_DIRECT. Entry logs are written
+/// with O_DIRECT, so their bytes are not in the page cache: a buffered read reads them into it
+/// and then copies them, which took about half of a bookie's CPU while a consumer caught up a
+/// backlog of batched (128 KiB) entries; reading those directly took the catch-up from about
+/// 300,000 to 420,000-480,000 msg/s. Smaller entries are read buffered: the kernel's
+/// read-ahead serves many of them with one disk read (direct reads of 1 KiB entries went from
+/// about 52,000 to 40,000 msg/s). The block (4 KiB) around an entry is read with it, at most
+/// a quarter more at this size.
+const DIRECT_READ_BYTES_MIN: usize = 32 << 10;
+/// An entry log open for reads: buffered, and with O_DIRECT where the file system allows it.
+type LogReader = (File, Option<File>);
+
 /// Size of the staging buffer (a multiple of [`DIRECT_ALIGN`]).
 const STAGE_BYTES: usize = 4 << 20;
 
@@ -372,7 +384,8 @@ pub struct LedgerStorage {
     flushing: RwLock<Arc<BTreeMap<(u64, u64), Bytes>>>,
     ledgers: Mutex<HashMap<u64, LedgerState>>,
     read_cache: Mutex<ReadCache>,
-    readers: Mutex<HashMap<u64, Arc<File>>>,
+    /// Open entry logs for reads.
+    readers: Mutex<HashMap<u64, Arc<LogReader>>>,
     /// Held for the whole of a flush or a compaction: one writer of entry logs at a time.
     writer: Mutex<EntryLogWriter>,
     usage: Mutex<BTreeMap<u64, LogUsage>>,
@@ -616,23 +629,69 @@ impl LedgerStorage {
         Ok(value)
     }
 
-    fn reader(&self, log: u64) -> Result<Arc<File>, StorageError> {
+    /// An entry log opened for reads, buffered and (where the file system allows it) with
+    /// O_DIRECT: [`read_at`](Self::read_at) reads large entries directly.
+    fn reader(&self, log: u64) -> Result<Arc<LogReader>, StorageError> {
+        use std::os::unix::fs::OpenOptionsExt;
         let mut readers = self.readers.lock().expect("readers lock");
         if let Some(f) = readers.get(&log) {
             return Ok(Arc::clone(f));
         }
         let path = self.logs_dir.join(log_name(log));
-        let f = Arc::new(File::open(&path).map_err(io_at(&path))?);
+        let direct = OpenOptions::new()
+            .read(true)
+            .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
+            .open(&path);
+        let direct = match direct {
+            Ok(f) => Some(f),
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::INVAL.raw_os_error()) => None,
+            Err(e) => return Err(io_at(&path)(e)),
+        };
+        let f = Arc::new((File::open(&path).map_err(io_at(&path))?, direct));
         readers.insert(log, Arc::clone(&f));
         Ok(f)
     }
 
     fn read_at(&self, loc: Location) -> Result<Bytes, StorageError> {
         let f = self.reader(loc.log)?;
-        let mut buf = vec![0u8; loc.len as usize];
-        f.read_exact_at(&mut buf, loc.offset)
-            .map_err(io_at(&self.logs_dir.join(log_name(loc.log))))?;
-        Ok(Bytes::from(buf))
+        let at = |e| io_at(&self.logs_dir.join(log_name(loc.log)))(e);
+        let file = match &f.1 {
+            Some(direct) if loc.len as usize >= DIRECT_READ_BYTES_MIN => direct,
+            _ => {
+                let mut buf = vec![0u8; loc.len as usize];
+                f.0.read_exact_at(&mut buf, loc.offset).map_err(at)?;
+                return Ok(Bytes::from(buf));
+            }
+        };
+        // O_DIRECT: offset, length and buffer aligned; the entry is sliced out of the blocks
+        // that hold it, without a copy.
+        let align = DIRECT_ALIGN as u64;
+        let start = loc.offset / align * align;
+        let end = (loc.offset + loc.len as u64).div_ceil(align) * align;
+        let span = (end - start) as usize;
+        let mut buf = vec![0u8; span + DIRECT_ALIGN];
+        let off = buf.as_ptr().align_offset(DIRECT_ALIGN);
+        let need = (loc.offset + loc.len as u64 - start) as usize;
+        let mut got = 0usize;
+        while got < need {
+            // Whole blocks from an aligned offset; only the file's end reads short.
+            match file.read_at(&mut buf[off + got..off + span], start + got as u64) {
+                Ok(0) => {
+                    return Err(at(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        format!(
+                            "entry log ends before offset {}",
+                            loc.offset + loc.len as u64
+                        ),
+                    )))
+                }
+                Ok(n) => got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(at(e)),
+            }
+        }
+        let from = off + (loc.offset - start) as usize;
+        Ok(Bytes::from(buf).slice(from..from + loc.len as usize))
     }
 
     /// Marks the ledger deleted (durably) and forgets its entries; the space comes back when
@@ -946,5 +1005,63 @@ fn read_checkpoint(db: &DB) -> Result<u64, StorageError> {
                 .map_err(|_| StorageError::Corrupt("checkpoint".into()))?,
         )),
         None => Ok(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn open(dir: &Path) -> LedgerStorage {
+        LedgerStorage::open(StorageOptions {
+            ledger_dir: dir.to_path_buf(),
+            write_cache_bytes_max: 64 << 20,
+            read_cache_bytes_max: 0,
+            entry_log_bytes_max: 1 << 30,
+            compaction_live_ratio_min: 0.5,
+            fsync: true,
+        })
+        .expect("open")
+        .0
+    }
+
+    #[test]
+    fn given_entries_of_every_alignment_when_flushed_then_entry_log_reads_return_them_exactly() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        // Sizes around the 4 KiB blocks of O_DIRECT reads, small and large: entries start and
+        // end inside blocks, on their edges, and span many.
+        let sizes = [
+            1usize, 13, 4095, 4096, 4097, 100, 8191, 8192, 70_000, 200_001, 3, 131_072,
+        ];
+        let entries: Vec<Vec<u8>> = sizes
+            .iter()
+            .map(|n| (0..*n).map(|_| rng.gen()).collect())
+            .collect();
+        {
+            let s = open(dir.path());
+            for (i, e) in entries.iter().enumerate() {
+                s.add_durable(9, i as u64, NONE, b"key", e, false);
+            }
+            s.flush().expect("flush");
+            for (i, e) in entries.iter().enumerate() {
+                assert_eq!(
+                    s.read(9, i as u64).expect("read").as_ref(),
+                    &e[..],
+                    "entry {i}"
+                );
+            }
+        }
+        // After a restart, from the entry log only.
+        let s = open(dir.path());
+        for (i, e) in entries.iter().enumerate().rev() {
+            assert_eq!(
+                s.read(9, i as u64).expect("read").as_ref(),
+                &e[..],
+                "entry {i}"
+            );
+        }
+        assert_eq!(s.read(9, sizes.len() as u64), Err(Status::NoSuchEntry));
     }
 }
