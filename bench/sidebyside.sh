@@ -3,7 +3,10 @@
 # NATS JetStream (its own client, bench/nats-perf). Fresh data directories for every run.
 #
 #   B=path/to/meridian PL=path/to/pulsar-lite NP=path/to/nats-perf [DIR=/var/tmp/sbs] \
-#   [PART=max|lat|backlog] [SECONDS_PER_RUN=10] bench/sidebyside.sh
+#   [PART=max|lat|backlog] [SECONDS_PER_RUN=10] [WARMUP=0] bench/sidebyside.sh
+#
+# WARMUP=N leaves the first N seconds of each latency run out of its summary (`meridian perf
+# --warmup-seconds`; the per-second lines show them); NATS's client has no such option.
 #
 # pulsar-lite: `pip download --no-deps pulsar-lite`, unzip the wheel; NATS: `apt-get install
 # nats-server`; nats-perf: `cargo build --release --manifest-path bench/nats-perf/Cargo.toml`.
@@ -28,8 +31,8 @@ fi
 if [ "${PART:-all}" = all ] || [ "$PART" = lat ]; then
 for r in 1 2; do
   echo "== 10,000 msg/s, 1 KiB, unbatched, run $r"
-  start_m; echo "meridian:"; $B perf e2e --url pulsar://127.0.0.1:16700 --topic lat --rate 10000 --batch-max-messages 1 --seconds $S --report-every 100 --fsync-probe-dir $D | grep summary; stop_m
-  start_pl; echo "pulsar-lite:"; $B perf e2e --url pulsar://127.0.0.1:16701 --topic lat --rate 10000 --batch-max-messages 1 --seconds $S --report-every 100 --fsync-probe-dir $D | grep summary; stop_pl
+  start_m; echo "meridian:"; $B perf e2e --url pulsar://127.0.0.1:16700 --topic lat --rate 10000 --batch-max-messages 1 --seconds $S --report-every 100 --warmup-seconds ${WARMUP:-0} --fsync-probe-dir $D | grep summary; stop_m
+  start_pl; echo "pulsar-lite:"; $B perf e2e --url pulsar://127.0.0.1:16701 --topic lat --rate 10000 --batch-max-messages 1 --seconds $S --report-every 100 --warmup-seconds ${WARMUP:-0} --fsync-probe-dir $D | grep summary; stop_pl
   start_n; echo -n "nats: "; $NP nats://127.0.0.1:14222 10000 $S 1024 1000; stop_n
 done
 fi

@@ -41,6 +41,11 @@ pub struct CommonArgs {
     /// Print a line every this many seconds.
     #[arg(long, default_value_t = 5)]
     report_every: u64,
+    /// Leave the first this many seconds out of the summary's latency percentiles (a warm-up
+    /// phase, as in the OpenMessaging benchmark: topic creation, first ledger, connections).
+    /// The per-interval lines still show them.
+    #[arg(long, default_value_t = 0)]
+    warmup_seconds: u64,
     /// Also measure 4 KiB write+fdatasync latency in this directory during the run, to read
     /// latencies beside the disk's own.
     #[arg(long)]
@@ -777,12 +782,30 @@ struct Report {
     latency: Option<(&'static str, Arc<Mutex<Recorder>>)>,
 }
 
-async fn report_loop(reports: Vec<Report>, every: Duration, stop: Arc<AtomicBool>) {
+async fn report_loop(
+    reports: Vec<Report>,
+    every: Duration,
+    warmup: Duration,
+    stop: Arc<AtomicBool>,
+) {
     let start = Instant::now();
+    let mut warming = !warmup.is_zero();
     let mut last: Vec<(u64, u64)> = vec![(0, 0); reports.len()];
     let mut last_t = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         tokio::time::sleep(Duration::from_millis(100)).await;
+        if warming && start.elapsed() >= warmup {
+            warming = false;
+            for r in &reports {
+                if let Some((_, rec)) = &r.latency {
+                    rec.lock().expect("lock").total.reset();
+                }
+            }
+            println!(
+                "[{:>5.1}s] warm-up over: the summary's latencies start here",
+                start.elapsed().as_secs_f64()
+            );
+        }
         if last_t.elapsed() < every {
             continue;
         }
@@ -1000,6 +1023,7 @@ pub async fn produce(a: ProduceArgs) -> anyhow::Result<()> {
             latency: Some(("publish", Arc::clone(&latency))),
         }],
         Duration::from_secs(a.common.report_every.max(1)),
+        Duration::from_secs(a.common.warmup_seconds),
         Arc::clone(&stop),
     ));
     let timer = tokio::spawn(stop_after(a.common.seconds, Arc::clone(&stop)));
@@ -1045,6 +1069,7 @@ pub async fn consume(a: ConsumeArgs) -> anyhow::Result<()> {
             latency: None,
         }],
         Duration::from_secs(a.common.report_every.max(1)),
+        Duration::from_secs(a.common.warmup_seconds),
         Arc::clone(&stop),
     ));
     let timer = tokio::spawn(stop_after(a.common.seconds, Arc::clone(&stop)));
@@ -1102,6 +1127,7 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
             },
         ],
         Duration::from_secs(p.common.report_every.max(1)),
+        Duration::from_secs(p.common.warmup_seconds),
         Arc::clone(&stop),
     ));
     let timer = tokio::spawn(stop_after(p.common.seconds, Arc::clone(&stop)));
