@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -24,6 +24,29 @@ pub enum BookieClientError {
 pub type OnResponse = Box<dyn FnOnce(Result<Response, BookieClientError>) + Send>;
 type Pending = Arc<Mutex<HashMap<u64, OnResponse>>>;
 
+/// Writes every head and body of `batch` in order, with as few `writev` calls as the socket
+/// allows.
+async fn write_all_vectored(
+    wr: &mut tokio::net::tcp::OwnedWriteHalf,
+    batch: &[Out],
+) -> std::io::Result<()> {
+    let mut slices: Vec<std::io::IoSlice<'_>> = batch
+        .iter()
+        .flat_map(|o| [&o.head[..], &o.body[..]])
+        .filter(|s| !s.is_empty())
+        .map(std::io::IoSlice::new)
+        .collect();
+    let mut rest = &mut slices[..];
+    while !rest.is_empty() {
+        let n = wr.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
+}
+
 fn fail_all(pending: &Pending, addr: &str) {
     let waiters: Vec<OnResponse> = pending
         .lock()
@@ -39,11 +62,22 @@ fn fail_all(pending: &Pending, addr: &str) {
     }
 }
 
+/// Bytes of one request for the connection's writer: an encoded frame, or the head of an add
+/// whose entry payload follows as `body` (shared with the ledger writer, not copied).
+struct Out {
+    head: Vec<u8>,
+    body: Bytes,
+}
+
+/// Requests the writer gathers into one vectored write at most (each is up to two slices;
+/// Linux takes up to 1024).
+const WRITE_BATCH_MAX: usize = 256;
+
 /// One TCP connection to a bookie. Cheap to share; broken for good once an I/O error happened
 /// (the pool then makes a new one).
 pub struct BookieConn {
     addr: String,
-    tx: mpsc::UnboundedSender<Vec<u8>>,
+    tx: mpsc::UnboundedSender<Out>,
     pending: Pending,
     next_id: AtomicU64,
     broken: Arc<AtomicBool>,
@@ -65,7 +99,7 @@ impl BookieConn {
             .map_err(|e| unreachable(e.to_string()))?;
         let _ = stream.set_nodelay(true);
         let (mut rd, mut wr) = stream.into_split();
-        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
         let pending: Pending = Arc::default();
         let broken = Arc::new(AtomicBool::new(false));
         let conn = Arc::new(Self {
@@ -79,17 +113,23 @@ impl BookieConn {
         let waddr = addr.to_string();
         let wpending = Arc::clone(&pending);
         tokio::spawn(async move {
-            let mut out = Vec::with_capacity(64 << 10);
+            // What is queued goes out in one vectored write: frame heads and entry payloads
+            // straight from their buffers, with no copy into a staging buffer.
+            let mut batch: Vec<Out> = Vec::with_capacity(WRITE_BATCH_MAX);
             while let Some(first) = rx.recv().await {
-                out.clear();
-                out.extend_from_slice(&first);
-                while out.len() < (1 << 20) {
+                batch.clear();
+                batch.push(first);
+                let mut bytes = batch[0].head.len() + batch[0].body.len();
+                while bytes < (1 << 20) && batch.len() < WRITE_BATCH_MAX {
                     match rx.try_recv() {
-                        Ok(more) => out.extend_from_slice(&more),
+                        Ok(more) => {
+                            bytes += more.head.len() + more.body.len();
+                            batch.push(more);
+                        }
                         Err(_) => break,
                     }
                 }
-                if wr.write_all(&out).await.is_err() {
+                if write_all_vectored(&mut wr, &batch).await.is_err() {
                     break;
                 }
             }
@@ -154,6 +194,49 @@ impl BookieConn {
         let frame = Frame::Request { id, request };
         let mut out = Vec::with_capacity(proto::encoded_len_hint(&frame));
         proto::encode(&frame, &mut out);
+        self.queue(
+            id,
+            Out {
+                head: out,
+                body: Bytes::new(),
+            },
+        );
+    }
+
+    /// Sends an add of `sealed` (the ledger writer's path): the payload goes to the socket from
+    /// its own buffer. `on_response` as for [`send_with`](Self::send_with).
+    pub fn send_add(
+        &self,
+        ledger_id: u64,
+        entry_id: u64,
+        master_key: &[u8],
+        sealed: &proto::Sealed,
+        on_response: OnResponse,
+    ) {
+        if self.is_broken() {
+            return on_response(Err(BookieClientError::Unreachable {
+                addr: self.addr.clone(),
+                reason: "connection closed".into(),
+            }));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.pending
+            .lock()
+            .expect("pending lock")
+            .insert(id, on_response);
+        let mut head = Vec::with_capacity(64 + master_key.len());
+        proto::encode_add(id, ledger_id, entry_id, 0, master_key, sealed, &mut head);
+        self.queue(
+            id,
+            Out {
+                head,
+                body: sealed.payload.clone(),
+            },
+        );
+    }
+
+    /// Hands request `id`'s bytes to the writer; fails its waiter if the connection is gone.
+    fn queue(&self, id: u64, out: Out) {
         if self.tx.send(out).is_err() {
             if let Some(w) = self.pending.lock().expect("pending lock").remove(&id) {
                 w(Err(BookieClientError::Unreachable {

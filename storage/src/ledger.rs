@@ -659,7 +659,8 @@ impl LedgerReader {
 /// Why an entry is still pending.
 struct Pending {
     entry: u64,
-    envelope: Bytes,
+    /// Header and payload, the payload shared with the caller's buffer (never copied here).
+    envelope: proto::Sealed,
     acks: AckSet,
     reply: Option<oneshot::Sender<Result<u64, LedgerError>>>,
     _permit: OwnedSemaphorePermit,
@@ -860,7 +861,7 @@ impl WriterActor {
         }
         let entry = self.next_entry;
         self.next_entry += 1;
-        let envelope = proto::seal(self.meta.id, entry, self.lac, &payload);
+        let envelope = proto::seal_parts(self.meta.id, entry, self.lac, payload);
         self.pending.push_back(Pending {
             entry,
             envelope: envelope.clone(),
@@ -875,22 +876,18 @@ impl WriterActor {
         }
     }
 
-    async fn send_to(&mut self, entry: u64, index: usize, envelope: Bytes) {
+    async fn send_to(&mut self, entry: u64, index: usize, envelope: proto::Sealed) {
         let addr = self.ensemble[index].clone();
         let Some(tx) = self.tx.upgrade() else {
             // The writer handle is gone: nobody waits for this entry.
             return;
         };
-        let request = Request::Add {
-            ledger_id: self.meta.id,
-            entry_id: entry,
-            flags: 0,
-            master_key: self.key.clone(),
-            entry: envelope,
-        };
         match self.conn(index).await {
-            Some(c) => c.send_with(
-                request,
+            Some(c) => c.send_add(
+                self.meta.id,
+                entry,
+                &self.key,
+                &envelope,
                 Box::new(move |result| {
                     let _ = tx.send(Cmd::Ack {
                         entry,
@@ -1064,7 +1061,7 @@ impl WriterActor {
         tracing::info!(ledger = self.meta.id, from = %old, to = %replacement, first_entry, "ensemble changed");
         self.ensemble = ensemble;
         self.conns[index] = None;
-        let resend: Vec<(u64, Bytes)> = self
+        let resend: Vec<(u64, proto::Sealed)> = self
             .pending
             .iter_mut()
             .filter(|p| self.q.stores(index, p.entry))
