@@ -116,6 +116,7 @@ fn main() {
                 ledger_id: 1,
                 entry_id: i,
                 data: payload.clone(),
+                tail: bytes::Bytes::new(),
             },
             Box::new(move |r| {
                 r.expect("journal append");

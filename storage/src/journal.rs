@@ -59,6 +59,9 @@ pub struct Record {
     pub ledger_id: u64,
     pub entry_id: u64,
     pub data: Vec<u8>,
+    /// Bytes written right after `data` in the same record, from their own buffer (a bookie's
+    /// entry: not copied into `data` first). Replay returns them at the end of `data`.
+    pub tail: bytes::Bytes,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -89,11 +92,11 @@ pub struct Position {
 
 /// Encoded size of a record (header included).
 pub fn encoded_len(r: &Record) -> usize {
-    RECORD_HEADER_BYTES + 17 + r.data.len()
+    RECORD_HEADER_BYTES + 17 + r.data.len() + r.tail.len()
 }
 
 fn encode_into(buf: &mut Vec<u8>, file: u64, r: &Record) {
-    let payload_len = 17 + r.data.len();
+    let payload_len = 17 + r.data.len() + r.tail.len();
     let start = buf.len();
     buf.extend_from_slice(&(payload_len as u32).to_le_bytes());
     buf.extend_from_slice(&[0; 4]);
@@ -101,6 +104,7 @@ fn encode_into(buf: &mut Vec<u8>, file: u64, r: &Record) {
     buf.extend_from_slice(&r.ledger_id.to_le_bytes());
     buf.extend_from_slice(&r.entry_id.to_le_bytes());
     buf.extend_from_slice(&r.data);
+    buf.extend_from_slice(&r.tail);
     let crc = record_crc(file, &buf[start..start + 4], &buf[start + 8..]);
     buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
 }
@@ -193,6 +197,7 @@ fn decode_step(file: u64, rest: &[u8], eof: bool) -> Step {
             ledger_id: u64::from_le_bytes(payload[1..9].try_into().expect("8 bytes")),
             entry_id: u64::from_le_bytes(payload[9..17].try_into().expect("8 bytes")),
             data: payload[17..].to_vec(),
+            tail: bytes::Bytes::new(),
         },
         RECORD_HEADER_BYTES + len,
     )
@@ -914,6 +919,7 @@ mod tests {
             ledger_id: ledger,
             entry_id: entry,
             data: (0..len).map(|i| (i as u64 + entry) as u8).collect(),
+            tail: bytes::Bytes::new(),
         }
     }
 
@@ -1059,6 +1065,24 @@ mod tests {
         fs::write(&short, header(9)).expect("write");
         retire(dir.path(), &short, max, true).expect("retire");
         assert!(!short.exists() && spare_ready(dir.path()));
+    }
+
+    #[test]
+    fn given_a_record_with_a_tail_when_replayed_then_the_tail_ends_its_data() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let with_tail = Record {
+            tail: bytes::Bytes::from_static(b"-and-the-entry"),
+            ..rec(4, 1, 5)
+        };
+        let plain = rec(4, 2, 9);
+        write_all(opts(dir.path()), &[with_tail.clone(), plain.clone()]);
+        let (replayed, report) = read_back(dir.path());
+        assert_eq!(report[0].damage, None);
+        let mut whole = with_tail.data.clone();
+        whole.extend_from_slice(b"-and-the-entry");
+        assert_eq!(replayed[0].1.data, whole);
+        assert!(replayed[0].1.tail.is_empty());
+        assert_eq!(replayed[1].1, plain);
     }
 
     #[test]

@@ -314,12 +314,12 @@ fn open_storage(opts: &BookieOptions) -> Result<Opened, BookieError> {
     Ok((storage, journal, thread, index_closed))
 }
 
-/// Journal record data of an add: `key_len: u8 | master key | envelope`.
-fn add_record_data(master_key: &[u8], envelope: &[u8]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(1 + master_key.len() + envelope.len());
+/// Journal record data of an add or a fence: `key_len: u8 | master key`; an add's envelope follows
+/// as the record's tail.
+fn key_record_data(master_key: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(1 + master_key.len());
     v.push(master_key.len() as u8);
     v.extend_from_slice(master_key);
-    v.extend_from_slice(envelope);
     v
 }
 
@@ -577,7 +577,9 @@ async fn handle(
                 kind: RecordKind::Add,
                 ledger_id,
                 entry_id,
-                data: add_record_data(&master_key, &entry),
+                // The entry follows the key in the record from the request's own buffer.
+                data: key_record_data(&master_key),
+                tail: entry.clone(),
             };
             let storage = Arc::clone(&core.storage);
             let core2 = Arc::clone(core);
@@ -720,7 +722,8 @@ async fn handle(
                     kind: RecordKind::Fence,
                     ledger_id,
                     entry_id: 0,
-                    data: add_record_data(&master_key, &[]),
+                    data: key_record_data(&master_key),
+                    tail: Bytes::new(),
                 },
                 Box::new(move |r| {
                     if let Ok(pos) = &r {
