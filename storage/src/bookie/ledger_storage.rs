@@ -175,8 +175,12 @@ const DIRECT_READ_BYTES_MIN: usize = 32 << 10;
 /// An entry log open for reads: buffered, and with O_DIRECT where the file system allows it.
 type LogReader = (File, Option<File>);
 
-/// Size of the staging buffer (a multiple of [`DIRECT_ALIGN`]).
-const STAGE_BYTES: usize = 4 << 20;
+/// Size of the staging buffer (a multiple of [`DIRECT_ALIGN`]): each O_DIRECT write of a flush
+/// is this large. A journal fsync that arrives during one waits for it on a shared disk, so
+/// smaller writes interleave better: with 1 MiB instead of 4 MiB, one bookie's add p99 at full
+/// speed was lower in each of 4 alternating pairs (300,000 entries: 12.9-15.7 ms against
+/// 14.0-18.5 ms), at the same throughput.
+const STAGE_BYTES: usize = 1 << 20;
 
 impl EntryLogWriter {
     fn create(dir: &Path, id: u64, stage: Option<Vec<u8>>) -> Result<Self, StorageError> {
