@@ -235,7 +235,8 @@ pub struct BookieConfig {
     /// Write the journal into pre-filled files: checkpointed journal files recycled whole, or
     /// zero-filled ahead (a fresh bookie zero-fills its first file, `journal_file_bytes_max`,
     /// before it starts). An fdatasync that overwrites blocks need not commit file metadata:
-    /// on this machine's disk about 40% faster than one that grows the file. Default `true`.
+    /// on this machine's disk a 4 KiB write and fdatasync took 0.11-0.14 ms against
+    /// 0.15-0.20 ms growing the file. Default `true`.
     pub journal_prefill: bool,
     /// Records queued for the journal before writers wait. Range 1..=1000000, default 100000.
     pub journal_queue_records_max: u64,

@@ -180,17 +180,9 @@ impl BookieConn {
     /// Sends `request`; `on_response` runs (on the connection's reader task) with the answer,
     /// or with an error if the connection fails first. Requests sent in order leave in order.
     pub fn send_with(&self, request: Request, on_response: OnResponse) {
-        if self.is_broken() {
-            return on_response(Err(BookieClientError::Unreachable {
-                addr: self.addr.clone(),
-                reason: "connection closed".into(),
-            }));
-        }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.pending
-            .lock()
-            .expect("pending lock")
-            .insert(id, on_response);
+        let Some(id) = self.register(on_response) else {
+            return;
+        };
         let frame = Frame::Request { id, request };
         let mut out = Vec::with_capacity(proto::encoded_len_hint(&frame));
         proto::encode(&frame, &mut out);
@@ -213,17 +205,9 @@ impl BookieConn {
         sealed: &proto::Sealed,
         on_response: OnResponse,
     ) {
-        if self.is_broken() {
-            return on_response(Err(BookieClientError::Unreachable {
-                addr: self.addr.clone(),
-                reason: "connection closed".into(),
-            }));
-        }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.pending
-            .lock()
-            .expect("pending lock")
-            .insert(id, on_response);
+        let Some(id) = self.register(on_response) else {
+            return;
+        };
         let mut head = Vec::with_capacity(64 + master_key.len());
         proto::encode_add(id, ledger_id, entry_id, 0, master_key, sealed, &mut head);
         self.queue(
@@ -233,6 +217,24 @@ impl BookieConn {
                 body: sealed.payload.clone(),
             },
         );
+    }
+
+    /// A new request id with `on_response` waiting on it; `None` (and `on_response` failed)
+    /// when the connection is broken.
+    fn register(&self, on_response: OnResponse) -> Option<u64> {
+        if self.is_broken() {
+            on_response(Err(BookieClientError::Unreachable {
+                addr: self.addr.clone(),
+                reason: "connection closed".into(),
+            }));
+            return None;
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.pending
+            .lock()
+            .expect("pending lock")
+            .insert(id, on_response);
+        Some(id)
     }
 
     /// Hands request `id`'s bytes to the writer; fails its waiter if the connection is gone.

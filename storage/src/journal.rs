@@ -26,8 +26,8 @@
 //!
 //! Pre-filled files (`prefill`): an fdatasync after an append that grows a file, or that
 //! writes into space reserved with `fallocate`, must also commit file metadata (the size, the
-//! extents), which costs this machine's disk about 40% more per fsync than overwriting blocks
-//! that already hold data. So a new journal file is, when one is ready, the spare
+//! extents): on this machine a 4 KiB write and fsync took 0.15-0.20 ms, against 0.11-0.14 ms
+//! overwriting blocks that already hold data. So a new journal file is, when one is ready, the spare
 //! `journal-spare.log`: either a checkpointed journal file recycled whole (its old records are
 //! left in place and never verify in the new file: the checksum covers the file's sequence) or a
 //! file of zeroes written ahead ([`prepare_spare`], from the bookie's flusher thread, at most a
@@ -405,12 +405,12 @@ pub fn prepare_spare(dir: &Path, file_bytes_max: u64, budget: u64) -> Result<boo
         .map_err(io_at(&tmp))?;
     let have = f.metadata().map_err(io_at(&tmp))?.len();
     let target = have.saturating_add(budget).min(file_bytes_max);
-    let zeros = vec![0u8; 1 << 20];
+    static ZEROS: [u8; 1 << 20] = [0; 1 << 20];
     let mut at = have;
     let written = (|| {
         while at < target {
-            let n = (target - at).min(zeros.len() as u64) as usize;
-            f.write_all(&zeros[..n])?;
+            let n = (target - at).min(ZEROS.len() as u64) as usize;
+            f.write_all(&ZEROS[..n])?;
             at += n as u64;
         }
         f.sync_data()

@@ -347,6 +347,23 @@ pub fn decode_body(mut b: Bytes) -> Result<Frame, ProtoError> {
     Ok(frame)
 }
 
+/// An add request's fields after the version byte, up to its entry.
+fn put_add_fields(
+    out: &mut Vec<u8>,
+    id: u64,
+    ledger_id: u64,
+    entry_id: u64,
+    flags: u8,
+    master_key: &[u8],
+) {
+    out.put_u8(OP_ADD);
+    out.put_u64(id);
+    out.put_u64(ledger_id);
+    out.put_u64(entry_id);
+    out.put_u8(flags);
+    put_key(out, master_key);
+}
+
 fn put_key(out: &mut Vec<u8>, key: &[u8]) {
     debug_assert!(key.len() <= MASTER_KEY_BYTES_MAX);
     out.put_u16(key.len() as u16);
@@ -389,12 +406,7 @@ pub fn encode(frame: &Frame, out: &mut Vec<u8>) {
                 master_key,
                 entry,
             } => {
-                out.put_u8(OP_ADD);
-                out.put_u64(*id);
-                out.put_u64(*ledger_id);
-                out.put_u64(*entry_id);
-                out.put_u8(*flags);
-                put_key(out, master_key);
+                put_add_fields(out, *id, *ledger_id, *entry_id, *flags, master_key);
                 out.put_slice(entry);
             }
             Request::Read {
@@ -536,39 +548,44 @@ pub struct Sealed {
 }
 
 impl Sealed {
-    /// Bytes of the entry on the wire.
-    pub fn len(&self) -> usize {
-        ENVELOPE_HEADER_BYTES + self.payload.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        false
-    }
-
     /// The envelope in one buffer (a copy).
     pub fn to_bytes(&self) -> Bytes {
-        let mut out = Vec::with_capacity(self.len());
+        let mut out = Vec::with_capacity(ENVELOPE_HEADER_BYTES + self.payload.len());
         out.put_slice(&self.header);
         out.put_slice(&self.payload);
         Bytes::from(out)
     }
 }
 
-/// Builds an envelope: the writer's side. The checksum covers the header's first 24 bytes and
-/// the payload; the payload is shared, not copied.
-pub fn seal_parts(ledger_id: u64, entry_id: u64, lac: u64, payload: Bytes) -> Sealed {
+/// The envelope header of `payload`: position, LAC, and the checksum of those 24 bytes and the
+/// payload.
+fn envelope_header(
+    ledger_id: u64,
+    entry_id: u64,
+    lac: u64,
+    payload: &[u8],
+) -> [u8; ENVELOPE_HEADER_BYTES] {
     let mut header = [0u8; ENVELOPE_HEADER_BYTES];
     header[0..8].copy_from_slice(&ledger_id.to_be_bytes());
     header[8..16].copy_from_slice(&entry_id.to_be_bytes());
     header[16..24].copy_from_slice(&lac.to_be_bytes());
-    let crc = envelope_crc(&header, &payload);
+    let crc = envelope_crc(&header, payload);
     header[24..28].copy_from_slice(&crc.to_be_bytes());
+    header
+}
+
+/// Builds an envelope: the writer's side. The payload is shared, not copied.
+pub fn seal_parts(ledger_id: u64, entry_id: u64, lac: u64, payload: Bytes) -> Sealed {
+    let header = envelope_header(ledger_id, entry_id, lac, &payload);
     Sealed { header, payload }
 }
 
-/// [`seal_parts`] in one buffer.
+/// An envelope in one buffer.
 pub fn seal(ledger_id: u64, entry_id: u64, lac: u64, payload: &[u8]) -> Bytes {
-    seal_parts(ledger_id, entry_id, lac, Bytes::copy_from_slice(payload)).to_bytes()
+    let mut out = Vec::with_capacity(ENVELOPE_HEADER_BYTES + payload.len());
+    out.put_slice(&envelope_header(ledger_id, entry_id, lac, payload));
+    out.put_slice(payload);
+    Bytes::from(out)
 }
 
 /// Appends the bytes of an add request frame up to its entry's payload (length prefix,
@@ -588,12 +605,7 @@ pub fn encode_add(
     let start = out.len();
     out.put_u32(0);
     out.put_u8(VERSION);
-    out.put_u8(OP_ADD);
-    out.put_u64(id);
-    out.put_u64(ledger_id);
-    out.put_u64(entry_id);
-    out.put_u8(flags);
-    put_key(out, master_key);
+    put_add_fields(out, id, ledger_id, entry_id, flags, master_key);
     out.put_slice(&sealed.header);
     let len = (out.len() - start - LEN_BYTES + sealed.payload.len()) as u32;
     out[start..start + LEN_BYTES].copy_from_slice(&len.to_be_bytes());

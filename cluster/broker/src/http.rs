@@ -40,6 +40,16 @@ pub fn metrics_handle() -> PrometheusHandle {
                     "a metrics recorder was already installed; /metrics shows only this one's"
                 );
             }
+            // Histogram samples wait in the recorder until upkeep folds them into buckets:
+            // without it they pile up (one per SEND) whenever nobody scrapes /metrics.
+            let upkeep = handle.clone();
+            std::thread::Builder::new()
+                .name("metrics-upkeep".into())
+                .spawn(move || loop {
+                    std::thread::sleep(std::time::Duration::from_secs(5));
+                    upkeep.run_upkeep();
+                })
+                .expect("spawning the metrics upkeep thread");
             handle
         })
         .clone()
