@@ -241,7 +241,9 @@ pub struct BookieConfig {
     /// Records queued for the journal before writers wait. Range 1..=1000000, default 100000.
     pub journal_queue_records_max: u64,
     /// Entries held in memory between the journal and entry logs, bytes; adds wait while it
-    /// is full. Range 1048576..=68719476736, default 268435456 (256 MiB).
+    /// is full. While a flush writes one cache-full out, the next one fills, so the memory
+    /// they take reaches twice this under load (kept for reuse, given back after 30 s idle).
+    /// Range 1048576..=68719476736, default 268435456 (256 MiB).
     pub write_cache_bytes_max: u64,
     /// Entries read from entry logs kept in memory, bytes.
     /// Range 0..=68719476736, default 67108864 (64 MiB).

@@ -1,14 +1,18 @@
 //! The bookie's journal: an append-only, checksummed, group-committed log of every write.
 //!
 //! ```text
-//!  appenders ──(bounded queue)──► journal thread ──► write(batch) ──► fdatasync ──► callbacks
-//!                                  collects until: the queue is empty,
-//!                                  batch_bytes_max is reached, or
-//!                                  flush_delay_us has passed since the batch's first record
+//!  appenders ──(bounded queue)──► journal thread ──► write(batch) ──► fdatasync ─┐
+//!                                  collects until: the queue is empty,            │ the batch's
+//!                                  batch_bytes_max is reached, or                 │ callbacks
+//!                                  flush_delay_us has passed since the batch's    ▼
+//!                                  first record                       completion thread
 //! ```
 //!
 //! An entry is acknowledged (its callback gets `Ok`) only after the fdatasync that covers it has
-//! returned: one fsync acknowledges every record of the batch.
+//! returned: one fsync acknowledges every record of the batch. Callbacks run on a completion
+//! thread, batch after batch in journal order, so the journal thread writes the next batch while
+//! the last one's callbacks run (the bookie's put an entry into its write cache and answer: at
+//! 200,000 adds/s that was about half of the journal thread's time).
 //!
 //! Files are `journal-<seq as 16 hex digits>.log`, rotated after `file_bytes_max`. A file starts
 //! with a 16-byte header (magic, format version, sequence number); then records:
@@ -526,6 +530,12 @@ pub type Done = Box<dyn FnOnce(Result<Position, JournalError>) + Send>;
 /// Completion of a roll: the new file's sequence number.
 pub type RollDone = Box<dyn FnOnce(Result<u64, JournalError>) + Send>;
 
+/// Callbacks of one batch (or a roll's), run in order on the completion thread.
+type Completion = Box<dyn FnOnce() + Send>;
+
+/// Batches whose callbacks may wait for the completion thread before the journal waits too.
+const COMPLETIONS_QUEUED_MAX: usize = 64;
+
 enum Op {
     Append(Record, Done),
     /// Roll to a new file now; answers with the sequence number of the new file.
@@ -601,9 +611,24 @@ impl Journal {
         let (tx, rx) = mpsc::sync_channel(opts.queue_records_max.max(1));
         let stats = Arc::new(JournalStats::default());
         let thread_stats = Arc::clone(&stats);
+        // Bounded: when callbacks fall this many batches behind, the journal waits for them.
+        let (done_tx, done_rx) = mpsc::sync_channel::<Completion>(COMPLETIONS_QUEUED_MAX);
+        let completions = std::thread::Builder::new()
+            .name("bookie-journal-done".into())
+            .spawn(move || {
+                for job in done_rx {
+                    job();
+                }
+            })
+            .map_err(|e| JournalError::Failed(format!("spawning the completion thread: {e}")))?;
         let thread = std::thread::Builder::new()
             .name("bookie-journal".into())
-            .spawn(move || run(writer, opts, rx, thread_stats))
+            .spawn(move || {
+                run(writer, opts, rx, thread_stats, &done_tx);
+                // Every callback has run once the journal thread is joined.
+                drop(done_tx);
+                let _ = completions.join();
+            })
             .map_err(|e| JournalError::Failed(format!("spawning the journal thread: {e}")))?;
         Ok((Journal { tx, stats }, JournalThread(Some(thread))))
     }
@@ -612,8 +637,8 @@ impl Journal {
         &self.stats
     }
 
-    /// Queues `record`; `done` runs on the journal thread once it is fsynced (or failed). Blocks
-    /// while the queue is full.
+    /// Queues `record`; `done` runs on the completion thread once it is fsynced (or failed), after
+    /// the callbacks of every record queued before it. Blocks while the queue is full.
     pub fn append(&self, record: Record, done: Done) {
         if let Err(mpsc::SendError(Op::Append(_, done))) = self.tx.send(Op::Append(record, done)) {
             done(Err(JournalError::Stopped));
@@ -753,7 +778,20 @@ impl Writer {
     }
 }
 
-fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: Arc<JournalStats>) {
+fn run(
+    mut writer: Writer,
+    opts: JournalOptions,
+    rx: mpsc::Receiver<Op>,
+    stats: Arc<JournalStats>,
+    completions: &SyncSender<Completion>,
+) {
+    // On the completion thread when it is there; here once it is gone (never while the journal
+    // runs: it ends after this function returns).
+    let complete = |job: Completion| {
+        if let Err(mpsc::SendError(job)) = completions.send(job) {
+            job();
+        }
+    };
     let delay = Duration::from_micros(opts.flush_delay_us);
     let mut failed: Option<String> = None;
     let mut buf: Vec<u8> = Vec::with_capacity(opts.batch_bytes_max + 4096);
@@ -786,7 +824,8 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
                 }
                 Op::Append(record, done) => {
                     if let Some(why) = &failed {
-                        done(Err(JournalError::Failed(why.clone())));
+                        let why = why.clone();
+                        complete(Box::new(move || done(Err(JournalError::Failed(why)))));
                     } else {
                         if writer.len + (buf.len() + encoded_len(&record)) as u64
                             > opts.file_bytes_max
@@ -848,19 +887,22 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
             stats.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
             stats.file_len.store(writer.len, Ordering::Relaxed);
             buf.clear();
+            let batch = std::mem::take(&mut waiting);
             match result {
-                Ok(()) => {
-                    for (pos, done) in waiting.drain(..) {
+                Ok(()) => complete(Box::new(move || {
+                    for (pos, done) in batch {
                         done(Ok(pos));
                     }
-                }
+                })),
                 Err(e) => {
                     let why = e.to_string();
                     tracing::error!(error = %why, "journal write failed; the journal is read-only from now on");
                     failed = Some(why.clone());
-                    for (_, done) in waiting.drain(..) {
-                        done(Err(JournalError::Failed(why.clone())));
-                    }
+                    complete(Box::new(move || {
+                        for (_, done) in batch {
+                            done(Err(JournalError::Failed(why.clone())));
+                        }
+                    }));
                 }
             }
         }
@@ -875,7 +917,8 @@ fn run(mut writer: Writer, opts: JournalOptions, rx: mpsc::Receiver<Op>, stats: 
             if let Err(e) = &result {
                 failed.get_or_insert_with(|| e.to_string());
             }
-            done(result);
+            // After the callbacks of everything written before the roll.
+            complete(Box::new(move || done(result)));
         }
         if stopping {
             return;
@@ -957,6 +1000,61 @@ mod tests {
             prefill: true,
             ..opts(dir)
         }
+    }
+
+    #[test]
+    fn given_a_slow_callback_when_more_records_come_then_they_are_written_meanwhile_and_answered_after_it(
+    ) {
+        use std::sync::atomic::AtomicBool;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (journal, thread) = Journal::start(opts(dir.path())).expect("journal starts");
+        let (started_tx, started_rx) = mpsc::channel();
+        let (seen_tx, seen_rx) = mpsc::channel();
+        let first_done = Arc::new(AtomicBool::new(false));
+        let (j, f) = (journal.clone(), Arc::clone(&first_done));
+        journal.append(
+            rec(1, 0, 100),
+            Box::new(move |r| {
+                r.expect("first record acknowledged");
+                started_tx.send(()).expect("send");
+                // Holds its batch's callbacks until a second batch is written (or 10 s pass).
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while j.stats().flushes.load(Ordering::Relaxed) < 2 && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                seen_tx
+                    .send(j.stats().flushes.load(Ordering::Relaxed))
+                    .expect("send");
+                f.store(true, Ordering::SeqCst);
+            }),
+        );
+        started_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the first callback runs");
+        let (second_tx, second_rx) = mpsc::channel();
+        let f = Arc::clone(&first_done);
+        journal.append(
+            rec(1, 1, 100),
+            Box::new(move |r| {
+                second_tx
+                    .send((r.is_ok(), f.load(Ordering::SeqCst)))
+                    .expect("send");
+            }),
+        );
+        let flushes = seen_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the first callback ends");
+        assert_eq!(
+            flushes, 2,
+            "the second batch was written while the first batch's callback ran"
+        );
+        let (ok, after_first) = second_rx
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the second callback runs");
+        assert!(ok, "second record acknowledged");
+        assert!(after_first, "callbacks run in journal order");
+        drop(journal);
+        thread.join();
     }
 
     #[test]

@@ -390,11 +390,16 @@ fn main() -> ExitCode {
             runtime.block_on(storage_cmds::run_perf(args, cfg))
         }
     };
-    match result {
+    let code = match result {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
-    }
+    };
+    // Tokio's threads end here (joined); then the threads that used RocksDB, before `exit` runs
+    // RocksDB's static destructors (see `join_db_threads`).
+    drop(runtime);
+    meridian_metadata::store::join_db_threads(std::time::Duration::from_secs(5));
+    code
 }

@@ -227,6 +227,56 @@ pub struct LogStore {
 /// callback, fsyncs the write-ahead log once (`flush_wal(sync = true)` persists every write made
 /// before it), and only then reports those entries persisted. openraft counts an entry toward the
 /// commit quorum only after that report, so an acknowledged write is fsynced on a quorum.
+/// Threads that call into RocksDB, registered by [`spawn_db_thread`]. RocksDB keeps state per
+/// thread and releases it when the thread ends; if that happens while the process is already
+/// running `exit`'s static destructors (which tear RocksDB's globals down), the thread crashes:
+/// segfaults of `metadata-wal-sync` (in libstdc++) and `bookie-flusher` (in librocksdb) were
+/// seen at process exit. A process joins them with [`join_db_threads`] before it returns.
+static DB_THREADS: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// Spawns a named thread that uses RocksDB and registers it for [`join_db_threads`].
+pub fn spawn_db_thread<F>(name: &str, f: F) -> std::io::Result<()>
+where
+    F: FnOnce() + Send + 'static,
+{
+    let handle = std::thread::Builder::new().name(name.into()).spawn(f)?;
+    let mut threads = DB_THREADS.lock().unwrap_or_else(|e| e.into_inner());
+    // Threads of stores closed earlier in a long process (tests, restarts) go now.
+    let (done, running): (Vec<_>, Vec<_>) = threads.drain(..).partition(|t| t.is_finished());
+    *threads = running;
+    drop(threads);
+    for t in done {
+        let _ = t.join();
+    }
+    DB_THREADS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(handle);
+    Ok(())
+}
+
+/// Waits up to `timeout` for every registered RocksDB thread to end (each ends once its store
+/// is closed), and joins those that did; returns whether all did. Call it after the stores are
+/// shut down, before the process exits.
+pub fn join_db_threads(timeout: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    let threads = std::mem::take(&mut *DB_THREADS.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut all = true;
+    for t in threads {
+        while !t.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        if t.is_finished() {
+            let _ = t.join();
+        } else {
+            tracing::warn!(thread = ?t.thread().name(), "a RocksDB thread is still running at exit");
+            all = false;
+        }
+    }
+    all
+}
+
 fn wal_syncer(db: Arc<Db>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
@@ -249,9 +299,7 @@ impl LogStore {
         let syncer = options.fsync.then(|| {
             let (syncer, rx) = std::sync::mpsc::channel();
             let sync_db = Arc::clone(&db);
-            std::thread::Builder::new()
-                .name("metadata-wal-sync".into())
-                .spawn(move || wal_syncer(sync_db, rx))
+            spawn_db_thread("metadata-wal-sync", move || wal_syncer(sync_db, rx))
                 .expect("spawning the WAL sync thread");
             syncer
         });

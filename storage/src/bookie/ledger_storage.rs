@@ -274,7 +274,12 @@ impl EntryLogWriter {
 /// Entries held between the journal and the entry logs. Their bytes live in reused chunks: once
 /// the pool has grown to what the load needs, the write path allocates no fresh memory, whose
 /// first touch (zeroing pages) was the largest cost in a profile of a loaded bookie. The pool
-/// grows on demand (an idle bookie holds one chunk, not the whole cache).
+/// grows on demand (an idle bookie holds one chunk, not the whole cache) up to twice the cache:
+/// the entries being filled and, while a flush writes them out, the ones taken before, as
+/// BookKeeper's two write caches. A pool bounded by the cache alone let go of chunks during
+/// every flush under load and allocated new ones: 14% of a standalone's CPU zeroed fresh pages
+/// and copied into them at 650,000 msg/s. [`trim`](WriteCache::trim) gives back the free chunks
+/// of a bookie gone idle.
 #[derive(Default)]
 struct WriteCache {
     entries: BTreeMap<(u64, u64), Bytes>,
@@ -285,6 +290,8 @@ struct WriteCache {
     /// Used-up chunks; one is reused once every entry carved from it is gone (flushed).
     spent: VecDeque<BytesMut>,
     chunks_max: usize,
+    /// Chunks allocated since start (the pool's growth; flat once it covers the load).
+    chunks_allocated: u64,
 }
 
 /// Size of a write-cache chunk; larger entries get an allocation of their own.
@@ -292,7 +299,7 @@ const CHUNK_BYTES: usize = 4 << 20;
 
 impl WriteCache {
     fn new(bytes_max: usize) -> Self {
-        let chunks_max = bytes_max.div_ceil(CHUNK_BYTES) + 2;
+        let chunks_max = 2 * bytes_max.div_ceil(CHUNK_BYTES) + 2;
         let spent = VecDeque::new();
         Self {
             entries: BTreeMap::new(),
@@ -301,6 +308,7 @@ impl WriteCache {
             chunk: BytesMut::with_capacity(CHUNK_BYTES),
             spent,
             chunks_max,
+            chunks_allocated: 0,
         }
     }
 
@@ -330,7 +338,16 @@ impl WriteCache {
             // Still referenced (a reader holds an entry): let it go when that reader does.
             self.spent.pop_front();
         }
+        self.chunks_allocated += 1;
+        metrics::counter!("meridian_bookie_write_cache_chunks_allocated_total").increment(1);
         BytesMut::with_capacity(CHUNK_BYTES)
+    }
+
+    /// Lets go of every used-up chunk nothing refers to any more; returns how many.
+    fn trim(&mut self) -> usize {
+        let before = self.spent.len();
+        self.spent.retain_mut(|c| !c.try_reclaim(CHUNK_BYTES));
+        before - self.spent.len()
     }
 }
 
@@ -581,6 +598,11 @@ impl LedgerStorage {
     pub fn release(&self, n: usize) {
         let mut c = self.cache.lock().expect("cache lock");
         c.reserved = c.reserved.saturating_sub(n);
+    }
+
+    /// Gives the write cache's free chunks back (a bookie gone idle); returns their bytes.
+    pub fn trim_write_cache(&self) -> usize {
+        self.cache.lock().expect("cache lock").trim() * CHUNK_BYTES
     }
 
     /// Bytes in the write cache, counting admitted adds still in the journal.
@@ -1028,6 +1050,45 @@ mod tests {
         })
         .expect("open")
         .0
+    }
+
+    /// Carves `bytes` worth of 1,100-byte entries from the cache's chunks.
+    fn fill(c: &mut WriteCache, bytes: usize) -> Vec<Bytes> {
+        let data = vec![7u8; 1100];
+        (0..bytes / data.len()).map(|_| c.copy_in(&data)).collect()
+    }
+
+    #[test]
+    fn given_a_cache_refilled_while_a_flush_runs_when_load_goes_on_then_its_chunks_are_reused() {
+        let max = 40 << 20;
+        let mut c = WriteCache::new(max);
+        // A full cache is taken by a flush, and the cache fills again while it runs.
+        let mut flushing = fill(&mut c, max);
+        let mut filling = fill(&mut c, max);
+        let mut grown = 0;
+        for round in 0..8 {
+            // That flush ends; the next takes what filled meanwhile.
+            drop(std::mem::replace(
+                &mut flushing,
+                std::mem::take(&mut filling),
+            ));
+            filling = fill(&mut c, max);
+            if round == 2 {
+                grown = c.chunks_allocated;
+            }
+        }
+        assert_eq!(
+            c.chunks_allocated, grown,
+            "the pool covers the cache and a flush's entries: no fresh chunk once it has grown"
+        );
+        drop((flushing, filling));
+        let spent = c.spent.len();
+        assert_eq!(c.trim(), spent, "an idle cache gives every free chunk back");
+        fill(&mut c, 3 * CHUNK_BYTES);
+        assert!(
+            c.chunks_allocated > grown,
+            "after a trim, chunks are allocated again"
+        );
     }
 
     #[test]

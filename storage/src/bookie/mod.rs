@@ -231,14 +231,25 @@ impl RunningBookie {
 }
 
 impl Drop for RunningBookie {
-    /// Dropped without `shutdown` (a test that failed half-way): stop the threads instead of
-    /// leaving them running, and never block on them.
+    /// Dropped without `shutdown` (a test that failed half-way, a start that failed later on):
+    /// stop the threads instead of leaving them running; wait at most 5 s for the flusher.
     fn drop(&mut self) {
         let _ = self.stop.send(true);
         self.server.abort();
         self.core.journal.stop();
         if let Some(t) = self.journal_thread.take() {
             t.detach();
+        }
+        // The flusher sees the stop within a tick unless a flush is under way: wait a little
+        // for it, so that a process ending next does not end while it is inside RocksDB.
+        if let Some(f) = self.flusher.take() {
+            let deadline = std::time::Instant::now() + Duration::from_secs(5);
+            while !f.is_finished() && std::time::Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if f.is_finished() {
+                let _ = f.join();
+            }
         }
     }
 }
@@ -408,16 +419,29 @@ fn prepare_spare(core: &BookieCore, not_before: &mut std::time::Instant) {
     }
 }
 
+/// A bookie that has taken no add for this long gives its write cache's memory back.
+const WRITE_CACHE_TRIM_IDLE: Duration = Duration::from_secs(30);
+
 fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
     let interval = Duration::from_millis(core.opts.flush_interval_ms);
     let gc_interval = Duration::from_millis(core.opts.gc_interval_ms);
     let mut last_flush = std::time::Instant::now();
     let mut last_gc = std::time::Instant::now();
     let mut spare_not_before = std::time::Instant::now();
+    let mut last_busy = std::time::Instant::now();
+    let mut trimmed = true;
     while !*stop.borrow() {
         std::thread::sleep(Duration::from_millis(5));
-        let half_full =
-            core.storage.write_cache_bytes() >= core.opts.storage.write_cache_bytes_max / 2;
+        let cached = core.storage.write_cache_bytes();
+        if cached > 0 {
+            last_busy = std::time::Instant::now();
+            trimmed = false;
+        } else if !trimmed && last_busy.elapsed() >= WRITE_CACHE_TRIM_IDLE {
+            let freed = core.storage.trim_write_cache();
+            tracing::debug!(freed, "idle: gave the write cache's free chunks back");
+            trimmed = true;
+        }
+        let half_full = cached >= core.opts.storage.write_cache_bytes_max / 2;
         if half_full || last_flush.elapsed() >= interval {
             flush_once(&core);
             last_flush = std::time::Instant::now();
