@@ -11,8 +11,8 @@
 //! An entry is acknowledged (its callback gets `Ok`) only after the fdatasync that covers it has
 //! returned: one fsync acknowledges every record of the batch. Callbacks run on a completion
 //! thread, batch after batch in journal order, so the journal thread writes the next batch while
-//! the last one's callbacks run (the bookie's put an entry into its write cache and answer: at
-//! 200,000 adds/s that was about half of the journal thread's time).
+//! the last one's callbacks run (a bookie's callback puts the entry into its write cache and
+//! answers: at 200,000 adds/s that was about 40% of the journal thread's time).
 //!
 //! Files are `journal-<seq as 16 hex digits>.log`, rotated after `file_bytes_max`. A file starts
 //! with a 16-byte header (magic, format version, sequence number); then records:

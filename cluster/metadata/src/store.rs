@@ -222,11 +222,6 @@ pub struct LogStore {
     syncer: Option<std::sync::mpsc::Sender<LogFlushed<TypeConfig>>>,
 }
 
-/// Group commit of the Raft log. `append` writes entries to RocksDB (readable at once, as
-/// openraft requires) and queues its completion callback here; this thread takes every queued
-/// callback, fsyncs the write-ahead log once (`flush_wal(sync = true)` persists every write made
-/// before it), and only then reports those entries persisted. openraft counts an entry toward the
-/// commit quorum only after that report, so an acknowledged write is fsynced on a quorum.
 /// Threads that call into RocksDB, registered by [`spawn_db_thread`]. RocksDB keeps state per
 /// thread and releases it when the thread ends; if that happens while the process is already
 /// running `exit`'s static destructors (which tear RocksDB's globals down), the thread crashes:
@@ -242,18 +237,24 @@ where
 {
     let handle = std::thread::Builder::new().name(name.into()).spawn(f)?;
     let mut threads = DB_THREADS.lock().unwrap_or_else(|e| e.into_inner());
-    // Threads of stores closed earlier in a long process (tests, restarts) go now.
-    let (done, running): (Vec<_>, Vec<_>) = threads.drain(..).partition(|t| t.is_finished());
-    *threads = running;
-    drop(threads);
-    for t in done {
-        let _ = t.join();
-    }
-    DB_THREADS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(handle);
+    // Threads of stores closed earlier in a long process (tests, restarts) are let go.
+    threads.retain(|t| !t.is_finished());
+    threads.push(handle);
     Ok(())
+}
+
+/// Joins `thread` if it ends before `deadline`; returns whether it did. `join` (not only
+/// `is_finished`) so that its thread-exit work is over too.
+pub fn join_until(thread: std::thread::JoinHandle<()>, deadline: std::time::Instant) -> bool {
+    while !thread.is_finished() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    }
+    if !thread.is_finished() {
+        tracing::warn!(thread = ?thread.thread().name(), "a thread that used RocksDB is still running");
+        return false;
+    }
+    let _ = thread.join();
+    true
 }
 
 /// Waits up to `timeout` for every registered RocksDB thread to end (each ends once its store
@@ -264,19 +265,17 @@ pub fn join_db_threads(timeout: std::time::Duration) -> bool {
     let threads = std::mem::take(&mut *DB_THREADS.lock().unwrap_or_else(|e| e.into_inner()));
     let mut all = true;
     for t in threads {
-        while !t.is_finished() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(2));
-        }
-        if t.is_finished() {
-            let _ = t.join();
-        } else {
-            tracing::warn!(thread = ?t.thread().name(), "a RocksDB thread is still running at exit");
-            all = false;
-        }
+        // Every one gets its chance, also after one that did not end.
+        all &= join_until(t, deadline);
     }
     all
 }
 
+/// Group commit of the Raft log. `append` writes entries to RocksDB (readable at once, as
+/// openraft requires) and queues its completion callback here; this thread takes every queued
+/// callback, fsyncs the write-ahead log once (`flush_wal(sync = true)` persists every write made
+/// before it), and only then reports those entries persisted. openraft counts an entry toward the
+/// commit quorum only after that report, so an acknowledged write is fsynced on a quorum.
 fn wal_syncer(db: Arc<Db>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
@@ -857,6 +856,27 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
 mod tests {
     use super::*;
     use openraft::CommittedLeaderId;
+
+    #[test]
+    fn given_threads_when_joined_until_a_deadline_then_only_the_ended_ones_count() {
+        use std::time::{Duration, Instant};
+        let ends = std::thread::spawn(|| std::thread::sleep(Duration::from_millis(20)));
+        assert!(join_until(ends, Instant::now() + Duration::from_secs(10)));
+        let (release, wait) = std::sync::mpsc::channel::<()>();
+        let stuck = std::thread::spawn(move || {
+            let _ = wait.recv();
+        });
+        let started = Instant::now();
+        assert!(
+            !join_until(stuck, Instant::now() + Duration::from_millis(50)),
+            "a thread still running is reported, not waited for"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "gave up at the deadline"
+        );
+        drop(release);
+    }
 
     #[tokio::test]
     async fn given_a_purge_then_the_log_state_reads_the_purge_point_back() {

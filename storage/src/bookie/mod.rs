@@ -243,13 +243,10 @@ impl Drop for RunningBookie {
         // The flusher sees the stop within a tick unless a flush is under way: wait a little
         // for it, so that a process ending next does not end while it is inside RocksDB.
         if let Some(f) = self.flusher.take() {
-            let deadline = std::time::Instant::now() + Duration::from_secs(5);
-            while !f.is_finished() && std::time::Instant::now() < deadline {
-                std::thread::sleep(Duration::from_millis(5));
-            }
-            if f.is_finished() {
-                let _ = f.join();
-            }
+            meridian_metadata::store::join_until(
+                f,
+                std::time::Instant::now() + Duration::from_secs(5),
+            );
         }
     }
 }
