@@ -99,7 +99,15 @@ pub fn encoded_len(r: &Record) -> usize {
     RECORD_HEADER_BYTES + 17 + r.data.len() + r.tail.len()
 }
 
+#[cfg(test)]
 fn encode_into(buf: &mut Vec<u8>, file: u64, r: &Record) {
+    encode_head(buf, file, r, true);
+}
+
+/// Appends record `r` to `buf`, its tail included only if `copy_tail`; otherwise the tail's
+/// bytes must follow in the file right after what this appended. The checksum covers the tail
+/// either way.
+fn encode_head(buf: &mut Vec<u8>, file: u64, r: &Record, copy_tail: bool) {
     let payload_len = 17 + r.data.len() + r.tail.len();
     let start = buf.len();
     buf.extend_from_slice(&(payload_len as u32).to_le_bytes());
@@ -108,9 +116,90 @@ fn encode_into(buf: &mut Vec<u8>, file: u64, r: &Record) {
     buf.extend_from_slice(&r.ledger_id.to_le_bytes());
     buf.extend_from_slice(&r.entry_id.to_le_bytes());
     buf.extend_from_slice(&r.data);
-    buf.extend_from_slice(&r.tail);
-    let crc = record_crc(file, &buf[start..start + 4], &buf[start + 8..]);
+    if copy_tail {
+        buf.extend_from_slice(&r.tail);
+    }
+    let mut crc = record_crc(file, &buf[start..start + 4], &buf[start + 8..]);
+    if !copy_tail {
+        crc = crc32c::crc32c_append(crc, &r.tail);
+    }
     buf[start + 4..start + 8].copy_from_slice(&crc.to_le_bytes());
+}
+
+/// Tails this large are written from their own buffers rather than copied into the batch
+/// (see [`Batch`]). Smaller ones are cheaper to copy than to give a slice of their own.
+const GATHER_TAIL_MIN: usize = 16 << 10;
+
+/// The bytes of one group commit, in file order: headers, data and small tails copied into
+/// `buf`, large tails ([`GATHER_TAIL_MIN`]) referenced where they are and written with the rest
+/// in vectored writes. At the maximum batched publish rate (entries of about 128 KiB) copying
+/// them into the batch was 3.4% of a standalone's CPU.
+#[derive(Default)]
+struct Batch {
+    buf: Vec<u8>,
+    /// Each large tail with the length of `buf` it follows.
+    tails: Vec<(usize, bytes::Bytes)>,
+    /// Bytes of the batch in all.
+    len: usize,
+}
+
+impl Batch {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            buf: Vec::with_capacity(n),
+            ..Self::default()
+        }
+    }
+
+    fn push(&mut self, file: u64, r: &Record) {
+        let gather = r.tail.len() >= GATHER_TAIL_MIN;
+        encode_head(&mut self.buf, file, r, !gather);
+        if gather {
+            self.tails.push((self.buf.len(), r.tail.clone()));
+        }
+        self.len += encoded_len(r);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn clear(&mut self) {
+        self.buf.clear();
+        self.tails.clear();
+        self.len = 0;
+    }
+
+    /// The batch as slices in file order.
+    fn slices(&self) -> Vec<io::IoSlice<'_>> {
+        let mut out = Vec::with_capacity(2 * self.tails.len() + 1);
+        let mut from = 0;
+        for (at, tail) in &self.tails {
+            if *at > from {
+                out.push(io::IoSlice::new(&self.buf[from..*at]));
+            }
+            out.push(io::IoSlice::new(tail));
+            from = *at;
+        }
+        if self.buf.len() > from {
+            out.push(io::IoSlice::new(&self.buf[from..]));
+        }
+        out
+    }
+}
+
+/// Writes every slice, at most `IOV_MAX`-sized groups per `writev` call.
+fn write_all_vectored(file: &mut File, mut slices: &mut [io::IoSlice<'_>]) -> io::Result<()> {
+    const SLICES_PER_CALL: usize = 1024;
+    while !slices.is_empty() {
+        let n = slices.len().min(SLICES_PER_CALL);
+        let written = file.write_vectored(&slices[..n])?;
+        if written == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        io::IoSlice::advance_slices(&mut slices, written);
+    }
+    Ok(())
 }
 
 fn record_crc(file: u64, len: &[u8], payload: &[u8]) -> u32 {
@@ -766,10 +855,10 @@ impl Writer {
         Ok(())
     }
 
-    fn write_batch(&mut self, buf: &[u8], fsync: bool) -> Result<(), JournalError> {
-        self.reserve(buf.len() as u64)?;
-        self.file.write_all(buf).map_err(io_at(&self.path))?;
-        self.len += buf.len() as u64;
+    fn write_batch(&mut self, batch: &Batch, fsync: bool) -> Result<(), JournalError> {
+        self.reserve(batch.len as u64)?;
+        write_all_vectored(&mut self.file, &mut batch.slices()).map_err(io_at(&self.path))?;
+        self.len += batch.len as u64;
         if fsync {
             // Acknowledged means durable: nobody hears back before this returns.
             self.file.sync_data().map_err(io_at(&self.path))?;
@@ -794,7 +883,7 @@ fn run(
     };
     let delay = Duration::from_micros(opts.flush_delay_us);
     let mut failed: Option<String> = None;
-    let mut buf: Vec<u8> = Vec::with_capacity(opts.batch_bytes_max + 4096);
+    let mut batch = Batch::with_capacity(opts.batch_bytes_max.min(4 << 20) + 4096);
     let mut waiting: Vec<(Position, Done)> = Vec::new();
     let mut pending_op: Option<Op> = None;
     let sync_latency = metrics::histogram!("meridian_journal_sync_seconds");
@@ -827,9 +916,9 @@ fn run(
                         let why = why.clone();
                         complete(Box::new(move || done(Err(JournalError::Failed(why)))));
                     } else {
-                        if writer.len + (buf.len() + encoded_len(&record)) as u64
+                        if writer.len + (batch.len + encoded_len(&record)) as u64
                             > opts.file_bytes_max
-                            && writer.len + buf.len() as u64 > FILE_HEADER_BYTES
+                            && writer.len + batch.len as u64 > FILE_HEADER_BYTES
                         {
                             // This record starts the next file: flush this batch first.
                             pending_op = Some(Op::Append(record, done));
@@ -838,14 +927,14 @@ fn run(
                         }
                         let pos = Position {
                             file: writer.seq,
-                            offset: writer.len + buf.len() as u64,
+                            offset: writer.len + batch.len as u64,
                         };
-                        encode_into(&mut buf, writer.seq, &record);
+                        batch.push(writer.seq, &record);
                         waiting.push((pos, done));
                     }
                 }
             }
-            if buf.len() >= opts.batch_bytes_max {
+            if batch.len >= opts.batch_bytes_max {
                 break;
             }
             op = match rx.try_recv() {
@@ -866,16 +955,16 @@ fn run(
                 Err(TryRecvError::Disconnected) => None,
             };
         }
-        if !buf.is_empty() {
+        if !batch.is_empty() {
             let write_started = Instant::now();
-            let result = writer.write_batch(&buf, opts.fsync);
+            let result = writer.write_batch(&batch, opts.fsync);
             let took = write_started.elapsed();
             sync_latency.record(took.as_secs_f64());
             batch_records.record(waiting.len() as f64);
             if took > Duration::from_millis(10) {
                 tracing::debug!(
                     records = waiting.len(),
-                    bytes = buf.len(),
+                    bytes = batch.len,
                     took_us = took.as_micros() as u64,
                     "slow journal batch"
                 );
@@ -884,13 +973,13 @@ fn run(
             stats
                 .records
                 .fetch_add(waiting.len() as u64, Ordering::Relaxed);
-            stats.bytes.fetch_add(buf.len() as u64, Ordering::Relaxed);
+            stats.bytes.fetch_add(batch.len as u64, Ordering::Relaxed);
             stats.file_len.store(writer.len, Ordering::Relaxed);
-            buf.clear();
-            let batch = std::mem::take(&mut waiting);
+            batch.clear();
+            let answered = std::mem::take(&mut waiting);
             match result {
                 Ok(()) => complete(Box::new(move || {
-                    for (pos, done) in batch {
+                    for (pos, done) in answered {
                         done(Ok(pos));
                     }
                 })),
@@ -899,7 +988,7 @@ fn run(
                     tracing::error!(error = %why, "journal write failed; the journal is read-only from now on");
                     failed = Some(why.clone());
                     complete(Box::new(move || {
-                        for (_, done) in batch {
+                        for (_, done) in answered {
                             done(Err(JournalError::Failed(why.clone())));
                         }
                     }));
@@ -1181,6 +1270,57 @@ mod tests {
         assert_eq!(replayed[0].1.data, whole);
         assert!(replayed[0].1.tail.is_empty());
         assert_eq!(replayed[1].1, plain);
+    }
+
+    #[test]
+    fn given_large_tails_among_small_records_when_replayed_then_every_byte_is_in_place() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        // Tails at, around and far above the size written from its own buffer, between
+        // records copied whole, in batches large enough to take many of them.
+        let records: Vec<Record> = (0..300u64)
+            .map(|i| {
+                let len = match i % 5 {
+                    0 => GATHER_TAIL_MIN,
+                    1 => GATHER_TAIL_MIN - 1,
+                    2 => rng.gen_range(GATHER_TAIL_MIN..200_000),
+                    3 => 0,
+                    _ => rng.gen_range(1..3000),
+                };
+                let tail: Vec<u8> = (0..len).map(|_| rng.gen()).collect();
+                Record {
+                    tail: tail.into(),
+                    ..rec(6, i, (i as usize * 13) % 50)
+                }
+            })
+            .collect();
+        let o = JournalOptions {
+            batch_bytes_max: 4 << 20,
+            ..opts(dir.path())
+        };
+        let positions = write_all(o, &records);
+        let (replayed, report) = read_back(dir.path());
+        assert!(report.iter().all(|f| f.damage.is_none()), "{report:?}");
+        assert_eq!(replayed.len(), records.len());
+        for ((pos, got), (want, at)) in replayed.iter().zip(records.iter().zip(&positions)) {
+            let mut whole = want.data.clone();
+            whole.extend_from_slice(&want.tail);
+            assert_eq!(got.data, whole, "record {}", want.entry_id);
+            assert_eq!(pos, at);
+        }
+    }
+
+    #[test]
+    fn given_more_slices_than_one_writev_takes_then_all_are_written_in_order() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("v");
+        let parts: Vec<Vec<u8>> = (0..3000u32)
+            .map(|i| i.to_le_bytes().repeat(1 + i as usize % 7))
+            .collect();
+        let mut slices: Vec<io::IoSlice<'_>> = parts.iter().map(|p| io::IoSlice::new(p)).collect();
+        let mut f = File::create(&path).expect("create");
+        write_all_vectored(&mut f, &mut slices).expect("write");
+        assert_eq!(fs::read(&path).expect("read"), parts.concat());
     }
 
     #[test]

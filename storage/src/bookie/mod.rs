@@ -610,8 +610,9 @@ async fn handle(
                 Box::new(move |r| match r {
                     Ok(pos) => {
                         // Durable (journal fsync returned): readable, then acknowledged.
-                        // The write cache keeps a copy: the connection's read buffer is reused
-                        // instead of pinned until the next flush.
+                        // The write cache keeps a small entry as a copy (the connection's read
+                        // buffer is reused instead of pinned until the next flush), a large one
+                        // as it is.
                         storage.add_durable(
                             ledger_id,
                             entry_id,
