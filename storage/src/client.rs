@@ -73,11 +73,58 @@ struct Out {
 /// Linux takes up to 1024).
 const WRITE_BATCH_MAX: usize = 256;
 
-/// One TCP connection to a bookie. Cheap to share; broken for good once an I/O error happened
-/// (the pool then makes a new one).
+/// Two ends of an in-process connection to a bookie: requests in, responses out, each with
+/// its request id. The bookie answers exactly as it does on a socket.
+pub struct LocalLink {
+    pub requests: mpsc::UnboundedSender<(u64, Request)>,
+    pub responses: mpsc::UnboundedReceiver<(u64, Response)>,
+}
+
+/// Opens a [`LocalLink`] to a bookie of this process; `None` once it stopped.
+pub type LocalConnect = Arc<dyn Fn() -> Option<LocalLink> + Send + Sync>;
+
+/// Bookies of this process that take connections without a socket, by the address they are
+/// known by (the one in ledger ensembles), as BookKeeper's local transport for a bookie in the
+/// same JVM. A standalone's broker reaches its embedded bookie this way.
+static LOCAL_BOOKIES: Mutex<Vec<(String, LocalConnect)>> = Mutex::new(Vec::new());
+
+/// Makes the bookie known as `addr` reachable in this process through `connect`.
+pub fn register_local_bookie(addr: &str, connect: LocalConnect) {
+    let mut local = LOCAL_BOOKIES.lock().expect("local bookies lock");
+    local.retain(|(a, _)| a != addr);
+    local.push((addr.to_string(), connect));
+}
+
+/// Forgets the in-process bookie `addr`: new connections to it go over TCP.
+pub fn unregister_local_bookie(addr: &str) {
+    LOCAL_BOOKIES
+        .lock()
+        .expect("local bookies lock")
+        .retain(|(a, _)| a != addr);
+}
+
+fn local_bookie(addr: &str) -> Option<LocalConnect> {
+    LOCAL_BOOKIES
+        .lock()
+        .expect("local bookies lock")
+        .iter()
+        .find(|(a, _)| a == addr)
+        .map(|(_, c)| Arc::clone(c))
+}
+
+/// Where a connection's requests go.
+enum Sink {
+    /// Encoded, to the task that writes them to the socket.
+    Wire(mpsc::UnboundedSender<Out>),
+    /// As they are, to a bookie of this process.
+    Local(mpsc::UnboundedSender<(u64, Request)>),
+}
+
+/// One connection to a bookie: over TCP, or in-process ([`register_local_bookie`]). Cheap to
+/// share; broken for good once an I/O error happened (the pool then makes a new one).
 pub struct BookieConn {
     addr: String,
-    tx: mpsc::UnboundedSender<Out>,
+    sink: Sink,
     pending: Pending,
     next_id: AtomicU64,
     broken: Arc<AtomicBool>,
@@ -104,7 +151,7 @@ impl BookieConn {
         let broken = Arc::new(AtomicBool::new(false));
         let conn = Arc::new(Self {
             addr: addr.to_string(),
-            tx,
+            sink: Sink::Wire(tx),
             pending: Arc::clone(&pending),
             next_id: AtomicU64::new(1),
             broken: Arc::clone(&broken),
@@ -169,6 +216,41 @@ impl BookieConn {
         Ok(conn)
     }
 
+    /// A connection over `link` to the in-process bookie known as `addr`.
+    pub fn local(addr: &str, link: LocalLink) -> Arc<Self> {
+        let LocalLink {
+            requests,
+            mut responses,
+        } = link;
+        let pending: Pending = Arc::default();
+        let broken = Arc::new(AtomicBool::new(false));
+        let conn = Arc::new(Self {
+            addr: addr.to_string(),
+            sink: Sink::Local(requests),
+            pending: Arc::clone(&pending),
+            next_id: AtomicU64::new(1),
+            broken: Arc::clone(&broken),
+        });
+        let addr = addr.to_string();
+        tokio::spawn(async move {
+            while let Some((id, response)) = responses.recv().await {
+                let waiter = pending.lock().expect("pending lock").remove(&id);
+                if let Some(waiter) = waiter {
+                    waiter(Ok(response));
+                }
+            }
+            // The bookie stopped (and every request it had started was answered or dropped).
+            broken.store(true, Ordering::Relaxed);
+            fail_all(&pending, &addr);
+        });
+        conn
+    }
+
+    /// Whether this connection reaches its bookie inside this process.
+    pub fn is_local(&self) -> bool {
+        matches!(self.sink, Sink::Local(_))
+    }
+
     pub fn addr(&self) -> &str {
         &self.addr
     }
@@ -183,20 +265,20 @@ impl BookieConn {
         let Some(id) = self.register(on_response) else {
             return;
         };
-        let frame = Frame::Request { id, request };
-        let mut out = Vec::with_capacity(proto::encoded_len_hint(&frame));
-        proto::encode(&frame, &mut out);
-        self.queue(
-            id,
+        self.queue(id, request, |request| {
+            let frame = Frame::Request { id, request };
+            let mut head = Vec::with_capacity(proto::encoded_len_hint(&frame));
+            proto::encode(&frame, &mut head);
             Out {
-                head: out,
+                head,
                 body: Bytes::new(),
-            },
-        );
+            }
+        });
     }
 
     /// Sends an add of `sealed` (the ledger writer's path): the payload goes to the socket from
-    /// its own buffer. `on_response` as for [`send_with`](Self::send_with).
+    /// its own buffer (to an in-process bookie, header and payload in one new buffer).
+    /// `on_response` as for [`send_with`](Self::send_with).
     pub fn send_add(
         &self,
         ledger_id: u64,
@@ -208,15 +290,28 @@ impl BookieConn {
         let Some(id) = self.register(on_response) else {
             return;
         };
-        let mut head = Vec::with_capacity(64 + master_key.len());
-        proto::encode_add(id, ledger_id, entry_id, 0, master_key, sealed, &mut head);
-        self.queue(
-            id,
-            Out {
-                head,
-                body: sealed.payload.clone(),
-            },
-        );
+        let sent = match &self.sink {
+            Sink::Wire(tx) => {
+                let mut head = Vec::with_capacity(64 + master_key.len());
+                proto::encode_add(id, ledger_id, entry_id, 0, master_key, sealed, &mut head);
+                let body = sealed.payload.clone();
+                tx.send(Out { head, body }).is_ok()
+            }
+            // The bookie takes the envelope as one buffer, as it would read it off a socket.
+            Sink::Local(tx) => {
+                let request = Request::Add {
+                    ledger_id,
+                    entry_id,
+                    flags: 0,
+                    master_key: Bytes::copy_from_slice(master_key),
+                    entry: sealed.to_bytes(),
+                };
+                tx.send((id, request)).is_ok()
+            }
+        };
+        if !sent {
+            self.closed(id);
+        }
     }
 
     /// A new request id with `on_response` waiting on it; `None` (and `on_response` failed)
@@ -237,15 +332,25 @@ impl BookieConn {
         Some(id)
     }
 
-    /// Hands request `id`'s bytes to the writer; fails its waiter if the connection is gone.
-    fn queue(&self, id: u64, out: Out) {
-        if self.tx.send(out).is_err() {
-            if let Some(w) = self.pending.lock().expect("pending lock").remove(&id) {
-                w(Err(BookieClientError::Unreachable {
-                    addr: self.addr.clone(),
-                    reason: "connection closed".into(),
-                }));
-            }
+    /// Hands request `id` to its way out: encoded to the socket's writer, or as it is to the
+    /// in-process bookie. Fails its waiter if the connection is gone.
+    fn queue(&self, id: u64, request: Request, wire: impl FnOnce(Request) -> Out) {
+        let sent = match &self.sink {
+            Sink::Wire(tx) => tx.send(wire(request)).is_ok(),
+            Sink::Local(tx) => tx.send((id, request)).is_ok(),
+        };
+        if !sent {
+            self.closed(id);
+        }
+    }
+
+    fn closed(&self, id: u64) {
+        self.broken.store(true, Ordering::Relaxed);
+        if let Some(w) = self.pending.lock().expect("pending lock").remove(&id) {
+            w(Err(BookieClientError::Unreachable {
+                addr: self.addr.clone(),
+                reason: "connection closed".into(),
+            }));
         }
     }
 
@@ -319,7 +424,10 @@ impl BookiePool {
                 return Ok(Arc::clone(c));
             }
         }
-        let c = BookieConn::connect(addr, self.connect_timeout, self.frame_bytes_max).await?;
+        let c = match local_bookie(addr).and_then(|connect| connect()) {
+            Some(link) => BookieConn::local(addr, link),
+            None => BookieConn::connect(addr, self.connect_timeout, self.frame_bytes_max).await?,
+        };
         conns.insert(addr.to_string(), Arc::clone(&c));
         Ok(c)
     }

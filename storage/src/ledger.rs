@@ -189,6 +189,12 @@ impl LedgerClient {
         &self.meta
     }
 
+    /// This client's connection to the bookie at `addr` (made if there is none yet): over TCP,
+    /// or in-process when a bookie of this process serves that address.
+    pub async fn connection(&self, addr: &str) -> Result<Arc<BookieConn>, BookieClientError> {
+        self.pool.get(addr).await
+    }
+
     /// Registered bookies, as they describe themselves.
     pub async fn bookies(&self) -> Result<Vec<BookieInfo>, LedgerError> {
         let mut out = Vec::new();

@@ -222,6 +222,76 @@ async fn given_ensemble_when_a_bookie_stops_mid_stream_then_writes_go_on_and_eve
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_bookies_serving_in_process_when_one_crashes_mid_stream_then_writes_go_on_and_every_entry_reads_back(
+) {
+    let (_tmp, store, mut bookies, client) = setup(4).await;
+    for b in &bookies {
+        b.running.as_ref().expect("running").serve_in_process();
+    }
+    step("create E=3 Qw=2 Qa=2; its connections are in-process ones");
+    let writer = client
+        .create(3, 2, 2, BTreeMap::new())
+        .await
+        .expect("create");
+    let id = writer.id();
+    let (meta0, _) = client.metadata(id).await.expect("metadata");
+    for a in &meta0.fragments[0].ensemble {
+        assert!(
+            client.connection(a).await.expect("connection").is_local(),
+            "{a}"
+        );
+    }
+    step("write 3,000 entries, large and small; crash an ensemble bookie at 1,000");
+    let victim = meta0.fragments[0].ensemble[1].clone();
+    let entry = |i: u64| -> Bytes {
+        if i % 3 == 0 {
+            Bytes::from(vec![(i % 251) as u8; 20_000 + i as usize])
+        } else {
+            payload(i)
+        }
+    };
+    let mut acks: Vec<tokio::sync::oneshot::Receiver<Result<u64, LedgerError>>> = Vec::new();
+    for i in 0..3000u64 {
+        if i == 1000 {
+            let b = bookies
+                .iter_mut()
+                .find(|b| b.addr == victim)
+                .expect("victim");
+            if let Some(s) = b.stop_reg.take() {
+                let _ = s.send(true);
+            }
+            b.running.take().expect("running").crash().await;
+        }
+        acks.push(writer.add_queued(entry(i)).await);
+    }
+    for (i, rx) in acks.into_iter().enumerate() {
+        assert_eq!(rx.await.expect("answer").expect("acknowledged"), i as u64);
+    }
+    assert_eq!(writer.close().await.expect("close"), Some(2999));
+    step("the crashed bookie left the ensemble; it is no longer reachable in process");
+    let (meta, _) = client.metadata(id).await.expect("metadata");
+    assert!(meta.fragments.len() >= 2, "{meta:?}");
+    assert!(!meta
+        .fragments
+        .last()
+        .expect("fragment")
+        .ensemble
+        .contains(&victim));
+    assert!(client.connection(&victim).await.is_err());
+    step("every acknowledged entry reads back through in-process connections");
+    let reader = client.open(id).await.expect("open");
+    for i in 0..3000u64 {
+        assert_eq!(reader.read(i).await.expect("read"), entry(i), "entry {i}");
+    }
+    for b in &mut bookies {
+        if b.running.is_some() {
+            b.stop(&store.client).await;
+        }
+    }
+    store.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_abandoned_writer_when_another_client_recovers_then_ledger_closes_after_acked_and_old_writer_is_refused(
 ) {
     let (_tmp, store, mut bookies, client) = setup(3).await;

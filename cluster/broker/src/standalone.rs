@@ -100,6 +100,9 @@ impl Standalone {
         let bookie = bookie::start(BookieOptions::from_config(&bcfg), bl)
             .await
             .context("embedded bookie")?;
+        // The broker below writes to this bookie through the same ledger client as to any
+        // other, but in-process: no socket, no frames, no kernel copies.
+        bookie.serve_in_process();
         let bookie_addr = bookie.addr.to_string();
         if previous.is_none() {
             let a = Addresses {

@@ -23,6 +23,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Semaphore};
 
+use crate::client::{register_local_bookie, unregister_local_bookie, LocalConnect, LocalLink};
 use crate::journal::{self, Journal, JournalOptions, JournalThread, Record, RecordKind};
 use crate::proto::{self, Frame, Request, Response, Status, ADD_RECOVERY, NONE};
 use ledger_storage::{LedgerStorage, StorageOptions};
@@ -186,8 +187,38 @@ pub struct RunningBookie {
 }
 
 impl RunningBookie {
+    /// Lets ledger clients of this process reach this bookie without a socket: connections
+    /// the [`BookiePool`](crate::client::BookiePool) makes to `addr` from now on are in-process
+    /// ones (no frames, no copies into and out of the kernel, no checksum of the response).
+    /// The bookie still checks every entry's checksum. Its TCP listener keeps serving
+    /// other processes. A standalone's broker writes to its embedded bookie this way.
+    pub fn serve_in_process(&self) {
+        let core = Arc::clone(&self.core);
+        let stop = self.stop.subscribe();
+        let connect: LocalConnect = Arc::new(move || {
+            let runtime = tokio::runtime::Handle::try_current().ok()?;
+            if *stop.borrow() {
+                return None;
+            }
+            let (requests, requests_rx) = mpsc::unbounded_channel();
+            let (responses_tx, responses) = mpsc::unbounded_channel();
+            runtime.spawn(local_connection(
+                Arc::clone(&core),
+                requests_rx,
+                responses_tx,
+                stop.clone(),
+            ));
+            Some(LocalLink {
+                requests,
+                responses,
+            })
+        });
+        register_local_bookie(&self.addr.to_string(), connect);
+    }
+
     /// Stops accepting, closes connections, flushes the write cache, stops the journal.
     pub async fn shutdown(mut self) {
+        unregister_local_bookie(&self.addr.to_string());
         let _ = self.stop.send(true);
         let _ = (&mut self.server).await;
         if let Some(f) = self.flusher.take() {
@@ -217,6 +248,7 @@ impl RunningBookie {
     /// Stops serving at once, as a crash would: no flush. Only what the journal fsynced
     /// survives (tests use this for kill -9 inside one process).
     pub async fn crash(mut self) {
+        unregister_local_bookie(&self.addr.to_string());
         let _ = self.stop.send(true);
         self.server.abort();
         let _ = (&mut self.server).await;
@@ -234,6 +266,7 @@ impl Drop for RunningBookie {
     /// Dropped without `shutdown` (a test that failed half-way, a start that failed later on):
     /// stop the threads instead of leaving them running; wait at most 5 s for the flusher.
     fn drop(&mut self) {
+        unregister_local_bookie(&self.addr.to_string());
         let _ = self.stop.send(true);
         self.server.abort();
         self.core.journal.stop();
@@ -540,26 +573,67 @@ async fn connection(
         };
         // Released by the writer once the response is written.
         permit.forget();
-        handle(&core, id, request, tx.clone()).await;
+        handle(&core, id, request, Reply::Wire(tx.clone())).await;
     };
     drop(tx);
     let _ = writer.await;
     result
 }
 
-fn send(tx: &mpsc::UnboundedSender<Vec<u8>>, id: u64, response: Response) {
-    let frame = Frame::Response { id, response };
-    let mut out = Vec::with_capacity(proto::encoded_len_hint(&frame));
-    proto::encode(&frame, &mut out);
-    let _ = tx.send(out);
+/// An in-process connection ([`RunningBookie::serve_in_process`]): the same requests, limit on
+/// requests in flight and answers as [`connection`], without a socket, frames or copies.
+async fn local_connection(
+    core: Arc<BookieCore>,
+    mut requests: mpsc::UnboundedReceiver<(u64, Request)>,
+    responses: mpsc::UnboundedSender<(u64, Response)>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let permits = Arc::new(Semaphore::new(core.opts.requests_in_flight_max));
+    let serve = async {
+        while let Some((id, request)) = requests.recv().await {
+            let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
+                break;
+            };
+            // Given back when the response is sent.
+            permit.forget();
+            let reply = Reply::Local(responses.clone(), Arc::clone(&permits));
+            handle(&core, id, request, reply).await;
+        }
+    };
+    // A stop ends the connection even while a request waits (for room in the write cache, say):
+    // that request was not journaled, and the client fails it once every started one is answered
+    // and this connection's end of the responses is gone.
+    tokio::select! {
+        _ = stop.wait_for(|stopped| *stopped) => {}
+        () = serve => {}
+    }
 }
 
-async fn handle(
-    core: &Arc<BookieCore>,
-    id: u64,
-    request: Request,
-    tx: mpsc::UnboundedSender<Vec<u8>>,
-) {
+/// Where a request's response goes.
+#[derive(Clone)]
+enum Reply {
+    /// Encoded, to the connection's writer (which gives the request's permit back).
+    Wire(mpsc::UnboundedSender<Vec<u8>>),
+    /// As it is, to an in-process client; the request's permit is given back on the way.
+    Local(mpsc::UnboundedSender<(u64, Response)>, Arc<Semaphore>),
+}
+
+fn send(tx: &Reply, id: u64, response: Response) {
+    match tx {
+        Reply::Wire(tx) => {
+            let frame = Frame::Response { id, response };
+            let mut out = Vec::with_capacity(proto::encoded_len_hint(&frame));
+            proto::encode(&frame, &mut out);
+            let _ = tx.send(out);
+        }
+        Reply::Local(tx, permits) => {
+            let _ = tx.send((id, response));
+            permits.add_permits(1);
+        }
+    }
+}
+
+async fn handle(core: &Arc<BookieCore>, id: u64, request: Request, tx: Reply) {
     match request {
         Request::Add {
             ledger_id,
