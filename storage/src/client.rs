@@ -76,8 +76,24 @@ const WRITE_BATCH_MAX: usize = 256;
 /// Two ends of an in-process connection to a bookie: requests in, responses out, each with
 /// its request id. The bookie answers exactly as it does on a socket.
 pub struct LocalLink {
-    pub requests: mpsc::UnboundedSender<(u64, Request)>,
+    pub requests: mpsc::UnboundedSender<(u64, LocalRequest)>,
     pub responses: mpsc::UnboundedReceiver<(u64, Response)>,
+}
+
+/// A request on an in-process connection.
+#[derive(Debug)]
+pub enum LocalRequest {
+    /// As it would be decoded off a socket.
+    Plain(Request),
+    /// An add (not a recovery one) whose envelope stays in the writer's two parts, header and
+    /// payload, so that the payload is never copied behind its header: the bookie journals and
+    /// caches the parts as they are. On a socket the same add is one [`Request::Add`].
+    Add {
+        ledger_id: u64,
+        entry_id: u64,
+        master_key: Bytes,
+        sealed: proto::Sealed,
+    },
 }
 
 /// Opens a [`LocalLink`] to a bookie of this process; `None` once it stopped.
@@ -117,7 +133,7 @@ enum Sink {
     /// Encoded, to the task that writes them to the socket.
     Wire(mpsc::UnboundedSender<Out>),
     /// As they are, to a bookie of this process.
-    Local(mpsc::UnboundedSender<(u64, Request)>),
+    Local(mpsc::UnboundedSender<(u64, LocalRequest)>),
 }
 
 /// One connection to a bookie: over TCP, or in-process ([`register_local_bookie`]). Cheap to
@@ -277,7 +293,7 @@ impl BookieConn {
     }
 
     /// Sends an add of `sealed` (the ledger writer's path): the payload goes to the socket from
-    /// its own buffer (to an in-process bookie, header and payload in one new buffer).
+    /// its own buffer (to an in-process bookie, as it is: [`LocalRequest::Add`]).
     /// `on_response` as for [`send_with`](Self::send_with).
     pub fn send_add(
         &self,
@@ -297,14 +313,12 @@ impl BookieConn {
                 let body = sealed.payload.clone();
                 tx.send(Out { head, body }).is_ok()
             }
-            // The bookie takes the envelope as one buffer, as it would read it off a socket.
             Sink::Local(tx) => {
-                let request = Request::Add {
+                let request = LocalRequest::Add {
                     ledger_id,
                     entry_id,
-                    flags: 0,
                     master_key: Bytes::copy_from_slice(master_key),
-                    entry: sealed.to_bytes(),
+                    sealed: sealed.clone(),
                 };
                 tx.send((id, request)).is_ok()
             }
@@ -337,7 +351,7 @@ impl BookieConn {
     fn queue(&self, id: u64, request: Request, wire: impl FnOnce(Request) -> Out) {
         let sent = match &self.sink {
             Sink::Wire(tx) => tx.send(wire(request)).is_ok(),
-            Sink::Local(tx) => tx.send((id, request)).is_ok(),
+            Sink::Local(tx) => tx.send((id, LocalRequest::Plain(request))).is_ok(),
         };
         if !sent {
             self.closed(id);

@@ -616,9 +616,20 @@ pub fn open(entry: &Bytes) -> Result<Envelope, EnvelopeError> {
     if entry.len() < ENVELOPE_HEADER_BYTES {
         return Err(EnvelopeError::Short(entry.len()));
     }
-    let h = &entry[..ENVELOPE_HEADER_BYTES];
+    let header: &[u8; ENVELOPE_HEADER_BYTES] = entry[..ENVELOPE_HEADER_BYTES]
+        .try_into()
+        .expect("header bytes");
+    open_sealed(header, entry.slice(ENVELOPE_HEADER_BYTES..))
+}
+
+/// [`open`] of an envelope whose header and payload are apart (a [`Sealed`]).
+pub fn open_sealed(
+    header: &[u8; ENVELOPE_HEADER_BYTES],
+    payload: Bytes,
+) -> Result<Envelope, EnvelopeError> {
+    let h = header;
     let stored = u32::from_be_bytes(h[24..28].try_into().expect("4 bytes"));
-    let computed = envelope_crc(h, &entry[ENVELOPE_HEADER_BYTES..]);
+    let computed = envelope_crc(h, &payload);
     if stored != computed {
         return Err(EnvelopeError::Checksum { stored, computed });
     }
@@ -626,7 +637,7 @@ pub fn open(entry: &Bytes) -> Result<Envelope, EnvelopeError> {
         ledger_id: u64::from_be_bytes(h[0..8].try_into().expect("8 bytes")),
         entry_id: u64::from_be_bytes(h[8..16].try_into().expect("8 bytes")),
         lac: u64::from_be_bytes(h[16..24].try_into().expect("8 bytes")),
-        payload: entry.slice(ENVELOPE_HEADER_BYTES..),
+        payload,
     })
 }
 

@@ -26,7 +26,7 @@ use bytes::{Bytes, BytesMut};
 use rocksdb::{IteratorMode, Options, WriteBatch, WriteOptions, DB};
 use serde::{Deserialize, Serialize};
 
-use crate::proto::{Status, NONE};
+use crate::proto::{self, Status, NONE};
 
 const CF_INDEX: &str = "index";
 const CF_LEDGERS: &str = "ledgers";
@@ -280,9 +280,47 @@ impl EntryLogWriter {
 /// every flush under load and allocated new ones: 14% of a standalone's CPU zeroed fresh pages
 /// and copied into them at 650,000 msg/s. [`trim`](WriteCache::trim) gives back the free chunks
 /// of a bookie gone idle.
+/// An entry envelope in the write cache: its bytes are `head` then `body`.
+#[derive(Debug, Clone)]
+pub(crate) struct Held {
+    /// Up to a header's worth of bytes copied (an envelope's header, kept apart from a large
+    /// payload so that the payload need not be copied behind it); often empty.
+    head: ([u8; proto::ENVELOPE_HEADER_BYTES], u8),
+    body: Bytes,
+}
+
+impl Held {
+    fn whole(body: Bytes) -> Self {
+        Self {
+            head: ([0; proto::ENVELOPE_HEADER_BYTES], 0),
+            body,
+        }
+    }
+
+    fn head(&self) -> &[u8] {
+        &self.head.0[..self.head.1 as usize]
+    }
+
+    fn len(&self) -> usize {
+        self.head.1 as usize + self.body.len()
+    }
+
+    /// The envelope in one buffer: shared when there is no head, else a copy (a read of an
+    /// entry that is not in an entry log yet).
+    fn to_bytes(&self) -> Bytes {
+        if self.head.1 == 0 {
+            return self.body.clone();
+        }
+        let mut v = Vec::with_capacity(self.len());
+        v.extend_from_slice(self.head());
+        v.extend_from_slice(&self.body);
+        v.into()
+    }
+}
+
 #[derive(Default)]
 struct WriteCache {
-    entries: BTreeMap<(u64, u64), Bytes>,
+    entries: BTreeMap<(u64, u64), Held>,
     bytes: usize,
     /// Bytes of adds admitted (in the journal) but not in `entries` yet.
     reserved: usize,
@@ -317,28 +355,37 @@ impl WriteCache {
         }
     }
 
-    /// The bytes the cache keeps for `data`. An entry of [`SHARE_BYTES_MIN`] or more is kept
-    /// as it came (no copy): it fills most of the buffer it was read into, so keeping that
-    /// buffer until the next flush costs little more than the entry. A smaller one is copied
-    /// into the current chunk, so that a few small entries do not pin whole read buffers.
-    fn keep(&mut self, data: &Bytes) -> Bytes {
-        if data.len() >= SHARE_BYTES_MIN {
-            return data.clone();
+    /// What the cache keeps for the envelope `head` then `body` (`head` at most a header
+    /// long). A `body` of [`SHARE_BYTES_MIN`] or more is kept as it came (no copy): it fills
+    /// most of the buffer it was read into, so keeping that buffer until the next flush costs
+    /// little more than the entry. A smaller entry is copied into the current chunk, so that a
+    /// few small entries do not pin whole read buffers.
+    fn keep(&mut self, head: &[u8], body: &Bytes) -> Held {
+        if body.len() < SHARE_BYTES_MIN {
+            return Held::whole(self.copy_in(head, body));
         }
-        self.copy_in(data)
+        let mut h = Held::whole(body.clone());
+        h.head.0[..head.len()].copy_from_slice(head);
+        h.head.1 = head.len() as u8;
+        h
     }
 
-    /// A copy of `data` carved from the current chunk.
-    fn copy_in(&mut self, data: &[u8]) -> Bytes {
-        if data.len() > CHUNK_BYTES / 4 {
-            return Bytes::copy_from_slice(data);
+    /// A copy of `head` then `body` carved from the current chunk.
+    fn copy_in(&mut self, head: &[u8], body: &[u8]) -> Bytes {
+        let len = head.len() + body.len();
+        if len > CHUNK_BYTES / 4 {
+            let mut v = Vec::with_capacity(len);
+            v.extend_from_slice(head);
+            v.extend_from_slice(body);
+            return v.into();
         }
-        if self.chunk.capacity() - self.chunk.len() < data.len() {
+        if self.chunk.capacity() - self.chunk.len() < len {
             let full = std::mem::take(&mut self.chunk);
             self.spent.push_back(full);
             self.chunk = self.reuse_chunk();
         }
-        self.chunk.extend_from_slice(data);
+        self.chunk.extend_from_slice(head);
+        self.chunk.extend_from_slice(body);
         self.chunk.split().freeze()
     }
 
@@ -418,7 +465,7 @@ pub struct LedgerStorage {
     logs_dir: PathBuf,
     cache: Mutex<WriteCache>,
     /// The batch being flushed: still readable until the index points at its new home.
-    flushing: RwLock<Arc<BTreeMap<(u64, u64), Bytes>>>,
+    flushing: RwLock<Arc<BTreeMap<(u64, u64), Held>>>,
     ledgers: Mutex<HashMap<u64, LedgerState>>,
     read_cache: Mutex<ReadCache>,
     /// Open entry logs for reads.
@@ -527,18 +574,21 @@ impl LedgerStorage {
         }
     }
 
-    /// An add is durable in the journal: make it readable. Also used by journal replay.
+    /// An add is durable in the journal: make it readable. Also used by journal replay. The
+    /// envelope is `(head, body)`, its bytes `head` (at most a header's worth, often empty) then
+    /// `body`.
     pub fn add_durable(
         &self,
         ledger_id: u64,
         entry_id: u64,
         lac: u64,
         master_key: &[u8],
-        envelope: &Bytes,
+        (head, body): (&[u8], &Bytes),
         reserved: bool,
     ) {
+        debug_assert!(head.len() <= proto::ENVELOPE_HEADER_BYTES);
         if reserved {
-            self.release(envelope.len());
+            self.release(head.len() + body.len());
         }
         {
             let mut ledgers = self.ledgers.lock().expect("ledgers lock");
@@ -552,7 +602,7 @@ impl LedgerStorage {
             state.note_entry(entry_id, lac);
         }
         let mut cache = self.cache.lock().expect("cache lock");
-        let envelope = cache.keep(envelope);
+        let envelope = cache.keep(head, body);
         cache.bytes += envelope.len();
         if let Some(old) = cache.entries.insert((ledger_id, entry_id), envelope) {
             cache.bytes -= old.len();
@@ -634,10 +684,10 @@ impl LedgerStorage {
         }
         let key = (ledger_id, entry_id);
         if let Some(v) = self.cache.lock().expect("cache lock").entries.get(&key) {
-            return Ok(v.clone());
+            return Ok(v.to_bytes());
         }
         if let Some(v) = self.flushing.read().expect("flushing lock").get(&key) {
-            return Ok(v.clone());
+            return Ok(v.to_bytes());
         }
         if let Some(v) = self
             .read_cache
@@ -832,7 +882,7 @@ impl LedgerStorage {
     fn write_entries(
         &self,
         writer: &mut EntryLogWriter,
-        entries: &BTreeMap<(u64, u64), Bytes>,
+        entries: &BTreeMap<(u64, u64), Held>,
         checkpoint: u64,
     ) -> Result<(), StorageError> {
         let mut batch = WriteBatch::default();
@@ -857,7 +907,8 @@ impl LedgerStorage {
             }
             let offset = writer.position() + 4;
             writer.push(&(value.len() as u32).to_be_bytes())?;
-            writer.push(value)?;
+            writer.push(value.head())?;
+            writer.push(&value.body)?;
             let loc = Location {
                 log: writer.id,
                 offset,
@@ -987,7 +1038,7 @@ impl LedgerStorage {
                     .ok_or_else(|| StorageError::Corrupt("index location".into()))?;
                 if loc.log == log {
                     let entry = u64::from_be_bytes(k[8..16].try_into().expect("8 bytes"));
-                    moved.insert((*ledger, entry), self.read_at(loc)?);
+                    moved.insert((*ledger, entry), Held::whole(self.read_at(loc)?));
                 }
             }
         }
@@ -1071,7 +1122,9 @@ mod tests {
     /// Carves `bytes` worth of 1,100-byte entries from the cache's chunks.
     fn fill(c: &mut WriteCache, bytes: usize) -> Vec<Bytes> {
         let data = vec![7u8; 1100];
-        (0..bytes / data.len()).map(|_| c.copy_in(&data)).collect()
+        (0..bytes / data.len())
+            .map(|_| c.copy_in(&[], &data))
+            .collect()
     }
 
     #[test]
@@ -1111,20 +1164,22 @@ mod tests {
     fn given_large_and_small_entries_when_cached_then_only_small_ones_are_copied() {
         let mut c = WriteCache::new(64 << 20);
         let large = Bytes::from(vec![7u8; SHARE_BYTES_MIN]);
-        let kept = c.keep(&large);
+        let kept = c.keep(b"head", &large);
         assert_eq!(
-            kept.as_ptr(),
+            kept.body.as_ptr(),
             large.as_ptr(),
             "a large entry is kept as it came"
         );
+        assert_eq!(kept.head(), b"head");
+        assert_eq!(kept.to_bytes(), [&b"head"[..], &large[..]].concat());
         let small = Bytes::from(vec![8u8; SHARE_BYTES_MIN - 1]);
-        let kept = c.keep(&small);
-        assert_eq!(kept, small);
-        assert_ne!(
-            kept.as_ptr(),
-            small.as_ptr(),
-            "a small entry is copied into a chunk"
+        let kept = c.keep(b"head", &small);
+        assert_eq!(kept.to_bytes(), [&b"head"[..], &small[..]].concat());
+        assert!(
+            kept.head().is_empty(),
+            "a small entry is copied whole into a chunk"
         );
+        assert_ne!(kept.body.as_ptr(), small.as_ptr());
     }
 
     #[test]
@@ -1143,7 +1198,16 @@ mod tests {
         {
             let s = open(dir.path());
             for (i, e) in entries.iter().enumerate() {
-                s.add_durable(9, i as u64, NONE, b"key", e, false);
+                // Some with a head apart from their body, as adds from in-process writers.
+                let head = e.len().min(i % 3 * 14);
+                s.add_durable(
+                    9,
+                    i as u64,
+                    NONE,
+                    b"key",
+                    (&e[..head], &e.slice(head..)),
+                    false,
+                );
             }
             s.flush().expect("flush");
             for (i, e) in entries.iter().enumerate() {

@@ -23,7 +23,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Semaphore};
 
-use crate::client::{register_local_bookie, unregister_local_bookie, LocalConnect, LocalLink};
+use crate::client::{
+    register_local_bookie, unregister_local_bookie, LocalConnect, LocalLink, LocalRequest,
+};
 use crate::journal::{self, Journal, JournalOptions, JournalThread, Record, RecordKind};
 use crate::proto::{self, Frame, Request, Response, Status, ADD_RECOVERY, NONE};
 use ledger_storage::{LedgerStorage, StorageOptions};
@@ -385,7 +387,14 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
         RecordKind::Add => {
             let envelope = Bytes::copy_from_slice(rest);
             match proto::open(&envelope) {
-                Ok(e) => storage.add_durable(r.ledger_id, r.entry_id, e.lac, key, &envelope, false),
+                Ok(e) => storage.add_durable(
+                    r.ledger_id,
+                    r.entry_id,
+                    e.lac,
+                    key,
+                    (&[], &envelope),
+                    false,
+                ),
                 Err(err) => {
                     tracing::error!(ledger_id = r.ledger_id, entry_id = r.entry_id, error = %err, "journal entry does not verify; skipped")
                 }
@@ -584,7 +593,7 @@ async fn connection(
 /// requests in flight and answers as [`connection`], without a socket, frames or copies.
 async fn local_connection(
     core: Arc<BookieCore>,
-    mut requests: mpsc::UnboundedReceiver<(u64, Request)>,
+    mut requests: mpsc::UnboundedReceiver<(u64, LocalRequest)>,
     responses: mpsc::UnboundedSender<(u64, Response)>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -597,7 +606,25 @@ async fn local_connection(
             // Given back when the response is sent.
             permit.forget();
             let reply = Reply::Local(responses.clone(), Arc::clone(&permits));
-            handle(&core, id, request, reply).await;
+            match request {
+                LocalRequest::Plain(request) => handle(&core, id, request, reply).await,
+                LocalRequest::Add {
+                    ledger_id,
+                    entry_id,
+                    master_key,
+                    sealed,
+                } => {
+                    let add = Add {
+                        ledger_id,
+                        entry_id,
+                        flags: 0,
+                        master_key,
+                        header: sealed.header,
+                        payload: sealed.payload,
+                    };
+                    handle_add(&core, id, add, reply).await;
+                }
+            }
         }
     };
     // A stop ends the connection even while a request waits (for room in the write cache, say):
@@ -633,6 +660,93 @@ fn send(tx: &Reply, id: u64, response: Response) {
     }
 }
 
+/// An add as the bookie handles it: the envelope's header apart from its payload (both
+/// sliced from a request read off a socket, or as an in-process writer sealed them).
+struct Add {
+    ledger_id: u64,
+    entry_id: u64,
+    flags: u8,
+    master_key: Bytes,
+    header: [u8; proto::ENVELOPE_HEADER_BYTES],
+    payload: Bytes,
+}
+
+async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
+    let Add {
+        ledger_id,
+        entry_id,
+        flags,
+        master_key,
+        header,
+        payload,
+    } = add;
+    let reply = move |status| Response::Add {
+        status,
+        ledger_id,
+        entry_id,
+    };
+    if core.is_read_only() {
+        return send(&tx, id, reply(Status::ReadOnly));
+    }
+    let lac = match proto::open_sealed(&header, payload.clone()) {
+        Ok(e) if e.ledger_id == ledger_id && e.entry_id == entry_id => e.lac,
+        Ok(_) => return send(&tx, id, reply(Status::BadChecksum)),
+        Err(e) => {
+            tracing::warn!(ledger_id, entry_id, error = %e, "add refused: entry does not verify");
+            return send(&tx, id, reply(Status::BadChecksum));
+        }
+    };
+    if let Err(status) = core
+        .storage
+        .check_add(ledger_id, &master_key, flags & ADD_RECOVERY != 0)
+    {
+        return send(&tx, id, reply(status));
+    }
+    // Counted in the write cache from now on; waits while it is full (the flusher is behind)
+    // until a flush makes room.
+    let reserved = header.len() + payload.len();
+    core.storage.reserve(reserved).await;
+    // The record holds the key and the envelope's header; the payload follows them in the
+    // record from its own buffer (the journal file has the envelope in one piece).
+    let mut data = key_record_data(&master_key);
+    data.extend_from_slice(&header);
+    let record = Record {
+        kind: RecordKind::Add,
+        ledger_id,
+        entry_id,
+        data,
+        tail: payload.clone(),
+    };
+    let storage = Arc::clone(&core.storage);
+    let core2 = Arc::clone(core);
+    journal_append(
+        &core.journal,
+        record,
+        Box::new(move |r| match r {
+            Ok(pos) => {
+                // Durable (journal fsync returned): readable, then acknowledged. The write
+                // cache keeps a small entry as a copy (the connection's read buffer is reused
+                // instead of pinned until the next flush), a large one as it is.
+                storage.add_durable(
+                    ledger_id,
+                    entry_id,
+                    lac,
+                    &master_key,
+                    (&header, &payload),
+                    true,
+                );
+                storage.note_applied(pos.file);
+                send(&tx, id, reply(Status::Ok));
+            }
+            Err(e) => {
+                storage.release(reserved);
+                core2.set_read_only(format!("journal: {e}"));
+                send(&tx, id, reply(Status::ReadOnly));
+            }
+        }),
+    );
+}
+
 async fn handle(core: &Arc<BookieCore>, id: u64, request: Request, tx: Reply) {
     match request {
         Request::Add {
@@ -642,69 +756,35 @@ async fn handle(core: &Arc<BookieCore>, id: u64, request: Request, tx: Reply) {
             master_key,
             entry,
         } => {
-            let reply = move |status| Response::Add {
-                status,
+            let Some(header) = entry.get(..proto::ENVELOPE_HEADER_BYTES) else {
+                tracing::warn!(
+                    ledger_id,
+                    entry_id,
+                    len = entry.len(),
+                    "add refused: entry shorter than its header"
+                );
+                let status = Status::BadChecksum;
+                return send(
+                    &tx,
+                    id,
+                    Response::Add {
+                        status,
+                        ledger_id,
+                        entry_id,
+                    },
+                );
+            };
+            let header = header.try_into().expect("header bytes");
+            let payload = entry.slice(proto::ENVELOPE_HEADER_BYTES..);
+            let add = Add {
                 ledger_id,
                 entry_id,
+                flags,
+                master_key,
+                header,
+                payload,
             };
-            if core.is_read_only() {
-                return send(&tx, id, reply(Status::ReadOnly));
-            }
-            let envelope = match proto::open(&entry) {
-                Ok(e) if e.ledger_id == ledger_id && e.entry_id == entry_id => e,
-                Ok(_) => return send(&tx, id, reply(Status::BadChecksum)),
-                Err(e) => {
-                    tracing::warn!(ledger_id, entry_id, error = %e, "add refused: entry does not verify");
-                    return send(&tx, id, reply(Status::BadChecksum));
-                }
-            };
-            if let Err(status) =
-                core.storage
-                    .check_add(ledger_id, &master_key, flags & ADD_RECOVERY != 0)
-            {
-                return send(&tx, id, reply(status));
-            }
-            // Counted in the write cache from now on; waits while it is full (the flusher is
-            // behind) until a flush makes room.
-            let reserved = entry.len();
-            core.storage.reserve(reserved).await;
-            let record = Record {
-                kind: RecordKind::Add,
-                ledger_id,
-                entry_id,
-                // The entry follows the key in the record from the request's own buffer.
-                data: key_record_data(&master_key),
-                tail: entry.clone(),
-            };
-            let storage = Arc::clone(&core.storage);
-            let core2 = Arc::clone(core);
-            journal_append(
-                &core.journal,
-                record,
-                Box::new(move |r| match r {
-                    Ok(pos) => {
-                        // Durable (journal fsync returned): readable, then acknowledged.
-                        // The write cache keeps a small entry as a copy (the connection's read
-                        // buffer is reused instead of pinned until the next flush), a large one
-                        // as it is.
-                        storage.add_durable(
-                            ledger_id,
-                            entry_id,
-                            envelope.lac,
-                            &master_key,
-                            &entry,
-                            true,
-                        );
-                        storage.note_applied(pos.file);
-                        send(&tx, id, reply(Status::Ok));
-                    }
-                    Err(e) => {
-                        storage.release(reserved);
-                        core2.set_read_only(format!("journal: {e}"));
-                        send(&tx, id, reply(Status::ReadOnly));
-                    }
-                }),
-            );
+            handle_add(core, id, add, tx).await;
         }
         Request::Read {
             ledger_id,
