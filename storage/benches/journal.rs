@@ -134,7 +134,7 @@ fn main() {
     }
     let elapsed = start.elapsed().as_secs_f64();
     let stats = journal.stats();
-    let flushes = stats.flushes.load(std::sync::atomic::Ordering::Relaxed);
+    let syncs = stats.syncs.load(std::sync::atomic::Ordering::Relaxed);
     let bytes = stats.bytes.load(std::sync::atomic::Ordering::Relaxed);
     drop(journal);
     thread.join();
@@ -145,8 +145,8 @@ fn main() {
         a.window,
         a.entries as f64 / elapsed,
         bytes as f64 / elapsed / 1e6,
-        a.entries as f64 / flushes.max(1) as f64,
-        flushes,
+        a.entries as f64 / syncs.max(1) as f64,
+        syncs,
         hist.value_at_quantile(0.5) as f64 / 1000.0,
         hist.value_at_quantile(0.99) as f64 / 1000.0,
         hist.value_at_quantile(0.999) as f64 / 1000.0,

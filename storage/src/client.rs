@@ -78,6 +78,10 @@ const WRITE_BATCH_MAX: usize = 256;
 pub struct LocalLink {
     pub requests: mpsc::UnboundedSender<(u64, LocalRequest)>,
     pub responses: mpsc::UnboundedReceiver<(u64, Response)>,
+    /// Resolves (its sender dropped) when the bookie's end of the connection stops taking
+    /// requests: the client fails what is still unanswered at once, as a socket's EOF would,
+    /// instead of waiting for the requests the bookie had started.
+    pub closed: oneshot::Receiver<()>,
 }
 
 /// A request on an in-process connection.
@@ -237,6 +241,7 @@ impl BookieConn {
         let LocalLink {
             requests,
             mut responses,
+            mut closed,
         } = link;
         let pending: Pending = Arc::default();
         let broken = Arc::new(AtomicBool::new(false));
@@ -249,13 +254,27 @@ impl BookieConn {
         });
         let addr = addr.to_string();
         tokio::spawn(async move {
-            while let Some((id, response)) = responses.recv().await {
+            let answer = |(id, response): (u64, Response)| {
                 let waiter = pending.lock().expect("pending lock").remove(&id);
                 if let Some(waiter) = waiter {
                     waiter(Ok(response));
                 }
+            };
+            loop {
+                tokio::select! {
+                    r = responses.recv() => match r {
+                        Some(r) => answer(r),
+                        None => break,
+                    },
+                    _ = &mut closed => {
+                        // The bookie stopped: what it answered already still counts.
+                        while let Ok(r) = responses.try_recv() {
+                            answer(r);
+                        }
+                        break;
+                    }
+                }
             }
-            // The bookie stopped (and every request it had started was answered or dropped).
             broken.store(true, Ordering::Relaxed);
             fail_all(&pending, &addr);
         });

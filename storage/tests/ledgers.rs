@@ -245,7 +245,7 @@ async fn given_bookies_serving_in_process_when_one_crashes_mid_stream_then_write
     let victim = meta0.fragments[0].ensemble[1].clone();
     let entry = |i: u64| -> Bytes {
         if i % 3 == 0 {
-            Bytes::from(vec![(i % 251) as u8; 20_000 + i as usize])
+            Bytes::from(vec![(i % 251) as u8; 70_000 + i as usize])
         } else {
             payload(i)
         }
@@ -288,6 +288,61 @@ async fn given_bookies_serving_in_process_when_one_crashes_mid_stream_then_write
             b.stop(&store.client).await;
         }
     }
+    store.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_in_process_adds_over_the_wire_limits_then_they_are_refused_and_the_bookie_stays_writable(
+) {
+    use meridian_storage::proto::{self, Response, Status};
+    let (_tmp, store, mut bookies, client) = setup(1).await;
+    bookies[0]
+        .running
+        .as_ref()
+        .expect("running")
+        .serve_in_process();
+    let conn = client
+        .connection(&bookies[0].addr)
+        .await
+        .expect("connection");
+    assert!(conn.is_local());
+    let add = |entry: u64, key: Vec<u8>, payload: Bytes| {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let sealed = proto::seal_parts(77, entry, proto::NONE, payload);
+        conn.send_add(
+            77,
+            entry,
+            &key,
+            &sealed,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        rx
+    };
+    let status = |r: Result<Response, _>| match r.expect("answered") {
+        Response::Add { status, .. } => status,
+        other => panic!("{other:?}"),
+    };
+    step("a master key longer than a frame may carry, an entry over bookie.frame_bytes_max");
+    let long_key = add(
+        0,
+        vec![1; proto::MASTER_KEY_BYTES_MAX + 1],
+        Bytes::from_static(b"x"),
+    );
+    assert_eq!(status(long_key.await.expect("reply")), Status::BadRequest);
+    let huge = add(0, b"key".to_vec(), Bytes::from(vec![0u8; 6 << 20]));
+    assert_eq!(status(huge.await.expect("reply")), Status::BadRequest);
+    step("the same add within the limits is journaled, and the bookie takes more");
+    let ok = add(0, b"key".to_vec(), Bytes::from(vec![5u8; 100_000]));
+    assert_eq!(status(ok.await.expect("reply")), Status::Ok);
+    assert!(!bookies[0]
+        .running
+        .as_ref()
+        .expect("running")
+        .core
+        .is_read_only());
+    bookies[0].stop(&store.client).await;
     store.shutdown().await;
 }
 

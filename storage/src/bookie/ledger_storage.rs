@@ -271,15 +271,6 @@ impl EntryLogWriter {
     }
 }
 
-/// Entries held between the journal and the entry logs. Their bytes live in reused chunks: once
-/// the pool has grown to what the load needs, the write path allocates no fresh memory, whose
-/// first touch (zeroing pages) was the largest cost in a profile of a loaded bookie. The pool
-/// grows on demand (an idle bookie holds one chunk, not the whole cache) up to twice the cache:
-/// the entries being filled and, while a flush writes them out, the ones taken before, as
-/// BookKeeper's two write caches. A pool bounded by the cache alone let go of chunks during
-/// every flush under load and allocated new ones: 14% of a standalone's CPU zeroed fresh pages
-/// and copied into them at 650,000 msg/s. [`trim`](WriteCache::trim) gives back the free chunks
-/// of a bookie gone idle.
 /// An entry envelope in the write cache: its bytes are `head` then `body`.
 #[derive(Debug, Clone)]
 pub(crate) struct Held {
@@ -318,6 +309,15 @@ impl Held {
     }
 }
 
+/// Entries held between the journal and the entry logs. Their bytes live in reused chunks: once
+/// the pool has grown to what the load needs, the write path allocates no fresh memory, whose
+/// first touch (zeroing pages) was the largest cost in a profile of a loaded bookie. The pool
+/// grows on demand (an idle bookie holds one chunk, not the whole cache) up to twice the cache:
+/// the entries being filled and, while a flush writes them out, the ones taken before, as
+/// BookKeeper's two write caches. A pool bounded by the cache alone let go of chunks during
+/// every flush under load and allocated new ones: 14% of a standalone's CPU zeroed fresh pages
+/// and copied into them at 650,000 msg/s. [`trim`](WriteCache::trim) gives back the free chunks
+/// of a bookie gone idle.
 #[derive(Default)]
 struct WriteCache {
     entries: BTreeMap<(u64, u64), Held>,
@@ -337,8 +337,10 @@ const CHUNK_BYTES: usize = 4 << 20;
 
 /// Entries this large are kept in the write cache without a copy (see [`WriteCache::keep`]).
 /// At the maximum batched publish rate (entries of about 128 KiB) the copy was 5% of a
-/// standalone's CPU.
-const SHARE_BYTES_MIN: usize = 16 << 10;
+/// standalone's CPU. Large enough that an entry is most of the buffer it was read into (a
+/// connection's read buffer starts at 64 KiB): a 16 KiB entry kept this way could pin four
+/// times its size while the cache counts only its own bytes.
+const SHARE_BYTES_MIN: usize = 64 << 10;
 
 impl WriteCache {
     fn new(bytes_max: usize) -> Self {
@@ -355,13 +357,14 @@ impl WriteCache {
         }
     }
 
-    /// What the cache keeps for the envelope `head` then `body` (`head` at most a header
-    /// long). A `body` of [`SHARE_BYTES_MIN`] or more is kept as it came (no copy): it fills
+    /// What the cache keeps for the envelope `head` then `body`. A `body` of
+    /// [`SHARE_BYTES_MIN`] or more (behind a `head` of at most a header) is kept as it came
+    /// (no copy): it fills
     /// most of the buffer it was read into, so keeping that buffer until the next flush costs
     /// little more than the entry. A smaller entry is copied into the current chunk, so that a
     /// few small entries do not pin whole read buffers.
     fn keep(&mut self, head: &[u8], body: &Bytes) -> Held {
-        if body.len() < SHARE_BYTES_MIN {
+        if body.len() < SHARE_BYTES_MIN || head.len() > proto::ENVELOPE_HEADER_BYTES {
             return Held::whole(self.copy_in(head, body));
         }
         let mut h = Held::whole(body.clone());
@@ -586,7 +589,6 @@ impl LedgerStorage {
         (head, body): (&[u8], &Bytes),
         reserved: bool,
     ) {
-        debug_assert!(head.len() <= proto::ENVELOPE_HEADER_BYTES);
         if reserved {
             self.release(head.len() + body.len());
         }

@@ -204,15 +204,17 @@ impl RunningBookie {
             }
             let (requests, requests_rx) = mpsc::unbounded_channel();
             let (responses_tx, responses) = mpsc::unbounded_channel();
-            runtime.spawn(local_connection(
-                Arc::clone(&core),
-                requests_rx,
-                responses_tx,
-                stop.clone(),
-            ));
+            let (closed_tx, closed) = tokio::sync::oneshot::channel();
+            let core = Arc::clone(&core);
+            let stop = stop.clone();
+            runtime.spawn(async move {
+                local_connection(core, requests_rx, responses_tx, stop).await;
+                drop(closed_tx);
+            });
             Some(LocalLink {
                 requests,
                 responses,
+                closed,
             })
         });
         register_local_bookie(&self.addr.to_string(), connect);
@@ -688,6 +690,20 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
     if core.is_read_only() {
         return send(&tx, id, reply(Status::ReadOnly));
     }
+    // What decoding a frame checks on a socket, for in-process adds too: the key's length
+    // (it is journaled behind a one-byte length) and the entry's size.
+    let entry_len = header.len() + payload.len();
+    if master_key.len() > proto::MASTER_KEY_BYTES_MAX || entry_len > core.opts.frame_bytes_max {
+        tracing::warn!(
+            ledger_id,
+            entry_id,
+            entry_len,
+            key_len = master_key.len(),
+            "add refused: entry over bookie.frame_bytes_max or master key over {} bytes",
+            proto::MASTER_KEY_BYTES_MAX
+        );
+        return send(&tx, id, reply(Status::BadRequest));
+    }
     let lac = match proto::open_sealed(&header, payload.clone()) {
         Ok(e) if e.ledger_id == ledger_id && e.entry_id == entry_id => e.lac,
         Ok(_) => return send(&tx, id, reply(Status::BadChecksum)),
@@ -737,6 +753,11 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
                 );
                 storage.note_applied(pos.file);
                 send(&tx, id, reply(Status::Ok));
+            }
+            Err(e @ journal::JournalError::TooLarge { .. }) => {
+                storage.release(reserved);
+                tracing::warn!(ledger_id, entry_id, error = %e, "add refused");
+                send(&tx, id, reply(Status::BadRequest));
             }
             Err(e) => {
                 storage.release(reserved);
