@@ -47,6 +47,14 @@ async fn write_all_vectored(
     Ok(())
 }
 
+/// Hands the response to request `id` to whoever waits for it (nobody, if it already failed).
+fn answer(pending: &Pending, id: u64, response: Response) {
+    let waiter = pending.lock().expect("pending lock").remove(&id);
+    if let Some(waiter) = waiter {
+        waiter(Ok(response));
+    }
+}
+
 fn fail_all(pending: &Pending, addr: &str) {
     let waiters: Vec<OnResponse> = pending
         .lock()
@@ -151,6 +159,16 @@ pub struct BookieConn {
 }
 
 impl BookieConn {
+    fn with_sink(addr: &str, sink: Sink) -> Arc<Self> {
+        Arc::new(Self {
+            addr: addr.to_string(),
+            sink,
+            pending: Arc::default(),
+            next_id: AtomicU64::new(1),
+            broken: Arc::default(),
+        })
+    }
+
     pub async fn connect(
         addr: &str,
         timeout: Duration,
@@ -167,15 +185,9 @@ impl BookieConn {
         let _ = stream.set_nodelay(true);
         let (mut rd, mut wr) = stream.into_split();
         let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
-        let pending: Pending = Arc::default();
-        let broken = Arc::new(AtomicBool::new(false));
-        let conn = Arc::new(Self {
-            addr: addr.to_string(),
-            sink: Sink::Wire(tx),
-            pending: Arc::clone(&pending),
-            next_id: AtomicU64::new(1),
-            broken: Arc::clone(&broken),
-        });
+        let conn = Self::with_sink(addr, Sink::Wire(tx));
+        let pending = Arc::clone(&conn.pending);
+        let broken = Arc::clone(&conn.broken);
         let wbroken = Arc::clone(&broken);
         let waddr = addr.to_string();
         let wpending = Arc::clone(&pending);
@@ -209,10 +221,7 @@ impl BookieConn {
             loop {
                 match proto::decode(&mut buf, frame_bytes_max) {
                     Ok(Some(Frame::Response { id, response })) => {
-                        let waiter = pending.lock().expect("pending lock").remove(&id);
-                        if let Some(waiter) = waiter {
-                            waiter(Ok(response));
-                        }
+                        answer(&pending, id, response);
                         continue;
                     }
                     Ok(Some(Frame::Request { .. })) => {
@@ -243,33 +252,21 @@ impl BookieConn {
             mut responses,
             mut closed,
         } = link;
-        let pending: Pending = Arc::default();
-        let broken = Arc::new(AtomicBool::new(false));
-        let conn = Arc::new(Self {
-            addr: addr.to_string(),
-            sink: Sink::Local(requests),
-            pending: Arc::clone(&pending),
-            next_id: AtomicU64::new(1),
-            broken: Arc::clone(&broken),
-        });
+        let conn = Self::with_sink(addr, Sink::Local(requests));
+        let pending = Arc::clone(&conn.pending);
+        let broken = Arc::clone(&conn.broken);
         let addr = addr.to_string();
         tokio::spawn(async move {
-            let answer = |(id, response): (u64, Response)| {
-                let waiter = pending.lock().expect("pending lock").remove(&id);
-                if let Some(waiter) = waiter {
-                    waiter(Ok(response));
-                }
-            };
             loop {
                 tokio::select! {
                     r = responses.recv() => match r {
-                        Some(r) => answer(r),
+                        Some((id, response)) => answer(&pending, id, response),
                         None => break,
                     },
                     _ = &mut closed => {
                         // The bookie stopped: what it answered already still counts.
-                        while let Ok(r) = responses.try_recv() {
-                            answer(r);
+                        while let Ok((id, response)) = responses.try_recv() {
+                            answer(&pending, id, response);
                         }
                         break;
                     }
@@ -300,15 +297,19 @@ impl BookieConn {
         let Some(id) = self.register(on_response) else {
             return;
         };
-        self.queue(id, request, |request| {
-            let frame = Frame::Request { id, request };
-            let mut head = Vec::with_capacity(proto::encoded_len_hint(&frame));
-            proto::encode(&frame, &mut head);
-            Out {
-                head,
-                body: Bytes::new(),
+        let sent = match &self.sink {
+            Sink::Wire(tx) => {
+                let frame = Frame::Request { id, request };
+                let mut head = Vec::with_capacity(proto::encoded_len_hint(&frame));
+                proto::encode(&frame, &mut head);
+                let body = Bytes::new();
+                tx.send(Out { head, body }).is_ok()
             }
-        });
+            Sink::Local(tx) => tx.send((id, LocalRequest::Plain(request))).is_ok(),
+        };
+        if !sent {
+            self.closed(id);
+        }
     }
 
     /// Sends an add of `sealed` (the ledger writer's path): the payload goes to the socket from
@@ -365,18 +366,7 @@ impl BookieConn {
         Some(id)
     }
 
-    /// Hands request `id` to its way out: encoded to the socket's writer, or as it is to the
-    /// in-process bookie. Fails its waiter if the connection is gone.
-    fn queue(&self, id: u64, request: Request, wire: impl FnOnce(Request) -> Out) {
-        let sent = match &self.sink {
-            Sink::Wire(tx) => tx.send(wire(request)).is_ok(),
-            Sink::Local(tx) => tx.send((id, LocalRequest::Plain(request))).is_ok(),
-        };
-        if !sent {
-            self.closed(id);
-        }
-    }
-
+    /// The connection is gone: fails request `id`'s waiter, and later requests at once.
     fn closed(&self, id: u64) {
         self.broken.store(true, Ordering::Relaxed);
         if let Some(w) = self.pending.lock().expect("pending lock").remove(&id) {

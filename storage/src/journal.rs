@@ -1044,7 +1044,8 @@ fn run(
                     break;
                 }
                 Op::Append(record, done) => {
-                    let len = encoded_len(&record) - RECORD_HEADER_BYTES;
+                    let record_len = encoded_len(&record);
+                    let len = record_len - RECORD_HEADER_BYTES;
                     if let Some(why) = &failed {
                         let why = why.clone();
                         complete(Box::new(move || done(Err(JournalError::Failed(why)))));
@@ -1054,8 +1055,7 @@ fn run(
                             done(Err(JournalError::TooLarge { len, max }))
                         }));
                     } else {
-                        if writer.len + (batch.len + encoded_len(&record)) as u64
-                            > opts.file_bytes_max
+                        if writer.len + (batch.len + record_len) as u64 > opts.file_bytes_max
                             && writer.len + batch.len as u64 > FILE_HEADER_BYTES
                         {
                             // This record starts the next file: flush this batch first.

@@ -161,39 +161,75 @@ async fn setup(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_ensemble_when_a_bookie_stops_mid_stream_then_writes_go_on_and_every_entry_reads_back(
 ) {
+    writes_go_on_when_an_ensemble_bookie_fails(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_bookies_serving_in_process_when_one_crashes_mid_stream_then_writes_go_on_and_every_entry_reads_back(
+) {
+    writes_go_on_when_an_ensemble_bookie_fails(true).await;
+}
+
+/// E=3 Qw=2 Qa=2, 3,000 entries (every third one 70 KB, kept by the bookies without a copy),
+/// an ensemble bookie failing at entry 1,000: over TCP it stops after the first 1,000 are
+/// acknowledged; in-process it crashes with adds in flight.
+async fn writes_go_on_when_an_ensemble_bookie_fails(in_process: bool) {
     let (_tmp, store, mut bookies, client) = setup(4).await;
-    step("create E=3 Qw=2 Qa=2 and write 3,000 entries, stopping an ensemble bookie at 1,000");
+    if in_process {
+        for b in &bookies {
+            b.running.as_ref().expect("running").serve_in_process();
+        }
+    }
+    step("create E=3 Qw=2 Qa=2; in-process connections only where the bookies serve them");
     let writer = client
         .create(3, 2, 2, BTreeMap::new())
         .await
         .expect("create");
     let id = writer.id();
     let (meta0, _) = client.metadata(id).await.expect("metadata");
+    for a in &meta0.fragments[0].ensemble {
+        let conn = client.connection(a).await.expect("connection");
+        assert_eq!(conn.is_local(), in_process, "{a}");
+    }
+    step("write 3,000 entries, failing an ensemble bookie at 1,000");
     let victim = meta0.fragments[0].ensemble[1].clone();
+    let entry = |i: u64| -> Bytes {
+        if i % 3 == 0 {
+            Bytes::from(vec![(i % 251) as u8; 70_000 + i as usize])
+        } else {
+            payload(i)
+        }
+    };
     let mut acks: Vec<tokio::sync::oneshot::Receiver<Result<u64, LedgerError>>> = Vec::new();
+    let mut acked = 0u64;
     for i in 0..3000u64 {
         if i == 1000 {
-            // Half-way: the first 1,000 are acknowledged, the next ones go to the new ensemble.
-            for (i, rx) in acks.drain(..).enumerate() {
-                assert_eq!(rx.await.expect("answer").expect("acknowledged"), i as u64);
-            }
             let b = bookies
                 .iter_mut()
                 .find(|b| b.addr == victim)
                 .expect("victim");
-            b.stop(&store.client).await;
+            if in_process {
+                if let Some(s) = b.stop_reg.take() {
+                    let _ = s.send(true);
+                }
+                b.running.take().expect("running").crash().await;
+            } else {
+                // The first 1,000 are acknowledged; the next ones go to the new ensemble.
+                for rx in acks.drain(..) {
+                    assert_eq!(rx.await.expect("answer").expect("acknowledged"), acked);
+                    acked += 1;
+                }
+                b.stop(&store.client).await;
+            }
         }
-        acks.push(writer.add_queued(payload(i)).await);
+        acks.push(writer.add_queued(entry(i)).await);
     }
-    for (i, rx) in acks.into_iter().enumerate() {
-        assert_eq!(
-            rx.await.expect("answer").expect("acknowledged"),
-            1000 + i as u64
-        );
+    for rx in acks {
+        assert_eq!(rx.await.expect("answer").expect("acknowledged"), acked);
+        acked += 1;
     }
-    let last = writer.close().await.expect("close");
-    assert_eq!(last, Some(2999));
-    step("the metadata records the ensemble change and the closed state");
+    assert_eq!(writer.close().await.expect("close"), Some(2999));
+    step("the metadata records the ensemble change; the failed bookie is unreachable");
     let (meta, _) = client.metadata(id).await.expect("metadata");
     assert_eq!(meta.state, LedgerState::Closed);
     assert_eq!(meta.last_entry, Some(2999));
@@ -204,85 +240,16 @@ async fn given_ensemble_when_a_bookie_stops_mid_stream_then_writes_go_on_and_eve
         .expect("fragment")
         .ensemble
         .contains(&victim));
+    assert!(client.connection(&victim).await.is_err());
     step("every acknowledged entry reads back, checksum verified");
     let reader = client.open(id).await.expect("open");
     for i in 0..3000u64 {
-        assert_eq!(reader.read(i).await.expect("read"), payload(i), "entry {i}");
+        assert_eq!(reader.read(i).await.expect("read"), entry(i), "entry {i}");
     }
     assert!(matches!(
         reader.read(3000).await,
         Err(LedgerError::NoSuchEntry { .. })
     ));
-    for b in &mut bookies {
-        if b.running.is_some() {
-            b.stop(&store.client).await;
-        }
-    }
-    store.shutdown().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn given_bookies_serving_in_process_when_one_crashes_mid_stream_then_writes_go_on_and_every_entry_reads_back(
-) {
-    let (_tmp, store, mut bookies, client) = setup(4).await;
-    for b in &bookies {
-        b.running.as_ref().expect("running").serve_in_process();
-    }
-    step("create E=3 Qw=2 Qa=2; its connections are in-process ones");
-    let writer = client
-        .create(3, 2, 2, BTreeMap::new())
-        .await
-        .expect("create");
-    let id = writer.id();
-    let (meta0, _) = client.metadata(id).await.expect("metadata");
-    for a in &meta0.fragments[0].ensemble {
-        assert!(
-            client.connection(a).await.expect("connection").is_local(),
-            "{a}"
-        );
-    }
-    step("write 3,000 entries, large and small; crash an ensemble bookie at 1,000");
-    let victim = meta0.fragments[0].ensemble[1].clone();
-    let entry = |i: u64| -> Bytes {
-        if i % 3 == 0 {
-            Bytes::from(vec![(i % 251) as u8; 70_000 + i as usize])
-        } else {
-            payload(i)
-        }
-    };
-    let mut acks: Vec<tokio::sync::oneshot::Receiver<Result<u64, LedgerError>>> = Vec::new();
-    for i in 0..3000u64 {
-        if i == 1000 {
-            let b = bookies
-                .iter_mut()
-                .find(|b| b.addr == victim)
-                .expect("victim");
-            if let Some(s) = b.stop_reg.take() {
-                let _ = s.send(true);
-            }
-            b.running.take().expect("running").crash().await;
-        }
-        acks.push(writer.add_queued(entry(i)).await);
-    }
-    for (i, rx) in acks.into_iter().enumerate() {
-        assert_eq!(rx.await.expect("answer").expect("acknowledged"), i as u64);
-    }
-    assert_eq!(writer.close().await.expect("close"), Some(2999));
-    step("the crashed bookie left the ensemble; it is no longer reachable in process");
-    let (meta, _) = client.metadata(id).await.expect("metadata");
-    assert!(meta.fragments.len() >= 2, "{meta:?}");
-    assert!(!meta
-        .fragments
-        .last()
-        .expect("fragment")
-        .ensemble
-        .contains(&victim));
-    assert!(client.connection(&victim).await.is_err());
-    step("every acknowledged entry reads back through in-process connections");
-    let reader = client.open(id).await.expect("open");
-    for i in 0..3000u64 {
-        assert_eq!(reader.read(i).await.expect("read"), entry(i), "entry {i}");
-    }
     for b in &mut bookies {
         if b.running.is_some() {
             b.stop(&store.client).await;

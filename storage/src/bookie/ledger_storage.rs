@@ -271,41 +271,35 @@ impl EntryLogWriter {
     }
 }
 
-/// An entry envelope in the write cache: its bytes are `head` then `body`.
+/// An entry envelope in the write cache: its bytes are `head` (if any) then `body`.
 #[derive(Debug, Clone)]
 pub(crate) struct Held {
-    /// Up to a header's worth of bytes copied (an envelope's header, kept apart from a large
-    /// payload so that the payload need not be copied behind it); often empty.
-    head: ([u8; proto::ENVELOPE_HEADER_BYTES], u8),
+    /// The envelope's header, kept apart from a large payload so that the payload need not be
+    /// copied behind it; `None` when `body` is the whole envelope.
+    head: Option<[u8; proto::ENVELOPE_HEADER_BYTES]>,
     body: Bytes,
 }
 
 impl Held {
     fn whole(body: Bytes) -> Self {
-        Self {
-            head: ([0; proto::ENVELOPE_HEADER_BYTES], 0),
-            body,
-        }
+        Self { head: None, body }
     }
 
     fn head(&self) -> &[u8] {
-        &self.head.0[..self.head.1 as usize]
+        self.head.as_ref().map_or(&[], |h| &h[..])
     }
 
     fn len(&self) -> usize {
-        self.head.1 as usize + self.body.len()
+        self.head().len() + self.body.len()
     }
 
     /// The envelope in one buffer: shared when there is no head, else a copy (a read of an
     /// entry that is not in an entry log yet).
     fn to_bytes(&self) -> Bytes {
-        if self.head.1 == 0 {
-            return self.body.clone();
+        match &self.head {
+            None => self.body.clone(),
+            Some(h) => [&h[..], &self.body[..]].concat().into(),
         }
-        let mut v = Vec::with_capacity(self.len());
-        v.extend_from_slice(self.head());
-        v.extend_from_slice(&self.body);
-        v.into()
     }
 }
 
@@ -357,20 +351,20 @@ impl WriteCache {
         }
     }
 
-    /// What the cache keeps for the envelope `head` then `body`. A `body` of
-    /// [`SHARE_BYTES_MIN`] or more (behind a `head` of at most a header) is kept as it came
-    /// (no copy): it fills
-    /// most of the buffer it was read into, so keeping that buffer until the next flush costs
-    /// little more than the entry. A smaller entry is copied into the current chunk, so that a
-    /// few small entries do not pin whole read buffers.
-    fn keep(&mut self, head: &[u8], body: &Bytes) -> Held {
-        if body.len() < SHARE_BYTES_MIN || head.len() > proto::ENVELOPE_HEADER_BYTES {
-            return Held::whole(self.copy_in(head, body));
+    /// What the cache keeps for the envelope `head` (if any) then `body`. A `body` of
+    /// [`SHARE_BYTES_MIN`] or more is kept as it came (no copy): it fills most of the buffer it
+    /// was read into, so keeping that buffer until the next flush costs little more than the
+    /// entry. A smaller entry is copied into the current chunk, so that a few small entries do
+    /// not pin whole read buffers.
+    fn keep(&mut self, head: Option<&[u8; proto::ENVELOPE_HEADER_BYTES]>, body: &Bytes) -> Held {
+        if body.len() >= SHARE_BYTES_MIN {
+            return Held {
+                head: head.copied(),
+                body: body.clone(),
+            };
         }
-        let mut h = Held::whole(body.clone());
-        h.head.0[..head.len()].copy_from_slice(head);
-        h.head.1 = head.len() as u8;
-        h
+        let head = head.map_or(&[][..], |h| &h[..]);
+        Held::whole(self.copy_in(head, body))
     }
 
     /// A copy of `head` then `body` carved from the current chunk.
@@ -578,19 +572,18 @@ impl LedgerStorage {
     }
 
     /// An add is durable in the journal: make it readable. Also used by journal replay. The
-    /// envelope is `(head, body)`, its bytes `head` (at most a header's worth, often empty) then
-    /// `body`.
+    /// envelope is `(head, body)`: its header apart from its payload, or (`None`) all in `body`.
     pub fn add_durable(
         &self,
         ledger_id: u64,
         entry_id: u64,
         lac: u64,
         master_key: &[u8],
-        (head, body): (&[u8], &Bytes),
+        (head, body): (Option<&[u8; proto::ENVELOPE_HEADER_BYTES]>, &Bytes),
         reserved: bool,
     ) {
         if reserved {
-            self.release(head.len() + body.len());
+            self.release(head.map_or(0, |h| h.len()) + body.len());
         }
         {
             let mut ledgers = self.ledgers.lock().expect("ledgers lock");
@@ -1166,17 +1159,18 @@ mod tests {
     fn given_large_and_small_entries_when_cached_then_only_small_ones_are_copied() {
         let mut c = WriteCache::new(64 << 20);
         let large = Bytes::from(vec![7u8; SHARE_BYTES_MIN]);
-        let kept = c.keep(b"head", &large);
+        let head = [9u8; proto::ENVELOPE_HEADER_BYTES];
+        let kept = c.keep(Some(&head), &large);
         assert_eq!(
             kept.body.as_ptr(),
             large.as_ptr(),
             "a large entry is kept as it came"
         );
-        assert_eq!(kept.head(), b"head");
-        assert_eq!(kept.to_bytes(), [&b"head"[..], &large[..]].concat());
+        assert_eq!(kept.head(), head);
+        assert_eq!(kept.to_bytes(), [&head[..], &large[..]].concat());
         let small = Bytes::from(vec![8u8; SHARE_BYTES_MIN - 1]);
-        let kept = c.keep(b"head", &small);
-        assert_eq!(kept.to_bytes(), [&b"head"[..], &small[..]].concat());
+        let kept = c.keep(Some(&head), &small);
+        assert_eq!(kept.to_bytes(), [&head[..], &small[..]].concat());
         assert!(
             kept.head().is_empty(),
             "a small entry is copied whole into a chunk"
@@ -1200,16 +1194,16 @@ mod tests {
         {
             let s = open(dir.path());
             for (i, e) in entries.iter().enumerate() {
-                // Some with a head apart from their body, as adds from in-process writers.
-                let head = e.len().min(i % 3 * 14);
-                s.add_durable(
-                    9,
-                    i as u64,
-                    NONE,
-                    b"key",
-                    (&e[..head], &e.slice(head..)),
-                    false,
-                );
+                // Every other one long enough has its header apart, as adds from in-process
+                // writers.
+                const H: usize = proto::ENVELOPE_HEADER_BYTES;
+                match e.get(..H) {
+                    Some(h) if i % 2 == 0 => {
+                        let h: &[u8; H] = h.try_into().expect("header bytes");
+                        s.add_durable(9, i as u64, NONE, b"key", (Some(h), &e.slice(H..)), false)
+                    }
+                    _ => s.add_durable(9, i as u64, NONE, b"key", (None, e), false),
+                }
             }
             s.flush().expect("flush");
             for (i, e) in entries.iter().enumerate() {

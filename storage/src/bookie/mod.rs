@@ -394,7 +394,7 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
                     r.entry_id,
                     e.lac,
                     key,
-                    (&[], &envelope),
+                    (None, &envelope),
                     false,
                 ),
                 Err(err) => {
@@ -662,6 +662,14 @@ fn send(tx: &Reply, id: u64, response: Response) {
     }
 }
 
+fn add_response(ledger_id: u64, entry_id: u64, status: Status) -> Response {
+    Response::Add {
+        status,
+        ledger_id,
+        entry_id,
+    }
+}
+
 /// An add as the bookie handles it: the envelope's header apart from its payload (both
 /// sliced from a request read off a socket, or as an in-process writer sealed them).
 struct Add {
@@ -682,11 +690,7 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
         header,
         payload,
     } = add;
-    let reply = move |status| Response::Add {
-        status,
-        ledger_id,
-        entry_id,
-    };
+    let reply = move |status| add_response(ledger_id, entry_id, status);
     if core.is_read_only() {
         return send(&tx, id, reply(Status::ReadOnly));
     }
@@ -720,7 +724,7 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
     }
     // Counted in the write cache from now on; waits while it is full (the flusher is behind)
     // until a flush makes room.
-    let reserved = header.len() + payload.len();
+    let reserved = entry_len;
     core.storage.reserve(reserved).await;
     // The record holds the key and the envelope's header; the payload follows them in the
     // record from its own buffer (the journal file has the envelope in one piece).
@@ -748,7 +752,7 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
                     entry_id,
                     lac,
                     &master_key,
-                    (&header, &payload),
+                    (Some(&header), &payload),
                     true,
                 );
                 storage.note_applied(pos.file);
@@ -784,16 +788,8 @@ async fn handle(core: &Arc<BookieCore>, id: u64, request: Request, tx: Reply) {
                     len = entry.len(),
                     "add refused: entry shorter than its header"
                 );
-                let status = Status::BadChecksum;
-                return send(
-                    &tx,
-                    id,
-                    Response::Add {
-                        status,
-                        ledger_id,
-                        entry_id,
-                    },
-                );
+                let response = add_response(ledger_id, entry_id, Status::BadChecksum);
+                return send(&tx, id, response);
             };
             let header = header.try_into().expect("header bytes");
             let payload = entry.slice(proto::ENVELOPE_HEADER_BYTES..);
