@@ -420,6 +420,52 @@ async fn given_cli_then_put_get_list_and_errors_follow_the_contract() {
         ]
     );
 
+    step("bench: clients multiplexed on fewer connections; every put and get lands");
+    let (code, out, err) = cli(&[
+        "--json",
+        "bench",
+        "--clients",
+        "6",
+        "--conns",
+        "2",
+        "--seconds",
+        "1",
+        "--keys",
+        "20",
+        "--prefix",
+        "/benchtest",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (v["clients"].as_u64(), v["conns"].as_u64()),
+        (Some(6), Some(2))
+    );
+    for phase in ["puts", "gets"] {
+        assert!(v[phase]["ops"].as_u64().unwrap() > 0, "{phase}: {out}");
+        assert_eq!(v[phase]["errors"].as_u64(), Some(0), "{phase}: {out}");
+    }
+    let (_, out, _) = cli(&["list", "/benchtest/"]);
+    assert_eq!(
+        out.lines().count(),
+        20,
+        "each of the 20 keys was written: {out}"
+    );
+    let (code, _, err) = cli(&[
+        "bench",
+        "--clients",
+        "2",
+        "--conns",
+        "3",
+        "--seconds",
+        "0.2",
+    ]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("--conns must be between 1 and --clients (2)"),
+        "{err}"
+    );
+
     step("members");
     let (code, out, _) = cli(&["members"]);
     assert_eq!(code, 0);

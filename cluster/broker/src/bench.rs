@@ -12,9 +12,12 @@ use serde_json::json;
 
 #[derive(clap::Args)]
 pub struct BenchArgs {
-    /// Concurrent clients, each with its own connection.
+    /// Concurrent clients (each with one request outstanding at a time).
     #[arg(long, default_value_t = 32)]
     clients: usize,
+    /// Connections the clients share, round-robin (default: one per client).
+    #[arg(long)]
+    conns: Option<usize>,
     /// Bytes per value.
     #[arg(long, default_value_t = 100)]
     value_bytes: usize,
@@ -157,16 +160,26 @@ fn fsync_probe(dir: &std::path::Path) -> anyhow::Result<f64> {
 pub async fn run(args: BenchArgs, cfg: &ClientConfig, json: bool) -> anyhow::Result<()> {
     anyhow::ensure!(args.clients >= 1, "--clients must be at least 1");
     anyhow::ensure!(args.keys >= 1, "--keys must be at least 1");
-    let mut clients = Vec::with_capacity(args.clients);
-    for _ in 0..args.clients {
+    let conns = args.conns.unwrap_or(args.clients);
+    anyhow::ensure!(
+        (1..=args.clients).contains(&conns),
+        "--conns must be between 1 and --clients ({})",
+        args.clients
+    );
+    let mut connections = Vec::with_capacity(conns);
+    for _ in 0..conns {
         let c = MetadataClient::new(cfg)?;
         c.discover_leader().await;
-        clients.push(c);
+        connections.push(c);
     }
+    let clients: Vec<MetadataClient> = (0..args.clients)
+        .map(|i| connections[i % conns].clone())
+        .collect();
     if !json {
         println!(
-            "bench: {} clients, {}-byte values, {} keys, {:.1} s per phase, endpoints {}",
+            "bench: {} clients on {} connection(s), {}-byte values, {} keys, {:.1} s per phase, endpoints {}",
             args.clients,
+            conns,
             args.value_bytes,
             args.keys,
             args.seconds,
@@ -203,7 +216,7 @@ pub async fn run(args: BenchArgs, cfg: &ClientConfig, json: bool) -> anyhow::Res
         println!(
             "{}",
             json!({
-                "clients": args.clients, "value_bytes": args.value_bytes,
+                "clients": args.clients, "conns": conns, "value_bytes": args.value_bytes,
                 "puts": puts.json(),
                 "gets": gets.as_ref().map(Phase::json),
                 "fsyncs_per_s": fsync,
