@@ -882,16 +882,20 @@ impl LedgerStorage {
     ) -> Result<(), StorageError> {
         let mut batch = WriteBatch::default();
         let mut touched: BTreeMap<u64, LogUsage> = BTreeMap::new();
+        // The ledgers in this flush (keys are sorted, so each ledger's entries are one run),
+        // found before taking the ledgers lock: every add takes that lock too, so it is held
+        // for one look-up per ledger, not one per entry.
+        let mut ids: Vec<u64> = entries.keys().map(|(l, _)| *l).collect();
+        ids.dedup();
         let deleted: std::collections::HashSet<u64> = {
             let ledgers = self.ledgers.lock().expect("ledgers lock");
-            entries
-                .keys()
-                .map(|(l, _)| *l)
+            ids.iter()
+                .copied()
                 .filter(|l| ledgers.get(l).is_some_and(|s| s.deleted))
                 .collect()
         };
         for ((ledger_id, entry_id), value) in entries {
-            if deleted.contains(ledger_id) {
+            if !deleted.is_empty() && deleted.contains(ledger_id) {
                 continue;
             }
             if writer.position() > self.opts.entry_log_bytes_max {
@@ -936,7 +940,7 @@ impl LedgerStorage {
         // every state they hold must be in this batch.
         let fenced = std::mem::take(&mut *self.dirty.lock().expect("dirty lock"));
         let mut dirty = fenced.clone();
-        dirty.extend(entries.keys().map(|(l, _)| *l));
+        dirty.extend(ids.iter().copied());
         {
             let ledgers = self.ledgers.lock().expect("ledgers lock");
             for id in &dirty {
