@@ -357,44 +357,36 @@ pub async fn run_perf(args: PerfArgs, cfg: Config) -> anyhow::Result<ExitCode> {
         "perf ledger: ledger {id}, E={} Qw={} Qa={}, {} entries of {} B, window {}",
         a.ensemble, a.write_quorum, a.ack_quorum, a.entries, a.entry_size, a.window
     );
-    // Adds complete in entry order, so one task awaits their outcomes in order.
-    type Outcome =
-        tokio::sync::oneshot::Receiver<Result<u64, meridian_storage::ledger::LedgerError>>;
-    let (out_tx, mut out_rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Outcome)>();
-    let progress_every = a.progress_every;
-    let collector = tokio::spawn(async move {
-        let mut hist = hdrhistogram::Histogram::<u64>::new(3).expect("histogram");
-        let mut errors = 0u64;
-        let mut first_error = None;
-        while let Some((sent, rx)) = out_rx.recv().await {
-            match rx.await {
-                Ok(Ok(_)) => {
-                    hist.record((sent.elapsed().as_micros() as u64).max(1))
-                        .expect("record");
-                    if progress_every > 0 && hist.len() % progress_every == 0 {
-                        println!("acknowledged {}", hist.len());
-                    }
-                }
-                Ok(Err(e)) => {
-                    errors += 1;
-                    first_error.get_or_insert(e.to_string());
-                }
-                Err(_) => {
-                    errors += 1;
-                    first_error.get_or_insert("writer stopped".to_string());
-                }
-            }
-        }
-        (hist, errors, first_error)
-    });
+    // Adds complete in entry order. The sending loop itself collects the outcomes that are in
+    // after each add, so an add's latency is read as soon as the loop wakes for the permit its
+    // completion freed (a separate collector task could fall behind under load and count its
+    // own delay as latency); what is still out when the loop ends is awaited in order.
+    let mut tally = Tally::new(a.progress_every);
+    let mut outstanding: std::collections::VecDeque<(Instant, Outcome)> =
+        std::collections::VecDeque::with_capacity(a.window.max(1));
     let start = Instant::now();
     for i in 0..a.entries {
         let sent = Instant::now();
         let rx = writer.add_queued(perf_payload(i, a.entry_size)).await;
-        let _ = out_tx.send((sent, rx));
+        outstanding.push_back((sent, rx));
+        while let Some((sent, rx)) = outstanding.front_mut() {
+            match rx.try_recv() {
+                Err(tokio::sync::oneshot::error::TryRecvError::Empty) => break,
+                Ok(r) => tally.record(*sent, Some(r)),
+                Err(tokio::sync::oneshot::error::TryRecvError::Closed) => tally.record(*sent, None),
+            }
+            outstanding.pop_front();
+        }
     }
-    drop(out_tx);
-    let (hist, errors, first_error) = collector.await.context("collecting outcomes")?;
+    for (sent, rx) in outstanding {
+        tally.record(sent, rx.await.ok());
+    }
+    let Tally {
+        hist,
+        errors,
+        first_error,
+        ..
+    } = tally;
     let secs = start.elapsed().as_secs_f64();
     let ms = |q: f64| hist.value_at_quantile(q) as f64 / 1000.0;
     println!(
@@ -458,4 +450,52 @@ pub async fn run_perf(args: PerfArgs, cfg: Config) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(code)
+}
+
+type Outcome = tokio::sync::oneshot::Receiver<Result<u64, meridian_storage::ledger::LedgerError>>;
+
+/// Outcomes of `perf ledger`'s adds: latencies of the acknowledged ones, and errors.
+struct Tally {
+    hist: hdrhistogram::Histogram<u64>,
+    errors: u64,
+    first_error: Option<String>,
+    progress_every: u64,
+}
+
+impl Tally {
+    fn new(progress_every: u64) -> Self {
+        Tally {
+            hist: hdrhistogram::Histogram::new(3).expect("histogram"),
+            errors: 0,
+            first_error: None,
+            progress_every,
+        }
+    }
+
+    /// `None`: the writer stopped before answering.
+    fn record(
+        &mut self,
+        sent: Instant,
+        outcome: Option<Result<u64, meridian_storage::ledger::LedgerError>>,
+    ) {
+        match outcome {
+            Some(Ok(_)) => {
+                self.hist
+                    .record((sent.elapsed().as_micros() as u64).max(1))
+                    .expect("record");
+                if self.progress_every > 0 && self.hist.len() % self.progress_every == 0 {
+                    println!("acknowledged {}", self.hist.len());
+                }
+            }
+            Some(Err(e)) => {
+                self.errors += 1;
+                self.first_error.get_or_insert(e.to_string());
+            }
+            None => {
+                self.errors += 1;
+                self.first_error
+                    .get_or_insert_with(|| "writer stopped".to_string());
+            }
+        }
+    }
 }
