@@ -1062,12 +1062,12 @@ async fn given_entry_logs_mostly_dead_then_compaction_moves_live_entries_and_fre
     for _ in 0..100 {
         tokio::time::sleep(Duration::from_millis(100)).await;
         after = size();
-        if before - after.min(before) >= must_free {
+        if before.saturating_sub(after) >= must_free {
             break;
         }
     }
     assert!(
-        before - after.min(before) >= must_free,
+        before.saturating_sub(after) >= must_free,
         "entry logs {before} -> {after} bytes, expected at least {must_free} freed; before: {before_logs:?}; after: {:?}",
         logs()
     );

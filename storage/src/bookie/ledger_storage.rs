@@ -895,7 +895,7 @@ impl LedgerStorage {
                 .collect()
         };
         for ((ledger_id, entry_id), value) in entries {
-            if !deleted.is_empty() && deleted.contains(ledger_id) {
+            if deleted.contains(ledger_id) {
                 continue;
             }
             if writer.position() > self.opts.entry_log_bytes_max {
