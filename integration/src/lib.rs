@@ -212,6 +212,22 @@ pub struct MetaCluster {
     pub root: tempfile::TempDir,
 }
 
+impl Drop for MetaCluster {
+    /// A failing test shows what its nodes logged (their directory goes with the cluster).
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for n in &self.nodes {
+                let log = n.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(60).collect();
+                eprintln!("--- node {} log, last {} lines ---", n.id, tail.len());
+                for line in tail.into_iter().rev() {
+                    eprintln!("{line}");
+                }
+            }
+        }
+    }
+}
+
 impl MetaCluster {
     /// Starts `n` nodes as a new cluster (ids 1..=n) and waits until it has a leader.
     pub async fn start(n: u64) -> anyhow::Result<Self> {
