@@ -1,5 +1,6 @@
 //! A bookie's ledger storage, behind the journal: a write cache, entry logs, a RocksDB index
-//! `(ledger, entry) -> location`, a read cache, and per-ledger state.
+//! of entry locations (pages of 256 entry ids, see [`index`]), a read cache, and per-ledger
+//! state.
 //!
 //! ```text
 //!  journal callback ──► write cache (sorted, bounded in bytes)
@@ -26,9 +27,13 @@ use bytes::{Bytes, BytesMut};
 use rocksdb::{IteratorMode, Options, WriteBatch, WriteOptions, DB};
 use serde::{Deserialize, Serialize};
 
+use super::index::{self, Location};
 use crate::proto::{self, Status, NONE};
 
-const CF_INDEX: &str = "index";
+/// Entry locations, in pages (see [`index`]).
+const CF_PAGES: &str = "index_pages";
+/// One key per entry, written by bookies before index pages; moved to pages at start-up.
+const CF_LEGACY_INDEX: &str = "index";
 const CF_LEDGERS: &str = "ledgers";
 const CF_LOGS: &str = "logs";
 const CF_META: &str = "meta";
@@ -101,38 +106,11 @@ fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> StorageError + '_ {
     }
 }
 
-fn index_key(ledger_id: u64, entry_id: u64) -> [u8; 16] {
-    let mut k = [0u8; 16];
-    k[..8].copy_from_slice(&ledger_id.to_be_bytes());
-    k[8..].copy_from_slice(&entry_id.to_be_bytes());
-    k
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Location {
-    log: u64,
-    offset: u64,
-    len: u32,
-}
-
-impl Location {
-    fn encode(&self) -> [u8; 20] {
-        let mut v = [0u8; 20];
-        v[..8].copy_from_slice(&self.log.to_be_bytes());
-        v[8..16].copy_from_slice(&self.offset.to_be_bytes());
-        v[16..].copy_from_slice(&self.len.to_be_bytes());
-        v
-    }
-
-    fn decode(v: &[u8]) -> Option<Location> {
-        if v.len() != 20 {
-            return None;
-        }
-        Some(Location {
-            log: u64::from_be_bytes(v[..8].try_into().ok()?),
-            offset: u64::from_be_bytes(v[8..16].try_into().ok()?),
-            len: u32::from_be_bytes(v[16..].try_into().ok()?),
-        })
+fn corrupt_page(ledger_id: u64, first_entry: u64) -> impl FnOnce(index::PageError) -> StorageError {
+    move |e| {
+        StorageError::Corrupt(format!(
+            "index page of ledger {ledger_id} from entry {first_entry}: {e}"
+        ))
     }
 }
 
@@ -501,7 +479,7 @@ impl LedgerStorage {
         let (db, closed) = meridian_metadata::store::Db::open(
             &o,
             &index_dir,
-            &[CF_INDEX, CF_LEDGERS, CF_LOGS, CF_META],
+            &[CF_PAGES, CF_LEGACY_INDEX, CF_LEDGERS, CF_LOGS, CF_META],
             // The index takes a key per entry: larger memtables than metadata's, still bounded.
             32 << 20,
             64 << 20,
@@ -513,6 +491,13 @@ impl LedgerStorage {
             .into_iter()
             .collect();
         let checkpoint = read_checkpoint(&db)?;
+        let migrated = migrate_legacy_index(&db, opts.fsync)?;
+        if migrated > 0 {
+            tracing::info!(
+                entries = migrated,
+                "moved the per-entry index to index pages"
+            );
+        }
         let mut next_log = 1;
         for item in fs::read_dir(&logs_dir).map_err(io_at(&logs_dir))? {
             let item = item.map_err(io_at(&logs_dir))?;
@@ -695,9 +680,16 @@ impl LedgerStorage {
         }
         let loc = match self
             .db
-            .get_cf(cf(&self.db, CF_INDEX), index_key(ledger_id, entry_id))
+            .get_pinned_cf(cf(&self.db, CF_PAGES), index::page_key(ledger_id, entry_id))
         {
-            Ok(Some(v)) => Location::decode(&v).ok_or(Status::Internal)?,
+            Ok(Some(page)) => match index::find(&page, index::slot(entry_id)) {
+                Ok(Some(loc)) => loc,
+                Ok(None) => return Err(Status::NoSuchEntry),
+                Err(e) => {
+                    tracing::error!(error = %e, ledger_id, entry_id, "index page unreadable");
+                    return Err(Status::Internal);
+                }
+            },
             Ok(None) => return Err(Status::NoSuchEntry),
             Err(e) => {
                 tracing::error!(error = %e, ledger_id, entry_id, "index read failed");
@@ -799,11 +791,10 @@ impl LedgerStorage {
             to_json(&state),
         );
         batch.delete_range_cf(
-            cf(&self.db, CF_INDEX),
-            index_key(ledger_id, 0),
-            index_key(ledger_id, u64::MAX),
+            cf(&self.db, CF_PAGES),
+            index::page_key(ledger_id, 0),
+            index::ledger_end(ledger_id),
         );
-        batch.delete_cf(cf(&self.db, CF_INDEX), index_key(ledger_id, u64::MAX));
         self.write_synced(batch)?;
         {
             let mut cache = self.cache.lock().expect("cache lock");
@@ -821,6 +812,24 @@ impl LedgerStorage {
             .lock()
             .expect("read cache lock")
             .remove_ledger(ledger_id);
+        Ok(())
+    }
+
+    /// Adds to `batch` the page `key` of `ledger_id` with `records` (sorted by slot) merged
+    /// into what the index holds for it.
+    fn put_page(
+        &self,
+        batch: &mut WriteBatch,
+        ledger_id: u64,
+        key: &[u8; 16],
+        records: &[(u16, Location)],
+    ) -> Result<(), StorageError> {
+        let pages = cf(&self.db, CF_PAGES);
+        let existing = self.db.get_pinned_cf(pages, key)?;
+        let first = index::parse_key(key).map_or(0, |(_, first)| first);
+        let page =
+            index::merge(existing.as_deref(), records).map_err(corrupt_page(ledger_id, first))?;
+        batch.put_cf(pages, key, page);
         Ok(())
     }
 
@@ -894,6 +903,11 @@ impl LedgerStorage {
                 .filter(|l| ledgers.get(l).is_some_and(|s| s.deleted))
                 .collect()
         };
+        // The page being filled (ledger, page key) and its new records; bytes per (log, ledger)
+        // summed over each run of one ledger in one log.
+        let mut page: Option<(u64, [u8; 16])> = None;
+        let mut records: Vec<(u16, Location)> = Vec::new();
+        let mut run: Option<(u64, u64, u64)> = None;
         for ((ledger_id, entry_id), value) in entries {
             if deleted.contains(ledger_id) {
                 continue;
@@ -913,16 +927,33 @@ impl LedgerStorage {
                 offset,
                 len: value.len() as u32,
             };
-            batch.put_cf(
-                cf(&self.db, CF_INDEX),
-                index_key(*ledger_id, *entry_id),
-                loc.encode(),
-            );
-            *touched
-                .entry(writer.id)
-                .or_default()
-                .entry(*ledger_id)
-                .or_default() += value.len() as u64 + 4;
+            let key = index::page_key(*ledger_id, *entry_id);
+            if page.is_none_or(|(_, k)| k != key) {
+                if let Some((ledger, k)) = page {
+                    self.put_page(&mut batch, ledger, &k, &records)?;
+                }
+                records.clear();
+                page = Some((*ledger_id, key));
+            }
+            records.push((index::slot(*entry_id), loc));
+            let bytes = value.len() as u64 + 4;
+            match &mut run {
+                Some((log, ledger, sum)) if *log == writer.id && ledger == ledger_id => {
+                    *sum += bytes
+                }
+                _ => {
+                    if let Some((log, ledger, sum)) = run {
+                        *touched.entry(log).or_default().entry(ledger).or_default() += sum;
+                    }
+                    run = Some((writer.id, *ledger_id, bytes));
+                }
+            }
+        }
+        if let Some((ledger, k)) = page {
+            self.put_page(&mut batch, ledger, &k, &records)?;
+        }
+        if let Some((log, ledger, sum)) = run {
+            *touched.entry(log).or_default().entry(ledger).or_default() += sum;
         }
         writer.finish(self.opts.fsync)?;
         // The index may only point at bytes that are on disk.
@@ -1023,21 +1054,29 @@ impl LedgerStorage {
     ) -> Result<(), StorageError> {
         let mut moved = BTreeMap::new();
         for ledger in usage.keys().filter(|l| !deleted.contains(l)) {
-            let from = index_key(*ledger, 0);
-            let iter = self.db.iterator_cf(
-                cf(&self.db, CF_INDEX),
+            let from = index::page_key(*ledger, 0);
+            let mut read = rocksdb::ReadOptions::default();
+            read.set_iterate_upper_bound(index::ledger_end(*ledger));
+            let iter = self.db.iterator_cf_opt(
+                cf(&self.db, CF_PAGES),
+                read,
                 IteratorMode::From(&from, rocksdb::Direction::Forward),
             );
             for item in iter {
                 let (k, v) = item?;
-                if k[..8] != ledger.to_be_bytes() {
-                    break;
-                }
-                let loc = Location::decode(&v)
-                    .ok_or_else(|| StorageError::Corrupt("index location".into()))?;
-                if loc.log == log {
-                    let entry = u64::from_be_bytes(k[8..16].try_into().expect("8 bytes"));
-                    moved.insert((*ledger, entry), Held::whole(self.read_at(loc)?));
+                let Some((_, first)) = index::parse_key(&k) else {
+                    return Err(StorageError::Corrupt(format!(
+                        "index page key of {} bytes",
+                        k.len()
+                    )));
+                };
+                for (slot, loc) in index::records(&v).map_err(corrupt_page(*ledger, first))? {
+                    if loc.log == log {
+                        moved.insert(
+                            (*ledger, first + slot as u64),
+                            Held::whole(self.read_at(loc)?),
+                        );
+                    }
                 }
             }
         }
@@ -1087,6 +1126,67 @@ fn load_json_by_id<T: serde::de::DeserializeOwned>(
         out.push((id, value));
     }
     Ok(out)
+}
+
+/// Moves a per-entry index (one key `ledger | entry` -> `log | offset | len` per entry, as
+/// bookies wrote before index pages) into pages, in synced batches, and empties it. Returns how
+/// many entries it moved.
+fn migrate_legacy_index(db: &DB, fsync: bool) -> Result<u64, StorageError> {
+    const BATCH_ENTRIES: usize = 65_536;
+    let legacy = cf(db, CF_LEGACY_INDEX);
+    let mut moved = 0u64;
+    let mut pages: BTreeMap<[u8; 16], Vec<(u16, Location)>> = BTreeMap::new();
+    let mut pending = 0usize;
+    let write = |pages: &mut BTreeMap<[u8; 16], Vec<(u16, Location)>>| {
+        let mut batch = WriteBatch::default();
+        for (key, records) in std::mem::take(pages) {
+            let (ledger, first) = index::parse_key(&key).unwrap_or((0, 0));
+            let existing = db.get_pinned_cf(cf(db, CF_PAGES), key)?;
+            let page =
+                index::merge(existing.as_deref(), &records).map_err(corrupt_page(ledger, first))?;
+            batch.put_cf(cf(db, CF_PAGES), key, page);
+        }
+        let mut wo = WriteOptions::default();
+        wo.set_sync(fsync);
+        db.write_opt(batch, &wo)?;
+        Ok::<(), StorageError>(())
+    };
+    for item in db.iterator_cf(legacy, IteratorMode::Start) {
+        let (k, v) = item?;
+        let bad = || StorageError::Corrupt(format!("legacy index record {k:02x?}"));
+        if k.len() != 16 || v.len() != 20 {
+            return Err(bad());
+        }
+        let ledger = u64::from_be_bytes(k[..8].try_into().map_err(|_| bad())?);
+        let entry = u64::from_be_bytes(k[8..].try_into().map_err(|_| bad())?);
+        let loc = Location {
+            log: u64::from_be_bytes(v[..8].try_into().map_err(|_| bad())?),
+            offset: u64::from_be_bytes(v[8..16].try_into().map_err(|_| bad())?),
+            len: u32::from_be_bytes(v[16..].try_into().map_err(|_| bad())?),
+        };
+        // Keys sort by (ledger, entry), so each page's records arrive in slot order.
+        pages
+            .entry(index::page_key(ledger, entry))
+            .or_default()
+            .push((index::slot(entry), loc));
+        moved += 1;
+        pending += 1;
+        if pending >= BATCH_ENTRIES {
+            write(&mut pages)?;
+            pending = 0;
+        }
+    }
+    if moved == 0 {
+        return Ok(0);
+    }
+    write(&mut pages)?;
+    let mut batch = WriteBatch::default();
+    batch.delete_range_cf(legacy, [0u8; 16], [0xffu8; 16]);
+    batch.delete_cf(legacy, [0xffu8; 16]);
+    let mut wo = WriteOptions::default();
+    wo.set_sync(fsync);
+    db.write_opt(batch, &wo)?;
+    Ok(moved)
 }
 
 fn read_checkpoint(db: &DB) -> Result<u64, StorageError> {
@@ -1228,5 +1328,118 @@ mod tests {
             );
         }
         assert_eq!(s.read(9, sizes.len() as u64), Err(Status::NoSuchEntry));
+    }
+
+    fn entry(ledger: u64, id: u64, version: u8) -> Bytes {
+        let mut v = format!("ledger {ledger} entry {id} v{version} ").into_bytes();
+        v.resize(300 + (id as usize % 700), version);
+        v.into()
+    }
+
+    /// Entry ids a bookie holds of a ledger striped E=3, Qw=2 (two of every three, as bookie 0).
+    fn striped(range: std::ops::Range<u64>) -> Vec<u64> {
+        range.filter(|e| e % 3 != 2).collect()
+    }
+
+    fn pages_of(s: &LedgerStorage, ledger: u64) -> usize {
+        s.db.iterator_cf(
+            cf(&s.db, CF_PAGES),
+            IteratorMode::From(&index::page_key(ledger, 0), rocksdb::Direction::Forward),
+        )
+        .map(|i| i.expect("iterate"))
+        .take_while(|(k, _)| k[..8] == ledger.to_be_bytes())
+        .count()
+    }
+
+    #[test]
+    fn given_striped_entries_flushed_in_parts_across_pages_then_each_reads_back_and_gaps_are_absent(
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ids = striped(0..1_000);
+        {
+            let s = open(dir.path());
+            // Flush edges inside pages (256 ids each): 100, 300, 700.
+            for part in [0..100, 100..300, 300..700, 700..1_000] {
+                for id in ids.iter().filter(|id| part.contains(*id)) {
+                    s.add_durable(4, *id, NONE, b"key", (None, &entry(4, *id, 1)), false);
+                }
+                // Another ledger's entries interleaved in the same flushes.
+                s.add_durable(
+                    5,
+                    part.start,
+                    NONE,
+                    b"key",
+                    (None, &entry(5, part.start, 1)),
+                    false,
+                );
+                s.flush().expect("flush");
+            }
+            // Written again (as a recovery would): the new location wins.
+            s.add_durable(4, 301, NONE, b"key", (None, &entry(4, 301, 2)), false);
+            s.flush().expect("flush");
+            assert_eq!(pages_of(&s, 4), 4, "1,000 ids make 4 pages");
+        }
+        let s = open(dir.path());
+        for id in 0..1_000u64 {
+            let got = s.read(4, id);
+            if id % 3 == 2 {
+                assert_eq!(got, Err(Status::NoSuchEntry), "entry {id} was never stored");
+            } else {
+                let version = if id == 301 { 2 } else { 1 };
+                assert_eq!(got.expect("read"), entry(4, id, version), "entry {id}");
+            }
+        }
+        for id in [0, 100, 300, 700] {
+            assert_eq!(s.read(5, id).expect("read"), entry(5, id, 1));
+        }
+        assert_eq!(s.read(4, 1_000), Err(Status::NoSuchEntry));
+        assert_eq!(s.read(4, u64::MAX - 1), Err(Status::NoSuchEntry));
+        // Deleting a ledger drops its pages and leaves its neighbour's.
+        s.delete(4).expect("delete");
+        assert_eq!(pages_of(&s, 4), 0);
+        assert_eq!(pages_of(&s, 5), 3);
+        assert_eq!(s.read(5, 700).expect("read"), entry(5, 700, 1));
+    }
+
+    #[test]
+    fn given_a_per_entry_index_of_an_older_bookie_when_opened_then_it_moves_to_pages() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ids = striped(0..600);
+        {
+            let s = open(dir.path());
+            for id in &ids {
+                s.add_durable(8, *id, NONE, b"key", (None, &entry(8, *id, 1)), false);
+            }
+            s.flush().expect("flush");
+            // Rewrite the index as older bookies kept it: a key per entry, no pages.
+            let mut batch = WriteBatch::default();
+            for item in s.db.iterator_cf(cf(&s.db, CF_PAGES), IteratorMode::Start) {
+                let (k, v) = item.expect("iterate");
+                let (ledger, first) = index::parse_key(&k).expect("page key");
+                for (slot, loc) in index::records(&v).expect("page") {
+                    let mut key = ledger.to_be_bytes().to_vec();
+                    key.extend_from_slice(&(first + slot as u64).to_be_bytes());
+                    let mut value = loc.log.to_be_bytes().to_vec();
+                    value.extend_from_slice(&loc.offset.to_be_bytes());
+                    value.extend_from_slice(&loc.len.to_be_bytes());
+                    batch.put_cf(cf(&s.db, CF_LEGACY_INDEX), key, value);
+                }
+                batch.delete_cf(cf(&s.db, CF_PAGES), k);
+            }
+            s.db.write(batch).expect("write");
+            assert_eq!(pages_of(&s, 8), 0);
+        }
+        let s = open(dir.path());
+        assert_eq!(pages_of(&s, 8), 3);
+        let legacy =
+            s.db.iterator_cf(cf(&s.db, CF_LEGACY_INDEX), IteratorMode::Start)
+                .count();
+        assert_eq!(legacy, 0, "the per-entry index is emptied");
+        for id in 0..600u64 {
+            match s.read(8, id) {
+                Ok(v) => assert_eq!(v, entry(8, id, 1), "entry {id}"),
+                Err(e) => assert!(id % 3 == 2 && e == Status::NoSuchEntry, "entry {id}: {e:?}"),
+            }
+        }
     }
 }

@@ -11,6 +11,7 @@
 //! An add is answered only after the journal's fsync covered it. A damaged frame closes that
 //! connection only.
 
+pub mod index;
 pub mod ledger_storage;
 
 use std::net::SocketAddr;
