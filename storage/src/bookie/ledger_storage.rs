@@ -480,7 +480,9 @@ impl LedgerStorage {
             &o,
             &index_dir,
             &[CF_PAGES, CF_LEGACY_INDEX, CF_LEDGERS, CF_LOGS, CF_META],
-            // The index takes a key per entry: larger memtables than metadata's, still bounded.
+            // Pages are read back by every flush that extends one, and by reads.
+            &[],
+            // Larger memtables than metadata's, still bounded.
             32 << 20,
             64 << 20,
         )?;
