@@ -3,6 +3,14 @@
 //! The payloads are openraft's own request and response types, bincode-encoded inside a
 //! `RaftPayload` message; a response carries `Result<Response, RaftError>` so the remote node's
 //! refusal reaches openraft as a [`RemoteError`], distinct from an unreachable peer.
+//!
+//! AppendEntries, the RPC of every replication round, goes over one long-lived bidirectional
+//! stream per follower (`AppendEntriesStream`): openraft's replication task for a follower sends
+//! one request at a time and waits for its answer, so answers come back in order, one for each
+//! request. That spares each round a unary call's request and response headers, trailers and
+//! HTTP/2 stream set-up. Any failure or timeout drops the stream (a request whose answer was not
+//! read never leaves an answer behind for the next one) and the next round opens a new one. A
+//! peer that does not know the stream (`Unimplemented`) gets unary calls from then on.
 
 use std::time::Duration;
 
@@ -64,6 +72,8 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
             client: channel(&node.addr, self.connect_timeout)
                 .map(RaftClient::new)
                 .map_err(|e| e.to_string()),
+            stream: None,
+            unary_only: false,
         }
     }
 }
@@ -72,6 +82,15 @@ pub struct Network {
     target: NodeId,
     target_node: BasicNode,
     client: Result<RaftClient<Channel>, String>,
+    /// The open AppendEntries stream, between rounds (taken out during one).
+    stream: Option<AppendStream>,
+    /// The peer answered the stream with `Unimplemented`: unary AppendEntries only.
+    unary_only: bool,
+}
+
+struct AppendStream {
+    requests: tokio::sync::mpsc::Sender<RaftPayload>,
+    answers: tonic::Streaming<RaftPayload>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -87,6 +106,46 @@ type RpcFn =
         -> futures::future::BoxFuture<'static, Result<tonic::Response<RaftPayload>, tonic::Status>>;
 
 impl Network {
+    fn client(&self) -> Result<RaftClient<Channel>, tonic::Status> {
+        self.client
+            .clone()
+            .map_err(|e| tonic::Status::unavailable(format!("no channel: {e}")))
+    }
+
+    /// A failed call as openraft sees it: unreachable (back off and retry) or a network error.
+    fn status_error<E: std::error::Error>(
+        &self,
+        status: tonic::Status,
+    ) -> RPCError<NodeId, BasicNode, RaftError<NodeId, E>> {
+        let err = Msg(format!("node {}: {status}", self.target));
+        match status.code() {
+            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
+                RPCError::Unreachable(Unreachable::new(&err))
+            }
+            _ => RPCError::Network(NetworkError::new(&err)),
+        }
+    }
+
+    /// The remote node's answer: its response, or its refusal as a [`RemoteError`].
+    fn answer<Resp, E>(
+        &self,
+        response: &RaftPayload,
+    ) -> Result<Resp, RPCError<NodeId, BasicNode, RaftError<NodeId, E>>>
+    where
+        Resp: DeserializeOwned,
+        E: std::error::Error + DeserializeOwned,
+    {
+        let result: Result<Resp, RaftError<NodeId, E>> =
+            decode(response).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
+        result.map_err(|e| {
+            RPCError::RemoteError(RemoteError::new_with_node(
+                self.target,
+                self.target_node.clone(),
+                e,
+            ))
+        })
+    }
+
     async fn call<Req, Resp, E>(
         &mut self,
         req: &Req,
@@ -104,27 +163,40 @@ impl Network {
         };
         let mut request = tonic::Request::new(encode(req));
         request.set_timeout(option.hard_ttl());
-        let response = match which(client, request).await {
-            Ok(r) => r.into_inner(),
-            Err(status) => {
-                let err = Msg(format!("node {}: {status}", self.target));
-                return Err(match status.code() {
-                    tonic::Code::Unavailable | tonic::Code::DeadlineExceeded => {
-                        RPCError::Unreachable(Unreachable::new(&err))
-                    }
-                    _ => RPCError::Network(NetworkError::new(&err)),
-                });
+        match which(client, request).await {
+            Ok(r) => self.answer(&r.into_inner()),
+            Err(status) => Err(self.status_error(status)),
+        }
+    }
+
+    /// One request and its answer on the AppendEntries stream, opening it first if needed.
+    /// The stream is put back only after a whole round, so a round cut short (an error, a
+    /// timeout, the future dropped) takes the stream with it.
+    async fn stream_round(&mut self, payload: RaftPayload) -> Result<RaftPayload, tonic::Status> {
+        let mut stream = match self.stream.take() {
+            Some(s) => s,
+            None => {
+                let (requests, rx) = tokio::sync::mpsc::channel(1);
+                let answers = self
+                    .client()?
+                    .append_entries_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+                    .await?
+                    .into_inner();
+                AppendStream { requests, answers }
             }
         };
-        let result: Result<Resp, RaftError<NodeId, E>> =
-            decode(&response).map_err(|e| RPCError::Network(NetworkError::new(&e)))?;
-        result.map_err(|e| {
-            RPCError::RemoteError(RemoteError::new_with_node(
-                self.target,
-                self.target_node.clone(),
-                e,
-            ))
-        })
+        if stream.requests.send(payload).await.is_err() {
+            return Err(tonic::Status::unavailable("the AppendEntries stream ended"));
+        }
+        match stream.answers.message().await? {
+            Some(answer) => {
+                self.stream = Some(stream);
+                Ok(answer)
+            }
+            None => Err(tonic::Status::unavailable(
+                "the follower ended the AppendEntries stream",
+            )),
+        }
     }
 }
 
@@ -134,6 +206,25 @@ impl RaftNetwork<TypeConfig> for Network {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        if !self.unary_only {
+            let ttl = option.hard_ttl();
+            match tokio::time::timeout(ttl, self.stream_round(encode(&rpc))).await {
+                Ok(Ok(answer)) => return self.answer(&answer),
+                Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => {
+                    tracing::info!(
+                        target_node = self.target,
+                        "peer has no AppendEntries stream; unary calls from now on"
+                    );
+                    self.unary_only = true;
+                }
+                Ok(Err(status)) => return Err(self.status_error(status)),
+                Err(_) => {
+                    return Err(self.status_error(tonic::Status::deadline_exceeded(format!(
+                        "no AppendEntries answer within {ttl:?}"
+                    ))))
+                }
+            }
+        }
         self.call(&rpc, &option, |mut c, r| {
             Box::pin(async move { c.append_entries(r).await })
         })
@@ -175,8 +266,34 @@ fn bad_payload(e: bincode::Error) -> tonic::Status {
     tonic::Status::invalid_argument(format!("undecodable Raft payload: {e}"))
 }
 
+type AnswerStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<RaftPayload, tonic::Status>> + Send>>;
+
 #[tonic::async_trait]
 impl crate::pb::raft_server::Raft for RaftService {
+    type AppendEntriesStreamStream = AnswerStream;
+
+    /// Answers each request of the stream in order. An undecodable request ends the stream
+    /// with `InvalidArgument` (the leader opens a new one); the connection stays.
+    async fn append_entries_stream(
+        &self,
+        request: tonic::Request<tonic::Streaming<RaftPayload>>,
+    ) -> Result<tonic::Response<AnswerStream>, tonic::Status> {
+        let start = Some((self.raft.clone(), request.into_inner()));
+        let answers = futures::stream::unfold(start, |state| async move {
+            let (raft, mut requests) = state?;
+            let payload = requests.message().await.ok()??;
+            match decode::<AppendEntriesRequest<TypeConfig>>(&payload) {
+                Ok(req) => {
+                    let result = raft.append_entries(req).await;
+                    Some((Ok(encode(&result)), Some((raft, requests))))
+                }
+                Err(e) => Some((Err(bad_payload(e)), None)),
+            }
+        });
+        Ok(tonic::Response::new(Box::pin(answers)))
+    }
+
     async fn append_entries(
         &self,
         request: tonic::Request<RaftPayload>,
@@ -204,5 +321,172 @@ impl crate::pb::raft_server::Raft for RaftService {
             decode(request.get_ref()).map_err(bad_payload)?;
         let result = self.raft.install_snapshot(req).await;
         Ok(tonic::Response::new(encode(&result)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use openraft::Vote;
+
+    use super::*;
+
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Mode {
+        /// Answers every request of a stream.
+        Stream,
+        /// Knows no stream (a node from before it): `Unimplemented`.
+        NoStream,
+        /// Ends each stream after its first answer.
+        EndAfterOne,
+    }
+
+    /// A peer that answers every AppendEntries with success and counts what it was sent.
+    #[derive(Clone)]
+    struct Fake {
+        mode: Mode,
+        opened: Arc<AtomicUsize>,
+        streamed: Arc<AtomicUsize>,
+        unary: Arc<AtomicUsize>,
+    }
+
+    fn success() -> RaftPayload {
+        encode(&Ok::<_, RaftError<NodeId>>(
+            AppendEntriesResponse::<NodeId>::Success,
+        ))
+    }
+
+    #[tonic::async_trait]
+    impl crate::pb::raft_server::Raft for Fake {
+        type AppendEntriesStreamStream = AnswerStream;
+
+        async fn append_entries_stream(
+            &self,
+            request: tonic::Request<tonic::Streaming<RaftPayload>>,
+        ) -> Result<tonic::Response<AnswerStream>, tonic::Status> {
+            self.opened.fetch_add(1, Ordering::SeqCst);
+            if self.mode == Mode::NoStream {
+                return Err(tonic::Status::unimplemented("no such method"));
+            }
+            let limit = if self.mode == Mode::EndAfterOne {
+                1
+            } else {
+                usize::MAX
+            };
+            let streamed = Arc::clone(&self.streamed);
+            let answers = futures::stream::unfold((request.into_inner(), 0), move |(mut rx, n)| {
+                let streamed = Arc::clone(&streamed);
+                async move {
+                    if n >= limit {
+                        return None;
+                    }
+                    let p = rx.message().await.ok()??;
+                    decode::<AppendEntriesRequest<TypeConfig>>(&p).ok()?;
+                    streamed.fetch_add(1, Ordering::SeqCst);
+                    Some((Ok(success()), (rx, n + 1)))
+                }
+            });
+            Ok(tonic::Response::new(Box::pin(answers)))
+        }
+
+        async fn append_entries(
+            &self,
+            request: tonic::Request<RaftPayload>,
+        ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+            decode::<AppendEntriesRequest<TypeConfig>>(request.get_ref()).map_err(bad_payload)?;
+            self.unary.fetch_add(1, Ordering::SeqCst);
+            Ok(tonic::Response::new(success()))
+        }
+
+        async fn vote(
+            &self,
+            _: tonic::Request<RaftPayload>,
+        ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not in this test"))
+        }
+
+        async fn install_snapshot(
+            &self,
+            _: tonic::Request<RaftPayload>,
+        ) -> Result<tonic::Response<RaftPayload>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not in this test"))
+        }
+    }
+
+    /// Serves `mode` on a loopback port; returns the counters and a network to it.
+    async fn peer(mode: Mode) -> (Fake, Network) {
+        let fake = Fake {
+            mode,
+            opened: Arc::default(),
+            streamed: Arc::default(),
+            unary: Arc::default(),
+        };
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(crate::pb::raft_server::RaftServer::new(fake.clone()))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+        );
+        let mut factory = NetworkFactory {
+            connect_timeout: Duration::from_secs(5),
+        };
+        let network = factory
+            .new_client(2, &BasicNode::new(addr.to_string()))
+            .await;
+        (fake, network)
+    }
+
+    async fn append(n: &mut Network) -> Result<(), String> {
+        let rpc = AppendEntriesRequest::<TypeConfig> {
+            vote: Vote::new(1, 1),
+            prev_log_id: None,
+            entries: vec![],
+            leader_commit: None,
+        };
+        match n
+            .append_entries(rpc, RPCOption::new(Duration::from_secs(5)))
+            .await
+        {
+            Ok(AppendEntriesResponse::Success) => Ok(()),
+            Ok(other) => Err(format!("unexpected answer {other:?}")),
+            Err(RPCError::Unreachable(e)) => Err(format!("unreachable: {e}")),
+            Err(e) => Err(format!("other error: {e}")),
+        }
+    }
+
+    #[tokio::test]
+    async fn given_a_follower_then_appends_share_one_stream() {
+        let (fake, mut n) = peer(Mode::Stream).await;
+        for _ in 0..5 {
+            append(&mut n).await.unwrap();
+        }
+        assert_eq!(fake.opened.load(Ordering::SeqCst), 1);
+        assert_eq!(fake.streamed.load(Ordering::SeqCst), 5);
+        assert_eq!(fake.unary.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn given_a_peer_without_the_stream_then_appends_fall_back_to_unary_calls() {
+        let (fake, mut n) = peer(Mode::NoStream).await;
+        for _ in 0..3 {
+            append(&mut n).await.unwrap();
+        }
+        assert_eq!(fake.opened.load(Ordering::SeqCst), 1, "asked once");
+        assert_eq!(fake.unary.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn given_a_stream_that_ends_then_that_round_fails_unreachable_and_the_next_reopens() {
+        let (fake, mut n) = peer(Mode::EndAfterOne).await;
+        append(&mut n).await.unwrap();
+        let err = append(&mut n).await.unwrap_err();
+        assert!(err.starts_with("unreachable"), "{err}");
+        append(&mut n).await.unwrap();
+        assert_eq!(fake.opened.load(Ordering::SeqCst), 2);
+        assert_eq!(fake.streamed.load(Ordering::SeqCst), 2);
+        assert_eq!(fake.unary.load(Ordering::SeqCst), 0);
     }
 }

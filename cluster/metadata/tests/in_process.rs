@@ -366,9 +366,19 @@ async fn given_malformed_raft_payloads_then_they_are_refused_and_the_node_keeps_
             .expect_err("refused");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
         let status = raft
-            .vote(pb::RaftPayload { data })
+            .vote(pb::RaftPayload { data: data.clone() })
             .await
             .expect_err("refused");
+        assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
+        // On the AppendEntries stream: the stream ends with the refusal.
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let mut answers = raft
+            .append_entries_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        tx.send(pb::RaftPayload { data }).await.unwrap();
+        let status = answers.message().await.expect_err("refused");
         assert_eq!(status.code(), tonic::Code::InvalidArgument, "{status}");
     }
     // Still serving.
