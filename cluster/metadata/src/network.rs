@@ -10,7 +10,9 @@
 //! request. That spares each round a unary call's request and response headers, trailers and
 //! HTTP/2 stream set-up. Any failure or timeout drops the stream (a request whose answer was not
 //! read never leaves an answer behind for the next one) and the next round opens a new one. A
-//! peer that does not know the stream (`Unimplemented`) gets unary calls from then on.
+//! peer that does not know the stream (`Unimplemented`) gets unary calls from then on. A
+//! stopping node ends the streams it serves (its server's graceful shutdown would otherwise
+//! wait for them).
 
 use std::time::Duration;
 
@@ -260,6 +262,9 @@ impl RaftNetwork<TypeConfig> for Network {
 /// The receiving side: hands each RPC to the local Raft instance.
 pub struct RaftService {
     pub raft: Raft,
+    /// Becomes true when the node stops: open AppendEntries streams end then (a graceful server
+    /// shutdown waits for open streams, and the leader would keep this one open).
+    pub stopping: tokio::sync::watch::Receiver<bool>,
 }
 
 fn bad_payload(e: bincode::Error) -> tonic::Status {
@@ -279,14 +284,21 @@ impl crate::pb::raft_server::Raft for RaftService {
         &self,
         request: tonic::Request<tonic::Streaming<RaftPayload>>,
     ) -> Result<tonic::Response<AnswerStream>, tonic::Status> {
-        let start = Some((self.raft.clone(), request.into_inner()));
+        let start = Some((
+            self.raft.clone(),
+            request.into_inner(),
+            self.stopping.clone(),
+        ));
         let answers = futures::stream::unfold(start, |state| async move {
-            let (raft, mut requests) = state?;
-            let payload = requests.message().await.ok()??;
+            let (raft, mut requests, mut stopping) = state?;
+            let payload = tokio::select! {
+                next = requests.message() => next.ok()??,
+                _ = stopping.wait_for(|stop| *stop) => return None,
+            };
             match decode::<AppendEntriesRequest<TypeConfig>>(&payload) {
                 Ok(req) => {
                     let result = raft.append_entries(req).await;
-                    Some((Ok(encode(&result)), Some((raft, requests))))
+                    Some((Ok(encode(&result)), Some((raft, requests, stopping))))
                 }
                 Err(e) => Some((Err(bad_payload(e)), None)),
             }

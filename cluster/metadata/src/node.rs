@@ -617,9 +617,12 @@ impl MetadataNode {
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|e| e.to_string())?;
-        let raft_svc = pb::raft_server::RaftServer::new(RaftService { raft })
-            .max_decoding_message_size(1 << 30)
-            .max_encoding_message_size(1 << 30);
+        let raft_svc = pb::raft_server::RaftServer::new(RaftService {
+            raft,
+            stopping: stopping.subscribe(),
+        })
+        .max_decoding_message_size(1 << 30)
+        .max_encoding_message_size(1 << 30);
         // tonic's own `tcp_nodelay` applies only to sockets it accepts itself; without
         // TCP_NODELAY, small responses wait for delayed ACKs (40 ms spikes).
         let incoming = futures::StreamExt::map(

@@ -387,6 +387,31 @@ async fn given_malformed_raft_payloads_then_they_are_refused_and_the_node_keeps_
     store.shutdown().await;
 }
 
+/// A leader keeps its AppendEntries stream to a follower open; a stopping node must end it
+/// rather than wait for it (a graceful server shutdown waits for open streams, up to the grace
+/// period, 5 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_an_open_append_entries_stream_when_the_node_stops_then_the_stream_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = EmbeddedStore::start(config(dir.path(), 1)).await.unwrap();
+    let mut raft = pb::raft_client::RaftClient::connect(format!("http://{}", store.node.addr))
+        .await
+        .unwrap();
+    let (_requests, rx) = tokio::sync::mpsc::channel::<pb::RaftPayload>(1);
+    let mut answers = raft
+        .append_entries_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let stopping = tokio::spawn(store.shutdown());
+    // Well inside the grace period: the node ended the stream, it was not cut at the end.
+    let ended = tokio::time::timeout(Duration::from_secs(2), answers.message())
+        .await
+        .expect("the stream ends when the node stops");
+    assert!(matches!(ended, Ok(None) | Err(_)), "{ended:?}");
+    stopping.await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_watcher_that_falls_behind_then_it_resumes_from_history_without_gaps() {
     let dir = tempfile::tempdir().unwrap();
