@@ -9,7 +9,8 @@
 //! one request at a time and waits for its answer, so answers come back in order, one for each
 //! request. That spares each round a unary call's request and response headers, trailers and
 //! HTTP/2 stream set-up. Any failure or timeout drops the stream (a request whose answer was not
-//! read never leaves an answer behind for the next one) and the next round opens a new one. A
+//! read never leaves an answer behind for the next one) and the next round opens a new one; a
+//! round that fails on a stream opened earlier is tried once more on a new one. A
 //! peer that does not know the stream (`Unimplemented`) gets unary calls from then on. A
 //! stopping node ends the streams it serves (its server's graceful shutdown would otherwise
 //! wait for them).
@@ -208,23 +209,29 @@ impl RaftNetwork<TypeConfig> for Network {
         rpc: AppendEntriesRequest<TypeConfig>,
         option: RPCOption,
     ) -> Result<AppendEntriesResponse<NodeId>, RPCError<NodeId, BasicNode, RaftError<NodeId>>> {
+        // No timeout of its own: openraft times the call out (`heartbeat_interval`) and drops
+        // this future, and the stream with it (an answer never read is never read later). That
+        // is `RPCError::Timeout` to openraft, which sends again at once; `Unreachable` would make
+        // it pause the follower for its back-off (500 ms, longer than an election timeout).
         if !self.unary_only {
-            let ttl = option.hard_ttl();
-            match tokio::time::timeout(ttl, self.stream_round(encode(&rpc))).await {
-                Ok(Ok(answer)) => return self.answer(&answer),
-                Ok(Err(status)) if status.code() == tonic::Code::Unimplemented => {
+            let reused = self.stream.is_some();
+            let mut result = self.stream_round(encode(&rpc)).await;
+            if reused && matches!(&result, Err(s) if s.code() != tonic::Code::Unimplemented) {
+                // The stream may have died while it waited (the follower restarted, the
+                // connection dropped): once more on a new stream. Appending the same entries
+                // again is harmless.
+                result = self.stream_round(encode(&rpc)).await;
+            }
+            match result {
+                Ok(answer) => return self.answer(&answer),
+                Err(status) if status.code() == tonic::Code::Unimplemented => {
                     tracing::info!(
                         target_node = self.target,
                         "peer has no AppendEntries stream; unary calls from now on"
                     );
                     self.unary_only = true;
                 }
-                Ok(Err(status)) => return Err(self.status_error(status)),
-                Err(_) => {
-                    return Err(self.status_error(tonic::Status::deadline_exceeded(format!(
-                        "no AppendEntries answer within {ttl:?}"
-                    ))))
-                }
+                Err(status) => return Err(self.status_error(status)),
             }
         }
         self.call(&rpc, &option, |mut c, r| {
@@ -491,14 +498,32 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn given_a_stream_that_ends_then_that_round_fails_unreachable_and_the_next_reopens() {
+    async fn given_a_stream_that_ended_then_the_round_is_tried_again_on_a_new_stream() {
         let (fake, mut n) = peer(Mode::EndAfterOne).await;
-        append(&mut n).await.unwrap();
-        let err = append(&mut n).await.unwrap_err();
-        assert!(err.starts_with("unreachable"), "{err}");
-        append(&mut n).await.unwrap();
-        assert_eq!(fake.opened.load(Ordering::SeqCst), 2);
-        assert_eq!(fake.streamed.load(Ordering::SeqCst), 2);
+        // Each stream answers once: every later round finds its stream ended, and succeeds on
+        // a new one.
+        for _ in 0..3 {
+            append(&mut n).await.unwrap();
+        }
+        assert_eq!(fake.opened.load(Ordering::SeqCst), 3);
+        assert_eq!(fake.streamed.load(Ordering::SeqCst), 3);
         assert_eq!(fake.unary.load(Ordering::SeqCst), 0);
+    }
+
+    #[tokio::test]
+    async fn given_no_peer_listening_then_appends_fail_unreachable() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        drop(listener);
+        let mut factory = NetworkFactory {
+            connect_timeout: Duration::from_secs(5),
+        };
+        let mut n = factory
+            .new_client(2, &BasicNode::new(addr.to_string()))
+            .await;
+        for _ in 0..2 {
+            let err = append(&mut n).await.unwrap_err();
+            assert!(err.starts_with("unreachable"), "{err}");
+        }
     }
 }

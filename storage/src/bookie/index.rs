@@ -104,6 +104,22 @@ pub fn records(page: &[u8]) -> Result<Vec<(u16, Location)>, PageError> {
     Ok(out)
 }
 
+/// What can still be used of a damaged page: its whole records with a valid slot that continue
+/// the ascending order, encoded as a page.
+pub fn salvage(page: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(page.len());
+    let mut last: Option<u16> = None;
+    for r in page.chunks_exact(RECORD_BYTES) {
+        let (slot, loc) = record(r);
+        if slot as u64 >= PAGE_ENTRIES || last.is_some_and(|prev| prev >= slot) {
+            continue;
+        }
+        last = Some(slot);
+        push_record(&mut out, slot, &loc);
+    }
+    out
+}
+
 /// The location of the entry in `slot`, if the page has it (a binary search of the encoded page).
 pub fn find(page: &[u8], slot: u16) -> Result<Option<Location>, PageError> {
     if page.len() % RECORD_BYTES != 0 {
@@ -234,5 +250,22 @@ mod tests {
             Err(PageError::Order(4))
         );
         assert_eq!(merge(None, &[(256, loc(1))]), Err(PageError::Slot(256)));
+        // What a flush keeps of such pages: the records that still read as a page.
+        assert_eq!(
+            records(&salvage(&page[..30])).unwrap(),
+            vec![(1, loc(1))],
+            "a torn record dropped"
+        );
+        assert_eq!(
+            records(&salvage(&swapped)).unwrap(),
+            vec![(2, loc(2))],
+            "a record out of order dropped"
+        );
+        assert_eq!(
+            records(&salvage(&beyond)).unwrap(),
+            vec![(2, loc(2))],
+            "a record beyond the page dropped"
+        );
+        assert_eq!(salvage(&page), page, "a sound page is kept whole");
     }
 }
