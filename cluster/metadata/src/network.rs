@@ -160,10 +160,7 @@ impl Network {
         Resp: DeserializeOwned,
         E: std::error::Error + DeserializeOwned,
     {
-        let client = match &self.client {
-            Ok(c) => c.clone(),
-            Err(e) => return Err(RPCError::Unreachable(Unreachable::new(&Msg(e.clone())))),
-        };
+        let client = self.client().map_err(|s| self.status_error(s))?;
         let mut request = tonic::Request::new(encode(req));
         request.set_timeout(option.hard_ttl());
         match which(client, request).await {

@@ -820,45 +820,8 @@ impl LedgerStorage {
         Ok(())
     }
 
-    /// Adds to `batch` the page `key` of `ledger_id` with `records` (sorted by slot) merged
-    /// into what the index holds for it.
-    fn put_page(
-        &self,
-        batch: &mut WriteBatch,
-        ledger_id: u64,
-        key: &[u8; 16],
-        records: &[(u16, Location)],
-    ) -> Result<(), StorageError> {
-        let pages = cf(&self.db, CF_PAGES);
-        let existing = self.db.get_pinned_cf(pages, key)?;
-        let first = index::parse_key(key).map_or(0, |(_, first)| first);
-        let page = match index::merge(existing.as_deref(), records) {
-            Ok(page) => page,
-            Err(e) => {
-                // A damaged stored page must not stop every flush (the write cache would fill
-                // and adds to every ledger stall): keep what still reads, log what is lost.
-                let stored = existing.as_deref().unwrap_or_default();
-                let kept = index::salvage(stored);
-                tracing::error!(
-                    ledger_id,
-                    first_entry = first,
-                    error = %e,
-                    stored_records = stored.len() / index::RECORD_BYTES,
-                    kept_records = kept.len() / index::RECORD_BYTES,
-                    "index page damaged; rewritten from the records that still read"
-                );
-                index::merge(Some(&kept), records).map_err(corrupt_page(ledger_id, first))?
-            }
-        };
-        batch.put_cf(pages, key, page);
-        Ok(())
-    }
-
     fn write_synced(&self, batch: WriteBatch) -> Result<(), StorageError> {
-        let mut wo = WriteOptions::default();
-        wo.set_sync(self.opts.fsync);
-        self.db.write_opt(batch, &wo)?;
-        Ok(())
+        write_synced(&self.db, batch, self.opts.fsync)
     }
 
     /// Moves the write cache to entry logs and the index, then records the checkpoint: the
@@ -951,7 +914,7 @@ impl LedgerStorage {
             let key = index::page_key(*ledger_id, *entry_id);
             if page.is_none_or(|(_, k)| k != key) {
                 if let Some((ledger, k)) = page {
-                    self.put_page(&mut batch, ledger, &k, &records)?;
+                    put_page(&self.db, &mut batch, ledger, &k, &records)?;
                 }
                 records.clear();
                 page = Some((*ledger_id, key));
@@ -971,7 +934,7 @@ impl LedgerStorage {
             }
         }
         if let Some((ledger, k)) = page {
-            self.put_page(&mut batch, ledger, &k, &records)?;
+            put_page(&self.db, &mut batch, ledger, &k, &records)?;
         }
         if let Some((log, ledger, sum)) = run {
             *touched.entry(log).or_default().entry(ledger).or_default() += sum;
@@ -1149,6 +1112,47 @@ fn load_json_by_id<T: serde::de::DeserializeOwned>(
     Ok(out)
 }
 
+fn write_synced(db: &DB, batch: WriteBatch, fsync: bool) -> Result<(), StorageError> {
+    let mut wo = WriteOptions::default();
+    wo.set_sync(fsync);
+    db.write_opt(batch, &wo)?;
+    Ok(())
+}
+
+/// Adds to `batch` the page `key` of `ledger_id` with `records` (sorted by slot) merged into
+/// what the index holds for it.
+fn put_page(
+    db: &DB,
+    batch: &mut WriteBatch,
+    ledger_id: u64,
+    key: &[u8; 16],
+    records: &[(u16, Location)],
+) -> Result<(), StorageError> {
+    let pages = cf(db, CF_PAGES);
+    let existing = db.get_pinned_cf(pages, key)?;
+    let first = index::parse_key(key).map_or(0, |(_, first)| first);
+    let page = match index::merge(existing.as_deref(), records) {
+        Ok(page) => page,
+        Err(e) => {
+            // A damaged stored page must not stop every flush (the write cache would fill and
+            // adds to every ledger stall): keep what still reads, log what is lost.
+            let stored = existing.as_deref().unwrap_or_default();
+            let kept = index::salvage(stored);
+            tracing::error!(
+                ledger_id,
+                first_entry = first,
+                error = %e,
+                stored_records = stored.len() / index::RECORD_BYTES,
+                kept_records = kept.len() / index::RECORD_BYTES,
+                "index page damaged; rewritten from the records that still read"
+            );
+            index::merge(Some(&kept), records).map_err(corrupt_page(ledger_id, first))?
+        }
+    };
+    batch.put_cf(pages, key, page);
+    Ok(())
+}
+
 /// Moves a per-entry index (one key `ledger | entry` -> `log | offset | len` per entry, as
 /// bookies wrote before index pages) into pages, in synced batches, and empties it. Returns how
 /// many entries it moved.
@@ -1162,29 +1166,24 @@ fn migrate_legacy_index(db: &DB, fsync: bool) -> Result<u64, StorageError> {
     let write = |pages: &mut BTreeMap<[u8; 16], Vec<(u16, Location)>>| {
         let mut batch = WriteBatch::default();
         for (key, records) in std::mem::take(pages) {
-            let (ledger, first) = index::parse_key(&key).unwrap_or((0, 0));
-            let existing = db.get_pinned_cf(cf(db, CF_PAGES), key)?;
-            let page =
-                index::merge(existing.as_deref(), &records).map_err(corrupt_page(ledger, first))?;
-            batch.put_cf(cf(db, CF_PAGES), key, page);
+            let ledger = index::parse_key(&key).map_or(0, |(ledger, _)| ledger);
+            put_page(db, &mut batch, ledger, &key, &records)?;
         }
-        let mut wo = WriteOptions::default();
-        wo.set_sync(fsync);
-        db.write_opt(batch, &wo)?;
-        Ok::<(), StorageError>(())
+        write_synced(db, batch, fsync)
     };
     for item in db.iterator_cf(legacy, IteratorMode::Start) {
         let (k, v) = item?;
-        let bad = || StorageError::Corrupt(format!("legacy index record {k:02x?}"));
         if k.len() != 16 || v.len() != 20 {
-            return Err(bad());
+            return Err(StorageError::Corrupt(format!(
+                "legacy index record {k:02x?} -> {v:02x?}"
+            )));
         }
-        let ledger = u64::from_be_bytes(k[..8].try_into().map_err(|_| bad())?);
-        let entry = u64::from_be_bytes(k[8..].try_into().map_err(|_| bad())?);
+        let word = |b: &[u8], at: usize| u64::from_be_bytes(b[at..at + 8].try_into().expect("8"));
+        let (ledger, entry) = (word(&k, 0), word(&k, 8));
         let loc = Location {
-            log: u64::from_be_bytes(v[..8].try_into().map_err(|_| bad())?),
-            offset: u64::from_be_bytes(v[8..16].try_into().map_err(|_| bad())?),
-            len: u32::from_be_bytes(v[16..].try_into().map_err(|_| bad())?),
+            log: word(&v, 0),
+            offset: word(&v, 8),
+            len: u32::from_be_bytes(v[16..20].try_into().expect("4 bytes")),
         };
         // Keys sort by (ledger, entry), so each page's records arrive in slot order.
         pages
@@ -1205,9 +1204,7 @@ fn migrate_legacy_index(db: &DB, fsync: bool) -> Result<u64, StorageError> {
     let mut batch = WriteBatch::default();
     batch.delete_range_cf(legacy, [0u8; 16], [0xffu8; 16]);
     batch.delete_cf(legacy, [0xffu8; 16]);
-    let mut wo = WriteOptions::default();
-    wo.set_sync(fsync);
-    db.write_opt(batch, &wo)?;
+    write_synced(db, batch, fsync)?;
     Ok(moved)
 }
 
