@@ -422,6 +422,11 @@ pub struct BrokerConfig {
     pub producer_pending_sends_max: u64,
     /// Producers plus consumers one connection may hold. Range 1..=1000000, default 10000.
     pub connection_handles_max: u64,
+    /// Frames queued for one connection's socket, bytes. A consumer whose connection holds
+    /// this much is given nothing more until it drains (a client that stops reading stalls
+    /// only itself); one frame may cross the bound. Range 65536..=1073741824, default
+    /// 8388608 (8 MiB).
+    pub connection_write_queue_bytes_max: u64,
     /// Ping an idle client this often, and drop it after a whole interval without a byte,
     /// milliseconds. Range 1000..=3600000, default 30000.
     pub keepalive_interval_ms: u64,
@@ -478,6 +483,7 @@ impl Default for BrokerConfig {
             message_bytes_max: 5 << 20,
             producer_pending_sends_max: 10_000,
             connection_handles_max: 10_000,
+            connection_write_queue_bytes_max: 8 << 20,
             keepalive_interval_ms: 30_000,
             ensemble: 1,
             write_quorum: 1,
@@ -566,6 +572,7 @@ impl BrokerConfig {
             ("broker.message_bytes_max", b.message_bytes_max, 1_024, 104_857_600, ""),
             ("broker.producer_pending_sends_max", b.producer_pending_sends_max, 1, 1_000_000, ""),
             ("broker.connection_handles_max", b.connection_handles_max, 1, 1_000_000, ""),
+            ("broker.connection_write_queue_bytes_max", b.connection_write_queue_bytes_max, 65_536, 1_073_741_824, ""),
             ("broker.keepalive_interval_ms", b.keepalive_interval_ms, 1_000, 3_600_000, ""),
             ("broker.ensemble", b.ensemble, 1, 64, ""),
             ("broker.write_quorum", b.write_quorum, 1, b.ensemble, " (at most broker.ensemble)"),

@@ -502,45 +502,15 @@ impl StandaloneProc {
             cmd.env(k, v);
         }
         self.child = Some(cmd.spawn().context("spawning meridian standalone")?);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-            let new = &text[before.min(text.len())..];
-            if let Some(line) = new
-                .lines()
-                .find(|l| l.starts_with("meridian standalone: Pulsar protocol on "))
-            {
-                let url = line
-                    .split_whitespace()
-                    .find(|w| w.starts_with("pulsar://"))
-                    .context("no pulsar:// in the banner")?;
-                self.url = url.trim_end_matches(',').to_string();
-                self.tls_url = line
-                    .split_whitespace()
-                    .find(|w| w.starts_with("pulsar+ssl://"))
-                    .map(|w| w.trim_end_matches(',').to_string());
-                let http = line
-                    .split_whitespace()
-                    .find(|w| w.starts_with("http://"))
-                    .context("no http:// in the banner")?;
-                self.http = http.trim_start_matches("http://").to_string();
-                self.admin_url = line
-                    .split("admin API on ")
-                    .nth(1)
-                    .and_then(|r| r.split_whitespace().next())
-                    .context("no admin API in the banner")?
-                    .to_string();
-                return Ok(());
-            }
-            if let Some(status) = self.child.as_mut().expect("child").try_wait()? {
-                self.child = None;
-                bail!("standalone exited with {status} before listening:\n{new}");
-            }
-            if Instant::now() > deadline {
-                bail!("standalone did not start within 60 s:\n{new}");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        let b = wait_for_banner(
+            &mut self.child,
+            &self.log,
+            before,
+            "meridian standalone: Pulsar protocol on ",
+        )?;
+        (self.url, self.tls_url, self.http, self.admin_url) =
+            (b.url, b.tls_url, b.http, b.admin_url);
+        Ok(())
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -570,6 +540,149 @@ impl StandaloneProc {
             .context("addresses.json without metadata")?
             .to_string();
         Ok(MetadataClient::connect_to(&[addr])?)
+    }
+}
+
+/// Where a started broker (or standalone) listens, from the line it prints.
+struct Banner {
+    url: String,
+    tls_url: Option<String>,
+    http: String,
+    admin_url: String,
+}
+
+/// Waits until the process prints its banner (a line starting with `prefix`) after byte
+/// `before` of its log; an exit or 60 s without it is an error carrying the log.
+fn wait_for_banner(
+    child: &mut Option<Child>,
+    log: &Path,
+    before: usize,
+    prefix: &str,
+) -> anyhow::Result<Banner> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(log).unwrap_or_default();
+        let new = &text[before.min(text.len())..];
+        if let Some(line) = new.lines().find(|l| l.starts_with(prefix)) {
+            let word = |scheme: &str| {
+                line.split_whitespace()
+                    .find(|w| w.starts_with(scheme))
+                    .map(|w| w.trim_end_matches(',').to_string())
+            };
+            return Ok(Banner {
+                url: word("pulsar://").context("no pulsar:// in the banner")?,
+                tls_url: word("pulsar+ssl://"),
+                http: word("http://")
+                    .context("no http:// in the banner")?
+                    .trim_start_matches("http://")
+                    .to_string(),
+                admin_url: line
+                    .split("admin API on ")
+                    .nth(1)
+                    .and_then(|r| r.split_whitespace().next())
+                    .context("no admin API in the banner")?
+                    .trim_end_matches(';')
+                    .to_string(),
+            });
+        }
+        if let Some(status) = child.as_mut().context("not started")?.try_wait()? {
+            *child = None;
+            bail!("{prefix:?} process exited with {status} before listening:\n{new}");
+        }
+        if Instant::now() > deadline {
+            bail!("{prefix:?} process did not start within 60 s:\n{new}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// One `meridian broker` process against a metadata store (and the bookies registered
+/// there), with ports chosen by the OS; restarts keep its Pulsar port.
+pub struct BrokerProc {
+    pub log: PathBuf,
+    pub metadata: String,
+    /// `pulsar://127.0.0.1:PORT` once started.
+    pub url: String,
+    /// `127.0.0.1:PORT` of /metrics and /health once started.
+    pub http: String,
+    /// `http://127.0.0.1:PORT` of the admin API once started.
+    pub admin_url: String,
+    child: Option<Child>,
+    extra_env: Vec<(String, String)>,
+}
+
+impl BrokerProc {
+    pub fn new(name: &str, root: &Path, metadata: &str) -> Self {
+        Self {
+            log: root.join(format!("{name}.log")),
+            metadata: metadata.to_string(),
+            url: String::new(),
+            http: String::new(),
+            admin_url: String::new(),
+            child: None,
+            extra_env: Vec::new(),
+        }
+    }
+
+    /// A `MERIDIAN_*` setting for the next start.
+    pub fn env(&mut self, key: &str, value: &str) -> &mut Self {
+        self.extra_env.push((key.to_string(), value.to_string()));
+        self
+    }
+
+    pub fn start(&mut self) -> anyhow::Result<()> {
+        assert!(self.child.is_none(), "broker already running");
+        let before = std::fs::read_to_string(&self.log).unwrap_or_default().len();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
+        let listen = match self.url.strip_prefix("pulsar://") {
+            Some(a) => a.to_string(),
+            None => "127.0.0.1:0".to_string(),
+        };
+        let mut cmd = Command::new(meridian_bin());
+        cmd.arg("broker")
+            .args(["--metadata", &self.metadata])
+            .args(["--listen", &listen])
+            .args(["--http-listen", "127.0.0.1:0"])
+            .args(["--admin-listen", "127.0.0.1:0"])
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log);
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().context("spawning meridian broker")?);
+        let b = wait_for_banner(
+            &mut self.child,
+            &self.log,
+            before,
+            "meridian broker: Pulsar protocol on ",
+        )?;
+        (self.url, self.http, self.admin_url) = (b.url, b.http, b.admin_url);
+        Ok(())
+    }
+
+    /// SIGKILL: a crash.
+    pub fn kill9(&mut self) -> anyhow::Result<()> {
+        kill9(self.child.take())
+    }
+
+    /// SIGTERM, then waits for the exit and returns its code.
+    pub fn stop(&mut self) -> anyhow::Result<i32> {
+        sigterm_and_wait(self.child.take())
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for BrokerProc {
+    fn drop(&mut self) {
+        let _ = kill9(self.child.take());
     }
 }
 

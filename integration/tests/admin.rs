@@ -1406,6 +1406,73 @@ fn publish_and_dispatch_rate_limits_hold_clients_within_ten_percent() {
     assert!(err.contains("0..=100000000"), "{err}");
 }
 
+#[test]
+fn a_throttled_producer_does_not_stall_its_connection() {
+    use meridian_integration::raw::{cmd, producer, send_frame, Got, Raw};
+    use meridian_protocol::pb::{self, base_command::Type};
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    a.ok(&["namespaces", "create", "public/thr"]);
+    a.ok(&[
+        "namespaces",
+        "set-publish-rate",
+        "public/thr",
+        "--msg-publish-rate",
+        "5",
+    ]);
+    std::thread::sleep(Duration::from_millis(1000));
+
+    step("30 sends at 5 msg/s: about 6 s of throttling");
+    let mut c = Raw::connected(&s.url);
+    c.send(&producer("persistent://public/thr/t", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    let started = Instant::now();
+    for i in 0..30 {
+        c.send_raw(&send_frame(1, i, b"throttled"));
+    }
+
+    step("a PING on the same connection is answered at once, not after the throttle");
+    c.send(&cmd(Type::Ping, |x| x.ping = Some(pb::CommandPing {})));
+    let mut receipts = Vec::new();
+    let pong_after = loop {
+        match c.recv(Duration::from_secs(10)) {
+            Got::Frame(f) if f.command.pong.is_some() => break started.elapsed(),
+            Got::Frame(f) => {
+                if let Some(r) = f.command.send_receipt {
+                    receipts.push(r.sequence_id);
+                }
+            }
+            _ => panic!("no PONG within 10 s"),
+        }
+    };
+    assert!(
+        pong_after < Duration::from_secs(2),
+        "PONG after {pong_after:?}: the connection stalled behind the throttle"
+    );
+
+    step("every send is still answered, in order, at the rate");
+    while receipts.len() < 30 {
+        match c.recv(Duration::from_secs(20)) {
+            Got::Frame(f) => {
+                if let Some(r) = f.command.send_receipt {
+                    receipts.push(r.sequence_id);
+                }
+            }
+            _ => panic!("only {} receipts", receipts.len()),
+        }
+    }
+    assert_eq!(receipts, (0..30).collect::<Vec<u64>>());
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(3),
+        "30 messages at 5 msg/s took only {took:?}"
+    );
+}
+
 /// Whether these metadata keys exist, in order.
 fn keys_exist(s: &StandaloneProc, keys: &[String]) -> Vec<bool> {
     tokio::runtime::Runtime::new().unwrap().block_on(async {
@@ -1574,17 +1641,22 @@ enum Op {
     Produce,
     Consume,
     ListTopics,
+    /// GET_OR_CREATE_SCHEMA: registers a schema, as a producer would.
+    CreateSchema,
+    GetSchema,
     Stats,
     AdminListTopics,
     AdminReadPolicies,
     AdminSetPolicy,
 }
 
-const OPS: [Op; 8] = [
+const OPS: [Op; 10] = [
     Op::Lookup,
     Op::Produce,
     Op::Consume,
     Op::ListTopics,
+    Op::CreateSchema,
+    Op::GetSchema,
     Op::Stats,
     Op::AdminListTopics,
     Op::AdminReadPolicies,
@@ -1595,13 +1667,13 @@ const OPS: [Op; 8] = [
 fn allowed(role: &str, tenant: &str, op: Op) -> bool {
     let reader = matches!(
         op,
-        Op::Lookup | Op::ListTopics | Op::Stats | Op::AdminListTopics
+        Op::Lookup | Op::ListTopics | Op::GetSchema | Op::Stats | Op::AdminListTopics
     );
     match role {
         "root" => true,
         "admin-a" => tenant == "ta",
         "admin-b" => tenant == "tb",
-        "prod-a" => tenant == "ta" && (reader || op == Op::Produce),
+        "prod-a" => tenant == "ta" && (reader || matches!(op, Op::Produce | Op::CreateSchema)),
         "cons-a" => tenant == "ta" && (reader || op == Op::Consume),
         _ => false,
     }
@@ -1656,7 +1728,60 @@ fn data_op(
                 Ok(())
             }
         }
+        Op::CreateSchema | Op::GetSchema => {
+            c.send(&schema_request(&topic, op == Op::CreateSchema));
+            schema_outcome(&c.expect())
+        }
         _ => unreachable!("an admin operation"),
+    }
+}
+
+/// GET_OR_CREATE_SCHEMA of a STRING schema (`create`), or GET_SCHEMA of the latest version.
+fn schema_request(topic: &str, create: bool) -> meridian_protocol::pb::BaseCommand {
+    use meridian_integration::raw::cmd;
+    use meridian_protocol::pb::{self, base_command::Type};
+    if create {
+        cmd(Type::GetOrCreateSchema, |x| {
+            x.get_or_create_schema = Some(pb::CommandGetOrCreateSchema {
+                request_id: 1,
+                topic: topic.to_string(),
+                schema: pb::Schema {
+                    name: "s".into(),
+                    schema_data: Vec::new(),
+                    r#type: 1, // STRING
+                    properties: Vec::new(),
+                },
+            })
+        })
+    } else {
+        cmd(Type::GetSchema, |x| {
+            x.get_schema = Some(pb::CommandGetSchema {
+                request_id: 1,
+                topic: topic.to_string(),
+                schema_version: None,
+            })
+        })
+    }
+}
+
+/// The outcome of a schema request: Ok, or the error the response carries.
+fn schema_outcome(
+    f: &meridian_protocol::Frame,
+) -> Result<(), (meridian_protocol::pb::ServerError, String)> {
+    use meridian_protocol::pb::ServerError;
+    let (code, message) = if let Some(r) = &f.command.get_or_create_schema_response {
+        (r.error_code, r.error_message.clone())
+    } else if let Some(r) = &f.command.get_schema_response {
+        (r.error_code, r.error_message.clone())
+    } else {
+        panic!("expected a schema response, got {:?}", f.command)
+    };
+    match code {
+        None => Ok(()),
+        Some(c) => Err((
+            ServerError::try_from(c).unwrap_or(ServerError::UnknownError),
+            message.unwrap_or_default(),
+        )),
     }
 }
 
@@ -1754,12 +1879,15 @@ fn authorization_matrix_every_role_against_every_operation_in_two_tenants() {
             let mut row = format!("{role:>9} {tenant}:");
             for op in OPS {
                 let (ok, why) = match op {
-                    Op::Lookup | Op::Produce | Op::Consume | Op::ListTopics => {
-                        match data_op(&s.url, tok.as_deref(), &ns, op) {
-                            Ok(()) => (true, String::new()),
-                            Err((code, msg)) => (false, format!("{code:?}: {msg}")),
-                        }
-                    }
+                    Op::Lookup
+                    | Op::Produce
+                    | Op::Consume
+                    | Op::ListTopics
+                    | Op::CreateSchema
+                    | Op::GetSchema => match data_op(&s.url, tok.as_deref(), &ns, op) {
+                        Ok(()) => (true, String::new()),
+                        Err((code, msg)) => (false, format!("{code:?}: {msg}")),
+                    },
                     _ => {
                         let args: Vec<&str> = match op {
                             Op::Stats => vec!["topics", "stats", &topic],
@@ -1787,13 +1915,18 @@ fn authorization_matrix_every_role_against_every_operation_in_two_tenants() {
                         "{role} {op:?} in {tenant} refused by existence: {why}"
                     );
                     let authn = matches!(*role, "no-token" | "expired" | "forged");
-                    let want_status = match (op, authn) {
-                        (Op::Lookup | Op::Produce | Op::Consume | Op::ListTopics, true) => {
-                            "AuthenticationError"
-                        }
-                        (Op::Lookup | Op::Produce | Op::Consume | Op::ListTopics, false) => {
-                            "AuthorizationError"
-                        }
+                    let data_path = matches!(
+                        op,
+                        Op::Lookup
+                            | Op::Produce
+                            | Op::Consume
+                            | Op::ListTopics
+                            | Op::CreateSchema
+                            | Op::GetSchema
+                    );
+                    let want_status = match (data_path, authn) {
+                        (true, true) => "AuthenticationError",
+                        (true, false) => "AuthorizationError",
                         (_, true) => "Unauthenticated",
                         (_, false) => "PermissionDenied",
                     };
@@ -1807,12 +1940,36 @@ fn authorization_matrix_every_role_against_every_operation_in_two_tenants() {
             table.push('\n');
         }
     }
-    eprintln!("              Lk Pr Co Ls St AL AR AS\n{table}");
-    assert_eq!(cells, 8 * 8 * 2);
+    eprintln!("              Lk Pr Co Ls SC SG St AL AR AS\n{table}");
+    assert_eq!(cells, 8 * 10 * 2);
     assert!(
         wrong.is_empty(),
         "cells not as they should be:\n{}",
         wrong.join("\n")
+    );
+
+    step("a schema for a namespace that does not exist is refused and leaves no key behind");
+    let (code, msg) = data_op(&s.url, Some(&root), "ta/ghost", Op::CreateSchema).unwrap_err();
+    assert_eq!(
+        code,
+        meridian_protocol::pb::ServerError::TopicNotFound,
+        "{msg}"
+    );
+    assert!(msg.contains("ta/ghost"), "{msg}");
+    let left = tokio::runtime::Runtime::new()
+        .unwrap()
+        .block_on(async {
+            let page = s
+                .metadata_client()?
+                .list("/schemas/ta/ghost", "", 0)
+                .await?;
+            Ok::<_, anyhow::Error>(page)
+        })
+        .unwrap();
+    assert!(
+        left.kvs.is_empty(),
+        "schema keys left: {:?}",
+        left.kvs.len()
     );
 
     step("HTTP /stats and /metrics (they name topics) are for superusers; /health stays open");

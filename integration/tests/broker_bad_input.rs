@@ -15,6 +15,10 @@ fn bad_frames_close_only_their_connection_and_refusals_are_precise() {
     let mut s = StandaloneProc::new(dir.path());
     s.start().unwrap();
     let url = s.url.clone();
+    assert!(
+        !s.log_text().contains('\u{1b}'),
+        "a log written to a file carries no ANSI colour codes"
+    );
 
     step("a healthy connection with a producer");
     let mut good = Raw::connected(&url);
@@ -303,4 +307,317 @@ fn acks_with_a_request_id_get_an_ack_response_and_errors_name_the_consumer() {
     assert_eq!(r.request_id, Some(41));
     assert_eq!(r.error, Some(ServerError::ConsumerNotFound as i32));
     assert!(r.message.unwrap_or_default().contains("99"));
+}
+
+fn ack_of(
+    consumer_id: u64,
+    request_id: u64,
+    cumulative: bool,
+    ledger_id: u64,
+    entry_id: u64,
+    ack_set: Vec<i64>,
+) -> pb::BaseCommand {
+    cmd(Type::Ack, |c| {
+        c.ack = Some(pb::CommandAck {
+            consumer_id,
+            ack_type: if cumulative {
+                pb::command_ack::AckType::Cumulative
+            } else {
+                pb::command_ack::AckType::Individual
+            } as i32,
+            message_id: vec![pb::MessageIdData {
+                ledger_id,
+                entry_id,
+                ack_set,
+                ..Default::default()
+            }],
+            request_id: Some(request_id),
+            ..Default::default()
+        })
+    })
+}
+
+fn flow(consumer_id: u64, permits: u32) -> pb::BaseCommand {
+    cmd(Type::Flow, |c| {
+        c.flow = Some(pb::CommandFlow {
+            consumer_id,
+            message_permits: permits,
+        })
+    })
+}
+
+/// The next ACK_RESPONSE (other frames are skipped).
+fn ack_response(c: &mut Raw) -> pb::CommandAckResponse {
+    loop {
+        if let Some(r) = c.expect().command.ack_response {
+            return r;
+        }
+    }
+}
+
+/// (ledger, entry) of every MESSAGE that arrives until nothing comes for `idle`.
+fn drain(c: &mut Raw, idle: Duration) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    while let Got::Frame(f) = c.recv(idle) {
+        if let Some(m) = f.command.message.as_ref() {
+            out.push((m.message_id.ledger_id, m.message_id.entry_id));
+        }
+    }
+    out
+}
+
+#[test]
+fn acks_past_the_log_cumulative_acks_on_shared_and_oversize_ack_sets_are_refused_and_change_nothing(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    c.send(&producer("ack-checks", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        c.send_raw(&send_frame(1, i, format!("m{i}").as_bytes()));
+        let r = c.expect().command.send_receipt.expect("receipt");
+        ids.push(r.message_id.expect("position"));
+    }
+    let ledger = ids[0].ledger_id;
+    let last = ids[2].entry_id;
+    c.send(&subscribe("ack-checks", "exclusive", 7, 2));
+    assert!(c.expect().command.success.is_some());
+    let refused = |c: &mut Raw, ack: pb::BaseCommand, what: &str| -> String {
+        c.send(&ack);
+        let r = ack_response(c);
+        assert_eq!(
+            r.error,
+            Some(ServerError::NotAllowedError as i32),
+            "{what}: {:?}",
+            r.message
+        );
+        r.message.unwrap_or_default()
+    };
+
+    step("a cumulative ACK past the end of the log is refused");
+    let m = refused(
+        &mut c,
+        ack_of(7, 10, true, ledger, last + 1000, vec![]),
+        "cumulative past the end",
+    );
+    assert!(m.contains("not an entry"), "{m}");
+    step("an individual ACK of an entry that does not exist is refused");
+    refused(
+        &mut c,
+        ack_of(7, 11, false, ledger + 50, 0, vec![]),
+        "unknown ledger",
+    );
+    step("an ack_set longer than its batch is refused");
+    let m = refused(
+        &mut c,
+        ack_of(7, 12, false, ledger, ids[1].entry_id, vec![1; 1000]),
+        "oversize ack_set",
+    );
+    assert!(m.contains("1000 words"), "{m}");
+
+    step("nothing moved: every message is still delivered");
+    c.send(&flow(7, 100));
+    let got = drain(&mut c, Duration::from_secs(2));
+    let all: Vec<(u64, u64)> = ids.iter().map(|i| (i.ledger_id, i.entry_id)).collect();
+    assert_eq!(got, all);
+
+    step("an ack_set with bits past its one message acknowledges it (the bits are cleared)");
+    c.send(&ack_of(7, 13, false, ledger, ids[0].entry_id, vec![1 << 5]));
+    let r = ack_response(&mut c);
+    assert_eq!(r.error, None, "{:?}", r.message);
+    c.send(&cmd(Type::CloseConsumer, |x| {
+        x.close_consumer = Some(pb::CommandCloseConsumer {
+            consumer_id: 7,
+            request_id: 14,
+        })
+    }));
+    assert!(c.expect().command.success.is_some());
+    c.send(&subscribe("ack-checks", "exclusive", 8, 15));
+    assert!(c.expect().command.success.is_some());
+    c.send(&flow(8, 100));
+    let got = drain(&mut c, Duration::from_secs(2));
+    assert_eq!(got, all[1..].to_vec());
+
+    step("a cumulative ACK on a Shared subscription is refused");
+    let mut sh = subscribe("ack-checks", "shared", 9, 16);
+    if let Some(x) = sh.subscribe.as_mut() {
+        x.sub_type = pb::command_subscribe::SubType::Shared as i32;
+    }
+    c.send(&sh);
+    assert!(c.expect().command.success.is_some());
+    let m = refused(
+        &mut c,
+        ack_of(9, 17, true, ledger, ids[0].entry_id, vec![]),
+        "cumulative on Shared",
+    );
+    assert!(m.contains("cumulative"), "{m}");
+}
+
+#[test]
+fn a_wait_for_exclusive_producer_cannot_publish_before_it_is_granted() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let mut owner = Raw::connected(&s.url);
+    let mut exclusive = producer("wait-excl", 1, 1);
+    if let Some(p) = exclusive.producer.as_mut() {
+        p.producer_access_mode = Some(1); // Exclusive
+    }
+    owner.send(&exclusive);
+    assert!(owner.expect().command.producer_success.is_some());
+
+    step("a WaitForExclusive producer is told it is not ready");
+    let mut waiter = Raw::connected(&s.url);
+    let mut wait = producer("wait-excl", 1, 1);
+    if let Some(p) = wait.producer.as_mut() {
+        p.producer_access_mode = Some(2); // WaitForExclusive
+    }
+    waiter.send(&wait);
+    let ps = waiter
+        .expect()
+        .command
+        .producer_success
+        .expect("PRODUCER_SUCCESS");
+    assert_eq!(ps.producer_ready, Some(false));
+
+    step("its SEND is refused and nothing is appended");
+    waiter.send_raw(&send_frame(1, 0, b"too early"));
+    let e = waiter.expect().command.send_error.expect("SEND_ERROR");
+    assert_eq!(
+        e.error,
+        ServerError::NotAllowedError as i32,
+        "{}",
+        e.message
+    );
+    owner.send_raw(&send_frame(1, 0, b"owner"));
+    let r = owner.expect().command.send_receipt.expect("receipt");
+    assert_eq!(
+        r.message_id.expect("position").entry_id,
+        0,
+        "the early send took no entry"
+    );
+
+    step("once the owner leaves, the waiter is granted and publishes");
+    owner.send(&cmd(Type::CloseProducer, |c| {
+        c.close_producer = Some(pb::CommandCloseProducer {
+            producer_id: 1,
+            request_id: 2,
+        })
+    }));
+    assert!(owner.expect().command.success.is_some());
+    let ps = waiter
+        .expect()
+        .command
+        .producer_success
+        .expect("second PRODUCER_SUCCESS");
+    assert_eq!(ps.producer_ready, Some(true));
+    waiter.send_raw(&send_frame(1, 1, b"granted"));
+    let r = waiter.expect().command.send_receipt.expect("receipt");
+    assert_eq!(r.message_id.expect("position").entry_id, 1);
+}
+
+/// Publishes `n` unbatched messages of 1 KiB with `meridian perf produce`.
+fn produce(url: &str, topic: &str, n: u64) {
+    let (code, out, err) = meridian_integration::run_cli(&[
+        "perf",
+        "produce",
+        "--url",
+        url,
+        "--topic",
+        topic,
+        "--seconds",
+        "0",
+        "--messages",
+        &n.to_string(),
+        "--size",
+        "1024",
+        "--batch-max-messages",
+        "1",
+        "--report-every",
+        "600",
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "perf produce: {out}\n{err}");
+}
+
+#[test]
+fn a_consumer_that_stops_reading_stalls_only_itself_not_the_subscription() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env(
+        "MERIDIAN_BROKER_CONNECTION_WRITE_QUEUE_BYTES_MAX",
+        "1048576",
+    )
+    // A never answers pings: keep it connected for the whole test.
+    .env("MERIDIAN_BROKER_KEEPALIVE_INTERVAL_MS", "300000");
+    s.start().unwrap();
+    let topic = "persistent://public/default/stall";
+    let shared = |consumer_id: u64, request_id: u64| {
+        let mut c = subscribe(topic, "stall", consumer_id, request_id);
+        if let Some(x) = c.subscribe.as_mut() {
+            x.sub_type = pb::command_subscribe::SubType::Shared as i32;
+        }
+        c
+    };
+    step("consumer A grants a million permits and never reads its socket; B reads");
+    let mut a = Raw::connected(&s.url);
+    a.send(&shared(1, 1));
+    assert!(a.expect().command.success.is_some());
+    a.send(&flow(1, 1_000_000));
+    let mut b = Raw::connected(&s.url);
+    b.send(&shared(2, 1));
+    assert!(b.expect().command.success.is_some());
+    b.send(&flow(2, 1_000_000));
+
+    step("40,000 messages of 1 KiB: far more than A's queue and socket hold");
+    let reader = std::thread::spawn(move || {
+        let got = drain(&mut b, Duration::from_secs(3));
+        (b, got)
+    });
+    produce(&s.url, topic, 40_000);
+    let (mut b, mut got_b) = reader.join().unwrap();
+    eprintln!("B received {} of the first 40,000", got_b.len());
+    assert!(
+        got_b.len() > 20_000,
+        "B received only {} while A stalled",
+        got_b.len()
+    );
+
+    step("B's acknowledgements are answered while A stalls");
+    let (l, e) = got_b[0];
+    b.send(&ack_of(2, 99, false, l, e, vec![]));
+    let r = loop {
+        match b.recv(Duration::from_secs(10)) {
+            Got::Frame(f) => {
+                if let Some(r) = f.command.ack_response {
+                    break r;
+                }
+            }
+            _ => panic!("no ACK_RESPONSE within 10 s: the subscription is stalled"),
+        }
+    };
+    assert_eq!(r.error, None);
+
+    step("2,000 more: all of them reach B");
+    let reader = std::thread::spawn(move || {
+        let got = drain(&mut b, Duration::from_secs(3));
+        (b, got)
+    });
+    produce(&s.url, topic, 2_000);
+    let (_b, more) = reader.join().unwrap();
+    assert_eq!(more.len(), 2_000, "B received {} of 2,000", more.len());
+    got_b.extend(more);
+
+    step("A reads at last: A and B together hold every message once");
+    let got_a = drain(&mut a, Duration::from_secs(3));
+    eprintln!("A held {}", got_a.len());
+    let mut all: Vec<(u64, u64)> = got_a.iter().chain(&got_b).copied().collect();
+    all.sort_unstable();
+    let n = all.len();
+    all.dedup();
+    assert_eq!(n, all.len(), "a message went to both consumers");
+    assert_eq!(n, 42_000);
 }

@@ -661,6 +661,20 @@ impl ManagedLedger {
         (entries, bytes)
     }
 
+    /// Whether `pos` names an entry of the log: its ledger is in the chain (not trimmed) and
+    /// the entry is confirmed (at most the last confirmed one, and within a closed ledger's
+    /// entries).
+    pub async fn contains(&self, pos: Position) -> bool {
+        if self.last_confirmed().is_none_or(|l| pos > l) {
+            return false;
+        }
+        self.ledgers()
+            .await
+            .iter()
+            .find(|l| l.ledger_id == pos.ledger_id)
+            .is_some_and(|l| l.entries.is_none_or(|n| pos.entry_id < n))
+    }
+
     /// The index of `pos` in the log (0 for its first entry still kept).
     pub async fn index_of(&self, pos: Position) -> Option<u64> {
         let ledgers = self.ledgers().await;

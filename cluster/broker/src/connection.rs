@@ -6,7 +6,7 @@
 //!                │                              │
 //!                │ SEND: append_queued ─► producer's receipt task (awaits durability in SEND order)
 //!                ▼                              ▼
-//!            keep-alive            mpsc<Bytes> ─► writer task ─► socket
+//!            keep-alive     frame queue (bounded in bytes) ─► writer task ─► socket
 //! ```
 //!
 //! Any malformed, oversize or out-of-order frame closes this connection only, with the reason
@@ -20,25 +20,22 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use meridian_protocol::pb::{self, base_command::Type, ServerError};
-use meridian_protocol::{
-    cmd, decode_frame, encode_command, Entry, Frame, ID_NONE, PROTOCOL_VERSION_MAX,
-};
+use meridian_protocol::{cmd, decode_frame, encode_command, Frame, ID_NONE, PROTOCOL_VERSION_MAX};
 use meridian_storage::cursor::InitialPosition;
 use meridian_storage::managed_ledger::Position;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::{mpsc, watch};
-use tokio::task::JoinHandle;
+use tokio::sync::watch;
 
-use crate::broker::dedup::Submitted;
 use crate::broker::key_shared::{self, KeySharedSpec};
-use crate::broker::producers::{AccessMode, Admission, ProducerHandle, ProducerSink};
+use crate::broker::producers::{AccessMode, Admission, ProducerSink};
 use crate::broker::schema::version_bytes;
 use crate::broker::subscription::{SeekTo, StartAt};
 use crate::broker::{
     Broker, BrokerError, ConsumerSink, SubType, SubscribeRequest, Subscription, Topic,
 };
+use crate::frame_queue::{self, FrameReceiver, FrameSender};
+use crate::publish::{Publisher, SendRequest};
 
-const WRITE_QUEUE_FRAMES: usize = 8192;
 /// How long a reader's subscription waits for the reader to come back after a SEEK.
 const READER_RETURN_WAIT: Duration = Duration::from_secs(60);
 const SERVER_VERSION: &str = concat!("Meridian-", env!("CARGO_PKG_VERSION"));
@@ -47,28 +44,15 @@ const SERVER_VERSION: &str = concat!("Meridian-", env!("CARGO_PKG_VERSION"));
 #[derive(Debug)]
 struct Close(String);
 
-fn frame(c: &pb::BaseCommand) -> Bytes {
+pub(crate) fn frame(c: &pb::BaseCommand) -> Bytes {
     let mut b = BytesMut::new();
     encode_command(&mut b, c);
     b.freeze()
 }
 
-struct PendingSend {
-    sequence_id: u64,
-    submitted: Instant,
-    highest_sequence_id: Option<u64>,
-    messages: u64,
-    bytes: u64,
-    received: Instant,
-    append: Result<Submitted, BrokerError>,
-}
-
 struct ProducerEntry {
-    topic: Arc<Topic>,
-    handle: Arc<ProducerHandle>,
+    publisher: Publisher,
     schema_version: Option<u64>,
-    queue: mpsc::Sender<PendingSend>,
-    receipts: JoinHandle<()>,
 }
 
 /// What PRODUCER_SUCCESS says about a new producer.
@@ -93,7 +77,7 @@ struct Conn {
     broker: Arc<Broker>,
     id: u64,
     peer: SocketAddr,
-    tx: mpsc::Sender<Bytes>,
+    tx: FrameSender,
     connected: bool,
     client_version: String,
     /// The authenticated role (with `broker.authentication_enabled`).
@@ -118,7 +102,7 @@ pub async fn serve<R, W>(
     R: tokio::io::AsyncRead + Unpin + Send,
     W: tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (tx, rx) = mpsc::channel::<Bytes>(WRITE_QUEUE_FRAMES);
+    let (tx, rx) = frame_queue::channel(broker.cfg.connection_write_queue_bytes_max as usize);
     let writer = tokio::spawn(write_loop(wr, rx));
     broker.connection_opened();
     let mut conn = Conn {
@@ -190,93 +174,15 @@ pub async fn serve<R, W>(
 
 /// Writes queued frames, coalescing whatever is queued (up to 1 MiB) into one write, until
 /// every sender is gone or the socket fails. Shared with `meridian perf`'s client.
-pub async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
-    mut wr: W,
-    mut rx: mpsc::Receiver<Bytes>,
-) {
+pub async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(mut wr: W, mut rx: FrameReceiver) {
     let mut out = Vec::with_capacity(256 * 1024);
-    while let Some(b) = rx.recv().await {
-        out.extend_from_slice(&b);
-        while out.len() < 1 << 20 {
-            match rx.try_recv() {
-                Ok(b) => out.extend_from_slice(&b),
-                Err(_) => break,
-            }
-        }
+    while rx.recv_into(&mut out, 1 << 20).await {
         if wr.write_all(&out).await.is_err() {
             return;
         }
         out.clear();
     }
     let _ = wr.shutdown().await;
-}
-
-/// Awaits each send's durability in SEND order and answers it.
-async fn receipt_loop(
-    producer_id: u64,
-    topic: Arc<Topic>,
-    mut rx: mpsc::Receiver<PendingSend>,
-    tx: mpsc::Sender<Bytes>,
-) {
-    // Resolved once per producer, not per SEND (each macro call looks the metric up).
-    let published = metrics::counter!("meridian_publish_messages_total");
-    let published_bytes = metrics::counter!("meridian_publish_bytes_total");
-    let publish_latency = metrics::histogram!("meridian_publish_latency_seconds");
-    let storage_latency = metrics::histogram!("meridian_storage_write_latency_seconds");
-    let errors = metrics::counter!("meridian_publish_errors_total");
-    let duplicates = metrics::counter!("meridian_publish_duplicates_total");
-    // Once the client is gone receipts are no longer written, but every pending send is
-    // still awaited: deduplication must learn what became durable.
-    let mut client_gone = false;
-    let mut last_error_logged: Option<Instant> = None;
-    while let Some(ps) = rx.recv().await {
-        let submitted = ps.submitted;
-        let outcome = match ps.append {
-            Ok(Submitted::Appended(pa, ticket)) => {
-                let r = pa.wait().await.map_err(BrokerError::from);
-                if let (Some(d), Some(t)) = (&topic.dedup, ticket) {
-                    d.record(t, r.as_ref().ok().copied()).await;
-                }
-                r.map(Some)
-            }
-            Ok(Submitted::Duplicate) => Ok(None),
-            Err(e) => Err(e),
-        };
-        let reply = match outcome {
-            Ok(Some(pos)) => {
-                topic.on_appended(pos, ps.messages, ps.bytes);
-                published.increment(ps.messages);
-                published_bytes.increment(ps.bytes);
-                publish_latency.record(ps.received.elapsed().as_secs_f64());
-                storage_latency.record(submitted.elapsed().as_secs_f64());
-                let mut c =
-                    cmd::send_receipt(producer_id, ps.sequence_id, pos.ledger_id, pos.entry_id);
-                if let Some(r) = c.send_receipt.as_mut() {
-                    r.highest_sequence_id = ps.highest_sequence_id;
-                }
-                c
-            }
-            // A duplicate of a persisted message: acknowledged, at no position (as Pulsar).
-            Ok(None) => {
-                duplicates.increment(ps.messages);
-                cmd::send_receipt(producer_id, ps.sequence_id, ID_NONE, ID_NONE)
-            }
-            Err(e) => {
-                errors.increment(1);
-                // At most one line a second per producer: a failing topic can refuse many
-                // sends.
-                if last_error_logged.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(1))
-                {
-                    last_error_logged = Some(Instant::now());
-                    tracing::warn!(topic = %topic.name, producer_id, code = ?e.code, error = %e.message, "send refused");
-                }
-                cmd::send_error(producer_id, ps.sequence_id, e.code, e.message)
-            }
-        };
-        if !client_gone && tx.send(frame(&reply)).await.is_err() {
-            client_gone = true;
-        }
-    }
 }
 
 fn missing(what: &str) -> Close {
@@ -572,11 +478,19 @@ impl Conn {
             Type::GetSchema => {
                 let g = c.get_schema.ok_or_else(|| missing("GET_SCHEMA"))?;
                 let found = match self.broker.check_topic(&g.topic) {
-                    Ok(t) => {
-                        self.broker
-                            .get_schema(&t, g.schema_version.as_deref())
-                            .await
-                    }
+                    // Any grant on the namespace (produce or consume) may read its schemas.
+                    Ok(t) => match self
+                        .broker
+                        .authorize(self.role.as_deref(), &t.namespace(), None)
+                        .await
+                    {
+                        Ok(()) => {
+                            self.broker
+                                .get_schema(&t, g.schema_version.as_deref())
+                                .await
+                        }
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 };
                 let r = match found {
@@ -598,7 +512,7 @@ impl Conn {
                     .get_or_create_schema
                     .ok_or_else(|| missing("GET_OR_CREATE_SCHEMA"))?;
                 let added = match self.broker.check_topic(&g.topic) {
-                    Ok(t) => self.broker.schema_for_producer(&t, Some(&g.schema)).await,
+                    Ok(t) => self.get_or_create_schema(&t, &g.schema).await,
                     Err(e) => Err(e),
                 };
                 let r = match added {
@@ -701,31 +615,48 @@ impl Conn {
         Ok(())
     }
 
+    /// GET_OR_CREATE_SCHEMA: registers a schema as a producer would, so only a role that may
+    /// produce there, and only in a namespace that exists (the registry's keys would stay
+    /// behind otherwise).
+    async fn get_or_create_schema(
+        &self,
+        t: &crate::topic_name::TopicName,
+        schema: &pb::Schema,
+    ) -> Result<Option<u64>, BrokerError> {
+        self.broker
+            .authorize(self.role.as_deref(), &t.namespace(), Some("produce"))
+            .await?;
+        self.broker.require_namespace(&t.namespace()).await?;
+        self.broker.schema_for_producer(t, Some(schema)).await
+    }
+
     /// Creates a producer in its access mode.
     async fn create_producer(
         &mut self,
         p: pb::CommandProducer,
     ) -> Result<CreatedProducer, BrokerError> {
         if let Some(existing) = self.producers.get(&p.producer_id) {
-            if existing.handle.is_fenced() {
+            if existing.publisher.handle.is_fenced() {
                 // Fenced meanwhile: the client re-creates it; it is judged afresh (and is
                 // refused if it comes back with its old epoch).
                 if let Some(e) = self.producers.remove(&p.producer_id) {
                     close_producer(e).await;
                 }
-            } else if existing.topic.full_name() == self.broker.check_topic(&p.topic)?.to_string() {
+            } else if existing.publisher.topic.full_name()
+                == self.broker.check_topic(&p.topic)?.to_string()
+            {
                 // A retried create of a producer that already exists on this connection.
-                let last = match &existing.topic.dedup {
-                    Some(d) => d.last_sequence_id(&existing.handle.name).await,
+                let last = match &existing.publisher.topic.dedup {
+                    Some(d) => d.last_sequence_id(&existing.publisher.handle.name).await,
                     None => -1,
                 };
-                let exclusive = existing.handle.mode.is_exclusive();
+                let exclusive = existing.publisher.handle.mode.is_exclusive();
                 let schema_version = existing.schema_version;
                 return Ok(CreatedProducer {
                     schema_version,
-                    name: existing.handle.name.clone(),
+                    name: existing.publisher.handle.name.clone(),
                     last_sequence_id: last,
-                    epoch: exclusive.then(|| existing.topic.producers.epoch()),
+                    epoch: exclusive.then(|| existing.publisher.topic.producers.epoch()),
                     waiting: None,
                 });
             } else {
@@ -778,26 +709,24 @@ impl Conn {
             Admission::Ready { handle, epoch } => (handle, epoch, None),
             Admission::Waiting { handle, ready } => (handle, None, Some(ready)),
         };
-        let (queue, rx) = mpsc::channel(self.broker.cfg.producer_pending_sends_max as usize);
-        let receipts = tokio::spawn(receipt_loop(
-            p.producer_id,
-            Arc::clone(&topic),
-            rx,
-            self.tx.clone(),
-        ));
         let last_sequence_id = match &topic.dedup {
             Some(d) => d.last_sequence_id(&handle.name).await,
             None => -1,
         };
         tracing::debug!(connection = self.id, topic = %topic.full_name(), producer = %handle.name, ?mode, "producer created");
         let name = handle.name.clone();
+        let publisher = Publisher::start(
+            p.producer_id,
+            topic,
+            handle,
+            self.broker.cfg.message_bytes_max,
+            self.broker.cfg.producer_pending_sends_max as usize,
+            self.tx.clone(),
+        );
         self.producers.insert(
             p.producer_id,
             ProducerEntry {
-                topic,
-                handle,
-                queue,
-                receipts,
+                publisher,
                 schema_version,
             },
         );
@@ -825,81 +754,11 @@ impl Conn {
                 ))
                 .await;
         };
-        let received = Instant::now();
-        let bytes = payload.body.len() as u64;
-        // Each message of a batch takes at least a byte: a count beyond that is not believed
-        // (it would only feed rate limits and stats).
-        let messages = u64::try_from(s.num_messages.unwrap_or(1).max(1))
-            .unwrap_or(1)
-            .min(bytes.max(1));
-        // Past a publish rate (the topic's, or the namespace's over all its topics): this
-        // connection is not read until the debt is repaid, as Pulsar throttles (the client's
-        // own queue and send timeout then apply).
-        let wait = [
-            p.topic.publish_limiter.get(),
-            p.topic.ns_limiters.publish.get(),
-        ]
-        .into_iter()
-        .flatten()
-        .map(|l| l.take(messages, bytes, received))
-        .max()
-        .unwrap_or_default();
-        if !wait.is_zero() {
-            metrics::counter!("meridian_publish_throttled_total").increment(1);
-            tokio::time::sleep(wait).await;
-        }
-        let submitted = Instant::now();
-        let append = if p.handle.is_fenced() {
-            Err(if let Some(b) = p.topic.quota_breach() {
-                b.error()
-            } else if p.topic.ml.is_terminated().await {
-                BrokerError::new(
-                    ServerError::TopicTerminatedError,
-                    "the topic is terminated: it takes no more messages",
-                )
-            } else {
-                BrokerError::new(
-                    ServerError::ProducerFenced,
-                    "this producer was fenced by an exclusive producer",
-                )
-            })
-        } else if !payload.checksum_ok() {
-            Err(BrokerError::new(
-                ServerError::ChecksumError,
-                "message checksum mismatch",
-            ))
-        } else if payload.body.len() as u64 > self.broker.cfg.message_bytes_max + 4096 {
-            Err(BrokerError::new(
-                ServerError::NotAllowedError,
-                "message larger than broker.message_bytes_max",
-            ))
-        } else {
-            let entry = Entry::from_payload(&payload);
-            match &p.topic.dedup {
-                Some(d) => {
-                    d.submit(&p.topic.ml, &p.handle.name, s.highest_sequence_id, entry)
-                        .await
-                }
-                None => p
-                    .topic
-                    .ml
-                    .append_queued(entry.into_bytes())
-                    .await
-                    .map(|pa| Submitted::Appended(pa, None))
-                    .map_err(BrokerError::from),
-            }
-        };
-        let ps = PendingSend {
-            sequence_id: s.sequence_id,
-            submitted,
-            highest_sequence_id: s.highest_sequence_id,
-            messages,
-            bytes,
-            received,
-            append,
-        };
-        // Bounded: a full queue holds the read loop (backpressure to this client).
-        if p.queue.send(ps).await.is_err() {
+        if p.publisher
+            .send(SendRequest::new(s, payload))
+            .await
+            .is_err()
+        {
             // The receipt task stops only when the writer is gone: the client has closed.
             return Err(Close(
                 "closed by the client (receipts could not be written)".into(),
@@ -1088,9 +947,8 @@ impl Conn {
 }
 
 async fn close_producer(p: ProducerEntry) {
-    p.topic.remove_producer(&p.handle);
-    drop(p.queue);
-    let _ = p.receipts.await;
+    p.publisher.topic.remove_producer(&p.publisher.handle);
+    p.publisher.close().await;
 }
 
 /// A Key_Shared consumer's request: mode (0 auto-split, 1 sticky), ranges within 0..=65535.

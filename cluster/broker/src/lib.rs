@@ -11,7 +11,9 @@
 pub mod admin;
 pub mod broker;
 pub mod connection;
+pub mod frame_queue;
 pub mod http;
+mod publish;
 pub mod server;
 pub mod standalone;
 pub mod tls;

@@ -274,8 +274,10 @@ fn init_logging(cfg: &Config) {
         .unwrap_or_else(|_| {
             tracing_subscriber::EnvFilter::new(format!("{},openraft=warn", cfg.log.level))
         });
+    // Colour only on a terminal: a log file or a pipe gets plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if cfg.log.json {
         builder.json().init();

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context};
 use bytes::{BufMut, Bytes, BytesMut};
 use hdrhistogram::Histogram;
+use meridian_broker::frame_queue::FrameSender;
 use meridian_protocol::batch::BatchIter;
 use meridian_protocol::pb::{self, base_command::Type};
 use meridian_protocol::{decode_frame, encode_command, encode_message, Entry};
@@ -172,7 +173,7 @@ pub struct E2eArgs {
 type Routes<T> = Arc<Mutex<HashMap<u64, T>>>;
 
 struct Conn {
-    tx: mpsc::Sender<Bytes>,
+    tx: FrameSender,
     requests: Routes<oneshot::Sender<pb::BaseCommand>>,
     receipts: Routes<mpsc::UnboundedSender<Result<(), String>>>,
     messages: Routes<mpsc::UnboundedSender<(pb::MessageIdData, Entry)>>,
@@ -224,7 +225,7 @@ impl Conn {
                 bail!("connection closed during CONNECT");
             }
         }
-        let (tx, rx) = mpsc::channel::<Bytes>(4096);
+        let (tx, rx) = meridian_broker::frame_queue::channel(16 << 20);
         tokio::spawn(meridian_broker::connection::write_loop(wr, rx));
         let conn = Arc::new(Conn {
             tx,

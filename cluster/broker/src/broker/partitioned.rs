@@ -197,6 +197,18 @@ impl Broker {
             .is_some())
     }
 
+    /// TopicNotFound naming the namespace unless it exists.
+    pub async fn require_namespace(&self, namespace: &str) -> Result<(), BrokerError> {
+        if self.namespace_exists(namespace).await? {
+            Ok(())
+        } else {
+            Err(BrokerError::new(
+                ServerError::TopicNotFound,
+                format!("namespace {namespace} does not exist"),
+            ))
+        }
+    }
+
     /// Partitioned topics of a namespace, with their partition counts.
     pub async fn partitioned_topics_of_namespace(
         &self,

@@ -17,12 +17,13 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use bytes::{Bytes, BytesMut};
+use bytes::BytesMut;
 use meridian_protocol::pb::ServerError;
 use meridian_protocol::{cmd, encode_command};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::BrokerError;
+use crate::frame_queue::FrameSender;
 
 /// How a producer shares its topic (CommandProducer.producer_access_mode).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,7 +53,7 @@ impl AccessMode {
 /// Where a producer lives: its connection's writer and its id there.
 pub struct ProducerSink {
     pub producer_id: u64,
-    pub tx: mpsc::Sender<Bytes>,
+    pub tx: FrameSender,
 }
 
 /// One attached (or waiting) producer.
@@ -61,6 +62,9 @@ pub struct ProducerHandle {
     pub mode: AccessMode,
     sink: ProducerSink,
     fenced: AtomicBool,
+    /// False while a WaitForExclusive producer is in line: its sends are refused until the
+    /// topic is granted to it.
+    granted: AtomicBool,
 }
 
 impl ProducerHandle {
@@ -69,12 +73,17 @@ impl ProducerHandle {
         self.fenced.load(Ordering::Acquire)
     }
 
+    /// Whether the producer may publish (a WaitForExclusive producer only once granted).
+    pub fn is_granted(&self) -> bool {
+        self.granted.load(Ordering::Acquire)
+    }
+
     fn fence(&self) {
         self.fenced.store(true, Ordering::Release);
         let mut b = BytesMut::new();
         encode_command(&mut b, &cmd::close_producer(self.sink.producer_id, 0));
         // A full or closed writer: the connection is going away anyway.
-        let _ = self.sink.tx.try_send(b.freeze());
+        let _ = self.sink.tx.send_now(b.freeze());
     }
 }
 
@@ -107,6 +116,7 @@ impl Inner {
         }
         self.exclusive = Some(handle.name.clone());
         self.by_name.insert(handle.name.clone(), Arc::clone(handle));
+        handle.granted.store(true, Ordering::Release);
         self.epoch
     }
 
@@ -197,6 +207,7 @@ impl Producers {
             mode,
             sink,
             fenced: AtomicBool::new(false),
+            granted: AtomicBool::new(mode != AccessMode::WaitForExclusive),
         });
         let busy = |g: &Inner| -> Option<BrokerError> {
             if let Some(x) = &g.exclusive {
@@ -297,8 +308,8 @@ impl Producers {
 mod tests {
     use super::*;
 
-    fn sink(id: u64) -> (ProducerSink, mpsc::Receiver<Bytes>) {
-        let (tx, rx) = mpsc::channel(8);
+    fn sink(id: u64) -> (ProducerSink, crate::frame_queue::FrameReceiver) {
+        let (tx, rx) = crate::frame_queue::channel(1 << 20);
         (
             ProducerSink {
                 producer_id: id,
@@ -388,8 +399,14 @@ mod tests {
             panic!("w2 waits")
         };
         assert!(r1.try_recv().is_err());
+        assert!(x.is_granted());
+        assert!(
+            !w1.is_granted(),
+            "a waiter may not publish before its grant"
+        );
         assert_eq!(p.remove(&x), Some(2));
         assert_eq!(r1.try_recv().unwrap(), 2);
+        assert!(w1.is_granted());
         assert!(r2.try_recv().is_err(), "w2 still waits behind w1");
         assert_eq!(p.remove(&w1), Some(3));
         assert_eq!(r2.try_recv().unwrap(), 3);
@@ -429,7 +446,7 @@ mod tests {
         ));
         assert!(a.is_fenced());
         assert!(
-            rx1.try_recv().is_ok(),
+            rx1.try_recv().is_some(),
             "CLOSE_PRODUCER sent to the fenced producer"
         );
         let (_, epoch) = ready(p.add(

@@ -32,10 +32,11 @@ use meridian_protocol::{cmd, encode_command, encode_message, Entry, ID_NONE};
 use meridian_storage::cursor::{Backlog, InitialPosition, ManagedCursor};
 use meridian_storage::ledger::LedgerClient;
 use meridian_storage::managed_ledger::{ManagedLedger, Position};
-use tokio::sync::{mpsc, watch, Notify};
+use tokio::sync::{watch, Notify};
 
 use super::key_shared::{self, KeySharedSpec, Selector};
 use super::{BrokerError, Topic};
+use crate::frame_queue::{FrameSender, TrySendError};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SubType {
@@ -87,13 +88,21 @@ pub struct SubscribeRequest {
 pub struct ConsumerSink {
     pub connection_id: u64,
     pub consumer_id: u64,
-    pub tx: mpsc::Sender<Bytes>,
+    pub tx: FrameSender,
     /// The client handles REACHED_END_OF_TOPIC (the C++ client, and so Python, does not: it
     /// would drop the connection and reconnect, again and again).
     pub end_of_topic: bool,
 }
 
 type ConsumerKey = (u64, u64);
+
+impl Consumer {
+    /// Has permits and room in its connection's queue (else the dispatcher is woken when
+    /// the queue drains).
+    fn can_take(&self, wake: &Arc<Notify>) -> bool {
+        self.permits > 0 && self.sink.tx.has_room_or_wake(wake)
+    }
+}
 
 struct Consumer {
     sink: ConsumerSink,
@@ -230,7 +239,8 @@ pub struct Subscription {
     sub_type: SubType,
     durable: bool,
     state: tokio::sync::Mutex<State>,
-    wake: Notify,
+    /// Wakes the dispatcher (shared with connection queues that refused it for lack of room).
+    wake: Arc<Notify>,
     closed: AtomicBool,
     stop: watch::Sender<bool>,
     /// Messages dispatched (counted per message of a batch), for stats.
@@ -371,7 +381,7 @@ impl Subscription {
                 hash_holders: HashMap::new(),
                 delayed: DelayIndex::new(),
             }),
-            wake: Notify::new(),
+            wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
             stop,
             msgs_out: std::sync::atomic::AtomicU64::new(0),
@@ -490,7 +500,7 @@ impl Subscription {
             // A newcomer that is not active still needs to know it.
             if let Some(c) = st.consumers.last() {
                 if Some(c.key()) != best {
-                    let _ = c.sink.tx.try_send(frame(&cmd::active_consumer_change(
+                    let _ = c.sink.tx.send_now(frame(&cmd::active_consumer_change(
                         c.sink.consumer_id,
                         false,
                     )));
@@ -513,7 +523,7 @@ impl Subscription {
         }
         st.active = best;
         for c in &st.consumers {
-            let _ = c.sink.tx.try_send(frame(&cmd::active_consumer_change(
+            let _ = c.sink.tx.send_now(frame(&cmd::active_consumer_change(
                 c.sink.consumer_id,
                 Some(c.key()) == best,
             )));
@@ -574,10 +584,52 @@ impl Subscription {
         cumulative: bool,
         ids: &[pb::MessageIdData],
     ) -> Result<(), BrokerError> {
+        if cumulative && matches!(self.sub_type, SubType::Shared | SubType::KeyShared) {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!(
+                    "cumulative acknowledgement is not allowed on the {:?} subscription {}; acknowledge each message",
+                    self.sub_type, self.name
+                ),
+            ));
+        }
         let mut st = self.state.lock().await;
+        // Every id is checked before any is applied: a refused ACK changes nothing.
+        let mut checked: Vec<(Position, Option<Vec<u64>>)> = Vec::with_capacity(ids.len());
         for id in ids {
             let pos = Position::new(id.ledger_id, id.entry_id);
-            let partial = id.ack_set.iter().any(|w| *w != 0);
+            let ack_set = if id.ack_set.iter().any(|w| *w != 0) {
+                Some(self.checked_ack_set(&st, pos, &id.ack_set).await?)
+            } else {
+                None
+            };
+            // C++'s cumulative "nothing of this ledger yet" names entry -1 of a ledger.
+            let named = if cumulative && id.entry_id == ID_NONE {
+                Position::new(id.ledger_id, 0)
+            } else {
+                pos
+            };
+            let behind = st.cursor.mark_delete().is_some_and(|md| named <= md);
+            if !behind && !self.topic.ml.contains(named).await {
+                return Err(BrokerError::new(
+                    ServerError::NotAllowedError,
+                    format!(
+                        "{} acknowledges {}:{}, which is not an entry of {} (its last is {})",
+                        self.name,
+                        id.ledger_id,
+                        id.entry_id as i64,
+                        self.topic.full_name(),
+                        self.topic
+                            .ml
+                            .last_confirmed()
+                            .map_or_else(|| "none".to_string(), |p| p.to_string()),
+                    ),
+                ));
+            }
+            checked.push((pos, ack_set));
+        }
+        for (id, (pos, ack_set)) in ids.iter().zip(checked) {
+            let partial = ack_set.is_some();
             if cumulative {
                 // Everything before the entry, then (partly or wholly) the entry itself.
                 let upto = if id.entry_id == ID_NONE || partial {
@@ -602,8 +654,7 @@ impl Subscription {
                     continue;
                 }
             }
-            let done = if partial {
-                let bits: Vec<u64> = id.ack_set.iter().map(|w| *w as u64).collect();
+            let done = if let Some(bits) = ack_set {
                 st.cursor.ack_batch_index(pos, &bits).await?
             } else {
                 st.cursor.ack(pos).await?;
@@ -620,6 +671,53 @@ impl Subscription {
             self.wake.notify_one();
         }
         Ok(())
+    }
+
+    /// A client's `ack_set` for the batch entry at `pos`, checked against the batch: at most
+    /// one bit per message of it (a set may stop early: Java's `BitSet` drops trailing zero
+    /// words), and bits past its last message cleared, so a batch can always complete and
+    /// the set stored in every cursor snapshot stays the batch's size.
+    async fn checked_ack_set(
+        &self,
+        st: &State,
+        pos: Position,
+        words: &[i64],
+    ) -> Result<Vec<u64>, BrokerError> {
+        let messages = match st.cursor.batch_ack_set(pos) {
+            // Already checked when it was first stored.
+            Some(old) => old.len() * 64,
+            None => {
+                if st.cursor.is_acknowledged(pos) || !self.topic.ml.contains(pos).await {
+                    // Nothing to check against; the caller refuses or ignores the position.
+                    return Ok(words.iter().map(|w| *w as u64).collect());
+                }
+                let bytes = self.topic.ml.read(pos).await?;
+                Entry::parse(bytes)
+                    .ok()
+                    .and_then(|e| e.metadata().ok())
+                    .map_or(1, |m| meridian_protocol::entry::message_count(&m))
+                    as usize
+            }
+        };
+        let max_words = messages.div_ceil(64);
+        if words.len() > max_words {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!(
+                    "{} acknowledges {pos} with an ack_set of {} words; its batch of {messages} messages takes at most {max_words}",
+                    self.name,
+                    words.len()
+                ),
+            ));
+        }
+        let mut bits: Vec<u64> = words.iter().map(|w| *w as u64).collect();
+        if let Some(last) = bits.last_mut().filter(|_| words.len() == max_words) {
+            let used = messages - (max_words - 1) * 64;
+            if used < 64 {
+                *last &= (1u64 << used) - 1;
+            }
+        }
+        Ok(bits)
     }
 
     /// The entry before `pos` in the log (`None` at the start of the log).
@@ -967,8 +1065,12 @@ impl Subscription {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!(topic = %self.topic.full_name(), subscription = %self.name, error = %e, "dispatch failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    false
+                    // Tried again after the pause, woken or not: what failed is still due.
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                        _ = stop.changed() => return,
+                    }
+                    continue;
                 }
             };
             if progressed {
@@ -1069,12 +1171,29 @@ impl Subscription {
         if !wanted.is_empty() {
             let ml = &self.topic.ml;
             let reads = futures::future::join_all(wanted.iter().map(|(p, _)| ml.read(*p))).await;
+            if let Some((p, e)) = wanted
+                .iter()
+                .zip(&reads)
+                .find_map(|((p, _), r)| r.as_ref().err().map(|e| (p, e)))
+            {
+                // Nothing of this round goes out: what was taken goes back where it was, in
+                // order (a key's later message must not overtake one that could not be read),
+                // and the dispatch loop retries after its pause.
+                let e = BrokerError::new(
+                    ServerError::PersistenceError,
+                    format!("redelivery read of {p} failed (kept for the next round): {e}"),
+                );
+                for (p, n) in wanted {
+                    st.redeliver.insert(p, n);
+                }
+                for e in entries.into_iter().rev() {
+                    st.stash.push_front(e);
+                }
+                return Err(e);
+            }
             for ((p, n), r) in wanted.into_iter().zip(reads) {
-                match r {
-                    Ok(b) => entries.push((p, b, n)),
-                    Err(e) => {
-                        tracing::warn!(subscription = %self.name, position = %p, error = %e, "redelivery read failed; dropped")
-                    }
+                if let Ok(b) = r {
+                    entries.push((p, b, n));
                 }
             }
         }
@@ -1121,7 +1240,7 @@ impl Subscription {
                     let _ = c
                         .sink
                         .tx
-                        .try_send(frame(&cmd::reached_end_of_topic(c.sink.consumer_id)));
+                        .send_now(frame(&cmd::reached_end_of_topic(c.sink.consumer_id)));
                 }
             }
             return Ok(false);
@@ -1189,7 +1308,7 @@ impl Subscription {
                     |m| key_shared::entry_key(&entry, m),
                 );
                 let h = key_shared::key_hash(&key);
-                (Self::pick_by_hash(&st, h), Some(h))
+                (Self::pick_by_hash(&st, h, &self.wake), Some(h))
             } else {
                 (self.pick(&mut st), None)
             };
@@ -1211,10 +1330,19 @@ impl Subscription {
             }
             encode_message(&mut b, &command, entry.as_bytes());
             let len = entry.as_bytes().len() as u64;
-            if c.sink.tx.send(b.freeze()).await.is_err() {
-                // The connection is gone; its close will remove the consumer.
-                st.redeliver.insert(pos, redeliveries);
-                continue;
+            // Never waits for the client under the subscription's lock: a full queue sends
+            // the entry back in order, and the writer wakes this dispatcher when it drains.
+            match c.sink.tx.try_send_or_wake(b.freeze(), &self.wake) {
+                Ok(()) => {}
+                Err(TrySendError::Full) => {
+                    unassigned.push((pos, entry.into_bytes(), redeliveries));
+                    continue;
+                }
+                Err(TrySendError::Closed) => {
+                    // The connection is gone; its close will remove the consumer.
+                    st.redeliver.insert(pos, redeliveries);
+                    continue;
+                }
             }
             c.permits -= i64::from(messages);
             let key = c.key();
@@ -1317,12 +1445,12 @@ impl Subscription {
 
     /// Key_Shared: the consumer owning `hash`, if it has permits and (unless out-of-order
     /// delivery is allowed) no other consumer still holds unacknowledged messages of the hash.
-    fn pick_by_hash(st: &State, hash: u16) -> Option<usize> {
+    fn pick_by_hash(st: &State, hash: u16, wake: &Arc<Notify>) -> Option<usize> {
         let owner = st.selector.as_ref()?.owner(hash)?;
         let idx = st
             .consumers
             .iter()
-            .position(|c| c.key() == owner && c.permits > 0)?;
+            .position(|c| c.key() == owner && c.can_take(wake))?;
         if !st.key_shared.allow_out_of_order
             && st
                 .hash_holders
@@ -1336,18 +1464,22 @@ impl Subscription {
 
     fn pick(&self, st: &mut State) -> Option<usize> {
         match self.sub_type {
-            SubType::Exclusive => st.consumers.first().filter(|c| c.permits > 0).map(|_| 0),
+            SubType::Exclusive => st
+                .consumers
+                .first()
+                .filter(|c| c.can_take(&self.wake))
+                .map(|_| 0),
             SubType::Failover => {
                 let a = st.active?;
                 st.consumers
                     .iter()
-                    .position(|c| c.key() == a && c.permits > 0)
+                    .position(|c| c.key() == a && c.can_take(&self.wake))
             }
             _ => {
                 let n = st.consumers.len();
                 for i in 0..n {
                     let idx = (st.round_robin + i) % n;
-                    if st.consumers[idx].permits > 0 {
+                    if st.consumers[idx].can_take(&self.wake) {
                         st.round_robin = idx + 1;
                         return Some(idx);
                     }

@@ -1,0 +1,312 @@
+//! A producer's publish path on one connection, apart from the connection's read loop:
+//!
+//! ```text
+//!  read loop ─ SEND ─► publish rate allows it now? ── yes ─► submit ─► receipt queue
+//!                          │ no (or sends already wait)            ▲
+//!                          └─► throttle queue ─► throttle task ────┘ (sleeps until each
+//!                                                                     send's turn, in order)
+//!  receipt queue ─► receipt task: awaits each append's durability in SEND order ─► SEND_RECEIPT
+//! ```
+//!
+//! A throttled producer waits in its own task, never in the read loop: the connection keeps
+//! answering pings, acknowledgements and other producers meanwhile. A send goes through the
+//! throttle queue whenever an earlier one of its producer still waits there, so a producer's
+//! sends are appended, and answered, in SEND order. Both queues are bounded
+//! (`broker.producer_pending_sends_max`): a client past that bound waits in the read loop,
+//! which is the backpressure it sees.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use meridian_protocol::pb::{self, ServerError};
+use meridian_protocol::{cmd, Entry, Payload, ID_NONE};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::broker::dedup::Submitted;
+use crate::broker::producers::ProducerHandle;
+use crate::broker::{BrokerError, Topic};
+use crate::connection::frame;
+use crate::frame_queue::FrameSender;
+
+/// One SEND as it was read.
+pub(crate) struct SendRequest {
+    pub send: pb::CommandSend,
+    pub payload: Payload,
+    pub received: Instant,
+    /// Messages in it (a batch's count, never more than its bytes).
+    pub messages: u64,
+    pub bytes: u64,
+}
+
+impl SendRequest {
+    pub fn new(send: pb::CommandSend, payload: Payload) -> SendRequest {
+        let bytes = payload.body.len() as u64;
+        // Each message of a batch takes at least a byte: a count beyond that is not believed
+        // (it would only feed rate limits and stats).
+        let messages = u64::try_from(send.num_messages.unwrap_or(1).max(1))
+            .unwrap_or(1)
+            .min(bytes.max(1));
+        SendRequest {
+            send,
+            payload,
+            received: Instant::now(),
+            messages,
+            bytes,
+        }
+    }
+}
+
+/// What a producer's sends go through on this connection.
+pub(crate) struct Publisher {
+    pub topic: Arc<Topic>,
+    pub handle: Arc<ProducerHandle>,
+    message_bytes_max: u64,
+    receipts_tx: mpsc::Sender<PendingSend>,
+    receipts: JoinHandle<()>,
+    throttle_tx: mpsc::Sender<(SendRequest, Instant)>,
+    throttle: JoinHandle<()>,
+    /// Sends in the throttle queue or its task, not yet submitted.
+    throttled: Arc<AtomicUsize>,
+}
+
+/// The receipt task is gone: the client's connection has closed.
+pub(crate) struct ReceiptsGone;
+
+impl Publisher {
+    pub fn start(
+        producer_id: u64,
+        topic: Arc<Topic>,
+        handle: Arc<ProducerHandle>,
+        message_bytes_max: u64,
+        pending_sends_max: usize,
+        tx: FrameSender,
+    ) -> Publisher {
+        let (receipts_tx, rx) = mpsc::channel(pending_sends_max);
+        let receipts = tokio::spawn(receipt_loop(producer_id, Arc::clone(&topic), rx, tx));
+        let (throttle_tx, throttle_rx) = mpsc::channel(pending_sends_max);
+        let throttled = Arc::new(AtomicUsize::new(0));
+        let throttle = tokio::spawn(throttle_loop(
+            Arc::clone(&topic),
+            Arc::clone(&handle),
+            message_bytes_max,
+            throttle_rx,
+            receipts_tx.clone(),
+            Arc::clone(&throttled),
+        ));
+        Publisher {
+            topic,
+            handle,
+            message_bytes_max,
+            receipts_tx,
+            receipts,
+            throttle_tx,
+            throttle,
+            throttled,
+        }
+    }
+
+    /// Takes one SEND: submitted at once, or queued behind the publish rate.
+    pub async fn send(&self, r: SendRequest) -> Result<(), ReceiptsGone> {
+        // Past a publish rate (the topic's, or the namespace's over all its topics) the send
+        // waits for its turn; each send's debt is taken in SEND order, at arrival.
+        let wait = [
+            self.topic.publish_limiter.get(),
+            self.topic.ns_limiters.publish.get(),
+        ]
+        .into_iter()
+        .flatten()
+        .map(|l| l.take(r.messages, r.bytes, r.received))
+        .max()
+        .unwrap_or_default();
+        if wait.is_zero() && self.throttled.load(Ordering::Acquire) == 0 {
+            let ps = submit(&self.topic, &self.handle, self.message_bytes_max, r).await;
+            return self.receipts_tx.send(ps).await.map_err(|_| ReceiptsGone);
+        }
+        if !wait.is_zero() {
+            metrics::counter!("meridian_publish_throttled_total").increment(1);
+        }
+        let due = r.received + wait;
+        self.throttled.fetch_add(1, Ordering::AcqRel);
+        if self.throttle_tx.send((r, due)).await.is_err() {
+            self.throttled.fetch_sub(1, Ordering::AcqRel);
+            return Err(ReceiptsGone);
+        }
+        Ok(())
+    }
+
+    /// Closes the producer's path: sends still waiting for their turn are dropped
+    /// (never appended, never acknowledged); those appended are awaited and answered.
+    pub async fn close(self) {
+        self.throttle.abort();
+        let _ = self.throttle.await;
+        drop(self.receipts_tx);
+        drop(self.throttle_tx);
+        let _ = self.receipts.await;
+    }
+}
+
+/// Sleeps until each throttled send is due, then submits it, in order.
+async fn throttle_loop(
+    topic: Arc<Topic>,
+    handle: Arc<ProducerHandle>,
+    message_bytes_max: u64,
+    mut rx: mpsc::Receiver<(SendRequest, Instant)>,
+    receipts: mpsc::Sender<PendingSend>,
+    throttled: Arc<AtomicUsize>,
+) {
+    while let Some((r, due)) = rx.recv().await {
+        tokio::time::sleep_until(due.into()).await;
+        let ps = submit(&topic, &handle, message_bytes_max, r).await;
+        let gone = receipts.send(ps).await.is_err();
+        // Only after the append was submitted and its outcome queued: a later send that
+        // sees no throttled one left is appended after this one.
+        throttled.fetch_sub(1, Ordering::AcqRel);
+        if gone {
+            return;
+        }
+    }
+}
+
+/// Checks one SEND and appends it (deduplicated where the topic says so).
+async fn submit(
+    topic: &Topic,
+    handle: &ProducerHandle,
+    message_bytes_max: u64,
+    r: SendRequest,
+) -> PendingSend {
+    let submitted = Instant::now();
+    let payload = &r.payload;
+    let append = if !handle.is_granted() {
+        Err(BrokerError::new(
+            ServerError::NotAllowedError,
+            "this WaitForExclusive producer is still waiting for exclusive access; wait for its second PRODUCER_SUCCESS (producer_ready) before sending",
+        ))
+    } else if handle.is_fenced() {
+        Err(if let Some(b) = topic.quota_breach() {
+            b.error()
+        } else if topic.ml.is_terminated().await {
+            BrokerError::new(
+                ServerError::TopicTerminatedError,
+                "the topic is terminated: it takes no more messages",
+            )
+        } else {
+            BrokerError::new(
+                ServerError::ProducerFenced,
+                "this producer was fenced by an exclusive producer",
+            )
+        })
+    } else if !payload.checksum_ok() {
+        Err(BrokerError::new(
+            ServerError::ChecksumError,
+            "message checksum mismatch",
+        ))
+    } else if payload.body.len() as u64 > message_bytes_max + 4096 {
+        Err(BrokerError::new(
+            ServerError::NotAllowedError,
+            "message larger than broker.message_bytes_max",
+        ))
+    } else {
+        let entry = Entry::from_payload(payload);
+        match &topic.dedup {
+            Some(d) => {
+                d.submit(&topic.ml, &handle.name, r.send.highest_sequence_id, entry)
+                    .await
+            }
+            None => topic
+                .ml
+                .append_queued(entry.into_bytes())
+                .await
+                .map(|pa| Submitted::Appended(pa, None))
+                .map_err(BrokerError::from),
+        }
+    };
+    PendingSend {
+        sequence_id: r.send.sequence_id,
+        submitted,
+        highest_sequence_id: r.send.highest_sequence_id,
+        messages: r.messages,
+        bytes: r.bytes,
+        received: r.received,
+        append,
+    }
+}
+
+pub(crate) struct PendingSend {
+    sequence_id: u64,
+    submitted: Instant,
+    highest_sequence_id: Option<u64>,
+    messages: u64,
+    bytes: u64,
+    received: Instant,
+    append: Result<Submitted, BrokerError>,
+}
+
+/// Awaits each send's durability in SEND order and answers it.
+pub(crate) async fn receipt_loop(
+    producer_id: u64,
+    topic: Arc<Topic>,
+    mut rx: mpsc::Receiver<PendingSend>,
+    tx: FrameSender,
+) {
+    // Resolved once per producer, not per SEND (each macro call looks the metric up).
+    let published = metrics::counter!("meridian_publish_messages_total");
+    let published_bytes = metrics::counter!("meridian_publish_bytes_total");
+    let publish_latency = metrics::histogram!("meridian_publish_latency_seconds");
+    let storage_latency = metrics::histogram!("meridian_storage_write_latency_seconds");
+    let errors = metrics::counter!("meridian_publish_errors_total");
+    let duplicates = metrics::counter!("meridian_publish_duplicates_total");
+    // Once the client is gone receipts are no longer written, but every pending send is
+    // still awaited: deduplication must learn what became durable.
+    let mut client_gone = false;
+    let mut last_error_logged: Option<Instant> = None;
+    while let Some(ps) = rx.recv().await {
+        let submitted = ps.submitted;
+        let outcome = match ps.append {
+            Ok(Submitted::Appended(pa, ticket)) => {
+                let r = pa.wait().await.map_err(BrokerError::from);
+                if let (Some(d), Some(t)) = (&topic.dedup, ticket) {
+                    d.record(t, r.as_ref().ok().copied()).await;
+                }
+                r.map(Some)
+            }
+            Ok(Submitted::Duplicate) => Ok(None),
+            Err(e) => Err(e),
+        };
+        let reply = match outcome {
+            Ok(Some(pos)) => {
+                topic.on_appended(pos, ps.messages, ps.bytes);
+                published.increment(ps.messages);
+                published_bytes.increment(ps.bytes);
+                publish_latency.record(ps.received.elapsed().as_secs_f64());
+                storage_latency.record(submitted.elapsed().as_secs_f64());
+                let mut c =
+                    cmd::send_receipt(producer_id, ps.sequence_id, pos.ledger_id, pos.entry_id);
+                if let Some(r) = c.send_receipt.as_mut() {
+                    r.highest_sequence_id = ps.highest_sequence_id;
+                }
+                c
+            }
+            // A duplicate of a persisted message: acknowledged, at no position (as Pulsar).
+            Ok(None) => {
+                duplicates.increment(ps.messages);
+                cmd::send_receipt(producer_id, ps.sequence_id, ID_NONE, ID_NONE)
+            }
+            Err(e) => {
+                errors.increment(1);
+                // At most one line a second per producer: a failing topic can refuse many
+                // sends.
+                if last_error_logged.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(1))
+                {
+                    last_error_logged = Some(Instant::now());
+                    tracing::warn!(topic = %topic.name, producer_id, code = ?e.code, error = %e.message, "send refused");
+                }
+                cmd::send_error(producer_id, ps.sequence_id, e.code, e.message)
+            }
+        };
+        if !client_gone && tx.send(frame(&reply)).await.is_err() {
+            client_gone = true;
+        }
+    }
+}
