@@ -621,3 +621,33 @@ fn a_consumer_that_stops_reading_stalls_only_itself_not_the_subscription() {
     assert_eq!(n, all.len(), "a message went to both consumers");
     assert_eq!(n, 42_000);
 }
+
+#[test]
+fn topics_that_fail_to_load_leave_nothing_in_the_broker() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    step("200 producers on topics of a namespace that does not exist: each refused");
+    for i in 0..200u64 {
+        c.send(&producer(
+            &format!("persistent://public/nowhere/t{i}"),
+            i,
+            i,
+        ));
+        let f = c.expect();
+        let (code, _) = error_of(&f);
+        assert_eq!(code, ServerError::TopicNotFound);
+    }
+    step("one that loads");
+    c.send(&producer("persistent://public/default/real", 1000, 1000));
+    assert!(c.expect().command.producer_success.is_some());
+    let health = meridian_integration::http_get(&s.http, "/health");
+    let body: serde_json::Value =
+        serde_json::from_str(health.split("\r\n\r\n").nth(1).unwrap_or_default()).unwrap();
+    assert_eq!(body["topics"], 1, "{health}");
+    assert_eq!(
+        body["topic_entries"], 1,
+        "failed loads left entries: {health}"
+    );
+}

@@ -171,70 +171,71 @@ mod tests {
     }
 }
 
-/// The role of a client certificate (DER): its subject's common name (the last CN, the most
-/// specific, if there are several). `None` when the certificate has none or is not DER.
+/// The role of a client certificate (DER), parsed with `x509-parser`: its subject's common
+/// name (the last CN, the most specific, if there are several), else a subject alternative
+/// name of the form `meridian://role/<name>`. `None` when it has neither or is not a
+/// certificate. CNs may be any DirectoryString: UTF8String, PrintableString, IA5String,
+/// T61String (read as Latin-1, as in practice), BMPString (UTF-16) or UniversalString (UTF-32).
 pub fn certificate_role(cert: &[u8]) -> Option<String> {
-    let (0x30, cert, _) = der(cert)? else {
-        return None;
-    };
-    let (0x30, tbs, _) = der(cert)? else {
-        return None;
-    };
-    let mut rest = tbs;
-    // [0] version, when present; then serial, signature algorithm, issuer, validity.
-    if let Some((0xa0, _, r)) = der(rest) {
-        rest = r;
+    let (_, cert) = x509_parser::parse_x509_certificate(cert).ok()?;
+    let cn = cert
+        .subject()
+        .iter_common_name()
+        .filter_map(|a| directory_string(a.attr_value()))
+        .filter(|c| !c.is_empty())
+        .last();
+    if cn.is_some() {
+        return cn;
     }
-    for _ in 0..4 {
-        rest = der(rest)?.2;
-    }
-    let (0x30, mut rdns, _) = der(rest)? else {
-        return None;
-    };
-    let mut cn = None;
-    while !rdns.is_empty() {
-        let (0x31, mut set, r) = der(rdns)? else {
-            return None;
-        };
-        rdns = r;
-        while !set.is_empty() {
-            let (0x30, atv, r) = der(set)? else {
-                return None;
-            };
-            set = r;
-            let (0x06, oid, value) = der(atv)? else {
-                return None;
-            };
-            // id-at-commonName 2.5.4.3, as UTF8String, PrintableString, T61String or
-            // IA5String.
-            if oid == [0x55, 0x04, 0x03] {
-                if let Some((0x0c | 0x13 | 0x14 | 0x16, v, _)) = der(value) {
-                    cn = Some(String::from_utf8(v.to_vec()).ok()?);
-                }
-            }
-        }
-    }
-    cn.filter(|c| !c.is_empty())
+    let san = cert.subject_alternative_name().ok()??;
+    san.value.general_names.iter().find_map(|n| match n {
+        x509_parser::extensions::GeneralName::URI(u) => u
+            .strip_prefix(ROLE_URI_PREFIX)
+            .filter(|r| !r.is_empty() && !r.contains('/'))
+            .map(str::to_string),
+        _ => None,
+    })
 }
 
-/// One DER element: (tag, contents, what follows). Lengths of up to four bytes.
-fn der(b: &[u8]) -> Option<(u8, &[u8], &[u8])> {
-    let (&tag, b) = b.split_first()?;
-    let (&first, mut b) = b.split_first()?;
-    let len = if first & 0x80 == 0 {
-        usize::from(first)
-    } else {
-        let n = usize::from(first & 0x7f);
-        if n == 0 || n > 4 || b.len() < n {
-            return None;
+/// A subject alternative name `meridian://role/<name>` names a certificate's role when its
+/// subject has no CN.
+pub const ROLE_URI_PREFIX: &str = "meridian://role/";
+
+/// A DirectoryString's text, by its ASN.1 tag.
+fn directory_string(v: &x509_parser::der_parser::asn1_rs::Any<'_>) -> Option<String> {
+    let data = v.data;
+    match v.tag().0 {
+        // UTF8String
+        12 => String::from_utf8(data.to_vec()).ok(),
+        // PrintableString, IA5String: ASCII
+        19 | 22 => data
+            .is_ascii()
+            .then(|| String::from_utf8_lossy(data).into_owned()),
+        // T61String (TeletexString): Latin-1 in practice
+        20 => Some(data.iter().map(|b| char::from(*b)).collect()),
+        // BMPString: UTF-16, big-endian
+        30 => {
+            if data.len() % 2 != 0 {
+                return None;
+            }
+            let units = data
+                .chunks_exact(2)
+                .map(|c| u16::from_be_bytes([c[0], c[1]]));
+            char::decode_utf16(units)
+                .collect::<Result<String, _>>()
+                .ok()
         }
-        let len = b[..n]
-            .iter()
-            .fold(0usize, |l, x| (l << 8) | usize::from(*x));
-        b = &b[n..];
-        len
-    };
-    (b.len() >= len).then(|| (tag, &b[..len], &b[len..]))
+        // UniversalString: UTF-32, big-endian
+        28 => {
+            if data.len() % 4 != 0 {
+                return None;
+            }
+            data.chunks_exact(4)
+                .map(|c| char::from_u32(u32::from_be_bytes([c[0], c[1], c[2], c[3]])))
+                .collect()
+        }
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -262,5 +263,101 @@ mod certificate_tests {
             let _ = certificate_role(&der[..n]);
         }
         assert_eq!(certificate_role(b"not a certificate"), None);
+    }
+
+    fn with_cn(cn: rcgen::DnValue, sans: Vec<rcgen::SanType>) -> Option<String> {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.subject_alt_names = sans;
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        if !matches!(&cn, rcgen::DnValue::Utf8String(s) if s.is_empty()) {
+            p.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        }
+        certificate_role(p.self_signed(&key).unwrap().der())
+    }
+
+    #[test]
+    fn given_every_kind_of_directory_string_then_the_cn_reads_as_text() {
+        use rcgen::DnValue;
+        assert_eq!(
+            with_cn(DnValue::Utf8String("zoë".into()), vec![]).as_deref(),
+            Some("zoë")
+        );
+        assert_eq!(
+            with_cn(DnValue::PrintableString("app".try_into().unwrap()), vec![]).as_deref(),
+            Some("app")
+        );
+        // T61String bytes are Latin-1: 0xEB is ë (the old DER walk refused it as bad UTF-8).
+        // rcgen writes ASCII T61 only, so the byte is put in afterwards (roles are read from
+        // certificates rustls already verified; the parse does not check signatures).
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::default();
+        p.distinguished_name = rcgen::DistinguishedName::new();
+        p.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            DnValue::TeletexString("zoX".try_into().unwrap()),
+        );
+        let mut der = p.self_signed(&key).unwrap().der().to_vec();
+        // Issuer and subject alike (the certificate is self-signed).
+        let at: Vec<usize> = (0..der.len() - 2)
+            .filter(|i| &der[*i..*i + 3] == b"zoX")
+            .collect();
+        assert_eq!(at.len(), 2);
+        for i in at {
+            der[i + 2] = 0xeb;
+        }
+        assert_eq!(certificate_role(&der).as_deref(), Some("zoë"));
+        // BMPString is UTF-16 (the old DER walk ignored it).
+        assert_eq!(
+            with_cn(
+                DnValue::BmpString(rcgen::BmpString::try_from("ops-ü").unwrap()),
+                vec![]
+            )
+            .as_deref(),
+            Some("ops-ü")
+        );
+    }
+
+    #[test]
+    fn given_no_cn_then_a_role_uri_san_names_the_role_and_other_sans_do_not() {
+        use rcgen::{DnValue, SanType};
+        let uri = |u: &str| SanType::URI(u.try_into().unwrap());
+        assert_eq!(
+            with_cn(
+                DnValue::Utf8String(String::new()),
+                vec![
+                    SanType::DnsName("host".try_into().unwrap()),
+                    uri("meridian://role/ops")
+                ]
+            )
+            .as_deref(),
+            Some("ops")
+        );
+        assert_eq!(
+            with_cn(
+                DnValue::Utf8String(String::new()),
+                vec![
+                    SanType::DnsName("host".try_into().unwrap()),
+                    uri("https://role/ops")
+                ]
+            ),
+            None
+        );
+        assert_eq!(
+            with_cn(
+                DnValue::Utf8String(String::new()),
+                vec![uri("meridian://role/")]
+            ),
+            None
+        );
+        // A CN wins over the SAN.
+        assert_eq!(
+            with_cn(
+                DnValue::Utf8String("cn-role".into()),
+                vec![uri("meridian://role/ops")]
+            )
+            .as_deref(),
+            Some("cn-role")
+        );
     }
 }

@@ -109,6 +109,8 @@ async fn health(State(c): State<Ctx>) -> impl IntoResponse {
         "status": if c.broker.is_closing() { "stopping" } else { "ok" },
         "connections": c.broker.connection_count(),
         "topics": c.broker.loaded_topics().len(),
+        // Loaded or being loaded: a failed load leaves no entry.
+        "topic_entries": c.broker.topics_in_map(),
     });
     let code = if c.broker.is_closing() {
         StatusCode::SERVICE_UNAVAILABLE

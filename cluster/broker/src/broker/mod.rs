@@ -1110,10 +1110,33 @@ impl Broker {
             let mut topics = self.topics.lock().expect("topics lock");
             Arc::clone(topics.entry(full.clone()).or_default())
         };
-        let topic = cell
+        let loaded = cell
             .get_or_try_init(|| async { self.load_topic(name, create, false).await })
-            .await?;
-        Ok(Arc::clone(topic))
+            .await;
+        match loaded {
+            Ok(topic) => Ok(Arc::clone(topic)),
+            Err(e) => {
+                self.forget_failed_load(&full, &cell);
+                Err(e)
+            }
+        }
+    }
+
+    /// A load that failed leaves nothing behind: a client naming topics that do not exist
+    /// (or cannot be loaded) must not grow the topic map.
+    fn forget_failed_load(&self, full: &str, cell: &Arc<OnceCell<Arc<Topic>>>) {
+        let mut topics = self.topics.lock().expect("topics lock");
+        if topics
+            .get(full)
+            .is_some_and(|c| Arc::ptr_eq(c, cell) && c.get().is_none())
+        {
+            topics.remove(full);
+        }
+    }
+
+    /// Topics in the map (loaded, or being loaded).
+    pub fn topics_in_map(&self) -> usize {
+        self.topics.lock().expect("topics lock").len()
     }
 
     /// A topic the broker itself needs (a dead-letter topic): created in its (existing)
@@ -1123,10 +1146,16 @@ impl Broker {
             let mut topics = self.topics.lock().expect("topics lock");
             Arc::clone(topics.entry(name.to_string()).or_default())
         };
-        let topic = cell
+        let loaded = cell
             .get_or_try_init(|| async { self.load_topic(name, true, true).await })
-            .await?;
-        Ok(Arc::clone(topic))
+            .await;
+        match loaded {
+            Ok(topic) => Ok(Arc::clone(topic)),
+            Err(e) => {
+                self.forget_failed_load(&name.to_string(), &cell);
+                Err(e)
+            }
+        }
     }
 
     /// Deletes a topic (a partitioned topic: all its partitions and its record), its
