@@ -147,7 +147,7 @@ def read(a):
         start = pulsar.MessageId.latest
     else:
         start = pulsar.MessageId.deserialize(bytes.fromhex(a.start))
-    r = c.create_reader(a.topic, start)
+    r = c.create_reader(a.topic, start, start_message_id_inclusive=a.inclusive)
     n = 0
     while n < a.count and r.has_message_available():
         m = r.read_next(timeout_millis=10000)
@@ -703,6 +703,7 @@ def main():
     p.add_argument("topic")
     p.add_argument("--from", dest="start", default="earliest")
     p.add_argument("--count", type=int, default=1 << 62)
+    p.add_argument("--inclusive", action="store_true")
     p.set_defaults(fn=read)
     p = sub.add_parser("ks-consume")
     p.add_argument("url")

@@ -329,6 +329,14 @@ fn readers_from_earliest_and_from_a_message_id() {
     let mut r = py(&dir, "r2", &["read", &s.url, "rd", "--from", &id_of_100]);
     r.finish(T).unwrap();
     assert_seq(&r.ints("i"), 101..500);
+    step("an inclusive reader from the id of (unbatched) message 100 starts at it");
+    let mut r = py(
+        &dir,
+        "r2i",
+        &["read", &s.url, "rd", "--from", &id_of_100, "--inclusive"],
+    );
+    r.finish(T).unwrap();
+    assert_seq(&r.ints("i"), 100..500);
     step("reader from latest sees nothing old");
     let mut r = py(&dir, "r3", &["read", &s.url, "rd", "--from", "latest"]);
     r.finish(T).unwrap();

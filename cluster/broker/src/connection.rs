@@ -869,7 +869,7 @@ impl Conn {
         let to = match (&s.message_id, s.message_publish_time) {
             (Some(id), _) => match start_of(id) {
                 StartAt::Initial(i) => SeekTo::Initial(i),
-                StartAt::After(p) | StartAt::At(p) => SeekTo::Position(p),
+                StartAt::At(p) => SeekTo::Position(p),
             },
             (None, Some(t)) => SeekTo::PublishTime(t),
             (None, None) => {
@@ -990,10 +990,8 @@ fn start_of(id: &pb::MessageIdData) -> StartAt {
     if id.ledger_id == LATEST && id.entry_id == LATEST {
         return StartAt::Initial(InitialPosition::Latest);
     }
-    let p = Position::new(id.ledger_id, id.entry_id);
-    if id.batch_index.is_some_and(|b| b >= 0) {
-        StartAt::At(p)
-    } else {
-        StartAt::After(p)
-    }
+    // At the entry, batched or not, as Pulsar's broker: the client drops what it has already
+    // (the entry itself unless the reader is inclusive, a batch's messages before the index).
+    // Starting after it lost the first message of an inclusive reader.
+    StartAt::At(Position::new(id.ledger_id, id.entry_id))
 }

@@ -62,9 +62,8 @@ impl SubType {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StartAt {
     Initial(InitialPosition),
-    /// Reading starts after this entry (a non-batch message id).
-    After(Position),
-    /// Reading starts at this entry (a message inside a batch: the client skips what it has).
+    /// Reading starts at this entry (a message id: the client skips what it has, the entry
+    /// itself unless inclusive, a batch's messages before the index).
     At(Position),
 }
 
@@ -353,7 +352,6 @@ impl Subscription {
         if !req.durable {
             match req.start {
                 StartAt::Initial(_) => {}
-                StartAt::After(p) => cursor.reset_after(p).await?,
                 StartAt::At(p) => cursor.reset_to_position(p).await?,
             }
         }
