@@ -651,3 +651,30 @@ fn topics_that_fail_to_load_leave_nothing_in_the_broker() {
         "failed loads left entries: {health}"
     );
 }
+
+#[test]
+fn a_producer_with_an_initial_subscription_name_creates_it_before_its_first_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    let mut p = producer("initial-sub", 1, 1);
+    if let Some(x) = p.producer.as_mut() {
+        x.initial_subscription_name = Some("from-the-start".into());
+    }
+    c.send(&p);
+    assert!(c.expect().command.producer_success.is_some());
+    for i in 0..3 {
+        c.send_raw(&send_frame(1, i, b"early"));
+        assert!(c.expect().command.send_receipt.is_some());
+    }
+    step("a consumer that comes later, asking for Latest, still gets all three");
+    let mut sub = subscribe("initial-sub", "from-the-start", 5, 2);
+    if let Some(x) = sub.subscribe.as_mut() {
+        x.initial_position = Some(pb::command_subscribe::InitialPosition::Latest as i32);
+    }
+    c.send(&sub);
+    assert!(c.expect().command.success.is_some());
+    c.send(&flow(5, 100));
+    assert_eq!(drain(&mut c, Duration::from_secs(2)).len(), 3);
+}

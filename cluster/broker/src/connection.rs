@@ -678,6 +678,19 @@ impl Conn {
             .authorize(self.role.as_deref(), &name.namespace(), Some("produce"))
             .await?;
         let topic = self.broker.topic(&name, true).await?;
+        if let Some(sub) = p
+            .initial_subscription_name
+            .as_deref()
+            .filter(|n| !n.is_empty())
+        {
+            // As Pulsar: the subscription exists from the producer's first message on (at
+            // the start of the log if it is new), so nothing sent before a consumer comes is
+            // missed. It takes the right to consume as well.
+            self.broker
+                .authorize(self.role.as_deref(), &name.namespace(), Some("consume"))
+                .await?;
+            topic.create_subscription(sub).await?;
+        }
         if topic.ml.is_terminated().await {
             return Err(BrokerError::new(
                 ServerError::TopicTerminatedError,
