@@ -678,3 +678,69 @@ fn a_producer_with_an_initial_subscription_name_creates_it_before_its_first_mess
     c.send(&flow(5, 100));
     assert_eq!(drain(&mut c, Duration::from_secs(2)).len(), 3);
 }
+
+/// A SEND of one message stamped with `publish_time` (milliseconds).
+fn send_at(producer_id: u64, sequence_id: u64, publish_time: u64) -> Vec<u8> {
+    use prost::Message as _;
+    let meta = pb::MessageMetadata {
+        producer_name: "raw".into(),
+        sequence_id,
+        publish_time,
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let entry = meridian_protocol::Entry::build(&meta, b"stamped");
+    let c = cmd(Type::Send, |c| {
+        c.send = Some(pb::CommandSend {
+            producer_id,
+            sequence_id,
+            ..Default::default()
+        })
+    });
+    let mut b = BytesMut::new();
+    meridian_protocol::encode_message(&mut b, &c, entry.as_bytes());
+    b.to_vec()
+}
+
+#[test]
+fn a_reader_with_a_rollback_duration_starts_at_messages_that_recent() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    c.send(&producer("rollback", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let mut ids = Vec::new();
+    // Two published an hour ago, two now.
+    for (i, t) in [now_ms - 3_600_000, now_ms - 3_600_000, now_ms, now_ms]
+        .into_iter()
+        .enumerate()
+    {
+        c.send_raw(&send_at(1, i as u64, t));
+        let r = c.expect().command.send_receipt.expect("receipt");
+        ids.push(r.message_id.expect("position").entry_id);
+    }
+    step("a reader from earliest with a rollback of 60 s reads only the two recent ones");
+    let mut sub = subscribe("rollback", "reader-1", 5, 2);
+    if let Some(x) = sub.subscribe.as_mut() {
+        x.durable = Some(false);
+        x.start_message_id = Some(pb::MessageIdData {
+            ledger_id: u64::MAX,
+            entry_id: u64::MAX,
+            ..Default::default()
+        });
+        x.start_message_rollback_duration_sec = Some(60);
+    }
+    c.send(&sub);
+    assert!(c.expect().command.success.is_some());
+    c.send(&flow(5, 100));
+    let got: Vec<u64> = drain(&mut c, Duration::from_secs(2))
+        .into_iter()
+        .map(|(_, e)| e)
+        .collect();
+    assert_eq!(got, ids[2..].to_vec());
+}

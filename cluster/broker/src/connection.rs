@@ -822,7 +822,15 @@ impl Conn {
         } else {
             InitialPosition::Latest
         };
+        let rollback_s = s.start_message_rollback_duration_sec.unwrap_or(0);
         let start = match (&s.start_message_id, durable) {
+            // A reader "from N seconds ago" (Pulsar's startMessageFromRollbackDuration).
+            (_, false) if rollback_s > 0 => {
+                let now_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                StartAt::PublishTime(now_ms.saturating_sub(rollback_s.saturating_mul(1000)))
+            }
             (Some(id), false) => start_of(id),
             _ => StartAt::Initial(initial),
         };
@@ -883,6 +891,7 @@ impl Conn {
             (Some(id), _) => match start_of(id) {
                 StartAt::Initial(i) => SeekTo::Initial(i),
                 StartAt::At(p) => SeekTo::Position(p),
+                StartAt::PublishTime(t) => SeekTo::PublishTime(t),
             },
             (None, Some(t)) => SeekTo::PublishTime(t),
             (None, None) => {

@@ -65,6 +65,9 @@ pub enum StartAt {
     /// Reading starts at this entry (a message id: the client skips what it has, the entry
     /// itself unless inclusive, a batch's messages before the index).
     At(Position),
+    /// Reading starts at the first message published at or after this time, milliseconds
+    /// (a reader's `start_message_rollback_duration_sec`).
+    PublishTime(u64),
 }
 
 /// What SUBSCRIBE asked for, already validated.
@@ -353,6 +356,16 @@ impl Subscription {
             match req.start {
                 StartAt::Initial(_) => {}
                 StartAt::At(p) => cursor.reset_to_position(p).await?,
+                StartAt::PublishTime(t) => {
+                    cursor
+                        .reset_to_time(t, |b| {
+                            Entry::parse(b.clone())
+                                .ok()
+                                .and_then(|e| e.metadata().ok())
+                                .map_or(0, |m| m.publish_time)
+                        })
+                        .await?
+                }
             }
         }
         cursor.set_persist_interval(Duration::from_millis(topic.cfg.cursor_persist_interval_ms));
