@@ -1473,6 +1473,96 @@ fn a_throttled_producer_does_not_stall_its_connection() {
     );
 }
 
+#[test]
+fn tokens_are_refreshed_through_auth_challenge_and_connections_with_expired_ones_close() {
+    use meridian_integration::raw::{cmd, Got, Raw};
+    use meridian_protocol::pb::{self, base_command::Type};
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let key = dir.path().join("secret.key");
+    let key_s = key.to_str().unwrap();
+    let (code, _, err) =
+        run_admin(&["tokens", "create-secret-key", "--output-file", key_s]).unwrap();
+    assert_eq!(code, 0, "{err}");
+    let token = |role: &str, expiry: &str| -> String {
+        let (code, out, err) = run_admin(&[
+            "tokens",
+            "create",
+            "--secret-key",
+            key_s,
+            "--subject",
+            role,
+            "--expiry-time",
+            expiry,
+        ])
+        .unwrap();
+        assert_eq!(code, 0, "{err}");
+        out.trim().to_string()
+    };
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_AUTHENTICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_TOKEN_SECRET_KEY_FILE", key_s)
+        .env("MERIDIAN_BROKER_SUPERUSER_ROLES", "app");
+    s.start().unwrap();
+    let answer = |c: &mut Raw, t: &str| {
+        c.send(&cmd(Type::AuthResponse, |x| {
+            x.auth_response = Some(pb::CommandAuthResponse {
+                client_version: Some("raw-test".into()),
+                response: Some(pb::AuthData {
+                    auth_method_name: Some("token".into()),
+                    auth_data: Some(t.as_bytes().to_vec()),
+                }),
+                protocol_version: Some(19),
+            })
+        }))
+    };
+    let challenge = |c: &mut Raw| -> Duration {
+        let started = Instant::now();
+        loop {
+            match c.recv(Duration::from_secs(15)) {
+                Got::Frame(f) if f.command.auth_challenge.is_some() => return started.elapsed(),
+                Got::Frame(_) => continue,
+                _ => panic!("no AUTH_CHALLENGE before the token expired"),
+            }
+        }
+    };
+    let ping_answered = |c: &mut Raw| -> bool {
+        c.send(&cmd(Type::Ping, |x| x.ping = Some(pb::CommandPing {})));
+        loop {
+            match c.recv(Duration::from_secs(5)) {
+                Got::Frame(f) if f.command.pong.is_some() => return true,
+                Got::Frame(_) => continue,
+                _ => return false,
+            }
+        }
+    };
+    let short = token("app", "8s");
+    let mut refreshed = Raw::connect_as(&s.url, Some(&short)).unwrap();
+    let mut stale = Raw::connect_as(&s.url, Some(&short)).unwrap();
+    let mut other = Raw::connect_as(&s.url, Some(&short)).unwrap();
+
+    step("AUTH_CHALLENGE comes before the token expires");
+    let after = challenge(&mut refreshed);
+    assert!(after < Duration::from_secs(8), "challenged after {after:?}");
+    challenge(&mut stale);
+    challenge(&mut other);
+    step("answered with a fresh token: the connection outlives the first token");
+    answer(&mut refreshed, &token("app", "1h"));
+    step("answered with the same token: closed at its expiry");
+    answer(&mut stale, &short);
+    step("answered with another role's token: closed at once");
+    answer(&mut other, &token("intruder", "1h"));
+    other.assert_closed("refreshed as another role");
+    stale.assert_closed("token expired, not refreshed");
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(
+        ping_answered(&mut refreshed),
+        "the refreshed connection must stay open past the first token's expiry"
+    );
+    let log = s.log_text();
+    assert!(log.contains("expired and was not refreshed"), "{log}");
+}
+
 /// Whether these metadata keys exist, in order.
 fn keys_exist(s: &StandaloneProc, keys: &[String]) -> Vec<bool> {
     tokio::runtime::Runtime::new().unwrap().block_on(async {

@@ -57,6 +57,12 @@ impl Authenticator {
 
     /// The role a token carries, if it verifies.
     pub fn authenticate(&self, token: &str) -> Result<String, AuthError> {
+        self.authenticate_until(token).map(|(role, _)| role)
+    }
+
+    /// The role a token carries and when it expires (`exp`, seconds since the epoch), if it
+    /// verifies.
+    pub fn authenticate_until(&self, token: &str) -> Result<(String, Option<u64>), AuthError> {
         let t = token.trim();
         let t = t.strip_prefix("token:").unwrap_or(t);
         let Some((key, validation)) = &self.tokens else {
@@ -66,7 +72,7 @@ impl Authenticator {
             ));
         };
         decode::<Claims>(t, key, validation)
-            .map(|d| d.claims.sub)
+            .map(|d| (d.claims.sub, d.claims.exp))
             .map_err(|e| AuthError(e.to_string()))
     }
 }

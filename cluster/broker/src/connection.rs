@@ -36,6 +36,18 @@ use crate::broker::{
 use crate::frame_queue::{self, FrameReceiver, FrameSender};
 use crate::publish::{Publisher, SendRequest};
 
+/// How long before a token expires the broker asks for fresh credentials (AUTH_CHALLENGE).
+const AUTH_REFRESH_AHEAD: Duration = Duration::from_secs(5);
+
+/// The instant of `exp` (seconds since the epoch) on this process's monotonic clock.
+fn instant_of_epoch_s(exp: u64) -> Instant {
+    let now_s = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    let left = (exp as f64 - now_s).max(0.0);
+    Instant::now() + Duration::from_secs_f64(left.min(1e9))
+}
+
 /// How long a reader's subscription waits for the reader to come back after a SEEK.
 const READER_RETURN_WAIT: Duration = Duration::from_secs(60);
 const SERVER_VERSION: &str = concat!("Meridian-", env!("CARGO_PKG_VERSION"));
@@ -84,6 +96,14 @@ struct Conn {
     role: Option<String>,
     /// The role of the client certificate (TLS with client certificates).
     tls_role: Option<String>,
+    /// When the CONNECT (or last refreshed) token expires; AUTH_CHALLENGE goes out
+    /// `AUTH_REFRESH_AHEAD` before, and the connection closes at it unless refreshed.
+    token_expires: Option<Instant>,
+    /// The token's `exp`, seconds since the epoch.
+    token_exp_s: Option<u64>,
+    /// An AUTH_CHALLENGE is out for the current token.
+    challenged: bool,
+    protocol_version: i32,
     producers: HashMap<u64, ProducerEntry>,
     consumers: HashMap<u64, ConsumerEntry>,
 }
@@ -114,6 +134,10 @@ pub async fn serve<R, W>(
         client_version: String::new(),
         role: None,
         tls_role,
+        token_expires: None,
+        token_exp_s: None,
+        challenged: false,
+        protocol_version: 0,
         producers: HashMap::new(),
         consumers: HashMap::new(),
     };
@@ -156,6 +180,11 @@ pub async fn serve<R, W>(
                 }
                 if idle >= keepalive / 2 && !ping_sent && conn.connected {
                     ping_sent = conn.tx.send(frame(&cmd::ping())).await.is_ok();
+                }
+            }
+            _ = tokio::time::sleep_until(conn.auth_timer_at()), if conn.token_expires.is_some() => {
+                if let Err(Close(why)) = conn.on_auth_timer().await {
+                    break 'conn why;
                 }
             }
             _ = stop.changed() => break 'conn "the broker is shutting down".into(),
@@ -215,9 +244,14 @@ impl Conn {
                     // certificates: method "tls"; the role is the certificate's CN.
                     let checked = match connect.auth_method_name.as_deref() {
                         Some("token") => a
-                            .authenticate(&String::from_utf8_lossy(
+                            .authenticate_until(&String::from_utf8_lossy(
                                 connect.auth_data.as_deref().unwrap_or_default(),
                             ))
+                            .map(|(role, exp)| {
+                                self.token_exp_s = exp;
+                                self.token_expires = exp.map(instant_of_epoch_s);
+                                role
+                            })
                             .map_err(|e| e.to_string()),
                         Some("tls") => self.tls_role.clone().ok_or_else(|| {
                             "authentication failed: method \"tls\" without a verified client certificate with a CN".to_string()
@@ -246,6 +280,7 @@ impl Conn {
                     .protocol_version
                     .unwrap_or(0)
                     .clamp(0, PROTOCOL_VERSION_MAX);
+                self.protocol_version = version;
                 tracing::debug!(connection = self.id, peer = %self.peer, client = %connect.client_version, version, role = ?self.role, "connected");
                 self.reply(cmd::connected(
                     SERVER_VERSION,
@@ -526,7 +561,10 @@ impl Conn {
                 let r = self.consumer_stats(s.request_id, s.consumer_id).await;
                 self.reply(r).await
             }
-            Type::AuthResponse => Ok(()),
+            Type::AuthResponse => {
+                let r = c.auth_response.ok_or_else(|| missing("AUTH_RESPONSE"))?;
+                self.on_auth_response(r)
+            }
             Type::NewTxn
             | Type::AddPartitionToTxn
             | Type::AddSubscriptionToTxn
@@ -613,6 +651,78 @@ impl Conn {
             ));
         }
         Ok(())
+    }
+
+    /// When the token timer fires next: the challenge ahead of expiry, then the expiry.
+    fn auth_timer_at(&self) -> tokio::time::Instant {
+        let exp = self.token_expires.unwrap_or_else(Instant::now);
+        let at = if self.challenged {
+            exp
+        } else {
+            exp.checked_sub(AUTH_REFRESH_AHEAD).unwrap_or(exp)
+        };
+        at.into()
+    }
+
+    /// Ahead of expiry: AUTH_CHALLENGE (the stock clients answer with fresh credentials). At
+    /// expiry without a refresh: the connection closes.
+    async fn on_auth_timer(&mut self) -> Result<(), Close> {
+        if !self.challenged {
+            self.challenged = true;
+            return self
+                .reply(cmd::auth_challenge(
+                    SERVER_VERSION,
+                    self.protocol_version,
+                    "token",
+                ))
+                .await;
+        }
+        let why = "the token expired and was not refreshed (AUTH_CHALLENGE unanswered or answered with the same token)".to_string();
+        let _ = self
+            .reply(cmd::error(
+                u64::MAX,
+                ServerError::AuthenticationError,
+                why.clone(),
+            ))
+            .await;
+        Err(Close(why))
+    }
+
+    /// AUTH_RESPONSE: the refreshed token must verify and carry the same role, else the
+    /// connection closes.
+    fn on_auth_response(&mut self, r: pb::CommandAuthResponse) -> Result<(), Close> {
+        let Some(a) = &self.broker.auth else {
+            return Ok(());
+        };
+        if self.token_expires.is_none() && !self.challenged {
+            // Nothing was asked (a certificate's session, or a token that never expires).
+            return Ok(());
+        }
+        let data = r.response.unwrap_or_default();
+        if data.auth_method_name.as_deref() != Some("token") {
+            return Err(Close(format!(
+                "AUTH_RESPONSE with method {:?}; this connection authenticated with \"token\"",
+                data.auth_method_name.unwrap_or_default()
+            )));
+        }
+        let token = String::from_utf8_lossy(data.auth_data.as_deref().unwrap_or_default());
+        match a.authenticate_until(&token) {
+            Ok((role, exp)) if Some(&role) == self.role.as_ref() => {
+                if exp != self.token_exp_s {
+                    // A new expiry: challenged afresh ahead of it (never, without one).
+                    self.challenged = false;
+                    self.token_exp_s = exp;
+                    self.token_expires = exp.map(instant_of_epoch_s);
+                }
+                tracing::debug!(connection = self.id, role = %role, "credentials refreshed");
+                Ok(())
+            }
+            Ok((role, _)) => Err(Close(format!(
+                "refreshed credentials name role {role:?}, not {:?}",
+                self.role.as_deref().unwrap_or_default()
+            ))),
+            Err(e) => Err(Close(format!("refreshed credentials do not verify: {e}"))),
+        }
     }
 
     /// GET_OR_CREATE_SCHEMA: registers a schema as a producer would, so only a role that may

@@ -19,6 +19,20 @@ pub fn message_id(ledger_id: u64, entry_id: u64) -> MessageIdData {
     }
 }
 
+/// AUTH_CHALLENGE: the client is to send fresh credentials of `method` (AUTH_RESPONSE).
+pub fn auth_challenge(server_version: &str, protocol_version: i32, method: &str) -> BaseCommand {
+    let mut c = base(Type::AuthChallenge);
+    c.auth_challenge = Some(CommandAuthChallenge {
+        server_version: Some(server_version.into()),
+        challenge: Some(AuthData {
+            auth_method_name: Some(method.into()),
+            auth_data: Some(b"refresh".to_vec()),
+        }),
+        protocol_version: Some(protocol_version),
+    });
+    c
+}
+
 pub fn connected(
     server_version: &str,
     protocol_version: i32,
