@@ -427,6 +427,14 @@ pub struct BrokerConfig {
     /// only itself); one frame may cross the bound. Range 65536..=1073741824, default
     /// 8388608 (8 MiB).
     pub connection_write_queue_bytes_max: u64,
+    /// Unacknowledged messages one consumer may hold (Pulsar's
+    /// `maxUnackedMessagesPerConsumer`); at the limit it is given nothing more until its
+    /// acknowledgements bring it under half. 0: no limit. Range 0..=100000000, default 50000.
+    pub consumer_unacked_messages_max: u64,
+    /// Unacknowledged messages of all a subscription's consumers together (Pulsar's
+    /// `maxUnackedMessagesPerSubscription`), with the same rule. 0: no limit.
+    /// Range 0..=100000000, default 200000.
+    pub subscription_unacked_messages_max: u64,
     /// Ping an idle client this often, and drop it after a whole interval without a byte,
     /// milliseconds. Range 1000..=3600000, default 30000.
     pub keepalive_interval_ms: u64,
@@ -484,6 +492,8 @@ impl Default for BrokerConfig {
             producer_pending_sends_max: 10_000,
             connection_handles_max: 10_000,
             connection_write_queue_bytes_max: 8 << 20,
+            consumer_unacked_messages_max: 50_000,
+            subscription_unacked_messages_max: 200_000,
             keepalive_interval_ms: 30_000,
             ensemble: 1,
             write_quorum: 1,
@@ -573,6 +583,8 @@ impl BrokerConfig {
             ("broker.producer_pending_sends_max", b.producer_pending_sends_max, 1, 1_000_000, ""),
             ("broker.connection_handles_max", b.connection_handles_max, 1, 1_000_000, ""),
             ("broker.connection_write_queue_bytes_max", b.connection_write_queue_bytes_max, 65_536, 1_073_741_824, ""),
+            ("broker.consumer_unacked_messages_max", b.consumer_unacked_messages_max, 0, 100_000_000, ""),
+            ("broker.subscription_unacked_messages_max", b.subscription_unacked_messages_max, 0, 100_000_000, ""),
             ("broker.keepalive_interval_ms", b.keepalive_interval_ms, 1_000, 3_600_000, ""),
             ("broker.ensemble", b.ensemble, 1, 64, ""),
             ("broker.write_quorum", b.write_quorum, 1, b.ensemble, " (at most broker.ensemble)"),

@@ -744,3 +744,78 @@ fn a_reader_with_a_rollback_duration_starts_at_messages_that_recent() {
         .collect();
     assert_eq!(got, ids[2..].to_vec());
 }
+
+fn consumer_stats(c: &mut Raw, consumer_id: u64) -> pb::CommandConsumerStatsResponse {
+    c.send(&cmd(Type::ConsumerStats, |x| {
+        x.consumer_stats = Some(pb::CommandConsumerStats {
+            request_id: 500 + consumer_id,
+            consumer_id,
+        })
+    }));
+    loop {
+        if let Some(r) = c.expect().command.consumer_stats_response {
+            return r;
+        }
+    }
+}
+
+#[test]
+fn unacknowledged_limits_per_consumer_and_per_subscription_block_dispatch_until_acks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_CONSUMER_UNACKED_MESSAGES_MAX", "10")
+        .env("MERIDIAN_BROKER_SUBSCRIPTION_UNACKED_MESSAGES_MAX", "15");
+    s.start().unwrap();
+    let mut p = Raw::connected(&s.url);
+    p.send(&producer("unacked", 1, 1));
+    assert!(p.expect().command.producer_success.is_some());
+    for i in 0..30 {
+        p.send_raw(&send_frame(1, i, b"m"));
+        assert!(p.expect().command.send_receipt.is_some());
+    }
+    let shared = |sub: &str, consumer_id: u64| {
+        let mut c = subscribe("unacked", sub, consumer_id, consumer_id);
+        if let Some(x) = c.subscribe.as_mut() {
+            x.sub_type = pb::command_subscribe::SubType::Shared as i32;
+        }
+        c
+    };
+
+    step("one consumer with 1,000 permits gets 10 and is blocked");
+    let mut a = Raw::connected(&s.url);
+    a.send(&shared("one", 1));
+    assert!(a.expect().command.success.is_some());
+    a.send(&flow(1, 1000));
+    let got = drain(&mut a, Duration::from_secs(2));
+    assert_eq!(got.len(), 10);
+    let st = consumer_stats(&mut a, 1);
+    assert_eq!(st.unacked_messages, Some(10));
+    assert_eq!(st.blocked_consumer_on_unacked_msgs, Some(true));
+
+    step("acks of 6 bring it under half: it gets 6 more, up to the limit again");
+    for (l, e) in &got[..6] {
+        a.send(&ack_of(1, 100 + e, false, *l, *e, vec![]));
+    }
+    let more = drain(&mut a, Duration::from_secs(2));
+    assert_eq!(more.len(), 6, "{more:?}");
+    let st = consumer_stats(&mut a, 1);
+    assert_eq!(st.unacked_messages, Some(10));
+
+    step("two consumers of another subscription stop at its limit of 15 together");
+    let mut b1 = Raw::connected(&s.url);
+    b1.send(&shared("two", 2));
+    assert!(b1.expect().command.success.is_some());
+    let mut b2 = Raw::connected(&s.url);
+    b2.send(&shared("two", 3));
+    assert!(b2.expect().command.success.is_some());
+    b1.send(&flow(2, 1000));
+    b2.send(&flow(3, 1000));
+    std::thread::sleep(Duration::from_millis(500));
+    let n1 = drain(&mut b1, Duration::from_secs(2)).len();
+    let n2 = drain(&mut b2, Duration::from_secs(1)).len();
+    assert_eq!(n1 + n2, 15, "{n1} + {n2}");
+    assert_eq!(
+        consumer_stats(&mut b1, 2).blocked_consumer_on_unacked_msgs,
+        Some(true)
+    );
+}

@@ -605,7 +605,8 @@ impl Conn {
                 format!("no consumer {consumer_id} on this connection"),
             );
         };
-        let Some((name, permits, unacked)) = e.sub.consumer_figures(self.id, consumer_id).await
+        let Some((name, permits, unacked, blocked)) =
+            e.sub.consumer_figures(self.id, consumer_id).await
         else {
             return cmd::consumer_stats_error(
                 request_id,
@@ -627,8 +628,8 @@ impl Conn {
             r.msg_rate_out = Some(sub.msg_rate_out);
             r.consumer_name = Some(name);
             r.available_permits = Some(permits.max(0) as u64);
-            r.unacked_messages = Some(unacked as u64);
-            r.blocked_consumer_on_unacked_msgs = Some(false);
+            r.unacked_messages = Some(unacked);
+            r.blocked_consumer_on_unacked_msgs = Some(blocked);
             r.address = Some(self.peer.to_string());
             r.r#type = Some(sub.sub_type.clone());
             r.msg_backlog = Some(sub.backlog_entries);

@@ -102,7 +102,7 @@ impl Consumer {
     /// Has permits and room in its connection's queue (else the dispatcher is woken when
     /// the queue drains).
     fn can_take(&self, wake: &Arc<Notify>) -> bool {
-        self.permits > 0 && self.sink.tx.has_room_or_wake(wake)
+        self.permits > 0 && !self.blocked && self.sink.tx.has_room_or_wake(wake)
     }
 }
 
@@ -113,6 +113,9 @@ struct Consumer {
     name: String,
     priority: i32,
     permits: i64,
+    /// Holds `broker.consumer_unacked_messages_max` unacknowledged messages: given nothing
+    /// until it is back under half of that.
+    blocked: bool,
 }
 
 impl Consumer {
@@ -147,9 +150,38 @@ struct State {
     hash_holders: HashMap<u16, Vec<(ConsumerKey, u32)>>,
     /// Delayed delivery: (deliver at, ms since the epoch; position), earliest first.
     delayed: DelayIndex,
+    /// Messages of each pending entry, and unacknowledged messages per consumer and in all.
+    pending_msgs: HashMap<Position, u32>,
+    unacked: HashMap<ConsumerKey, u64>,
+    unacked_total: u64,
+    /// Limits of unacknowledged messages (0: none), as Pulsar's
+    /// `maxUnackedMessagesPerConsumer` and `...PerSubscription`.
+    consumer_unacked_max: u64,
+    subscription_unacked_max: u64,
+    /// The subscription holds its limit: nobody is given anything until it is under half.
+    blocked: bool,
+}
+
+/// Blocked at `max` (0: never), unblocked once under half of it.
+fn still_blocked(blocked: bool, n: u64, max: u64) -> bool {
+    max > 0 && (n >= max || (blocked && n >= max / 2))
 }
 
 impl State {
+    /// After a change of `key`'s unacknowledged messages: who is blocked now.
+    fn update_blocked(&mut self, key: ConsumerKey) {
+        let n = self.unacked.get(&key).copied().unwrap_or(0);
+        let max = self.consumer_unacked_max;
+        if let Some(c) = self.consumers.iter_mut().find(|c| c.key() == key) {
+            c.blocked = still_blocked(c.blocked, n, max);
+        }
+        self.blocked = still_blocked(
+            self.blocked,
+            self.unacked_total,
+            self.subscription_unacked_max,
+        );
+    }
+
     /// Takes dispatched entries back from their consumer for dispatch again, counting a
     /// redelivery for each.
     fn requeue(&mut self, positions: Vec<Position>) {
@@ -163,8 +195,15 @@ impl State {
     }
 
     /// Records a dispatched entry as pending on `key` (with its key hash on Key_Shared).
-    fn pend(&mut self, pos: Position, key: ConsumerKey, hash: Option<u16>) {
-        self.pending.insert(pos, key);
+    fn pend(&mut self, pos: Position, key: ConsumerKey, hash: Option<u16>, messages: u32) {
+        if let Some(old) = self.pending.insert(pos, key) {
+            // Pending already (not expected): counted once.
+            self.uncount(pos, old);
+        }
+        self.pending_msgs.insert(pos, messages);
+        *self.unacked.entry(key).or_insert(0) += u64::from(messages);
+        self.unacked_total += u64::from(messages);
+        self.update_blocked(key);
         if let Some(h) = hash {
             self.pending_hash.insert(pos, h);
             let holders = self.hash_holders.entry(h).or_default();
@@ -180,6 +219,7 @@ impl State {
         let Some(key) = self.pending.remove(&pos) else {
             return;
         };
+        self.uncount(pos, key);
         let Some(h) = self.pending_hash.remove(&pos) else {
             return;
         };
@@ -196,10 +236,30 @@ impl State {
         }
     }
 
+    /// Takes a pending entry's messages off its consumer's and the subscription's counts.
+    fn uncount(&mut self, pos: Position, key: ConsumerKey) {
+        let m = u64::from(self.pending_msgs.remove(&pos).unwrap_or(0));
+        if let Some(n) = self.unacked.get_mut(&key) {
+            *n = n.saturating_sub(m);
+            if *n == 0 {
+                self.unacked.remove(&key);
+            }
+        }
+        self.unacked_total = self.unacked_total.saturating_sub(m);
+        self.update_blocked(key);
+    }
+
     /// Forgets everything in flight (seek).
     fn clear_in_flight(&mut self) {
         self.stash.clear();
         self.pending.clear();
+        self.pending_msgs.clear();
+        self.unacked.clear();
+        self.unacked_total = 0;
+        self.blocked = false;
+        for c in &mut self.consumers {
+            c.blocked = false;
+        }
         self.pending_hash.clear();
         self.hash_holders.clear();
         self.redeliver.clear();
@@ -370,6 +430,8 @@ impl Subscription {
         }
         cursor.set_persist_interval(Duration::from_millis(topic.cfg.cursor_persist_interval_ms));
         let (stop, stop_rx) = watch::channel(false);
+        let consumer_unacked_max = topic.cfg.consumer_unacked_messages_max;
+        let subscription_unacked_max = topic.cfg.subscription_unacked_messages_max;
         let sub = Arc::new(Subscription {
             name: req.subscription.clone(),
             topic,
@@ -391,6 +453,12 @@ impl Subscription {
                 pending_hash: HashMap::new(),
                 hash_holders: HashMap::new(),
                 delayed: DelayIndex::new(),
+                pending_msgs: HashMap::new(),
+                unacked: HashMap::new(),
+                unacked_total: 0,
+                consumer_unacked_max,
+                subscription_unacked_max,
+                blocked: false,
             }),
             wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
@@ -492,6 +560,7 @@ impl Subscription {
             name: req.consumer_name.clone(),
             priority: req.priority,
             permits: 0,
+            blocked: false,
         });
         if self.sub_type == SubType::Failover {
             self.choose_active(&mut st).await;
@@ -639,6 +708,10 @@ impl Subscription {
             }
             checked.push((pos, ack_set));
         }
+        let blocked_count = |st: &State| {
+            usize::from(st.blocked) + st.consumers.iter().filter(|c| c.blocked).count()
+        };
+        let blocked_before = blocked_count(&st);
         for (id, (pos, ack_set)) in ids.iter().zip(checked) {
             let partial = ack_set.is_some();
             if cumulative {
@@ -677,8 +750,11 @@ impl Subscription {
                 st.redelivery_counts.remove(&pos);
             }
         }
-        if self.topic.terminated.load(Ordering::Acquire) {
-            // The last acknowledgement of a terminated topic is when consumers are told.
+        let unblocked = blocked_count(&st) < blocked_before;
+        if unblocked || self.topic.terminated.load(Ordering::Acquire) {
+            // A consumer (or the subscription) back under its unacknowledged limit may be
+            // given more; the last acknowledgement of a terminated topic is when consumers
+            // are told.
             self.wake.notify_one();
         }
         Ok(())
@@ -1034,17 +1110,18 @@ impl Subscription {
         close_consumers(sinks).await;
     }
 
-    /// One consumer's name, available permits and unacknowledged entries.
+    /// One consumer's name, available permits, unacknowledged messages, and whether it is
+    /// blocked on them (its own limit or the subscription's).
     pub async fn consumer_figures(
         &self,
         connection_id: u64,
         consumer_id: u64,
-    ) -> Option<(String, i64, usize)> {
+    ) -> Option<(String, i64, u64, bool)> {
         let st = self.state.lock().await;
         let key = (connection_id, consumer_id);
         let c = st.consumers.iter().find(|c| c.key() == key)?;
-        let unacked = st.pending.values().filter(|k| **k == key).count();
-        Some((c.name.clone(), c.permits, unacked))
+        let unacked = st.unacked.get(&key).copied().unwrap_or(0);
+        Some((c.name.clone(), c.permits, unacked, c.blocked || st.blocked))
     }
 
     pub async fn consumer_count(&self) -> usize {
@@ -1152,7 +1229,7 @@ impl Subscription {
             _ => st.consumers.iter().map(|c| c.permits.max(0)).sum(),
         };
         let permits = permits.min(i64::try_from(allowed).unwrap_or(i64::MAX).max(1));
-        if permits <= 0 {
+        if permits <= 0 || st.blocked {
             return Ok(false);
         }
         // Entries the permits cover (a batch entry costs its messages), at most batch_max.
@@ -1357,7 +1434,7 @@ impl Subscription {
             }
             c.permits -= i64::from(messages);
             let key = c.key();
-            st.pend(pos, key, hash);
+            st.pend(pos, key, hash, messages);
             sent = true;
             out_msgs += u64::from(messages);
             out_bytes += len;
@@ -1457,6 +1534,9 @@ impl Subscription {
     /// Key_Shared: the consumer owning `hash`, if it has permits and (unless out-of-order
     /// delivery is allowed) no other consumer still holds unacknowledged messages of the hash.
     fn pick_by_hash(st: &State, hash: u16, wake: &Arc<Notify>) -> Option<usize> {
+        if st.blocked {
+            return None;
+        }
         let owner = st.selector.as_ref()?.owner(hash)?;
         let idx = st
             .consumers
@@ -1474,6 +1554,9 @@ impl Subscription {
     }
 
     fn pick(&self, st: &mut State) -> Option<usize> {
+        if st.blocked {
+            return None;
+        }
         match self.sub_type {
             SubType::Exclusive => st
                 .consumers
