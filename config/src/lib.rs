@@ -431,6 +431,10 @@ pub struct BrokerConfig {
     /// `maxUnackedMessagesPerConsumer`); at the limit it is given nothing more until its
     /// acknowledgements bring it under half. 0: no limit. Range 0..=100000000, default 50000.
     pub consumer_unacked_messages_max: u64,
+    /// A gauge of /metrics (a topic's, subscription's or tenant's) not set for this long is
+    /// dropped: its topic was unloaded or deleted. At least the policy refresh interval.
+    /// Seconds, range 10..=3600, default 90.
+    pub metrics_series_idle_s: u64,
     /// Unacknowledged messages of all a subscription's consumers together (Pulsar's
     /// `maxUnackedMessagesPerSubscription`), with the same rule. 0: no limit.
     /// Range 0..=100000000, default 200000.
@@ -493,6 +497,7 @@ impl Default for BrokerConfig {
             connection_handles_max: 10_000,
             connection_write_queue_bytes_max: 8 << 20,
             consumer_unacked_messages_max: 50_000,
+            metrics_series_idle_s: 90,
             subscription_unacked_messages_max: 200_000,
             keepalive_interval_ms: 30_000,
             ensemble: 1,
@@ -584,6 +589,7 @@ impl BrokerConfig {
             ("broker.connection_handles_max", b.connection_handles_max, 1, 1_000_000, ""),
             ("broker.connection_write_queue_bytes_max", b.connection_write_queue_bytes_max, 65_536, 1_073_741_824, ""),
             ("broker.consumer_unacked_messages_max", b.consumer_unacked_messages_max, 0, 100_000_000, ""),
+            ("broker.metrics_series_idle_s", b.metrics_series_idle_s, 10, 3_600, ""),
             ("broker.subscription_unacked_messages_max", b.subscription_unacked_messages_max, 0, 100_000_000, ""),
             ("broker.keepalive_interval_ms", b.keepalive_interval_ms, 1_000, 3_600_000, ""),
             ("broker.ensemble", b.ensemble, 1, 64, ""),

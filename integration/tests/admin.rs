@@ -1563,6 +1563,54 @@ fn tokens_are_refreshed_through_auth_challenge_and_connections_with_expired_ones
     assert!(log.contains("expired and was not refreshed"), "{log}");
 }
 
+#[test]
+fn a_deleted_topics_metric_series_leave_metrics() {
+    use meridian_integration::raw::{producer, send_frame, Raw};
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_METRICS_SERIES_IDLE_S", "10");
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    let mut c = Raw::connected(&s.url);
+    for (i, t) in ["gauge-gone", "gauge-kept"].iter().enumerate() {
+        c.send(&producer(t, i as u64, i as u64));
+        assert!(c.expect().command.producer_success.is_some());
+        c.send_raw(&send_frame(i as u64, 0, b"x"));
+        assert!(c.expect().command.send_receipt.is_some());
+    }
+    let series = |t: &str| format!("topic=\"persistent://public/default/{t}\"");
+    let wait_for = |what: &str, cond: &dyn Fn(&str) -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(40);
+        loop {
+            let m = meridian_integration::http_get(&s.http, "/metrics");
+            if cond(&m) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{what}:\n{m}");
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    };
+    wait_for("both topics' series appear", &|m| {
+        m.contains(&series("gauge-gone")) && m.contains(&series("gauge-kept"))
+    });
+    step("the topic is deleted: its series leave /metrics; the other's stay");
+    drop(c);
+    std::thread::sleep(Duration::from_millis(500));
+    a.ok(&[
+        "topics",
+        "delete",
+        "persistent://public/default/gauge-gone",
+        "--force",
+    ]);
+    wait_for("the deleted topic's series leave", &|m| {
+        !m.contains(&series("gauge-gone"))
+    });
+    let m = meridian_integration::http_get(&s.http, "/metrics");
+    assert!(m.contains(&series("gauge-kept")), "{m}");
+    assert!(m.contains("meridian_connections"), "{m}");
+}
+
 /// Whether these metadata keys exist, in order.
 fn keys_exist(s: &StandaloneProc, keys: &[String]) -> Vec<bool> {
     tokio::runtime::Runtime::new().unwrap().block_on(async {

@@ -16,6 +16,16 @@ use tokio::task::JoinHandle;
 
 use crate::broker::Broker;
 
+/// Seconds after which a gauge nobody set is dropped from /metrics
+/// (`broker.metrics_series_idle_s`, given to [`init_metrics`]).
+static GAUGE_IDLE_S: OnceLock<u64> = OnceLock::new();
+
+/// Installs the recorder with the configured idle time of gauges (before any other use).
+pub fn init_metrics(gauge_idle_s: u64) -> PrometheusHandle {
+    let _ = GAUGE_IDLE_S.set(gauge_idle_s);
+    metrics_handle()
+}
+
 /// The process's Prometheus recorder, installed on first use.
 pub fn metrics_handle() -> PrometheusHandle {
     static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
@@ -33,6 +43,15 @@ pub fn metrics_handle() -> PrometheusHandle {
                     )
                 })
                 .expect("static buckets")
+                // Gauges are set at least every stats interval (5 s; a tenant's storage every
+                // policy refresh) while their topic, subscription or tenant exists; one not
+                // set for longer is of something gone (unloaded, deleted) and leaves /metrics.
+                .idle_timeout(
+                    metrics_util::MetricKindMask::GAUGE,
+                    Some(std::time::Duration::from_secs(
+                        GAUGE_IDLE_S.get().copied().unwrap_or(90),
+                    )),
+                )
                 .build_recorder();
             let handle = recorder.handle();
             if metrics::set_global_recorder(recorder).is_err() {

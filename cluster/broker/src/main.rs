@@ -144,7 +144,7 @@ impl BrokerArgs {
 }
 
 async fn run_standalone(cfg: Config) -> anyhow::Result<()> {
-    meridian_broker::http::metrics_handle();
+    meridian_broker::http::init_metrics(cfg.broker.metrics_series_idle_s);
     let s = meridian_broker::standalone::Standalone::start(&cfg).await?;
     let tls = s
         .pulsar_tls_addr
@@ -166,7 +166,7 @@ async fn run_standalone(cfg: Config) -> anyhow::Result<()> {
 
 async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     use meridian_storage::ledger::{LedgerClient, LedgerClientOptions};
-    meridian_broker::http::metrics_handle();
+    meridian_broker::http::init_metrics(cfg.broker.metrics_series_idle_s);
     let meta = meridian_metadata::MetadataClient::new(&cfg.client).context("client.endpoints")?;
     let client = LedgerClient::new(meta.clone(), LedgerClientOptions::default());
     let pl = tokio::net::TcpListener::bind(&cfg.broker.listen)

@@ -935,13 +935,16 @@ impl Broker {
     }
 
     pub fn connection_opened(&self) {
-        self.connections.fetch_add(1, Ordering::Relaxed);
-        metrics::gauge!("meridian_connections").increment(1.0);
+        let n = self.connections.fetch_add(1, Ordering::Relaxed) + 1;
+        metrics::gauge!("meridian_connections").set(n as f64);
     }
 
     pub fn connection_closed(&self) {
-        self.connections.fetch_sub(1, Ordering::Relaxed);
-        metrics::gauge!("meridian_connections").decrement(1.0);
+        let n = self
+            .connections
+            .fetch_sub(1, Ordering::Relaxed)
+            .saturating_sub(1);
+        metrics::gauge!("meridian_connections").set(n as f64);
     }
 
     pub fn connection_count(&self) -> u64 {
@@ -1717,6 +1720,8 @@ impl Broker {
             if self.is_closing() {
                 return;
             }
+            // Set every interval, so the exporter's idle timeout never drops it.
+            metrics::gauge!("meridian_connections").set(self.connection_count() as f64);
             for topic in self.loaded_topics() {
                 topic.sample_rates().await;
                 let (_, bytes) = topic.ml.size().await;
