@@ -435,6 +435,11 @@ pub struct BrokerConfig {
     /// dropped: its topic was unloaded or deleted. At least the policy refresh interval.
     /// Seconds, range 10..=3600, default 90.
     pub metrics_series_idle_s: u64,
+    /// Deduplication forgets a producer name that has not sent or attached for this long
+    /// (Pulsar's `brokerDeduplicationProducerInactivityTimeoutMinutes`, 6 h): a client
+    /// that comes back later with the same name starts afresh. Seconds, range
+    /// 10..=2592000, default 21600.
+    pub dedup_producer_inactivity_s: u64,
     /// Unacknowledged messages of all a subscription's consumers together (Pulsar's
     /// `maxUnackedMessagesPerSubscription`), with the same rule. 0: no limit.
     /// Range 0..=100000000, default 200000.
@@ -498,6 +503,7 @@ impl Default for BrokerConfig {
             connection_write_queue_bytes_max: 8 << 20,
             consumer_unacked_messages_max: 50_000,
             metrics_series_idle_s: 90,
+            dedup_producer_inactivity_s: 21_600,
             subscription_unacked_messages_max: 200_000,
             keepalive_interval_ms: 30_000,
             ensemble: 1,
@@ -590,6 +596,7 @@ impl BrokerConfig {
             ("broker.connection_write_queue_bytes_max", b.connection_write_queue_bytes_max, 65_536, 1_073_741_824, ""),
             ("broker.consumer_unacked_messages_max", b.consumer_unacked_messages_max, 0, 100_000_000, ""),
             ("broker.metrics_series_idle_s", b.metrics_series_idle_s, 10, 3_600, ""),
+            ("broker.dedup_producer_inactivity_s", b.dedup_producer_inactivity_s, 10, 2_592_000, ""),
             ("broker.subscription_unacked_messages_max", b.subscription_unacked_messages_max, 0, 100_000_000, ""),
             ("broker.keepalive_interval_ms", b.keepalive_interval_ms, 1_000, 3_600_000, ""),
             ("broker.ensemble", b.ensemble, 1, 64, ""),

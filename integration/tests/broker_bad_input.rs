@@ -819,3 +819,71 @@ fn unacknowledged_limits_per_consumer_and_per_subscription_block_dispatch_until_
         Some(true)
     );
 }
+
+#[test]
+fn deduplication_forgets_a_producer_name_after_its_inactivity_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_DEDUP_PRODUCER_INACTIVITY_S", "10");
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    // `send_frame` stamps producer name "raw": the name deduplication keys on.
+    let named = |producer_id: u64, request_id: u64| {
+        let mut p = producer("dedup-expiry", producer_id, request_id);
+        if let Some(x) = p.producer.as_mut() {
+            x.producer_name = Some("raw".into());
+        }
+        p
+    };
+    let close = |c: &mut Raw, producer_id: u64, request_id: u64| {
+        c.send(&cmd(Type::CloseProducer, |x| {
+            x.close_producer = Some(pb::CommandCloseProducer {
+                producer_id,
+                request_id,
+            })
+        }));
+        assert!(c.expect().command.success.is_some());
+    };
+    c.send(&named(1, 1));
+    let ps = c
+        .expect()
+        .command
+        .producer_success
+        .expect("PRODUCER_SUCCESS");
+    assert_eq!(ps.last_sequence_id, Some(-1));
+    for i in 0..3 {
+        c.send_raw(&send_frame(1, i, b"m"));
+        assert!(c.expect().command.send_receipt.is_some());
+    }
+    close(&mut c, 1, 2);
+    step("back at once: the name is remembered and a resend is a duplicate");
+    c.send(&named(2, 3));
+    let ps = c
+        .expect()
+        .command
+        .producer_success
+        .expect("PRODUCER_SUCCESS");
+    assert_eq!(ps.last_sequence_id, Some(2));
+    c.send_raw(&send_frame(2, 2, b"again"));
+    let r = c.expect().command.send_receipt.expect("receipt");
+    assert_eq!(r.message_id.expect("id").entry_id, u64::MAX, "a duplicate");
+    close(&mut c, 2, 4);
+    step("after 10 s without it (and a stats round), the name is forgotten");
+    std::thread::sleep(Duration::from_secs(17));
+    c.send(&cmd(Type::Ping, |x| x.ping = Some(pb::CommandPing {})));
+    c.send(&named(3, 5));
+    let ps = loop {
+        if let Some(ps) = c.expect().command.producer_success {
+            break ps;
+        }
+    };
+    assert_eq!(ps.last_sequence_id, Some(-1));
+    c.send_raw(&send_frame(3, 0, b"fresh"));
+    let r = c.expect().command.send_receipt.expect("receipt");
+    assert_ne!(
+        r.message_id.expect("id").entry_id,
+        u64::MAX,
+        "stored, not a duplicate"
+    );
+}

@@ -108,6 +108,42 @@ struct Inner {
     inflight: BTreeMap<u64, TicketState>,
     recorded_upto: Option<Position>,
     since_snapshot: u64,
+    /// When each name last sent or attached (ms since the epoch; recovered names: when the
+    /// topic loaded).
+    last_active_ms: HashMap<String, u64>,
+}
+
+impl Inner {
+    /// Forgets names that neither sent nor attached for `inactivity_ms`, are not attached
+    /// now, and have nothing in flight (as Pulsar's
+    /// `brokerDeduplicationProducerInactivityTimeoutMinutes`). Returns them.
+    fn expire(
+        &mut self,
+        now_ms: u64,
+        inactivity_ms: u64,
+        attached: &dyn Fn(&str) -> bool,
+    ) -> Vec<String> {
+        let idle: Vec<String> = self
+            .persisted
+            .keys()
+            .chain(self.pushed.keys())
+            .filter(|n| {
+                let last = self.last_active_ms.get(*n).copied().unwrap_or(0);
+                now_ms.saturating_sub(last) >= inactivity_ms
+                    && !attached(n)
+                    && self.pushed.get(*n) == self.persisted.get(*n)
+            })
+            .cloned()
+            .collect::<std::collections::BTreeSet<String>>()
+            .into_iter()
+            .collect();
+        for n in &idle {
+            self.persisted.remove(n);
+            self.pushed.remove(n);
+            self.last_active_ms.remove(n);
+        }
+        idle
+    }
 }
 
 /// A submitted entry's place in the deduplication order.
@@ -180,6 +216,8 @@ impl Dedup {
             from = ml.next_position(last).await;
         }
         inner.pushed = inner.persisted.clone();
+        let now = super::now_ms();
+        inner.last_active_ms = inner.persisted.keys().map(|n| (n.clone(), now)).collect();
         tracing::debug!(log = %ml.name(), producers = inner.persisted.len(), replayed, "deduplication state recovered");
         Ok(Dedup {
             meta,
@@ -190,15 +228,41 @@ impl Dedup {
         })
     }
 
-    /// The highest persisted sequence id of `producer`, -1 if none (PRODUCER_SUCCESS).
+    /// The highest persisted sequence id of `producer`, -1 if none (PRODUCER_SUCCESS). A
+    /// producer attaching counts as activity of its name.
     pub async fn last_sequence_id(&self, producer: &str) -> i64 {
-        self.inner
-            .lock()
-            .await
-            .persisted
-            .get(producer)
-            .copied()
-            .unwrap_or(-1)
+        let mut g = self.inner.lock().await;
+        if g.persisted.contains_key(producer) {
+            g.last_active_ms
+                .insert(producer.to_string(), super::now_ms());
+        }
+        g.persisted.get(producer).copied().unwrap_or(-1)
+    }
+
+    /// Forgets producer names inactive for `inactivity_ms` that are not `attached`, and
+    /// writes a snapshot without them. Returns how many went.
+    pub async fn expire(
+        &self,
+        inactivity_ms: u64,
+        attached: &(dyn Fn(&str) -> bool + Sync),
+    ) -> usize {
+        let (gone, snapshot) = {
+            let mut g = self.inner.lock().await;
+            let gone = g.expire(super::now_ms(), inactivity_ms, attached);
+            let snapshot = (!gone.is_empty() && !self.snapshotting.swap(true, Ordering::AcqRel))
+                .then(|| Self::snapshot_of(&g));
+            (gone, snapshot)
+        };
+        if let Some(bytes) = snapshot {
+            if let Err(e) = self.meta.put(&self.key, bytes).await {
+                tracing::warn!(key = %self.key, error = %e, "deduplication snapshot failed");
+            }
+            self.snapshotting.store(false, Ordering::Release);
+        }
+        if !gone.is_empty() {
+            tracing::debug!(key = %self.key, producers = gone.len(), "inactive producer names forgotten");
+        }
+        gone.len()
     }
 
     /// Checks a SEND and, unless it is a duplicate, appends it. The lock is held across the
@@ -238,6 +302,10 @@ impl Dedup {
             g.pushed.insert(producer.to_string(), h);
             h
         });
+        if highest.is_some() {
+            g.last_active_ms
+                .insert(producer.to_string(), super::now_ms());
+        }
         Ok(Submitted::Appended(
             pa,
             Some(Ticket {
@@ -366,6 +434,30 @@ mod tests {
             out.extend_from_slice(data);
         }
         out
+    }
+
+    #[test]
+    fn given_names_idle_past_the_timeout_then_they_are_forgotten_unless_attached_or_in_flight() {
+        let mut g = Inner::default();
+        for (n, seq, at) in [
+            ("idle", 5, 1_000),
+            ("attached", 3, 1_000),
+            ("fresh", 9, 9_000),
+        ] {
+            g.persisted.insert(n.into(), seq);
+            g.pushed.insert(n.into(), seq);
+            g.last_active_ms.insert(n.into(), at);
+        }
+        // In flight: pushed beyond persisted.
+        g.persisted.insert("writing".into(), 1);
+        g.pushed.insert("writing".into(), 2);
+        g.last_active_ms.insert("writing".into(), 1_000);
+        let gone = g.expire(10_000, 5_000, &|n| n == "attached");
+        assert_eq!(gone, vec!["idle".to_string()]);
+        let mut left: Vec<&String> = g.persisted.keys().collect();
+        left.sort();
+        assert_eq!(left, ["attached", "fresh", "writing"]);
+        assert!(!g.pushed.contains_key("idle"));
     }
 
     #[test]

@@ -1722,8 +1722,13 @@ impl Broker {
             }
             // Set every interval, so the exporter's idle timeout never drops it.
             metrics::gauge!("meridian_connections").set(self.connection_count() as f64);
+            let dedup_idle_ms = self.cfg.dedup_producer_inactivity_s.saturating_mul(1000);
             for topic in self.loaded_topics() {
                 topic.sample_rates().await;
+                if let Some(d) = &topic.dedup {
+                    d.expire(dedup_idle_ms, &|n| topic.producers.is_attached(n))
+                        .await;
+                }
                 let (_, bytes) = topic.ml.size().await;
                 metrics::gauge!("meridian_topic_storage_bytes", "topic" => topic.full_name.clone())
                     .set(bytes as f64);

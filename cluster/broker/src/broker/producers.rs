@@ -161,6 +161,12 @@ impl Producers {
         self.lock().by_name.len()
     }
 
+    /// Whether a producer of this name is attached or in line.
+    pub fn is_attached(&self, name: &str) -> bool {
+        let g = self.lock();
+        g.by_name.contains_key(name) || g.waiting.iter().any(|(h, _)| h.name == name)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().expect("producers lock")
     }
