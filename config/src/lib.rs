@@ -440,6 +440,16 @@ pub struct BrokerConfig {
     /// that comes back later with the same name starts afresh. Seconds, range
     /// 10..=2592000, default 21600.
     pub dedup_producer_inactivity_s: u64,
+    /// A loaded topic with no producer and no consumer for this long is unloaded (its log
+    /// closed, its memory freed; the next client loads it again), or deleted as
+    /// `broker.inactive_topic_delete_mode` says. Checked every 5 s. 0: never. Seconds,
+    /// range 0..=31536000, default 600.
+    pub inactive_topic_ttl_s: u64,
+    /// What happens to an inactive topic (Pulsar's `brokerDeleteInactiveTopicsMode`): `keep`
+    /// (the default: unloaded, its data kept), `delete_when_no_subscriptions` or
+    /// `delete_when_subscriptions_caught_up` (deleted with its data; partitions of a
+    /// partitioned topic are only unloaded).
+    pub inactive_topic_delete_mode: String,
     /// Unacknowledged messages of all a subscription's consumers together (Pulsar's
     /// `maxUnackedMessagesPerSubscription`), with the same rule. 0: no limit.
     /// Range 0..=100000000, default 200000.
@@ -504,6 +514,8 @@ impl Default for BrokerConfig {
             consumer_unacked_messages_max: 50_000,
             metrics_series_idle_s: 90,
             dedup_producer_inactivity_s: 21_600,
+            inactive_topic_ttl_s: 600,
+            inactive_topic_delete_mode: "keep".to_string(),
             subscription_unacked_messages_max: 200_000,
             keepalive_interval_ms: 30_000,
             ensemble: 1,
@@ -583,6 +595,19 @@ impl BrokerConfig {
                 "expected one of non-partitioned, partitioned",
             ));
         }
+        if ![
+            "keep",
+            "delete_when_no_subscriptions",
+            "delete_when_subscriptions_caught_up",
+        ]
+        .contains(&self.inactive_topic_delete_mode.as_str())
+        {
+            return Err(invalid(
+                "broker.inactive_topic_delete_mode",
+                &self.inactive_topic_delete_mode,
+                "expected one of keep, delete_when_no_subscriptions, delete_when_subscriptions_caught_up",
+            ));
+        }
         let b = self;
         #[rustfmt::skip]
         let bounds = [
@@ -597,6 +622,7 @@ impl BrokerConfig {
             ("broker.consumer_unacked_messages_max", b.consumer_unacked_messages_max, 0, 100_000_000, ""),
             ("broker.metrics_series_idle_s", b.metrics_series_idle_s, 10, 3_600, ""),
             ("broker.dedup_producer_inactivity_s", b.dedup_producer_inactivity_s, 10, 2_592_000, ""),
+            ("broker.inactive_topic_ttl_s", b.inactive_topic_ttl_s, 0, 31_536_000, ""),
             ("broker.subscription_unacked_messages_max", b.subscription_unacked_messages_max, 0, 100_000_000, ""),
             ("broker.keepalive_interval_ms", b.keepalive_interval_ms, 1_000, 3_600_000, ""),
             ("broker.ensemble", b.ensemble, 1, 64, ""),

@@ -1611,6 +1611,72 @@ fn a_deleted_topics_metric_series_leave_metrics() {
     assert!(m.contains("meridian_connections"), "{m}");
 }
 
+#[test]
+fn inactive_topics_are_unloaded_or_deleted_by_the_inactive_topic_policy() {
+    use meridian_integration::raw::{cmd, producer, send_frame, subscribe, Got, Raw};
+    use meridian_protocol::pb::{self, base_command::Type};
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_INACTIVE_TOPIC_TTL_S", "10").env(
+        "MERIDIAN_BROKER_INACTIVE_TOPIC_DELETE_MODE",
+        "delete_when_no_subscriptions",
+    );
+    s.start().unwrap();
+    let a = Admin { url: &s.admin_url };
+    step("idle-a: one message, no subscription; idle-b: one message and a subscription");
+    {
+        let mut c = Raw::connected(&s.url);
+        for (i, t) in ["idle-a", "idle-b"].iter().enumerate() {
+            c.send(&producer(t, i as u64, i as u64));
+            assert!(c.expect().command.producer_success.is_some());
+            c.send_raw(&send_frame(i as u64, 0, b"kept?"));
+            assert!(c.expect().command.send_receipt.is_some());
+        }
+        c.send(&subscribe("idle-b", "sub", 9, 9));
+        assert!(c.expect().command.success.is_some());
+    }
+    let health = |k: &str| -> u64 {
+        let h = meridian_integration::http_get(&s.http, "/health");
+        let body: Value =
+            serde_json::from_str(h.split("\r\n\r\n").nth(1).unwrap_or_default()).unwrap();
+        body[k].as_u64().unwrap()
+    };
+    assert_eq!(health("topics"), 2);
+    step("no clients for 10 s: both leave the broker");
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while health("topic_entries") > 0 {
+        assert!(Instant::now() < deadline, "inactive topics still loaded");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let listed = a.ok(&["topics", "list", "public/default"]);
+    assert!(
+        !listed.contains("idle-a"),
+        "idle-a (no subscription) is deleted: {listed}"
+    );
+    assert!(
+        listed.contains("idle-b"),
+        "idle-b is only unloaded: {listed}"
+    );
+    step("idle-b loads again with its message and subscription");
+    let mut c = Raw::connected(&s.url);
+    c.send(&subscribe("idle-b", "sub", 1, 1));
+    assert!(c.expect().command.success.is_some());
+    c.send(&cmd(Type::Flow, |x| {
+        x.flow = Some(pb::CommandFlow {
+            consumer_id: 1,
+            message_permits: 10,
+        })
+    }));
+    match c.recv(Duration::from_secs(10)) {
+        Got::Frame(f) => assert!(f.command.message.is_some(), "{:?}", f.command),
+        _ => panic!("idle-b's message is gone"),
+    }
+    let log = s.log_text();
+    assert!(log.contains("inactive topic deleted"), "{log}");
+    assert!(log.contains("inactive topic unloaded"), "{log}");
+}
+
 /// Whether these metadata keys exist, in order.
 fn keys_exist(s: &StandaloneProc, keys: &[String]) -> Vec<bool> {
     tokio::runtime::Runtime::new().unwrap().block_on(async {

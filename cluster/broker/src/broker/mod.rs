@@ -181,6 +181,9 @@ pub struct Topic {
     pub broker: std::sync::Weak<Broker>,
     /// Terminated: no more messages (mirrors the log's record, for cheap checks).
     pub terminated: AtomicBool,
+    /// Since when (ms since the epoch) no producer or consumer is attached; 0 while one is
+    /// (sampled every stats interval, for `broker.inactive_topic_ttl_s`).
+    idle_since_ms: AtomicU64,
     /// Set while a backlog quota with a producer policy is passed.
     quota_breach: Mutex<Option<QuotaBreach>>,
     /// Set while the tenant stores more than its storage quota.
@@ -829,6 +832,26 @@ impl Topic {
         Ok(())
     }
 
+    /// How long no producer or consumer has been attached (0 while one is), as of `now`;
+    /// the first call that finds none starts the count.
+    pub async fn idle_for_ms(&self, now: u64) -> u64 {
+        let mut clients = self.producers.count();
+        for s in self.subscriptions().await {
+            clients += s.consumer_count().await;
+        }
+        if clients > 0 {
+            self.idle_since_ms.store(0, Ordering::Relaxed);
+            return 0;
+        }
+        match self.idle_since_ms.load(Ordering::Relaxed) {
+            0 => {
+                self.idle_since_ms.store(now.max(1), Ordering::Relaxed);
+                0
+            }
+            since => now.saturating_sub(since),
+        }
+    }
+
     /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
     pub async fn close(&self) {
         for sub in self.subscriptions().await {
@@ -1419,6 +1442,7 @@ impl Broker {
             policies_key,
             broker: self.me.clone(),
             terminated: AtomicBool::new(terminated),
+            idle_since_ms: AtomicU64::new(0),
             quota_breach: Mutex::new(None),
             storage_breach: Mutex::new(None),
             quota_headroom: AtomicI64::new(i64::MAX),
@@ -1713,6 +1737,51 @@ impl Broker {
         Ok(used)
     }
 
+    /// An inactive topic (no producer or consumer for `broker.inactive_topic_ttl_s`): deleted
+    /// if `broker.inactive_topic_delete_mode` says so and allows it now, else unloaded.
+    async fn retire_inactive(&self, topic: &Arc<Topic>) {
+        let p = topic.policies();
+        if p.message_ttl_seconds.unwrap_or(0) > 0 || p.retention.is_some() {
+            // Message TTL and retention act on loaded topics (the policy loop): such a
+            // topic stays loaded so that they keep acting on it.
+            return;
+        }
+        let mode = self.cfg.inactive_topic_delete_mode.as_str();
+        let delete = match mode {
+            _ if topic.name.partition().is_some() => false,
+            "delete_when_no_subscriptions" => {
+                topic.subscriptions().await.iter().all(|s| !s.is_durable())
+            }
+            "delete_when_subscriptions_caught_up" => {
+                let mut caught_up = true;
+                for s in topic.subscriptions().await {
+                    if s.is_durable() && s.backlog().await.entries > 0 {
+                        caught_up = false;
+                    }
+                }
+                caught_up
+            }
+            _ => false,
+        };
+        let r = if delete {
+            self.delete_topic(&topic.name, false, false)
+                .await
+                .map(|_| "deleted")
+        } else {
+            self.unload_topic(&topic.name).await.map(|_| "unloaded")
+        };
+        match r {
+            Ok(what) => {
+                tracing::info!(topic = %topic.full_name, ttl_s = self.cfg.inactive_topic_ttl_s, mode, "inactive topic {what}")
+            }
+            // A client came back meanwhile (delete refuses with clients), or storage failed:
+            // tried again later.
+            Err(e) => {
+                tracing::debug!(topic = %topic.full_name, error = %e, "inactive topic kept")
+            }
+        }
+    }
+
     /// Publishes backlog and size gauges of every loaded topic every `interval`.
     pub async fn stats_loop(self: Arc<Self>, interval: Duration) {
         loop {
@@ -1723,7 +1792,15 @@ impl Broker {
             // Set every interval, so the exporter's idle timeout never drops it.
             metrics::gauge!("meridian_connections").set(self.connection_count() as f64);
             let dedup_idle_ms = self.cfg.dedup_producer_inactivity_s.saturating_mul(1000);
+            let mut inactive = Vec::new();
             for topic in self.loaded_topics() {
+                if topic.idle_for_ms(now_ms()).await
+                    >= self.cfg.inactive_topic_ttl_s.saturating_mul(1000)
+                    && self.cfg.inactive_topic_ttl_s > 0
+                {
+                    inactive.push(Arc::clone(&topic));
+                    continue;
+                }
                 topic.sample_rates().await;
                 if let Some(d) = &topic.dedup {
                     d.expire(dedup_idle_ms, &|n| topic.producers.is_attached(n))
@@ -1741,6 +1818,9 @@ impl Broker {
                     )
                     .set(backlog.entries as f64);
                 }
+            }
+            for topic in inactive {
+                self.retire_inactive(&topic).await;
             }
         }
     }
