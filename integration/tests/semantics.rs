@@ -1331,3 +1331,69 @@ async fn rust_client_schemas_evolve_and_delayed_messages_wait_on_key_shared() {
     assert_each_once(&order, 0..20);
     drop(s);
 }
+
+#[test]
+fn failover_on_a_partitioned_topic_gives_each_partition_its_own_active_consumer() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = start_with(
+        &dir,
+        &[
+            (
+                "MERIDIAN_BROKER_ALLOW_AUTO_TOPIC_CREATION_TYPE",
+                "partitioned",
+            ),
+            ("MERIDIAN_BROKER_DEFAULT_NUM_PARTITIONS", "4"),
+        ],
+    );
+    let url = s.url.as_str();
+    step("two Failover consumers c-a and c-b subscribe before anything is sent");
+    let mut consumers: Vec<PyClient> = ["c-a", "c-b"]
+        .iter()
+        .map(|name| {
+            PyClient::run(
+                dir.path(),
+                name,
+                &[
+                    "consume",
+                    url,
+                    "fo-parts",
+                    "fo",
+                    "--count",
+                    "400",
+                    "--type",
+                    "failover",
+                    "--name",
+                    name,
+                    "--timeout-ms",
+                    "5000",
+                ],
+            )
+        })
+        .collect();
+    for c in &consumers {
+        c.wait_for("subscribed", T, |l| {
+            l.iter().any(|v| v.get("subscribed").is_some())
+        })
+        .unwrap();
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    step("400 round-robin messages: partitions 0 and 2 go to c-a, 1 and 3 to c-b");
+    let p = py(
+        &dir,
+        "p-fo",
+        &["produce", url, "fo-parts", "--count", "400"],
+    );
+    assert_eq!(ints(&p, "acked").len(), 400);
+    let mut all = Vec::new();
+    for (c, want) in consumers.iter_mut().zip([[0, 2], [1, 3]]) {
+        let lines = c.finish(T).unwrap();
+        let topics: BTreeSet<String> = by_topic(&lines).keys().cloned().collect();
+        let expected: BTreeSet<String> = want
+            .iter()
+            .map(|i| format!("persistent://public/default/fo-parts-partition-{i}"))
+            .collect();
+        assert_eq!(topics, expected, "partitions of one consumer");
+        all.extend(ints(&lines, "i"));
+    }
+    assert_each_once(&all, 0..400);
+}

@@ -568,14 +568,18 @@ impl Subscription {
         Ok(())
     }
 
-    /// Failover: the active consumer is the lowest priority level, then the lowest name.
-    /// When it changes, everyone is told, and what the previous one held is redelivered.
+    /// Failover: the consumers in order of priority level, then name; the active one is the
+    /// first, or for partition i of a partitioned topic the (i mod n)-th, as Pulsar, so a
+    /// partitioned topic's partitions spread over the consumers. When it changes, everyone
+    /// is told, and what the previous one held is redelivered.
     async fn choose_active(&self, st: &mut State) {
-        let best = st
-            .consumers
-            .iter()
-            .min_by(|a, b| (a.priority, &a.name, a.key()).cmp(&(b.priority, &b.name, b.key())))
-            .map(Consumer::key);
+        let mut order: Vec<&Consumer> = st.consumers.iter().collect();
+        order.sort_by(|a, b| (a.priority, &a.name, a.key()).cmp(&(b.priority, &b.name, b.key())));
+        let at = match self.topic.name.partition() {
+            Some(i) if !order.is_empty() => i as usize % order.len(),
+            _ => 0,
+        };
+        let best = order.get(at).map(|c| c.key());
         if best == st.active {
             // A newcomer that is not active still needs to know it.
             if let Some(c) = st.consumers.last() {
