@@ -887,3 +887,109 @@ fn deduplication_forgets_a_producer_name_after_its_inactivity_timeout() {
         "stored, not a duplicate"
     );
 }
+
+/// A SEND from producer `name` (its metadata carries the name deduplication keys on).
+fn send_named(producer_id: u64, name: &str, sequence_id: u64) -> Vec<u8> {
+    use prost::Message as _;
+    let meta = pb::MessageMetadata {
+        producer_name: name.into(),
+        sequence_id,
+        publish_time: 1,
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let entry = meridian_protocol::Entry::build(&meta, b"n");
+    let c = cmd(Type::Send, |c| {
+        c.send = Some(pb::CommandSend {
+            producer_id,
+            sequence_id,
+            ..Default::default()
+        })
+    });
+    let mut b = BytesMut::new();
+    meridian_protocol::encode_message(&mut b, &c, entry.as_bytes());
+    b.to_vec()
+}
+
+#[test]
+fn a_deduplication_snapshot_of_many_names_is_paged_and_survives_kill9_and_deletion() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.keep_ports()
+        .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_DEDUPLICATION_SNAPSHOT_ENTRIES", "500");
+    s.start().unwrap();
+    let topic = "persistent://public/default/many-names";
+    let name = |i: u64| format!("a-producer-with-a-rather-long-name-{i:030}");
+    step("6,000 producer names, one message each: a snapshot past one page");
+    let mut c = Raw::connected(&s.url);
+    for i in 0..6_000u64 {
+        let mut p = producer(topic, i, 3 * i);
+        if let Some(x) = p.producer.as_mut() {
+            x.producer_name = Some(name(i));
+        }
+        c.send(&p);
+        c.send_raw(&send_named(i, &name(i), 7));
+        c.send(&cmd(Type::CloseProducer, |x| {
+            x.close_producer = Some(pb::CommandCloseProducer {
+                producer_id: i,
+                request_id: 3 * i + 1,
+            })
+        }));
+        let mut got = 0;
+        while got < 3 {
+            let f = c.expect();
+            assert!(f.command.error.is_none(), "{:?}", f.command);
+            got += 1;
+        }
+    }
+    let pages = |s: &StandaloneProc| {
+        tokio::runtime::Runtime::new().unwrap().block_on(async {
+            let m = s.metadata_client().unwrap();
+            m.list("/topic-dedup/public/default/persistent/many-names/", "", 0)
+                .await
+                .unwrap()
+                .kvs
+                .len()
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while pages(&s) < 2 {
+        assert!(std::time::Instant::now() < deadline, "no snapshot pages");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(!s.log_text().contains("deduplication snapshot failed"));
+
+    step("kill -9 and restart: every name is remembered");
+    drop(c);
+    s.kill9().unwrap();
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    for i in [0u64, 2_999, 5_999] {
+        let mut p = producer(topic, 10_000 + i, 10_000 + i);
+        if let Some(x) = p.producer.as_mut() {
+            x.producer_name = Some(name(i));
+        }
+        c.send(&p);
+        let ps = c
+            .expect()
+            .command
+            .producer_success
+            .expect("PRODUCER_SUCCESS");
+        assert_eq!(ps.last_sequence_id, Some(7), "{}", name(i));
+    }
+    drop(c);
+    step("the topic is deleted: its pages go with it");
+    std::thread::sleep(Duration::from_millis(500));
+    let (code, _, err) = meridian_integration::run_admin(&[
+        "--admin-url",
+        &s.admin_url,
+        "topics",
+        "delete",
+        topic,
+        "--force",
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(pages(&s), 0);
+}

@@ -91,6 +91,131 @@ struct Snapshot {
     ledger_id: Option<u64>,
     entry_id: Option<u64>,
     producers: HashMap<String, i64>,
+    /// A map too large for one metadata value is in `pages` values
+    /// `<key>/<generation>/<i>`, written before this head; the head names its generation,
+    /// so a snapshot cut short leaves the previous one whole. Absent in small snapshots
+    /// (and in those written before pages).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pages: u32,
+    #[serde(default, skip_serializing_if = "is_zero_u64")]
+    generation: u64,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+fn is_zero_u64(n: &u64) -> bool {
+    *n == 0
+}
+
+/// Bytes of producer map per metadata value (the store takes 1 MiB by default).
+const SNAPSHOT_PAGE_BYTES: usize = 256 << 10;
+
+/// A snapshot as the head value and its pages (none when it fits in one value).
+fn encode_snapshot(
+    recorded_upto: Option<Position>,
+    persisted: &HashMap<String, i64>,
+    generation: u64,
+) -> (Bytes, Vec<Bytes>) {
+    let mut pages: Vec<Bytes> = Vec::new();
+    let mut page: HashMap<&str, i64> = HashMap::new();
+    let mut page_bytes = 0;
+    let mut total = 0;
+    for (name, seq) in persisted {
+        let n = name.len() + 24;
+        total += n;
+        if page_bytes + n > SNAPSHOT_PAGE_BYTES && !page.is_empty() {
+            pages.push(Bytes::from(
+                serde_json::to_vec(&page).expect("page serialises"),
+            ));
+            page.clear();
+            page_bytes = 0;
+        }
+        page.insert(name, *seq);
+        page_bytes += n;
+    }
+    let paged = total > SNAPSHOT_PAGE_BYTES;
+    if paged && !page.is_empty() {
+        pages.push(Bytes::from(
+            serde_json::to_vec(&page).expect("page serialises"),
+        ));
+    }
+    let head = Snapshot {
+        ledger_id: recorded_upto.map(|p| p.ledger_id),
+        entry_id: recorded_upto.map(|p| p.entry_id),
+        producers: if paged {
+            HashMap::new()
+        } else {
+            persisted.clone()
+        },
+        pages: if paged { pages.len() as u32 } else { 0 },
+        generation: if paged { generation } else { 0 },
+    };
+    let head = Bytes::from(serde_json::to_vec(&head).expect("snapshot serialises"));
+    (head, if paged { pages } else { Vec::new() })
+}
+
+/// A snapshot ready to write.
+struct EncodedSnapshot {
+    head: Bytes,
+    pages: Vec<Bytes>,
+    generation: u64,
+}
+
+impl EncodedSnapshot {
+    async fn write(self, meta: &MetadataClient, key: &str) {
+        let pages = self.pages.len();
+        if let Err(e) = write_snapshot(meta, key, self.head, self.pages, self.generation).await {
+            tracing::warn!(key = %key, pages, error = %e, "deduplication snapshot failed");
+        }
+    }
+}
+
+/// Where page `i` of generation `g` of the snapshot at `key` lives.
+fn page_key(key: &str, generation: u64, i: u32) -> String {
+    format!("{key}/{generation:020}/{i:06}")
+}
+
+/// Writes a snapshot: its pages first, then the head, then removes every other
+/// generation's pages (a crash leaves the previous snapshot whole, or spare pages that the
+/// next snapshot removes).
+async fn write_snapshot(
+    meta: &MetadataClient,
+    key: &str,
+    head: Bytes,
+    pages: Vec<Bytes>,
+    generation: u64,
+) -> Result<(), meridian_metadata::client::ClientError> {
+    let n = pages.len() as u32;
+    for (i, p) in pages.into_iter().enumerate() {
+        meta.put(&page_key(key, generation, i as u32), p).await?;
+    }
+    meta.put(key, head).await?;
+    let keep = (n > 0).then(|| format!("{key}/{generation:020}/"));
+    delete_pages(meta, key, keep.as_deref()).await
+}
+
+/// Deletes the snapshot pages under `key`, but those starting with `keep`.
+pub async fn delete_pages(
+    meta: &MetadataClient,
+    key: &str,
+    keep: Option<&str>,
+) -> Result<(), meridian_metadata::client::ClientError> {
+    let prefix = format!("{key}/");
+    let mut after = String::new();
+    loop {
+        let page = meta.list(&prefix, &after, 0).await?;
+        for kv in &page.kvs {
+            if keep.is_none_or(|k| !kv.key.starts_with(k)) {
+                meta.delete(&kv.key, None).await?;
+            }
+        }
+        match page.kvs.last() {
+            Some(last) if page.more => after = last.key.clone(),
+            _ => return Ok(()),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -168,6 +293,8 @@ pub struct Dedup {
     snapshot_every: u64,
     inner: tokio::sync::Mutex<Inner>,
     snapshotting: Arc<AtomicBool>,
+    /// The generation of the last snapshot's pages; each snapshot writes the next.
+    generation: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Dedup {
@@ -189,7 +316,26 @@ impl Dedup {
             None => None,
         };
         let mut from = ml.first_position().await;
-        if let Some(s) = snap {
+        let mut generation = 0;
+        if let Some(mut s) = snap {
+            generation = s.generation;
+            for i in 0..s.pages {
+                let pk = page_key(&key, s.generation, i);
+                let Some(kv) = meta.get(&pk).await? else {
+                    return Err(BrokerError::new(
+                        ServerError::MetadataError,
+                        format!("deduplication snapshot {key} lacks its page {pk}"),
+                    ));
+                };
+                let page: HashMap<String, i64> =
+                    serde_json::from_slice(&kv.value).map_err(|e| {
+                        BrokerError::new(
+                            ServerError::MetadataError,
+                            format!("deduplication snapshot page {pk} is damaged: {e}"),
+                        )
+                    })?;
+                s.producers.extend(page);
+            }
             inner.persisted = s.producers;
             if let (Some(l), Some(e)) = (s.ledger_id, s.entry_id) {
                 let at = Position::new(l, e);
@@ -225,6 +371,7 @@ impl Dedup {
             snapshot_every,
             inner: tokio::sync::Mutex::new(inner),
             snapshotting: Arc::new(AtomicBool::new(false)),
+            generation: Arc::new(std::sync::atomic::AtomicU64::new(generation)),
         })
     }
 
@@ -250,13 +397,11 @@ impl Dedup {
             let mut g = self.inner.lock().await;
             let gone = g.expire(super::now_ms(), inactivity_ms, attached);
             let snapshot = (!gone.is_empty() && !self.snapshotting.swap(true, Ordering::AcqRel))
-                .then(|| Self::snapshot_of(&g));
+                .then(|| self.snapshot_of(&g));
             (gone, snapshot)
         };
-        if let Some(bytes) = snapshot {
-            if let Err(e) = self.meta.put(&self.key, bytes).await {
-                tracing::warn!(key = %self.key, error = %e, "deduplication snapshot failed");
-            }
+        if let Some(s) = snapshot {
+            s.write(&self.meta, &self.key).await;
             self.snapshotting.store(false, Ordering::Release);
         }
         if !gone.is_empty() {
@@ -352,33 +497,33 @@ impl Dedup {
                 && !self.snapshotting.swap(true, Ordering::AcqRel)
             {
                 g.since_snapshot = 0;
-                Some(Self::snapshot_of(&g))
+                Some(self.snapshot_of(&g))
             } else {
                 None
             }
         };
-        if let Some(bytes) = snapshot {
+        if let Some(s) = snapshot {
             let (meta, key, flag) = (
                 self.meta.clone(),
                 self.key.clone(),
                 Arc::clone(&self.snapshotting),
             );
             tokio::spawn(async move {
-                if let Err(e) = meta.put(&key, bytes).await {
-                    tracing::warn!(key = %key, error = %e, "deduplication snapshot failed");
-                }
+                s.write(&meta, &key).await;
                 flag.store(false, Ordering::Release);
             });
         }
     }
 
-    fn snapshot_of(g: &Inner) -> Bytes {
-        let s = Snapshot {
-            ledger_id: g.recorded_upto.map(|p| p.ledger_id),
-            entry_id: g.recorded_upto.map(|p| p.entry_id),
-            producers: g.persisted.clone(),
-        };
-        Bytes::from(serde_json::to_vec(&s).expect("snapshot serialises"))
+    /// The snapshot of `g`, as the next generation (taken under the snapshotting flag).
+    fn snapshot_of(&self, g: &Inner) -> EncodedSnapshot {
+        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        let (head, pages) = encode_snapshot(g.recorded_upto, &g.persisted, generation);
+        EncodedSnapshot {
+            head,
+            pages,
+            generation,
+        }
     }
 
     /// Writes a snapshot now (topic close), after any in flight.
@@ -393,10 +538,8 @@ impl Dedup {
         while self.snapshotting.swap(true, Ordering::AcqRel) {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
-        let bytes = Self::snapshot_of(&*self.inner.lock().await);
-        if let Err(e) = self.meta.put(&self.key, bytes).await {
-            tracing::warn!(key = %self.key, error = %e, "deduplication snapshot failed");
-        }
+        let s = self.snapshot_of(&*self.inner.lock().await);
+        s.write(&self.meta, &self.key).await;
         self.snapshotting.store(false, Ordering::Release);
     }
 }
@@ -434,6 +577,35 @@ mod tests {
             out.extend_from_slice(data);
         }
         out
+    }
+
+    #[test]
+    fn given_a_map_past_one_page_then_it_is_split_in_pages_that_hold_it_whole() {
+        let small: HashMap<String, i64> = (0..10).map(|i| (format!("p{i}"), i)).collect();
+        let (head, pages) = encode_snapshot(Some(Position::new(3, 4)), &small, 7);
+        assert!(pages.is_empty());
+        let h: Snapshot = serde_json::from_slice(&head).unwrap();
+        assert_eq!((h.pages, h.generation, h.producers), (0, 0, small));
+        let big: HashMap<String, i64> = (0..20_000)
+            .map(|i| (format!("producer-with-a-long-name-{i:040}"), i))
+            .collect();
+        let (head, pages) = encode_snapshot(Some(Position::new(3, 4)), &big, 7);
+        let h: Snapshot = serde_json::from_slice(&head).unwrap();
+        assert!(h.producers.is_empty());
+        assert_eq!(h.generation, 7);
+        assert_eq!(h.pages as usize, pages.len());
+        assert!(pages.len() > 3, "{} pages", pages.len());
+        let mut back = HashMap::new();
+        for p in &pages {
+            assert!(p.len() < 1 << 20, "a page of {} bytes", p.len());
+            let m: HashMap<String, i64> = serde_json::from_slice(p).unwrap();
+            back.extend(m);
+        }
+        assert_eq!(back, big);
+        assert!(
+            page_key("/topic-dedup/t/n/persistent/x", 7, 2)
+                < page_key("/topic-dedup/t/n/persistent/x", 7, 10)
+        );
     }
 
     #[test]

@@ -828,6 +828,12 @@ impl Topic {
                 .delete(&format!("{prefix}{}", self.ml.name()), None)
                 .await?;
         }
+        dedup::delete_pages(
+            &self.meta,
+            &format!("{}{}", dedup::DEDUP_PREFIX, self.ml.name()),
+            None,
+        )
+        .await?;
         tracing::info!(topic = %self.full_name, "topic deleted");
         Ok(())
     }
