@@ -7,6 +7,8 @@
 #   clang, libclang-dev   bindgen inside librocksdb-sys generates RocksDB's C bindings
 #   librocksdb-dev        RocksDB 7.8 from Debian, linked dynamically (see ARCHITECTURE.md, "RocksDB")
 #   protobuf-compiler     protoc, for tonic/prost code generation
+#   fuse3                 fusermount3, for the power-loss file system of the power-cut tests
+#                         (integration/src/powercut; /dev/fuse must exist)
 #   python3, python3-venv the stock Python Pulsar client (pulsar-client, from PyPI, in a venv
 #                         under the cache folder) that the real-client tests drive
 set -euo pipefail
@@ -17,6 +19,7 @@ missing=()
 command -v clang >/dev/null 2>&1 || missing+=(clang)
 command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
+command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
 python3 -c "import ensurepip, venv" >/dev/null 2>&1 || missing+=(python3-venv)
 for pkg in libclang-dev librocksdb-dev libsnappy-dev; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -27,7 +30,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
   [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
   export DEBIAN_FRONTEND=noninteractive
   "${sudo_cmd[@]}" apt-get update -qq >&2
-  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2
+  # Waits for another apt (an unattended upgrade at boot) instead of failing at once.
+  "${sudo_cmd[@]}" apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends "${missing[@]}" >&2
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+pub mod powercut;
 pub mod raw;
 use meridian_metadata::MetadataClient;
 

@@ -1,0 +1,186 @@
+//! A power-loss file system for tests (after Jepsen's LazyFS).
+//!
+//! [`PowerCutFs::mount`] mounts, with FUSE, a directory whose file contents stay in memory
+//! until `fsync`, `fdatasync` or an `O_SYNC`/`O_DSYNC` write makes them durable (writes them
+//! to a backing directory). [`PowerCutFs::cut`] then does what a power cut does to a machine
+//! whose processes were killed: everything not synced is gone. [`PowerCutFs::cut_torn`] also
+//! keeps a random prefix of the last unsynced write, as a disk that tore it would.
+//!
+//! kill -9 leaves the page cache to the kernel, so a test that only kills processes cannot see a
+//! missing fsync; a test that kills them and then cuts power here can.
+//!
+//! ```text
+//!   process ──write──► FUSE ──► Pending pages (memory) ──fsync──► backing file
+//!                                     │
+//!   test: kill -9 every process, cut()┘ dropped
+//! ```
+//!
+//! What it does not model: names (create, rename, unlink, mkdir) are durable at once, as LazyFS's
+//! default, so a missing directory fsync goes unseen; pages of a file are lost all together,
+//! never some of them.
+
+mod fuse;
+pub mod pending;
+
+pub use fuse::Counters;
+
+use anyhow::{bail, Context};
+use fuse::{PowerCutFuse, State};
+use rand::{Rng, SeedableRng};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+/// A mounted power-loss file system. Dropping it unmounts; kill the processes using it first.
+pub struct PowerCutFs {
+    state: Arc<Mutex<State>>,
+    session: Option<fuser::BackgroundSession>,
+    pub mountpoint: PathBuf,
+    pub backing: PathBuf,
+}
+
+/// What a cut dropped.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CutReport {
+    /// Files that had unsynced bytes.
+    pub files: usize,
+    /// Pending bytes dropped (whole pages).
+    pub bytes: u64,
+    /// For a torn cut: bytes of the last unsynced write that were kept.
+    pub torn_kept: Option<usize>,
+}
+
+impl PowerCutFs {
+    /// Why FUSE cannot be used here, if it cannot.
+    pub fn unavailable() -> Option<String> {
+        if !Path::new("/dev/fuse").exists() {
+            return Some("no /dev/fuse".to_string());
+        }
+        let root = rustix::process::geteuid().is_root();
+        let fusermount = std::env::var_os("PATH").is_some_and(|paths| {
+            std::env::split_paths(&paths).any(|d| d.join("fusermount3").exists())
+        });
+        if !root && !fusermount {
+            return Some("not root and no fusermount3 (Debian package fuse3)".to_string());
+        }
+        None
+    }
+
+    /// Mounts at `mountpoint` (an empty directory) with `backing` (a directory) holding what is
+    /// durable.
+    pub fn mount(backing: &Path, mountpoint: &Path) -> anyhow::Result<Self> {
+        if let Some(why) = Self::unavailable() {
+            bail!("FUSE unavailable: {why}");
+        }
+        std::fs::create_dir_all(backing)?;
+        std::fs::create_dir_all(mountpoint)?;
+        let state = Arc::new(Mutex::new(State::new(backing.canonicalize()?)));
+        let fs = PowerCutFuse {
+            state: state.clone(),
+        };
+        let mut options = vec![
+            fuser::MountOption::FSName("meridian-powercut".to_string()),
+            fuser::MountOption::Subtype("powercut".to_string()),
+        ];
+        // As root fuser mounts with mount(2) and unmounts with umount2(2), synchronously; a
+        // user goes through fusermount3, which also unmounts if the test process dies.
+        if !rustix::process::geteuid().is_root() {
+            options.push(fuser::MountOption::AutoUnmount);
+        }
+        let session = fuser::spawn_mount2(fs, mountpoint, &options)
+            .with_context(|| format!("mounting the power-loss file system at {mountpoint:?}"))?;
+        Ok(Self {
+            state,
+            session: Some(session),
+            mountpoint: mountpoint.to_path_buf(),
+            backing: backing.to_path_buf(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Drops every unsynced byte. Kill the processes on the mount first: a power cut is
+    /// instantaneous, and a process that went on writing after it would not be one.
+    pub fn cut(&self) -> CutReport {
+        let mut st = self.lock();
+        let report = CutReport {
+            files: st.pending.len(),
+            bytes: st.pending.values().map(|p| p.pending_bytes()).sum(),
+            torn_kept: None,
+        };
+        st.pending.clear();
+        st.last_write = None;
+        st.counters.cuts += 1;
+        st.counters.bytes_dropped += report.bytes;
+        report
+    }
+
+    /// A cut that keeps a random prefix (chosen by `seed`) of the last unsynced write, written
+    /// over the file's durable bytes.
+    pub fn cut_torn(&self, seed: u64) -> anyhow::Result<CutReport> {
+        let last = self.lock().last_write.take();
+        let mut report = self.cut();
+        if let Some(w) = last {
+            let st = self.lock();
+            if let Ok(path) = st.backing(w.ino) {
+                let keep =
+                    rand::rngs::StdRng::seed_from_u64(seed).gen_range(0..w.data.len().max(1));
+                let file = std::fs::OpenOptions::new().write(true).open(&path)?;
+                std::os::unix::fs::FileExt::write_all_at(&file, &w.data[..keep], w.off)?;
+                report.torn_kept = Some(keep);
+            }
+        }
+        Ok(report)
+    }
+
+    pub fn counters(&self) -> Counters {
+        self.lock().counters
+    }
+
+    /// Bytes written but not yet synced, over all files.
+    pub fn pending_bytes(&self) -> u64 {
+        self.lock()
+            .pending
+            .values()
+            .map(|p| p.pending_bytes())
+            .sum()
+    }
+}
+
+impl Drop for PowerCutFs {
+    fn drop(&mut self) {
+        drop(self.session.take());
+        // A process still holding a file open (a test that failed before stopping it) keeps
+        // the mount busy: detach it, so no dead mount outlives the test.
+        if is_mounted(&self.mountpoint) {
+            let (cmd, args): (&str, &[&str]) = if rustix::process::geteuid().is_root() {
+                ("umount", &["-l"])
+            } else {
+                ("fusermount3", &["-u", "-z"])
+            };
+            let _ = std::process::Command::new(cmd)
+                .args(args)
+                .arg(&self.mountpoint)
+                .status();
+        }
+    }
+}
+
+/// Whether `path` is a mount point now (from /proc/self/mountinfo).
+fn is_mounted(path: &Path) -> bool {
+    // The parent, not the mount point: a mount whose server is gone cannot be stat'ed.
+    let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
+        return false;
+    };
+    let Ok(path) = parent.canonicalize().map(|p| p.join(name)) else {
+        return false;
+    };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return false;
+    };
+    let want = path.to_string_lossy();
+    info.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .any(|mp| mp == want)
+}

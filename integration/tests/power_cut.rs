@@ -1,0 +1,446 @@
+//! Power cuts through the power-loss file system (`meridian_integration::powercut`): every
+//! process of a role runs on it, is killed -9 at a random moment under load, and everything
+//! not fsynced is then dropped, as a power cut would. Every acknowledged message, entry and
+//! metadata write must survive every cut.
+//!
+//! `MERIDIAN_POWER_CUTS` sets the cuts per role (5 in the README's test command; the long
+//! runs reported in the README used 50 and more); `MERIDIAN_POWER_CUT_SEED` replays a run (each
+//! test prints its seed). A machine without FUSE skips these tests with a message.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use meridian_integration::powercut::PowerCutFs;
+use meridian_integration::{
+    meridian_bin, run_cli, step, wait_for_bookies, BookieProc, MetaCluster, MetaNode, PyClient,
+    StandaloneProc,
+};
+use rand::{Rng, SeedableRng};
+
+const T: Duration = Duration::from_secs(120);
+
+fn cuts() -> usize {
+    std::env::var("MERIDIAN_POWER_CUTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(5)
+}
+
+/// The run's seed, printed so that a failure can be replayed.
+fn rng(test: &str) -> rand::rngs::StdRng {
+    let seed = std::env::var("MERIDIAN_POWER_CUT_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .expect("clock")
+                .as_nanos() as u64
+        });
+    step(format!(
+        "{test}: MERIDIAN_POWER_CUT_SEED={seed}, {} cuts",
+        cuts()
+    ));
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
+
+/// Mounts the file system in `dir`, or says why it cannot and returns None (the test skips).
+fn mount(dir: &tempfile::TempDir) -> Option<PowerCutFs> {
+    if let Some(why) = PowerCutFs::unavailable() {
+        eprintln!("SKIPPED: the power-loss file system needs FUSE: {why}");
+        return None;
+    }
+    Some(PowerCutFs::mount(&dir.path().join("backing"), &dir.path().join("mnt")).expect("mount"))
+}
+
+#[test]
+fn powercut_fs_keeps_exactly_what_was_synced() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fs) = mount(&dir) else { return };
+    let m = fs.mountpoint.clone();
+
+    step("a: 8 KiB written and fsynced, then 4 KiB appended and 1 KiB overwritten unsynced");
+    let a = std::fs::OpenOptions::new()
+        .create_new(true)
+        .read(true)
+        .write(true)
+        .open(m.join("a"))
+        .unwrap();
+    a.write_all_at(&[1u8; 8192], 0).unwrap();
+    a.sync_data().unwrap();
+    a.write_all_at(&[2u8; 4096], 8192).unwrap();
+    a.write_all_at(&[3u8; 1024], 100).unwrap();
+    assert_eq!(
+        std::fs::read(m.join("a")).unwrap().len(),
+        12_288,
+        "reads see unsynced bytes"
+    );
+
+    step("b: created and written, never synced; c: written through O_DSYNC");
+    std::fs::write(m.join("b"), b"never synced").unwrap();
+    let c = std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .custom_flags(libc::O_DSYNC)
+        .open(m.join("c"))
+        .unwrap();
+    c.write_all_at(b"synchronous", 0).unwrap();
+
+    step("d: synced at 10 KiB, truncated to 1 KiB and synced, grown unsynced");
+    let d = std::fs::OpenOptions::new()
+        .create_new(true)
+        .read(true)
+        .write(true)
+        .open(m.join("d"))
+        .unwrap();
+    d.write_all_at(&[4u8; 10_240], 0).unwrap();
+    d.sync_all().unwrap();
+    d.set_len(1024).unwrap();
+    d.sync_all().unwrap();
+    d.write_all_at(&[5u8; 10], 5000).unwrap();
+
+    step("e: renamed after its fsync (names are kept)");
+    std::fs::create_dir(m.join("dir")).unwrap();
+    std::fs::write(m.join("dir/e.tmp"), b"renamed").unwrap();
+    std::fs::File::open(m.join("dir/e.tmp"))
+        .unwrap()
+        .sync_all()
+        .unwrap();
+    std::fs::rename(m.join("dir/e.tmp"), m.join("dir/e")).unwrap();
+    drop((a, c, d));
+
+    let report = fs.cut();
+    step(format!("cut: {report:?}"));
+    assert!(report.files >= 3, "{report:?}");
+    let a = std::fs::read(m.join("a")).unwrap();
+    assert_eq!(a, vec![1u8; 8192], "a keeps its synced 8 KiB only");
+    assert_eq!(std::fs::read(m.join("b")).unwrap(), b"", "b is empty");
+    assert_eq!(std::fs::read(m.join("c")).unwrap(), b"synchronous");
+    assert_eq!(std::fs::read(m.join("d")).unwrap(), vec![4u8; 1024]);
+    assert_eq!(std::fs::read(m.join("dir/e")).unwrap(), b"renamed");
+    assert!(!m.join("dir/e.tmp").exists());
+
+    step("torn: the last unsynced write keeps a prefix, earlier unsynced writes are gone");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.join("a"))
+        .unwrap();
+    f.write_all_at(&[6u8; 100], 0).unwrap();
+    f.write_all_at(&[7u8; 4096], 8192).unwrap();
+    drop(f);
+    let report = fs.cut_torn(7).unwrap();
+    let kept = report.torn_kept.expect("a torn write");
+    let a = std::fs::read(m.join("a")).unwrap();
+    assert_eq!(a.len(), 8192 + kept, "{report:?}");
+    assert!(
+        a[..8192].iter().all(|&b| b == 1),
+        "the first write is not kept"
+    );
+    assert!(a[8192..].iter().all(|&b| b == 7));
+    let counters = fs.counters();
+    assert_eq!(counters.cuts, 2);
+    assert!(counters.syncs >= 4, "{counters:?}");
+}
+
+/// Kills every process of a role at a random moment, then cuts power.
+fn cut_now(fs: &PowerCutFs, rng: &mut impl Rng, torn: bool) -> String {
+    let report = if torn {
+        fs.cut_torn(rng.gen()).expect("torn cut")
+    } else {
+        fs.cut()
+    };
+    format!(
+        "cut: {} files, {} KiB unsynced dropped{}",
+        report.files,
+        report.bytes / 1024,
+        report
+            .torn_kept
+            .map(|k| format!(", torn write kept {k} bytes"))
+            .unwrap_or_default()
+    )
+}
+
+#[test]
+fn given_standalone_on_powercut_fs_when_power_is_cut_under_load_then_every_acknowledged_message_survives(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fs) = mount(&dir) else { return };
+    let mut rng = rng("standalone");
+    let mut s = StandaloneProc::new(dir.path());
+    s.data_dir = fs.mountpoint.join("standalone");
+    let mut topics: Vec<(String, BTreeSet<u64>)> = Vec::new();
+    for cut in 0..cuts() {
+        s.start().expect("standalone starts");
+        let topic = format!("power-{cut}");
+        let receipts = rng.gen_range(200..4000);
+        let batch = rng.gen_bool(0.5);
+        let mut args = vec!["produce", &s.url, &topic, "--count", "1000000"];
+        if batch {
+            args.push("--batch");
+        }
+        let mut p = PyClient::run(dir.path(), &format!("p{cut}"), &args);
+        p.wait_for("receipts", T, |l| {
+            l.iter().filter(|v| v.get("acked").is_some()).count() >= receipts
+        })
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(rng.gen_range(0..300)));
+        s.kill9().unwrap();
+        let report = cut_now(&fs, &mut rng, cut % 2 == 1);
+        p.kill9();
+        let acked: BTreeSet<u64> = p.ints("acked").into_iter().collect();
+        step(format!(
+            "cut {cut}: {} acknowledged on {topic} (batch {batch}); {report}",
+            acked.len()
+        ));
+        topics.push((topic, acked));
+
+        s.start().expect("restart after the cut");
+        let (topic, acked) = topics.last().expect("this cut's topic");
+        check_topic(&dir, &s, &format!("c{cut}"), topic, acked);
+        s.kill9().unwrap();
+    }
+    step("every topic of every cut, read again after the last one");
+    s.start().expect("start");
+    for (i, (topic, acked)) in topics.iter().enumerate() {
+        check_topic(&dir, &s, &format!("final{i}"), topic, acked);
+    }
+    assert_eq!(s.stop().unwrap(), 0, "{}", s.log_text());
+}
+
+fn check_topic(
+    dir: &tempfile::TempDir,
+    s: &StandaloneProc,
+    name: &str,
+    topic: &str,
+    acked: &BTreeSet<u64>,
+) {
+    let count = acked.last().map(|l| l + 1).unwrap_or(0).to_string();
+    let mut c = PyClient::run(
+        dir.path(),
+        name,
+        &[
+            "consume",
+            &s.url,
+            topic,
+            name,
+            "--count",
+            &count,
+            "--timeout-ms",
+            "5000",
+        ],
+    );
+    c.finish(T).unwrap();
+    let got: Vec<u64> = c.ints("i");
+    let got_set: BTreeSet<u64> = got.iter().copied().collect();
+    let lost: Vec<&u64> = acked.difference(&got_set).take(10).collect();
+    assert!(
+        lost.is_empty(),
+        "{topic}: acknowledged but lost after a power cut: {lost:?} ({} of {} in all)\n{}",
+        acked.difference(&got_set).count(),
+        acked.len(),
+        s.log_text()
+    );
+    assert!(got.windows(2).all(|w| w[0] < w[1]), "{topic}: order broken");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_acknowledged_entry_survives(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fs) = mount(&dir) else { return };
+    let mut rng = rng("bookies");
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let client = cluster.client();
+    let mut bookies: Vec<BookieProc> = (0..3)
+        .map(|i| {
+            let mut b = BookieProc::new(&format!("bookie{i}"), dir.path(), &endpoint);
+            b.dir = fs.mountpoint.join(format!("bookie{i}"));
+            b
+        })
+        .collect();
+    let mut ledgers: Vec<(String, u64)> = Vec::new();
+    for cut in 0..cuts() {
+        for b in &mut bookies {
+            b.start().expect("bookie");
+        }
+        wait_for_bookies(&client, 3, Duration::from_secs(30))
+            .await
+            .expect("bookies registered");
+        let stop_at = rng.gen_range(1..40) * 1000;
+        let (qw, qa) = if rng.gen_bool(0.5) { (2, 2) } else { (3, 2) };
+        let mut perf = Command::new(meridian_bin())
+            .args(["perf", "ledger", "--metadata", &endpoint])
+            .args(["--ensemble", "3", "--write-quorum", &qw.to_string()])
+            .args(["--ack-quorum", &qa.to_string()])
+            .args(["--entries", "10000000", "--entry-size", "512"])
+            .args(["--window", "500", "--progress-every", "1000"])
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("perf");
+        let mut lines = BufReader::new(perf.stdout.take().expect("stdout")).lines();
+        let (mut ledger, mut acked) = (String::new(), 0u64);
+        for line in lines.by_ref() {
+            let line = line.expect("line");
+            if let Some(rest) = line.strip_prefix("perf ledger: ledger ") {
+                ledger = rest.split(',').next().expect("id").to_string();
+            }
+            if let Some(n) = line.strip_prefix("acknowledged ") {
+                acked = n.parse().expect("count");
+                if acked >= stop_at {
+                    break;
+                }
+            }
+        }
+        assert!(acked >= stop_at, "the writer stopped at {acked}");
+        for b in &mut bookies {
+            b.kill9().expect("kill -9");
+        }
+        let report = cut_now(&fs, &mut rng, cut % 2 == 1);
+        let _ = perf.kill();
+        let _ = perf.wait();
+        step(format!(
+            "cut {cut}: ledger {ledger}, at least {acked} entries acknowledged (Qw={qw} Qa={qa}); {report}"
+        ));
+
+        for b in &mut bookies {
+            b.start().expect("restart");
+        }
+        wait_for_bookies(&client, 3, Duration::from_secs(30))
+            .await
+            .expect("bookies registered after the cut");
+        let (code, out, err) =
+            run_cli(&["ledger", "recover", &ledger, "--metadata", &endpoint]).expect("recover");
+        assert_eq!(code, 0, "recover: {out}{err}\n{}", bookies[0].log_text());
+        let last: u64 = out
+            .trim()
+            .rsplit(' ')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no last entry in {out:?}"));
+        assert!(
+            last + 1 >= acked,
+            "ledger {ledger} closed at {last} after a power cut, but {acked} entries were acknowledged"
+        );
+        ledgers.push((ledger, last + 1));
+        for (ledger, entries) in &ledgers {
+            let (code, out, err) =
+                run_cli(&["ledger", "check", ledger, "--metadata", &endpoint]).expect("check");
+            assert_eq!(code, 0, "check {ledger}: {out}{err}");
+            assert!(
+                out.contains(&format!("{entries} entries")) && out.contains(" 0 unreadable"),
+                "ledger {ledger}: {out}"
+            );
+        }
+        for b in &mut bookies {
+            b.kill9().expect("kill -9");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_metadata_nodes_on_powercut_fs_when_power_is_cut_under_load_then_every_acknowledged_write_survives(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fs) = mount(&dir) else { return };
+    let mut rng = rng("metadata");
+    let mut nodes: Vec<MetaNode> = (1..=3)
+        .map(|id| {
+            let mut n = MetaNode::new(id, dir.path(), None);
+            n.data_dir = fs.mountpoint.join(format!("node{id}"));
+            n
+        })
+        .collect();
+    let members = nodes
+        .iter()
+        .map(|n| format!("{}={}", n.id, n.addr))
+        .collect::<Vec<_>>()
+        .join(",");
+    for n in &mut nodes {
+        n.set_initial_members(members.clone());
+    }
+    let endpoints: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
+    // key → value of every acknowledged put, over all cuts.
+    let acked: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>> = Default::default();
+    for cut in 0..cuts() {
+        for n in &mut nodes {
+            n.start().expect("node");
+        }
+        let client = meridian_metadata::MetadataClient::connect_to(&endpoints).expect("client");
+        wait_writable(&client).await;
+        let before = acked.lock().unwrap().len();
+        let run_ms = rng.gen_range(200..2500);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut writers = Vec::new();
+        for w in 0..8 {
+            let (client, acked, stop) = (client.clone(), acked.clone(), stop.clone());
+            writers.push(tokio::spawn(async move {
+                let mut i = 0u64;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let key = format!("/power/c{cut}/w{w}/{i}");
+                    let value = format!("v{cut}-{w}-{i}");
+                    if client.put(&key, value.clone()).await.is_ok() {
+                        acked.lock().unwrap().push((key, value));
+                    }
+                    i += 1;
+                }
+            }));
+        }
+        tokio::time::sleep(Duration::from_millis(run_ms)).await;
+        for n in &mut nodes {
+            n.kill9().expect("kill -9");
+        }
+        let report = cut_now(&fs, &mut rng, cut % 2 == 1);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for w in writers {
+            let _ = tokio::time::timeout(Duration::from_secs(30), w).await;
+        }
+        let all = acked.lock().unwrap().clone();
+        step(format!(
+            "cut {cut}: {} puts acknowledged in {run_ms} ms; {report}",
+            all.len() - before
+        ));
+
+        for n in &mut nodes {
+            n.start().expect("restart");
+        }
+        let client = meridian_metadata::MetadataClient::connect_to(&endpoints).expect("client");
+        wait_writable(&client).await;
+        let mut lost = Vec::new();
+        for (key, value) in &all {
+            let got = client.get(key).await.expect("get");
+            if got.as_ref().map(|kv| kv.value.as_slice()) != Some(value.as_bytes()) {
+                lost.push(key.clone());
+            }
+        }
+        assert!(
+            lost.is_empty(),
+            "acknowledged puts lost after a power cut: {:?} ({} of {})\n{}",
+            &lost[..lost.len().min(10)],
+            lost.len(),
+            all.len(),
+            nodes[0].log_text()
+        );
+        for n in &mut nodes {
+            n.kill9().expect("kill -9");
+        }
+    }
+}
+
+/// Waits until the cluster accepts a write.
+async fn wait_writable(client: &meridian_metadata::MetadataClient) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if client.put("/power/probe", "x").await.is_ok() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no writable cluster within 60 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
