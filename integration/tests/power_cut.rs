@@ -1,6 +1,7 @@
 //! Power cuts through the power-loss file system (`meridian_integration::powercut`): every
 //! process of a role runs on it, is killed -9 at a random moment under load, and everything
-//! not fsynced is then dropped, as a power cut would. Every acknowledged message, entry and
+//! not fsynced is then dropped, as a power cut would (in turn: all of it; all but a torn
+//! prefix of the last write; a random half of the unsynced pages kept). Every acknowledged message, entry and
 //! metadata write must survive every cut.
 //!
 //! `MERIDIAN_POWER_CUTS` sets the cuts per role (5 in the README's test command; the long
@@ -141,26 +142,52 @@ fn powercut_fs_keeps_exactly_what_was_synced() {
         "the first write is not kept"
     );
     assert!(a[8192..].iter().all(|&b| b == 7));
+
+    step("partial: of 16 unsynced pages over synced ones, some reach the disk, whole");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(m.join("a"))
+        .unwrap();
+    f.set_len(0).unwrap();
+    f.write_all_at(&[8u8; 16 * 4096], 0).unwrap();
+    f.sync_data().unwrap();
+    f.write_all_at(&[9u8; 16 * 4096], 0).unwrap();
+    drop(f);
+    let report = fs.cut_partial(3).unwrap();
+    let kept = report.pages_kept.expect("a partial cut");
+    let a = std::fs::read(m.join("a")).unwrap();
+    assert_eq!(a.len(), 16 * 4096);
+    let new_pages = a.chunks(4096).filter(|p| p.iter().all(|&b| b == 9)).count();
+    let old_pages = a.chunks(4096).filter(|p| p.iter().all(|&b| b == 8)).count();
+    assert_eq!((new_pages, old_pages), (kept, 16 - kept), "{report:?}");
+    assert!(
+        kept > 0 && kept < 16,
+        "seed 3 keeps some pages, not all: {kept}"
+    );
     let counters = fs.counters();
-    assert_eq!(counters.cuts, 2);
+    assert_eq!(counters.cuts, 3);
     assert!(counters.syncs >= 4, "{counters:?}");
 }
 
-/// Kills every process of a role at a random moment, then cuts power.
-fn cut_now(fs: &PowerCutFs, rng: &mut impl Rng, torn: bool) -> String {
-    let report = if torn {
-        fs.cut_torn(rng.gen()).expect("torn cut")
-    } else {
-        fs.cut()
+/// Cuts power (the role's processes are already killed): the `n`th cut of a test drops every
+/// unsynced byte, tears the last unsynced write, or keeps a random half of the unsynced pages,
+/// in turn.
+fn cut_now(fs: &PowerCutFs, rng: &mut impl Rng, n: usize) -> String {
+    let report = match n % 3 {
+        0 => fs.cut(),
+        1 => fs.cut_torn(rng.gen()).expect("torn cut"),
+        _ => fs.cut_partial(rng.gen()).expect("partial cut"),
+    };
+    let mode = match (report.torn_kept, report.pages_kept) {
+        (Some(k), _) => format!(", torn: last write kept {k} bytes"),
+        (_, Some(p)) => format!(", partial: {p} pages reached the disk"),
+        _ => String::new(),
     };
     format!(
-        "cut: {} files, {} KiB unsynced dropped{}",
+        "cut: {} files, {} KiB unsynced{mode}",
         report.files,
-        report.bytes / 1024,
-        report
-            .torn_kept
-            .map(|k| format!(", torn write kept {k} bytes"))
-            .unwrap_or_default()
+        report.bytes / 1024
     )
 }
 
@@ -189,7 +216,7 @@ fn given_standalone_on_powercut_fs_when_power_is_cut_under_load_then_every_ackno
         .unwrap();
         std::thread::sleep(Duration::from_millis(rng.gen_range(0..300)));
         s.kill9().unwrap();
-        let report = cut_now(&fs, &mut rng, cut % 2 == 1);
+        let report = cut_now(&fs, &mut rng, cut);
         p.kill9();
         let acked: BTreeSet<u64> = p.ints("acked").into_iter().collect();
         step(format!(
@@ -305,7 +332,7 @@ async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_ac
         for b in &mut bookies {
             b.kill9().expect("kill -9");
         }
-        let report = cut_now(&fs, &mut rng, cut % 2 == 1);
+        let report = cut_now(&fs, &mut rng, cut);
         let _ = perf.kill();
         let _ = perf.wait();
         step(format!(
@@ -428,7 +455,7 @@ async fn given_metadata_nodes_on_powercut_fs_when_power_is_cut_under_load_then_e
         for n in &mut nodes {
             n.kill9().expect("kill -9");
         }
-        let report = cut_now(&fs, &mut rng, cut % 2 == 1);
+        let report = cut_now(&fs, &mut rng, cut);
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         for w in writers {
             let _ = tokio::time::timeout(Duration::from_secs(30), w).await;

@@ -4,7 +4,9 @@
 //! until `fsync`, `fdatasync` or an `O_SYNC`/`O_DSYNC` write makes them durable (writes them
 //! to a backing directory). [`PowerCutFs::cut`] then does what a power cut does to a machine
 //! whose processes were killed: everything not synced is gone. [`PowerCutFs::cut_torn`] also
-//! keeps a random prefix of the last unsynced write, as a disk that tore it would.
+//! keeps a random prefix of the last unsynced write, as a disk that tore it would;
+//! [`PowerCutFs::cut_partial`] keeps a random half of the unsynced pages, as a page cache that
+//! had written some of them back would.
 //!
 //! kill -9 leaves the page cache to the kernel, so a test that only kills processes cannot see a
 //! missing fsync; a test that kills them and then cuts power here can.
@@ -16,8 +18,7 @@
 //! ```
 //!
 //! What it does not model: names (create, rename, unlink, mkdir) are durable at once, as LazyFS's
-//! default, so a missing directory fsync goes unseen; pages of a file are lost all together,
-//! never some of them.
+//! default, so a missing directory fsync goes unseen.
 
 mod fuse;
 pub mod pending;
@@ -47,6 +48,8 @@ pub struct CutReport {
     pub bytes: u64,
     /// For a torn cut: bytes of the last unsynced write that were kept.
     pub torn_kept: Option<usize>,
+    /// For a partial cut: unsynced pages that reached the disk.
+    pub pages_kept: Option<usize>,
 }
 
 impl PowerCutFs {
@@ -108,6 +111,7 @@ impl PowerCutFs {
             files: st.pending.len(),
             bytes: st.pending.values().map(|p| p.pending_bytes()).sum(),
             torn_kept: None,
+            pages_kept: None,
         };
         st.pending.clear();
         st.last_write = None;
@@ -131,6 +135,30 @@ impl PowerCutFs {
                 report.torn_kept = Some(keep);
             }
         }
+        Ok(report)
+    }
+
+    /// A cut after which each unsynced page reached the disk with probability one half (chosen
+    /// by `seed`), in no particular order, as a page cache writing back dirty pages would
+    /// leave it; truncations since the last sync are lost.
+    pub fn cut_partial(&self, seed: u64) -> anyhow::Result<CutReport> {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut kept_pages = 0;
+        {
+            let st = self.lock();
+            let mut inos: Vec<u64> = st.pending.keys().copied().collect();
+            inos.sort_unstable();
+            for ino in inos {
+                let Ok(path) = st.backing(ino) else { continue };
+                let mut file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .read(true)
+                    .open(&path)?;
+                kept_pages += st.pending[&ino].apply_some(&mut file, |_| rng.gen_bool(0.5))?;
+            }
+        }
+        let mut report = self.cut();
+        report.pages_kept = Some(kept_pages);
         Ok(report)
     }
 

@@ -157,6 +157,29 @@ impl Pending {
     }
 }
 
+impl Pending {
+    /// What a disk that wrote back some dirty pages before the power went leaves: the pages
+    /// `keep` picks reach the durable bytes (growing them if they lie past the end), the rest
+    /// and any truncation since the sync do not.
+    pub fn apply_some(
+        &self,
+        d: &mut impl DurableMut,
+        mut keep: impl FnMut(u64) -> bool,
+    ) -> io::Result<usize> {
+        let mut kept = 0;
+        for (&idx, page) in &self.pages {
+            let start = idx * PAGE_BYTES;
+            if start >= self.len || !keep(idx) {
+                continue;
+            }
+            let n = (self.len - start).min(PAGE_BYTES) as usize;
+            d.write_durable(&page[..n], start)?;
+            kept += 1;
+        }
+        Ok(kept)
+    }
+}
+
 /// Reads exactly `buf.len()` durable bytes, zeroes past the end of the durable bytes.
 fn read_full(d: &impl Durable, buf: &mut [u8], off: u64) -> io::Result<()> {
     let mut done = 0;
@@ -276,6 +299,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_partial_cut_keeps_whole_pages_of_new_bytes_over_the_durable_ones() {
+        let mut durable = vec![1u8; 3 * 4096];
+        let mut p = Pending::new(durable.len() as u64);
+        p.write(&durable, 0, &[2u8; 4 * 4096]).unwrap();
+        p.truncate(4 * 4096 - 100);
+        let kept = p.apply_some(&mut durable, |idx| idx % 2 == 1).unwrap();
+        assert_eq!(kept, 2);
+        assert_eq!(
+            durable.len(),
+            4 * 4096 - 100,
+            "a kept page past the end grows the file"
+        );
+        assert!(durable[..4096].iter().all(|&b| b == 1));
+        assert!(durable[4096..8192].iter().all(|&b| b == 2));
+        assert!(durable[8192..12288].iter().all(|&b| b == 1));
+        assert!(durable[12288..].iter().all(|&b| b == 2));
     }
 
     #[test]
