@@ -34,9 +34,10 @@ struct Handle {
     sync_writes: bool,
 }
 
-/// The last write not yet synced, for a torn cut.
+/// A file's last write not yet synced, for a torn cut.
 pub(super) struct LastWrite {
-    pub ino: u64,
+    /// Order of the writes over all files.
+    pub seq: u64,
     pub off: u64,
     pub data: Vec<u8>,
 }
@@ -61,7 +62,8 @@ pub(super) struct State {
     pub(super) pending: HashMap<u64, Pending>,
     handles: HashMap<u64, Handle>,
     next_fh: u64,
-    pub(super) last_write: Option<LastWrite>,
+    /// Inode → its last unsynced write.
+    pub(super) last_writes: HashMap<u64, LastWrite>,
     pub(super) counters: Counters,
 }
 
@@ -75,7 +77,7 @@ impl State {
             pending: HashMap::new(),
             handles: HashMap::new(),
             next_fh: 1,
-            last_write: None,
+            last_writes: HashMap::new(),
             counters: Counters::default(),
         };
         s.paths.insert(ROOT_INO, PathBuf::new());
@@ -118,9 +120,7 @@ impl State {
     fn forget_if_unused(&mut self, ino: u64) {
         if !self.paths.contains_key(&ino) && !self.handles.values().any(|h| h.ino == ino) {
             self.pending.remove(&ino);
-            if self.last_write.as_ref().is_some_and(|w| w.ino == ino) {
-                self.last_write = None;
-            }
+            self.last_writes.remove(&ino);
         }
     }
 
@@ -195,9 +195,7 @@ impl State {
             .try_clone()
             .map_err(errno)?;
         p.apply(&mut file).map_err(errno)?;
-        if self.last_write.as_ref().is_some_and(|w| w.ino == ino) {
-            self.last_write = None;
-        }
+        self.last_writes.remove(&ino);
         Ok(())
     }
 
@@ -227,11 +225,15 @@ impl State {
             .map_err(errno)?;
         self.counters.writes += 1;
         self.counters.bytes_written += data.len() as u64;
-        self.last_write = Some(LastWrite {
+        let seq = self.counters.writes;
+        self.last_writes.insert(
             ino,
-            off,
-            data: data.to_vec(),
-        });
+            LastWrite {
+                seq,
+                off,
+                data: data.to_vec(),
+            },
+        );
         if sync {
             self.sync(ino, fh)?;
         }

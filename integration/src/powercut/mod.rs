@@ -114,20 +114,28 @@ impl PowerCutFs {
             pages_kept: None,
         };
         st.pending.clear();
-        st.last_write = None;
+        st.last_writes.clear();
         st.counters.cuts += 1;
         st.counters.bytes_dropped += report.bytes;
         report
     }
 
-    /// A cut that keeps a random prefix (chosen by `seed`) of the last unsynced write, written
-    /// over the file's durable bytes.
+    /// A cut that keeps a random prefix (chosen by `seed`) of the last write not synced since
+    /// (over all files), written over its file's durable bytes.
     pub fn cut_torn(&self, seed: u64) -> anyhow::Result<CutReport> {
-        let last = self.lock().last_write.take();
+        let last = {
+            let mut st = self.lock();
+            let ino = st
+                .last_writes
+                .iter()
+                .max_by_key(|(_, w)| w.seq)
+                .map(|(&ino, _)| ino);
+            ino.and_then(|ino| st.last_writes.remove(&ino).map(|w| (ino, w)))
+        };
         let mut report = self.cut();
-        if let Some(w) = last {
+        if let Some((ino, w)) = last {
             let st = self.lock();
-            if let Ok(path) = st.backing(w.ino) {
+            if let Ok(path) = st.backing(ino) {
                 let keep =
                     rand::rngs::StdRng::seed_from_u64(seed).gen_range(0..w.data.len().max(1));
                 let file = std::fs::OpenOptions::new().write(true).open(&path)?;
