@@ -103,26 +103,44 @@ fn powercut_fs_keeps_exactly_what_was_synced() {
     d.sync_all().unwrap();
     d.write_all_at(&[5u8; 10], 5000).unwrap();
 
-    step("e: renamed after its fsync (names are kept)");
+    step("the root directory fsynced: a to d are named for good");
+    sync_dir(&m);
+
+    step("e: written, fsynced and renamed in dir/, and dir/ fsynced: the new name stays");
     std::fs::create_dir(m.join("dir")).unwrap();
+    sync_dir(&m);
     std::fs::write(m.join("dir/e.tmp"), b"renamed").unwrap();
     std::fs::File::open(m.join("dir/e.tmp"))
         .unwrap()
         .sync_all()
         .unwrap();
     std::fs::rename(m.join("dir/e.tmp"), m.join("dir/e")).unwrap();
-    drop((a, c, d));
+    sync_dir(&m.join("dir"));
+
+    step("f: created and fsynced, its directory not: gone; e moved and b removed without a directory fsync: back");
+    let f = std::fs::File::create_new(m.join("dir/f")).unwrap();
+    f.write_all_at(b"unnamed", 0).unwrap();
+    f.sync_all().unwrap();
+    std::fs::rename(m.join("dir/e"), m.join("e-moved")).unwrap();
+    std::fs::remove_file(m.join("b")).unwrap();
+    drop((a, c, d, f));
 
     let report = fs.cut();
     step(format!("cut: {report:?}"));
-    assert!(report.files >= 3, "{report:?}");
+    assert_eq!(report.files, 2, "a and d: {report:?}");
+    assert_eq!(report.names.undone, 3, "{report:?}");
     let a = std::fs::read(m.join("a")).unwrap();
     assert_eq!(a, vec![1u8; 8192], "a keeps its synced 8 KiB only");
-    assert_eq!(std::fs::read(m.join("b")).unwrap(), b"", "b is empty");
+    assert_eq!(std::fs::read(m.join("b")).unwrap(), b"", "b is back, empty");
     assert_eq!(std::fs::read(m.join("c")).unwrap(), b"synchronous");
     assert_eq!(std::fs::read(m.join("d")).unwrap(), vec![4u8; 1024]);
     assert_eq!(std::fs::read(m.join("dir/e")).unwrap(), b"renamed");
     assert!(!m.join("dir/e.tmp").exists());
+    assert!(!m.join("e-moved").exists());
+    assert!(
+        !m.join("dir/f").exists(),
+        "a name its directory never synced"
+    );
 
     step("torn: the last unsynced write keeps a prefix, earlier unsynced writes are gone");
     let f = std::fs::OpenOptions::new()
@@ -170,6 +188,11 @@ fn powercut_fs_keeps_exactly_what_was_synced() {
     assert!(counters.syncs >= 4, "{counters:?}");
 }
 
+/// fsync of a directory: its names are durable.
+fn sync_dir(path: &std::path::Path) {
+    std::fs::File::open(path).unwrap().sync_all().unwrap();
+}
+
 /// Cuts power (the role's processes are already killed): the `n`th cut of a test drops every
 /// unsynced byte, tears the last unsynced write, or keeps a random half of the unsynced pages,
 /// in turn.
@@ -185,9 +208,10 @@ fn cut_now(fs: &PowerCutFs, rng: &mut impl Rng, n: usize) -> String {
         _ => String::new(),
     };
     format!(
-        "cut: {} files, {} KiB unsynced{mode}",
+        "cut: {} files, {} KiB unsynced{mode}; names undone: {:?}",
         report.files,
-        report.bytes / 1024
+        report.bytes / 1024,
+        report.names.changes
     )
 }
 

@@ -565,7 +565,7 @@ pub fn replay(
     dir: &Path,
     mut apply: impl FnMut(Position, Record),
 ) -> Result<Vec<FileReplay>, JournalError> {
-    fs::create_dir_all(dir).map_err(io_at(dir))?;
+    meridian_metadata::durable_dir::create_dir_all_synced(dir).map_err(io_at(dir))?;
     let mut report = Vec::new();
     for (seq, path) in list_files(dir)? {
         let Some(decoded) = decode_path(seq, &path)? else {
@@ -691,7 +691,8 @@ impl Journal {
     /// Starts writing into a new file after the newest one in `opts.dir`. Call [`replay`]
     /// first: files written before are not read here.
     pub fn start(opts: JournalOptions) -> Result<(Journal, JournalThread), JournalError> {
-        fs::create_dir_all(&opts.dir).map_err(io_at(&opts.dir))?;
+        meridian_metadata::durable_dir::create_dir_all_synced(&opts.dir)
+            .map_err(io_at(&opts.dir))?;
         let existing = list_files(&opts.dir)?;
         if opts.prefill && existing.is_empty() {
             // A fresh journal: its first file is zero-filled now (once per bookie), so that

@@ -64,7 +64,7 @@ impl Standalone {
     /// Starts everything and returns once the broker accepts clients.
     pub async fn start(cfg: &Config) -> anyhow::Result<Standalone> {
         let data_dir = PathBuf::from(&cfg.standalone.data_dir);
-        std::fs::create_dir_all(&data_dir)
+        meridian_metadata::durable_dir::create_dir_all_synced(&data_dir)
             .with_context(|| format!("standalone.data_dir {}", data_dir.display()))?;
         let addr_file = data_dir.join("addresses.json");
         let previous: Option<Addresses> = match std::fs::read(&addr_file) {

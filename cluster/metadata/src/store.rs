@@ -106,7 +106,7 @@ pub struct StoreOptions {
 /// The log and the state machine live in separate databases so that applying entries never
 /// waits behind the log's fsyncs.
 pub fn open_db(dir: &Path, cfs: &[&str]) -> Result<(Arc<Db>, DbClosed), OpenError> {
-    std::fs::create_dir_all(dir).map_err(|e| OpenError::RocksDb {
+    crate::durable_dir::create_dir_all_synced(dir).map_err(|e| OpenError::RocksDb {
         path: dir.to_path_buf(),
         message: e.to_string(),
     })?;

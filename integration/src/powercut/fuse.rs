@@ -2,12 +2,13 @@
 //! file contents change only when a sync says so. Writes, truncations and `fallocate`s are
 //! kept in memory per inode ([`Pending`]) and read back from there; `fsync`, `fdatasync` and
 //! writes through an `O_SYNC`/`O_DSYNC` descriptor write them to the backing file. Names
-//! (create, rename, unlink, mkdir) go to the backing directory at once: what a cut loses is
-//! file data and sizes, as LazyFS's default.
+//! (create, rename, unlink, mkdir) go to the backing directory at once and are recorded
+//! ([`Names`]) until an fsync of their directory commits them; a cut undoes the rest.
 //!
 //! Every request runs on fuser's one session thread under the [`State`] lock, which the test's
 //! thread also takes to cut power.
 
+use super::names::{Names, NamesUndone};
 use super::pending::{Durable, Pending};
 use fuser::{
     FileAttr, FileType, Filesystem, KernelConfig, ReplyAttr, ReplyCreate, ReplyData,
@@ -65,11 +66,13 @@ pub(super) struct State {
     /// Inode → its last unsynced write.
     pub(super) last_writes: HashMap<u64, LastWrite>,
     pub(super) counters: Counters,
+    names: Names,
 }
 
 impl State {
-    pub(super) fn new(root: PathBuf) -> Self {
+    pub(super) fn new(root: PathBuf, trash: PathBuf) -> io::Result<Self> {
         let mut s = Self {
+            names: Names::new(root.clone(), trash)?,
             root,
             paths: HashMap::new(),
             inos: HashMap::new(),
@@ -82,7 +85,16 @@ impl State {
         };
         s.paths.insert(ROOT_INO, PathBuf::new());
         s.inos.insert(PathBuf::new(), ROOT_INO);
-        s
+        Ok(s)
+    }
+
+    /// The names part of a cut: uncommitted creations, removals and renames undone. Inode
+    /// numbers are handed out afresh after it (the processes that held them are gone).
+    pub(super) fn undo_names(&mut self) -> NamesUndone {
+        let undone = self.names.undo_all();
+        self.paths.retain(|&ino, _| ino == ROOT_INO);
+        self.inos.retain(|_, &mut ino| ino == ROOT_INO);
+        undone
     }
 
     /// The backing path of a live inode.
@@ -396,6 +408,7 @@ impl Filesystem for PowerCutFuse {
                 .mode(mode & !umask & 0o7777)
                 .create(st.root.join(&rel))
                 .map_err(errno)?;
+            st.names.created(&rel);
             st.entry(&rel)
         });
         match result {
@@ -407,7 +420,7 @@ impl Filesystem for PowerCutFuse {
     fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
         let mut st = self.st();
         let result = st.child(parent, name).and_then(|rel| {
-            std::fs::remove_file(st.root.join(&rel)).map_err(errno)?;
+            st.names.remove(&rel, false).map_err(errno)?;
             st.unmap(&rel);
             Ok(())
         });
@@ -420,7 +433,7 @@ impl Filesystem for PowerCutFuse {
     fn rmdir(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
         let mut st = self.st();
         let result = st.child(parent, name).and_then(|rel| {
-            std::fs::remove_dir(st.root.join(&rel)).map_err(errno)?;
+            st.names.remove(&rel, true).map_err(errno)?;
             st.unmap(&rel);
             Ok(())
         });
@@ -441,6 +454,7 @@ impl Filesystem for PowerCutFuse {
         let mut st = self.st();
         let result = st.child(parent, link_name).and_then(|rel| {
             std::os::unix::fs::symlink(target, st.root.join(&rel)).map_err(errno)?;
+            st.names.created(&rel);
             st.entry(&rel)
         });
         match result {
@@ -464,14 +478,7 @@ impl Filesystem for PowerCutFuse {
             let from = st.child(parent, name)?;
             let to = st.child(newparent, newname)?;
             let exchange = flags & libc::RENAME_EXCHANGE != 0;
-            rustix::fs::renameat_with(
-                rustix::fs::CWD,
-                st.root.join(&from),
-                rustix::fs::CWD,
-                st.root.join(&to),
-                rustix::fs::RenameFlags::from_bits_retain(flags),
-            )
-            .map_err(|e| e.raw_os_error())?;
+            st.names.rename(&from, &to, flags).map_err(errno)?;
             let moved = st.inos.remove(&from);
             let other = st.inos.remove(&to);
             if exchange {
@@ -657,10 +664,16 @@ impl Filesystem for PowerCutFuse {
         }
     }
 
-    fn fsyncdir(&mut self, _req: &Request<'_>, _ino: u64, _fh: u64, _ds: bool, reply: ReplyEmpty) {
-        // Names are durable as soon as they change.
-        self.st().counters.syncs += 1;
-        reply.ok();
+    fn fsyncdir(&mut self, _req: &Request<'_>, ino: u64, _fh: u64, _ds: bool, reply: ReplyEmpty) {
+        let mut st = self.st();
+        st.counters.syncs += 1;
+        match st.paths.get(&ino).cloned() {
+            Some(dir) => {
+                st.names.commit_dir(&dir);
+                reply.ok();
+            }
+            None => reply.error(libc::ENOENT),
+        }
     }
 
     fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: ReplyStatfs) {
@@ -700,6 +713,7 @@ impl Filesystem for PowerCutFuse {
         let mut st = self.st();
         let result = (|| {
             let rel = st.child(parent, name)?;
+            let existed = std::fs::symlink_metadata(st.root.join(&rel)).is_ok();
             let file = OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -708,6 +722,9 @@ impl Filesystem for PowerCutFuse {
                 .mode(mode & !umask & 0o7777)
                 .open(st.root.join(&rel))
                 .map_err(errno)?;
+            if !existed {
+                st.names.created(&rel);
+            }
             let ino = st.ino_of(&rel);
             let fh = st.open_handle(ino, file, flags)?;
             Ok((st.stat(ino)?, fh))

@@ -17,13 +17,15 @@
 //!   test: kill -9 every process, cut()┘ dropped
 //! ```
 //!
-//! What it does not model: names (create, rename, unlink, mkdir) are durable at once, as LazyFS's
-//! default, so a missing directory fsync goes unseen.
+//! Names (create, rename, unlink, mkdir) are durable only once their directory is fsynced
+//! (`names.rs`); a cut undoes the others.
 
 mod fuse;
+mod names;
 pub mod pending;
 
 pub use fuse::Counters;
+pub use names::NamesUndone;
 
 use anyhow::{bail, Context};
 use fuse::{PowerCutFuse, State};
@@ -40,7 +42,7 @@ pub struct PowerCutFs {
 }
 
 /// What a cut dropped.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct CutReport {
     /// Files that had unsynced bytes.
     pub files: usize,
@@ -50,6 +52,8 @@ pub struct CutReport {
     pub torn_kept: Option<usize>,
     /// For a partial cut: unsynced pages that reached the disk.
     pub pages_kept: Option<usize>,
+    /// Creations, removals and renames whose directory was not fsynced, undone.
+    pub names: NamesUndone,
 }
 
 impl PowerCutFs {
@@ -76,7 +80,14 @@ impl PowerCutFs {
         }
         std::fs::create_dir_all(backing)?;
         std::fs::create_dir_all(mountpoint)?;
-        let state = Arc::new(Mutex::new(State::new(backing.canonicalize()?)));
+        let backing = backing.canonicalize()?;
+        let trash = backing.with_file_name(format!(
+            ".{}.powercut-trash",
+            backing
+                .file_name()
+                .map_or("backing".into(), |n| n.to_string_lossy())
+        ));
+        let state = Arc::new(Mutex::new(State::new(backing.clone(), trash)?));
         let fs = PowerCutFuse {
             state: state.clone(),
         };
@@ -95,7 +106,7 @@ impl PowerCutFs {
             state,
             session: Some(session),
             mountpoint: mountpoint.to_path_buf(),
-            backing: backing.to_path_buf(),
+            backing,
         })
     }
 
@@ -107,42 +118,46 @@ impl PowerCutFs {
     /// instantaneous, and a process that went on writing after it would not be one.
     pub fn cut(&self) -> CutReport {
         let mut st = self.lock();
-        let report = CutReport {
+        let mut report = CutReport {
             files: st.pending.len(),
             bytes: st.pending.values().map(|p| p.pending_bytes()).sum(),
             torn_kept: None,
             pages_kept: None,
+            names: NamesUndone::default(),
         };
         st.pending.clear();
         st.last_writes.clear();
         st.counters.cuts += 1;
         st.counters.bytes_dropped += report.bytes;
+        report.names = st.undo_names();
         report
     }
 
     /// A cut that keeps a random prefix (chosen by `seed`) of the last write not synced since
     /// (over all files), written over its file's durable bytes.
     pub fn cut_torn(&self, seed: u64) -> anyhow::Result<CutReport> {
-        let last = {
+        let mut torn_kept = None;
+        {
             let mut st = self.lock();
-            let ino = st
+            let last = st
                 .last_writes
                 .iter()
                 .max_by_key(|(_, w)| w.seq)
                 .map(|(&ino, _)| ino);
-            ino.and_then(|ino| st.last_writes.remove(&ino).map(|w| (ino, w)))
-        };
-        let mut report = self.cut();
-        if let Some((ino, w)) = last {
-            let st = self.lock();
-            if let Ok(path) = st.backing(ino) {
+            if let Some((path, w)) =
+                last.and_then(|ino| Some((st.backing(ino).ok()?, st.last_writes.remove(&ino)?)))
+            {
                 let keep =
                     rand::rngs::StdRng::seed_from_u64(seed).gen_range(0..w.data.len().max(1));
                 let file = std::fs::OpenOptions::new().write(true).open(&path)?;
                 std::os::unix::fs::FileExt::write_all_at(&file, &w.data[..keep], w.off)?;
-                report.torn_kept = Some(keep);
+                torn_kept = Some(keep);
             }
         }
+        // Then the rest is dropped and names not committed are undone (the torn file too, if
+        // its own creation was not).
+        let mut report = self.cut();
+        report.torn_kept = torn_kept;
         Ok(report)
     }
 

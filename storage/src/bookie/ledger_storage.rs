@@ -182,6 +182,8 @@ impl EntryLogWriter {
             }
             Err(e) => return Err(io_at(&path)(e)),
         };
+        // The log's name must outlive a power cut as its bytes do: the index will point here.
+        meridian_metadata::durable_dir::sync_dir(dir).map_err(io_at(dir))?;
         let stage = stage.unwrap_or_else(|| vec![0u8; STAGE_BYTES + DIRECT_ALIGN]);
         let stage_off = stage.as_ptr().align_offset(DIRECT_ALIGN);
         Ok(Self {
@@ -471,7 +473,11 @@ impl LedgerStorage {
         let write_cache_bytes_max = opts.write_cache_bytes_max;
         let logs_dir = opts.ledger_dir.join("entrylogs");
         let index_dir = opts.ledger_dir.join("index");
-        fs::create_dir_all(&logs_dir).map_err(io_at(&logs_dir))?;
+        meridian_metadata::durable_dir::create_dir_all_synced(&logs_dir)
+            .map_err(io_at(&logs_dir))?;
+        // RocksDB makes its own directory without fsyncing the parent.
+        meridian_metadata::durable_dir::create_dir_all_synced(&index_dir)
+            .map_err(io_at(&index_dir))?;
         let mut o = Options::default();
         o.create_if_missing(true);
         o.create_missing_column_families(true);

@@ -337,7 +337,7 @@ type Opened = (
 
 fn open_storage(opts: &BookieOptions) -> Result<Opened, BookieError> {
     let (storage, checkpoint, index_closed) = LedgerStorage::open(opts.storage.clone())?;
-    std::fs::create_dir_all(&opts.journal.dir)?;
+    meridian_metadata::durable_dir::create_dir_all_synced(&opts.journal.dir)?;
     let j = &opts.journal;
     for (seq, path) in journal::list_files(&j.dir)? {
         if seq < checkpoint {
