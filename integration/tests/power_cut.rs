@@ -316,15 +316,10 @@ async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_ac
         .collect();
     let mut ledgers: Vec<(String, u64)> = Vec::new();
     for cut in 0..cuts() {
-        for b in &mut bookies {
-            b.start().expect("bookie");
-        }
+        start_bookies(&mut bookies).await;
         wait_for_bookies(&client, 3, Duration::from_secs(30))
             .await
             .expect("bookies registered");
-        for b in &bookies {
-            wait_listening(&b.addr).await;
-        }
         let stop_at = rng.gen_range(1..40) * 1000;
         let (qw, qa) = if rng.gen_bool(0.5) { (2, 2) } else { (3, 2) };
         let mut perf = Command::new(meridian_bin())
@@ -363,16 +358,10 @@ async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_ac
             "cut {cut}: ledger {ledger}, at least {acked} entries acknowledged (Qw={qw} Qa={qa}); {report}"
         ));
 
-        for b in &mut bookies {
-            b.start().expect("restart");
-        }
+        start_bookies(&mut bookies).await;
         wait_for_bookies(&client, 3, Duration::from_secs(30))
             .await
             .expect("bookies registered after the cut");
-        // Registrations from before the cut outlive it by the session TTL: wait for the ports.
-        for b in &bookies {
-            wait_listening(&b.addr).await;
-        }
         let (code, out, err) =
             run_cli(&["ledger", "recover", &ledger, "--metadata", &endpoint]).expect("recover");
         assert_eq!(code, 0, "recover: {out}{err}\n{}", bookies[0].log_text());
@@ -393,26 +382,35 @@ async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_ac
         }
     }
     step("every ledger of every cut, read again after the last one");
-    for b in &mut bookies {
-        b.start().expect("start");
-    }
-    for b in &bookies {
-        wait_listening(&b.addr).await;
-    }
+    start_bookies(&mut bookies).await;
     for (ledger, entries) in &ledgers {
         check_ledger(&endpoint, ledger, *entries);
     }
 }
 
-/// Waits until `addr` accepts TCP connections.
-async fn wait_listening(addr: &str) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while tokio::net::TcpStream::connect(addr).await.is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "{addr} not listening within 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+/// Starts every bookie and waits until each has printed that it listens, which it does
+/// after its journal replay (its port accepts connections before that, and its registration
+/// from before a cut outlives the cut by the session TTL).
+async fn start_bookies(bookies: &mut [BookieProc]) {
+    const LINE: &str = " listening on ";
+    let before: Vec<usize> = bookies
+        .iter()
+        .map(|b| b.log_text().matches(LINE).count())
+        .collect();
+    for b in bookies.iter_mut() {
+        b.start().expect("bookie starts");
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (b, n) in bookies.iter().zip(before) {
+        while b.log_text().matches(LINE).count() <= n {
+            assert!(
+                Instant::now() < deadline,
+                "bookie {} not started within 60 s:\n{}",
+                b.addr,
+                b.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 }
 
@@ -422,7 +420,8 @@ fn check_ledger(endpoint: &str, ledger: &str, entries: u64) {
         run_cli(&["ledger", "check", ledger, "--metadata", endpoint]).expect("check");
     assert_eq!(code, 0, "check {ledger}: {out}{err}");
     assert!(
-        out.contains(&format!("{entries} entries")) && out.contains(" 0 unreadable"),
+        out.contains(&format!("ledger {ledger}: {entries} entries,"))
+            && out.contains(" 0 unreadable"),
         "ledger {ledger}: {out}"
     );
 }
@@ -485,6 +484,10 @@ async fn given_metadata_nodes_on_powercut_fs_when_power_is_cut_under_load_then_e
             let _ = tokio::time::timeout(Duration::from_secs(30), w).await;
         }
         let all = acked.lock().unwrap().clone();
+        assert!(
+            all.len() > before,
+            "cut {cut}: no put acknowledged before it"
+        );
         step(format!(
             "cut {cut}: {} puts acknowledged in {run_ms} ms; {report}",
             all.len() - before

@@ -9,7 +9,9 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-/// `create_dir_all`, then fsyncs the parent of every directory it made, top down.
+/// `create_dir_all`, then fsyncs the parent of every directory it made, top down, and the
+/// parent of `path` even when `path` was there already (a start that made it may have been
+/// cut short before its fsync).
 pub fn create_dir_all_synced(path: &Path) -> io::Result<()> {
     let mut missing: Vec<PathBuf> = Vec::new();
     let mut p = path;
@@ -27,6 +29,9 @@ pub fn create_dir_all_synced(path: &Path) -> io::Result<()> {
     std::fs::create_dir_all(path)?;
     for dir in missing.iter().rev() {
         sync_dir(parent_of(dir))?;
+    }
+    if missing.is_empty() {
+        sync_dir(parent_of(path))?;
     }
     Ok(())
 }

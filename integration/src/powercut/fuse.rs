@@ -196,7 +196,7 @@ impl State {
     /// fsync: the inode's pending bytes to its backing file.
     fn sync(&mut self, ino: u64, fh: u64) -> Result<(), i32> {
         self.counters.syncs += 1;
-        let Some(p) = self.pending.remove(&ino) else {
+        let Some(p) = self.pending.get(&ino) else {
             return Ok(());
         };
         let mut file = self
@@ -206,7 +206,9 @@ impl State {
             .file
             .try_clone()
             .map_err(errno)?;
+        // A failed fsync keeps what was pending (a real one keeps the dirty pages too).
         p.apply(&mut file).map_err(errno)?;
+        self.pending.remove(&ino);
         self.last_writes.remove(&ino);
         Ok(())
     }
@@ -512,10 +514,14 @@ impl Filesystem for PowerCutFuse {
                     }
                 }
             }
-            for (ino, new) in renames {
-                if let Some(old) = st.paths.insert(ino, new.clone()) {
+            // Two passes: with an exchange, one inode's new path is another's old one.
+            for (ino, _) in &renames {
+                if let Some(old) = st.paths.remove(ino) {
                     st.inos.remove(&old);
                 }
+            }
+            for (ino, new) in renames {
+                st.paths.insert(ino, new.clone());
                 st.inos.insert(new, ino);
             }
             Ok(())

@@ -91,15 +91,12 @@ impl PowerCutFs {
         let fs = PowerCutFuse {
             state: state.clone(),
         };
-        let mut options = vec![
+        let options = vec![
             fuser::MountOption::FSName("meridian-powercut".to_string()),
             fuser::MountOption::Subtype("powercut".to_string()),
         ];
-        // As root fuser mounts with mount(2) and unmounts with umount2(2), synchronously; a
-        // user goes through fusermount3, which also unmounts if the test process dies.
-        if !rustix::process::geteuid().is_root() {
-            options.push(fuser::MountOption::AutoUnmount);
-        }
+        // No AutoUnmount: fuser adds allow_other with it, which fusermount3 refuses to users
+        // unless /etc/fuse.conf allows it; Drop unmounts (lazily if still busy).
         let session = fuser::spawn_mount2(fs, mountpoint, &options)
             .with_context(|| format!("mounting the power-loss file system at {mountpoint:?}"))?;
         Ok(Self {
@@ -139,9 +136,11 @@ impl PowerCutFs {
         let mut torn_kept = None;
         {
             let mut st = self.lock();
+            // The newest among files that still have a name (an unlinked file is gone anyway).
             let last = st
                 .last_writes
                 .iter()
+                .filter(|(&ino, _)| st.backing(ino).is_ok())
                 .max_by_key(|(_, w)| w.seq)
                 .map(|(&ino, _)| ino);
             if let Some((path, w)) =

@@ -199,10 +199,23 @@ impl Names {
                         )
                         .map_err(io::Error::from)
                     } else {
-                        std::fs::rename(&t, &f).and_then(|()| match replaced {
-                            Some(kept) => std::fs::rename(kept, &t),
+                        // Never over what a committed change put at the source name since.
+                        let back = rustix::fs::renameat_with(
+                            rustix::fs::CWD,
+                            &t,
+                            rustix::fs::CWD,
+                            &f,
+                            rustix::fs::RenameFlags::NOREPLACE,
+                        )
+                        .map_err(io::Error::from);
+                        let restored = match replaced {
+                            Some(kept) if std::fs::symlink_metadata(&t).is_err() => {
+                                std::fs::rename(kept, &t)
+                            }
+                            Some(_) => Err(io::Error::from_raw_os_error(libc::EEXIST)),
                             None => Ok(()),
-                        })
+                        };
+                        back.and(restored)
                     }
                 }
             };
