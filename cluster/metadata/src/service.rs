@@ -51,8 +51,9 @@ impl Api {
         if let Some(c) = peers.get(addr) {
             return Ok(c.clone());
         }
-        let channel = crate::network::channel(addr, self.core.connect_timeout)
-            .map_err(|e| Status::unavailable(format!("leader address {addr}: {e}")))?;
+        let channel =
+            crate::network::channel(addr, self.core.connect_timeout, self.core.tls.as_deref())
+                .map_err(|e| Status::unavailable(format!("leader address {addr}: {e}")))?;
         let client = PbClient::new(channel)
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(self.message_bytes_max);
