@@ -176,8 +176,17 @@ async fn run_standalone(cfg: Config) -> anyhow::Result<()> {
 async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     use meridian_storage::ledger::{LedgerClient, LedgerClientOptions};
     meridian_broker::http::init_metrics(cfg.broker.metrics_series_idle_s);
-    let meta = meridian_metadata::MetadataClient::new(&cfg.client).context("client.endpoints")?;
-    let client = LedgerClient::new(meta.clone(), LedgerClientOptions::default());
+    let tls =
+        meridian_broker::tls::site(&cfg.tls, Some(meridian_metadata::tls::ProcessRole::Broker))?;
+    let meta = meridian_metadata::MetadataClient::with_tls(&cfg.client, tls.clone())
+        .context("client.endpoints")?;
+    let client = LedgerClient::new(
+        meta.clone(),
+        LedgerClientOptions {
+            tls,
+            ..LedgerClientOptions::default()
+        },
+    );
     let pl = tokio::net::TcpListener::bind(&cfg.broker.listen)
         .await
         .with_context(|| format!("broker.listen {}", cfg.broker.listen))?;
