@@ -1,8 +1,8 @@
 //! TLS between roles (issue 18): the role-authentication matrix.
 //!
 //! A site "east" with its internal CA (made by `meridian-admin site-tls`), three metadata
-//! nodes and a bookie started with `[tls]`. Every internal port (the metadata client API, the
-//! Raft RPCs, bookie reads, bookie writes) is tried by every kind of peer: plaintext, TLS
+//! nodes and a bookie started with `[tls]`. Every internal port (the metadata client API and
+//! its membership changes, the Raft RPCs, bookie reads, bookie writes) is tried by every kind of peer: plaintext, TLS
 //! without a certificate, a certificate of another site's CA ("west"), and certificates of
 //! each role of this site. Each cell must be exactly what the rules say: refused at the
 //! handshake, refused by role, or admitted.
@@ -164,6 +164,19 @@ async fn try_metadata_api(addr: &str, peer: &Peer, ca: &Path) -> String {
     let mut req = tonic::Request::new(pb::MembersRequest {});
     req.set_timeout(Duration::from_secs(5));
     grpc_verdict(c.members(req).await, &[])
+}
+
+/// Removing a node that is not a member: a peer the check admits gets FAILED_PRECONDITION
+/// ("not a member"), so nothing changes either way. From a follower, the request is forwarded
+/// to the leader under the follower's own certificate.
+async fn try_membership(addr: &str, peer: &Peer, ca: &Path) -> String {
+    let mut c = pb::metadata_client::MetadataClient::new(grpc_channel(addr, peer, ca));
+    let mut req = tonic::Request::new(pb::RemoveMemberRequest { id: 99 });
+    req.set_timeout(Duration::from_secs(5));
+    grpc_verdict(
+        c.remove_member(req).await,
+        &[tonic::Code::FailedPrecondition],
+    )
 }
 
 /// A Vote whose payload is not a vote: a peer the check admits gets the Raft service's
@@ -467,6 +480,7 @@ async fn given_a_site_with_tls_between_roles_then_each_port_admits_exactly_its_r
     for (name, peer) in &peers {
         let verdicts = [
             try_metadata_api(meta_addr, peer, ca).await,
+            try_membership(meta_addr, peer, ca).await,
             try_raft(meta_addr, peer, ca).await,
             try_bookie(
                 &bookie_addr,
@@ -493,15 +507,24 @@ async fn given_a_site_with_tls_between_roles_then_each_port_admits_exactly_its_r
     eprintln!("{details}");
     let n = HANDSHAKE;
     let expected = [
-        // metadata API, Raft, bookie read, bookie write
-        ("plaintext", [n, n, n, n]),
-        ("tls without certificate", [n, n, n, n]),
-        ("west broker", [n, n, n, n]),
-        ("east metadata 2", [ADMITTED, ADMITTED, DENIED, DENIED]),
-        ("east metadata 9", [ADMITTED, DENIED, DENIED, DENIED]),
-        ("east bookie", [ADMITTED, DENIED, ADMITTED, DENIED]),
-        ("east broker", [ADMITTED, DENIED, ADMITTED, ADMITTED]),
-        ("east admin", [ADMITTED, DENIED, ADMITTED, DENIED]),
+        // metadata API, membership change, Raft, bookie read, bookie write
+        ("plaintext", [n, n, n, n, n]),
+        ("tls without certificate", [n, n, n, n, n]),
+        ("west broker", [n, n, n, n, n]),
+        (
+            "east metadata 2",
+            [ADMITTED, ADMITTED, ADMITTED, DENIED, DENIED],
+        ),
+        (
+            "east metadata 9",
+            [ADMITTED, DENIED, DENIED, DENIED, DENIED],
+        ),
+        ("east bookie", [ADMITTED, DENIED, DENIED, ADMITTED, DENIED]),
+        (
+            "east broker",
+            [ADMITTED, DENIED, DENIED, ADMITTED, ADMITTED],
+        ),
+        ("east admin", [ADMITTED, ADMITTED, DENIED, ADMITTED, DENIED]),
     ]
     .map(|(name, cells)| format!("{name:<24} | {}\n", cells.join(" | ")))
     .concat();
@@ -520,6 +543,58 @@ async fn given_a_site_with_tls_between_roles_then_each_port_admits_exactly_its_r
 
     step("the cluster still serves after all that");
     let kv = client.get("/tls-check").await.unwrap().unwrap();
+    assert_eq!(kv.value, b"written over TLS");
+
+    step("a fourth node with its certificate joins over TLS when an admin adds it");
+    let node4 = cert(&certs, &east_ca, "metadata", "4");
+    let addr4 = format!("127.0.0.1:{}", free_port());
+    procs.push(
+        Proc::spawn(
+            &[
+                "metadata",
+                "--node-id",
+                "4",
+                "--listen",
+                &addr4,
+                "--data-dir",
+                dir.join("m4").to_str().unwrap(),
+            ],
+            &node4,
+            dir.join("m4.log"),
+        )
+        .unwrap(),
+    );
+    let as_admin = meridian_metadata::MetadataClient::with_tls(
+        &meridian_config::ClientConfig {
+            endpoints: addrs.clone(),
+            request_timeout_ms: 30_000,
+            ..Default::default()
+        },
+        Some(admin_files.load()),
+    )
+    .unwrap();
+    let members = as_admin.add_member(4, &addr4, false).await.unwrap();
+    assert!(
+        members.members.iter().any(|m| m.id == 4 && m.voter),
+        "{members:?}"
+    );
+    let as_broker_err = client.remove_member(4).await.unwrap_err();
+    assert!(
+        matches!(
+            as_broker_err,
+            meridian_metadata::ClientError::PermissionDenied(_)
+        ),
+        "{as_broker_err}"
+    );
+    let via_node4 = meridian_metadata::MetadataClient::with_tls(
+        &meridian_config::ClientConfig {
+            endpoints: vec![addr4.clone()],
+            ..Default::default()
+        },
+        Some(broker.load()),
+    )
+    .unwrap();
+    let kv = via_node4.get("/tls-check").await.unwrap().unwrap();
     assert_eq!(kv.value, b"written over TLS");
 
     step("a broker with its certificate serves producers through the TLS store and bookie");

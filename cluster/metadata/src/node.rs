@@ -740,7 +740,8 @@ fn raft_interceptor(
     }
 }
 
-fn known_member(raft: &Raft, peer: &tls::Identity) -> Result<(), String> {
+/// A metadata node's certificate must name a member this node knows (any, while it knows none).
+pub(crate) fn known_member(raft: &Raft, peer: &tls::Identity) -> Result<(), String> {
     let Ok(id) = peer.name.parse::<NodeId>() else {
         return Err(format!(
             "Raft RPC refused to {peer}: a metadata node's certificate is named by its node id"

@@ -62,6 +62,28 @@ impl Api {
     }
 }
 
+impl Api {
+    /// With TLS between roles, a membership change is for admin tools and for member nodes
+    /// forwarding one to the leader, not for every client role.
+    fn require_membership_role<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        let Some(tls) = &self.core.tls else {
+            return Ok(());
+        };
+        let certs = req.peer_certs();
+        tls.authorize_peer(
+            certs.as_deref().map(Vec::as_slice),
+            crate::tls::MEMBERSHIP_ROLES,
+            "membership change",
+        )
+        .and_then(|peer| match peer.role {
+            crate::tls::ProcessRole::Metadata => node::known_member(&self.core.raft, &peer)
+                .map_err(|e| e.replacen("Raft RPC", "membership change", 1)),
+            _ => Ok(()),
+        })
+        .map_err(|reason| crate::tls::refusal(req, certs.is_none(), reason))
+    }
+}
+
 fn forwarded<T>(req: &Request<T>) -> bool {
     req.metadata().contains_key(FORWARDED)
 }
@@ -461,6 +483,7 @@ impl Metadata for Api {
         &self,
         req: Request<pb::AddMemberRequest>,
     ) -> Result<Response<pb::MembersResponse>, Status> {
+        self.require_membership_role(&req)?;
         forwarding!(self, req, |r| self.local_add_member(r), add_member)
     }
 
@@ -468,6 +491,7 @@ impl Metadata for Api {
         &self,
         req: Request<pb::RemoveMemberRequest>,
     ) -> Result<Response<pb::MembersResponse>, Status> {
+        self.require_membership_role(&req)?;
         forwarding!(self, req, |r| self.local_remove_member(r), remove_member)
     }
 }

@@ -10,6 +10,7 @@
 //! ```text
 //!  port                     admitted roles
 //!  metadata client gRPC     broker, bookie, admin, metadata (a follower forwarding)
+//!    add/remove member      admin, metadata
 //!  metadata Raft gRPC       metadata, named by a member's node id
 //!  bookie add/fence/delete  broker (its ledger client writes and recovers)
 //!  bookie reads             broker, bookie, admin
@@ -90,6 +91,9 @@ pub const METADATA_API_ROLES: &[ProcessRole] = &[
     ProcessRole::Admin,
     ProcessRole::Metadata,
 ];
+/// Roles that may add and remove members (of the client API's roles): admin tools, and metadata
+/// nodes forwarding such a request to the leader.
+pub const MEMBERSHIP_ROLES: &[ProcessRole] = &[ProcessRole::Admin, ProcessRole::Metadata];
 /// Roles admitted to Raft RPCs (the node also checks the name is a member's id).
 pub const RAFT_ROLES: &[ProcessRole] = &[ProcessRole::Metadata];
 /// Roles that may change what a bookie stores (add, fence, delete): brokers, whose ledger
@@ -386,6 +390,8 @@ impl SiteTls {
             ))
             .client_ca_root(tonic::transport::Certificate::from_pem(&self.ca_pem))
             .client_auth_optional(false)
+            // A peer that opens a connection and never finishes its handshake is dropped.
+            .timeout(std::time::Duration::from_secs(10))
     }
 
     /// A gRPC client's TLS: this process's certificate, the site CA as the only root.
@@ -482,8 +488,9 @@ mod tests {
     #[test]
     fn given_the_port_rules_then_each_role_is_admitted_exactly_where_listed() {
         use ProcessRole::Broker;
-        let ports: [(&str, &[ProcessRole]); 4] = [
+        let ports: [(&str, &[ProcessRole]); 5] = [
             ("metadata client", METADATA_API_ROLES),
+            ("membership", MEMBERSHIP_ROLES),
             ("raft", RAFT_ROLES),
             ("bookie write", BOOKIE_WRITE_ROLES),
             ("bookie read", BOOKIE_READ_ROLES),
@@ -510,6 +517,14 @@ mod tests {
             metadata client / broker@west: metadata client refused: the certificate names broker "x" of site "west", this is site "east"
             metadata client / admin@east: ok
             metadata client / admin@west: metadata client refused: the certificate names admin "x" of site "west", this is site "east"
+            membership / metadata@east: ok
+            membership / metadata@west: membership refused: the certificate names metadata "x" of site "west", this is site "east"
+            membership / bookie@east: membership refused to bookie "x" of site "east": only admin, metadata may
+            membership / bookie@west: membership refused: the certificate names bookie "x" of site "west", this is site "east"
+            membership / broker@east: membership refused to broker "x" of site "east": only admin, metadata may
+            membership / broker@west: membership refused: the certificate names broker "x" of site "west", this is site "east"
+            membership / admin@east: ok
+            membership / admin@west: membership refused: the certificate names admin "x" of site "west", this is site "east"
             raft / metadata@east: ok
             raft / metadata@west: raft refused: the certificate names metadata "x" of site "west", this is site "east"
             raft / bookie@east: raft refused to bookie "x" of site "east": only metadata may
