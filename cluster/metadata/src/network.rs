@@ -43,9 +43,8 @@ pub fn channel(
     tls: Option<&SiteTls>,
 ) -> Result<Channel, tonic::transport::Error> {
     let endpoint = match tls {
-        Some(t) => {
-            Endpoint::from_shared(format!("https://{addr}"))?.tls_config(t.tonic_client())?
-        }
+        Some(t) => Endpoint::from_shared(format!("https://{addr}"))?
+            .tls_config_with_verifier(t.tonic_client(), t.metadata_verifier())?,
         None => Endpoint::from_shared(format!("http://{addr}"))?,
     };
     Ok(endpoint

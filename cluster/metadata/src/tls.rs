@@ -16,6 +16,10 @@
 //!  bookie reads             broker, bookie, admin
 //! ```
 //!
+//! Clients check the other way too: a metadata client accepts only a server certificate naming a
+//! metadata node of its site, a bookie client only a bookie's ([`RoleVerifier`]), so a stolen
+//! broker key cannot pose as the metadata store.
+//!
 //! This module owns the identity format, the refusal rule and the rustls/tonic configurations;
 //! the services call [`authorize`] with the roles they admit. Without `[tls]` nothing here runs
 //! and the ports are plaintext (standalone on loopback by default).
@@ -216,6 +220,67 @@ pub struct TlsError {
     pub reason: String,
 }
 
+/// Checks a server's certificate as webpki does (the site CA, the address's name), then that it
+/// names one of `expected` of this site, or this very process (a standalone's own store).
+#[derive(Debug)]
+pub struct RoleVerifier {
+    inner: Arc<rustls::client::WebPkiServerVerifier>,
+    own: Identity,
+    expected: &'static [ProcessRole],
+}
+
+impl rustls::client::danger::ServerCertVerifier for RoleVerifier {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let verified = self.inner.verify_server_cert(
+            end_entity,
+            intermediates,
+            server_name,
+            ocsp_response,
+            now,
+        )?;
+        let peer = Identity::from_certificate(end_entity)
+            .map_err(|e| rustls::Error::General(format!("the server's certificate: {e}")))?;
+        if peer == self.own || (peer.site == self.own.site && self.expected.contains(&peer.role)) {
+            return Ok(verified);
+        }
+        let expected: Vec<&str> = self.expected.iter().map(|r| r.as_str()).collect();
+        Err(rustls::Error::General(format!(
+            "the server's certificate names {peer}; expected a {} of site {:?}",
+            expected.join(" or "),
+            self.own.site
+        )))
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.inner.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.inner.supported_verify_schemes()
+    }
+}
+
 /// A process's TLS material: its certificate and key, the site CA, and the configurations
 /// built from them once.
 pub struct SiteTls {
@@ -225,7 +290,10 @@ pub struct SiteTls {
     cert_pem: Vec<u8>,
     key_pem: Vec<u8>,
     server: Arc<rustls::ServerConfig>,
+    /// Connections to bookies: the server must be a bookie of this site.
     client: Arc<rustls::ClientConfig>,
+    /// Connections to metadata nodes (tonic): the server must be a metadata node of this site.
+    metadata_verifier: Arc<RoleVerifier>,
     /// Identities of peer certificates already parsed, by their DER bytes (a gRPC request
     /// carries its connection's certificate; parsing it once per request would cost more).
     seen: Mutex<HashMap<Vec<u8>, Result<Identity, String>>>,
@@ -314,14 +382,30 @@ impl SiteTls {
             .with_single_cert(chain.clone(), private()?)
             .map_err(|e| ("tls.key_file", format!("does not match tls.cert_file: {e}")))?;
         server.alpn_protocols = vec![b"meridian-bookie".to_vec()];
+        let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::clone(&roots),
+            Arc::clone(&provider),
+        )
+        .build()
+        .map_err(|e| ("tls.ca_file", e.to_string()))?;
+        let verifier = |expected| {
+            Arc::new(RoleVerifier {
+                inner: Arc::clone(&webpki),
+                own: identity.clone(),
+                expected,
+            })
+        };
         let mut client = rustls::ClientConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()
             .map_err(|e| ("tls.cert_file", e.to_string()))?
-            .with_root_certificates(roots)
+            .dangerous()
+            .with_custom_certificate_verifier(verifier(&[ProcessRole::Bookie]))
             .with_client_auth_cert(chain, private()?)
             .map_err(|e| ("tls.key_file", format!("does not match tls.cert_file: {e}")))?;
         client.alpn_protocols = vec![b"meridian-bookie".to_vec()];
+        let metadata_verifier = verifier(&[ProcessRole::Metadata]);
         Ok(SiteTls {
+            metadata_verifier,
             identity,
             ca_pem,
             cert_pem,
@@ -376,7 +460,8 @@ impl SiteTls {
         tokio_rustls::TlsAcceptor::from(Arc::clone(&self.server))
     }
 
-    /// A connector presenting this process's certificate and trusting only the site CA.
+    /// A connector to bookies: presents this process's certificate, trusts only the site CA and
+    /// only a bookie's certificate (or this process's own).
     pub fn connector(&self) -> tokio_rustls::TlsConnector {
         tokio_rustls::TlsConnector::from(Arc::clone(&self.client))
     }
@@ -394,14 +479,20 @@ impl SiteTls {
             .timeout(std::time::Duration::from_secs(10))
     }
 
-    /// A gRPC client's TLS: this process's certificate, the site CA as the only root.
+    /// A gRPC client's TLS to metadata nodes: this process's certificate; the server's is
+    /// checked by [`SiteTls::metadata_verifier`] (give both to
+    /// `Endpoint::tls_config_with_verifier`).
     pub fn tonic_client(&self) -> tonic::transport::ClientTlsConfig {
-        tonic::transport::ClientTlsConfig::new()
-            .ca_certificate(tonic::transport::Certificate::from_pem(&self.ca_pem))
-            .identity(tonic::transport::Identity::from_pem(
-                &self.cert_pem,
-                &self.key_pem,
-            ))
+        tonic::transport::ClientTlsConfig::new().identity(tonic::transport::Identity::from_pem(
+            &self.cert_pem,
+            &self.key_pem,
+        ))
+    }
+
+    /// The site CA as the only root, and a server certificate naming a metadata node of this
+    /// site (or this process itself).
+    pub fn metadata_verifier(&self) -> Arc<RoleVerifier> {
+        Arc::clone(&self.metadata_verifier)
     }
 }
 
@@ -454,6 +545,115 @@ mod tests {
 
     fn id(site: &str, role: ProcessRole, name: &str) -> Identity {
         Identity::new(site, role, name).unwrap()
+    }
+
+    /// A CA of `site` and certificates of it (the real ones come from `meridian-admin
+    /// site-tls`, in `meridian-tenancy`, which this crate cannot use).
+    struct Pki {
+        ca: rcgen::Certificate,
+        ca_key: rcgen::KeyPair,
+    }
+
+    impl Pki {
+        fn new(site: &str) -> Pki {
+            let ca_key = rcgen::KeyPair::generate().unwrap();
+            let mut p = rcgen::CertificateParams::default();
+            p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+            p.distinguished_name
+                .push(rcgen::DnType::CommonName, format!("{site} CA"));
+            let ca = p.self_signed(&ca_key).unwrap();
+            Pki { ca, ca_key }
+        }
+
+        /// The `[tls]` material of a process `name` of `role`, its certificate issued by this CA.
+        fn cert(&self, site: &str, role: ProcessRole, name: &str) -> SiteTls {
+            let id = Identity::new(site, role, name).unwrap();
+            let key = rcgen::KeyPair::generate().unwrap();
+            let mut p = rcgen::CertificateParams::default();
+            p.subject_alt_names = vec![
+                rcgen::SanType::URI(id.uri().try_into().unwrap()),
+                rcgen::SanType::IpAddress("127.0.0.1".parse().unwrap()),
+            ];
+            p.extended_key_usages = vec![
+                rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+                rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+            ];
+            let cert = p.signed_by(&key, &self.ca, &self.ca_key).unwrap();
+            SiteTls::from_pem(
+                self.ca.pem().into_bytes(),
+                cert.pem().into_bytes(),
+                key.serialize_pem().into_bytes(),
+            )
+            .unwrap()
+        }
+    }
+
+    /// Serves one TLS handshake with `server`'s acceptor; returns the client's outcome.
+    async fn handshake(server: &SiteTls, client: &SiteTls) -> Result<(), String> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let acceptor = server.acceptor();
+        tokio::spawn(async move {
+            let (tcp, _) = listener.accept().await.unwrap();
+            if let Ok(mut s) = acceptor.accept(tcp).await {
+                use tokio::io::AsyncWriteExt;
+                let _ = s.write_all(b"x").await;
+                let _ = s.flush().await;
+            }
+        });
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let mut s = client
+            .connector()
+            .connect(server_name(&addr.to_string()).unwrap(), tcp)
+            .await
+            .map_err(|e| e.to_string())?;
+        use tokio::io::AsyncReadExt;
+        let mut b = [0u8; 1];
+        s.read_exact(&mut b).await.map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn given_a_server_certificate_of_another_role_then_clients_refuse_it() {
+        let east = Pki::new("east");
+        let bookie = east.cert("east", ProcessRole::Bookie, "bk1");
+        let broker = east.cert("east", ProcessRole::Broker, "b1");
+        let broker2 = east.cert("east", ProcessRole::Broker, "b2");
+        let node = east.cert("east", ProcessRole::Metadata, "1");
+        // A bookie client (a broker) takes a bookie, not a broker posing as one.
+        handshake(&bookie, &broker).await.unwrap();
+        let err = handshake(&broker2, &broker).await.unwrap_err();
+        assert!(err.contains("expected a bookie"), "{err}");
+        // A certificate of the right role from another CA is refused by webpki first.
+        let west = Pki::new("west");
+        let west_bookie = west.cert("east", ProcessRole::Bookie, "bk1");
+        let err = handshake(&west_bookie, &broker).await.unwrap_err();
+        assert!(err.contains("UnknownIssuer"), "{err}");
+        // The metadata verifier: metadata nodes only (or the process itself).
+        use rustls::client::danger::ServerCertVerifier;
+        let verify = |client: &SiteTls, server: &SiteTls| {
+            let pem = server.cert_pem.clone();
+            let der = CertificateDer::pem_slice_iter(&pem)
+                .next()
+                .unwrap()
+                .unwrap();
+            client
+                .metadata_verifier()
+                .verify_server_cert(
+                    &der,
+                    &[],
+                    &server_name("127.0.0.1:1").unwrap(),
+                    &[],
+                    rustls::pki_types::UnixTime::now(),
+                )
+                .map(drop)
+                .map_err(|e| e.to_string())
+        };
+        verify(&broker, &node).unwrap();
+        verify(&broker, &broker).unwrap();
+        let err = verify(&broker, &bookie).unwrap_err();
+        assert!(err.contains("expected a metadata"), "{err}");
+        assert!(verify(&broker, &broker2).is_err());
     }
 
     #[test]
