@@ -100,6 +100,74 @@ pub struct Config {
     pub broker: BrokerConfig,
     /// `[standalone]`: everything in one process on one data directory.
     pub standalone: StandaloneConfig,
+    /// `[tls]`: mutual TLS between a site's roles (metadata nodes, bookies, brokers, tools).
+    pub tls: TlsConfig,
+}
+
+/// `[tls]` section, the same for every role: this process's certificate and key and the
+/// site's internal CA. All three empty (the default) = plaintext between roles. With them, a
+/// metadata node and a bookie serve only TLS and require a client certificate issued by
+/// `ca_file`; clients present `cert_file` and trust only `ca_file`. The certificate names its
+/// site and role in a subject alternative name `meridian://site/<site>/role/<role>/<name>`
+/// (`meridian-admin site-tls create-cert`).
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TlsConfig {
+    /// This process's certificate chain, PEM. Default empty (no TLS).
+    pub cert_file: String,
+    /// The private key of `cert_file`, PEM. Default empty.
+    pub key_file: String,
+    /// The site's internal CA certificate, PEM: the only root peers are checked against.
+    /// Default empty.
+    pub ca_file: String,
+}
+
+impl TlsConfig {
+    /// Whether TLS between roles is on (all three files given).
+    pub fn enabled(&self) -> bool {
+        !self.cert_file.is_empty()
+    }
+
+    /// Checks the `[tls]` section: the three keys go together. Whether the files can be read
+    /// is checked where they are loaded (the message names the key there too).
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let keys = [
+            ("tls.cert_file", &self.cert_file),
+            ("tls.key_file", &self.key_file),
+            ("tls.ca_file", &self.ca_file),
+        ];
+        let set = keys.iter().filter(|(_, v)| !v.trim().is_empty()).count();
+        if set == 0 || set == keys.len() {
+            return Ok(());
+        }
+        let (key, value) = keys
+            .iter()
+            .find(|(_, v)| v.trim().is_empty())
+            .expect("one key is empty");
+        Err(invalid(
+            key,
+            value,
+            "tls.cert_file, tls.key_file and tls.ca_file go together (all three, or none for plaintext)",
+        ))
+    }
+
+    /// Checks that every file of an enabled `[tls]` section can be read; the error names the
+    /// key and the file.
+    pub fn check_readable(&self) -> Result<(), ConfigError> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        for (key, path) in [
+            ("tls.cert_file", &self.cert_file),
+            ("tls.key_file", &self.key_file),
+            ("tls.ca_file", &self.ca_file),
+        ] {
+            if let Err(e) = std::fs::File::open(path) {
+                return Err(invalid(key, path, &format!("cannot be read: {e}")));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `[log]` section.
@@ -745,11 +813,11 @@ impl Role {
     /// The configuration sections this role reads.
     pub fn sections(&self) -> &'static [&'static str] {
         match self {
-            Role::Metadata => &["log", "metadata"],
-            Role::Standalone => &["log", "standalone", "broker", "bookie", "metadata"],
-            Role::Broker => &["log", "broker", "client"],
-            Role::Meta => &["log", "client"],
-            Role::Bookie => &["log", "bookie", "client"],
+            Role::Metadata => &["log", "metadata", "tls"],
+            Role::Standalone => &["log", "standalone", "broker", "bookie", "metadata", "tls"],
+            Role::Broker => &["log", "broker", "client", "tls"],
+            Role::Meta => &["log", "client", "tls"],
+            Role::Bookie => &["log", "bookie", "client", "tls"],
         }
     }
 }
@@ -865,7 +933,8 @@ impl Config {
         self.client.validate()?;
         self.bookie.validate()?;
         self.broker.validate()?;
-        self.standalone.validate()
+        self.standalone.validate()?;
+        self.tls.validate()
     }
 
     /// The sections `role` reads, as TOML text that [`Config::load`] accepts.
@@ -879,6 +948,7 @@ impl Config {
                 "bookie" => toml::to_string(&self.bookie),
                 "broker" => toml::to_string(&self.broker),
                 "standalone" => toml::to_string(&self.standalone),
+                "tls" => toml::to_string(&self.tls),
                 _ => continue,
             };
             let body = body.expect("config sections serialize to TOML");

@@ -186,9 +186,9 @@ fn unknown_keys_are_rejected_with_their_path() {
             file "[metadata]\nnod_id = 3"
               error: unknown key metadata.nod_id in $FILE; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             file "[metdata]\nnode_id = 3"
-              error: unknown top-level key metdata in $FILE; known sections: bookie, broker, client, log, metadata, standalone
+              error: unknown top-level key metdata in $FILE; known sections: bookie, broker, client, log, metadata, standalone, tls
             file "node_id = 3"
-              error: unknown top-level key node_id in $FILE; known sections: bookie, broker, client, log, metadata, standalone
+              error: unknown top-level key node_id in $FILE; known sections: bookie, broker, client, log, metadata, standalone, tls
             env MERIDIAN_METADATA_NOD_ID=3
               error: unknown key metadata.nod_id in environment variable MERIDIAN_METADATA_NOD_ID; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             env MERIDIAN_CLIENT_ENDPOINT=a:1
@@ -196,7 +196,7 @@ fn unknown_keys_are_rejected_with_their_path() {
             set metadata.nod_id=3
               error: unknown key metadata.nod_id in command-line flags; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             set metdata.node_id=3
-              error: unknown top-level key metdata in command-line flags; known sections: bookie, broker, client, log, metadata, standalone
+              error: unknown top-level key metdata in command-line flags; known sections: bookie, broker, client, log, metadata, standalone, tls
             set log=debug
               error: unknown key log. in command-line flags; known keys in [log]: json, level
         "#]],
@@ -438,7 +438,7 @@ fn roles_parse_and_name_their_sections() {
     }
     expect![[r#"role = "brokr" is invalid: expected one of metadata, meta, standalone, bookie"#]]
         .assert_eq(&"brokr".parse::<Role>().unwrap_err().to_string());
-    assert_eq!(Role::Meta.sections(), ["log", "client"]);
+    assert_eq!(Role::Meta.sections(), ["log", "client", "tls"]);
 }
 
 #[test]
@@ -471,6 +471,11 @@ fn toml_for_a_role_round_trips() {
         watch_buffer_batches = 4096
         list_limit_max = 10000
         fsync = true
+
+        [tls]
+        cert_file = ""
+        key_file = ""
+        ca_file = ""
     "##]]
     .assert_eq(&config.to_toml_for(Role::Metadata));
 
@@ -615,4 +620,66 @@ fn tls_and_authentication_settings_that_do_not_go_together_are_refused() {
               error: broker.tls_listen = "nowhere" is invalid: expected IP:PORT, e.g. 127.0.0.1:7101
         "#]],
     );
+}
+
+#[test]
+fn tls_files_go_together_and_take_env_and_flags() {
+    check(
+        [
+            file("[tls]\ncert_file = \"b1.pem\"\nkey_file = \"b1.key\"\nca_file = \"ca.pem\""),
+            env("MERIDIAN_TLS_CERT_FILE", "b1.pem")
+                .env("MERIDIAN_TLS_KEY_FILE", "b1.key")
+                .env("MERIDIAN_TLS_CA_FILE", "ca.pem"),
+            file("[tls]\ncert_file = \"b1.pem\"\nkey_file = \"b1.key\"\nca_file = \"ca.pem\"")
+                .set("tls.cert_file", "")
+                .set("tls.key_file", "")
+                .set("tls.ca_file", ""),
+            file("[tls]\ncert_file = \"b1.pem\"\nkey_file = \"b1.key\""),
+            env("MERIDIAN_TLS_KEY_FILE", "b1.key"),
+            set("tls.ca_file", "ca.pem"),
+            set("tls.cert", "b1.pem"),
+        ],
+        expect![[r#"
+            file "[tls]\ncert_file = \"b1.pem\"\nkey_file = \"b1.key\"\nca_file = \"ca.pem\""
+              ok: tls.ca_file = "ca.pem", tls.cert_file = "b1.pem", tls.key_file = "b1.key"
+            env MERIDIAN_TLS_CERT_FILE=b1.pem env MERIDIAN_TLS_KEY_FILE=b1.key env MERIDIAN_TLS_CA_FILE=ca.pem
+              ok: tls.ca_file = "ca.pem", tls.cert_file = "b1.pem", tls.key_file = "b1.key"
+            file "[tls]\ncert_file = \"b1.pem\"\nkey_file = \"b1.key\"\nca_file = \"ca.pem\"" set tls.cert_file= set tls.key_file= set tls.ca_file=
+              ok: defaults
+            file "[tls]\ncert_file = \"b1.pem\"\nkey_file = \"b1.key\""
+              error: tls.ca_file = "" is invalid: tls.cert_file, tls.key_file and tls.ca_file go together (all three, or none for plaintext)
+            env MERIDIAN_TLS_KEY_FILE=b1.key
+              error: tls.cert_file = "" is invalid: tls.cert_file, tls.key_file and tls.ca_file go together (all three, or none for plaintext)
+            set tls.ca_file=ca.pem
+              error: tls.cert_file = "" is invalid: tls.cert_file, tls.key_file and tls.ca_file go together (all three, or none for plaintext)
+            set tls.cert=b1.pem
+              error: unknown key tls.cert in command-line flags; known keys in [tls]: ca_file, cert_file, key_file
+        "#]],
+    );
+}
+
+#[test]
+fn unreadable_tls_files_are_named_by_their_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let present = dir.path().join("present.pem");
+    std::fs::write(&present, "x").unwrap();
+    let present = present.display().to_string();
+    let tls = TlsConfig {
+        cert_file: present.clone(),
+        key_file: dir.path().join("missing.key").display().to_string(),
+        ca_file: present.clone(),
+    };
+    let message = tls
+        .check_readable()
+        .unwrap_err()
+        .to_string()
+        .replace(&dir.path().display().to_string(), "$DIR");
+    expect![[r#"tls.key_file = "$DIR/missing.key" is invalid: cannot be read: No such file or directory (os error 2)"#]]
+        .assert_eq(&message);
+    let readable = TlsConfig {
+        key_file: present.clone(),
+        ..tls
+    };
+    readable.check_readable().unwrap();
+    TlsConfig::default().check_readable().unwrap();
 }

@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use meridian_metadata::tls::SiteTls;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -26,8 +27,8 @@ type Pending = Arc<Mutex<HashMap<u64, OnResponse>>>;
 
 /// Writes every head and body of `batch` in order, with as few `writev` calls as the socket
 /// allows.
-async fn write_all_vectored(
-    wr: &mut tokio::net::tcp::OwnedWriteHalf,
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    wr: &mut W,
     batch: &[Out],
 ) -> std::io::Result<()> {
     let mut slices: Vec<std::io::IoSlice<'_>> = batch
@@ -44,7 +45,8 @@ async fn write_all_vectored(
         }
         std::io::IoSlice::advance_slices(&mut rest, n);
     }
-    Ok(())
+    // A TLS stream may hold the end of what it was given until flushed (a no-op on TCP).
+    wr.flush().await
 }
 
 /// Hands the response to request `id` to whoever waits for it (nobody, if it already failed).
@@ -174,16 +176,47 @@ impl BookieConn {
         timeout: Duration,
         frame_bytes_max: usize,
     ) -> Result<Arc<Self>, BookieClientError> {
+        Self::connect_with_tls(addr, timeout, frame_bytes_max, None).await
+    }
+
+    /// Connects to the bookie at `addr`; over TLS when `tls` is given (this process's
+    /// certificate presented, the bookie's checked against the site CA and `addr`'s host).
+    pub async fn connect_with_tls(
+        addr: &str,
+        timeout: Duration,
+        frame_bytes_max: usize,
+        tls: Option<&SiteTls>,
+    ) -> Result<Arc<Self>, BookieClientError> {
         let unreachable = |reason: String| BookieClientError::Unreachable {
             addr: addr.to_string(),
             reason,
         };
+        let started = tokio::time::Instant::now();
         let stream = tokio::time::timeout(timeout, TcpStream::connect(addr))
             .await
             .map_err(|_| unreachable("connect timed out".into()))?
             .map_err(|e| unreachable(e.to_string()))?;
         let _ = stream.set_nodelay(true);
-        let (mut rd, mut wr) = stream.into_split();
+        let Some(tls) = tls else {
+            let (rd, wr) = stream.into_split();
+            return Ok(Self::start_io(addr, rd, wr, frame_bytes_max));
+        };
+        let name = meridian_metadata::tls::server_name(addr).map_err(unreachable)?;
+        let left = timeout.saturating_sub(started.elapsed());
+        let stream = tokio::time::timeout(left, tls.connector().connect(name, stream))
+            .await
+            .map_err(|_| unreachable("TLS handshake timed out".into()))?
+            .map_err(|e| unreachable(format!("TLS handshake: {e}")))?;
+        let (rd, wr) = tokio::io::split(stream);
+        Ok(Self::start_io(addr, rd, wr, frame_bytes_max))
+    }
+
+    /// Starts the connection's writer and reader tasks on the two halves of its stream.
+    fn start_io<R, W>(addr: &str, mut rd: R, mut wr: W, frame_bytes_max: usize) -> Arc<Self>
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
         let (tx, mut rx) = mpsc::unbounded_channel::<Out>();
         let conn = Self::with_sink(addr, Sink::Wire(tx));
         let pending = Arc::clone(&conn.pending);
@@ -242,7 +275,7 @@ impl BookieConn {
             broken.store(true, Ordering::Relaxed);
             fail_all(&pending, &addr_owned);
         });
-        Ok(conn)
+        conn
     }
 
     /// A connection over `link` to the in-process bookie known as `addr`.
@@ -424,6 +457,8 @@ pub struct BookiePool {
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
     pub frame_bytes_max: usize,
+    /// TLS between roles: connections over TCP present this process's certificate.
+    pub tls: Option<Arc<SiteTls>>,
 }
 
 impl BookiePool {
@@ -431,12 +466,14 @@ impl BookiePool {
         connect_timeout: Duration,
         request_timeout: Duration,
         frame_bytes_max: usize,
+        tls: Option<Arc<SiteTls>>,
     ) -> Arc<Self> {
         Arc::new(Self {
             conns: tokio::sync::Mutex::default(),
             connect_timeout,
             request_timeout,
             frame_bytes_max,
+            tls,
         })
     }
 
@@ -449,7 +486,15 @@ impl BookiePool {
         }
         let c = match local_bookie(addr).and_then(|connect| connect()) {
             Some(link) => BookieConn::local(addr, link),
-            None => BookieConn::connect(addr, self.connect_timeout, self.frame_bytes_max).await?,
+            None => {
+                BookieConn::connect_with_tls(
+                    addr,
+                    self.connect_timeout,
+                    self.frame_bytes_max,
+                    self.tls.as_deref(),
+                )
+                .await?
+            }
         };
         conns.insert(addr.to_string(), Arc::clone(&c));
         Ok(c)

@@ -137,6 +137,9 @@ pub struct LedgerClientOptions {
     /// A read also asks the next replica if the first has not answered within this.
     pub speculative_read_delay: Duration,
     pub frame_bytes_max: usize,
+    /// TLS between roles (`[tls]`): bookies are reached over TLS with this process's
+    /// certificate. `None` = plaintext (in-process bookies never use it).
+    pub tls: Option<Arc<meridian_metadata::tls::SiteTls>>,
 }
 
 impl Default for LedgerClientOptions {
@@ -147,6 +150,7 @@ impl Default for LedgerClientOptions {
             connect_timeout: Duration::from_secs(2),
             speculative_read_delay: Duration::from_millis(50),
             frame_bytes_max: 5 << 20,
+            tls: None,
         }
     }
 }
@@ -181,6 +185,7 @@ impl LedgerClient {
             opts.connect_timeout,
             opts.request_timeout,
             opts.frame_bytes_max,
+            opts.tls.clone(),
         );
         Self { meta, pool, opts }
     }
@@ -949,6 +954,16 @@ impl WriterActor {
                 ..
             }) => {
                 self.fail("fenced".into());
+            }
+            Ok(Response::Add {
+                status: Status::Forbidden,
+                ..
+            }) => {
+                // Another bookie would refuse this process's certificate just the same.
+                self.fail(format!(
+                    "bookie {addr} refuses adds from this process's certificate \
+                     (TLS between roles: adds need a broker's certificate)"
+                ));
             }
             Ok(other) => {
                 tracing::warn!(ledger = self.meta.id, entry, bookie = %addr, response = ?other, "add refused; changing the ensemble");

@@ -94,6 +94,9 @@ pub enum Status {
     ReadOnly = 6,
     BadRequest = 7,
     Internal = 8,
+    /// The connection's certificate does not allow this request (TLS between roles: adds,
+    /// fences and deletes are for brokers; reads for brokers, bookies and admin tools).
+    Forbidden = 9,
 }
 
 impl Status {
@@ -108,6 +111,7 @@ impl Status {
             6 => Status::ReadOnly,
             7 => Status::BadRequest,
             8 => Status::Internal,
+            9 => Status::Forbidden,
             _ => return None,
         })
     }
@@ -145,6 +149,54 @@ pub enum Response {
         status: Status,
         ledger_id: u64,
     },
+}
+
+impl Request {
+    /// Whether the request changes what a bookie stores (add, fence, delete), as opposed to
+    /// reading it.
+    pub fn is_write(&self) -> bool {
+        matches!(
+            self,
+            Request::Add { .. } | Request::Fence { .. } | Request::Delete { .. }
+        )
+    }
+
+    /// The answer to this request that carries only `status` (a refusal).
+    pub fn refused(&self, status: Status) -> Response {
+        match *self {
+            Request::Add {
+                ledger_id,
+                entry_id,
+                ..
+            } => Response::Add {
+                status,
+                ledger_id,
+                entry_id,
+            },
+            Request::Read {
+                ledger_id,
+                entry_id,
+            } => Response::Read {
+                status,
+                ledger_id,
+                entry_id,
+                entry: Bytes::new(),
+            },
+            Request::ReadRange { ledger_id, .. } => Response::ReadRange {
+                status,
+                ledger_id,
+                entries: Vec::new(),
+            },
+            Request::ReadLac { ledger_id } | Request::Fence { ledger_id, .. } => Response::Lac {
+                status,
+                ledger_id,
+                lac: NONE,
+                last_entry: NONE,
+                fence: matches!(self, Request::Fence { .. }),
+            },
+            Request::Delete { ledger_id } => Response::Delete { status, ledger_id },
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -9,6 +9,7 @@
 pub mod auth;
 pub mod model;
 pub mod service;
+pub mod site_tls;
 pub mod store;
 
 pub mod pb {

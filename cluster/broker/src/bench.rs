@@ -157,7 +157,12 @@ fn fsync_probe(dir: &std::path::Path) -> anyhow::Result<f64> {
     Ok(rate)
 }
 
-pub async fn run(args: BenchArgs, cfg: &ClientConfig, json: bool) -> anyhow::Result<()> {
+pub async fn run(
+    args: BenchArgs,
+    cfg: &ClientConfig,
+    tls: Option<std::sync::Arc<meridian_metadata::tls::SiteTls>>,
+    json: bool,
+) -> anyhow::Result<()> {
     anyhow::ensure!(args.clients >= 1, "--clients must be at least 1");
     anyhow::ensure!(args.keys >= 1, "--keys must be at least 1");
     let conns = args.conns.unwrap_or(args.clients);
@@ -168,7 +173,7 @@ pub async fn run(args: BenchArgs, cfg: &ClientConfig, json: bool) -> anyhow::Res
     );
     let mut connections = Vec::with_capacity(conns);
     for _ in 0..conns {
-        let c = MetadataClient::new(cfg)?;
+        let c = MetadataClient::with_tls(cfg, tls.clone())?;
         c.discover_leader().await;
         connections.push(c);
     }

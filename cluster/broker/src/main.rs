@@ -39,6 +39,15 @@ struct Cli {
     /// TOML configuration file (then MERIDIAN_* variables, then flags, override it).
     #[arg(long, global = true, env = "MERIDIAN_CONFIG")]
     config: Option<PathBuf>,
+    /// This process's certificate for TLS between roles, PEM (tls.cert_file).
+    #[arg(long, global = true)]
+    tls_cert_file: Option<String>,
+    /// Its private key, PEM (tls.key_file).
+    #[arg(long, global = true)]
+    tls_key_file: Option<String>,
+    /// The site's internal CA certificate, PEM (tls.ca_file).
+    #[arg(long, global = true)]
+    tls_ca_file: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -167,8 +176,17 @@ async fn run_standalone(cfg: Config) -> anyhow::Result<()> {
 async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     use meridian_storage::ledger::{LedgerClient, LedgerClientOptions};
     meridian_broker::http::init_metrics(cfg.broker.metrics_series_idle_s);
-    let meta = meridian_metadata::MetadataClient::new(&cfg.client).context("client.endpoints")?;
-    let client = LedgerClient::new(meta.clone(), LedgerClientOptions::default());
+    let tls =
+        meridian_broker::tls::site(&cfg.tls, Some(meridian_metadata::tls::ProcessRole::Broker))?;
+    let meta = meridian_metadata::MetadataClient::with_tls(&cfg.client, tls.clone())
+        .context("client.endpoints")?;
+    let client = LedgerClient::new(
+        meta.clone(),
+        LedgerClientOptions {
+            tls,
+            ..LedgerClientOptions::default()
+        },
+    );
     let pl = tokio::net::TcpListener::bind(&cfg.broker.listen)
         .await
         .with_context(|| format!("broker.listen {}", cfg.broker.listen))?;
@@ -286,6 +304,14 @@ fn init_logging(cfg: &Config) {
     }
 }
 
+/// The process's `[tls]` material (see `meridian_broker::tls::site`).
+pub(crate) fn tls_of(
+    cfg: &Config,
+    role: Option<meridian_metadata::tls::ProcessRole>,
+) -> anyhow::Result<Option<std::sync::Arc<meridian_metadata::tls::SiteTls>>> {
+    meridian_broker::tls::site(&cfg.tls, role)
+}
+
 pub(crate) async fn shutdown_signal() {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
@@ -297,10 +323,11 @@ pub(crate) async fn shutdown_signal() {
 
 async fn run_metadata(cfg: Config) -> anyhow::Result<()> {
     let m = &cfg.metadata;
+    let tls = meridian_broker::tls::site(&cfg.tls, None)?;
     let listener = tokio::net::TcpListener::bind(&m.listen)
         .await
         .with_context(|| format!("metadata.listen {}", m.listen))?;
-    let mut node = MetadataNode::start(m, listener)
+    let mut node = MetadataNode::start_with_tls(m, tls, listener)
         .await
         .map_err(|e| anyhow::anyhow!("metadata node {}: {e}", m.node_id))?;
     println!(
@@ -336,7 +363,7 @@ fn main() -> ExitCode {
     ) {
         let _ = rustix::thread::disable_transparent_huge_pages(true);
     }
-    let overrides = match &cli.command {
+    let mut overrides = match &cli.command {
         Command::Metadata(a) => a.overrides(),
         Command::Meta(a) => a.overrides(),
         Command::Bookie(a) => a.overrides(),
@@ -346,6 +373,15 @@ fn main() -> ExitCode {
         Command::Broker(a) => a.overrides(),
         Command::Config { .. } => Vec::new(),
     };
+    for (key, value) in [
+        ("tls.cert_file", &cli.tls_cert_file),
+        ("tls.key_file", &cli.tls_key_file),
+        ("tls.ca_file", &cli.tls_ca_file),
+    ] {
+        if let Some(v) = value {
+            overrides.push((key.to_string(), v.clone()));
+        }
+    }
     let cfg = match Config::from_env_and_file(cli.config.as_deref(), overrides) {
         Ok(c) => c,
         Err(e) => {
@@ -353,6 +389,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if !matches!(cli.command, Command::Config { .. }) {
+        if let Err(e) = cfg.tls.check_readable() {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

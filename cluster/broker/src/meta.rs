@@ -133,7 +133,7 @@ fn event_json(ev: &Event) -> serde_json::Value {
 }
 
 pub async fn run(args: MetaArgs, cfg: Config) -> anyhow::Result<ExitCode> {
-    let client = MetadataClient::new(&cfg.client)?;
+    let client = MetadataClient::with_tls(&cfg.client, crate::tls_of(&cfg, None)?)?;
     let json = args.json;
     let mut out = std::io::stdout().lock();
     match args.command {
@@ -323,7 +323,7 @@ pub async fn run(args: MetaArgs, cfg: Config) -> anyhow::Result<ExitCode> {
         }
         MetaCommand::Bench(b) => {
             drop(out);
-            crate::bench::run(b, &cfg.client, json).await?;
+            crate::bench::run(b, &cfg.client, crate::tls_of(&cfg, None)?, json).await?;
         }
     }
     Ok(ExitCode::SUCCESS)

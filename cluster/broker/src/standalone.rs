@@ -84,7 +84,10 @@ impl Standalone {
         mcfg.listen = previous
             .as_ref()
             .map_or_else(|| "127.0.0.1:0".to_string(), |a| a.metadata.clone());
-        let store = EmbeddedStore::start(mcfg)
+        // TLS between roles only when `[tls]` is set: then the store's and the bookie's ports
+        // take only the site's certificates, as a cluster's do. Plaintext on loopback otherwise.
+        let tls = crate::tls::site(&cfg.tls, None)?;
+        let store = EmbeddedStore::start_with_tls(mcfg, tls.clone())
             .await
             .map_err(|e| anyhow::anyhow!("embedded metadata store: {e}"))?;
         let meta_addr = store.node.addr.to_string();
@@ -97,7 +100,7 @@ impl Standalone {
             .as_ref()
             .map_or_else(|| "127.0.0.1:0".to_string(), |a| a.bookie.clone());
         let bl = bind(&bookie_listen, "embedded bookie").await?;
-        let bookie = bookie::start(BookieOptions::from_config(&bcfg), bl)
+        let bookie = bookie::start_with_tls(BookieOptions::from_config(&bcfg), tls.clone(), bl)
             .await
             .context("embedded bookie")?;
         // The broker below writes to this bookie through the same ledger client as to any
@@ -128,7 +131,13 @@ impl Standalone {
                 stop_rx.clone(),
             )),
         ];
-        let client = LedgerClient::new(store.client.clone(), LedgerClientOptions::default());
+        let client = LedgerClient::new(
+            store.client.clone(),
+            LedgerClientOptions {
+                tls,
+                ..LedgerClientOptions::default()
+            },
+        );
         wait_for_bookie(&client, &bookie_addr).await?;
 
         // Broker.

@@ -53,8 +53,9 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(&b.listen)
         .await
         .with_context(|| format!("bookie.listen {}", b.listen))?;
-    let meta = MetadataClient::new(&cfg.client).context("client.endpoints")?;
-    let running = bookie::start(BookieOptions::from_config(b), listener)
+    let tls = crate::tls_of(&cfg, Some(meridian_metadata::tls::ProcessRole::Bookie))?;
+    let meta = MetadataClient::with_tls(&cfg.client, tls.clone()).context("client.endpoints")?;
+    let running = bookie::start_with_tls(BookieOptions::from_config(b), tls, listener)
         .await
         .context("starting the bookie")?;
     let advertise = if b.advertise.is_empty() {
@@ -139,8 +140,15 @@ impl LedgerArgs {
 }
 
 pub async fn run_ledger(args: LedgerArgs, cfg: Config) -> anyhow::Result<ExitCode> {
-    let meta = MetadataClient::new(&cfg.client).context("client.endpoints")?;
-    let client = LedgerClient::new(meta, LedgerClientOptions::default());
+    let tls = crate::tls_of(&cfg, None)?;
+    let meta = MetadataClient::with_tls(&cfg.client, tls.clone()).context("client.endpoints")?;
+    let client = LedgerClient::new(
+        meta,
+        LedgerClientOptions {
+            tls,
+            ..LedgerClientOptions::default()
+        },
+    );
     match args.command {
         LedgerCommand::List => {
             let ids = client.list().await?;
@@ -340,11 +348,13 @@ pub async fn run_perf(args: PerfArgs, cfg: Config) -> anyhow::Result<ExitCode> {
             return crate::admin_perf::run(a).await.map(|()| ExitCode::SUCCESS)
         }
     };
-    let meta = MetadataClient::new(&cfg.client).context("client.endpoints")?;
+    let tls = crate::tls_of(&cfg, None)?;
+    let meta = MetadataClient::with_tls(&cfg.client, tls.clone()).context("client.endpoints")?;
     let client = LedgerClient::new(
         meta,
         LedgerClientOptions {
             window: a.window,
+            tls,
             ..Default::default()
         },
     );

@@ -116,3 +116,23 @@ pub async fn start(
         acceptor,
     )?))
 }
+
+/// TLS between roles (`[tls]`): this process's certificate and the site CA, or `None` when the
+/// section is empty (plaintext). With `role`, the certificate must name that role (a bookie
+/// runs with a bookie's certificate, a broker with a broker's).
+pub fn site(
+    cfg: &meridian_config::TlsConfig,
+    role: Option<meridian_metadata::tls::ProcessRole>,
+) -> anyhow::Result<Option<Arc<meridian_metadata::tls::SiteTls>>> {
+    let tls = meridian_metadata::tls::SiteTls::load(cfg)?;
+    if let (Some(t), Some(role)) = (&tls, role) {
+        anyhow::ensure!(
+            t.identity.role == role,
+            "tls.cert_file {} names {}; this process is a {role} (make its certificate with \
+             `meridian-admin site-tls create-cert --role {role}`)",
+            cfg.cert_file,
+            t.identity
+        );
+    }
+    Ok(tls)
+}

@@ -50,6 +50,10 @@ pub enum ClientError {
     /// A watch asked for revisions no node still has.
     #[error("{0}")]
     Compacted(String),
+    /// The store refused this process (TLS between roles: its certificate's role may not do
+    /// this). Retrying will not help.
+    #[error("refused by the metadata store: {0}")]
+    PermissionDenied(String),
     #[error("{0}")]
     Other(String),
 }
@@ -146,6 +150,9 @@ fn classify(status: &tonic::Status) -> Verdict {
             Verdict::Fail(ClientError::FailedPrecondition(msg))
         }
         Code::OutOfRange => Verdict::Fail(ClientError::Compacted(msg)),
+        Code::PermissionDenied | Code::Unauthenticated => {
+            Verdict::Fail(ClientError::PermissionDenied(msg))
+        }
         Code::Unavailable if status.metadata().contains_key(NOT_EXECUTED) => Verdict::Retry(msg),
         _ => {
             let detail = format!("{status:?}");
@@ -165,6 +172,15 @@ fn classify(status: &tonic::Status) -> Verdict {
 impl MetadataClient {
     /// A client of the nodes in `cfg.endpoints`. Connections are made on first use.
     pub fn new(cfg: &ClientConfig) -> Result<Self, ClientError> {
+        Self::with_tls(cfg, None)
+    }
+
+    /// As [`MetadataClient::new`], over TLS presenting this process's certificate when `tls`
+    /// is given (`[tls]`; see [`crate::tls`]).
+    pub fn with_tls(
+        cfg: &ClientConfig,
+        tls: Option<Arc<crate::tls::SiteTls>>,
+    ) -> Result<Self, ClientError> {
         if cfg.endpoints.is_empty() {
             return Err(ClientError::InvalidArgument(
                 "client.endpoints is empty".into(),
@@ -175,7 +191,7 @@ impl MetadataClient {
             .endpoints
             .iter()
             .map(|e| {
-                crate::network::channel(e, connect_timeout)
+                crate::network::channel(e, connect_timeout, tls.as_deref())
                     .map(|ch| {
                         PbClient::new(ch)
                             .max_decoding_message_size(usize::MAX)

@@ -27,6 +27,7 @@ pub mod network;
 pub mod node;
 pub mod service;
 pub mod store;
+pub mod tls;
 
 pub mod pb {
     //! Generated protobuf and gRPC types (`proto/metadata.proto`).

@@ -31,11 +31,23 @@ use tonic::transport::{Channel, Endpoint};
 
 use crate::pb::raft_client::RaftClient;
 use crate::pb::RaftPayload;
+use crate::tls::SiteTls;
 use crate::{NodeId, Raft, TypeConfig};
 
-/// A lazily connecting channel to `addr` (`host:port`).
-pub fn channel(addr: &str, connect_timeout: Duration) -> Result<Channel, tonic::transport::Error> {
-    Ok(Endpoint::from_shared(format!("http://{addr}"))?
+/// A lazily connecting channel to `addr` (`host:port`); over TLS presenting this process's
+/// certificate when `tls` is given (the server's must then name `addr`'s host and come from
+/// the site CA).
+pub fn channel(
+    addr: &str,
+    connect_timeout: Duration,
+    tls: Option<&SiteTls>,
+) -> Result<Channel, tonic::transport::Error> {
+    let endpoint = match tls {
+        Some(t) => Endpoint::from_shared(format!("https://{addr}"))?
+            .tls_config_with_verifier(t.tonic_client(), t.metadata_verifier())?,
+        None => Endpoint::from_shared(format!("http://{addr}"))?,
+    };
+    Ok(endpoint
         .connect_timeout(connect_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
@@ -63,6 +75,8 @@ fn decode<T: DeserializeOwned>(p: &RaftPayload) -> Result<T, bincode::Error> {
 #[derive(Clone)]
 pub struct NetworkFactory {
     pub connect_timeout: Duration,
+    /// This node's certificate, presented to its peers; `None` = plaintext.
+    pub tls: Option<std::sync::Arc<SiteTls>>,
 }
 
 impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
@@ -72,7 +86,7 @@ impl RaftNetworkFactory<TypeConfig> for NetworkFactory {
         Network {
             target,
             target_node: node.clone(),
-            client: channel(&node.addr, self.connect_timeout)
+            client: channel(&node.addr, self.connect_timeout, self.tls.as_deref())
                 .map(RaftClient::new)
                 .map_err(|e| e.to_string()),
             stream: None,
@@ -448,6 +462,7 @@ mod tests {
         );
         let mut factory = NetworkFactory {
             connect_timeout: Duration::from_secs(5),
+            tls: None,
         };
         let network = factory
             .new_client(2, &BasicNode::new(addr.to_string()))
@@ -514,6 +529,7 @@ mod tests {
         drop(listener);
         let mut factory = NetworkFactory {
             connect_timeout: Duration::from_secs(5),
+            tls: None,
         };
         let mut n = factory
             .new_client(2, &BasicNode::new(addr.to_string()))

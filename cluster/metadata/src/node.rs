@@ -18,6 +18,7 @@ use crate::model::{Command, Response, SessionId};
 use crate::network::{NetworkFactory, RaftService};
 use crate::pb;
 use crate::store::{self, LogStore, Shared, StateMachineStore, StoreOptions};
+use crate::tls::{self, ProcessRole, SiteTls};
 use crate::{NodeId, Raft};
 
 /// Response metadata key on an `UNAVAILABLE` status when the node did nothing with the request.
@@ -103,6 +104,9 @@ pub struct NodeCore {
     /// Until when this node may serve reads on its leader lease (see [`lease_watch`]).
     read_lease_until: Arc<Mutex<Option<Instant>>>,
     pub connect_timeout: Duration,
+    /// TLS between roles (`[tls]`): this node's certificate, which it also presents when it
+    /// forwards a request to the leader. `None` = plaintext.
+    pub tls: Option<Arc<SiteTls>>,
 }
 
 #[derive(Default)]
@@ -493,6 +497,39 @@ impl MetadataNode {
     /// With `initial_members` and a store that was never initialized, the node initializes the
     /// cluster with those members; with neither, it waits to be added by an existing cluster.
     pub async fn start(cfg: &MetadataConfig, listener: TcpListener) -> Result<RunningNode, String> {
+        Self::start_with_tls(cfg, None, listener).await
+    }
+
+    /// As [`MetadataNode::start`], serving TLS only when `tls` is given: every connection must
+    /// present a certificate of the site CA, the client API admits brokers, bookies, admin
+    /// tools and metadata nodes, and Raft RPCs admit only metadata nodes named by a member's
+    /// id ([`crate::tls`]). The node presents its certificate to its peers.
+    pub async fn start_with_tls(
+        cfg: &MetadataConfig,
+        tls: Option<Arc<SiteTls>>,
+        listener: TcpListener,
+    ) -> Result<RunningNode, String> {
+        if let Some(t) = &tls {
+            if t.identity.role != ProcessRole::Metadata
+                || t.identity.name != cfg.node_id.to_string()
+            {
+                return Err(format!(
+                    "tls.cert_file names {}, but this is metadata node {} (its certificate must be \
+                     made with --role metadata --name {})",
+                    t.identity, cfg.node_id, cfg.node_id
+                ));
+            }
+        }
+        Self::start_embedded(cfg, tls, listener).await
+    }
+
+    /// [`MetadataNode::start_with_tls`] without the check of the node's own certificate: an
+    /// embedded one-node store (standalone) holds its process's certificate, whatever role.
+    pub(crate) async fn start_embedded(
+        cfg: &MetadataConfig,
+        tls: Option<Arc<SiteTls>>,
+        listener: TcpListener,
+    ) -> Result<RunningNode, String> {
         let addr = listener.local_addr().map_err(|e| e.to_string())?;
         let advertise = if cfg.advertise.is_empty() {
             addr.to_string()
@@ -530,7 +567,10 @@ impl MetadataNode {
         .validate()
         .map_err(|e| format!("raft configuration: {e}"))?;
         let connect_timeout = Duration::from_millis(1_000);
-        let network = NetworkFactory { connect_timeout };
+        let network = NetworkFactory {
+            connect_timeout,
+            tls: tls.clone(),
+        };
         let raft = Raft::new(cfg.node_id, Arc::new(raft_config), network, log_store, sm)
             .await
             .map_err(|e| format!("starting raft: {e}"))?;
@@ -590,6 +630,7 @@ impl MetadataNode {
             read_lease_until,
             leases: Mutex::new(LeaseTable::default()),
             connect_timeout,
+            tls: tls.clone(),
         });
 
         let (stopping, _) = watch::channel(false);
@@ -617,12 +658,26 @@ impl MetadataNode {
             .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
             .build_v1()
             .map_err(|e| e.to_string())?;
+        let raft_check = raft_interceptor(tls.clone(), raft.clone());
         let raft_svc = pb::raft_server::RaftServer::new(RaftService {
             raft,
             stopping: stopping.subscribe(),
         })
         .max_decoding_message_size(1 << 30)
         .max_encoding_message_size(1 << 30);
+        let raft_svc = tonic::service::interceptor::InterceptedService::new(raft_svc, raft_check);
+        let api_svc = tonic::service::interceptor::InterceptedService::new(
+            pb::metadata_server::MetadataServer::new(api)
+                .max_decoding_message_size(message_bytes_max)
+                .max_encoding_message_size(usize::MAX),
+            tls::interceptor(tls.clone(), tls::METADATA_API_ROLES, "metadata client API"),
+        );
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(t) = &tls {
+            builder = builder
+                .tls_config(t.tonic_server())
+                .map_err(|e| format!("TLS configuration: {e}"))?;
+        }
         // tonic's own `tcp_nodelay` applies only to sockets it accepts itself; without
         // TCP_NODELAY, small responses wait for delayed ACKs (40 ms spikes).
         let incoming = futures::StreamExt::map(
@@ -637,12 +692,8 @@ impl MetadataNode {
         );
         let mut server_stop = stopping.subscribe();
         let server = tokio::spawn(async move {
-            let r = tonic::transport::Server::builder()
-                .add_service(
-                    pb::metadata_server::MetadataServer::new(api)
-                        .max_decoding_message_size(message_bytes_max)
-                        .max_encoding_message_size(usize::MAX),
-                )
+            let r = builder
+                .add_service(api_svc)
                 .add_service(raft_svc)
                 .add_service(reflection)
                 .serve_with_incoming_shutdown(incoming, async move {
@@ -652,7 +703,7 @@ impl MetadataNode {
                 .await;
             r
         });
-        tracing::info!(node = cfg.node_id, %addr, advertise, data_dir = %dir.display(), "metadata node serving");
+        tracing::info!(node = cfg.node_id, %addr, advertise, data_dir = %dir.display(), tls = tls.is_some(), "metadata node serving");
         Ok(RunningNode {
             core,
             addr,
@@ -660,6 +711,51 @@ impl MetadataNode {
             stopping,
             server,
         })
+    }
+}
+
+/// Admits Raft RPCs only from metadata nodes of this site whose certificate is named by the id
+/// of a member this node knows (any metadata node while it knows no membership yet: a node
+/// waiting to be added hears first from the leader). Plaintext (`tls` `None`) admits all.
+fn raft_interceptor(
+    tls: Option<Arc<SiteTls>>,
+    raft: Raft,
+) -> impl FnMut(tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> + Clone {
+    move |request: tonic::Request<()>| {
+        let Some(tls) = &tls else {
+            return Ok(request);
+        };
+        let certs = request.peer_certs();
+        let verdict = tls
+            .authorize_peer(
+                certs.as_deref().map(Vec::as_slice),
+                tls::RAFT_ROLES,
+                "Raft RPC",
+            )
+            .and_then(|peer| known_member(&raft, &peer));
+        match verdict {
+            Ok(()) => Ok(request),
+            Err(reason) => Err(tls::refusal(&request, certs.is_none(), reason)),
+        }
+    }
+}
+
+/// A metadata node's certificate must name a member this node knows (any, while it knows none).
+pub(crate) fn known_member(raft: &Raft, peer: &tls::Identity) -> Result<(), String> {
+    let Ok(id) = peer.name.parse::<NodeId>() else {
+        return Err(format!(
+            "Raft RPC refused to {peer}: a metadata node's certificate is named by its node id"
+        ));
+    };
+    let metrics = raft.metrics();
+    let m = metrics.borrow();
+    let membership = m.membership_config.membership();
+    if membership.nodes().next().is_none() || membership.get_node(&id).is_some() {
+        Ok(())
+    } else {
+        Err(format!(
+            "Raft RPC refused to {peer}: node {id} is not a member of this cluster"
+        ))
     }
 }
 

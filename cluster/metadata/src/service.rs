@@ -51,13 +51,36 @@ impl Api {
         if let Some(c) = peers.get(addr) {
             return Ok(c.clone());
         }
-        let channel = crate::network::channel(addr, self.core.connect_timeout)
-            .map_err(|e| Status::unavailable(format!("leader address {addr}: {e}")))?;
+        let channel =
+            crate::network::channel(addr, self.core.connect_timeout, self.core.tls.as_deref())
+                .map_err(|e| Status::unavailable(format!("leader address {addr}: {e}")))?;
         let client = PbClient::new(channel)
             .max_decoding_message_size(usize::MAX)
             .max_encoding_message_size(self.message_bytes_max);
         peers.insert(addr.to_string(), client.clone());
         Ok(client)
+    }
+}
+
+impl Api {
+    /// With TLS between roles, a membership change is for admin tools and for member nodes
+    /// forwarding one to the leader, not for every client role.
+    fn require_membership_role<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        let Some(tls) = &self.core.tls else {
+            return Ok(());
+        };
+        let certs = req.peer_certs();
+        tls.authorize_peer(
+            certs.as_deref().map(Vec::as_slice),
+            crate::tls::MEMBERSHIP_ROLES,
+            "membership change",
+        )
+        .and_then(|peer| match peer.role {
+            crate::tls::ProcessRole::Metadata => node::known_member(&self.core.raft, &peer)
+                .map_err(|e| e.replacen("Raft RPC", "membership change", 1)),
+            _ => Ok(()),
+        })
+        .map_err(|reason| crate::tls::refusal(req, certs.is_none(), reason))
     }
 }
 
@@ -460,6 +483,7 @@ impl Metadata for Api {
         &self,
         req: Request<pb::AddMemberRequest>,
     ) -> Result<Response<pb::MembersResponse>, Status> {
+        self.require_membership_role(&req)?;
         forwarding!(self, req, |r| self.local_add_member(r), add_member)
     }
 
@@ -467,6 +491,7 @@ impl Metadata for Api {
         &self,
         req: Request<pb::RemoveMemberRequest>,
     ) -> Result<Response<pb::MembersResponse>, Status> {
+        self.require_membership_role(&req)?;
         forwarding!(self, req, |r| self.local_remove_member(r), remove_member)
     }
 }

@@ -20,8 +20,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use meridian_metadata::tls::{SiteTls, BOOKIE_READ_ROLES, BOOKIE_WRITE_ROLES};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::TcpListener;
 use tokio::sync::{mpsc, watch, Semaphore};
 
 use crate::client::{
@@ -294,6 +295,16 @@ pub async fn start(
     opts: BookieOptions,
     listener: TcpListener,
 ) -> Result<RunningBookie, BookieError> {
+    start_with_tls(opts, None, listener).await
+}
+
+/// As [`start`], serving only TLS when `tls` is given: a connection must present a
+/// certificate of the site CA, and its role decides what it may ask ([`Access`]).
+pub async fn start_with_tls(
+    opts: BookieOptions,
+    tls: Option<Arc<SiteTls>>,
+    listener: TcpListener,
+) -> Result<RunningBookie, BookieError> {
     let addr = listener.local_addr()?;
     let o = opts.clone();
     let (storage, journal, journal_thread, index_closed) =
@@ -316,7 +327,7 @@ pub async fn start(
             .name("bookie-flusher".into())
             .spawn(move || flusher(core, stop_rx))?
     };
-    let server = tokio::spawn(serve(Arc::clone(&core), listener, stop_rx));
+    let server = tokio::spawn(serve(Arc::clone(&core), listener, tls, stop_rx));
     Ok(RunningBookie {
         core,
         addr,
@@ -502,7 +513,69 @@ fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
     }
 }
 
-async fn serve(core: Arc<BookieCore>, listener: TcpListener, mut stop: watch::Receiver<bool>) {
+/// What a connection's peer may ask, decided once at its handshake.
+#[derive(Debug, Clone)]
+pub struct Access {
+    /// Who the peer is, for the log.
+    peer: String,
+    /// Adds, fences and deletes: `Err` holds the refusal.
+    write: Result<(), String>,
+    /// Reads and LAC reads.
+    read: Result<(), String>,
+}
+
+impl Access {
+    /// A plaintext connection (no `[tls]`): everything, as before TLS between roles.
+    fn any(peer: String) -> Self {
+        Access {
+            peer,
+            write: Ok(()),
+            read: Ok(()),
+        }
+    }
+
+    /// A TLS connection whose peer presented `chain` (verified against the site CA).
+    pub fn of_peer(
+        tls: &SiteTls,
+        chain: Option<&[meridian_metadata::tls::rustls::pki_types::CertificateDer<'_>]>,
+        addr: std::net::SocketAddr,
+    ) -> Self {
+        let peer = match tls.peer_identity(chain) {
+            Ok(id) => format!("{addr} ({id})"),
+            Err(_) => addr.to_string(),
+        };
+        Access {
+            peer,
+            write: tls
+                .authorize_peer(chain, BOOKIE_WRITE_ROLES, "bookie add, fence or delete")
+                .map(drop),
+            read: tls
+                .authorize_peer(chain, BOOKIE_READ_ROLES, "bookie read")
+                .map(drop),
+        }
+    }
+
+    /// Why `request` is refused, if it is.
+    pub fn refusal(&self, request: &Request) -> Option<&str> {
+        let verdict = if request.is_write() {
+            &self.write
+        } else {
+            &self.read
+        };
+        verdict.as_ref().err().map(String::as_str)
+    }
+}
+
+/// How long a TLS client has to finish its handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn serve(
+    core: Arc<BookieCore>,
+    listener: TcpListener,
+    tls: Option<Arc<SiteTls>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let acceptor = tls.as_ref().map(|t| t.acceptor());
     let mut conns = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
@@ -512,8 +585,32 @@ async fn serve(core: Arc<BookieCore>, listener: TcpListener, mut stop: watch::Re
                     let _ = stream.set_nodelay(true);
                     let core = Arc::clone(&core);
                     let stop = stop.clone();
+                    let acceptor = acceptor.clone();
+                    let tls = tls.clone();
                     conns.spawn(async move {
-                        if let Err(e) = connection(core, stream, stop).await {
+                        let result = match (acceptor, tls) {
+                            (Some(acceptor), Some(tls)) => {
+                                let stream = match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream)).await {
+                                    Ok(Ok(s)) => s,
+                                    Ok(Err(e)) => {
+                                        tracing::warn!(%peer, error = %e, "bookie connection refused: TLS handshake failed");
+                                        return;
+                                    }
+                                    Err(_) => {
+                                        tracing::warn!(%peer, "bookie connection refused: no TLS handshake within {HANDSHAKE_TIMEOUT:?}");
+                                        return;
+                                    }
+                                };
+                                let access = Access::of_peer(&tls, stream.get_ref().1.peer_certificates(), peer);
+                                let (rd, wr) = tokio::io::split(stream);
+                                connection(core, rd, wr, access, stop).await
+                            }
+                            _ => {
+                                let (rd, wr) = stream.into_split();
+                                connection(core, rd, wr, Access::any(peer.to_string()), stop).await
+                            }
+                        };
+                        if let Err(e) = result {
                             tracing::info!(%peer, error = %e, "bookie connection closed");
                         }
                     });
@@ -529,12 +626,18 @@ async fn serve(core: Arc<BookieCore>, listener: TcpListener, mut stop: watch::Re
 }
 
 /// One client connection: requests are read and started in order, answered as they complete.
-async fn connection(
+async fn connection<R, W>(
     core: Arc<BookieCore>,
-    stream: TcpStream,
+    mut rd: R,
+    mut wr: W,
+    access: Access,
     mut stop: watch::Receiver<bool>,
-) -> Result<(), String> {
-    let (mut rd, mut wr) = stream.into_split();
+) -> Result<(), String>
+where
+    R: AsyncRead + Unpin + Send,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let mut refused = 0u64;
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let permits = Arc::new(Semaphore::new(core.opts.requests_in_flight_max));
     let writer_permits = Arc::clone(&permits);
@@ -553,7 +656,8 @@ async fn connection(
                     Err(_) => break,
                 }
             }
-            if wr.write_all(&out).await.is_err() {
+            // A TLS stream may hold the end of what it was given until flushed.
+            if wr.write_all(&out).await.is_err() || wr.flush().await.is_err() {
                 return;
             }
             writer_permits.add_permits(n);
@@ -585,6 +689,22 @@ async fn connection(
         };
         // Released by the writer once the response is written.
         permit.forget();
+        if let Some(reason) = access.refusal(&request) {
+            // Logged once per connection at warn, then at debug: a refused peer cannot flood
+            // the log.
+            refused += 1;
+            if refused == 1 {
+                tracing::warn!(peer = %access.peer, %reason, "bookie request refused");
+            } else {
+                tracing::debug!(peer = %access.peer, %reason, refused, "bookie request refused");
+            }
+            send(
+                &Reply::Wire(tx.clone()),
+                id,
+                request.refused(Status::Forbidden),
+            );
+            continue;
+        }
         handle(&core, id, request, Reply::Wire(tx.clone())).await;
     };
     drop(tx);

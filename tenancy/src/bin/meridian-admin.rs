@@ -85,6 +85,52 @@ enum Group {
     /// Keys and tokens for token authentication (local; no admin API needed).
     #[command(subcommand)]
     Tokens(Tokens),
+    /// The site's internal CA and its processes' certificates, for TLS between roles
+    /// (`[tls]`; local files, no admin API needed).
+    #[command(subcommand)]
+    SiteTls(SiteTls),
+}
+
+#[derive(Subcommand)]
+enum SiteTls {
+    /// A new internal CA for a site: `ca.pem` (give it to every process as tls.ca_file) and
+    /// `ca.key` (keep it where certificates are made; readable by its owner only).
+    CreateCa {
+        /// The site's name (1-64 of A-Z a-z 0-9 . _ -).
+        #[arg(long)]
+        site: String,
+        /// Directory to write ca.pem and ca.key to (created if absent).
+        #[arg(long)]
+        out_dir: std::path::PathBuf,
+        /// Days the CA is valid.
+        #[arg(long, default_value_t = 3650)]
+        days: u32,
+    },
+    /// A process's certificate, signed by the site CA, naming its role and name:
+    /// `<role>-<name>.pem` and `<role>-<name>.key` (tls.cert_file, tls.key_file).
+    CreateCert {
+        /// metadata (named by its node id), bookie, broker, or admin (tools, admin service).
+        #[arg(long)]
+        role: String,
+        /// The process's name (a metadata node: its node id).
+        #[arg(long)]
+        name: String,
+        /// Directory holding ca.pem and ca.key (`create-ca --out-dir`).
+        #[arg(long)]
+        ca_dir: std::path::PathBuf,
+        /// Directory to write the certificate and key to (created if absent).
+        #[arg(long)]
+        out_dir: std::path::PathBuf,
+        /// IP addresses the process serves on, as peers dial them (repeat or comma-separate).
+        #[arg(long, value_delimiter = ',')]
+        san_ip: Vec<std::net::IpAddr>,
+        /// DNS names the process serves on, as peers dial them.
+        #[arg(long, value_delimiter = ',')]
+        san_dns: Vec<String>,
+        /// Days the certificate is valid.
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+    },
 }
 
 #[derive(Subcommand)]
@@ -666,6 +712,66 @@ fn main() {
     }
 }
 
+fn site_tls(cmd: SiteTls) -> anyhow::Result<()> {
+    use meridian_tenancy::site_tls;
+    let write_pair = |dir: &std::path::Path, stem: &str, issued: &site_tls::Issued| {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let cert = dir.join(format!("{stem}.pem"));
+        let key = dir.join(format!("{stem}.key"));
+        write_private(&key, issued.key_pem.as_bytes())?;
+        std::fs::write(&cert, &issued.cert_pem)
+            .with_context(|| format!("writing {}", cert.display()))?;
+        anyhow::Ok((cert, key))
+    };
+    match cmd {
+        SiteTls::CreateCa {
+            site,
+            out_dir,
+            days,
+        } => {
+            let ca = site_tls::create_ca(&site, days).map_err(anyhow::Error::msg)?;
+            let (cert, key) = write_pair(&out_dir, "ca", &ca)?;
+            println!(
+                "site {site}: CA certificate written to {}, its key to {}",
+                cert.display(),
+                key.display()
+            );
+        }
+        SiteTls::CreateCert {
+            role,
+            name,
+            ca_dir,
+            out_dir,
+            san_ip,
+            san_dns,
+            days,
+        } => {
+            let role: meridian_metadata::tls::ProcessRole = role
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("--role: {e}"))?;
+            let read = |f: &str| {
+                let p = ca_dir.join(f);
+                std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+            };
+            let opts = site_tls::CertOptions {
+                ips: san_ip,
+                dns_names: san_dns,
+                days,
+            };
+            let issued =
+                site_tls::create_cert(&read("ca.pem")?, &read("ca.key")?, role, &name, &opts)
+                    .map_err(anyhow::Error::msg)?;
+            let (cert, key) = write_pair(&out_dir, &format!("{role}-{name}"), &issued)?;
+            println!(
+                "{role} {name}: certificate written to {}, its key to {}",
+                cert.display(),
+                key.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 fn tokens(cmd: Tokens) -> anyhow::Result<()> {
     use meridian_tenancy::auth;
     match cmd {
@@ -733,6 +839,7 @@ fn write_private(path: &std::path::Path, bytes: &[u8]) -> anyhow::Result<()> {
 async fn run(cli: Cli) -> anyhow::Result<()> {
     let cli = match cli.group {
         Group::Tokens(cmd) => return tokens(cmd),
+        Group::SiteTls(cmd) => return site_tls(cmd),
         _ => cli,
     };
     let mut endpoint = Channel::from_shared(cli.admin_url.clone())
@@ -779,6 +886,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Topics(cmd) => topics(&mut c, cmd, out).await,
         Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
         Group::Tokens(cmd) => tokens(cmd),
+        Group::SiteTls(cmd) => site_tls(cmd),
     }
 }
 
