@@ -545,6 +545,38 @@ async fn given_a_site_with_tls_between_roles_then_each_port_admits_exactly_its_r
     let kv = client.get("/tls-check").await.unwrap().unwrap();
     assert_eq!(kv.value, b"written over TLS");
 
+    step("a bookie's certificate writes only under /bookies/ (to a follower too); a broker's anywhere");
+    let as_bookie = meridian_metadata::MetadataClient::with_tls(
+        &meridian_config::ClientConfig {
+            endpoints: vec![addrs[1].clone()],
+            request_timeout_ms: 10_000,
+            ..Default::default()
+        },
+        Some(bookie_files.load()),
+    )
+    .unwrap();
+    as_bookie
+        .put("/bookies/scope-check", "ok")
+        .await
+        .expect("a bookie writes under /bookies/");
+    for key in [
+        "/admin/tenants/evil",
+        "/ledgers/L00000000000000000001",
+        "/bookies",
+    ] {
+        match as_bookie.put(key, "x").await {
+            Err(meridian_metadata::ClientError::PermissionDenied(m)) => {
+                assert!(m.contains("writes only under /bookies/"), "{key}: {m}")
+            }
+            other => panic!("a bookie's put of {key} must be refused: {other:?}"),
+        }
+        assert!(client.get(key).await.unwrap().is_none(), "{key} written");
+    }
+    client
+        .put("/admin/scope-check", "broker")
+        .await
+        .expect("a broker writes under /admin/");
+
     step("a fourth node with its certificate joins over TLS when an admin adds it");
     let node4 = cert(&certs, &east_ca, "metadata", "4");
     let addr4 = format!("127.0.0.1:{}", free_port());

@@ -84,6 +84,46 @@ impl Api {
     }
 }
 
+/// Keys a bookie's certificate may write: its own registration. Brokers and admin tools write
+/// what the site's metadata holds; a key taken from a bookie's host cannot rewrite tenants,
+/// policies, ownership or ledger metadata.
+pub const BOOKIE_WRITABLE_PREFIX: &str = "/bookies/";
+
+impl Api {
+    /// With TLS between roles, a bookie may only write under [`BOOKIE_WRITABLE_PREFIX`] (every
+    /// put and delete of both branches of the transaction). Checked where the client
+    /// connected: a forwarded request comes from a metadata node.
+    fn require_write_scope(&self, req: &Request<pb::TxnRequest>) -> Result<(), Status> {
+        let Some(tls) = &self.core.tls else {
+            return Ok(());
+        };
+        let certs = req.peer_certs();
+        let Ok(peer) = tls.peer_identity(certs.as_deref().map(Vec::as_slice)) else {
+            // The interceptor admitted the connection; without an identity nothing is scoped.
+            return Ok(());
+        };
+        if peer.role != crate::tls::ProcessRole::Bookie {
+            return Ok(());
+        }
+        let t = req.get_ref();
+        for op in t.success.iter().chain(&t.failure) {
+            let key = match &op.op {
+                Some(pb::op::Op::Put(p)) => &p.key,
+                Some(pb::op::Op::Delete(d)) => &d.key,
+                None => continue,
+            };
+            if !key.starts_with(BOOKIE_WRITABLE_PREFIX) {
+                let reason = format!(
+                    "a bookie's certificate ({}) writes only under {BOOKIE_WRITABLE_PREFIX}, not {key:?}",
+                    peer.name
+                );
+                return Err(crate::tls::refusal(req, false, reason));
+            }
+        }
+        Ok(())
+    }
+}
+
 fn forwarded<T>(req: &Request<T>) -> bool {
     req.metadata().contains_key(FORWARDED)
 }
@@ -382,6 +422,7 @@ impl Metadata for Api {
     }
 
     async fn txn(&self, req: Request<pb::TxnRequest>) -> Result<Response<pb::TxnResponse>, Status> {
+        self.require_write_scope(&req)?;
         forwarding!(self, req, |r| self.local_txn(r), txn)
     }
 
