@@ -322,6 +322,22 @@ impl PowerCutFuse {
     }
 }
 
+impl PowerCutFuse {
+    /// unlink (`dir` false) or rmdir: the name goes, undoably until its directory is synced.
+    fn remove_name(&mut self, parent: u64, name: &OsStr, dir: bool, reply: ReplyEmpty) {
+        let mut st = self.st();
+        let result = st.child(parent, name).and_then(|rel| {
+            st.names.remove(&rel, dir).map_err(errno)?;
+            st.unmap(&rel);
+            Ok(())
+        });
+        match result {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(e),
+        }
+    }
+}
+
 impl Filesystem for PowerCutFuse {
     fn init(&mut self, _req: &Request<'_>, config: &mut KernelConfig) -> Result<(), libc::c_int> {
         let _ = config.set_max_write(1 << 20);
@@ -420,29 +436,11 @@ impl Filesystem for PowerCutFuse {
     }
 
     fn unlink(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
-        let mut st = self.st();
-        let result = st.child(parent, name).and_then(|rel| {
-            st.names.remove(&rel, false).map_err(errno)?;
-            st.unmap(&rel);
-            Ok(())
-        });
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        self.remove_name(parent, name, false, reply);
     }
 
     fn rmdir(&mut self, _req: &Request<'_>, parent: u64, name: &OsStr, reply: ReplyEmpty) {
-        let mut st = self.st();
-        let result = st.child(parent, name).and_then(|rel| {
-            st.names.remove(&rel, true).map_err(errno)?;
-            st.unmap(&rel);
-            Ok(())
-        });
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        self.remove_name(parent, name, true, reply);
     }
 
     fn symlink(
