@@ -912,9 +912,16 @@ impl ManagedLedger {
 }
 
 /// The position after `pos` in the chain `ledgers` (crossing into the next non-empty ledger); the
-/// caller bounds it by the last confirmed position.
+/// caller bounds it by the last confirmed position. A `pos` in a ledger no longer in the chain
+/// (trimmed behind a reader, which durable cursors never are) is followed by the first entry
+/// of the next ledger that is: without that, a reader left there would read nothing again.
 fn next_in(ledgers: &[LedgerInfo], pos: Position) -> Option<Position> {
-    let i = ledgers.iter().position(|l| l.ledger_id == pos.ledger_id)?;
+    let Some(i) = ledgers.iter().position(|l| l.ledger_id == pos.ledger_id) else {
+        return ledgers
+            .iter()
+            .find(|l| l.ledger_id > pos.ledger_id && l.entries.is_none_or(|n| n > 0))
+            .map(|l| Position::new(l.ledger_id, 0));
+    };
     let in_ledger = match ledgers[i].entries {
         Some(n) => pos.entry_id + 1 < n,
         None => true,
@@ -926,4 +933,36 @@ fn next_in(ledgers: &[LedgerInfo], pos: Position) -> Option<Position> {
         .iter()
         .find(|l| l.entries.is_none_or(|n| n > 0))
         .map(|l| Position::new(l.ledger_id, 0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ledger(ledger_id: u64, entries: Option<u64>) -> LedgerInfo {
+        LedgerInfo {
+            ledger_id,
+            entries,
+            bytes: 0,
+            created_ms: 0,
+            closed_ms: None,
+        }
+    }
+
+    #[test]
+    fn next_in_crosses_ledgers_and_leaves_a_trimmed_one_for_the_next_that_is_kept() {
+        let chain = [ledger(5, Some(2)), ledger(6, Some(0)), ledger(8, None)];
+        let p = Position::new;
+        assert_eq!(next_in(&chain, p(5, 0)), Some(p(5, 1)));
+        assert_eq!(
+            next_in(&chain, p(5, 1)),
+            Some(p(8, 0)),
+            "over the empty ledger 6"
+        );
+        assert_eq!(next_in(&chain, p(8, 41)), Some(p(8, 42)));
+        // Ledgers 3 and 7 were trimmed (or never held anything): the next kept one follows.
+        assert_eq!(next_in(&chain, p(3, 9)), Some(p(5, 0)));
+        assert_eq!(next_in(&chain, p(7, 0)), Some(p(8, 0)));
+        assert_eq!(next_in(&chain, p(9, 0)), None, "past the chain");
+    }
 }

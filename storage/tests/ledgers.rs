@@ -663,8 +663,28 @@ mod managed {
                 .is_empty(),
             "retention keeps them"
         );
+        step("a reader left in the first ledger goes on from the first entry kept after the trim");
+        let mut reader = meridian_storage::cursor::ManagedCursor::non_durable(
+            std::sync::Arc::clone(&ml),
+            meridian_storage::cursor::InitialPosition::Earliest,
+        )
+        .await;
+        let read = reader.read_entries(10).await.expect("read");
+        assert_eq!(read.last().expect("ten").0, positions[9]);
         let deleted = ml.trim(positions[200]).await.expect("trim");
         assert_eq!(deleted, vec![ledgers[0].ledger_id, ledgers[1].ledger_id]);
+        let after: Vec<Position> = reader
+            .read_entries(1000)
+            .await
+            .expect("read after the trim")
+            .into_iter()
+            .map(|(p, _)| p)
+            .collect();
+        assert_eq!(
+            after,
+            positions[200..].to_vec(),
+            "a stalled reader reads nothing"
+        );
         assert_eq!(ml.ledgers().await.len(), 1);
         assert!(matches!(
             client.metadata(ledgers[0].ledger_id).await,
