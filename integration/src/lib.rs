@@ -289,6 +289,40 @@ pub fn run_cli(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
     run_bin(&meridian_bin(), args)
 }
 
+/// `meridian ledger recover LEDGER`: closes the ledger from this process and returns its last
+/// entry id (panics, with the tool's output, if it fails).
+pub fn recover_ledger(endpoint: &str, ledger: &str) -> u64 {
+    let (code, out, err) =
+        run_cli(&["ledger", "recover", ledger, "--metadata", endpoint]).expect("run");
+    assert_eq!(code, 0, "ledger recover {ledger}: {out}{err}");
+    out.trim()
+        .rsplit(' ')
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no last entry in {out:?}"))
+}
+
+/// Every acknowledged id is among those consumed (`got`), and `got` is in log order; a failure
+/// names the first lost ids, then `context`.
+pub fn assert_acked_consumed_in_order(
+    acked: &std::collections::BTreeSet<u64>,
+    got: &[u64],
+    context: &str,
+) {
+    let got_set: std::collections::BTreeSet<u64> = got.iter().copied().collect();
+    let lost: Vec<&u64> = acked.difference(&got_set).take(10).collect();
+    assert!(
+        lost.is_empty(),
+        "acknowledged but lost: {lost:?} ({} of {} in all)\n{context}",
+        acked.difference(&got_set).count(),
+        acked.len()
+    );
+    assert!(
+        got.windows(2).all(|w| w[0] < w[1]),
+        "log order broken\n{context}"
+    );
+}
+
 /// Runs `meridian-admin` with `args`: (exit code, stdout, stderr).
 pub fn run_admin(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
     run_bin(&admin_bin(), args)

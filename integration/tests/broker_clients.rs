@@ -4,7 +4,9 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
-use meridian_integration::{assert_seq, http_get, step, PyClient, StandaloneProc};
+use meridian_integration::{
+    assert_acked_consumed_in_order, assert_seq, http_get, step, PyClient, StandaloneProc,
+};
 
 const T: Duration = Duration::from_secs(120);
 
@@ -381,15 +383,7 @@ fn kill9_during_production_then_restart_every_acknowledged_message_is_consumed()
         ],
     );
     c.finish(T).unwrap();
-    let got: Vec<u64> = c.ints("i");
-    let got_set: BTreeSet<u64> = got.iter().copied().collect();
-    let lost: Vec<&u64> = acked.difference(&got_set).take(10).collect();
-    assert!(
-        lost.is_empty(),
-        "acknowledged but lost: {lost:?} ({} in all)",
-        acked.difference(&got_set).count()
-    );
-    assert!(got.windows(2).all(|w| w[0] < w[1]), "log order broken");
+    assert_acked_consumed_in_order(&acked, &c.ints("i"), "after kill -9 and a restart");
 }
 
 #[test]

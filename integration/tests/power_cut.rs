@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use meridian_integration::powercut::PowerCutFs;
 use meridian_integration::{
-    meridian_bin, run_cli, step, wait_for_bookies, BookieProc, MetaCluster, MetaNode, PyClient,
-    StandaloneProc,
+    assert_acked_consumed_in_order, meridian_bin, recover_ledger, run_cli, step, wait_for_bookies,
+    BookieProc, MetaCluster, MetaNode, PyClient, StandaloneProc,
 };
 use rand::{Rng, SeedableRng};
 
@@ -285,17 +285,11 @@ fn check_topic(
         ],
     );
     c.finish(T).unwrap();
-    let got: Vec<u64> = c.ints("i");
-    let got_set: BTreeSet<u64> = got.iter().copied().collect();
-    let lost: Vec<&u64> = acked.difference(&got_set).take(10).collect();
-    assert!(
-        lost.is_empty(),
-        "{topic}: acknowledged but lost after a power cut: {lost:?} ({} of {} in all)\n{}",
-        acked.difference(&got_set).count(),
-        acked.len(),
-        s.log_text()
+    assert_acked_consumed_in_order(
+        acked,
+        &c.ints("i"),
+        &format!("{topic}, after a power cut:\n{}", s.log_text()),
     );
-    assert!(got.windows(2).all(|w| w[0] < w[1]), "{topic}: order broken");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -362,15 +356,7 @@ async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_ac
         wait_for_bookies(&client, 3, Duration::from_secs(30))
             .await
             .expect("bookies registered after the cut");
-        let (code, out, err) =
-            run_cli(&["ledger", "recover", &ledger, "--metadata", &endpoint]).expect("recover");
-        assert_eq!(code, 0, "recover: {out}{err}\n{}", bookies[0].log_text());
-        let last: u64 = out
-            .trim()
-            .rsplit(' ')
-            .next()
-            .and_then(|n| n.parse().ok())
-            .unwrap_or_else(|| panic!("no last entry in {out:?}"));
+        let last = recover_ledger(&endpoint, &ledger);
         assert!(
             last + 1 >= acked,
             "ledger {ledger} closed at {last} after a power cut, but {acked} entries were acknowledged"

@@ -6,7 +6,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use meridian_integration::{
-    meridian_bin, run_cli, step, wait_for_bookies, BookieProc, MetaCluster,
+    meridian_bin, recover_ledger, run_cli, step, wait_for_bookies, BookieProc, MetaCluster,
 };
 
 fn ledger_show(endpoint: &str, id: &str) -> serde_json::Value {
@@ -197,15 +197,7 @@ async fn given_writer_killed_mid_stream_when_recovered_then_ledger_closes_at_or_
     let _ = perf.wait();
 
     step("recover from another process: closed at or after the last acknowledged entry");
-    let (code, out, err) =
-        run_cli(&["ledger", "recover", &ledger, "--metadata", &endpoint]).expect("recover");
-    assert_eq!(code, 0, "{out}{err}");
-    let last: u64 = out
-        .trim()
-        .rsplit(' ')
-        .next()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no last entry in {out:?}"));
+    let last = recover_ledger(&endpoint, &ledger);
     assert!(
         last + 1 >= acked,
         "closed at {last}, but {acked} entries were acknowledged"

@@ -307,6 +307,14 @@ fn kind_of(meta: &Metadata) -> FileType {
     }
 }
 
+/// The reply of a request that answers nothing but success or an errno.
+fn answer(reply: ReplyEmpty, result: Result<(), i32>) {
+    match result {
+        Ok(()) => reply.ok(),
+        Err(e) => reply.error(e),
+    }
+}
+
 fn errno(e: io::Error) -> i32 {
     e.raw_os_error().unwrap_or(libc::EIO)
 }
@@ -331,10 +339,7 @@ impl PowerCutFuse {
             st.unmap(&rel);
             Ok(())
         });
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, result);
     }
 }
 
@@ -524,10 +529,7 @@ impl Filesystem for PowerCutFuse {
             }
             Ok(())
         })();
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, result);
     }
 
     fn link(
@@ -616,10 +618,7 @@ impl Filesystem for PowerCutFuse {
     }
 
     fn fsync(&mut self, _req: &Request<'_>, ino: u64, fh: u64, _datasync: bool, reply: ReplyEmpty) {
-        match self.st().sync(ino, fh) {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, self.st().sync(ino, fh));
     }
 
     fn readdir(
@@ -777,9 +776,6 @@ impl Filesystem for PowerCutFuse {
             }
             Ok(())
         })();
-        match result {
-            Ok(()) => reply.ok(),
-            Err(e) => reply.error(e),
-        }
+        answer(reply, result);
     }
 }
