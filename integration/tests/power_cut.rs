@@ -154,12 +154,23 @@ fn powercut_fs_keeps_exactly_what_was_synced() {
     let report = fs.cut_torn(7).unwrap();
     let kept = report.torn_kept.expect("a torn write");
     let a = std::fs::read(m.join("a")).unwrap();
-    assert_eq!(a.len(), 8192 + kept, "{report:?}");
+    // The kernel may pass one write(2) on in several FUSE writes (seen once under load: the
+    // file then ended at 10,202 bytes): the torn one is the last of them, its prefix lands at
+    // its own offset, and what lies between is a hole.
+    assert!(
+        (8192 + kept..=8192 + 4096).contains(&a.len()) && kept < 4096,
+        "{} bytes: {report:?}",
+        a.len()
+    );
     assert!(
         a[..8192].iter().all(|&b| b == 1),
         "the first write is not kept"
     );
-    assert!(a[8192..].iter().all(|&b| b == 7));
+    assert!(
+        a[a.len() - kept..].iter().all(|&b| b == 7),
+        "the torn prefix"
+    );
+    assert!(a[8192..].iter().all(|&b| b == 7 || b == 0));
 
     step("partial: of 16 unsynced pages over synced ones, some reach the disk, whole");
     let f = std::fs::OpenOptions::new()
