@@ -549,6 +549,15 @@ pub struct BrokerConfig {
     pub cursor_persist_interval_ms: u64,
     /// Entries a dispatcher reads at once. Range 1..=10000, default 100.
     pub dispatch_batch_entries_max: u64,
+    /// Compact a topic by itself once more than this many bytes were published since its
+    /// last compaction, unless its namespace or topic policy says otherwise (Pulsar's
+    /// `brokerServiceCompactionThresholdInBytes`); checked every policy refresh. 0 (the
+    /// default): only when asked. Range 0..=1125899906842624 (1 PiB).
+    pub compaction_threshold_bytes: u64,
+    /// Distinct keys one compaction may hold in memory; a topic with more fails its
+    /// compaction with an error saying so (its view stays as it was). Range
+    /// 1..=100000000, default 10000000.
+    pub compaction_keys_max: u64,
 }
 
 impl Default for BrokerConfig {
@@ -595,6 +604,8 @@ impl Default for BrokerConfig {
             tail_cache_total_bytes_max: 256 << 20,
             cursor_persist_interval_ms: 100,
             dispatch_batch_entries_max: 100,
+            compaction_threshold_bytes: 0,
+            compaction_keys_max: 10_000_000,
         }
     }
 }
@@ -702,6 +713,8 @@ impl BrokerConfig {
             ("broker.tail_cache_total_bytes_max", b.tail_cache_total_bytes_max, 0, 68_719_476_736, ""),
             ("broker.cursor_persist_interval_ms", b.cursor_persist_interval_ms, 0, 60_000, ""),
             ("broker.dispatch_batch_entries_max", b.dispatch_batch_entries_max, 1, 10_000, ""),
+            ("broker.compaction_threshold_bytes", b.compaction_threshold_bytes, 0, 1 << 50, ""),
+            ("broker.compaction_keys_max", b.compaction_keys_max, 1, 100_000_000, ""),
         ];
         ranges(&bounds)
     }

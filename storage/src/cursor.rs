@@ -598,6 +598,52 @@ impl ManagedCursor {
         Ok(false)
     }
 
+    /// Acknowledges every entry of the log strictly between `after` (`None`: from the start)
+    /// and `before`: entries a compacted view skipped (a later message of their keys
+    /// replaced them). Persisted with the next acknowledgement or flush.
+    pub async fn ack_between(&mut self, after: Option<Position>, before: Position) {
+        let Some(last) = self.ml.last_confirmed() else {
+            return;
+        };
+        // Nothing at or before the mark-delete position needs it.
+        let after = match (after, self.mark_delete) {
+            (Some(a), Some(md)) => Some(a.max(md)),
+            (a, md) => a.or(md),
+        };
+        let mut changed = false;
+        for l in self.ml.ledgers().await {
+            let id = l.ledger_id;
+            let lo = match after {
+                Some(a) if a.ledger_id > id => continue,
+                Some(a) if a.ledger_id == id => a.entry_id.saturating_add(1),
+                _ => 0,
+            };
+            // One past the last entry of the range in this ledger.
+            let end = if before.ledger_id < id {
+                break;
+            } else if before.ledger_id == id {
+                before.entry_id
+            } else {
+                match l.entries {
+                    Some(n) => n,
+                    None if last.ledger_id == id => last.entry_id.saturating_add(1),
+                    None => 0,
+                }
+            };
+            if lo < end {
+                self.ranges
+                    .insert_range(Position::new(id, lo), Position::new(id, end - 1));
+                changed = true;
+            }
+        }
+        if changed {
+            let ranges = &self.ranges;
+            self.batch_acks.retain(|p, _| !ranges.contains(*p));
+            self.fold().await;
+            self.dirty = true;
+        }
+    }
+
     /// What is left unacknowledged of a partly acknowledged batch entry (bit i = message i).
     pub fn batch_ack_set(&self, pos: Position) -> Option<&[u64]> {
         self.batch_acks.get(&pos).map(Vec::as_slice)
@@ -751,13 +797,21 @@ impl ManagedCursor {
     pub async fn reset_to_position(&mut self, pos: Position) -> Result<(), CursorError> {
         self.ranges = RangeSet::new();
         self.batch_acks.clear();
-        let index = self.ml.index_of(pos).await.unwrap_or(0);
-        self.mark_delete = match index.checked_sub(1) {
+        // A position of the log: the entry before it. One before the log's first entry (in
+        // a trimmed ledger, as a compacted view's entries may be): the position just before
+        // it, so nothing before it counts as unread.
+        self.mark_delete = match self.ml.index_of(pos).await.and_then(|i| i.checked_sub(1)) {
             Some(i) => self.ml.position_at(i).await,
-            None => None,
+            None => pos.before(),
         };
         self.read_after = self.mark_delete;
         self.persist().await
+    }
+
+    /// Moves only the read position: reading continues after `pos` (entries through it were
+    /// served from elsewhere, such as the topic's compacted view).
+    pub fn set_read_after(&mut self, pos: Position) {
+        self.read_after = Some(pos);
     }
 
     /// Resets the cursor to the first entry whose publish time (as `publish_time` reads it

@@ -2,12 +2,14 @@
 //! over an ensemble of bookies.
 //!
 //! Owns: the bookie's journal ([`journal`]), the compact range sets cursors are made of
-//! ([`rangeset`]), and the striping arithmetic of ledgers ([`striping`]).
+//! ([`rangeset`]), the striping arithmetic of ledgers ([`striping`]), and the ledgers a
+//! topic's compaction writes ([`compacted`]).
 //!
 //! Does not know about: the Pulsar wire protocol, topics as clients see them, tenants, geo.
 
 pub mod bookie;
 pub mod client;
+pub mod compacted;
 pub mod cursor;
 pub mod journal;
 pub mod ledger;

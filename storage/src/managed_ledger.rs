@@ -39,6 +39,18 @@ impl Position {
     }
 }
 
+impl Position {
+    /// The position just before this one in the order of positions (it may name no entry:
+    /// `l:e-1`, or the end of ledger `l-1` for `l:0`); `None` before `0:0`.
+    pub fn before(self) -> Option<Position> {
+        match (self.entry_id.checked_sub(1), self.ledger_id.checked_sub(1)) {
+            (Some(e), _) => Some(Position::new(self.ledger_id, e)),
+            (None, Some(l)) => Some(Position::new(l, u64::MAX)),
+            (None, None) => None,
+        }
+    }
+}
+
 impl std::fmt::Display for Position {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}:{}", self.ledger_id, self.entry_id)

@@ -126,6 +126,11 @@ pub struct NamespacePolicies {
     /// The namespace's topics together (on each broker): dispatch rate.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub dispatch_rate_total: Option<RateLimit>,
+    /// Compact a topic by itself once more than this many bytes were published since its
+    /// last compaction (0: only when asked); unset: the broker's
+    /// `broker.compaction_threshold_bytes`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub compaction_threshold: Option<u64>,
     /// Roles granted `produce` and/or `consume` in the namespace (with authentication on).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub permissions: std::collections::BTreeMap<String, Vec<String>>,
@@ -148,6 +153,9 @@ impl RateLimit {
 /// Highest rate limits accepted (messages and bytes per second).
 pub const RATE_MSGS_MAX: u64 = 100_000_000;
 pub const RATE_BYTES_MAX: u64 = 1 << 40;
+
+/// Largest compaction threshold accepted, bytes (1 PiB).
+pub const COMPACTION_THRESHOLD_MAX: u64 = 1 << 50;
 
 /// The actions a namespace grant can give.
 pub const ACTIONS: &[&str] = &["produce", "consume"];
@@ -206,6 +214,7 @@ pub const POLICY_FIELDS: &[&str] = &[
     "subscription_dispatch_rate",
     "publish_rate_total",
     "dispatch_rate_total",
+    "compaction_threshold",
 ];
 
 impl NamespacePolicies {
@@ -238,6 +247,14 @@ impl NamespacePolicies {
                     "{name} {n} is out of range 0..=1000000 (0: no limit)"
                 ));
             }
+        }
+        if let Some(t) = self
+            .compaction_threshold
+            .filter(|t| *t > COMPACTION_THRESHOLD_MAX)
+        {
+            return Err(format!(
+                "compaction_threshold {t} is out of range 0..={COMPACTION_THRESHOLD_MAX} bytes (1 PiB; 0: only when asked)"
+            ));
         }
         if let Some(q) = &self.backlog_quota {
             if !BACKLOG_QUOTA_POLICIES.contains(&q.policy.as_str()) {
@@ -374,6 +391,9 @@ impl NamespacePolicies {
         if set.dispatch_rate_total.is_some() {
             p.dispatch_rate_total = set.dispatch_rate_total.clone();
         }
+        if set.compaction_threshold.is_some() {
+            p.compaction_threshold = set.compaction_threshold;
+        }
     }
 
     /// Applies `set` (its present fields) and then removes the fields named in `clear`.
@@ -396,6 +416,7 @@ impl NamespacePolicies {
                 "subscription_dispatch_rate" => p.subscription_dispatch_rate = None,
                 "publish_rate_total" => p.publish_rate_total = None,
                 "dispatch_rate_total" => p.dispatch_rate_total = None,
+                "compaction_threshold" => p.compaction_threshold = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",

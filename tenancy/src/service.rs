@@ -33,6 +33,13 @@ pub trait TopicOps: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<Vec<TopicStats>, AdminError>>;
     /// Terminates a topic; answers its last message id (`ledger:entry`, empty if none).
     fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>>;
+    /// Starts compacting a topic (every partition of a partitioned one).
+    fn compact(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// The state of a topic's last compaction on this broker.
+    fn compaction_status(
+        &self,
+        topic: String,
+    ) -> BoxFuture<'_, Result<CompactionStatus, AdminError>>;
     /// Deletes a topic (or lists what would go); answers what goes.
     fn delete(
         &self,
@@ -259,6 +266,7 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
         subscription_dispatch_rate: p.subscription_dispatch_rate.map(rate_from),
         publish_rate_total: p.publish_rate_total.map(rate_from),
         dispatch_rate_total: p.dispatch_rate_total.map(rate_from),
+        compaction_threshold: p.compaction_threshold,
         permissions: Default::default(),
     }
 }
@@ -300,6 +308,7 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
         subscription_dispatch_rate: p.subscription_dispatch_rate.as_ref().map(rate_to),
         publish_rate_total: p.publish_rate_total.as_ref().map(rate_to),
         dispatch_rate_total: p.dispatch_rate_total.as_ref().map(rate_to),
+        compaction_threshold: p.compaction_threshold,
     }
 }
 
@@ -652,6 +661,19 @@ impl Admin for AdminService {
         ok(TerminateResponse {
             last_message_id: last,
         })
+    }
+
+    async fn compact_topic(&self, r: Request<Name>) -> Reply<Empty> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
+            .await?;
+        self.topics.compact(r.into_inner().name).await?;
+        ok(Empty {})
+    }
+
+    async fn get_compaction_status(&self, r: Request<Name>) -> Reply<CompactionStatus> {
+        self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
+            .await?;
+        ok(self.topics.compaction_status(r.into_inner().name).await?)
     }
 
     async fn list_subscriptions(&self, r: Request<Name>) -> Reply<Names> {

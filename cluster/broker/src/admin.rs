@@ -11,7 +11,7 @@ use meridian_tenancy::pb;
 use meridian_tenancy::service::{AdminService, RunningAdmin, TopicOps};
 use meridian_tenancy::{AdminError, TenancyStore};
 
-use crate::broker::{Broker, BrokerError, Topic, TopicStats};
+use crate::broker::{compaction, Broker, BrokerError, Topic, TopicStats};
 use crate::topic_name::TopicName;
 
 /// The admin API's view of a broker error.
@@ -285,6 +285,73 @@ impl TopicOps for BrokerTopics {
             let name = self.name(&topic)?;
             self.0.unload_topic(&name).await.map_err(admin_error)?;
             Ok(())
+        }
+        .boxed()
+    }
+
+    fn compact(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            let name = self.name(&topic)?;
+            let b = &self.0;
+            let parts = b.topic_parts(&name).await.map_err(admin_error)?;
+            let mut topics = Vec::new();
+            for p in parts {
+                topics.push(b.topic(&p, false).await.map_err(admin_error)?);
+            }
+            if let Some(t) = topics
+                .iter()
+                .find(|t| t.compaction.status() == compaction::Status::Running)
+            {
+                return Err(AdminError::AlreadyExists(format!(
+                    "Compaction already in progress for {}",
+                    t.full_name()
+                )));
+            }
+            for t in &topics {
+                compaction::start(t);
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn compaction_status(
+        &self,
+        topic: String,
+    ) -> BoxFuture<'_, Result<pb::CompactionStatus, AdminError>> {
+        async move {
+            let name = self.name(&topic)?;
+            let b = &self.0;
+            let parts = b.topic_parts(&name).await.map_err(admin_error)?;
+            let mut states = Vec::new();
+            for p in parts {
+                let t = b.topic(&p, false).await.map_err(admin_error)?;
+                states.push((t.full_name().to_string(), t.compaction.status()));
+            }
+            // A partitioned topic: running if any partition runs, else failed if any failed.
+            let pick = |s: &compaction::Status| {
+                states
+                    .iter()
+                    .find(|(_, x)| std::mem::discriminant(x) == std::mem::discriminant(s))
+            };
+            let found = pick(&compaction::Status::Running)
+                .or_else(|| pick(&compaction::Status::Error(String::new())))
+                .or_else(|| pick(&compaction::Status::NotRun))
+                .or_else(|| states.first());
+            Ok(match found {
+                Some((t, s)) => pb::CompactionStatus {
+                    status: s.name().to_string(),
+                    last_error: match s {
+                        compaction::Status::Error(e) if states.len() > 1 => format!("{t}: {e}"),
+                        compaction::Status::Error(e) => e.clone(),
+                        _ => String::new(),
+                    },
+                },
+                None => pb::CompactionStatus {
+                    status: compaction::Status::NotRun.name().to_string(),
+                    last_error: String::new(),
+                },
+            })
         }
         .boxed()
     }

@@ -477,7 +477,7 @@ impl Conn {
                         ))
                         .await;
                 };
-                let last = match e.topic.last_message_id().await {
+                let last = match e.sub.last_message_id().await {
                     Some((p, batch_index)) => pb::MessageIdData {
                         batch_index: Some(batch_index),
                         ..cmd::message_id(p.ledger_id, p.entry_id)
@@ -974,6 +974,7 @@ impl Conn {
                 .iter()
                 .map(|kv| (kv.key.clone(), kv.value.clone()))
                 .collect(),
+            read_compacted: s.read_compacted.unwrap_or(false),
         };
         let sink = ConsumerSink {
             connection_id: self.id,

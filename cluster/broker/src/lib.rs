@@ -11,6 +11,7 @@
 pub mod admin;
 pub mod broker;
 pub mod connection;
+pub mod failpoint;
 pub mod frame_queue;
 pub mod http;
 mod publish;

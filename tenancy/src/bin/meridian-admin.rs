@@ -439,6 +439,24 @@ enum PolicyCmd {
         #[arg(value_name = "TARGET")]
         namespace: String,
     },
+    /// Compact each topic by itself once more than this much was published since its last
+    /// compaction (0: only when asked with `topics compact`).
+    SetCompactionThreshold {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        /// Bytes, or with K, M, G, T (powers of 1024), e.g. 100M.
+        #[arg(long, short = 't')]
+        threshold: String,
+    },
+    GetCompactionThreshold {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Back to the broker's default (`broker.compaction_threshold_bytes`).
+    RemoveCompactionThreshold {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
     /// Each topic's publish rate: producers past it are slowed, not refused.
     SetPublishRate {
         #[arg(value_name = "TARGET")]
@@ -624,6 +642,16 @@ enum Topics {
     StatsAll { namespace: String },
     /// Ends a topic: no more messages; consumers are told once they have read it all.
     Terminate { topic: String },
+    /// Compacts a topic: compacted readers (`read_compacted`) then get only the latest
+    /// message of each key up to where it ran, then everything after.
+    Compact { topic: String },
+    /// Whether the topic's last compaction on its broker ran, runs, succeeded or failed.
+    CompactionStatus {
+        topic: String,
+        /// Waits until no compaction runs.
+        #[arg(long, short = 'w')]
+        wait_complete: bool,
+    },
     /// A topic's own policies (`set-message-ttl TOPIC --ttl 60`, ...), overriding its
     /// namespace's; a partitioned topic's apply to its partitions.
     #[command(flatten)]
@@ -1047,6 +1075,7 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "subscription_dispatch_rate": p.subscription_dispatch_rate.as_ref().map(|r| rate_json(Some(r))),
         "publish_rate_total": p.publish_rate_total.as_ref().map(|r| rate_json(Some(r))),
         "dispatch_rate_total": p.dispatch_rate_total.as_ref().map(|r| rate_json(Some(r))),
+        "compaction_threshold": p.compaction_threshold,
     })
 }
 
@@ -1336,6 +1365,29 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
             print(out, &v, || v.to_string());
             return Ok(());
         }
+        PolicyCmd::SetCompactionThreshold {
+            namespace,
+            threshold,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                compaction_threshold: Some(parse_size(&threshold)?),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        PolicyCmd::GetCompactionThreshold { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
+            let t = n.policies.unwrap_or_default().compaction_threshold;
+            let v = json!(t);
+            print(out, &v, || v.to_string());
+            return Ok(());
+        }
+        PolicyCmd::RemoveCompactionThreshold { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["compaction_threshold"],
+        ),
         PolicyCmd::RemoveRetention { namespace } => {
             update(namespace, NamespacePolicies::default(), vec!["retention"])
         }
@@ -1606,6 +1658,45 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                 .await?
                 .into_inner();
             print_internal_stats(out, &r);
+        }
+        Topics::Compact { topic } => {
+            c.compact_topic(Name {
+                name: topic.clone(),
+            })
+            .await?;
+            let v = json!({"topic": topic, "requested": true});
+            print(out, &v, || {
+                format!("Topic compaction requested for {topic}")
+            });
+        }
+        Topics::CompactionStatus {
+            topic,
+            wait_complete,
+        } => {
+            let s = loop {
+                let s = c
+                    .get_compaction_status(Name {
+                        name: topic.clone(),
+                    })
+                    .await?
+                    .into_inner();
+                if !wait_complete || s.status != "RUNNING" {
+                    break s;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            };
+            let v = json!({"status": s.status, "last_error": s.last_error});
+            print(out, &v, || match s.status.as_str() {
+                "NOT_RUN" => {
+                    format!("Compaction has not been run for {topic} since broker startup")
+                }
+                "RUNNING" => "Compaction is currently running".to_string(),
+                "SUCCESS" => "Compaction was a success".to_string(),
+                _ => format!("Error in compaction: {}", s.last_error),
+            });
+            if s.status == "ERROR" {
+                std::process::exit(1);
+            }
         }
         Topics::Terminate { topic } => {
             let r = c

@@ -12,6 +12,7 @@
 //! knows about sockets.
 
 pub mod avro;
+pub mod compaction;
 pub mod dedup;
 pub mod key_shared;
 pub mod partitioned;
@@ -200,6 +201,8 @@ pub struct Topic {
     /// The namespace's totals (`publish_rate_total`, `dispatch_rate_total`), shared by all
     /// its topics on this broker.
     pub ns_limiters: Arc<NamespaceLimiters>,
+    /// The compacted view and the state of compaction runs.
+    pub compaction: compaction::Compaction,
 }
 
 /// Rate limits over all of a namespace's topics on this broker.
@@ -289,6 +292,24 @@ impl Topic {
         req: SubscribeRequest,
         sink: ConsumerSink,
     ) -> Result<Arc<Subscription>, BrokerError> {
+        if req.subscription == compaction::COMPACTION_SUBSCRIPTION {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!(
+                    "{} is the broker's own subscription (topic compaction); choose another name",
+                    compaction::COMPACTION_SUBSCRIPTION
+                ),
+            ));
+        }
+        if req.read_compacted && matches!(req.sub_type, SubType::Shared | SubType::KeyShared) {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!(
+                    "read_compacted is only allowed on Exclusive and Failover subscriptions; {} is {:?}",
+                    req.subscription, req.sub_type
+                ),
+            ));
+        }
         let mut subs = self.subscriptions.lock().await;
         let limits = self.policies();
         if let Some(max) = limits.max_consumers_per_topic.filter(|m| *m > 0) {
@@ -326,7 +347,9 @@ impl Topic {
             let sub = Arc::clone(sub);
             // Opened without consumers (by the admin API, or as a dead-letter topic's) under
             // another type: reopened under the type its first consumer asks for.
-            let retype = sub.sub_type() != req.sub_type && sub.consumer_count().await == 0;
+            let retype = (sub.sub_type() != req.sub_type
+                || sub.reads_compacted() != req.read_compacted)
+                && sub.consumer_count().await == 0;
             if !sub.is_closed() && !retype {
                 sub.add_consumer(&req, sink).await?;
                 return Ok(sub);
@@ -366,6 +389,7 @@ impl Topic {
             ),
             key_shared: None,
             properties: Default::default(),
+            read_compacted: false,
         };
         let sub = Subscription::open(
             Arc::clone(self),
@@ -455,7 +479,8 @@ impl Topic {
     /// (message TTL). Returns the entries acknowledged.
     pub async fn expire_all_before(&self, subs: &[Arc<Subscription>], cutoff_ms: u64) -> u64 {
         let mut total = 0;
-        for sub in subs {
+        // Not the compaction's subscription: what it has not compacted yet is not expired.
+        for sub in subs.iter().filter(|s| !s.is_compaction()) {
             match sub.expire_before(cutoff_ms, false).await {
                 Ok(n) => total += n,
                 Err(e) => {
@@ -607,7 +632,8 @@ impl Topic {
         let now = now_ms();
         let mut worst: Option<String> = None;
         let mut largest = 0u64;
-        for sub in subs {
+        // The compaction's own subscription is moved by compaction runs, not by quotas.
+        for sub in subs.iter().filter(|s| !s.is_compaction()) {
             let name = sub.name();
             let backlog = sub.backlog().await;
             largest = largest.max(backlog.bytes);
@@ -800,6 +826,7 @@ impl Topic {
             let ids: Vec<String> = ledgers.iter().map(|l| l.ledger_id.to_string()).collect();
             out.push(format!("ledgers {} of {}", ids.join(","), self.full_name));
         }
+        out.extend(compaction::deletion_plan(self).await?);
         Ok(out)
     }
 
@@ -819,6 +846,7 @@ impl Topic {
             s.delete_forced().await?;
         }
         self.ml.delete().await?;
+        compaction::delete(self).await?;
         // A deduplication snapshot still being written would re-create its record.
         if let Some(d) = &self.dedup {
             d.stop_snapshots().await;
@@ -1461,8 +1489,10 @@ impl Broker {
                     .entry(name.namespace())
                     .or_default(),
             ),
+            compaction: compaction::Compaction::default(),
         });
         topic.set_policies(policies_kept).await;
+        compaction::restore(&topic).await?;
         let breach = self
             .storage_breaches
             .lock()
@@ -1571,6 +1601,14 @@ impl Broker {
                     };
                     let ttl_ms = u64::from(p.message_ttl_seconds.unwrap_or(0)) * 1000;
                     t.set_policies(p.clone()).await;
+                    let threshold = p
+                        .compaction_threshold
+                        .unwrap_or(self.cfg.compaction_threshold_bytes);
+                    if threshold > 0 {
+                        if let Err(e) = compaction::check_threshold(&t, threshold).await {
+                            tracing::warn!(topic = %t.full_name, error = %e, "checking the compaction threshold failed");
+                        }
+                    }
                     if p.backlog_quota.is_none() {
                         t.set_quota_breach(None);
                     }

@@ -83,6 +83,8 @@ pub struct SubscribeRequest {
     pub key_shared: Option<KeySharedSpec>,
     /// Subscription properties, recorded when the subscription is created.
     pub properties: std::collections::BTreeMap<String, String>,
+    /// Read the topic's compacted view up to its horizon (Exclusive and Failover only).
+    pub read_compacted: bool,
 }
 
 /// Where a consumer's frames go: its connection's writer, with the client's consumer id.
@@ -160,6 +162,9 @@ struct State {
     subscription_unacked_max: u64,
     /// The subscription holds its limit: nobody is given anything until it is under half.
     blocked: bool,
+    /// Entries read from the compacted view that it retains only some messages of: which
+    /// (bit i = message i), until they are acknowledged.
+    masks: BTreeMap<Position, Vec<u64>>,
 }
 
 /// Blocked at `max` (0: never), unblocked once under half of it.
@@ -265,6 +270,7 @@ impl State {
         self.redeliver.clear();
         self.redelivery_counts.clear();
         self.delayed.clear();
+        self.masks.clear();
     }
 
     /// Moves delayed entries that are due to the redelivery queue; returns when the next one
@@ -292,6 +298,10 @@ impl State {
         for p in stale {
             self.redeliver.remove(&p);
         }
+        self.masks = self.masks.split_off(&Position::new(
+            pos.ledger_id,
+            pos.entry_id.saturating_add(1),
+        ));
     }
 }
 
@@ -300,6 +310,8 @@ pub struct Subscription {
     topic: Arc<Topic>,
     sub_type: SubType,
     durable: bool,
+    /// Reads the topic's compacted view up to its horizon.
+    read_compacted: bool,
     state: tokio::sync::Mutex<State>,
     /// Wakes the dispatcher (shared with connection queues that refused it for lack of room).
     wake: Arc<Notify>,
@@ -437,6 +449,7 @@ impl Subscription {
             topic,
             sub_type: req.sub_type,
             durable: req.durable,
+            read_compacted: req.read_compacted,
             state: tokio::sync::Mutex::new(State {
                 cursor,
                 stash: std::collections::VecDeque::new(),
@@ -459,6 +472,7 @@ impl Subscription {
                 consumer_unacked_max,
                 subscription_unacked_max,
                 blocked: false,
+                masks: BTreeMap::new(),
             }),
             wake: Arc::new(Notify::new()),
             closed: AtomicBool::new(false),
@@ -495,6 +509,58 @@ impl Subscription {
         self.durable
     }
 
+    /// Reads the compacted view (`read_compacted`).
+    pub fn reads_compacted(&self) -> bool {
+        self.read_compacted
+    }
+
+    /// The broker's own subscription of topic compaction.
+    pub fn is_compaction(&self) -> bool {
+        self.name == super::compaction::COMPACTION_SUBSCRIPTION
+    }
+
+    /// Acknowledges everything through `pos` and persists the cursor at once.
+    pub async fn ack_through(&self, pos: Position) -> Result<(), BrokerError> {
+        let mut st = self.state.lock().await;
+        st.cursor.ack_cumulative(pos).await?;
+        st.forget_through(pos);
+        st.cursor.flush().await?;
+        Ok(())
+    }
+
+    /// The last message id as this subscription's consumers see the topic: for a compacted
+    /// reader whose view covers the whole log, the view's last retained message (none if it
+    /// retained nothing), so that "has a message available" does not wait for a message
+    /// compaction removed.
+    pub async fn last_message_id(&self) -> Option<(Position, i32)> {
+        if let Some(v) =
+            self.topic.compaction.view().filter(|v| {
+                self.read_compacted && Some(v.horizon) == self.topic.ml.last_confirmed()
+            })
+        {
+            let last = v.entries.checked_sub(1)?;
+            if let Ok(e) = v.read(last).await {
+                let index = match &e.mask {
+                    Some(m) => m
+                        .iter()
+                        .enumerate()
+                        .rev()
+                        .find(|(_, w)| **w != 0)
+                        .map_or(-1, |(i, w)| {
+                            (i * 64 + 63 - w.leading_zeros() as usize) as i32
+                        }),
+                    None => Entry::parse(e.bytes)
+                        .ok()
+                        .and_then(|en| en.metadata().ok())
+                        .and_then(|m| m.num_messages_in_batch)
+                        .map_or(-1, |n| n.max(1) - 1),
+                };
+                return Some((e.position, index));
+            }
+        }
+        self.topic.last_message_id().await
+    }
+
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Relaxed)
     }
@@ -509,6 +575,16 @@ impl Subscription {
             return Err(BrokerError::new(
                 ServerError::SubscriptionNotFound,
                 format!("subscription {} was deleted", self.name),
+            ));
+        }
+        if req.read_compacted != self.read_compacted && !st.consumers.is_empty() {
+            return Err(BrokerError::new(
+                ServerError::ConsumerBusy,
+                format!(
+                    "subscription {}'s consumers {} the compacted view; refused one that asked otherwise",
+                    self.name,
+                    if self.read_compacted { "read" } else { "do not read" }
+                ),
             ));
         }
         if req.sub_type != self.sub_type && !st.consumers.is_empty() {
@@ -694,7 +770,7 @@ impl Subscription {
                 pos
             };
             let behind = st.cursor.mark_delete().is_some_and(|md| named <= md);
-            if !behind && !self.topic.ml.contains(named).await {
+            if !behind && !self.in_compacted_view(named) && !self.topic.ml.contains(named).await {
                 return Err(BrokerError::new(
                     ServerError::NotAllowedError,
                     format!(
@@ -742,7 +818,16 @@ impl Subscription {
                     continue;
                 }
             }
-            let done = if let Some(bits) = ack_set {
+            let done = if let Some(mut bits) = ack_set {
+                // Messages the compacted view removed count as acknowledged.
+                if let Some(mask) = st.masks.get(&pos) {
+                    for (b, m) in bits
+                        .iter_mut()
+                        .zip(mask.iter().chain(std::iter::repeat(&0)))
+                    {
+                        *b &= m;
+                    }
+                }
                 st.cursor.ack_batch_index(pos, &bits).await?
             } else {
                 st.cursor.ack(pos).await?;
@@ -752,6 +837,7 @@ impl Subscription {
                 st.unpend(pos);
                 st.redeliver.remove(&pos);
                 st.redelivery_counts.remove(&pos);
+                st.masks.remove(&pos);
             }
         }
         let unblocked = blocked_count(&st) < blocked_before;
@@ -814,8 +900,22 @@ impl Subscription {
     /// The entry before `pos` in the log (`None` at the start of the log).
     async fn previous_position(&self, pos: Position) -> Option<Position> {
         let ml = &self.topic.ml;
-        let i = ml.index_of(pos).await?;
-        ml.position_at(i.checked_sub(1)?).await
+        match ml.index_of(pos).await {
+            Some(i) => ml.position_at(i.checked_sub(1)?).await,
+            // A compacted view's entry in a ledger trimmed since.
+            None if self.in_compacted_view(pos) => pos.before(),
+            None => None,
+        }
+    }
+
+    /// Whether `pos` is covered by the compacted view this subscription reads.
+    fn in_compacted_view(&self, pos: Position) -> bool {
+        self.read_compacted
+            && self
+                .topic
+                .compaction
+                .view()
+                .is_some_and(|v| pos <= v.horizon)
     }
 
     /// Puts a consumer's unacknowledged entries (all of them, or those listed) back for
@@ -1261,8 +1361,8 @@ impl Subscription {
             }
         }
         if !wanted.is_empty() {
-            let ml = &self.topic.ml;
-            let reads = futures::future::join_all(wanted.iter().map(|(p, _)| ml.read(*p))).await;
+            let reads =
+                futures::future::join_all(wanted.iter().map(|(p, _)| self.read_again(*p))).await;
             if let Some((p, e)) = wanted
                 .iter()
                 .zip(&reads)
@@ -1284,8 +1384,19 @@ impl Subscription {
                 return Err(e);
             }
             for ((p, n), r) in wanted.into_iter().zip(reads) {
-                if let Ok(b) = r {
-                    entries.push((p, b, n));
+                match r {
+                    Ok(Some((b, mask))) => {
+                        if let Some(m) = mask {
+                            st.masks.insert(p, m);
+                        }
+                        entries.push((p, b, n));
+                    }
+                    // A later compaction removed it: its key has a newer message.
+                    Ok(None) => {
+                        st.redelivery_counts.remove(&p);
+                        st.masks.remove(&p);
+                    }
+                    Err(_) => {}
                 }
             }
         }
@@ -1299,11 +1410,7 @@ impl Subscription {
             budget.saturating_sub(entries.len())
         };
         if fresh_max > 0 {
-            let fresh = st
-                .cursor
-                .read_entries(fresh_max)
-                .await
-                .map_err(BrokerError::from)?;
+            let fresh = self.read_fresh(&mut st, fresh_max).await?;
             for (p, b) in fresh {
                 if st.pending.contains_key(&p) {
                     continue;
@@ -1379,7 +1486,18 @@ impl Subscription {
                 dead.push((pos, entry, redeliveries));
                 continue;
             }
-            let ack_set = st.cursor.batch_ack_set(pos).map(<[u64]>::to_vec);
+            // What is still unacknowledged of a batch, less what the compacted view removed.
+            let ack_set = match (st.cursor.batch_ack_set(pos), st.masks.get(&pos)) {
+                (Some(acks), Some(mask)) => Some(
+                    acks.iter()
+                        .zip(mask.iter().chain(std::iter::repeat(&0)))
+                        .map(|(a, m)| a & m)
+                        .collect(),
+                ),
+                (Some(acks), None) => Some(acks.to_vec()),
+                (None, Some(mask)) => Some(mask.clone()),
+                (None, None) => None,
+            };
             // A partly acknowledged batch costs only the messages left in it.
             let messages = match &ack_set {
                 Some(bits) => bits.iter().map(|w| w.count_ones()).sum::<u32>().max(1),
@@ -1466,6 +1584,77 @@ impl Subscription {
         metrics::counter!("meridian_dispatch_messages_total").increment(out_msgs);
         metrics::counter!("meridian_dispatch_bytes_total").increment(out_bytes);
         Ok(sent)
+    }
+
+    /// Reads up to `max` new entries: from the compacted view while the read position is
+    /// before its horizon (for a compacted reader), then from the log.
+    async fn read_fresh(
+        &self,
+        st: &mut State,
+        max: usize,
+    ) -> Result<Vec<(Position, Bytes)>, BrokerError> {
+        let view = self.topic.compaction.view().filter(|v| {
+            self.read_compacted && st.cursor.read_position().is_none_or(|r| r < v.horizon)
+        });
+        if let Some(v) = view {
+            let mut from = v.first_after(st.cursor.read_position()).await?;
+            let mut prev = st.cursor.read_position();
+            loop {
+                let to = (from + max as u64).min(v.entries);
+                let read = futures::future::join_all((from..to).map(|i| v.read(i))).await;
+                let mut out = Vec::new();
+                for e in read {
+                    let e = e?;
+                    if self.durable {
+                        // What the view skipped was replaced by later messages of its keys:
+                        // it counts as acknowledged, so the backlog and mark-delete move on.
+                        st.cursor.ack_between(prev, e.position).await;
+                    }
+                    prev = Some(e.position);
+                    st.cursor.set_read_after(e.position);
+                    if st.cursor.is_acknowledged(e.position) {
+                        continue;
+                    }
+                    if let Some(m) = e.mask {
+                        st.masks.insert(e.position, m);
+                    }
+                    out.push((e.position, e.bytes));
+                }
+                if to >= v.entries {
+                    // The view is read: the log goes on after its horizon.
+                    if self.durable {
+                        let past = Position::new(v.horizon.ledger_id, v.horizon.entry_id + 1);
+                        st.cursor.ack_between(prev, past).await;
+                    }
+                    st.cursor.set_read_after(v.horizon);
+                }
+                if !out.is_empty() {
+                    return Ok(out);
+                }
+                if to >= v.entries {
+                    break;
+                }
+                from = to;
+            }
+        }
+        Ok(st.cursor.read_entries(max).await?)
+    }
+
+    /// An entry to dispatch again, with the view's mask for a compacted reader; `None` if the
+    /// compacted view no longer retains it.
+    async fn read_again(
+        &self,
+        pos: Position,
+    ) -> Result<Option<(Bytes, Option<Vec<u64>>)>, BrokerError> {
+        if let Some(v) = self
+            .topic
+            .compaction
+            .view()
+            .filter(|v| self.read_compacted && pos <= v.horizon)
+        {
+            return Ok(v.find(pos).await?.map(|e| (e.bytes, e.mask)));
+        }
+        Ok(Some((self.topic.ml.read(pos).await?, None)))
     }
 
     /// The consumer the next entry goes to, if any may take it.
