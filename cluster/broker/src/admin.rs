@@ -30,7 +30,15 @@ fn admin_error(e: BrokerError) -> AdminError {
     }
 }
 
-fn to_pb(s: TopicStats, terminated: bool) -> pb::TopicStats {
+fn to_pb(s: TopicStats, terminated: bool, t: &Topic) -> pb::TopicStats {
+    let last = t.compaction.last_run();
+    let compaction = pb::TopicCompactionStats {
+        status: t.compaction.status().name().to_string(),
+        last_succeed_ms: last.last_succeed_ms,
+        last_failed_ms: last.last_failed_ms,
+        last_duration_ms: last.last_duration_ms,
+        last_removed_messages: last.last_removed_messages,
+    };
     pb::TopicStats {
         topic: s.topic,
         msg_rate_in: s.msg_rate_in,
@@ -44,6 +52,7 @@ fn to_pb(s: TopicStats, terminated: bool) -> pb::TopicStats {
         producers: s.producers as u32,
         terminated,
         backlog_quota_exceeded: s.backlog_quota_exceeded.unwrap_or_default(),
+        compaction: Some(compaction),
         subscriptions: s
             .subscriptions
             .into_iter()
@@ -122,6 +131,12 @@ async fn internal_stats(t: &Arc<Topic>) -> Result<pb::TopicInternalStats, Broker
             })
             .collect(),
         cursors,
+        compacted_ledger: t.compaction.view().map(|v| pb::CompactedLedgerStats {
+            ledger_id: v.ledger_id,
+            entries: v.entries,
+            bytes: v.bytes,
+            horizon: show_position(Some(v.horizon)),
+        }),
     })
 }
 
@@ -212,7 +227,7 @@ impl TopicOps for BrokerTopics {
             let name = self.name(&topic)?;
             let t = self.0.topic(&name, false).await.map_err(admin_error)?;
             let terminated = t.ml.is_terminated().await;
-            Ok(to_pb(t.stats().await, terminated))
+            Ok(to_pb(t.stats().await, terminated, &t))
         }
         .boxed()
     }
@@ -232,7 +247,7 @@ impl TopicOps for BrokerTopics {
             let mut out: Vec<pb::TopicStats> = futures::stream::iter(topics)
                 .map(|t| async move {
                     let terminated = t.terminated.load(std::sync::atomic::Ordering::Acquire);
-                    to_pb(t.stats().await, terminated)
+                    to_pb(t.stats().await, terminated, &t)
                 })
                 .buffer_unordered(64)
                 .collect()

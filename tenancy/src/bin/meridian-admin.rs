@@ -1556,7 +1556,11 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                 "storage_bytes": s.storage_bytes, "producers": s.producers,
                 "terminated": s.terminated, "subscriptions": subs,
                 "backlog_quota_exceeded": (!s.backlog_quota_exceeded.is_empty())
-                    .then_some(&s.backlog_quota_exceeded)});
+                    .then_some(&s.backlog_quota_exceeded),
+                "compaction": s.compaction.as_ref().map(|c| json!({"status": c.status,
+                    "last_succeed_ms": c.last_succeed_ms, "last_failed_ms": c.last_failed_ms,
+                    "last_duration_ms": c.last_duration_ms,
+                    "last_removed_messages": c.last_removed_messages}))});
             print(out, &v, || {
                 let mut t = rows(&[
                     ("topic", s.topic.clone()),
@@ -1820,6 +1824,9 @@ fn print_internal_stats(out: Output, r: &InternalStatsList) {
                     "cursor_ledger": c.cursor_ledger, "backlog_entries": c.backlog_entries,
                     "unacked_entries": c.unacked_entries, "consumers": c.consumers}))
                     .collect::<Vec<_>>(),
+                "compacted_ledger": t.compacted_ledger.as_ref().map(|c| json!({
+                    "ledger_id": c.ledger_id, "entries": c.entries, "bytes": c.bytes,
+                    "horizon": c.horizon})),
             })
         })
         .collect();
@@ -1862,6 +1869,16 @@ fn print_internal_stats(out: Output, r: &InternalStatsList) {
                     c.individually_deleted_ranges,
                     c.backlog_entries,
                     c.cursor_ledger.map_or_else(|| "-".to_string(), |l| l.to_string())
+                ));
+            }
+            if let Some(c) = &t.compacted_ledger {
+                lines.push(format!(
+                    "  compacted through {}  ledger {}  {} entries  {} bytes",
+                    c.horizon,
+                    c.ledger_id
+                        .map_or_else(|| "-".to_string(), |l| l.to_string()),
+                    c.entries,
+                    c.bytes
                 ));
             }
         }
