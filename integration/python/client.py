@@ -15,6 +15,23 @@ stdout sees progress as it happens (and sees what was acknowledged before a kill
       prints {"i": I, "id": "...", "redelivery": R} per message
   read URL TOPIC [--from earliest|latest|ID_HEX] [--count N]
       a reader; prints {"i": I, "id": HEX} per message, then {"done": n}
+  keyed-produce URL TOPIC (--messages JSON | --count N --keys K [--size S]) [--batch]
+          [--flush-every M]
+      keyed messages for compaction: JSON is a list of [KEY, VALUE] (KEY null: no partition
+      key; VALUE "": an empty payload, a tombstone) and "flush" entries (with --batch a batch
+      holds what lies between two flushes); --count N makes [kN%K, vN padded to S bytes];
+      prints {"n": N, "key": K, "value": V, "id": "L:E" or "L:E:I"} per message in send
+      order once all are acknowledged, then {"done": N}
+  compacted-read URL TOPIC [--sub SUB --type exclusive|failover|shared|key_shared
+          [--ack none|individual|cumulative] [--batch-index-ack] [--name NAME]]
+          [--from earliest|latest|L:E[:I]] [--plain] [--count N] [--first-ms T] [--idle-ms T]
+          [--extra-ms T] [--check-available]
+      a reader (no --sub) or a durable consumer from the earliest message, with read_compacted
+      (unless --plain); prints {"subscribed": ...} or {"subscribe_failed": REASON}, then
+      {"key": K or null, "value": V, "id": "L:E[:I]", "redelivery": R} per message until N
+      were received or none came for T ms (--first-ms for the first); with --count and
+      --extra-ms, one more receive shows a message beyond N (not acknowledged); then
+      {"done": n}. --check-available (reader) prints {"has_message_available": B} first
 """
 import argparse
 import datetime
@@ -667,6 +684,139 @@ def semantics(a):
     c.close()
 
 
+def msg_id_str(mid):
+    """ledger:entry, or ledger:entry:batch_index for a message of a batch."""
+    i = mid.batch_index()
+    if i < 0:
+        return "%d:%d" % (mid.ledger_id(), mid.entry_id())
+    return "%d:%d:%d" % (mid.ledger_id(), mid.entry_id(), i)
+
+
+def msg_id_parse(s):
+    """earliest, latest, or ledger:entry[:batch_index], as a message id to start from."""
+    if s == "earliest":
+        return pulsar.MessageId.earliest
+    if s == "latest":
+        return pulsar.MessageId.latest
+    parts = [int(x) for x in s.split(":")]
+    batch = parts[2] if len(parts) > 2 else -1
+    return pulsar.MessageId(-1, parts[0], parts[1], batch)._msg_id
+
+
+def keyed_produce(a):
+    """Keyed messages (and tombstones: empty payloads) for compaction tests; see the module
+    docstring. Exits non-zero if a send fails."""
+    c = client(a.url)
+    kw = dict(block_if_queue_full=True, max_pending_messages=2000)
+    if a.batch:
+        # A batch is sent at a "flush" entry (or every --flush-every messages), not by time.
+        kw.update(batching_enabled=True, batching_max_messages=1000,
+                  batching_max_allowed_size_in_bytes=4 << 20, batching_max_publish_delay_ms=60000)
+    else:
+        kw.update(batching_enabled=False)
+    p = c.create_producer(a.topic, **kw)
+    if a.messages is not None:
+        items = json.loads(a.messages)
+    else:
+        items = []
+        for n in range(a.count):
+            items.append(["k%d" % (n % a.keys), ("v%d" % n).ljust(a.size, "x")])
+            if a.flush_every and (n + 1) % a.flush_every == 0:
+                items.append("flush")
+    sent = []  # [key, value, id]: the id is set by the receipt
+    failed = []
+
+    def done(res, msg_id, rec):
+        if res == pulsar.Result.Ok:
+            rec[2] = msg_id_str(msg_id)
+        else:
+            failed.append("%s: %s" % (rec[0], res))
+
+    for item in items:
+        if item == "flush":
+            p.flush()
+            continue
+        key, value = item
+        rec = [key, value, None]
+        sent.append(rec)
+        skw = {} if key is None else {"partition_key": key}
+        p.send_async(value.encode(), lambda res, mid, rec=rec: done(res, mid, rec), **skw)
+    p.flush()
+    deadline = time.time() + 30
+    while not failed and any(r[2] is None for r in sent) and time.time() < deadline:
+        time.sleep(0.01)
+    if failed or any(r[2] is None for r in sent):
+        out({"failed": failed, "unanswered": sum(1 for r in sent if r[2] is None)})
+        c.close()
+        raise SystemExit("keyed-produce: sends failed or unanswered")
+    for n, (key, value, mid) in enumerate(sent):
+        out({"n": n, "key": key, "value": value, "id": mid})
+    out({"done": len(sent)})
+    c.close()
+
+
+def compacted_read(a):
+    """A reader or a durable consumer with read_compacted (or without, --plain); see the
+    module docstring."""
+    c = client(a.url)
+    compacted = not a.plain
+    types = {
+        "exclusive": pulsar.ConsumerType.Exclusive,
+        "failover": pulsar.ConsumerType.Failover,
+        "shared": pulsar.ConsumerType.Shared,
+        "key_shared": pulsar.ConsumerType.KeyShared,
+    }
+    try:
+        if a.sub:
+            kw = {"consumer_name": a.name} if a.name else {}
+            r = c.subscribe(a.topic, a.sub, consumer_type=types[a.type], is_read_compacted=compacted,
+                            initial_position=pulsar.InitialPosition.Earliest,
+                            batch_index_ack_enabled=a.batch_index_ack, **kw)
+            receive = r.receive
+        else:
+            r = c.create_reader(a.topic, msg_id_parse(a.start), is_read_compacted=compacted)
+            receive = r.read_next
+    except pulsar.PulsarException as e:
+        out({"subscribe_failed": "%s: %s" % (type(e).__name__, e)})
+        c.close()
+        return
+    out({"subscribed": a.sub or "reader"})
+    if a.check_available and not a.sub:
+        out({"checking_available": True})
+        out({"has_message_available": r.has_message_available()})
+
+    def show(m, extra=False):
+        line = {"key": m.partition_key() or None, "value": m.data().decode("utf-8", "replace"),
+                "id": msg_id_str(m.message_id()), "redelivery": m.redelivery_count()}
+        if extra:
+            line["extra"] = True
+        out(line)
+
+    n = 0
+    timeout = a.first_ms
+    while a.count is None or n < a.count:
+        try:
+            m = receive(timeout)
+        except pulsar.Timeout:
+            break
+        timeout = a.idle_ms
+        show(m)
+        n += 1
+        if a.sub and a.ack == "individual":
+            r.acknowledge(m)
+        elif a.sub and a.ack == "cumulative":
+            r.acknowledge_cumulative(m)
+    if a.count is not None and n >= a.count and a.extra_ms > 0:
+        try:
+            show(receive(a.extra_ms), extra=True)
+            n += 1
+        except pulsar.Timeout:
+            pass
+    out({"done": n})
+    r.close()
+    c.close()
+
+
 def main():
     ap = argparse.ArgumentParser()
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -754,6 +904,33 @@ def main():
     p.add_argument("topic")
     p.add_argument("name")
     p.set_defaults(fn=scenario)
+    p = sub.add_parser("keyed-produce")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("--messages")
+    p.add_argument("--count", type=int, default=0)
+    p.add_argument("--keys", type=int, default=1)
+    p.add_argument("--size", type=int, default=0)
+    p.add_argument("--batch", action="store_true")
+    p.add_argument("--flush-every", type=int, default=0)
+    p.set_defaults(fn=keyed_produce)
+    p = sub.add_parser("compacted-read")
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("--sub")
+    p.add_argument("--type", default="exclusive",
+                   choices=["exclusive", "failover", "shared", "key_shared"])
+    p.add_argument("--ack", default="individual", choices=["none", "individual", "cumulative"])
+    p.add_argument("--batch-index-ack", action="store_true")
+    p.add_argument("--name")
+    p.add_argument("--from", dest="start", default="earliest")
+    p.add_argument("--plain", action="store_true")
+    p.add_argument("--count", type=int)
+    p.add_argument("--first-ms", type=int, default=10000)
+    p.add_argument("--idle-ms", type=int, default=10000)
+    p.add_argument("--extra-ms", type=int, default=0)
+    p.add_argument("--check-available", action="store_true")
+    p.set_defaults(fn=compacted_read)
     a = ap.parse_args()
     a.fn(a)
 

@@ -323,7 +323,13 @@ impl TopicOps for BrokerTopics {
                 )));
             }
             for t in &topics {
-                compaction::start(t);
+                // A request that came in meanwhile may have started it.
+                if !compaction::start(t) {
+                    return Err(AdminError::AlreadyExists(format!(
+                        "Compaction already in progress for {}",
+                        t.full_name()
+                    )));
+                }
             }
             Ok(())
         }
