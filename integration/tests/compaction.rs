@@ -20,9 +20,9 @@
 //!   compacted reads, exclusive and failover.
 //! - A consumer that reconnects may get again, with a redelivery count, what it had received
 //!   but not acknowledged: ids and values are compared, not redelivery counts.
-//! - Backlog 0 after batch-index acks: every batch of that topic keeps at least one item (an
-//!   entry compaction removes whole is never delivered, so nothing acknowledges it; Pulsar
-//!   leaves it in a durable subscription's backlog too).
+//! - Backlog 0 after acknowledging what was received: a durable compacted subscription counts
+//!   what the view skipped (earlier versions, tombstones, entries removed whole) as
+//!   acknowledged. Pulsar leaves those in its backlog; Meridian does not.
 //! - `compaction-status` exits 1 with ERROR in the JSON mode as well; ERROR is provoked with
 //!   `broker.compaction_keys_max` below a topic's number of distinct keys.
 //! - The `__compaction` cursor is listed by `topics stats-internal` once a threshold applies.
@@ -593,6 +593,15 @@ fn durable_compacted_subscriptions_resume_without_gap_or_duplicate_and_the_view_
             &["--sub", sub, "--type", ty, "--ack", ack],
             &v[k..],
         );
+        // What the view skipped (earlier versions, the tombstone) counts as acknowledged.
+        wait_for(
+            &format!("{sub} has no backlog"),
+            Duration::from_secs(10),
+            || match site.backlog(t, sub) {
+                Some(0) => Ok(()),
+                other => Err(format!("backlog {other:?}")),
+            },
+        );
     }
 
     step("messages after the horizon: each subscription gets them, nothing else");
@@ -626,6 +635,14 @@ fn durable_compacted_subscriptions_resume_without_gap_or_duplicate_and_the_view_
     site.expect_read("reader-2", t, &[], &v2);
     site.expect_read("fo2", t, &["--sub", "fo2", "--type", "failover"], &v2);
     site.expect_read("plain", t, &["--plain"], &all);
+    for (sub, ty, ack, _) in subs {
+        site.expect_read(
+            &format!("{sub}-after-restart"),
+            t,
+            &["--sub", sub, "--type", ty, "--ack", ack],
+            &[],
+        );
+    }
     assert_eq!(
         site.status_text(t),
         format!("Compaction has not been run for {t} since broker startup")
@@ -635,7 +652,11 @@ fn durable_compacted_subscriptions_resume_without_gap_or_duplicate_and_the_view_
 
 #[test]
 fn compaction_admin_texts_concurrent_requests_errors_unknown_and_tombstone_only_topics_delete() {
-    let site = Site::start(&[("MERIDIAN_BROKER_COMPACTION_KEYS_MAX", "100")]);
+    let site = Site::start(&[
+        ("MERIDIAN_BROKER_COMPACTION_KEYS_MAX", "100"),
+        // Each run lasts at least 1 s: concurrent requests certainly meet one.
+        ("MERIDIAN_TEST_FAILPOINTS", "compaction:pause_1s"),
+    ]);
     let t = "persistent://public/default/adm";
     step("3,000 messages over 50 keys; not compacted yet");
     let mut published = site.publish_args("p-1", t, &["--count", "3000", "--keys", "50"]);
@@ -861,7 +882,7 @@ fn compaction_thresholds_compact_topics_by_themselves_the_topic_policy_over_the_
 
 #[test]
 fn with_retention_0_consumed_ledgers_stay_until_a_compaction_covers_them() {
-    let site = Site::start(&[
+    let mut site = Site::start(&[
         ("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200"),
         ("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "5"),
         ("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0"),
@@ -953,7 +974,152 @@ fn with_retention_0_consumed_ledgers_stay_until_a_compaction_covers_them() {
     assert_eq!(v.len(), 10, "the test's own expectation: {v:?}");
     site.expect_read("reader", t, &[], &v);
 
+    step("a durable compacted subscription created after the trim: the view (partly in trimmed ledgers), all acknowledged, nothing again after kill -9");
+    let late = ["--sub", "late", "--type", "exclusive"];
+    site.expect_read("late-1", t, &late, &v);
+    wait_for(
+        "late acknowledged everything",
+        Duration::from_secs(10),
+        || match site.backlog(t, "late") {
+            Some(0) => Ok(()),
+            other => Err(format!("backlog {other:?}")),
+        },
+    );
+    // Acknowledgements are persisted within broker.cursor_persist_interval_ms.
+    std::thread::sleep(Duration::from_millis(1000));
+    site.s.kill9().unwrap();
+    site.s.start().unwrap();
+    site.expect_read("late-2", t, &late, &[]);
+    assert_eq!(site.backlog(t, "late"), Some(0));
+
+    step("compaction's own subscription is moved by compaction only");
+    let c = "__compaction";
+    for args in [
+        vec!["topics", "clear-backlog", t, "-s", c],
+        vec!["topics", "skip", t, "-s", c, "-n", "1"],
+        vec!["topics", "expire-messages", t, "-s", c, "-t", "1"],
+        vec!["topics", "reset-cursor", t, "-s", c, "-m", "earliest"],
+    ] {
+        site.refused(&args, "FailedPrecondition");
+    }
+
     step("the topic can be deleted");
     site.ok(&["topics", "delete", t, "--force"]);
     site.refused(&["topics", "stats", t], "NotFound");
+}
+
+/// The embedded metadata store's address (`addresses.json` in the data directory).
+fn metadata_addr(site: &Site) -> String {
+    let a: Value = serde_json::from_slice(
+        &std::fs::read(site.s.data_dir.join("addresses.json")).expect("addresses.json"),
+    )
+    .expect("addresses.json is JSON");
+    a["metadata"]
+        .as_str()
+        .expect("metadata address")
+        .to_string()
+}
+
+/// Whether ledger `id` still exists (`meridian ledger show`).
+fn ledger_exists(site: &Site, id: u64) -> bool {
+    let addr = metadata_addr(site);
+    let (code, out, err) = meridian_integration::run_cli(&[
+        "ledger",
+        "show",
+        &id.to_string(),
+        "--metadata",
+        &addr,
+        "--json",
+    ])
+    .expect("meridian ledger show runs");
+    assert!(
+        code == 0 || format!("{out}{err}").contains("does not exist"),
+        "ledger show {id}: {out}{err}"
+    );
+    code == 0
+}
+
+/// `stats-internal`: (compacted ledger, horizon, the `__compaction` cursor's mark-delete).
+fn compacted_state(site: &Site, t: &str) -> (Option<u64>, String, String) {
+    let st = site.json(&["topics", "stats-internal", t]);
+    let c = &st["compacted_ledger"];
+    let md = st["cursors"]
+        .as_array()
+        .and_then(|cs| cs.iter().find(|c| c["name"] == "__compaction"))
+        .and_then(|c| c["mark_delete_position"].as_str())
+        .unwrap_or_else(|| panic!("no __compaction cursor in {st}"))
+        .to_string();
+    let horizon = c["horizon"].as_str().unwrap_or_default().to_string();
+    (c["ledger_id"].as_u64(), horizon, md)
+}
+
+/// Restarts the standalone (kill -9) with the fail points `points` armed ("" for none).
+fn restart_with(site: &mut Site, points: &str) {
+    site.s.kill9().unwrap();
+    site.s.env("MERIDIAN_TEST_FAILPOINTS", points);
+    site.s.start().unwrap();
+}
+
+#[test]
+fn a_compaction_that_fails_before_or_after_its_commit_leaves_one_whole_view_and_no_orphan_ledger() {
+    let mut site = Site::start(&[("MERIDIAN_TEST_FAILPOINTS", "compaction:before_commit")]);
+    let t = "persistent://public/default/crashes";
+    let first = site.publish("p1", t, &rounds(6, 2), false);
+
+    step("a run that fails before its commit: no view, and the ledger it wrote is deleted");
+    site.compact(t);
+    let (code, out, _) = site.admin(&["topics", "compaction-status", t, "-w"]);
+    assert_eq!(code, 1, "{out}");
+    assert!(out.contains("compaction:before_commit"), "{out}");
+    let (ledger, horizon, _) = compacted_state(&site, t);
+    assert_eq!((ledger, horizon.as_str()), (None, ""));
+    let log = site.s.log_text();
+    let abandoned: u64 = log
+        .lines()
+        .find_map(|l| l.split("abandoned compacted ledger ").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|id| id.parse().ok())
+        .unwrap_or_else(|| panic!("no abandoned ledger in the log"));
+    assert!(
+        !ledger_exists(&site, abandoned),
+        "ledger {abandoned} is left"
+    );
+    site.expect_read("reader-1", t, &[], &first);
+
+    step("restarted without the fail point: a run commits");
+    restart_with(&mut site, "");
+    site.compact_and_wait(t);
+    site.expect_read("reader-2", t, &[], &view(&first));
+    let (l1, h1, md1) = compacted_state(&site, t);
+    let l1 = l1.expect("a compacted ledger");
+    assert_eq!(md1, h1, "__compaction is at the horizon");
+
+    step("a run that fails after its commit: the new view serves; __compaction lags");
+    restart_with(&mut site, "compaction:after_commit");
+    let second = site.publish("p2", t, &rounds(6, 1)[..4], false);
+    site.compact(t);
+    let (code, out, _) = site.admin(&["topics", "compaction-status", t, "-w"]);
+    assert_eq!(code, 1, "{out}");
+    let all = [first, second].concat();
+    site.expect_read("reader-3", t, &[], &view(&all));
+    let (l2, h2, md2) = compacted_state(&site, t);
+    let l2 = l2.expect("a compacted ledger");
+    assert_ne!(l2, l1);
+    assert_ne!(h2, h1);
+    assert_eq!(md2, h1, "__compaction was not moved by the failed run");
+    assert!(ledger_exists(&site, l1), "the earlier view's ledger waits");
+
+    step("kill -9 and restart: the load moves __compaction and deletes the earlier ledger");
+    restart_with(&mut site, "");
+    site.expect_read("reader-4", t, &[], &view(&all));
+    let (l3, h3, md3) = compacted_state(&site, t);
+    assert_eq!(
+        (l3, h3.as_str(), md3.as_str()),
+        (Some(l2), h2.as_str(), h2.as_str())
+    );
+    assert!(
+        !ledger_exists(&site, l1),
+        "ledger {l1} of the earlier view is left"
+    );
+    assert!(ledger_exists(&site, l2));
 }

@@ -41,6 +41,11 @@ pub struct CompactedEntryError(pub String);
 impl CompactedEntry {
     pub fn encode(&self) -> Bytes {
         let words = self.mask.as_deref().unwrap_or(&[]);
+        debug_assert!(
+            words.len() <= MASK_WORDS_MAX as usize,
+            "mask of {} words",
+            words.len()
+        );
         let mut b = BytesMut::with_capacity(21 + words.len() * 8 + self.bytes.len());
         b.put_u8(VERSION);
         b.put_u64(self.position.ledger_id);

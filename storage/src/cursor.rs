@@ -548,7 +548,10 @@ impl ManagedCursor {
         while let (Some(n), Some((lo, hi))) =
             (self.next_after(self.mark_delete).await, self.ranges.first())
         {
-            if n != lo {
+            // A range that starts before the next entry of the log covers it, or names only
+            // positions the log does not have (a compacted view's entries in trimmed
+            // ledgers): either way the mark-delete position moves over it.
+            if lo > n {
                 break;
             }
             self.ranges.remove_through(hi);
@@ -800,8 +803,11 @@ impl ManagedCursor {
         // A position of the log: the entry before it. One before the log's first entry (in
         // a trimmed ledger, as a compacted view's entries may be): the position just before
         // it, so nothing before it counts as unread.
+        let last = self.ml.last_confirmed();
         self.mark_delete = match self.ml.index_of(pos).await.and_then(|i| i.checked_sub(1)) {
             Some(i) => self.ml.position_at(i).await,
+            // Past the end of the log: from the next entry appended.
+            None if last.is_some_and(|l| pos > l) => last,
             None => pos.before(),
         };
         self.read_after = self.mark_delete;

@@ -690,10 +690,14 @@ impl ManagedLedger {
     /// The index of `pos` in the log (0 for its first entry still kept).
     pub async fn index_of(&self, pos: Position) -> Option<u64> {
         let ledgers = self.ledgers().await;
-        let mut base = 0;
+        let mut base: u64 = 0;
         for l in &ledgers {
             if l.ledger_id == pos.ledger_id {
-                return Some(base + pos.entry_id);
+                // A position past a closed ledger's end names no entry.
+                if l.entries.is_some_and(|n| pos.entry_id >= n) {
+                    return None;
+                }
+                return base.checked_add(pos.entry_id);
             }
             base += l.entries.unwrap_or(0);
         }
@@ -934,12 +938,14 @@ fn next_in(ledgers: &[LedgerInfo], pos: Position) -> Option<Position> {
             .find(|l| l.ledger_id > pos.ledger_id && l.entries.is_none_or(|n| n > 0))
             .map(|l| Position::new(l.ledger_id, 0));
     };
-    let in_ledger = match ledgers[i].entries {
-        Some(n) => pos.entry_id + 1 < n,
-        None => true,
+    let next = pos.entry_id.checked_add(1);
+    let in_ledger = match (ledgers[i].entries, next) {
+        (_, None) => false,
+        (Some(n), Some(e)) => e < n,
+        (None, Some(_)) => true,
     };
-    if in_ledger {
-        return Some(Position::new(pos.ledger_id, pos.entry_id + 1));
+    if let (true, Some(e)) = (in_ledger, next) {
+        return Some(Position::new(pos.ledger_id, e));
     }
     ledgers[i + 1..]
         .iter()
@@ -976,5 +982,16 @@ mod tests {
         assert_eq!(next_in(&chain, p(3, 9)), Some(p(5, 0)));
         assert_eq!(next_in(&chain, p(7, 0)), Some(p(8, 0)));
         assert_eq!(next_in(&chain, p(9, 0)), None, "past the chain");
+    }
+
+    #[test]
+    fn the_position_before_one_may_name_no_entry_and_next_in_never_overflows() {
+        let p = Position::new;
+        assert_eq!(p(4, 3).before(), Some(p(4, 2)));
+        assert_eq!(p(4, 0).before(), Some(p(3, u64::MAX)));
+        assert_eq!(p(0, 0).before(), None);
+        let chain = [ledger(5, Some(0)), ledger(6, Some(3)), ledger(8, None)];
+        assert_eq!(next_in(&chain, p(5, u64::MAX)), Some(p(6, 0)));
+        assert_eq!(next_in(&chain, p(8, u64::MAX)), None);
     }
 }

@@ -892,6 +892,67 @@ mod cursors {
         }
         store.shutdown().await;
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_trimmed_log_then_positions_before_it_fold_skipped_ranges_ack_and_seeks_land_right(
+    ) {
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        let opts = ManagedLedgerOptions {
+            rollover_entries_max: 100,
+            ..Default::default()
+        };
+        let ml = ManagedLedger::open(client.clone(), "acme/view/p0", opts)
+            .await
+            .expect("open");
+        let mut pos = Vec::new();
+        for i in 0..250u64 {
+            pos.push(ml.append(payload(i)).await.expect("append"));
+        }
+        ml.trim(pos[200]).await.expect("trim");
+        assert_eq!(ml.first_position().await, Some(pos[200]));
+        step("an acknowledgement of a trimmed position (a compacted view's) moves mark-delete");
+        let mut c = ManagedCursor::non_durable(Arc::clone(&ml), InitialPosition::Earliest).await;
+        c.ack(pos[50]).await.expect("ack");
+        assert_eq!(c.mark_delete(), Some(pos[50]));
+        step("entries a compacted view skipped are acknowledged, across a trimmed ledger");
+        c.ack_between(Some(pos[50]), pos[210]).await;
+        assert_eq!(c.mark_delete(), Some(pos[209]));
+        assert_eq!(c.backlog().await.entries, 40);
+        c.ack(pos[230]).await.expect("ack");
+        c.ack_between(
+            Some(pos[230]),
+            Position::new(pos[249].ledger_id, pos[249].entry_id + 1),
+        )
+        .await;
+        assert_eq!(
+            c.mark_delete(),
+            Some(pos[209]),
+            "210..=229 are not acknowledged"
+        );
+        assert_eq!(c.backlog().await.entries, 20);
+        c.ack_between(Some(pos[209]), pos[230]).await;
+        assert_eq!(c.mark_delete(), Some(pos[249]));
+        assert_eq!(c.backlog().await.entries, 0);
+        step("a reset to a trimmed position reads from the first entry kept");
+        c.reset_to_position(pos[30]).await.expect("reset");
+        let read = c.read_entries(5).await.expect("read");
+        assert_eq!(read.first().map(|e| e.0), Some(pos[200]));
+        assert_eq!(c.backlog().await.entries, 50);
+        step("a reset past the end reads what is appended next, and nothing before");
+        let beyond = Position::new(pos[249].ledger_id + 7, 3);
+        c.reset_to_position(beyond).await.expect("reset");
+        assert_eq!(c.mark_delete(), Some(pos[249]));
+        assert!(c.read_entries(5).await.expect("read").is_empty());
+        let p = ml.append(payload(250)).await.expect("append");
+        assert_eq!(
+            c.read_entries(5).await.expect("read"),
+            vec![(p, payload(250))]
+        );
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
 }
 
 mod disk_full {

@@ -147,6 +147,21 @@ impl BrokerTopics {
     fn name(&self, topic: &str) -> Result<TopicName, AdminError> {
         self.0.check_topic(topic).map_err(admin_error)
     }
+
+    /// A subscription an admin call may move (skip, clear, expire, reset): not compaction's,
+    /// which only compaction moves (moved by hand, retention could trim what no view covers).
+    async fn movable(
+        &self,
+        topic: &str,
+        subscription: &str,
+    ) -> Result<Arc<crate::broker::Subscription>, AdminError> {
+        if subscription == compaction::COMPACTION_SUBSCRIPTION {
+            return Err(AdminError::FailedPrecondition(format!(
+                "{subscription} is moved by topic compaction only (`topics compact {topic}`)"
+            )));
+        }
+        self.subscription(topic, subscription).await
+    }
 }
 
 impl TopicOps for BrokerTopics {
@@ -513,7 +528,7 @@ impl TopicOps for BrokerTopics {
         count: Option<u64>,
     ) -> BoxFuture<'_, Result<u64, AdminError>> {
         async move {
-            let sub = self.subscription(&r.topic, &r.subscription).await?;
+            let sub = self.movable(&r.topic, &r.subscription).await?;
             sub.skip(count, r.dry_run).await.map_err(admin_error)
         }
         .boxed()
@@ -521,7 +536,7 @@ impl TopicOps for BrokerTopics {
 
     fn expire(&self, r: pb::ExpireRequest) -> BoxFuture<'_, Result<u64, AdminError>> {
         async move {
-            let sub = self.subscription(&r.topic, &r.subscription).await?;
+            let sub = self.movable(&r.topic, &r.subscription).await?;
             let cutoff =
                 crate::broker::now_ms().saturating_sub(r.expire_seconds.saturating_mul(1000));
             sub.expire_before(cutoff, r.dry_run)
@@ -535,7 +550,7 @@ impl TopicOps for BrokerTopics {
         async move {
             use crate::broker::subscription::SeekTo;
             use meridian_storage::cursor::InitialPosition;
-            let sub = self.subscription(&r.topic, &r.subscription).await?;
+            let sub = self.movable(&r.topic, &r.subscription).await?;
             let to = match r.to {
                 Some(pb::reset_cursor_request::To::PublishTimeMs(t)) => SeekTo::PublishTime(t),
                 Some(pb::reset_cursor_request::To::MessageId(id)) => match id.as_str() {

@@ -95,6 +95,9 @@ pub struct Compaction {
     status: Mutex<Status>,
     view: Mutex<Option<Arc<CompactedView>>>,
     last: Mutex<LastRun>,
+    /// The topic was closed (unloaded) or deleted: a run stops at its next step, and none
+    /// starts.
+    stopped: std::sync::atomic::AtomicBool,
 }
 
 impl Default for Compaction {
@@ -103,6 +106,7 @@ impl Default for Compaction {
             status: Mutex::new(Status::NotRun),
             view: Mutex::new(None),
             last: Mutex::new(LastRun::default()),
+            stopped: std::sync::atomic::AtomicBool::new(false),
         }
     }
 }
@@ -119,6 +123,27 @@ impl Compaction {
     /// The compacted view, if the topic was ever compacted.
     pub fn view(&self) -> Option<Arc<CompactedView>> {
         self.view.lock().expect("view lock").clone()
+    }
+
+    /// Stops runs on this topic instance (it is closed or deleted; another instance may load
+    /// the topic and compact it).
+    pub fn stop(&self) {
+        self.stopped
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+
+    /// An error if the topic was closed or deleted.
+    fn check_live(&self, topic: &Topic) -> Result<(), BrokerError> {
+        if self.stopped.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!(
+                    "{} was closed or deleted; compaction stopped",
+                    topic.full_name()
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Marks a run as started; false if one runs already.
@@ -432,8 +457,16 @@ pub(super) async fn restore(topic: &Arc<Topic>) -> Result<(), BrokerError> {
     let Some(horizon) = r.horizon else {
         return Ok(());
     };
-    let view = CompactedView::open(&topic.client, r.ledger, horizon, r.entries, r.bytes).await?;
-    *topic.compaction.view.lock().expect("view lock") = Some(Arc::new(view));
+    match CompactedView::open(&topic.client, r.ledger, horizon, r.entries, r.bytes).await {
+        Ok(view) => *topic.compaction.view.lock().expect("view lock") = Some(Arc::new(view)),
+        Err(e) => {
+            // The topic still serves; compacted readers read the log until a new compaction
+            // writes a view again.
+            tracing::error!(topic = %topic.full_name(), error = %e, "the compacted view cannot be opened; compacted readers read the log");
+            *topic.compaction.status.lock().expect("status lock") =
+                Status::Error(format!("the compacted view cannot be opened: {e}"));
+        }
+    }
     if topic
         .durable_subscriptions()
         .await?
@@ -494,6 +527,7 @@ pub(super) async fn check_threshold(topic: &Arc<Topic>, threshold: u64) -> Resul
     if topic.compaction.status() == Status::Running {
         return Ok(());
     }
+    topic.compaction.check_live(topic)?;
     topic.create_subscription(COMPACTION_SUBSCRIPTION).await?;
     let backlog = topic
         .subscription_for_admin(COMPACTION_SUBSCRIPTION)
@@ -543,12 +577,17 @@ pub fn start(topic: &Arc<Topic>) -> bool {
 
 /// One run; returns how many messages it removed.
 async fn run(topic: &Arc<Topic>) -> Result<u64, BrokerError> {
+    topic.compaction.check_live(topic)?;
     // Pins what is not compacted yet (from the first entry if it is new).
     topic.create_subscription(COMPACTION_SUBSCRIPTION).await?;
     let (record, version) = read_record(topic).await?;
     let Some(to) = topic.ml.last_confirmed() else {
         return Ok(0);
     };
+    if crate::failpoint::hit("compaction:pause_1s") {
+        // Tests: a run that certainly lasts while other requests come.
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
     let old = topic.compaction.view();
     if old.as_ref().is_some_and(|v| v.horizon >= to) {
         return Ok(0);
@@ -566,6 +605,7 @@ async fn run(topic: &Arc<Topic>) -> Result<u64, BrokerError> {
                 .map_err(|e| BrokerError::new(ServerError::NotAllowedError, e))?;
         }
     }
+    drop(src);
     // Phase 2: what is retained, to a new ledger.
     let cfg = &topic.cfg;
     let props = [
@@ -693,6 +733,9 @@ async fn run(topic: &Arc<Topic>) -> Result<u64, BrokerError> {
         )
         .await);
     }
+    if let Err(e) = topic.compaction.check_live(topic) {
+        return Err(abandon(topic, ledger, e).await);
+    }
     let version = match write_record(topic, &record_now, version).await {
         Ok(v) => v,
         Err(e) => return Err(abandon(topic, ledger, e).await),
@@ -709,11 +752,23 @@ async fn run(topic: &Arc<Topic>) -> Result<u64, BrokerError> {
         ));
     }
     // Only now may what the view covers be trimmed.
+    topic.compaction.check_live(topic)?;
     topic
         .subscription_for_admin(COMPACTION_SUBSCRIPTION)
         .await?
         .ack_through(to)
         .await?;
+    // The earlier view's ledger goes once no dispatcher reads it any more (else at the next
+    // run or load).
+    if let Some(old) = old {
+        let deadline = Instant::now() + std::time::Duration::from_secs(10);
+        while Arc::strong_count(&old) > 1 && Instant::now() < deadline {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        if Arc::strong_count(&old) > 1 {
+            return Ok(keys.messages.saturating_sub(kept));
+        }
+    }
     if !record_now.retired.is_empty() && delete_ledgers(topic, &record_now.retired).await {
         record_now.retired.clear();
         if let Err(e) = write_record(topic, &record_now, version).await {
@@ -725,7 +780,20 @@ async fn run(topic: &Arc<Topic>) -> Result<u64, BrokerError> {
 
 /// A run that will not commit: its ledger goes, and the record forgets it.
 async fn abandon(topic: &Topic, ledger: u64, e: BrokerError) -> BrokerError {
+    // A commit whose answer was lost may have been applied: then the ledger is the view.
+    match read_record(topic).await {
+        Ok((r, _)) if r.ledger == Some(ledger) => {
+            tracing::warn!(topic = %topic.full_name(), ledger, "the compaction was committed after all; its view is used from the next load");
+            return e;
+        }
+        Ok(_) => {}
+        Err(re) => {
+            tracing::warn!(topic = %topic.full_name(), ledger, error = %re, "cannot tell whether the compaction was committed; its ledger is kept");
+            return e;
+        }
+    }
     if delete_ledgers(topic, &[ledger]).await {
+        tracing::info!(topic = %topic.full_name(), "abandoned compacted ledger {ledger} deleted");
         if let Ok((mut r, v)) = read_record(topic).await {
             if r.in_progress == Some(ledger) {
                 r.in_progress = None;

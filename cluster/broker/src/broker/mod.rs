@@ -835,6 +835,7 @@ impl Topic {
     /// records. The caller forgets the topic.
     async fn delete(self: &Arc<Self>) -> Result<(), BrokerError> {
         self.producers.fence_all();
+        self.compaction.stop();
         for name in self.durable_subscriptions().await? {
             self.subscription_for_admin(&name)
                 .await?
@@ -888,6 +889,7 @@ impl Topic {
 
     /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
     pub async fn close(&self) {
+        self.compaction.stop();
         for sub in self.subscriptions().await {
             sub.close().await;
         }

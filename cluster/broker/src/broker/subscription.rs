@@ -770,7 +770,7 @@ impl Subscription {
                 pos
             };
             let behind = st.cursor.mark_delete().is_some_and(|md| named <= md);
-            if !behind && !self.in_compacted_view(named) && !self.topic.ml.contains(named).await {
+            if !behind && !self.topic.ml.contains(named).await && !self.view_has(named).await {
                 return Err(BrokerError::new(
                     ServerError::NotAllowedError,
                     format!(
@@ -864,11 +864,18 @@ impl Subscription {
             // Already checked when it was first stored.
             Some(old) => old.len() * 64,
             None => {
-                if st.cursor.is_acknowledged(pos) || !self.topic.ml.contains(pos).await {
+                let bytes = if st.cursor.is_acknowledged(pos) {
+                    None
+                } else if self.topic.ml.contains(pos).await {
+                    Some(self.topic.ml.read(pos).await?)
+                } else {
+                    // A compacted view's entry in a ledger trimmed since.
+                    self.view_entry(pos).await.map(|e| e.bytes)
+                };
+                let Some(bytes) = bytes else {
                     // Nothing to check against; the caller refuses or ignores the position.
                     return Ok(words.iter().map(|w| *w as u64).collect());
-                }
-                let bytes = self.topic.ml.read(pos).await?;
+                };
                 Entry::parse(bytes)
                     .ok()
                     .and_then(|e| e.metadata().ok())
@@ -906,6 +913,24 @@ impl Subscription {
             None if self.in_compacted_view(pos) => pos.before(),
             None => None,
         }
+    }
+
+    /// The compacted view's entry at `pos`, for a compacted reader (a position the log may
+    /// no longer have).
+    async fn view_entry(
+        &self,
+        pos: Position,
+    ) -> Option<meridian_storage::compacted::CompactedEntry> {
+        let v = self
+            .topic
+            .compaction
+            .view()
+            .filter(|_| self.read_compacted)?;
+        v.find(pos).await.ok().flatten()
+    }
+
+    async fn view_has(&self, pos: Position) -> bool {
+        self.view_entry(pos).await.is_some()
     }
 
     /// Whether `pos` is covered by the compacted view this subscription reads.
@@ -1391,10 +1416,14 @@ impl Subscription {
                         }
                         entries.push((p, b, n));
                     }
-                    // A later compaction removed it: its key has a newer message.
+                    // A later compaction removed it: its key has a newer message, so it
+                    // counts as acknowledged.
                     Ok(None) => {
                         st.redelivery_counts.remove(&p);
                         st.masks.remove(&p);
+                        if self.durable {
+                            st.cursor.ack(p).await?;
+                        }
                     }
                     Err(_) => {}
                 }
@@ -1601,10 +1630,13 @@ impl Subscription {
             let mut prev = st.cursor.read_position();
             loop {
                 let to = (from + max as u64).min(v.entries);
-                let read = futures::future::join_all((from..to).map(|i| v.read(i))).await;
+                // All read before the cursor moves: a failed read moves nothing.
+                let read = futures::future::join_all((from..to).map(|i| v.read(i)))
+                    .await
+                    .into_iter()
+                    .collect::<Result<Vec<_>, _>>()?;
                 let mut out = Vec::new();
                 for e in read {
-                    let e = e?;
                     if self.durable {
                         // What the view skipped was replaced by later messages of its keys:
                         // it counts as acknowledged, so the backlog and mark-delete move on.
