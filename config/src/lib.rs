@@ -558,6 +558,17 @@ pub struct BrokerConfig {
     /// compaction with an error saying so (its view stays as it was). Range
     /// 1..=100000000, default 10000000.
     pub compaction_keys_max: u64,
+    /// The broker's metadata session: its registration and its bundles' ownership are
+    /// ephemeral keys of it, gone this long after its last keep-alive (sent every third of
+    /// it). A broker that could not renew it stops serving its bundles before that. Range
+    /// 1000..=300000, default 5000.
+    pub session_ttl_ms: u64,
+    /// Bundles (hash ranges of topic names) a namespace is cut into when its first topic is
+    /// looked up (Pulsar's `defaultNumberOfNamespaceBundles`). Range 1..=1024, default 4.
+    pub default_bundles: u64,
+    /// Refresh the broker's load report (CPU, rates, topics, connections, memory) in its
+    /// registration this often, milliseconds. Range 500..=60000, default 3000.
+    pub load_report_interval_ms: u64,
 }
 
 impl Default for BrokerConfig {
@@ -606,6 +617,9 @@ impl Default for BrokerConfig {
             dispatch_batch_entries_max: 100,
             compaction_threshold_bytes: 0,
             compaction_keys_max: 10_000_000,
+            session_ttl_ms: 5_000,
+            default_bundles: 4,
+            load_report_interval_ms: 3_000,
         }
     }
 }
@@ -715,6 +729,9 @@ impl BrokerConfig {
             ("broker.dispatch_batch_entries_max", b.dispatch_batch_entries_max, 1, 10_000, ""),
             ("broker.compaction_threshold_bytes", b.compaction_threshold_bytes, 0, 1 << 50, ""),
             ("broker.compaction_keys_max", b.compaction_keys_max, 1, 100_000_000, ""),
+            ("broker.session_ttl_ms", b.session_ttl_ms, 1_000, 300_000, ""),
+            ("broker.default_bundles", b.default_bundles, 1, 1_024, ""),
+            ("broker.load_report_interval_ms", b.load_report_interval_ms, 500, 60_000, ""),
         ];
         ranges(&bounds)
     }

@@ -33,6 +33,12 @@ pub trait TopicOps: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<Vec<TopicStats>, AdminError>>;
     /// Terminates a topic; answers its last message id (`ledger:entry`, empty if none).
     fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>>;
+    /// The site's registered brokers.
+    fn brokers(&self) -> BoxFuture<'_, Result<Vec<BrokerInfo>, AdminError>>;
+    /// Who serves a topic.
+    fn lookup(&self, topic: String) -> BoxFuture<'_, Result<TopicLookup, AdminError>>;
+    /// A namespace's bundles and owners.
+    fn bundles(&self, namespace: String) -> BoxFuture<'_, Result<Vec<BundleInfo>, AdminError>>;
     /// Starts compacting a topic (every partition of a partitioned one).
     fn compact(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>>;
     /// The state of a topic's last compaction on this broker.
@@ -660,6 +666,28 @@ impl Admin for AdminService {
         let last = self.topics.terminate(r.into_inner().name).await?;
         ok(TerminateResponse {
             last_message_id: last,
+        })
+    }
+
+    async fn list_brokers(&self, r: Request<Empty>) -> Reply<BrokerList> {
+        self.superuser(role_of(&r).as_ref())?;
+        ok(BrokerList {
+            brokers: self.topics.brokers().await?,
+        })
+    }
+
+    async fn lookup_topic(&self, r: Request<Name>) -> Reply<TopicLookup> {
+        self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
+            .await?;
+        ok(self.topics.lookup(r.into_inner().name).await?)
+    }
+
+    async fn get_bundles(&self, r: Request<Name>) -> Reply<BundleList> {
+        let ns = r.get_ref().name.clone();
+        self.namespace_reader(role_of(&r).as_ref(), &ns).await?;
+        self.store.policies(&ns).await?;
+        ok(BundleList {
+            bundles: self.topics.bundles(ns).await?,
         })
     }
 

@@ -73,6 +73,30 @@ fn to_pb(s: TopicStats, terminated: bool, t: &Topic) -> pb::TopicStats {
     }
 }
 
+fn broker_to_pb(b: crate::broker::ownership::BrokerInfo) -> pb::BrokerInfo {
+    let l = b.load;
+    pb::BrokerInfo {
+        id: b.id,
+        service_url: b.service_url,
+        service_url_tls: b.service_url_tls.unwrap_or_default(),
+        http_url: b.http_url,
+        admin_url: b.admin_url,
+        started_ms: b.started_ms,
+        load: Some(pb::BrokerLoad {
+            cpu_percent: l.cpu_percent,
+            msg_rate_in: l.msg_rate_in,
+            msg_rate_out: l.msg_rate_out,
+            bytes_rate_in: l.bytes_rate_in,
+            bytes_rate_out: l.bytes_rate_out,
+            topics: l.topics,
+            bundles: l.bundles,
+            connections: l.connections,
+            memory_bytes: l.memory_bytes,
+            reported_ms: l.reported_ms,
+        }),
+    }
+}
+
 fn show_position(p: Option<meridian_storage::managed_ledger::Position>) -> String {
     p.map_or_else(String::new, |p| format!("{}:{}", p.ledger_id, p.entry_id))
 }
@@ -315,6 +339,60 @@ impl TopicOps for BrokerTopics {
             let name = self.name(&topic)?;
             self.0.unload_topic(&name).await.map_err(admin_error)?;
             Ok(())
+        }
+        .boxed()
+    }
+
+    fn brokers(&self) -> BoxFuture<'_, Result<Vec<pb::BrokerInfo>, AdminError>> {
+        async move {
+            let list = self.0.ownership.brokers().await.map_err(admin_error)?;
+            Ok(list.into_iter().map(broker_to_pb).collect())
+        }
+        .boxed()
+    }
+
+    fn lookup(&self, topic: String) -> BoxFuture<'_, Result<pb::TopicLookup, AdminError>> {
+        async move {
+            use crate::broker::ownership::Lookup;
+            let name = self.name(&topic)?;
+            let b = &self.0;
+            let bundle = b.ownership.bundle_of(&name).await.map_err(admin_error)?;
+            let (owner, to) = match b.lookup(&name, false).await.map_err(admin_error)? {
+                Lookup::Connect => (b.ownership.id(), b.ownership.me()),
+                Lookup::Redirect {
+                    to,
+                    authoritative: false,
+                } => (to.id.clone(), to),
+                // Placed on that broker by the next lookup there.
+                Lookup::Redirect { to, .. } => (String::new(), to),
+            };
+            Ok(pb::TopicLookup {
+                topic: name.to_string(),
+                bundle: bundle.name(),
+                owner,
+                service_url: to.service_url,
+                service_url_tls: to.service_url_tls.unwrap_or_default(),
+            })
+        }
+        .boxed()
+    }
+
+    fn bundles(&self, namespace: String) -> BoxFuture<'_, Result<Vec<pb::BundleInfo>, AdminError>> {
+        async move {
+            use crate::broker::ownership::Owner;
+            let o = &self.0.ownership;
+            let list = o.bundle_owners(&namespace).await.map_err(admin_error)?;
+            Ok(list
+                .into_iter()
+                .map(|(b, owner)| pb::BundleInfo {
+                    range: b.name(),
+                    owner: match owner {
+                        Owner::Me => o.id(),
+                        Owner::Other(x) => x.id,
+                        Owner::Nobody => String::new(),
+                    },
+                })
+                .collect())
         }
         .boxed()
     }

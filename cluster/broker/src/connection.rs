@@ -314,20 +314,35 @@ impl Conn {
             }
             Type::Lookup => {
                 let l = c.lookup_topic.ok_or_else(|| missing("LOOKUP"))?;
-                let checked = match self.broker.check_topic(&l.topic) {
-                    Ok(t) => {
-                        self.broker
-                            .authorize(self.role.as_deref(), &t.namespace(), None)
-                            .await
-                    }
+                let answer = match self.broker.check_topic(&l.topic) {
+                    Ok(t) => match self
+                        .broker
+                        .authorize(self.role.as_deref(), &t.namespace(), None)
+                        .await
+                    {
+                        Ok(()) => {
+                            self.broker
+                                .lookup(&t, l.authoritative.unwrap_or(false))
+                                .await
+                        }
+                        Err(e) => Err(e),
+                    },
                     Err(e) => Err(e),
                 };
-                let r = match checked {
-                    Ok(()) => cmd::lookup_connect(
+                let r = match answer {
+                    Ok(crate::broker::ownership::Lookup::Connect) => cmd::lookup_connect(
                         l.request_id,
                         &self.broker.service_url,
                         self.broker.service_url_tls.get().map(String::as_str),
                     ),
+                    Ok(crate::broker::ownership::Lookup::Redirect { to, authoritative }) => {
+                        cmd::lookup_redirect(
+                            l.request_id,
+                            &to.service_url,
+                            to.service_url_tls.as_deref(),
+                            authoritative,
+                        )
+                    }
                     Err(e) => cmd::lookup_error(l.request_id, e.code, e.message),
                 };
                 self.reply(r).await

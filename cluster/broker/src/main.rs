@@ -210,8 +210,19 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("broker.http_listen {}", cfg.broker.http_listen))?;
     let http = meridian_broker::http::serve(std::sync::Arc::clone(&broker), hl)?;
-    let server = meridian_broker::server::serve(std::sync::Arc::clone(&broker), pl)?;
     let tls_server = meridian_broker::tls::start(&broker).await?;
+    let scheme = if cfg.broker.admin_tls {
+        "https"
+    } else {
+        "http"
+    };
+    broker.announce(
+        &format!("http://{}", http.addr),
+        &format!("{scheme}://{}", admin.addr),
+    );
+    broker.register().await.context("registering the broker")?;
+    let server = meridian_broker::server::serve(std::sync::Arc::clone(&broker), pl)?;
+    let ownership = tokio::spawn(std::sync::Arc::clone(&broker).ownership_loop());
     let stats =
         tokio::spawn(std::sync::Arc::clone(&broker).stats_loop(std::time::Duration::from_secs(5)));
     let policies = tokio::spawn(std::sync::Arc::clone(&broker).policy_loop());
@@ -237,6 +248,7 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     http.shutdown().await;
     stats.abort();
     policies.abort();
+    ownership.abort();
     Ok(())
 }
 

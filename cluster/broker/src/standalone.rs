@@ -158,8 +158,14 @@ impl Standalone {
         let admin = crate::admin::start(&broker, al).await?;
         let hl = bind(&cfg.broker.http_listen, "broker.http_listen").await?;
         let http = crate::http::serve(Arc::clone(&broker), hl)?;
-        let server = crate::server::serve(Arc::clone(&broker), pl)?;
         let tls_server = crate::tls::start(&broker).await?;
+        broker.announce(
+            &format!("http://{}", http.addr),
+            &format!("http://{}", admin.addr),
+        );
+        broker.register().await.context("registering the broker")?;
+        let server = crate::server::serve(Arc::clone(&broker), pl)?;
+        background.push(tokio::spawn(Arc::clone(&broker).ownership_loop()));
         background.push(tokio::spawn(
             Arc::clone(&broker).stats_loop(Duration::from_secs(5)),
         ));

@@ -477,6 +477,7 @@ impl MetadataClient {
 
     /// Starts a session with a lease of `ttl_ms` and keeps it alive in the background.
     pub async fn session(&self, ttl_ms: u64) -> Result<SessionHandle, ClientError> {
+        let asked = tokio::time::Instant::now();
         let resp = self
             .call(false, |mut c, t| {
                 let mut r = tonic::Request::new(pb::SessionCreateRequest { ttl_ms });
@@ -487,13 +488,19 @@ impl MetadataClient {
             .into_inner();
         let id = resp.session;
         let (lost_tx, lost_rx) = tokio::sync::watch::channel(None::<String>);
+        let ttl = Duration::from_millis(resp.ttl_ms);
+        let (valid_tx, valid_rx) = tokio::sync::watch::channel(asked + ttl);
         let client = self.clone();
         let period = Duration::from_millis((resp.ttl_ms / 3).max(1));
         let keeper = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(period).await;
+                let sent = tokio::time::Instant::now();
                 match client.keep_alive(id).await {
-                    Ok(_) => {}
+                    // The store renewed the lease when the request reached it, after `sent`.
+                    Ok(_) => {
+                        valid_tx.send_modify(|v| *v = (*v).max(sent + ttl));
+                    }
                     Err(ClientError::FailedPrecondition(m)) => {
                         let _ = lost_tx.send(Some(m));
                         return;
@@ -508,6 +515,7 @@ impl MetadataClient {
             client: self.clone(),
             keeper: Some(keeper),
             lost: lost_rx,
+            valid_until: valid_rx,
         })
     }
 
@@ -744,6 +752,7 @@ pub struct SessionHandle {
     client: MetadataClient,
     keeper: Option<tokio::task::JoinHandle<()>>,
     lost: tokio::sync::watch::Receiver<Option<String>>,
+    valid_until: tokio::sync::watch::Receiver<tokio::time::Instant>,
 }
 
 impl std::fmt::Debug for SessionHandle {
@@ -766,6 +775,18 @@ impl SessionHandle {
     /// Why the session ended, once the keep-alive learned it did.
     pub fn lost(&self) -> Option<String> {
         self.lost.borrow().clone()
+    }
+
+    /// Until when the session surely lives: the TTL after the last keep-alive (or the
+    /// creation) that succeeded, counted from when it was sent. The store cannot expire it
+    /// before, so ephemeral keys of this session are this process's until then.
+    pub fn valid_until(&self) -> tokio::time::Instant {
+        *self.valid_until.borrow()
+    }
+
+    /// Watches [`valid_until`](Self::valid_until).
+    pub fn validity(&self) -> tokio::sync::watch::Receiver<tokio::time::Instant> {
+        self.valid_until.clone()
     }
 
     /// Ends the session; its ephemeral keys are deleted.

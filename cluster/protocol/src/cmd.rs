@@ -121,6 +121,28 @@ pub fn lookup_connect(request_id: u64, url: &str, url_tls: Option<&str>) -> Base
     c
 }
 
+/// LOOKUP answered "ask that broker": its URLs; `authoritative` tells the client to say so in
+/// its next LOOKUP (the broker was chosen to own the topic and takes it then).
+pub fn lookup_redirect(
+    request_id: u64,
+    url: &str,
+    url_tls: Option<&str>,
+    authoritative: bool,
+) -> BaseCommand {
+    let mut c = base(Type::LookupResponse);
+    c.lookup_topic_response = Some(CommandLookupTopicResponse {
+        broker_service_url: Some(url.into()),
+        broker_service_url_tls: url_tls.map(Into::into),
+        response: Some(command_lookup_topic_response::LookupType::Redirect as i32),
+        request_id,
+        authoritative: Some(authoritative),
+        error: None,
+        message: None,
+        proxy_through_service_url: Some(false),
+    });
+    c
+}
+
 pub fn lookup_error(
     request_id: u64,
     error: ServerError,

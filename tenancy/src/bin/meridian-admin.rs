@@ -79,6 +79,9 @@ enum Group {
     /// Topics (and, as in pulsar-admin, their subscriptions).
     #[command(subcommand)]
     Topics(Topics),
+    /// The site's brokers.
+    #[command(subcommand)]
+    Brokers(Brokers),
     /// Subscriptions of a topic (the same commands as under `topics`).
     #[command(subcommand)]
     Subscriptions(SubsGroup),
@@ -221,6 +224,12 @@ struct TopicDeleteArgs {
 }
 
 #[derive(Subcommand)]
+enum Brokers {
+    /// The registered brokers, with their load.
+    List,
+}
+
+#[derive(Subcommand)]
 enum Tenants {
     List,
     Get { tenant: String },
@@ -249,6 +258,10 @@ enum Namespaces {
     /// The namespaces of a tenant.
     List {
         tenant: String,
+    },
+    /// A namespace's bundles (hash ranges of its topic names) and the broker owning each.
+    Bundles {
+        namespace: String,
     },
     Create {
         namespace: String,
@@ -642,6 +655,8 @@ enum Topics {
     StatsAll { namespace: String },
     /// Ends a topic: no more messages; consumers are told once they have read it all.
     Terminate { topic: String },
+    /// The broker serving a topic (its bundle's owner; an unowned one is placed first).
+    Lookup { topic: String },
     /// Compacts a topic: compacted readers (`read_compacted`) then get only the latest
     /// message of each key up to where it ran, then everything after.
     Compact { topic: String },
@@ -912,10 +927,56 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Tenants(cmd) => tenants(&mut c, cmd, out).await,
         Group::Namespaces(cmd) => namespaces(&mut c, cmd, out).await,
         Group::Topics(cmd) => topics(&mut c, cmd, out).await,
+        Group::Brokers(cmd) => brokers(&mut c, cmd, out).await,
         Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
         Group::Tokens(cmd) => tokens(cmd),
         Group::SiteTls(cmd) => site_tls(cmd),
     }
+}
+
+async fn brokers(c: &mut Client, cmd: Brokers, out: Output) -> anyhow::Result<()> {
+    match cmd {
+        Brokers::List => {
+            let r = c.list_brokers(Empty {}).await?.into_inner();
+            let v: Vec<Value> = r
+                .brokers
+                .iter()
+                .map(|b| {
+                    let l = b.load.unwrap_or_default();
+                    json!({"id": b.id, "service_url": b.service_url,
+                        "service_url_tls": (!b.service_url_tls.is_empty()).then_some(&b.service_url_tls),
+                        "http_url": b.http_url, "admin_url": b.admin_url, "started_ms": b.started_ms,
+                        "load": {"cpu_percent": l.cpu_percent, "msg_rate_in": l.msg_rate_in,
+                            "msg_rate_out": l.msg_rate_out, "bytes_rate_in": l.bytes_rate_in,
+                            "bytes_rate_out": l.bytes_rate_out, "topics": l.topics,
+                            "bundles": l.bundles, "connections": l.connections,
+                            "memory_bytes": l.memory_bytes, "reported_ms": l.reported_ms}})
+                })
+                .collect();
+            print(out, &Value::Array(v), || {
+                r.brokers
+                    .iter()
+                    .map(|b| {
+                        let l = b.load.unwrap_or_default();
+                        format!(
+                            "{}  {}  cpu {:.0}%  in {:.0} msg/s  out {:.0} msg/s  {} topics  {} bundles  {} connections  {} MiB",
+                            b.id,
+                            b.service_url,
+                            l.cpu_percent,
+                            l.msg_rate_in,
+                            l.msg_rate_out,
+                            l.topics,
+                            l.bundles,
+                            l.connections,
+                            l.memory_bytes >> 20
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Prints `v` as JSON, or as `table` rendered for people.
@@ -1086,6 +1147,32 @@ fn show<T: ToString>(v: &Option<T>) -> String {
 
 async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Result<()> {
     match cmd {
+        Namespaces::Bundles { namespace } => {
+            let r = c.get_bundles(Name { name: namespace }).await?.into_inner();
+            let v: Vec<Value> = r
+                .bundles
+                .iter()
+                .map(|b| json!({"range": b.range, "owner": (!b.owner.is_empty()).then_some(&b.owner)}))
+                .collect();
+            print(out, &Value::Array(v), || {
+                r.bundles
+                    .iter()
+                    .map(|b| {
+                        format!(
+                            "{}  {}",
+                            b.range,
+                            if b.owner.is_empty() {
+                                "(not owned)"
+                            } else {
+                                &b.owner
+                            }
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+            Ok(())
+        }
         Namespaces::List { tenant } => {
             names(
                 out,
@@ -1662,6 +1749,28 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                 .await?
                 .into_inner();
             print_internal_stats(out, &r);
+        }
+        Topics::Lookup { topic } => {
+            let r = c
+                .lookup_topic(Name {
+                    name: topic.clone(),
+                })
+                .await?
+                .into_inner();
+            let v = json!({"topic": r.topic, "bundle": r.bundle,
+                "owner": (!r.owner.is_empty()).then_some(&r.owner),
+                "service_url": r.service_url,
+                "service_url_tls": (!r.service_url_tls.is_empty()).then_some(&r.service_url_tls)});
+            print(out, &v, || {
+                if r.owner.is_empty() {
+                    format!(
+                        "{} (not owned yet; its next lookup places it there)",
+                        r.service_url
+                    )
+                } else {
+                    r.service_url.clone()
+                }
+            });
         }
         Topics::Compact { topic } => {
             c.compact_topic(Name {

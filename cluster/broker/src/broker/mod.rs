@@ -15,6 +15,8 @@ pub mod avro;
 pub mod compaction;
 pub mod dedup;
 pub mod key_shared;
+pub mod lookup;
+pub mod ownership;
 pub mod partitioned;
 pub mod producers;
 pub mod rate;
@@ -912,6 +914,8 @@ pub struct Broker {
     pub service_url: String,
     /// `pulsar+ssl://...` once the TLS port is bound (lookups answer it too).
     pub service_url_tls: std::sync::OnceLock<String>,
+    /// The broker's registration and the bundles it owns.
+    pub ownership: Arc<ownership::Ownership>,
     producer_names: AtomicU64,
     run_id: String,
     /// Shared by every topic's tail cache (`broker.tail_cache_total_bytes_max`).
@@ -961,8 +965,24 @@ impl Broker {
         } else {
             None
         };
+        let id = service_url
+            .split_once("://")
+            .map_or(service_url.as_str(), |(_, a)| a)
+            .to_string();
+        let ownership = Arc::new(ownership::Ownership::new(
+            meta.clone(),
+            ownership::BrokerInfo {
+                id,
+                service_url: service_url.clone(),
+                ..Default::default()
+            },
+            cfg.session_ttl_ms,
+            cfg.default_bundles,
+            cfg.advertise.is_empty(),
+        ));
         Ok(Arc::new_cyclic(|me| Broker {
             me: me.clone(),
+            ownership,
             auth,
             tail_cache_budget,
             cfg: Arc::new(cfg),
@@ -1328,19 +1348,25 @@ impl Broker {
                 topics.get(&p.to_string()).and_then(|c| c.get().cloned())
             };
             let Some(t) = loaded else { continue };
-            let keys = [p.to_string()];
-            self.hold(&keys);
-            self.forget_topic(&p);
-            t.producers.fence_all();
-            for s in t.subscriptions().await {
-                s.disconnect_consumers().await;
-            }
-            t.close().await;
-            self.release(&keys);
-            tracing::info!(topic = %p, "topic unloaded");
+            self.unload_loaded(t).await;
             n += 1;
         }
         Ok(n)
+    }
+
+    /// Unloads a loaded topic: it stops serving at once (producers fenced, consumers closed,
+    /// the topic forgotten), then its cursors are persisted and its log closed.
+    async fn unload_loaded(&self, t: Arc<Topic>) {
+        let keys = [t.name.to_string()];
+        self.hold(&keys);
+        self.forget_topic(&t.name);
+        t.producers.fence_all();
+        for s in t.subscriptions().await {
+            s.disconnect_consumers().await;
+        }
+        t.close().await;
+        self.release(&keys);
+        tracing::info!(topic = %t.name, "topic unloaded");
     }
 
     /// Drops a topic from the loaded ones (after deleting or unloading it).
@@ -1417,6 +1443,8 @@ impl Broker {
                 }
             }
         }
+        // Served only where its bundle is owned.
+        self.ensure_owned(name).await?;
         let ml_name = name.managed_ledger_name();
         let opts = ManagedLedgerOptions {
             ensemble: self.cfg.ensemble as usize,
@@ -1551,6 +1579,8 @@ impl Broker {
         futures::stream::iter(self.loaded_topics())
             .for_each_concurrent(64, |topic| async move { topic.close().await })
             .await;
+        // Last: other brokers may take the bundles once the logs are closed.
+        self.ownership.release_all().await;
     }
 
     /// Every `broker.policy_refresh_interval_ms`: re-reads the policies of the namespaces of

@@ -1,0 +1,198 @@
+//! The broker's part in a site of many brokers: answering LOOKUP (Connect at the owner,
+//! Redirect elsewhere, an unowned bundle placed first), serving a topic only where its bundle
+//! is owned, and keeping the registration: the session, the load report, and giving up every
+//! topic when the session cannot be renewed.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use meridian_protocol::pb::ServerError;
+
+use super::ownership::{LoadReport, Lookup, Owner, ProcessSampler};
+use super::{Broker, BrokerError};
+use crate::topic_name::TopicName;
+
+impl Broker {
+    /// Answers a LOOKUP of `name`. `authoritative`: the client was sent here as the broker
+    /// chosen for the topic's unowned bundle, which this broker then takes.
+    pub async fn lookup(
+        &self,
+        name: &TopicName,
+        authoritative: bool,
+    ) -> Result<Lookup, BrokerError> {
+        let ns = name.namespace();
+        self.require_namespace(&ns).await?;
+        let o = &self.ownership;
+        let b = o.bundle_of(name).await?;
+        match o.owner(&ns, &b).await? {
+            Owner::Me => Ok(Lookup::Connect),
+            Owner::Other(to) => Ok(Lookup::Redirect {
+                to,
+                authoritative: false,
+            }),
+            Owner::Nobody => {
+                let chosen = o.candidate(&ns, &b).await?;
+                if !authoritative && chosen.id != o.id() {
+                    tracing::debug!(topic = %name, bundle = %b.name(), to = %chosen.id, "unowned bundle placed on another broker");
+                    return Ok(Lookup::Redirect {
+                        to: chosen,
+                        authoritative: true,
+                    });
+                }
+                if o.acquire(&ns, &b).await? {
+                    return Ok(Lookup::Connect);
+                }
+                match o.owner(&ns, &b).await? {
+                    Owner::Me => Ok(Lookup::Connect),
+                    Owner::Other(to) => Ok(Lookup::Redirect {
+                        to,
+                        authoritative: false,
+                    }),
+                    Owner::Nobody => Err(BrokerError::new(
+                        ServerError::ServiceNotReady,
+                        format!("bundle {} of {ns} changed hands meanwhile; retry", b.name()),
+                    )),
+                }
+            }
+        }
+    }
+
+    /// Before a topic is loaded here: this broker owns its bundle (taking it if nobody does).
+    /// Owned elsewhere: ServiceNotReady, so the client looks the topic up again.
+    pub(super) async fn ensure_owned(&self, name: &TopicName) -> Result<(), BrokerError> {
+        let ns = name.namespace();
+        let o = &self.ownership;
+        let b = o.bundle_of(name).await?;
+        if o.owns(&ns, &b) {
+            return Ok(());
+        }
+        let other = match o.owner(&ns, &b).await? {
+            Owner::Me => return Ok(()),
+            Owner::Nobody if o.acquire(&ns, &b).await? => return Ok(()),
+            Owner::Nobody => match o.owner(&ns, &b).await? {
+                Owner::Other(x) => x.id,
+                _ => "another broker".to_string(),
+            },
+            Owner::Other(x) => x.id,
+        };
+        Err(BrokerError::new(
+            ServerError::ServiceNotReady,
+            format!(
+                "{name} is served by broker {other}, not this one ({}); look it up again",
+                o.id()
+            ),
+        ))
+    }
+
+    /// Sets the URLs the registration shows (the TLS one is taken from the TLS listener).
+    pub fn announce(&self, http_url: &str, admin_url: &str) {
+        self.ownership.set_urls(http_url, admin_url);
+        if let Some(tls) = self.service_url_tls.get() {
+            self.ownership.set_tls_url(tls);
+        }
+    }
+
+    /// Registers the broker (a new metadata session). Another live broker with this id is an
+    /// error.
+    pub async fn register(&self) -> Result<(), BrokerError> {
+        self.ownership.register().await
+    }
+
+    /// Keeps the registration: the load report every `broker.load_report_interval_ms`; when
+    /// the session cannot be renewed in time every topic is unloaded (before the store could
+    /// give the bundles to another broker) and the broker registers again.
+    pub async fn ownership_loop(self: Arc<Self>) {
+        let every = Duration::from_millis(self.cfg.load_report_interval_ms);
+        let mut sampler = ProcessSampler::new();
+        let mut next_report = tokio::time::Instant::now();
+        loop {
+            if self.is_closing() {
+                return;
+            }
+            let Some(until) = self.ownership.serving_until() else {
+                // No session (lost, or never had one): register again.
+                match self.ownership.register().await {
+                    Ok(()) => {}
+                    Err(e) => {
+                        tracing::warn!(error = %e, "registering the broker failed; retrying");
+                        tokio::time::sleep(Duration::from_millis(500)).await;
+                    }
+                }
+                continue;
+            };
+            tokio::select! {
+                _ = tokio::time::sleep_until(until) => {
+                    if self.ownership.serving_until().is_some_and(|u| u > tokio::time::Instant::now()) {
+                        continue; // renewed meanwhile
+                    }
+                    let lost = self.ownership.lose();
+                    tracing::warn!(bundles = lost.len(), "the broker's metadata session could not be renewed in time: it stops serving every topic");
+                    metrics::counter!("meridian_broker_sessions_lost_total").increment(1);
+                    self.unload_all().await;
+                }
+                _ = tokio::time::sleep_until(next_report) => {
+                    next_report = tokio::time::Instant::now() + every;
+                    let load = self.load_report(&mut sampler).await;
+                    if let Err(e) = self.ownership.report(load).await {
+                        tracing::warn!(error = %e, "writing the load report failed");
+                    }
+                }
+            }
+        }
+    }
+
+    async fn load_report(&self, sampler: &mut ProcessSampler) -> LoadReport {
+        let (cpu_percent, memory_bytes) = sampler.sample();
+        let mut r = LoadReport {
+            cpu_percent,
+            memory_bytes,
+            connections: self.connection_count(),
+            reported_ms: super::now_ms(),
+            ..LoadReport::default()
+        };
+        for t in self.loaded_topics() {
+            let s = t.stats().await;
+            r.topics += 1;
+            r.msg_rate_in += s.msg_rate_in;
+            r.msg_rate_out += s.msg_rate_out;
+            r.bytes_rate_in += s.bytes_rate_in;
+            r.bytes_rate_out += s.bytes_rate_out;
+        }
+        r
+    }
+
+    /// Unloads every loaded topic: producers and consumers are closed (they look the topics
+    /// up again), cursors persisted, logs closed.
+    pub async fn unload_all(&self) {
+        use futures::StreamExt;
+        let topics = self.loaded_topics();
+        let keys: Vec<String> = topics.iter().map(|t| t.name.to_string()).collect();
+        // First every topic stops serving (nothing here waits for the metadata store, which
+        // may be what is unreachable) ...
+        self.hold(&keys);
+        for t in &topics {
+            self.forget_topic(&t.name);
+            t.producers.fence_all();
+        }
+        for t in &topics {
+            for s in t.subscriptions().await {
+                s.disconnect_consumers().await;
+            }
+        }
+        // ... then cursors are persisted and logs closed, as far as the store allows.
+        let limit = Duration::from_millis(self.cfg.session_ttl_ms);
+        futures::stream::iter(topics)
+            .for_each_concurrent(64, |t| async move {
+                if tokio::time::timeout(limit, t.close()).await.is_err() {
+                    tracing::warn!(topic = %t.name, "closing an unloaded topic timed out");
+                }
+            })
+            .await;
+        self.release(&keys);
+    }
+
+    /// Graceful shutdown's last step: the registration and every bundle are released at once.
+    pub async fn release_ownership(&self) {
+        self.ownership.release_all().await;
+    }
+}

@@ -1,0 +1,643 @@
+//! Brokers of a site and who owns which topics, as Pulsar's: each broker registers an
+//! ephemeral key of its metadata session (`/brokers/available/<id>`, with its URLs and a load
+//! report); a namespace's topic names are hashed into bundles (hash ranges,
+//! `/namespace-bundles/<tenant>/<ns>`), and each bundle is owned by one broker through an
+//! ephemeral key of that broker's session (`/bundle-owners/<tenant>/<ns>/<range>`), taken by
+//! compare-and-set, so two brokers never own one bundle. A broker serves a topic only while it
+//! owns its bundle and its session is surely alive ([`SessionHandle::valid_until`]); when it
+//! cannot renew the session it stops serving before the store could give the bundles to
+//! another broker.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use meridian_metadata::client::{ClientError, PutOptions};
+use meridian_metadata::{MetadataClient, SessionHandle};
+use meridian_protocol::pb::ServerError;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use super::BrokerError;
+use crate::topic_name::TopicName;
+
+pub const BROKERS_PREFIX: &str = "/brokers/available/";
+pub const BUNDLES_PREFIX: &str = "/namespace-bundles/";
+pub const OWNERS_PREFIX: &str = "/bundle-owners/";
+
+/// The hash space of topic names: `[0, 2^32)`.
+const HASH_END: u64 = 1 << 32;
+
+/// What a broker publishes about itself.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BrokerInfo {
+    /// `host:port` of its Pulsar listener as clients reach it: unique on a site.
+    pub id: String,
+    pub service_url: String,
+    pub service_url_tls: Option<String>,
+    pub http_url: String,
+    pub admin_url: String,
+    pub started_ms: u64,
+    pub load: LoadReport,
+}
+
+/// A broker's load, refreshed every `broker.load_report_interval_ms`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LoadReport {
+    /// Of one core (100 = one core busy).
+    pub cpu_percent: f64,
+    pub msg_rate_in: f64,
+    pub msg_rate_out: f64,
+    pub bytes_rate_in: f64,
+    pub bytes_rate_out: f64,
+    pub topics: u64,
+    pub bundles: u64,
+    pub connections: u64,
+    pub memory_bytes: u64,
+    pub reported_ms: u64,
+}
+
+/// A hash range `[lo, hi)` of a namespace's topic names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Bundle {
+    pub lo: u64,
+    pub hi: u64,
+}
+
+impl Bundle {
+    /// Pulsar's name of a range: `0x00000000_0x40000000` (the last ends at `0xffffffff`).
+    pub fn name(&self) -> String {
+        format!("0x{:08x}_0x{:08x}", self.lo, self.hi.min(HASH_END - 1))
+    }
+
+    pub fn contains(&self, hash: u32) -> bool {
+        (self.lo..self.hi).contains(&u64::from(hash))
+    }
+}
+
+/// A namespace's bundles: their boundaries, first 0 and last 2^32.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bundles {
+    pub boundaries: Vec<u64>,
+}
+
+impl Bundles {
+    /// `n` equal ranges.
+    pub fn even(n: u64) -> Bundles {
+        let n = n.clamp(1, 1 << 16);
+        Bundles {
+            boundaries: (0..=n).map(|i| i * HASH_END / n).collect(),
+        }
+    }
+
+    pub fn list(&self) -> Vec<Bundle> {
+        self.boundaries
+            .windows(2)
+            .map(|w| Bundle { lo: w[0], hi: w[1] })
+            .collect()
+    }
+
+    /// The bundle holding `hash`.
+    pub fn of(&self, hash: u32) -> Bundle {
+        let h = u64::from(hash);
+        let i = self
+            .boundaries
+            .partition_point(|b| *b <= h)
+            .saturating_sub(1);
+        let i = i.min(self.boundaries.len().saturating_sub(2));
+        Bundle {
+            lo: self.boundaries[i],
+            hi: self.boundaries[i + 1],
+        }
+    }
+
+    fn valid(&self) -> bool {
+        self.boundaries.len() >= 2
+            && self.boundaries[0] == 0
+            && self.boundaries.last() == Some(&HASH_END)
+            && self.boundaries.windows(2).all(|w| w[0] < w[1])
+    }
+}
+
+/// Where a topic name falls in its namespace's hash space (Murmur3-32 of the full name).
+pub fn topic_hash(topic: &TopicName) -> u32 {
+    super::key_shared::murmur3_32(topic.to_string().as_bytes(), 0)
+}
+
+/// Who owns a bundle.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Owner {
+    Me,
+    Other(BrokerInfo),
+    Nobody,
+}
+
+/// The session this broker's keys live in, and what it owns in it.
+struct Held {
+    session: SessionHandle,
+    /// Bundles owned in this session, by namespace.
+    owned: HashMap<String, BTreeMap<Bundle, ()>>,
+}
+
+/// This broker's registration and ownership.
+pub struct Ownership {
+    meta: MetadataClient,
+    /// The id is the address this process has bound (no `broker.advertise`): no other live
+    /// broker can have it, so keys of an earlier run under it (a crash) are taken over at
+    /// once instead of waited out.
+    takeover: bool,
+    ttl_ms: u64,
+    default_bundles: u64,
+    me: Mutex<BrokerInfo>,
+    held: Mutex<Option<Held>>,
+    /// Namespaces' bundles as read (they change only by splits).
+    bundles: Mutex<HashMap<String, Bundles>>,
+    /// Bundles this broker placed on each broker since that broker's last load report.
+    placed: Mutex<HashMap<String, u64>>,
+}
+
+fn ns_path(ns: &str) -> String {
+    ns.to_string()
+}
+
+fn owner_key(ns: &str, b: &Bundle) -> String {
+    format!("{OWNERS_PREFIX}{}/{}", ns_path(ns), b.name())
+}
+
+fn unavailable(m: impl Into<String>) -> BrokerError {
+    BrokerError::new(ServerError::ServiceNotReady, m)
+}
+
+impl Ownership {
+    pub fn new(
+        meta: MetadataClient,
+        me: BrokerInfo,
+        ttl_ms: u64,
+        default_bundles: u64,
+        takeover: bool,
+    ) -> Self {
+        Ownership {
+            meta,
+            takeover,
+            ttl_ms,
+            default_bundles,
+            me: Mutex::new(me),
+            held: Mutex::new(None),
+            bundles: Mutex::new(HashMap::new()),
+            placed: Mutex::new(HashMap::new()),
+        }
+    }
+
+    pub fn me(&self) -> BrokerInfo {
+        self.me.lock().expect("me lock").clone()
+    }
+
+    pub fn id(&self) -> String {
+        self.me.lock().expect("me lock").id.clone()
+    }
+
+    /// Sets the TLS URL (known once its port is bound).
+    pub fn set_tls_url(&self, url: &str) {
+        self.me.lock().expect("me lock").service_url_tls = Some(url.to_string());
+    }
+
+    /// Sets the HTTP and admin URLs.
+    pub fn set_urls(&self, http: &str, admin: &str) {
+        let mut me = self.me.lock().expect("me lock");
+        me.http_url = http.to_string();
+        me.admin_url = admin.to_string();
+    }
+
+    /// How long before the session's sure end the broker stops serving: the time a check
+    /// and the closing of topics may take.
+    fn margin(&self) -> Duration {
+        Duration::from_millis((self.ttl_ms / 5).clamp(100, 1_000))
+    }
+
+    /// Whether the current session surely lives for a while yet.
+    fn alive(&self, h: &Held) -> bool {
+        h.session.lost().is_none() && Instant::now() + self.margin() < h.session.valid_until()
+    }
+
+    /// Registers the broker in a new session. Another live broker with the same id is an
+    /// error once its session has had time to expire (a crashed broker's key lingers until
+    /// then).
+    pub async fn register(&self) -> Result<(), BrokerError> {
+        let session = self.meta.session(self.ttl_ms).await?;
+        let mut me = self.me();
+        me.started_ms = super::now_ms();
+        *self.me.lock().expect("me lock") = me.clone();
+        let key = format!("{BROKERS_PREFIX}{}", me.id);
+        let deadline = Instant::now() + Duration::from_millis(self.ttl_ms * 2 + 1_000);
+        loop {
+            let opts = PutOptions {
+                expected_version: Some(0),
+                session: session.id,
+                ..PutOptions::default()
+            };
+            let value = serde_json::to_vec(&me).expect("serializable");
+            match self.meta.put_with(&key, value, opts).await {
+                Ok(_) => break,
+                Err(ClientError::Conflict { .. }) if self.takeover => {
+                    // An earlier run of this process's address (it crashed): its key goes.
+                    if let Some(kv) = self.meta.get(&key).await? {
+                        tracing::info!(broker = %me.id, "taking over the registration of an earlier run");
+                        self.meta.delete(&key, Some(kv.mod_revision)).await?;
+                    }
+                }
+                Err(ClientError::Conflict { .. }) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(ClientError::Conflict { .. }) => {
+                    return Err(BrokerError::new(
+                        ServerError::ServiceNotReady,
+                        format!(
+                            "another broker is registered as {} and alive (its key {key} outlived {} ms); give this one another broker.advertise or listen address",
+                            me.id,
+                            self.ttl_ms * 2 + 1_000
+                        ),
+                    ))
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        *self.held.lock().expect("held lock") = Some(Held {
+            session,
+            owned: HashMap::new(),
+        });
+        tracing::info!(broker = %me.id, "broker registered");
+        Ok(())
+    }
+
+    /// Writes the load report into the registration.
+    pub async fn report(&self, load: LoadReport) -> Result<(), BrokerError> {
+        let session = {
+            let held = self.held.lock().expect("held lock");
+            match held.as_ref() {
+                Some(h) if self.alive(h) => h.session.id,
+                _ => return Ok(()),
+            }
+        };
+        let mut me = self.me();
+        me.load = load;
+        me.load.bundles = self.owned_count() as u64;
+        *self.me.lock().expect("me lock") = me.clone();
+        let opts = PutOptions {
+            session,
+            ..PutOptions::default()
+        };
+        let key = format!("{BROKERS_PREFIX}{}", me.id);
+        self.meta
+            .put_with(&key, serde_json::to_vec(&me).expect("serializable"), opts)
+            .await?;
+        self.placed.lock().expect("placed lock").clear();
+        Ok(())
+    }
+
+    fn owned_count(&self) -> usize {
+        self.held
+            .lock()
+            .expect("held lock")
+            .as_ref()
+            .map_or(0, |h| h.owned.values().map(BTreeMap::len).sum())
+    }
+
+    /// Until when ownership holds (the session's sure end less the margin); `None` without
+    /// a session.
+    pub fn serving_until(&self) -> Option<Instant> {
+        let held = self.held.lock().expect("held lock");
+        let h = held.as_ref()?;
+        h.session
+            .lost()
+            .is_none()
+            .then(|| h.session.valid_until() - self.margin())
+    }
+
+    /// Gives up everything: the session ended or could not be renewed. Returns the
+    /// namespaces and bundles that were owned.
+    pub fn lose(&self) -> Vec<(String, Bundle)> {
+        let held = self.held.lock().expect("held lock").take();
+        let Some(h) = held else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (ns, bs) in h.owned {
+            for b in bs.into_keys() {
+                out.push((ns.clone(), b));
+            }
+        }
+        // Dropping the handle stops its keep-alives; the store expires the rest.
+        drop(h.session);
+        out
+    }
+
+    /// Releases every bundle and ends the session (graceful shutdown): the ephemeral keys go
+    /// at once, so other brokers take the bundles without waiting for an expiry.
+    pub async fn release_all(&self) {
+        let held = self.held.lock().expect("held lock").take();
+        if let Some(h) = held {
+            if let Err(e) = h.session.close().await {
+                tracing::warn!(error = %e, "closing the broker's session failed; its keys expire");
+            }
+        }
+    }
+
+    /// All registered brokers.
+    pub async fn brokers(&self) -> Result<Vec<BrokerInfo>, BrokerError> {
+        let mut out = Vec::new();
+        let mut after = String::new();
+        loop {
+            let page = self.meta.list(BROKERS_PREFIX, &after, 0).await?;
+            for kv in &page.kvs {
+                if let Ok(b) = serde_json::from_slice::<BrokerInfo>(&kv.value) {
+                    out.push(b);
+                }
+            }
+            match page.kvs.last() {
+                Some(last) if page.more => after = last.key.clone(),
+                _ => break,
+            }
+        }
+        out.sort_by(|a, b| a.id.cmp(&b.id));
+        Ok(out)
+    }
+
+    /// A namespace's bundles, recorded with `broker.default_bundles` ranges on first use.
+    pub async fn bundles(&self, ns: &str) -> Result<Bundles, BrokerError> {
+        if let Some(b) = self.bundles.lock().expect("bundles lock").get(ns) {
+            return Ok(b.clone());
+        }
+        let key = format!("{BUNDLES_PREFIX}{}", ns_path(ns));
+        let b = loop {
+            if let Some(kv) = self.meta.get(&key).await? {
+                let b: Bundles = serde_json::from_slice(&kv.value)
+                    .ok()
+                    .filter(Bundles::valid)
+                    .ok_or_else(|| {
+                        BrokerError::new(
+                            ServerError::MetadataError,
+                            format!("{key} does not hold valid bundles"),
+                        )
+                    })?;
+                break b;
+            }
+            let b = Bundles::even(self.default_bundles);
+            match self
+                .meta
+                .create(&key, serde_json::to_vec(&b).expect("serializable"))
+                .await
+            {
+                Ok(_) => break b,
+                Err(ClientError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        };
+        self.bundles
+            .lock()
+            .expect("bundles lock")
+            .insert(ns.to_string(), b.clone());
+        Ok(b)
+    }
+
+    /// The bundle a topic falls in.
+    pub async fn bundle_of(&self, topic: &TopicName) -> Result<Bundle, BrokerError> {
+        Ok(self
+            .bundles(&topic.namespace())
+            .await?
+            .of(topic_hash(topic)))
+    }
+
+    /// Whether this broker owns the bundle now (and its session surely lives).
+    pub fn owns(&self, ns: &str, b: &Bundle) -> bool {
+        let held = self.held.lock().expect("held lock");
+        held.as_ref()
+            .is_some_and(|h| self.alive(h) && h.owned.get(ns).is_some_and(|m| m.contains_key(b)))
+    }
+
+    /// Who owns a bundle, as the store says (this broker included).
+    pub async fn owner(&self, ns: &str, b: &Bundle) -> Result<Owner, BrokerError> {
+        if self.owns(ns, b) {
+            return Ok(Owner::Me);
+        }
+        match self.meta.get(&owner_key(ns, b)).await? {
+            None => Ok(Owner::Nobody),
+            Some(kv) => {
+                let info: BrokerInfo = serde_json::from_slice(&kv.value).map_err(|e| {
+                    BrokerError::new(
+                        ServerError::MetadataError,
+                        format!("{}: {e}", owner_key(ns, b)),
+                    )
+                })?;
+                let current = self
+                    .held
+                    .lock()
+                    .expect("held lock")
+                    .as_ref()
+                    .map(|h| h.session.id);
+                if info.id == self.id() && self.takeover && Some(kv.session) != current {
+                    // An earlier run's ownership (it crashed): free again.
+                    self.meta.delete(&kv.key, Some(kv.mod_revision)).await?;
+                    return Ok(Owner::Nobody);
+                }
+                if info.id == self.id() {
+                    // A key of an earlier session of this broker, not expired yet.
+                    return Err(unavailable(format!(
+                        "bundle {} of {ns} is still held by an earlier session of this broker; retry",
+                        b.name()
+                    )));
+                }
+                Ok(Owner::Other(info))
+            }
+        }
+    }
+
+    /// Takes an unowned bundle (compare-and-set of its ephemeral key). False if another
+    /// broker has it.
+    pub async fn acquire(&self, ns: &str, b: &Bundle) -> Result<bool, BrokerError> {
+        if self.owns(ns, b) {
+            return Ok(true);
+        }
+        let session = {
+            let held = self.held.lock().expect("held lock");
+            match held.as_ref() {
+                Some(h) if self.alive(h) => h.session.id,
+                _ => {
+                    return Err(unavailable(
+                        "this broker has no live metadata session; retry",
+                    ))
+                }
+            }
+        };
+        let opts = PutOptions {
+            expected_version: Some(0),
+            session,
+            ..PutOptions::default()
+        };
+        let value = serde_json::to_vec(&self.me()).expect("serializable");
+        match self.meta.put_with(&owner_key(ns, b), value, opts).await {
+            Ok(_) => {}
+            Err(ClientError::Conflict { .. }) => return Ok(false),
+            Err(e) => return Err(e.into()),
+        }
+        let mut held = self.held.lock().expect("held lock");
+        match held.as_mut() {
+            Some(h) if h.session.id == session => {
+                h.owned.entry(ns.to_string()).or_default().insert(*b, ());
+                tracing::info!(namespace = %ns, bundle = %b.name(), "bundle owned");
+                metrics::counter!("meridian_bundles_acquired_total").increment(1);
+                Ok(true)
+            }
+            _ => Err(unavailable("this broker's session ended meanwhile; retry")),
+        }
+    }
+
+    /// Where an unowned bundle should go: the broker with the fewest bundles (as last
+    /// reported, plus those placed on it since), ties broken by a hash of the bundle and the
+    /// broker, so brokers asked at once mostly agree.
+    pub async fn candidate(&self, ns: &str, b: &Bundle) -> Result<BrokerInfo, BrokerError> {
+        let brokers = self.brokers().await?;
+        let placed = self.placed.lock().expect("placed lock").clone();
+        let tie = |id: &str| {
+            super::key_shared::murmur3_32(format!("{ns}/{}/{id}", b.name()).as_bytes(), 0)
+        };
+        let best = brokers
+            .into_iter()
+            .min_by_key(|x| {
+                (
+                    x.load.bundles + placed.get(&x.id).copied().unwrap_or(0),
+                    tie(&x.id),
+                )
+            })
+            .unwrap_or_else(|| self.me());
+        *self
+            .placed
+            .lock()
+            .expect("placed lock")
+            .entry(best.id.clone())
+            .or_insert(0) += 1;
+        Ok(best)
+    }
+
+    /// Every bundle of a namespace and its owner.
+    pub async fn bundle_owners(&self, ns: &str) -> Result<Vec<(Bundle, Owner)>, BrokerError> {
+        let mut out = Vec::new();
+        for b in self.bundles(ns).await?.list() {
+            let o = match self.owner(ns, &b).await {
+                Ok(o) => o,
+                Err(_) => Owner::Me,
+            };
+            out.push((b, o));
+        }
+        Ok(out)
+    }
+}
+
+/// What a LOOKUP is answered.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Lookup {
+    /// Connect here.
+    Connect,
+    /// Ask that broker; `authoritative`: it was chosen and takes the bundle then.
+    Redirect { to: BrokerInfo, authoritative: bool },
+}
+
+/// The broker process's share of the metrics and load report, from `/proc/self`.
+pub struct ProcessSampler {
+    last: Option<(std::time::Instant, u64)>,
+}
+
+impl Default for ProcessSampler {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl ProcessSampler {
+    pub fn new() -> ProcessSampler {
+        ProcessSampler { last: None }
+    }
+
+    /// (CPU percent of one core since the last call, resident bytes).
+    pub fn sample(&mut self) -> (f64, u64) {
+        let ticks = std::fs::read_to_string("/proc/self/stat")
+            .ok()
+            .and_then(|s| {
+                // Fields after the command name (which may hold spaces) in parentheses.
+                let rest = s.rsplit_once(')')?.1;
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                let utime: u64 = f.get(11)?.parse().ok()?;
+                let stime: u64 = f.get(12)?.parse().ok()?;
+                Some(utime + stime)
+            })
+            .unwrap_or(0);
+        let rss = std::fs::read_to_string("/proc/self/statm")
+            .ok()
+            .and_then(|s| s.split_whitespace().nth(1)?.parse::<u64>().ok())
+            .map_or(0, |pages| pages * 4096);
+        let now = std::time::Instant::now();
+        let cpu = match self.last {
+            // Clock ticks are 1/100 s on Linux.
+            Some((at, before)) => {
+                let secs = now.duration_since(at).as_secs_f64().max(1e-3);
+                ticks.saturating_sub(before) as f64 / 100.0 / secs * 100.0
+            }
+            None => 0.0,
+        };
+        self.last = Some((now, ticks));
+        (cpu, rss)
+    }
+}
+
+/// Shared by the broker: the ownership, if the broker takes part in a site's ownership.
+pub type SharedOwnership = Arc<Ownership>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn even_bundles_cover_the_hash_space_and_every_hash_falls_in_one() {
+        for n in [1u64, 2, 3, 4, 7, 16] {
+            let b = Bundles::even(n);
+            assert!(b.valid(), "{b:?}");
+            let list = b.list();
+            assert_eq!(list.len() as u64, n);
+            for h in [
+                0u32,
+                1,
+                0x3fff_ffff,
+                0x4000_0000,
+                0x7fff_ffff,
+                0xffff_fffe,
+                u32::MAX,
+            ] {
+                let of = b.of(h);
+                assert!(of.contains(h), "{h:#x} in {of:?} of {n}");
+                assert_eq!(list.iter().filter(|x| x.contains(h)).count(), 1);
+            }
+        }
+        assert_eq!(Bundles::even(4).list()[0].name(), "0x00000000_0x40000000");
+        assert_eq!(Bundles::even(4).list()[3].name(), "0xc0000000_0xffffffff");
+    }
+
+    #[test]
+    fn bundles_records_that_do_not_cover_the_space_are_not_valid() {
+        for bad in [
+            vec![],
+            vec![0],
+            vec![1, HASH_END],
+            vec![0, 5, 5, HASH_END],
+            vec![0, 10],
+        ] {
+            assert!(
+                !Bundles {
+                    boundaries: bad.clone()
+                }
+                .valid(),
+                "{bad:?}"
+            );
+        }
+    }
+}

@@ -1,0 +1,182 @@
+//! A site of several brokers: registration, bundle ownership, lookups that redirect to the
+//! owner, refusal at a non-owner, and a killed owner's topics served by another broker once its
+//! session expires (real processes on loopback, the stock Python client).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use meridian_integration::raw::{error_of, producer, Raw};
+use meridian_integration::{
+    run_admin, step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster, PyClient,
+};
+use meridian_protocol::pb::ServerError;
+use serde_json::Value;
+
+const T: Duration = Duration::from_secs(120);
+const TOPICS: usize = 8;
+const MESSAGES: u64 = 40;
+
+fn admin_json(admin_url: &str, args: &[&str]) -> Value {
+    let mut all = vec!["--admin-url", admin_url, "--output", "json"];
+    all.extend_from_slice(args);
+    let (code, out, err) = run_admin(&all).expect("meridian-admin runs");
+    assert_eq!(code, 0, "meridian-admin {args:?}: {out}{err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
+}
+
+fn host(url: &str) -> &str {
+    url.trim_start_matches("pulsar://")
+}
+
+fn topic(i: usize) -> String {
+    format!("persistent://public/default/site-{i}")
+}
+
+/// The `i` values a consume run printed.
+fn consumed(lines: &[Value]) -> Vec<u64> {
+    lines.iter().filter_map(|v| v["i"].as_u64()).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_killed_owners_topics_move(
+) {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let root = cluster.root.path().to_path_buf();
+    let mut bookie = BookieProc::new("bookie", &root, &endpoint);
+    bookie.start().unwrap();
+    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut brokers: Vec<BrokerProc> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            let mut b = BrokerProc::new(n, &root, &endpoint);
+            b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
+                .env("MERIDIAN_BROKER_LOAD_REPORT_INTERVAL_MS", "500");
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    let ids: BTreeSet<String> = brokers.iter().map(|b| host(&b.url).to_string()).collect();
+
+    step("both brokers are registered, with their URLs");
+    let listed = admin_json(&brokers[0].admin_url, &["brokers", "list"]);
+    let listed_ids: BTreeSet<String> = listed
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|b| b["id"].as_str().expect("id").to_string())
+        .collect();
+    assert_eq!(listed_ids, ids, "{listed}");
+
+    step("8 topics produced through a service URL that lists both brokers");
+    let service = format!(
+        "pulsar://{},{}",
+        host(&brokers[0].url),
+        host(&brokers[1].url)
+    );
+    let count = MESSAGES.to_string();
+    for i in 0..TOPICS {
+        let t = topic(i);
+        let lines = PyClient::run(
+            &root,
+            &format!("p{i}"),
+            &["produce", &service, &t, "--count", &count],
+        )
+        .finish(T)
+        .unwrap_or_else(|e| panic!("produce {t}: {e:#}"));
+        assert!(
+            lines.iter().any(|v| v["done"].as_u64() == Some(MESSAGES)),
+            "{t}: {lines:?}"
+        );
+        let acked = lines.iter().filter(|v| v.get("acked").is_some()).count() as u64;
+        assert_eq!(acked, MESSAGES, "{t}: {lines:?}");
+    }
+
+    step("lookups at either broker name the same owner, and the owner is one of the two");
+    let mut owner = BTreeMap::new();
+    for i in 0..TOPICS {
+        let t = topic(i);
+        let at: Vec<String> = brokers
+            .iter()
+            .map(|b| {
+                admin_json(&b.admin_url, &["topics", "lookup", &t])["owner"]
+                    .as_str()
+                    .unwrap_or_else(|| panic!("{t} has no owner"))
+                    .to_string()
+            })
+            .collect();
+        assert_eq!(at[0], at[1], "{t}: owners differ");
+        assert!(ids.contains(&at[0]), "{t}: owner {}", at[0]);
+        owner.insert(i, at[0].clone());
+    }
+    let bundles = admin_json(
+        &brokers[1].admin_url,
+        &["namespaces", "bundles", "public/default"],
+    );
+    assert_eq!(bundles.as_array().map(Vec::len), Some(4), "{bundles}");
+    println!("owners: {owner:?}; bundles: {bundles}");
+
+    step("a producer at the broker that does not own its topic is refused with ServiceNotReady");
+    let t0_owner = owner[&0].clone();
+    let other = brokers
+        .iter()
+        .find(|b| host(&b.url) != t0_owner)
+        .expect("another broker");
+    let mut raw = Raw::connected(&other.url);
+    raw.send(&producer("site-0", 1, 1));
+    let (code, msg) = error_of(&raw.expect());
+    assert_eq!(code, ServerError::ServiceNotReady, "{msg}");
+    assert!(msg.contains(&t0_owner), "{msg}");
+
+    step("a durable subscription on every topic takes and acknowledges half of it");
+    let half = (MESSAGES / 2).to_string();
+    for i in 0..TOPICS {
+        let lines = PyClient::run(
+            &root,
+            &format!("c{i}"),
+            &["consume", &service, &topic(i), "s", "--count", &half],
+        )
+        .finish(T)
+        .unwrap_or_else(|e| panic!("consume {}: {e:#}", topic(i)));
+        assert_eq!(consumed(&lines), (0..MESSAGES / 2).collect::<Vec<_>>());
+    }
+
+    step(
+        "kill -9 the owner of site-0: the other broker serves every topic once its session expires",
+    );
+    let victim = brokers
+        .iter()
+        .position(|b| host(&b.url) == t0_owner)
+        .expect("the owner");
+    brokers[victim].kill9().unwrap();
+    let survivor = &brokers[1 - victim];
+    let started = Instant::now();
+    for i in 0..TOPICS {
+        let lines = PyClient::run(
+            &root,
+            &format!("c{i}-after"),
+            &["consume", &service, &topic(i), "s", "--count", &half],
+        )
+        .finish(T)
+        .unwrap_or_else(|e| panic!("consume {} after the kill: {e:#}", topic(i)));
+        assert_eq!(
+            consumed(&lines),
+            (MESSAGES / 2..MESSAGES).collect::<Vec<_>>(),
+            "{} (owned by {} before)",
+            topic(i),
+            owner[&i]
+        );
+    }
+    println!(
+        "every topic consumed at the survivor {:.1} s after the kill",
+        started.elapsed().as_secs_f64()
+    );
+    for i in 0..TOPICS {
+        let o = admin_json(&survivor.admin_url, &["topics", "lookup", &topic(i)]);
+        assert_eq!(o["owner"].as_str(), Some(host(&survivor.url)), "{o}");
+    }
+    let listed = admin_json(&survivor.admin_url, &["brokers", "list"]);
+    assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+}
