@@ -53,7 +53,8 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
         .map(|n| {
             let mut b = BrokerProc::new(n, &root, &endpoint);
             b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
-                .env("MERIDIAN_BROKER_LOAD_REPORT_INTERVAL_MS", "500");
+                .env("MERIDIAN_BROKER_LOAD_REPORT_INTERVAL_MS", "500")
+                .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true");
             b.start().unwrap();
             b
         })
@@ -179,4 +180,80 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
     }
     let listed = admin_json(&survivor.admin_url, &["brokers", "list"]);
     assert_eq!(listed.as_array().map(Vec::len), Some(1), "{listed}");
+    let survivor = 1 - victim;
+
+    step("the killed broker comes back on its address: its crashed run's keys are taken over");
+    brokers[victim].start().unwrap();
+    let listed = admin_json(&brokers[victim].admin_url, &["brokers", "list"]);
+    assert_eq!(listed.as_array().map(Vec::len), Some(2), "{listed}");
+
+    step("SIGTERM the broker owning every topic while a named producer sends: it moves, no send fails, none is stored twice");
+    let sends = 300u64;
+    let mut p = PyClient::run(
+        &root,
+        "p-term",
+        &[
+            "produce",
+            &service,
+            &topic(0),
+            "--count",
+            &sends.to_string(),
+            "--start",
+            "1000",
+            "--name",
+            "mover",
+            "--pause-every",
+            "10",
+            "--pause-ms",
+            "30",
+        ],
+    );
+    std::thread::sleep(Duration::from_millis(700));
+    let started = Instant::now();
+    assert_eq!(brokers[survivor].stop().unwrap(), 0, "a clean exit");
+    println!(
+        "the SIGTERMed broker handed over and exited in {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    let lines = p.finish(T).expect("the producer finishes");
+    let failed: Vec<&Value> = lines.iter().filter(|v| v.get("failed").is_some()).collect();
+    assert!(failed.is_empty(), "failed sends: {failed:?}");
+    let acked = lines.iter().filter(|v| v.get("acked").is_some()).count() as u64;
+    assert_eq!(acked, sends, "{lines:?}");
+    let o = admin_json(&brokers[victim].admin_url, &["topics", "lookup", &topic(0)]);
+    assert_eq!(o["owner"].as_str(), Some(host(&brokers[victim].url)), "{o}");
+    let lines = PyClient::run(
+        &root,
+        "c-term",
+        &[
+            "consume",
+            &service,
+            &topic(0),
+            "s",
+            "--count",
+            &sends.to_string(),
+            "--timeout-ms",
+            "3000",
+        ],
+    )
+    .finish(T)
+    .expect("consume after the handover");
+    assert_eq!(consumed(&lines), (1000..1000 + sends).collect::<Vec<_>>());
+    let extra = PyClient::run(
+        &root,
+        "c-term-2",
+        &[
+            "consume",
+            &service,
+            &topic(0),
+            "s",
+            "--count",
+            "1",
+            "--timeout-ms",
+            "1500",
+        ],
+    )
+    .finish(T)
+    .expect("nothing more");
+    assert_eq!(consumed(&extra), Vec::<u64>::new(), "stored twice");
 }

@@ -239,6 +239,8 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     );
     shutdown_signal().await;
     tracing::info!("signal received; stopping");
+    // Clients move to other brokers bundle by bundle before the listener closes.
+    broker.hand_over().await;
     server.shutdown().await;
     if let Some(t) = tls_server {
         t.shutdown().await;

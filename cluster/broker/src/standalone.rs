@@ -163,6 +163,7 @@ impl Standalone {
             &format!("http://{}", http.addr),
             &format!("http://{}", admin.addr),
         );
+        broker.ownership.set_sole();
         broker.register().await.context("registering the broker")?;
         let server = crate::server::serve(Arc::clone(&broker), pl)?;
         background.push(tokio::spawn(Arc::clone(&broker).ownership_loop()));

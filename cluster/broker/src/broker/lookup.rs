@@ -191,6 +191,37 @@ impl Broker {
         self.release(&keys);
     }
 
+    /// Graceful shutdown's first step (SIGTERM): the broker leaves the placement list, then
+    /// hands its bundles over one by one: each bundle's topics are unloaded (their producers
+    /// and consumers closed; the clients look the topics up again) and the bundle released,
+    /// so the next lookup places it on another broker. Nothing is loaded here meanwhile.
+    pub async fn hand_over(&self) {
+        self.closing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Err(e) = self.ownership.deregister().await {
+            tracing::warn!(error = %e, "leaving the broker list failed");
+        }
+        let owned = self.ownership.owned();
+        let started = std::time::Instant::now();
+        for (ns, b) in &owned {
+            for t in self.loaded_topics() {
+                if t.name.namespace() == *ns
+                    && self.ownership.bundle_of(&t.name).await.ok().as_ref() == Some(b)
+                {
+                    self.unload_loaded(t).await;
+                }
+            }
+            if let Err(e) = self.ownership.release(ns, b).await {
+                tracing::warn!(namespace = %ns, bundle = %b.name(), error = %e, "releasing a bundle failed; it goes with the session");
+            }
+        }
+        tracing::info!(
+            bundles = owned.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "bundles handed over"
+        );
+    }
+
     /// Graceful shutdown's last step: the registration and every bundle are released at once.
     pub async fn release_ownership(&self) {
         self.ownership.release_all().await;

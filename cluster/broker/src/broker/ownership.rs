@@ -148,6 +148,9 @@ pub struct Ownership {
     /// broker can have it, so keys of an earlier run under it (a crash) are taken over at
     /// once instead of waited out.
     takeover: bool,
+    /// The only broker of its site (`meridian standalone`, whose metadata store is its own):
+    /// any other broker's keys are an earlier run's, taken over at once.
+    sole: std::sync::atomic::AtomicBool,
     ttl_ms: u64,
     default_bundles: u64,
     me: Mutex<BrokerInfo>,
@@ -181,6 +184,7 @@ impl Ownership {
         Ownership {
             meta,
             takeover,
+            sole: std::sync::atomic::AtomicBool::new(false),
             ttl_ms,
             default_bundles,
             me: Mutex::new(me),
@@ -188,6 +192,15 @@ impl Ownership {
             bundles: Mutex::new(HashMap::new()),
             placed: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Marks this broker as its site's only one (standalone).
+    pub fn set_sole(&self) {
+        self.sole.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn is_sole(&self) -> bool {
+        self.sole.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     pub fn me(&self) -> BrokerInfo {
@@ -230,6 +243,16 @@ impl Ownership {
         me.started_ms = super::now_ms();
         *self.me.lock().expect("me lock") = me.clone();
         let key = format!("{BROKERS_PREFIX}{}", me.id);
+        if self.is_sole() {
+            // Earlier runs of this site's only broker (under other addresses) are gone.
+            for b in self.brokers().await? {
+                if b.id != me.id {
+                    self.meta
+                        .delete(&format!("{BROKERS_PREFIX}{}", b.id), None)
+                        .await?;
+                }
+            }
+        }
         let deadline = Instant::now() + Duration::from_millis(self.ttl_ms * 2 + 1_000);
         loop {
             let opts = PutOptions {
@@ -331,6 +354,40 @@ impl Ownership {
         // Dropping the handle stops its keep-alives; the store expires the rest.
         drop(h.session);
         out
+    }
+
+    /// Leaves the list of brokers new bundles are placed on (graceful shutdown); what it owns
+    /// stays owned until released.
+    pub async fn deregister(&self) -> Result<(), BrokerError> {
+        let key = format!("{BROKERS_PREFIX}{}", self.id());
+        self.meta.delete(&key, None).await?;
+        Ok(())
+    }
+
+    /// The bundles owned now.
+    pub fn owned(&self) -> Vec<(String, Bundle)> {
+        let held = self.held.lock().expect("held lock");
+        held.as_ref().map_or_else(Vec::new, |h| {
+            h.owned
+                .iter()
+                .flat_map(|(ns, bs)| bs.keys().map(move |b| (ns.clone(), *b)))
+                .collect()
+        })
+    }
+
+    /// Gives a bundle up (its topics were unloaded): its key goes, and the next lookup places
+    /// it on another broker.
+    pub async fn release(&self, ns: &str, b: &Bundle) -> Result<(), BrokerError> {
+        {
+            let mut held = self.held.lock().expect("held lock");
+            if let Some(m) = held.as_mut().and_then(|h| h.owned.get_mut(ns)) {
+                m.remove(b);
+            }
+        }
+        self.meta.delete(&owner_key(ns, b), None).await?;
+        tracing::info!(namespace = %ns, bundle = %b.name(), "bundle released");
+        metrics::counter!("meridian_bundles_released_total").increment(1);
+        Ok(())
     }
 
     /// Releases every bundle and ends the session (graceful shutdown): the ephemeral keys go
@@ -436,7 +493,8 @@ impl Ownership {
                     .expect("held lock")
                     .as_ref()
                     .map(|h| h.session.id);
-                if info.id == self.id() && self.takeover && Some(kv.session) != current {
+                let earlier_run = (info.id == self.id() && self.takeover) || self.is_sole();
+                if earlier_run && Some(kv.session) != current {
                     // An earlier run's ownership (it crashed): free again.
                     self.meta.delete(&kv.key, Some(kv.mod_revision)).await?;
                     return Ok(Owner::Nobody);
