@@ -257,3 +257,73 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
     .expect("nothing more");
     assert_eq!(consumed(&extra), Vec::<u64>::new(), "stored twice");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_the_metadata_store_unreachable_then_the_broker_stops_serving_before_its_session_could_expire(
+) {
+    let mut cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let root = cluster.root.path().to_path_buf();
+    let mut bookie = BookieProc::new("bookie", &root, &endpoint);
+    bookie.start().unwrap();
+    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let ttl = Duration::from_millis(2000);
+    let mut broker = BrokerProc::new("broker", &root, &endpoint);
+    broker.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000");
+    broker.start().unwrap();
+
+    step("a producer is served");
+    let mut c = Raw::connected(&broker.url);
+    c.send(&producer("lost-0", 1, 1));
+    let f = c.expect();
+    assert!(f.command.producer_success.is_some(), "{:?}", f.command);
+
+    step("SIGSTOP the metadata store: the producer is closed within the session TTL");
+    cluster.nodes[0].pause(true).unwrap();
+    let paused = Instant::now();
+    let closed = loop {
+        match c.recv(ttl * 2) {
+            meridian_integration::raw::Got::Frame(f) if f.command.close_producer.is_some() => {
+                break paused.elapsed()
+            }
+            meridian_integration::raw::Got::Frame(_) => continue,
+            other => panic!(
+                "no CLOSE_PRODUCER within {:?} of the pause: {}",
+                ttl * 2,
+                match other {
+                    meridian_integration::raw::Got::Closed => "connection closed",
+                    _ => "nothing",
+                }
+            ),
+        }
+    };
+    println!(
+        "producer closed {} ms after the store stopped",
+        closed.as_millis()
+    );
+    assert!(
+        closed < ttl,
+        "closed after {closed:?}; the session may have expired at {ttl:?}"
+    );
+
+    step("SIGCONT: the broker registers again and serves the topic");
+    cluster.nodes[0].pause(false).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut id = 2;
+    loop {
+        c.send(&producer("lost-0", id, id));
+        let f = c.expect();
+        if f.command.producer_success.is_some() {
+            break;
+        }
+        let (code, msg) = error_of(&f);
+        assert!(
+            Instant::now() < deadline,
+            "not served again within 30 s: {code:?} {msg}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        id += 1;
+    }
+}
