@@ -131,6 +131,18 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
     assert_eq!(code, ServerError::ServiceNotReady, "{msg}");
     assert!(msg.contains(&t0_owner), "{msg}");
 
+    step("admin topic calls at that broker are forwarded to the owner");
+    let st = admin_json(&other.admin_url, &["topics", "stats", &topic(0)]);
+    assert_eq!(st["storage_entries"].as_u64(), Some(MESSAGES), "{st}");
+    let internal = admin_json(&other.admin_url, &["topics", "stats-internal", &topic(0)]);
+    assert_eq!(internal["entries"].as_u64(), Some(MESSAGES), "{internal}");
+    let o = admin_json(&other.admin_url, &["topics", "lookup", &topic(0)]);
+    assert_eq!(
+        o["owner"].as_str(),
+        Some(t0_owner.as_str()),
+        "loading stats did not move it: {o}"
+    );
+
     step("a durable subscription on every topic takes and acknowledges half of it");
     let half = (MESSAGES / 2).to_string();
     for i in 0..TOPICS {

@@ -33,6 +33,9 @@ pub trait TopicOps: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<Vec<TopicStats>, AdminError>>;
     /// Terminates a topic; answers its last message id (`ledger:entry`, empty if none).
     fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>>;
+    /// The admin URL of the broker that owns `topic`, when another broker does (admin topic
+    /// calls are forwarded there); `None` to serve it here.
+    fn owner_admin_url(&self, topic: String) -> BoxFuture<'_, Result<Option<String>, AdminError>>;
     /// The site's registered brokers.
     fn brokers(&self) -> BoxFuture<'_, Result<Vec<BrokerInfo>, AdminError>>;
     /// Who serves a topic.
@@ -333,6 +336,47 @@ fn ok<T>(t: T) -> Reply<T> {
     Ok(Response::new(t))
 }
 
+/// Marks a call forwarded by another broker: it is served where it arrives, never forwarded
+/// again.
+const FORWARDED: &str = "x-meridian-forwarded";
+
+/// A topic call made at a broker that does not own the topic goes to the owner's admin API,
+/// with the caller's credentials; the owner authorizes and answers.
+macro_rules! forward {
+    ($self:ident, $r:ident, $topic:expr, $method:ident) => {
+        if $r.metadata().get(FORWARDED).is_none() {
+            if let Some(url) = $self.topics.owner_admin_url($topic.to_string()).await? {
+                let mut c = peer(&url).await?;
+                let mut fwd = Request::new($r.get_ref().clone());
+                if let Some(a) = $r.metadata().get("authorization") {
+                    fwd.metadata_mut().insert("authorization", a.clone());
+                }
+                fwd.metadata_mut()
+                    .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+                return c.$method(fwd).await;
+            }
+        }
+    };
+}
+
+/// A client of another broker's admin API (plaintext; a TLS admin API is not forwarded to).
+async fn peer(
+    url: &str,
+) -> Result<crate::pb::admin_client::AdminClient<tonic::transport::Channel>, Status> {
+    if !url.starts_with("http://") {
+        return Err(Status::unavailable(format!(
+            "the topic is served by the broker whose admin API is {url}; call it there"
+        )));
+    }
+    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| Status::internal(format!("admin URL {url}: {e}")))?
+        .connect_timeout(std::time::Duration::from_secs(5))
+        .connect()
+        .await
+        .map_err(|e| Status::unavailable(format!("the topic's broker at {url}: {e}")))?;
+    Ok(crate::pb::admin_client::AdminClient::new(ch))
+}
+
 #[tonic::async_trait]
 impl Admin for AdminService {
     async fn list_clusters(&self, _: Request<Empty>) -> Reply<Names> {
@@ -619,6 +663,7 @@ impl Admin for AdminService {
     }
 
     async fn get_topic_stats(&self, r: Request<Name>) -> Reply<TopicStats> {
+        forward!(self, r, r.get_ref().name, get_topic_stats);
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
         ok(self.topics.stats(r.into_inner().name).await?)
@@ -635,6 +680,7 @@ impl Admin for AdminService {
     }
 
     async fn delete_topic(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
+        forward!(self, r, r.get_ref().name, delete_topic);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
         let d = r.into_inner();
@@ -646,6 +692,7 @@ impl Admin for AdminService {
     }
 
     async fn unload_topic(&self, r: Request<Name>) -> Reply<Empty> {
+        forward!(self, r, r.get_ref().name, unload_topic);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
         self.topics.unload(r.into_inner().name).await?;
@@ -653,6 +700,7 @@ impl Admin for AdminService {
     }
 
     async fn get_topic_internal_stats(&self, r: Request<Name>) -> Reply<InternalStatsList> {
+        forward!(self, r, r.get_ref().name, get_topic_internal_stats);
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
         ok(InternalStatsList {
@@ -661,6 +709,7 @@ impl Admin for AdminService {
     }
 
     async fn terminate_topic(&self, r: Request<Name>) -> Reply<TerminateResponse> {
+        forward!(self, r, r.get_ref().name, terminate_topic);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
         let last = self.topics.terminate(r.into_inner().name).await?;
@@ -692,6 +741,7 @@ impl Admin for AdminService {
     }
 
     async fn compact_topic(&self, r: Request<Name>) -> Reply<Empty> {
+        forward!(self, r, r.get_ref().name, compact_topic);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
         self.topics.compact(r.into_inner().name).await?;
@@ -699,12 +749,14 @@ impl Admin for AdminService {
     }
 
     async fn get_compaction_status(&self, r: Request<Name>) -> Reply<CompactionStatus> {
+        forward!(self, r, r.get_ref().name, get_compaction_status);
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
         ok(self.topics.compaction_status(r.into_inner().name).await?)
     }
 
     async fn list_subscriptions(&self, r: Request<Name>) -> Reply<Names> {
+        forward!(self, r, r.get_ref().name, list_subscriptions);
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
         ok(Names {
@@ -713,6 +765,7 @@ impl Admin for AdminService {
     }
 
     async fn create_subscription(&self, r: Request<CreateSubscriptionRequest>) -> Reply<Empty> {
+        forward!(self, r, r.get_ref().topic, create_subscription);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
         self.topics.create_subscription(r.into_inner()).await?;
@@ -720,6 +773,7 @@ impl Admin for AdminService {
     }
 
     async fn delete_subscription(&self, r: Request<SubscriptionRequest>) -> Reply<DeleteResponse> {
+        forward!(self, r, r.get_ref().topic, delete_subscription);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
         let r = r.into_inner();
@@ -729,6 +783,7 @@ impl Admin for AdminService {
     }
 
     async fn peek_messages(&self, r: Request<PeekRequest>) -> Reply<PeekResponse> {
+        forward!(self, r, r.get_ref().topic, peek_messages);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
         ok(PeekResponse {
@@ -737,6 +792,7 @@ impl Admin for AdminService {
     }
 
     async fn skip_messages(&self, r: Request<SkipRequest>) -> Reply<CountResponse> {
+        forward!(self, r, r.get_ref().topic, skip_messages);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
         let r = r.into_inner();
@@ -751,6 +807,7 @@ impl Admin for AdminService {
     }
 
     async fn clear_backlog(&self, r: Request<SubscriptionRequest>) -> Reply<CountResponse> {
+        forward!(self, r, r.get_ref().topic, clear_backlog);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
         let r = r.into_inner();
@@ -760,6 +817,7 @@ impl Admin for AdminService {
     }
 
     async fn expire_messages(&self, r: Request<ExpireRequest>) -> Reply<CountResponse> {
+        forward!(self, r, r.get_ref().topic, expire_messages);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
         let r = r.into_inner();
@@ -769,6 +827,7 @@ impl Admin for AdminService {
     }
 
     async fn reset_cursor(&self, r: Request<ResetCursorRequest>) -> Reply<Empty> {
+        forward!(self, r, r.get_ref().topic, reset_cursor);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
         self.topics.reset_cursor(r.into_inner()).await?;

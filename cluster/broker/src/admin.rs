@@ -343,6 +343,36 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn owner_admin_url(&self, topic: String) -> BoxFuture<'_, Result<Option<String>, AdminError>> {
+        async move {
+            use crate::broker::ownership::Owner;
+            let Ok(name) = self.name(&topic) else {
+                return Ok(None); // refused here, with the reason
+            };
+            let b = &self.0;
+            // A partitioned topic's partitions may be anywhere: served here, partition by
+            // partition (those owned elsewhere answer ServiceNotReady).
+            if name.partition().is_none()
+                && b.partitions_of(&name).await.map_err(admin_error)?.is_some()
+            {
+                return Ok(None);
+            }
+            if !b
+                .namespace_exists(&name.namespace())
+                .await
+                .map_err(admin_error)?
+            {
+                return Ok(None);
+            }
+            let bundle = b.ownership.bundle_of(&name).await.map_err(admin_error)?;
+            Ok(match b.ownership.owner(&name.namespace(), &bundle).await {
+                Ok(Owner::Other(o)) if !o.admin_url.is_empty() => Some(o.admin_url),
+                _ => None,
+            })
+        }
+        .boxed()
+    }
+
     fn brokers(&self) -> BoxFuture<'_, Result<Vec<pb::BrokerInfo>, AdminError>> {
         async move {
             let list = self.0.ownership.brokers().await.map_err(admin_error)?;

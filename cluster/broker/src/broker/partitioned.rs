@@ -189,7 +189,7 @@ impl Broker {
         }
     }
 
-    pub(super) async fn namespace_exists(&self, namespace: &str) -> Result<bool, BrokerError> {
+    pub async fn namespace_exists(&self, namespace: &str) -> Result<bool, BrokerError> {
         Ok(self
             .meta
             .get(&format!("{NAMESPACES_PREFIX}{namespace}"))
