@@ -569,6 +569,15 @@ pub struct BrokerConfig {
     /// Refresh the broker's load report (CPU, rates, topics, connections, memory) in its
     /// registration this often, milliseconds. Range 500..=60000, default 3000.
     pub load_report_interval_ms: u64,
+    /// The leading broker moves a bundle from the broker owning the most bundles to the one
+    /// owning the fewest when they differ by 2 or more, one bundle per this interval,
+    /// milliseconds. Range 1000..=3600000, default 60000.
+    pub load_shed_interval_ms: u64,
+    /// A bundle moved is not moved again for this long, milliseconds. Range 0..=86400000,
+    /// default 300000.
+    pub load_shed_grace_ms: u64,
+    /// Shed bundles at all (placement of unowned bundles happens regardless). Default `true`.
+    pub load_balancer_enabled: bool,
 }
 
 impl Default for BrokerConfig {
@@ -620,6 +629,9 @@ impl Default for BrokerConfig {
             session_ttl_ms: 5_000,
             default_bundles: 4,
             load_report_interval_ms: 3_000,
+            load_shed_interval_ms: 60_000,
+            load_shed_grace_ms: 300_000,
+            load_balancer_enabled: true,
         }
     }
 }
@@ -732,6 +744,8 @@ impl BrokerConfig {
             ("broker.session_ttl_ms", b.session_ttl_ms, 1_000, 300_000, ""),
             ("broker.default_bundles", b.default_bundles, 1, 1_024, ""),
             ("broker.load_report_interval_ms", b.load_report_interval_ms, 500, 60_000, ""),
+            ("broker.load_shed_interval_ms", b.load_shed_interval_ms, 1_000, 3_600_000, ""),
+            ("broker.load_shed_grace_ms", b.load_shed_grace_ms, 0, 86_400_000, ""),
         ];
         ranges(&bounds)
     }

@@ -492,6 +492,19 @@ def ks_consume(a):
     c.close()
 
 
+def multi_produce(a):
+    """One message to each of --topics topics PREFIX-0..N-1 (a producer each, closed after
+    its receipt); prints {"topic": i, "id": ...} per message and {"done": N}."""
+    c = client(a.url)
+    for i in range(a.topics):
+        p = c.create_producer("%s-%d" % (a.prefix, i), batching_enabled=False)
+        mid = p.send(("m-%d-%d" % (a.round, i)).encode())
+        out({"topic": i, "id": msg_id_str(mid)})
+        p.close()
+    out({"done": a.topics})
+    c.close()
+
+
 def payload_of(i, size):
     """A deterministic, compressible but not constant payload of `size` bytes."""
     head = ("msg-%d|" % i).encode()
@@ -836,6 +849,12 @@ def main():
     p.add_argument("--delay-mod", type=int, default=1)
     p.add_argument("--pause-ms", type=int, default=0)
     p.set_defaults(fn=produce)
+    p = sub.add_parser("multi-produce")
+    p.add_argument("url")
+    p.add_argument("prefix")
+    p.add_argument("--topics", type=int, required=True)
+    p.add_argument("--round", type=int, default=0)
+    p.set_defaults(fn=multi_produce)
     p = sub.add_parser("consume")
     p.add_argument("url")
     p.add_argument("topic")

@@ -268,6 +268,36 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
     .finish(T)
     .expect("nothing more");
     assert_eq!(consumed(&extra), Vec::<u64>::new(), "stored twice");
+
+    step("kill -9 and restart at once: the new run takes over the crashed run's keys, no wait");
+    brokers[victim].kill9().unwrap();
+    let restarted = Instant::now();
+    brokers[victim].start().unwrap();
+    let took = restarted.elapsed();
+    assert!(
+        took < Duration::from_millis(1500),
+        "restart took {took:?}, a session TTL is 2 s"
+    );
+    let lines = PyClient::run(
+        &root,
+        "p-after-restart",
+        &[
+            "produce",
+            &service,
+            &topic(0),
+            "--count",
+            "5",
+            "--start",
+            "5000",
+        ],
+    )
+    .finish(T)
+    .expect("produce after the restart");
+    assert_eq!(
+        lines.iter().filter(|v| v.get("acked").is_some()).count(),
+        5,
+        "{lines:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,4 +368,139 @@ async fn given_the_metadata_store_unreachable_then_the_broker_stops_serving_befo
         std::thread::sleep(Duration::from_millis(300));
         id += 1;
     }
+}
+
+/// Bundles of `public/default` per owner, from `namespaces bundles`.
+fn bundle_owners(admin_url: &str) -> BTreeMap<String, usize> {
+    let v = admin_json(admin_url, &["namespaces", "bundles", "public/default"]);
+    let mut out = BTreeMap::new();
+    for b in v.as_array().expect("bundles") {
+        let owner = b["owner"].as_str().unwrap_or("(none)").to_string();
+        *out.entry(owner).or_insert(0) += 1;
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_second_broker_joins_a_loaded_one_then_the_load_manager_moves_bundles_to_it() {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let root = cluster.root.path().to_path_buf();
+    let mut bookie = BookieProc::new("bookie", &root, &endpoint);
+    bookie.start().unwrap();
+    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let broker = |name: &str| {
+        let mut b = BrokerProc::new(name, &root, &endpoint);
+        b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
+            .env("MERIDIAN_BROKER_LOAD_REPORT_INTERVAL_MS", "500")
+            .env("MERIDIAN_BROKER_LOAD_SHED_INTERVAL_MS", "1000")
+            .env("MERIDIAN_BROKER_LOAD_SHED_GRACE_MS", "0");
+        b
+    };
+    let mut a = broker("a");
+    a.start().unwrap();
+    let a_id = host(&a.url).to_string();
+
+    step("100 topics on the only broker: it owns all 4 bundles and leads the load manager");
+    let produce = |name: &str, url: &str, round: &str| {
+        let lines = PyClient::run(
+            &root,
+            name,
+            &[
+                "multi-produce",
+                url,
+                "persistent://public/default/lm",
+                "--topics",
+                "100",
+                "--round",
+                round,
+            ],
+        )
+        .finish(T)
+        .unwrap_or_else(|e| panic!("{name}: {e:#}"));
+        assert!(
+            lines.iter().any(|v| v["done"].as_u64() == Some(100)),
+            "{lines:?}"
+        );
+    };
+    produce("p1", &a.url, "1");
+    assert_eq!(
+        bundle_owners(&a.admin_url),
+        BTreeMap::from([(a_id.clone(), 4)])
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while admin_json(&a.admin_url, &["brokers", "list"])[0]["load"]["bundles"].as_u64() != Some(4) {
+        assert!(Instant::now() < deadline, "no load report of 4 bundles");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (code, out, err) = run_admin(&["--admin-url", &a.admin_url, "brokers", "leader"]).unwrap();
+    assert_eq!(
+        (code, out.split_whitespace().next()),
+        (0, Some(a_id.as_str())),
+        "{err}"
+    );
+
+    step("a second broker joins: bundles are shed to it and placed there by the next lookups");
+    let mut b = broker("b");
+    b.start().unwrap();
+    let b_id = host(&b.url).to_string();
+    let service = format!("pulsar://{},{}", host(&a.url), host(&b.url));
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut round = 2;
+    loop {
+        produce(&format!("p{round}"), &service, &round.to_string());
+        let owners = bundle_owners(&b.admin_url);
+        println!("round {round}: {owners:?}");
+        if owners.get(&b_id).copied().unwrap_or(0) >= 2
+            && owners.get(&a_id).copied().unwrap_or(0) >= 1
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bundles did not move: {owners:?}"
+        );
+        std::thread::sleep(Duration::from_millis(1500));
+        round += 1;
+    }
+    let log = a.log_text();
+    assert!(log.contains("load manager decision"), "no decision logged");
+
+    step("an admin unloads one bundle at its owner through the other broker");
+    let bundles = admin_json(&a.admin_url, &["namespaces", "bundles", "public/default"]);
+    let on_b = bundles
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["owner"].as_str() == Some(b_id.as_str()))
+        .and_then(|x| x["range"].as_str())
+        .expect("a bundle on b")
+        .to_string();
+    let r = admin_json(
+        &a.admin_url,
+        &["namespaces", "unload", "public/default", "--bundle", &on_b],
+    );
+    assert_eq!(r["unloaded"], serde_json::json!([on_b]), "{r}");
+    let after = admin_json(&b.admin_url, &["namespaces", "bundles", "public/default"]);
+    let now = after
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["range"].as_str() == Some(on_b.as_str()))
+        .expect("the bundle");
+    assert_ne!(now["owner"].as_str(), Some(b_id.as_str()), "{after}");
+    let (code, _, err) = run_admin(&[
+        "--admin-url",
+        &a.admin_url,
+        "namespaces",
+        "unload",
+        "public/default",
+        "--bundle",
+        "0x1_0x2",
+    ])
+    .unwrap();
+    assert_ne!(code, 0);
+    assert!(err.contains("no bundle"), "{err}");
 }

@@ -38,6 +38,14 @@ pub trait TopicOps: Send + Sync + 'static {
     fn owner_admin_url(&self, topic: String) -> BoxFuture<'_, Result<Option<String>, AdminError>>;
     /// The site's registered brokers.
     fn brokers(&self) -> BoxFuture<'_, Result<Vec<BrokerInfo>, AdminError>>;
+    /// Unloads a namespace's bundles (or one); answers the ranges unloaded.
+    fn unload_bundles(
+        &self,
+        namespace: String,
+        bundle: Option<String>,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
+    /// The load manager's leader.
+    fn leader(&self) -> BoxFuture<'_, Result<Option<BrokerInfo>, AdminError>>;
     /// Who serves a topic.
     fn lookup(&self, topic: String) -> BoxFuture<'_, Result<TopicLookup, AdminError>>;
     /// A namespace's bundles and owners.
@@ -353,7 +361,17 @@ macro_rules! forward {
                 }
                 fwd.metadata_mut()
                     .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
-                return c.$method(fwd).await;
+                return match tokio::time::timeout(
+                    std::time::Duration::from_secs(60),
+                    c.$method(fwd),
+                )
+                .await
+                {
+                    Ok(r) => r,
+                    Err(_) => Err(Status::deadline_exceeded(format!(
+                        "the topic's broker at {url} did not answer within 60 s"
+                    ))),
+                };
             }
         }
     };
@@ -663,9 +681,9 @@ impl Admin for AdminService {
     }
 
     async fn get_topic_stats(&self, r: Request<Name>) -> Reply<TopicStats> {
-        forward!(self, r, r.get_ref().name, get_topic_stats);
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
+        forward!(self, r, r.get_ref().name, get_topic_stats);
         ok(self.topics.stats(r.into_inner().name).await?)
     }
 
@@ -680,9 +698,9 @@ impl Admin for AdminService {
     }
 
     async fn delete_topic(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
-        forward!(self, r, r.get_ref().name, delete_topic);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
+        forward!(self, r, r.get_ref().name, delete_topic);
         let d = r.into_inner();
         let deleted = self.topics.delete(d.name, d.force, d.dry_run).await?;
         ok(DeleteResponse {
@@ -692,26 +710,26 @@ impl Admin for AdminService {
     }
 
     async fn unload_topic(&self, r: Request<Name>) -> Reply<Empty> {
-        forward!(self, r, r.get_ref().name, unload_topic);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
+        forward!(self, r, r.get_ref().name, unload_topic);
         self.topics.unload(r.into_inner().name).await?;
         ok(Empty {})
     }
 
     async fn get_topic_internal_stats(&self, r: Request<Name>) -> Reply<InternalStatsList> {
-        forward!(self, r, r.get_ref().name, get_topic_internal_stats);
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
+        forward!(self, r, r.get_ref().name, get_topic_internal_stats);
         ok(InternalStatsList {
             topics: self.topics.internal_stats(r.into_inner().name).await?,
         })
     }
 
     async fn terminate_topic(&self, r: Request<Name>) -> Reply<TerminateResponse> {
-        forward!(self, r, r.get_ref().name, terminate_topic);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
+        forward!(self, r, r.get_ref().name, terminate_topic);
         let last = self.topics.terminate(r.into_inner().name).await?;
         ok(TerminateResponse {
             last_message_id: last,
@@ -723,6 +741,27 @@ impl Admin for AdminService {
         ok(BrokerList {
             brokers: self.topics.brokers().await?,
         })
+    }
+
+    async fn unload_namespace(&self, r: Request<UnloadNamespaceRequest>) -> Reply<Names> {
+        let ns = r.get_ref().namespace.clone();
+        self.tenant_admin(role_of(&r).as_ref(), ns.split('/').next().unwrap_or(""))
+            .await?;
+        let b = r.into_inner().bundle;
+        ok(Names {
+            names: self
+                .topics
+                .unload_bundles(ns, (!b.is_empty()).then_some(b))
+                .await?,
+        })
+    }
+
+    async fn get_leader_broker(&self, r: Request<Empty>) -> Reply<BrokerInfo> {
+        self.superuser(role_of(&r).as_ref())?;
+        match self.topics.leader().await? {
+            Some(b) => ok(b),
+            None => Err(Status::not_found("no broker leads the load manager yet")),
+        }
     }
 
     async fn lookup_topic(&self, r: Request<Name>) -> Reply<TopicLookup> {
@@ -741,41 +780,41 @@ impl Admin for AdminService {
     }
 
     async fn compact_topic(&self, r: Request<Name>) -> Reply<Empty> {
-        forward!(self, r, r.get_ref().name, compact_topic);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
+        forward!(self, r, r.get_ref().name, compact_topic);
         self.topics.compact(r.into_inner().name).await?;
         ok(Empty {})
     }
 
     async fn get_compaction_status(&self, r: Request<Name>) -> Reply<CompactionStatus> {
-        forward!(self, r, r.get_ref().name, get_compaction_status);
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
+        forward!(self, r, r.get_ref().name, get_compaction_status);
         ok(self.topics.compaction_status(r.into_inner().name).await?)
     }
 
     async fn list_subscriptions(&self, r: Request<Name>) -> Reply<Names> {
-        forward!(self, r, r.get_ref().name, list_subscriptions);
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
+        forward!(self, r, r.get_ref().name, list_subscriptions);
         ok(Names {
             names: self.topics.subscriptions(r.into_inner().name).await?,
         })
     }
 
     async fn create_subscription(&self, r: Request<CreateSubscriptionRequest>) -> Reply<Empty> {
-        forward!(self, r, r.get_ref().topic, create_subscription);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
+        forward!(self, r, r.get_ref().topic, create_subscription);
         self.topics.create_subscription(r.into_inner()).await?;
         ok(Empty {})
     }
 
     async fn delete_subscription(&self, r: Request<SubscriptionRequest>) -> Reply<DeleteResponse> {
-        forward!(self, r, r.get_ref().topic, delete_subscription);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
+        forward!(self, r, r.get_ref().topic, delete_subscription);
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let deleted = self.topics.delete_subscription(r).await?;
@@ -783,18 +822,18 @@ impl Admin for AdminService {
     }
 
     async fn peek_messages(&self, r: Request<PeekRequest>) -> Reply<PeekResponse> {
-        forward!(self, r, r.get_ref().topic, peek_messages);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
+        forward!(self, r, r.get_ref().topic, peek_messages);
         ok(PeekResponse {
             messages: self.topics.peek(r.into_inner()).await?,
         })
     }
 
     async fn skip_messages(&self, r: Request<SkipRequest>) -> Reply<CountResponse> {
-        forward!(self, r, r.get_ref().topic, skip_messages);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
+        forward!(self, r, r.get_ref().topic, skip_messages);
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let sub = SubscriptionRequest {
@@ -807,9 +846,9 @@ impl Admin for AdminService {
     }
 
     async fn clear_backlog(&self, r: Request<SubscriptionRequest>) -> Reply<CountResponse> {
-        forward!(self, r, r.get_ref().topic, clear_backlog);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
+        forward!(self, r, r.get_ref().topic, clear_backlog);
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let entries = self.topics.skip(r, None).await?;
@@ -817,9 +856,9 @@ impl Admin for AdminService {
     }
 
     async fn expire_messages(&self, r: Request<ExpireRequest>) -> Reply<CountResponse> {
-        forward!(self, r, r.get_ref().topic, expire_messages);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
+        forward!(self, r, r.get_ref().topic, expire_messages);
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let entries = self.topics.expire(r).await?;
@@ -827,9 +866,9 @@ impl Admin for AdminService {
     }
 
     async fn reset_cursor(&self, r: Request<ResetCursorRequest>) -> Reply<Empty> {
-        forward!(self, r, r.get_ref().topic, reset_cursor);
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
+        forward!(self, r, r.get_ref().topic, reset_cursor);
         self.topics.reset_cursor(r.into_inner()).await?;
         ok(Empty {})
     }

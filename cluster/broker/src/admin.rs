@@ -373,6 +373,32 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn unload_bundles(
+        &self,
+        namespace: String,
+        bundle: Option<String>,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>> {
+        async move {
+            self.0
+                .unload_bundles(&namespace, bundle.as_deref())
+                .await
+                .map_err(admin_error)
+        }
+        .boxed()
+    }
+
+    fn leader(&self) -> BoxFuture<'_, Result<Option<pb::BrokerInfo>, AdminError>> {
+        async move {
+            Ok(self
+                .0
+                .leader()
+                .await
+                .map_err(admin_error)?
+                .map(broker_to_pb))
+        }
+        .boxed()
+    }
+
     fn brokers(&self) -> BoxFuture<'_, Result<Vec<pb::BrokerInfo>, AdminError>> {
         async move {
             let list = self.0.ownership.brokers().await.map_err(admin_error)?;

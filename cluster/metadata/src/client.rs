@@ -249,15 +249,38 @@ impl MetadataClient {
         F: Fn(PbClient<Channel>, Duration) -> Fut,
         Fut: std::future::Future<Output = Result<T, tonic::Status>>,
     {
+        let t = self.inner.request_timeout;
+        self.call_within(idempotent, t, t, f).await
+    }
+
+    /// [`call`](Self::call) with its own deadline, and at most `attempt` per endpoint tried
+    /// (an endpoint that does not answer costs that, then the next is tried; idempotent
+    /// calls only).
+    async fn call_within<T, F, Fut>(
+        &self,
+        idempotent: bool,
+        total: Duration,
+        attempt: Duration,
+        f: F,
+    ) -> Result<T, ClientError>
+    where
+        F: Fn(PbClient<Channel>, Duration) -> Fut,
+        Fut: std::future::Future<Output = Result<T, tonic::Status>>,
+    {
         let inner = &self.inner;
         let started = Instant::now();
-        let deadline = started + inner.request_timeout;
+        let deadline = started + total;
         let mut backoff = inner.backoff_initial;
         let mut attempts = 0u32;
         loop {
             attempts += 1;
             let idx = inner.current.load(Ordering::Relaxed) % inner.clients.len();
             let remaining = deadline.saturating_duration_since(Instant::now());
+            let remaining = if idempotent {
+                remaining.min(attempt)
+            } else {
+                remaining
+            };
             let result =
                 tokio::time::timeout(remaining, f(inner.clients[idx].clone(), remaining)).await;
             let last = match result {
@@ -496,7 +519,9 @@ impl MetadataClient {
             loop {
                 tokio::time::sleep(period).await;
                 let sent = tokio::time::Instant::now();
-                match client.keep_alive(id).await {
+                // Within the period, a third of it per endpoint: one node that does not answer
+                // must not cost the lease.
+                match client.keep_alive_within(id, period, period / 3).await {
                     // The store renewed the lease when the request reached it, after `sent`.
                     Ok(_) => {
                         valid_tx.send_modify(|v| *v = (*v).max(sent + ttl));
@@ -517,6 +542,29 @@ impl MetadataClient {
             lost: lost_rx,
             valid_until: valid_rx,
         })
+    }
+
+    /// [`keep_alive`](Self::keep_alive) within `total`, at most `attempt` per endpoint.
+    pub async fn keep_alive_within(
+        &self,
+        session: u64,
+        total: Duration,
+        attempt: Duration,
+    ) -> Result<u64, ClientError> {
+        Ok(self
+            .call_within(
+                true,
+                total,
+                attempt.max(Duration::from_millis(50)),
+                |mut c, t| {
+                    let mut r = tonic::Request::new(pb::SessionKeepAliveRequest { session });
+                    r.set_timeout(t);
+                    async move { c.session_keep_alive(r).await }
+                },
+            )
+            .await?
+            .into_inner()
+            .ttl_ms)
     }
 
     /// Renews a session's lease. `FailedPrecondition` once the session has ended.

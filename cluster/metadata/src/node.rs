@@ -238,6 +238,13 @@ impl NodeCore {
     /// Records a keep-alive on the leader. Returns the session's TTL.
     pub fn keep_alive(&self, id: SessionId) -> Result<u64, NodeError> {
         self.require_leader()?;
+        // A leader cut off from its followers may have been replaced: a keep-alive it
+        // accepted would promise a lease the new leader does not keep.
+        if !self.lease_valid() {
+            return Err(NodeError::Unavailable(
+                "this node's leadership is not confirmed by a quorum; retry".into(),
+            ));
+        }
         let ttl_ms = {
             let st = self.shared.state.read().expect("state lock");
             match st.kv.sessions.get(&id) {

@@ -227,6 +227,8 @@ struct TopicDeleteArgs {
 enum Brokers {
     /// The registered brokers, with their load.
     List,
+    /// The broker leading the site's load manager.
+    Leader,
 }
 
 #[derive(Subcommand)]
@@ -262,6 +264,14 @@ enum Namespaces {
     /// A namespace's bundles (hash ranges of its topic names) and the broker owning each.
     Bundles {
         namespace: String,
+    },
+    /// Unloads the namespace's bundles (or one) at their owners: their topics' clients look
+    /// them up again and they are placed anew.
+    Unload {
+        namespace: String,
+        /// One bundle, 0xLO_0xHI (see `namespaces bundles`).
+        #[arg(long, short = 'b')]
+        bundle: Option<String>,
     },
     Create {
         namespace: String,
@@ -936,6 +946,11 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 
 async fn brokers(c: &mut Client, cmd: Brokers, out: Output) -> anyhow::Result<()> {
     match cmd {
+        Brokers::Leader => {
+            let b = c.get_leader_broker(Empty {}).await?.into_inner();
+            let v = json!({"id": b.id, "service_url": b.service_url, "admin_url": b.admin_url});
+            print(out, &v, || format!("{}  {}", b.id, b.service_url));
+        }
         Brokers::List => {
             let r = c.list_brokers(Empty {}).await?.into_inner();
             let v: Vec<Value> = r
@@ -1147,6 +1162,24 @@ fn show<T: ToString>(v: &Option<T>) -> String {
 
 async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Result<()> {
     match cmd {
+        Namespaces::Unload { namespace, bundle } => {
+            let r = c
+                .unload_namespace(UnloadNamespaceRequest {
+                    namespace: namespace.clone(),
+                    bundle: bundle.unwrap_or_default(),
+                })
+                .await?
+                .into_inner();
+            let v = json!({"namespace": namespace, "unloaded": r.names});
+            print(out, &v, || {
+                format!(
+                    "unloaded {} bundles of {namespace}: {}",
+                    r.names.len(),
+                    r.names.join(" ")
+                )
+            });
+            Ok(())
+        }
         Namespaces::Bundles { namespace } => {
             let r = c.get_bundles(Name { name: namespace }).await?.into_inner();
             let v: Vec<Value> = r

@@ -59,16 +59,26 @@ impl Broker {
 
     /// Before a topic is loaded here: this broker owns its bundle (taking it if nobody does).
     /// Owned elsewhere: ServiceNotReady, so the client looks the topic up again.
-    pub(super) async fn ensure_owned(&self, name: &TopicName) -> Result<(), BrokerError> {
+    /// Answers the session the ownership is held in: a load that finishes in another session
+    /// must not serve.
+    pub(super) async fn ensure_owned(&self, name: &TopicName) -> Result<u64, BrokerError> {
         let ns = name.namespace();
         let o = &self.ownership;
         let b = o.bundle_of(name).await?;
+        let held = || {
+            o.session_id().filter(|_| o.owns(&ns, &b)).ok_or_else(|| {
+                BrokerError::new(
+                    ServerError::ServiceNotReady,
+                    "this broker's session ended meanwhile; retry",
+                )
+            })
+        };
         if o.owns(&ns, &b) {
-            return Ok(());
+            return held();
         }
         let other = match o.owner(&ns, &b).await? {
-            Owner::Me => return Ok(()),
-            Owner::Nobody if o.acquire(&ns, &b).await? => return Ok(()),
+            Owner::Me => return held(),
+            Owner::Nobody if o.acquire(&ns, &b).await? => return held(),
             Owner::Nobody => match o.owner(&ns, &b).await? {
                 Owner::Other(x) => x.id,
                 _ => "another broker".to_string(),
@@ -98,46 +108,70 @@ impl Broker {
         self.ownership.register().await
     }
 
-    /// Keeps the registration: the load report every `broker.load_report_interval_ms`; when
-    /// the session cannot be renewed in time every topic is unloaded (before the store could
-    /// give the bundles to another broker) and the broker registers again.
+    /// Keeps the registration. A watchdog that does nothing else waits for the session's
+    /// sure end: when it comes without a renewal (or the session is found lost) every topic
+    /// stops serving, before the store could give the bundles to another broker, and the
+    /// broker registers again. Load reports and the load manager run in a task of their own,
+    /// so a slow metadata call never delays the watchdog. A standalone (its site's only
+    /// broker) keeps its topics: nobody else could take them.
     pub async fn ownership_loop(self: Arc<Self>) {
+        let reporter = tokio::spawn(Arc::clone(&self).report_loop());
+        let tick = Duration::from_millis(50);
+        loop {
+            match self.ownership.serving_until() {
+                Some(until) if tokio::time::Instant::now() < until => {
+                    tokio::time::sleep(tick.min(until - tokio::time::Instant::now())).await;
+                    continue;
+                }
+                Some(_) => {}
+                None if self.is_closing() => break,
+                None => {}
+            }
+            // The session is over or not surely alive: stop serving, then register anew.
+            let had = self.ownership.owns_any() || !self.loaded_topics().is_empty();
+            let lost = self.ownership.lose();
+            if had && !self.ownership.sole() {
+                tracing::warn!(bundles = lost.len(), "the broker's metadata session could not be renewed in time: it stops serving every topic");
+                metrics::counter!("meridian_broker_sessions_lost_total").increment(1);
+                self.unload_all().await;
+            }
+            if self.is_closing() {
+                break;
+            }
+            while let Err(e) = self.ownership.register().await {
+                tracing::warn!(error = %e, "registering the broker failed; retrying");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                if self.is_closing() {
+                    break;
+                }
+            }
+        }
+        reporter.abort();
+    }
+
+    /// Load reports every `broker.load_report_interval_ms`, each followed by a beat of the
+    /// load manager, each bounded in time.
+    async fn report_loop(self: Arc<Self>) {
         let every = Duration::from_millis(self.cfg.load_report_interval_ms);
+        let limit = Duration::from_millis(self.cfg.session_ttl_ms);
         let mut sampler = ProcessSampler::new();
-        let mut next_report = tokio::time::Instant::now();
         loop {
             if self.is_closing() {
                 return;
             }
-            let Some(until) = self.ownership.serving_until() else {
-                // No session (lost, or never had one): register again.
-                match self.ownership.register().await {
-                    Ok(()) => {}
-                    Err(e) => {
-                        tracing::warn!(error = %e, "registering the broker failed; retrying");
-                        tokio::time::sleep(Duration::from_millis(500)).await;
-                    }
-                }
-                continue;
-            };
-            tokio::select! {
-                _ = tokio::time::sleep_until(until) => {
-                    if self.ownership.serving_until().is_some_and(|u| u > tokio::time::Instant::now()) {
-                        continue; // renewed meanwhile
-                    }
-                    let lost = self.ownership.lose();
-                    tracing::warn!(bundles = lost.len(), "the broker's metadata session could not be renewed in time: it stops serving every topic");
-                    metrics::counter!("meridian_broker_sessions_lost_total").increment(1);
-                    self.unload_all().await;
-                }
-                _ = tokio::time::sleep_until(next_report) => {
-                    next_report = tokio::time::Instant::now() + every;
-                    let load = self.load_report(&mut sampler).await;
-                    if let Err(e) = self.ownership.report(load).await {
-                        tracing::warn!(error = %e, "writing the load report failed");
-                    }
-                }
+            let load = self.load_report(&mut sampler).await;
+            match tokio::time::timeout(limit, self.ownership.report(load)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "writing the load report failed"),
+                Err(_) => tracing::warn!("writing the load report timed out"),
             }
+            if tokio::time::timeout(limit, self.load_manager_beat())
+                .await
+                .is_err()
+            {
+                tracing::warn!("a load manager beat timed out");
+            }
+            tokio::time::sleep(every).await;
         }
     }
 
@@ -174,9 +208,15 @@ impl Broker {
             self.forget_topic(&t.name);
             t.producers.fence_all();
         }
+        let limit = Duration::from_millis(self.cfg.session_ttl_ms / 4);
         for t in &topics {
             for s in t.subscriptions().await {
-                s.disconnect_consumers().await;
+                if tokio::time::timeout(limit, s.disconnect_consumers())
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!(topic = %t.name, subscription = %s.name(), "closing consumers timed out");
+                }
             }
         }
         // ... then cursors are persisted and logs closed, as far as the store allows.
@@ -198,22 +238,14 @@ impl Broker {
     pub async fn hand_over(&self) {
         self.closing
             .store(true, std::sync::atomic::Ordering::Relaxed);
+        self.ownership.set_closing();
         if let Err(e) = self.ownership.deregister().await {
             tracing::warn!(error = %e, "leaving the broker list failed");
         }
         let owned = self.ownership.owned();
         let started = std::time::Instant::now();
         for (ns, b) in &owned {
-            for t in self.loaded_topics() {
-                if t.name.namespace() == *ns
-                    && self.ownership.bundle_of(&t.name).await.ok().as_ref() == Some(b)
-                {
-                    self.unload_loaded(t).await;
-                }
-            }
-            if let Err(e) = self.ownership.release(ns, b).await {
-                tracing::warn!(namespace = %ns, bundle = %b.name(), error = %e, "releasing a bundle failed; it goes with the session");
-            }
+            self.unload_bundle_here(ns, b).await;
         }
         tracing::info!(
             bundles = owned.len(),

@@ -15,6 +15,7 @@ pub mod avro;
 pub mod compaction;
 pub mod dedup;
 pub mod key_shared;
+pub mod load_manager;
 pub mod lookup;
 pub mod ownership;
 pub mod partitioned;
@@ -916,6 +917,8 @@ pub struct Broker {
     pub service_url_tls: std::sync::OnceLock<String>,
     /// The broker's registration and the bundles it owns.
     pub ownership: Arc<ownership::Ownership>,
+    /// The load manager's memory (used while this broker leads).
+    load_manager: load_manager::LoadManager,
     producer_names: AtomicU64,
     run_id: String,
     /// Shared by every topic's tail cache (`broker.tail_cache_total_bytes_max`).
@@ -950,7 +953,7 @@ impl Broker {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_millis() as u64 % 0xffff_ffff)
-        );
+        ) + &format!("{:x}", std::process::id());
         let tail_cache_budget = meridian_storage::managed_ledger::CacheBudget::new(
             cfg.tail_cache_total_bytes_max as usize,
         );
@@ -972,17 +975,20 @@ impl Broker {
         let ownership = Arc::new(ownership::Ownership::new(
             meta.clone(),
             ownership::BrokerInfo {
-                id,
+                id: id.clone(),
                 service_url: service_url.clone(),
+                run_id: run_id.clone(),
                 ..Default::default()
             },
             cfg.session_ttl_ms,
             cfg.default_bundles,
-            cfg.advertise.is_empty(),
+            // The bound address is this process's alone only when it names one interface.
+            cfg.advertise.is_empty() && !id.starts_with("0.0.0.0:") && !id.starts_with("[::]:"),
         ));
         Ok(Arc::new_cyclic(|me| Broker {
             me: me.clone(),
             ownership,
+            load_manager: load_manager::LoadManager::default(),
             auth,
             tail_cache_budget,
             cfg: Arc::new(cfg),
@@ -1443,8 +1449,8 @@ impl Broker {
                 }
             }
         }
-        // Served only where its bundle is owned.
-        self.ensure_owned(name).await?;
+        // Served only where its bundle is owned (checked again once loaded).
+        let session = self.ensure_owned(name).await?;
         let ml_name = name.managed_ledger_name();
         let opts = ManagedLedgerOptions {
             ensemble: self.cfg.ensemble as usize,
@@ -1523,6 +1529,21 @@ impl Broker {
         });
         topic.set_policies(policies_kept).await;
         compaction::restore(&topic).await?;
+        // A load is long (log recovery, deduplication state): the ownership it began under
+        // must still hold, or another broker may serve the topic now.
+        let b = self.ownership.bundle_of(name).await?;
+        if self.ownership.session_id() != Some(session)
+            || !self.ownership.owns(&name.namespace(), &b)
+        {
+            topic.close().await;
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!(
+                    "{full_name} lost its owner while loading; look it up again",
+                    full_name = name
+                ),
+            ));
+        }
         let breach = self
             .storage_breaches
             .lock()

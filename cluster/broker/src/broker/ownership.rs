@@ -39,6 +39,9 @@ pub struct BrokerInfo {
     pub http_url: String,
     pub admin_url: String,
     pub started_ms: u64,
+    /// This run of the broker process (a restart has another): keys of this run are never
+    /// taken over as an earlier run's.
+    pub run_id: String,
     pub load: LoadReport,
 }
 
@@ -159,6 +162,8 @@ pub struct Ownership {
     bundles: Mutex<HashMap<String, Bundles>>,
     /// Bundles this broker placed on each broker since that broker's last load report.
     placed: Mutex<HashMap<String, u64>>,
+    /// Handing over (graceful shutdown): nothing more is taken or reported.
+    closing: std::sync::atomic::AtomicBool,
 }
 
 fn ns_path(ns: &str) -> String {
@@ -191,7 +196,60 @@ impl Ownership {
             held: Mutex::new(None),
             bundles: Mutex::new(HashMap::new()),
             placed: Mutex::new(HashMap::new()),
+            closing: std::sync::atomic::AtomicBool::new(false),
         }
+    }
+
+    /// Graceful shutdown has begun: no bundle is taken any more, no report written.
+    pub fn set_closing(&self) {
+        self.closing
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn is_closing(&self) -> bool {
+        self.closing.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Whether this broker is its site's only one.
+    pub fn sole(&self) -> bool {
+        self.is_sole()
+    }
+
+    /// Whether anything is owned in the current session.
+    pub fn owns_any(&self) -> bool {
+        self.owned_count() > 0
+    }
+
+    /// Whether a key written by `info` in session `session` is an earlier, crashed run's
+    /// (this broker's address, or any broker's on a standalone), to be taken over.
+    fn earlier_run(&self, info: &BrokerInfo, session: u64, current: Option<u64>) -> bool {
+        let me = self.me();
+        info.run_id != me.run_id
+            && Some(session) != current
+            && ((info.id == me.id && self.takeover) || self.is_sole())
+    }
+
+    /// The current session, while it surely lives.
+    pub fn session_id(&self) -> Option<u64> {
+        let held = self.held.lock().expect("held lock");
+        held.as_ref()
+            .filter(|h| self.alive(h))
+            .map(|h| h.session.id)
+    }
+
+    /// Whether a key of `info` in `session` is an earlier, crashed run's.
+    pub fn is_earlier_run(&self, info: &BrokerInfo, session: u64) -> bool {
+        self.earlier_run(info, session, self.session_id())
+    }
+
+    /// A namespace's bundle by its name (`0x..._0x...`), if it has one.
+    pub async fn bundle_named(&self, ns: &str, range: &str) -> Result<Option<Bundle>, BrokerError> {
+        Ok(self
+            .bundles(ns)
+            .await?
+            .list()
+            .into_iter()
+            .find(|b| b.name() == range))
     }
 
     /// Marks this broker as its site's only one (standalone).
@@ -296,6 +354,9 @@ impl Ownership {
 
     /// Writes the load report into the registration.
     pub async fn report(&self, load: LoadReport) -> Result<(), BrokerError> {
+        if self.is_closing() {
+            return Ok(());
+        }
         let session = {
             let held = self.held.lock().expect("held lock");
             match held.as_ref() {
@@ -493,11 +554,18 @@ impl Ownership {
                     .expect("held lock")
                     .as_ref()
                     .map(|h| h.session.id);
-                let earlier_run = (info.id == self.id() && self.takeover) || self.is_sole();
-                if earlier_run && Some(kv.session) != current {
+                if self.earlier_run(&info, kv.session, current) {
                     // An earlier run's ownership (it crashed): free again.
                     self.meta.delete(&kv.key, Some(kv.mod_revision)).await?;
                     return Ok(Owner::Nobody);
+                }
+                if info.id == self.id() && Some(kv.session) == current {
+                    // Taken in this session by a put whose answer was lost: ours.
+                    let mut held = self.held.lock().expect("held lock");
+                    if let Some(h) = held.as_mut().filter(|h| h.session.id == kv.session) {
+                        h.owned.entry(ns.to_string()).or_default().insert(*b, ());
+                        return Ok(Owner::Me);
+                    }
                 }
                 if info.id == self.id() {
                     // A key of an earlier session of this broker, not expired yet.
@@ -516,6 +584,11 @@ impl Ownership {
     pub async fn acquire(&self, ns: &str, b: &Bundle) -> Result<bool, BrokerError> {
         if self.owns(ns, b) {
             return Ok(true);
+        }
+        if self.is_closing() {
+            return Err(unavailable(
+                "this broker is shutting down; look the topic up again",
+            ));
         }
         let session = {
             let held = self.held.lock().expect("held lock");
@@ -540,8 +613,9 @@ impl Ownership {
             Err(e) => return Err(e.into()),
         }
         let mut held = self.held.lock().expect("held lock");
+        let alive = held.as_ref().is_some_and(|h| self.alive(h));
         match held.as_mut() {
-            Some(h) if h.session.id == session => {
+            Some(h) if h.session.id == session && alive => {
                 h.owned.entry(ns.to_string()).or_default().insert(*b, ());
                 tracing::info!(namespace = %ns, bundle = %b.name(), "bundle owned");
                 metrics::counter!("meridian_bundles_acquired_total").increment(1);
@@ -568,7 +642,8 @@ impl Ownership {
                     tie(&x.id),
                 )
             })
-            .unwrap_or_else(|| self.me());
+            .or_else(|| (!self.is_closing()).then(|| self.me()))
+            .ok_or_else(|| unavailable("no broker to place the bundle on; retry"))?;
         *self
             .placed
             .lock()
@@ -582,11 +657,7 @@ impl Ownership {
     pub async fn bundle_owners(&self, ns: &str) -> Result<Vec<(Bundle, Owner)>, BrokerError> {
         let mut out = Vec::new();
         for b in self.bundles(ns).await?.list() {
-            let o = match self.owner(ns, &b).await {
-                Ok(o) => o,
-                Err(_) => Owner::Me,
-            };
-            out.push((b, o));
+            out.push((b, self.owner(ns, &b).await?));
         }
         Ok(out)
     }
