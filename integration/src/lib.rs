@@ -31,11 +31,15 @@ fn built_bin(name: &str, env: &str) -> PathBuf {
         return PathBuf::from(p);
     }
     let exe = std::env::current_exe().expect("current_exe");
-    // target/<profile>/deps/<test> -> target/<profile>/<name>
-    let profile_dir = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("test binary lives in target/<profile>/deps");
+    // target/<profile>/deps/<test> -> target/<profile>/<name>; a binary of this crate (a
+    // benchmark) lives in target/<profile> itself.
+    let here = exe.parent().expect("the binary's directory");
+    let profile_dir = if here.join(name).exists() {
+        here
+    } else {
+        here.parent()
+            .expect("test binary lives in target/<profile>/deps")
+    };
     let bin = profile_dir.join(name);
     assert!(
         bin.exists(),

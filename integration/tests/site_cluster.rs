@@ -504,3 +504,105 @@ async fn given_a_second_broker_joins_a_loaded_one_then_the_load_manager_moves_bu
     assert_ne!(code, 0);
     assert!(err.contains("no bundle"), "{err}");
 }
+
+#[test]
+fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_pid() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("site-up.out");
+    let mut site = std::process::Command::new(meridian_integration::meridian_bin())
+        .args([
+            "site",
+            "up",
+            "--metadata",
+            "1",
+            "--bookies",
+            "2",
+            "--brokers",
+            "2",
+            "--data-dir",
+        ])
+        .arg(dir.path().join("site"))
+        .env("RUST_LOG", "info")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(std::fs::File::create(dir.path().join("site-up.err")).unwrap())
+        .spawn()
+        .expect("meridian site up");
+    step("site up prints every address once the brokers serve");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let clients = loop {
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        if let Some(l) = text
+            .lines()
+            .find(|l| l.trim_start().starts_with("clients: "))
+        {
+            break l.trim_start().trim_start_matches("clients: ").to_string();
+        }
+        assert!(
+            site.try_wait().unwrap().is_none(),
+            "site up exited: {text}{}",
+            std::fs::read_to_string(dir.path().join("site-up.err")).unwrap_or_default()
+        );
+        assert!(
+            Instant::now() < deadline,
+            "no addresses within 120 s: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(
+        text.matches("broker: Pulsar protocol on").count(),
+        2,
+        "{text}"
+    );
+    let ports: Vec<String> = clients
+        .trim_start_matches("pulsar://")
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    assert_eq!(ports.len(), 2, "{clients}");
+
+    step("a producer and a consumer through both brokers");
+    let lines = PyClient::run(
+        dir.path(),
+        "p",
+        &["produce", &clients, "site-up", "--count", "20"],
+    )
+    .finish(T)
+    .expect("produce");
+    assert_eq!(
+        lines.iter().filter(|v| v.get("acked").is_some()).count(),
+        20,
+        "{lines:?}"
+    );
+    let lines = PyClient::run(
+        dir.path(),
+        "c",
+        &["consume", &clients, "site-up", "s", "--count", "20"],
+    )
+    .finish(T)
+    .expect("consume");
+    assert_eq!(consumed(&lines), (0..20).collect::<Vec<_>>());
+
+    step("SIGTERM: every process of the site stops");
+    let status = std::process::Command::new("kill")
+        .args(["-TERM", &site.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let code = loop {
+        if let Some(s) = site.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "site up did not stop");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(code.success(), "{code}");
+    for p in &ports {
+        assert!(
+            std::net::TcpStream::connect(p).is_err(),
+            "a broker still listens on {p}"
+        );
+    }
+}

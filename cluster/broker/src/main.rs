@@ -13,6 +13,7 @@ mod admin_perf;
 mod bench;
 mod meta;
 mod pulsar_perf;
+mod site_up;
 mod storage_cmds;
 
 /// mimalloc instead of glibc's allocator: the request path allocates per message (gRPC frames,
@@ -73,6 +74,16 @@ enum Command {
     Standalone(StandaloneArgs),
     /// Run a broker (Pulsar protocol) against a metadata store and bookies.
     Broker(BrokerArgs),
+    /// A whole site of separate processes on loopback, for development and tests.
+    #[command(subcommand)]
+    Site(SiteCommand),
+}
+
+#[derive(Subcommand)]
+enum SiteCommand {
+    /// Start metadata nodes, bookies and brokers as separate processes (each this binary in
+    /// its role); print their addresses; stop them all by PID on SIGINT or SIGTERM.
+    Up(site_up::SiteUpArgs),
 }
 
 #[derive(clap::Args)]
@@ -385,7 +396,7 @@ fn main() -> ExitCode {
         Command::Perf(a) => a.overrides(),
         Command::Standalone(a) => a.overrides(),
         Command::Broker(a) => a.overrides(),
-        Command::Config { .. } => Vec::new(),
+        Command::Config { .. } | Command::Site(_) => Vec::new(),
     };
     for (key, value) in [
         ("tls.cert_file", &cli.tls_cert_file),
@@ -462,6 +473,9 @@ fn main() -> ExitCode {
             }
             runtime.block_on(storage_cmds::run_perf(args, cfg))
         }
+        Command::Site(SiteCommand::Up(args)) => runtime
+            .block_on(site_up::run(args))
+            .map(|()| ExitCode::SUCCESS),
     };
     let code = match result {
         Ok(code) => code,
