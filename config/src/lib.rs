@@ -289,6 +289,9 @@ pub struct BookieConfig {
     pub journal_dir: String,
     /// Directory of entry logs and the index; non-empty. Default `data/bookie/ledgers`.
     pub ledger_dir: String,
+    /// The rack the bookie stands in, `/NAME[/NAME...]`: ensembles spread over racks (as
+    /// BookKeeper's rack-aware placement). Default `/default-rack`.
+    pub rack: String,
     /// Flush the journal once this many bytes wait. Range 4096..=67108864, default 1048576.
     pub journal_batch_bytes_max: u64,
     /// Flush the journal once the oldest waiting record has waited this long, microseconds;
@@ -352,6 +355,7 @@ impl Default for BookieConfig {
             advertise: String::new(),
             journal_dir: "data/bookie/journal".to_string(),
             ledger_dir: "data/bookie/ledgers".to_string(),
+            rack: "/default-rack".to_string(),
             journal_batch_bytes_max: 1 << 20,
             journal_flush_delay_us: 0,
             journal_file_bytes_max: 512 << 20,
@@ -386,6 +390,17 @@ impl BookieConfig {
     /// Checks the `[bookie]` section.
     pub fn validate(&self) -> Result<(), ConfigError> {
         socket_addr("bookie.listen", &self.listen)?;
+        if !self.rack.starts_with('/')
+            || self.rack.len() < 2
+            || self.rack.split('/').skip(1).any(str::is_empty)
+            || self.rack.chars().any(char::is_whitespace)
+        {
+            return Err(invalid(
+                "bookie.rack",
+                &self.rack,
+                "must be /NAME or /NAME/NAME..., without spaces",
+            ));
+        }
         if !self.advertise.is_empty() {
             socket_addr("bookie.advertise", &self.advertise)?;
         }

@@ -259,6 +259,40 @@ fn out_of_range_values_name_the_accepted_range() {
 }
 
 #[test]
+fn site_cluster_compaction_and_rack_settings_are_checked() {
+    check(
+        [
+            set("broker.session_ttl_ms", "999"),
+            set("broker.default_bundles", "0"),
+            set("broker.load_report_interval_ms", "60001"),
+            set("broker.load_shed_interval_ms", "999"),
+            set("broker.compaction_threshold_bytes", "1125899906842625"),
+            set("broker.compaction_keys_max", "0"),
+            set("bookie.rack", "rack-1"),
+            set("bookie.rack", "/a//b"),
+        ],
+        expect![[r#"
+            set broker.session_ttl_ms=999
+              error: broker.session_ttl_ms = 999 is out of range; accepted 1000..=300000
+            set broker.default_bundles=0
+              error: broker.default_bundles = 0 is out of range; accepted 1..=1024
+            set broker.load_report_interval_ms=60001
+              error: broker.load_report_interval_ms = 60001 is out of range; accepted 500..=60000
+            set broker.load_shed_interval_ms=999
+              error: broker.load_shed_interval_ms = 999 is out of range; accepted 1000..=3600000
+            set broker.compaction_threshold_bytes=1125899906842625
+              error: broker.compaction_threshold_bytes = 1125899906842625 is out of range; accepted 0..=1125899906842624
+            set broker.compaction_keys_max=0
+              error: broker.compaction_keys_max = 0 is out of range; accepted 1..=100000000
+            set bookie.rack=rack-1
+              error: bookie.rack = "rack-1" is invalid: must be /NAME or /NAME/NAME..., without spaces
+            set bookie.rack=/a//b
+              error: bookie.rack = "/a//b" is invalid: must be /NAME or /NAME/NAME..., without spaces
+        "#]],
+    );
+}
+
+#[test]
 fn election_timeouts_follow_the_heartbeat() {
     check(
         [

@@ -375,6 +375,7 @@ pub struct BookieProc {
     pub log: PathBuf,
     metadata: String,
     child: Option<Child>,
+    extra_env: Vec<(String, String)>,
 }
 
 impl BookieProc {
@@ -385,7 +386,14 @@ impl BookieProc {
             log: root.join(format!("{name}.log")),
             metadata: metadata.to_string(),
             child: None,
+            extra_env: Vec::new(),
         }
+    }
+
+    /// A `MERIDIAN_*` setting for the next start.
+    pub fn env(&mut self, key: &str, value: &str) -> &mut Self {
+        self.extra_env.push((key.to_string(), value.to_string()));
+        self
     }
 
     pub fn start(&mut self) -> anyhow::Result<()> {
@@ -408,6 +416,7 @@ impl BookieProc {
             // Small journal files: a fresh bookie zero-fills its first one before it starts,
             // and tests roll and recycle files.
             .env("MERIDIAN_BOOKIE_JOURNAL_FILE_BYTES_MAX", "8388608")
+            .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)

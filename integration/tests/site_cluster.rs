@@ -606,3 +606,117 @@ fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_p
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_bookies_in_two_racks_then_every_ensemble_spans_both() {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let root = cluster.root.path().to_path_buf();
+    let racks = ["/r1", "/r1", "/r1", "/r2"];
+    let mut bookies: Vec<BookieProc> = racks
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoint);
+            b.env("MERIDIAN_BOOKIE_RACK", r);
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    wait_for_bookies(&cluster.client(), racks.len(), Duration::from_secs(20))
+        .await
+        .unwrap();
+    let rack_of: BTreeMap<String, &str> = bookies
+        .iter()
+        .zip(racks)
+        .map(|(b, r)| (b.addr.clone(), r))
+        .collect();
+    let mut broker = BrokerProc::new("broker", &root, &endpoint);
+    broker
+        .env("MERIDIAN_BROKER_ENSEMBLE", "2")
+        .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
+        .env("MERIDIAN_BROKER_ACK_QUORUM", "2")
+        .env("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "3")
+        .env("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0");
+    broker.start().unwrap();
+
+    step("6 topics, a ledger every 3 entries: each ensemble has a bookie of /r1 and one of /r2");
+    let lines = PyClient::run(
+        &root,
+        "p",
+        &[
+            "multi-produce",
+            &broker.url,
+            "persistent://public/default/rack",
+            "--topics",
+            "6",
+        ],
+    )
+    .finish(T)
+    .expect("produce");
+    assert!(
+        lines.iter().any(|v| v["done"].as_u64() == Some(6)),
+        "{lines:?}"
+    );
+    for i in 0..6 {
+        let t = format!("persistent://public/default/rack-{i}");
+        let _ = PyClient::run(
+            &root,
+            &format!("p{i}"),
+            &["produce", &broker.url, &t, "--count", "7"],
+        )
+        .finish(T)
+        .expect("produce");
+        let st = admin_json(&broker.admin_url, &["topics", "stats-internal", &t]);
+        let ledgers: Vec<u64> = st["ledgers"]
+            .as_array()
+            .expect("ledgers")
+            .iter()
+            .map(|l| l["ledger_id"].as_u64().expect("id"))
+            .collect();
+        assert!(ledgers.len() >= 3, "{st}");
+        for l in ledgers {
+            let (code, out, err) = meridian_integration::run_cli(&[
+                "ledger",
+                "show",
+                &l.to_string(),
+                "--metadata",
+                &endpoint,
+                "--json",
+            ])
+            .expect("ledger show");
+            assert_eq!(code, 0, "{err}");
+            let v: Value = serde_json::from_str(&out).expect("json");
+            for f in v["fragments"].as_array().expect("fragments") {
+                let used: BTreeSet<&str> = f["ensemble"]
+                    .as_array()
+                    .expect("ensemble")
+                    .iter()
+                    .map(|a| rack_of[a.as_str().expect("address")])
+                    .collect();
+                assert_eq!(used.len(), 2, "ledger {l} of {t}: {f}");
+            }
+        }
+    }
+
+    step("the /r2 bookie dies: new ensembles take what is left (one rack) and writes go on");
+    bookies[3].kill9().unwrap();
+    let lines = PyClient::run(
+        &root,
+        "p-after",
+        &[
+            "produce",
+            &broker.url,
+            "persistent://public/default/rack-0",
+            "--count",
+            "5",
+        ],
+    )
+    .finish(T)
+    .expect("produce with one rack left");
+    assert_eq!(
+        lines.iter().filter(|v| v.get("acked").is_some()).count(),
+        5,
+        "{lines:?}"
+    );
+}

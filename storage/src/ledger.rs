@@ -92,6 +92,13 @@ pub struct BookieInfo {
     pub address: String,
     pub free_bytes: u64,
     pub writable: bool,
+    /// Where it stands (`bookie.rack`); ensembles spread over racks.
+    #[serde(default = "default_rack")]
+    pub rack: String,
+}
+
+fn default_rack() -> String {
+    crate::placement::DEFAULT_RACK.to_string()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -222,31 +229,27 @@ impl LedgerClient {
         Ok(out)
     }
 
-    /// `n` writable bookies not in `exclude`, the emptiest first.
+    /// `n` writable bookies not in `exclude` (the rest of an ensemble, and a failed member),
+    /// spread over racks, racks of `exclude` last, the emptiest first
+    /// ([`crate::placement`]).
     async fn choose_bookies(
         &self,
         n: usize,
         exclude: &[String],
     ) -> Result<Vec<String>, LedgerError> {
-        let mut candidates: Vec<BookieInfo> = self
-            .bookies()
-            .await?
-            .into_iter()
-            .filter(|b| b.writable && !exclude.contains(&b.address))
+        let all = self.bookies().await?;
+        let used: Vec<String> = all
+            .iter()
+            .filter(|b| exclude.contains(&b.address))
+            .map(|b| b.rack.clone())
             .collect();
-        candidates.sort_by(|a, b| {
-            b.free_bytes
-                .cmp(&a.free_bytes)
-                .then(a.address.cmp(&b.address))
-        });
-        if candidates.len() < n {
-            return Err(LedgerError::NotEnoughBookies {
+        crate::placement::choose(&all, n, exclude, &used).map_err(|available| {
+            LedgerError::NotEnoughBookies {
                 needed: n,
-                available: candidates.len(),
+                available,
                 detail: format!("registered under {BOOKIES_PREFIX}, excluding {exclude:?}"),
-            });
-        }
-        Ok(candidates.into_iter().take(n).map(|b| b.address).collect())
+            }
+        })
     }
 
     /// Creates a ledger on `ensemble_size` bookies and returns its writer.

@@ -14,6 +14,7 @@ pub mod cursor;
 pub mod journal;
 pub mod ledger;
 pub mod managed_ledger;
+pub mod placement;
 pub mod proto;
 pub mod rangeset;
 pub mod striping;

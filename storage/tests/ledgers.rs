@@ -80,6 +80,7 @@ async fn start_bookie_with(
         std::sync::Arc::clone(&running.core),
         meta.clone(),
         addr.clone(),
+        meridian_storage::placement::DEFAULT_RACK.to_string(),
         2_000,
         Duration::from_millis(200),
         stop_rx,

@@ -120,6 +120,7 @@ impl Standalone {
                 Arc::clone(&bookie.core),
                 store.client.clone(),
                 bookie_addr.clone(),
+                bcfg.rack.clone(),
                 bcfg.session_ttl_ms,
                 Duration::from_millis((bcfg.session_ttl_ms / 3).max(500)),
                 stop_rx.clone(),

@@ -29,6 +29,9 @@ pub struct BookieArgs {
     /// Entry log and index directory (bookie.ledger_dir).
     #[arg(long)]
     ledger_dir: Option<String>,
+    /// The bookie's rack, /NAME (bookie.rack); ensembles spread over racks.
+    #[arg(long)]
+    rack: Option<String>,
 }
 
 impl BookieArgs {
@@ -44,6 +47,7 @@ impl BookieArgs {
         add("bookie.advertise", &self.advertise);
         add("bookie.journal_dir", &self.journal_dir);
         add("bookie.ledger_dir", &self.ledger_dir);
+        add("bookie.rack", &self.rack);
         o
     }
 }
@@ -81,6 +85,7 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
         Arc::clone(&running.core),
         meta,
         advertise,
+        b.rack.clone(),
         b.session_ttl_ms,
         Duration::from_millis((b.session_ttl_ms / 3).max(500)),
         stop_rx,

@@ -1110,6 +1110,7 @@ pub async fn register(
     core: Arc<BookieCore>,
     meta: meridian_metadata::MetadataClient,
     advertise: String,
+    rack: String,
     ttl_ms: u64,
     refresh: Duration,
     mut stop: watch::Receiver<bool>,
@@ -1132,6 +1133,7 @@ pub async fn register(
                 address: advertise.clone(),
                 free_bytes,
                 writable: !core.is_read_only(),
+                rack: rack.clone(),
             };
             let value = serde_json::to_vec(&info).expect("serializable");
             let opts = meridian_metadata::client::PutOptions {

@@ -1,0 +1,111 @@
+//! Where a ledger's replicas go (BookKeeper's rack-aware policy, sans-IO): writable bookies,
+//! the emptiest first, spread over as many racks as there are, racks that the rest of the
+//! ensemble does not use yet before those it does.
+
+use std::collections::BTreeMap;
+
+use crate::ledger::BookieInfo;
+
+/// The rack of a bookie that names none.
+pub const DEFAULT_RACK: &str = "/default-rack";
+
+/// Chooses `n` bookies from `candidates`, none of `exclude`; `used_racks` are racks the rest
+/// of the ensemble already has. `Err(available)` if fewer than `n` are writable.
+pub fn choose(
+    candidates: &[BookieInfo],
+    n: usize,
+    exclude: &[String],
+    used_racks: &[String],
+) -> Result<Vec<String>, usize> {
+    let mut usable: Vec<&BookieInfo> = candidates
+        .iter()
+        .filter(|b| b.writable && !exclude.contains(&b.address))
+        .collect();
+    if usable.len() < n {
+        return Err(usable.len());
+    }
+    usable.sort_by(|a, b| {
+        b.free_bytes
+            .cmp(&a.free_bytes)
+            .then(a.address.cmp(&b.address))
+    });
+    // Each rack's bookies, best first; racks in the order of their best bookie.
+    let mut racks: BTreeMap<&str, Vec<&BookieInfo>> = BTreeMap::new();
+    let mut order: Vec<&str> = Vec::new();
+    for b in &usable {
+        let r = b.rack.as_str();
+        if !racks.contains_key(r) {
+            order.push(r);
+        }
+        racks.entry(r).or_default().push(b);
+    }
+    // Racks the ensemble does not use yet come first (a stable partition keeps their order).
+    order.sort_by_key(|r| used_racks.iter().any(|u| u == r));
+    let mut out = Vec::with_capacity(n);
+    let mut round = 0;
+    while out.len() < n {
+        for r in &order {
+            if out.len() == n {
+                break;
+            }
+            if let Some(b) = racks[r].get(round) {
+                out.push(b.address.clone());
+            }
+        }
+        round += 1;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(address: &str, rack: &str, free: u64) -> BookieInfo {
+        BookieInfo {
+            address: address.into(),
+            free_bytes: free,
+            writable: true,
+            rack: rack.into(),
+        }
+    }
+
+    #[test]
+    fn ensembles_span_racks_before_they_double_up_and_prefer_the_emptiest() {
+        let site = [
+            b("a1", "/a", 90),
+            b("a2", "/a", 80),
+            b("b1", "/b", 50),
+            b("b2", "/b", 70),
+            b("c1", "/c", 10),
+        ];
+        assert_eq!(choose(&site, 3, &[], &[]).unwrap(), ["a1", "b2", "c1"]);
+        assert_eq!(choose(&site, 2, &[], &[]).unwrap(), ["a1", "b2"]);
+        assert_eq!(
+            choose(&site, 4, &[], &[]).unwrap(),
+            ["a1", "b2", "c1", "a2"]
+        );
+        // Replacing one member of an ensemble on /a and /b: /c first.
+        assert_eq!(
+            choose(
+                &site,
+                1,
+                &["a1".into(), "b2".into()],
+                &["/a".into(), "/b".into()]
+            )
+            .unwrap(),
+            ["c1"]
+        );
+        // One rack: the emptiest.
+        let flat = [
+            b("x", DEFAULT_RACK, 1),
+            b("y", DEFAULT_RACK, 5),
+            b("z", DEFAULT_RACK, 3),
+        ];
+        assert_eq!(choose(&flat, 2, &[], &[]).unwrap(), ["y", "z"]);
+        assert_eq!(choose(&flat, 4, &[], &[]), Err(3));
+        let mut ro = flat.clone();
+        ro[1].writable = false;
+        assert_eq!(choose(&ro, 2, &[], &[]).unwrap(), ["z", "x"]);
+    }
+}
