@@ -582,6 +582,13 @@ fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_p
     )
     .finish(T)
     .expect("consume");
+    if consumed(&lines) != (0..20).collect::<Vec<_>>() {
+        for f in ["broker-1.log", "broker-2.log"] {
+            let t = std::fs::read_to_string(dir.path().join("site").join(f)).unwrap_or_default();
+            eprintln!("--- {f}\n{t}");
+        }
+        eprintln!("{lines:?}");
+    }
     assert_eq!(consumed(&lines), (0..20).collect::<Vec<_>>());
 
     step("SIGTERM: every process of the site stops");
@@ -719,4 +726,122 @@ async fn given_bookies_in_two_racks_then_every_ensemble_spans_both() {
         5,
         "{lines:?}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_full_site_when_an_owner_is_killed_during_production_then_every_acknowledged_message_is_consumed_once(
+) {
+    let cluster = MetaCluster::start(3).await.expect("metadata nodes");
+    let endpoints = cluster.endpoints().join(",");
+    let root = cluster.root.path().to_path_buf();
+    let mut bookies: Vec<BookieProc> = (0..3)
+        .map(|i| {
+            let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoints);
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    wait_for_bookies(&cluster.client(), 3, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut brokers: Vec<BrokerProc> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            let mut b = BrokerProc::new(n, &root, &endpoints);
+            b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
+                .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
+                .env("MERIDIAN_BROKER_ENSEMBLE", "3")
+                .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
+                .env("MERIDIAN_BROKER_ACK_QUORUM", "2");
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    let service = format!(
+        "pulsar://{},{}",
+        host(&brokers[0].url),
+        host(&brokers[1].url)
+    );
+    let t = |i: usize| format!("persistent://public/default/full-{i}");
+
+    step("8 named producers send 150 messages each, slowly, through both brokers");
+    let sends = 150u64;
+    let mut producers: Vec<PyClient> = (0..TOPICS)
+        .map(|i| {
+            PyClient::run(
+                &root,
+                &format!("p{i}"),
+                &[
+                    "produce",
+                    &service,
+                    &t(i),
+                    "--count",
+                    &sends.to_string(),
+                    "--name",
+                    &format!("full-{i}"),
+                    "--pause-every",
+                    "5",
+                    "--pause-ms",
+                    "40",
+                ],
+            )
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while producers.iter().any(|p| {
+        p.lines()
+            .iter()
+            .filter(|v| v.get("acked").is_some())
+            .count()
+            < 20
+    }) {
+        assert!(Instant::now() < deadline, "the producers did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    step("kill -9 the broker that owns the most of the 8 topics, in the middle of the sends");
+    let mut owned = [0usize; 2];
+    for i in 0..TOPICS {
+        let o = admin_json(&brokers[0].admin_url, &["topics", "lookup", &t(i)]);
+        let owner = o["owner"].as_str().unwrap_or_default();
+        let k = brokers
+            .iter()
+            .position(|b| host(&b.url) == owner)
+            .unwrap_or_else(|| panic!("{} owned by {owner:?}", t(i)));
+        owned[k] += 1;
+    }
+    let victim = usize::from(owned[1] > owned[0]);
+    println!("owned per broker: {owned:?}; killing broker {victim}");
+    brokers[victim].kill9().unwrap();
+
+    step("every send is acknowledged; every acknowledged message is consumed once, in order");
+    for (i, p) in producers.iter_mut().enumerate() {
+        let lines = p
+            .finish(T)
+            .unwrap_or_else(|e| panic!("producer {i}: {e:#}"));
+        let failed: Vec<&Value> = lines.iter().filter(|v| v.get("failed").is_some()).collect();
+        assert!(failed.is_empty(), "{}: {failed:?}", t(i));
+        let acked = lines.iter().filter(|v| v.get("acked").is_some()).count() as u64;
+        assert_eq!(acked, sends, "{}", t(i));
+    }
+    for i in 0..TOPICS {
+        let lines = PyClient::run(
+            &root,
+            &format!("c{i}"),
+            &[
+                "consume",
+                &service,
+                &t(i),
+                "s",
+                "--count",
+                &(sends + 1).to_string(),
+                "--timeout-ms",
+                "3000",
+            ],
+        )
+        .finish(T)
+        .unwrap_or_else(|e| panic!("consume {}: {e:#}", t(i)));
+        assert_eq!(consumed(&lines), (0..sends).collect::<Vec<_>>(), "{}", t(i));
+    }
+    drop(bookies.drain(..));
 }
