@@ -706,6 +706,70 @@ async fn given_bookies_in_two_racks_then_every_ensemble_spans_both() {
         }
     }
 
+    step("bookies list shows each bookie's rack; set-rack moves one within its refresh");
+    let listed = admin_json(&broker.admin_url, &["bookies", "list"]);
+    let shown: BTreeMap<String, String> = listed
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|b| {
+            assert_eq!(b["state"], "writable", "{b}");
+            (
+                b["address"].as_str().expect("address").to_string(),
+                b["rack"].as_str().expect("rack").to_string(),
+            )
+        })
+        .collect();
+    let want: BTreeMap<String, String> = rack_of
+        .iter()
+        .map(|(a, r)| (a.clone(), r.to_string()))
+        .collect();
+    assert_eq!(shown, want);
+    let moved = bookies[0].addr.clone();
+    admin_json(
+        &broker.admin_url,
+        &["bookies", "set-rack", &moved, "--rack", "/r3"],
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let listed = admin_json(&broker.admin_url, &["bookies", "list"]);
+        let rack = listed
+            .as_array()
+            .and_then(|l| l.iter().find(|b| b["address"] == moved.as_str()))
+            .and_then(|b| b["rack"].as_str())
+            .unwrap_or_default()
+            .to_string();
+        if rack == "/r3" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{moved} still in {rack}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let (code, _, err) = run_admin(&[
+        "--admin-url",
+        &broker.admin_url,
+        "bookies",
+        "set-rack",
+        "127.0.0.1:1",
+        "--rack",
+        "/r9",
+    ])
+    .unwrap();
+    assert_ne!(code, 0);
+    assert!(err.contains("NotFound"), "{err}");
+    let (code, _, err) = run_admin(&[
+        "--admin-url",
+        &broker.admin_url,
+        "bookies",
+        "set-rack",
+        &moved,
+        "--rack",
+        "r9",
+    ])
+    .unwrap();
+    assert_ne!(code, 0);
+    assert!(err.contains("/NAME"), "{err}");
+
     step("the /r2 bookie dies: new ensembles take what is left (one rack) and writes go on");
     bookies[3].kill9().unwrap();
     let lines = PyClient::run(

@@ -30,6 +30,8 @@ use crate::striping::{AckSet, QuorumError, Quorums};
 pub const LEDGERS_PREFIX: &str = "/ledgers/";
 pub const LEDGER_IDS_PREFIX: &str = "/ledgers/ids/id-";
 pub const BOOKIES_PREFIX: &str = "/bookies/available/";
+/// A bookie's rack as set by an admin (`bookies set-rack`), over its `bookie.rack`.
+pub const BOOKIE_RACKS_PREFIX: &str = "/bookies/racks/";
 
 pub fn ledger_key(id: u64) -> String {
     format!("{LEDGERS_PREFIX}L{id:020}")

@@ -44,6 +44,14 @@ pub trait TopicOps: Send + Sync + 'static {
         namespace: String,
         bundle: Option<String>,
     ) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
+    /// The site's registered bookies.
+    fn bookies(&self) -> BoxFuture<'_, Result<Vec<BookieInfo>, AdminError>>;
+    /// Sets a bookie's rack.
+    fn set_bookie_rack(
+        &self,
+        address: String,
+        rack: String,
+    ) -> BoxFuture<'_, Result<(), AdminError>>;
     /// The load manager's leader.
     fn leader(&self) -> BoxFuture<'_, Result<Option<BrokerInfo>, AdminError>>;
     /// Who serves a topic.
@@ -754,6 +762,20 @@ impl Admin for AdminService {
                 .unload_bundles(ns, (!b.is_empty()).then_some(b))
                 .await?,
         })
+    }
+
+    async fn list_bookies(&self, r: Request<Empty>) -> Reply<BookieList> {
+        self.superuser(role_of(&r).as_ref())?;
+        ok(BookieList {
+            bookies: self.topics.bookies().await?,
+        })
+    }
+
+    async fn set_bookie_rack(&self, r: Request<SetBookieRackRequest>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
+        let r = r.into_inner();
+        self.topics.set_bookie_rack(r.address, r.rack).await?;
+        ok(Empty {})
     }
 
     async fn get_leader_broker(&self, r: Request<Empty>) -> Reply<BrokerInfo> {

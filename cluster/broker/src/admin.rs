@@ -387,6 +387,68 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn bookies(&self) -> BoxFuture<'_, Result<Vec<pb::BookieInfo>, AdminError>> {
+        async move {
+            let list = self
+                .0
+                .ledger_client()
+                .bookies()
+                .await
+                .map_err(|e| AdminError::Unavailable(e.to_string()))?;
+            let mut out: Vec<pb::BookieInfo> = list
+                .into_iter()
+                .map(|b| pb::BookieInfo {
+                    address: b.address,
+                    rack: b.rack,
+                    state: if b.writable { "writable" } else { "read-only" }.to_string(),
+                    free_bytes: b.free_bytes,
+                })
+                .collect();
+            out.sort_by(|a, b| a.address.cmp(&b.address));
+            Ok(out)
+        }
+        .boxed()
+    }
+
+    fn set_bookie_rack(
+        &self,
+        address: String,
+        rack: String,
+    ) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            let valid = rack.starts_with('/')
+                && rack.len() > 1
+                && !rack.split('/').skip(1).any(str::is_empty)
+                && !rack.chars().any(char::is_whitespace);
+            if !valid {
+                return Err(AdminError::Invalid(format!(
+                    "rack {rack:?} must be /NAME or /NAME/NAME..., without spaces"
+                )));
+            }
+            let known = self
+                .0
+                .ledger_client()
+                .bookies()
+                .await
+                .map_err(|e| AdminError::Unavailable(e.to_string()))?
+                .iter()
+                .any(|b| b.address == address);
+            if !known {
+                return Err(AdminError::NotFound(format!(
+                    "no bookie {address} is registered"
+                )));
+            }
+            let key = format!("{}{address}", meridian_storage::ledger::BOOKIE_RACKS_PREFIX);
+            self.0
+                .meta
+                .put(&key, rack.into_bytes())
+                .await
+                .map_err(|e| AdminError::Unavailable(e.to_string()))?;
+            Ok(())
+        }
+        .boxed()
+    }
+
     fn leader(&self) -> BoxFuture<'_, Result<Option<pb::BrokerInfo>, AdminError>> {
         async move {
             Ok(self

@@ -1129,11 +1129,17 @@ pub async fn register(
         }
         if let Some(s) = &session {
             let (free_bytes, _) = core.disk_usage();
+            // An admin's rack (`bookies set-rack`) wins over the configured one.
+            let rack_key = format!("{}{advertise}", crate::ledger::BOOKIE_RACKS_PREFIX);
+            let rack = match meta.get(&rack_key).await {
+                Ok(Some(kv)) => String::from_utf8(kv.value).unwrap_or_else(|_| rack.clone()),
+                _ => rack.clone(),
+            };
             let info = crate::ledger::BookieInfo {
                 address: advertise.clone(),
                 free_bytes,
                 writable: !core.is_read_only(),
-                rack: rack.clone(),
+                rack,
             };
             let value = serde_json::to_vec(&info).expect("serializable");
             let opts = meridian_metadata::client::PutOptions {

@@ -82,6 +82,9 @@ enum Group {
     /// The site's brokers.
     #[command(subcommand)]
     Brokers(Brokers),
+    /// The site's bookies.
+    #[command(subcommand)]
+    Bookies(Bookies),
     /// Subscriptions of a topic (the same commands as under `topics`).
     #[command(subcommand)]
     Subscriptions(SubsGroup),
@@ -221,6 +224,18 @@ struct TopicDeleteArgs {
     /// Close connected producers and consumers instead of refusing.
     #[arg(long, short = 'f')]
     force: bool,
+}
+
+#[derive(Subcommand)]
+enum Bookies {
+    /// The registered bookies: address, rack, state, free disk.
+    List,
+    /// Puts a bookie in a rack (over its --rack); ensembles spread over racks.
+    SetRack {
+        address: String,
+        #[arg(long)]
+        rack: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -938,10 +953,49 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Namespaces(cmd) => namespaces(&mut c, cmd, out).await,
         Group::Topics(cmd) => topics(&mut c, cmd, out).await,
         Group::Brokers(cmd) => brokers(&mut c, cmd, out).await,
+        Group::Bookies(cmd) => bookies(&mut c, cmd, out).await,
         Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
         Group::Tokens(cmd) => tokens(cmd),
         Group::SiteTls(cmd) => site_tls(cmd),
     }
+}
+
+async fn bookies(c: &mut Client, cmd: Bookies, out: Output) -> anyhow::Result<()> {
+    match cmd {
+        Bookies::List => {
+            let r = c.list_bookies(Empty {}).await?.into_inner();
+            let v: Vec<Value> = r
+                .bookies
+                .iter()
+                .map(|b| json!({"address": b.address, "rack": b.rack, "state": b.state, "free_bytes": b.free_bytes}))
+                .collect();
+            print(out, &Value::Array(v), || {
+                r.bookies
+                    .iter()
+                    .map(|b| {
+                        format!(
+                            "{}  {}  {}  {} GiB free",
+                            b.address,
+                            b.rack,
+                            b.state,
+                            b.free_bytes >> 30
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
+        Bookies::SetRack { address, rack } => {
+            c.set_bookie_rack(SetBookieRackRequest {
+                address: address.clone(),
+                rack: rack.clone(),
+            })
+            .await?;
+            let v = json!({"address": address, "rack": rack});
+            print(out, &v, || format!("bookie {address} is in rack {rack}"));
+        }
+    }
+    Ok(())
 }
 
 async fn brokers(c: &mut Client, cmd: Brokers, out: Output) -> anyhow::Result<()> {

@@ -1009,6 +1009,11 @@ impl Broker {
         }))
     }
 
+    /// The ledger client (bookies, ledgers) the broker writes through.
+    pub fn ledger_client(&self) -> &LedgerClient {
+        &self.client
+    }
+
     /// A producer name unique on this site: `<cluster>-<broker run>-<n>`.
     pub fn generate_producer_name(&self) -> String {
         let n = self.producer_names.fetch_add(1, Ordering::Relaxed);
