@@ -95,3 +95,121 @@ async fn given_a_redelivery_read_fails_then_the_message_stays_pending_and_is_red
     assert_eq!(again.message_id.entry_id, id.entry_id);
     assert_eq!(again.redelivery_count, Some(1));
 }
+
+/// The next frame matching `pick` within `within`, answering pings (other frames skipped).
+fn wait_frame(
+    c: &mut Raw,
+    within: Duration,
+    pick: impl Fn(&pb::BaseCommand) -> bool,
+) -> pb::BaseCommand {
+    let deadline = Instant::now() + within;
+    loop {
+        match c.recv(Duration::from_millis(500)) {
+            Got::Frame(f) if pick(&f.command) => return f.command,
+            Got::Closed => panic!("connection closed"),
+            _ => assert!(Instant::now() < deadline, "no such frame within {within:?}"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_send_that_cannot_be_stored_then_no_later_send_of_its_producer_is_stored_before_it()
+{
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
+    bookie.start().unwrap();
+    let client = cluster.client();
+    wait_for_bookies(&client, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
+    broker.start().unwrap();
+    let mut c = Raw::connected(&broker.url);
+    c.send(&producer("order-fault", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    c.send_raw(&send_frame(1, 0, b"m0"));
+    wait_frame(&mut c, Duration::from_secs(10), |x| {
+        x.send_receipt.is_some()
+    });
+
+    step("the only bookie dies: send 1 fails, and the producer is told to reconnect");
+    bookie.kill9().unwrap();
+    c.send_raw(&send_frame(1, 1, b"m1"));
+    // SEND_ERROR and CLOSE_PRODUCER, in either order.
+    let (mut error, mut closed) = (None, false);
+    while error.is_none() || !closed {
+        let f = wait_frame(&mut c, Duration::from_secs(60), |x| {
+            x.send_error.is_some() || x.close_producer.is_some()
+        });
+        closed |= f.close_producer.is_some();
+        if let Some(e) = f.send_error {
+            error = Some(e.sequence_id);
+        }
+    }
+    assert_eq!(error, Some(1));
+
+    step("the bookie is back: send 2 of the same producer is still refused (it would overtake 1)");
+    bookie.start().unwrap();
+    wait_for_bookies(&client, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    c.send_raw(&send_frame(1, 2, b"m2"));
+    let e = wait_frame(&mut c, Duration::from_secs(30), |x| {
+        x.send_error.is_some() || x.send_receipt.is_some()
+    });
+    let err = e.send_error.expect("refused, not stored");
+    assert!(err.message.contains("earlier send"), "{}", err.message);
+
+    step("the client reconnects and sends 1 and 2 again (as often as it is refused, as clients do): the topic holds m0, m1, m2 in order");
+    let mut pid = 1;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    'resend: loop {
+        pid += 1;
+        c.send(&producer("order-fault", pid, 100 + pid));
+        wait_frame(&mut c, Duration::from_secs(10), |x| {
+            x.producer_success.is_some()
+        });
+        for (seq, body) in [(1, &b"m1"[..]), (2, &b"m2"[..])] {
+            c.send_raw(&send_frame(pid, seq, body));
+            let f = wait_frame(&mut c, Duration::from_secs(30), |x| {
+                x.send_receipt.is_some() || x.send_error.is_some()
+            });
+            if f.send_error.is_some() {
+                assert!(
+                    Instant::now() < deadline,
+                    "still refused after 60 s: {:?}\n{}",
+                    f.send_error,
+                    broker.log_text()
+                );
+                std::thread::sleep(Duration::from_millis(200));
+                continue 'resend;
+            }
+        }
+        break;
+    }
+    c.send(&subscribe("order-fault", "check", 9, 4));
+    wait_frame(&mut c, Duration::from_secs(10), |x| x.success.is_some());
+    c.send(&cmd(Type::Flow, |x| {
+        x.flow = Some(pb::CommandFlow {
+            consumer_id: 9,
+            message_permits: 10,
+        })
+    }));
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.len() < 3 {
+        match c.recv(Duration::from_millis(500)) {
+            Got::Frame(f) if f.command.message.is_some() => {
+                got.push(f.payload.expect("payload").data().to_vec())
+            }
+            Got::Closed => panic!("connection closed"),
+            _ => assert!(Instant::now() < deadline, "received {got:?}"),
+        }
+    }
+    assert_eq!(got, vec![b"m0".to_vec(), b"m1".to_vec(), b"m2".to_vec()]);
+    assert!(
+        matches!(c.recv(Duration::from_millis(700)), Got::Nothing),
+        "more than the three"
+    );
+}

@@ -84,7 +84,13 @@ impl Publisher {
         tx: FrameSender,
     ) -> Publisher {
         let (receipts_tx, rx) = mpsc::channel(pending_sends_max);
-        let receipts = tokio::spawn(receipt_loop(producer_id, Arc::clone(&topic), rx, tx));
+        let receipts = tokio::spawn(receipt_loop(
+            producer_id,
+            Arc::clone(&topic),
+            Arc::clone(&handle),
+            rx,
+            tx,
+        ));
         let (throttle_tx, throttle_rx) = mpsc::channel(pending_sends_max);
         let throttled = Arc::new(AtomicUsize::new(0));
         let throttle = tokio::spawn(throttle_loop(
@@ -183,6 +189,11 @@ async fn submit(
             ServerError::NotAllowedError,
             "this WaitForExclusive producer is still waiting for exclusive access; wait for its second PRODUCER_SUCCESS (producer_ready) before sending",
         ))
+    } else if handle.is_broken() {
+        Err(BrokerError::new(
+            ServerError::PersistenceError,
+            "an earlier send of this producer could not be stored; it reconnects and sends again from that one, in order",
+        ))
     } else if handle.is_fenced() {
         Err(if let Some(b) = topic.quota_breach() {
             b.error()
@@ -209,7 +220,7 @@ async fn submit(
         ))
     } else {
         let entry = Entry::from_payload(payload);
-        match &topic.dedup {
+        let appended = match &topic.dedup {
             Some(d) => {
                 d.submit(&topic.ml, &handle.name, r.send.highest_sequence_id, entry)
                     .await
@@ -220,7 +231,16 @@ async fn submit(
                 .await
                 .map(|pa| Submitted::Appended(pa, None))
                 .map_err(BrokerError::from),
-        }
+        };
+        appended.inspect_err(|e| {
+            if matches!(
+                e.code,
+                ServerError::PersistenceError | ServerError::ServiceNotReady
+            ) {
+                // The next send must not be stored ahead of this one.
+                handle.break_off();
+            }
+        })
     };
     PendingSend {
         sequence_id: r.send.sequence_id,
@@ -247,6 +267,7 @@ pub(crate) struct PendingSend {
 pub(crate) async fn receipt_loop(
     producer_id: u64,
     topic: Arc<Topic>,
+    handle: Arc<ProducerHandle>,
     mut rx: mpsc::Receiver<PendingSend>,
     tx: FrameSender,
 ) {
@@ -266,6 +287,10 @@ pub(crate) async fn receipt_loop(
         let outcome = match ps.append {
             Ok(Submitted::Appended(pa, ticket)) => {
                 let r = pa.wait().await.map_err(BrokerError::from);
+                if r.is_err() {
+                    // Later sends must wait for the client to send this one again.
+                    handle.break_off();
+                }
                 if let (Some(d), Some(t)) = (&topic.dedup, ticket) {
                     d.record(t, r.as_ref().ok().copied()).await;
                 }

@@ -207,6 +207,37 @@ pub async fn run(a: SiteUpArgs) -> anyhow::Result<()> {
             ];
             procs.push((1, spawn(&dir, &name, &args, &[])?));
         }
+        // The brokers start once every bookie is registered (their first ledgers need them).
+        let meta = meridian_metadata::MetadataClient::connect_to(&layout.metadata)
+            .context("a client of the site's metadata store")?;
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let registered = meta
+                .list(meridian_storage::ledger::BOOKIES_PREFIX, "", 0)
+                .await
+                .map(|p| p.kvs.len())
+                .unwrap_or(0);
+            if registered >= layout.bookies.len() {
+                break;
+            }
+            for (_, p) in procs.iter_mut() {
+                if let Some(status) = p.child.try_wait()? {
+                    bail!(
+                        "{} exited with {status}; see its log in {}",
+                        p.name,
+                        dir.display()
+                    );
+                }
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{registered} of {} bookies registered within 120 s; see their logs in {}",
+                    layout.bookies.len(),
+                    dir.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
         // Ensembles over the site's bookies: E = min(3, bookies), Qw = Qa = min(2, bookies).
         let e = a.bookies.min(3).to_string();
         let q = a.bookies.min(2).to_string();

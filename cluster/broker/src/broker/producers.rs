@@ -65,6 +65,9 @@ pub struct ProducerHandle {
     /// False while a WaitForExclusive producer is in line: its sends are refused until the
     /// topic is granted to it.
     granted: AtomicBool,
+    /// A send of it failed to be stored: no later send is stored until the client has
+    /// reconnected and sends again from the failed one (else they would overtake it).
+    broken: AtomicBool,
 }
 
 impl ProducerHandle {
@@ -76,6 +79,21 @@ impl ProducerHandle {
     /// Whether the producer may publish (a WaitForExclusive producer only once granted).
     pub fn is_granted(&self) -> bool {
         self.granted.load(Ordering::Acquire)
+    }
+
+    /// A send failed to be stored: later sends are refused and the client is told to
+    /// reconnect (CLOSE_PRODUCER), after which it sends again from the failed one, in order.
+    pub fn break_off(&self) {
+        if self.broken.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let mut b = BytesMut::new();
+        encode_command(&mut b, &cmd::close_producer(self.sink.producer_id, 0));
+        let _ = self.sink.tx.send_now(b.freeze());
+    }
+
+    pub fn is_broken(&self) -> bool {
+        self.broken.load(Ordering::Acquire)
     }
 
     fn fence(&self) {
@@ -213,6 +231,7 @@ impl Producers {
             mode,
             sink,
             fenced: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
             granted: AtomicBool::new(mode != AccessMode::WaitForExclusive),
         });
         let busy = |g: &Inner| -> Option<BrokerError> {
