@@ -905,7 +905,7 @@ impl Topic {
     }
 }
 
-/// The broker: owns every topic it has been asked for (until the multi-broker issue).
+/// The broker: serves the topics of the bundles it owns on its site ([`ownership`]).
 pub struct Broker {
     pub cfg: Arc<BrokerConfig>,
     pub meta: MetadataClient,
