@@ -909,3 +909,141 @@ async fn given_a_full_site_when_an_owner_is_killed_during_production_then_every_
     }
     drop(bookies.drain(..));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_full_site_when_every_process_restarts_in_turn_then_no_acknowledged_message_is_lost(
+) {
+    let mut cluster = MetaCluster::start(3).await.expect("metadata nodes");
+    let endpoints = cluster.endpoints().join(",");
+    let root = cluster.root.path().to_path_buf();
+    let mut bookies: Vec<BookieProc> = (0..3)
+        .map(|i| {
+            let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoints);
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    wait_for_bookies(&cluster.client(), 3, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut brokers: Vec<BrokerProc> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            let mut b = BrokerProc::new(n, &root, &endpoints);
+            b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
+                .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
+                .env("MERIDIAN_BROKER_ENSEMBLE", "3")
+                .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
+                .env("MERIDIAN_BROKER_ACK_QUORUM", "2");
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    let service = format!(
+        "pulsar://{},{}",
+        host(&brokers[0].url),
+        host(&brokers[1].url)
+    );
+    let t = |i: usize| format!("persistent://public/default/rolling-{i}");
+    let topics = 4;
+    // 300 pauses of 60 ms: at least 18 s of sending, longer than the restarts below.
+    let sends = 1500u64;
+
+    step("4 named producers send 1500 messages each, slowly, while every process restarts");
+    let mut producers: Vec<PyClient> = (0..topics)
+        .map(|i| {
+            PyClient::run(
+                &root,
+                &format!("p{i}"),
+                &[
+                    "produce",
+                    &service,
+                    &t(i),
+                    "--count",
+                    &sends.to_string(),
+                    "--name",
+                    &format!("rolling-{i}"),
+                    "--pause-every",
+                    "5",
+                    "--pause-ms",
+                    "60",
+                ],
+            )
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while producers.iter().any(|p| {
+        p.lines()
+            .iter()
+            .filter(|v| v.get("acked").is_some())
+            .count()
+            < 20
+    }) {
+        assert!(Instant::now() < deadline, "the producers did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for id in 1..=3 {
+        step(format!("metadata node {id}: SIGTERM and start"));
+        // SIGTERM and wait for the exit.
+        cluster.node(id).stop().unwrap();
+        cluster.node(id).start().unwrap();
+        cluster
+            .wait_for_leader(Duration::from_secs(30))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    }
+    for (i, b) in bookies.iter_mut().enumerate() {
+        step(format!("bookie {i}: SIGTERM and start"));
+        assert_eq!(b.stop().unwrap(), 0);
+        b.start().unwrap();
+        wait_for_bookies(&cluster.client(), 3, Duration::from_secs(30))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    }
+    let sending = producers
+        .iter()
+        .filter(|p| !p.lines().iter().any(|v| v.get("done").is_some()))
+        .count();
+    assert!(
+        sending > 0,
+        "the producers finished before the brokers restarted"
+    );
+    for (i, b) in brokers.iter_mut().enumerate() {
+        step(format!("broker {i}: SIGTERM and start"));
+        assert_eq!(b.stop().unwrap(), 0);
+        b.start().unwrap();
+        tokio::time::sleep(Duration::from_millis(1000)).await;
+    }
+
+    step("every send is acknowledged; every message is consumed once, in order");
+    for (i, p) in producers.iter_mut().enumerate() {
+        let lines = p
+            .finish(T)
+            .unwrap_or_else(|e| panic!("producer {i}: {e:#}"));
+        let failed: Vec<&Value> = lines.iter().filter(|v| v.get("failed").is_some()).collect();
+        assert!(failed.is_empty(), "{}: {failed:?}", t(i));
+        let acked = lines.iter().filter(|v| v.get("acked").is_some()).count() as u64;
+        assert_eq!(acked, sends, "{}", t(i));
+    }
+    for i in 0..topics {
+        let lines = PyClient::run(
+            &root,
+            &format!("c{i}"),
+            &[
+                "consume",
+                &service,
+                &t(i),
+                "s",
+                "--count",
+                &(sends + 1).to_string(),
+                "--timeout-ms",
+                "3000",
+            ],
+        )
+        .finish(T)
+        .unwrap_or_else(|e| panic!("consume {}: {e:#}", t(i)));
+        assert_eq!(consumed(&lines), (0..sends).collect::<Vec<_>>(), "{}", t(i));
+    }
+}
