@@ -505,11 +505,30 @@ async fn given_a_second_broker_joins_a_loaded_one_then_the_load_manager_moves_bu
     assert!(err.contains("no bundle"), "{err}");
 }
 
+/// A `meridian site up` process, stopped (SIGTERM, then its own clean-up) if the test fails.
+struct SiteUp(std::process::Child);
+
+impl Drop for SiteUp {
+    fn drop(&mut self) {
+        if matches!(self.0.try_wait(), Ok(None)) {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &self.0.id().to_string()])
+                .status();
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while matches!(self.0.try_wait(), Ok(None)) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 #[test]
 fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_pid() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("site-up.out");
-    let mut site = std::process::Command::new(meridian_integration::meridian_bin())
+    let site = std::process::Command::new(meridian_integration::meridian_bin())
         .args([
             "site",
             "up",
@@ -528,6 +547,7 @@ fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_p
         .stderr(std::fs::File::create(dir.path().join("site-up.err")).unwrap())
         .spawn()
         .expect("meridian site up");
+    let mut site = SiteUp(site);
     step("site up prints every address once the brokers serve");
     let deadline = Instant::now() + Duration::from_secs(120);
     let clients = loop {
@@ -539,7 +559,7 @@ fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_p
             break l.trim_start().trim_start_matches("clients: ").to_string();
         }
         assert!(
-            site.try_wait().unwrap().is_none(),
+            site.0.try_wait().unwrap().is_none(),
             "site up exited: {text}{}",
             std::fs::read_to_string(dir.path().join("site-up.err")).unwrap_or_default()
         );
@@ -593,13 +613,13 @@ fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_p
 
     step("SIGTERM: every process of the site stops");
     let status = std::process::Command::new("kill")
-        .args(["-TERM", &site.id().to_string()])
+        .args(["-TERM", &site.0.id().to_string()])
         .status()
         .unwrap();
     assert!(status.success());
     let deadline = Instant::now() + Duration::from_secs(60);
     let code = loop {
-        if let Some(s) = site.try_wait().unwrap() {
+        if let Some(s) = site.0.try_wait().unwrap() {
             break s;
         }
         assert!(Instant::now() < deadline, "site up did not stop");
