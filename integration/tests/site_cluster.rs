@@ -816,31 +816,8 @@ async fn given_bookies_in_two_racks_then_every_ensemble_spans_both() {
 async fn given_a_full_site_when_an_owner_is_killed_during_production_then_every_acknowledged_message_is_consumed_once(
 ) {
     let cluster = MetaCluster::start(3).await.expect("metadata nodes");
-    let endpoints = cluster.endpoints().join(",");
     let root = cluster.root.path().to_path_buf();
-    let mut bookies: Vec<BookieProc> = (0..3)
-        .map(|i| {
-            let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoints);
-            b.start().unwrap();
-            b
-        })
-        .collect();
-    wait_for_bookies(&cluster.client(), 3, Duration::from_secs(30))
-        .await
-        .unwrap();
-    let mut brokers: Vec<BrokerProc> = ["a", "b"]
-        .iter()
-        .map(|n| {
-            let mut b = BrokerProc::new(n, &root, &endpoints);
-            b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
-                .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
-                .env("MERIDIAN_BROKER_ENSEMBLE", "3")
-                .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
-                .env("MERIDIAN_BROKER_ACK_QUORUM", "2");
-            b.start().unwrap();
-            b
-        })
-        .collect();
+    let (mut bookies, mut brokers) = full_site(&cluster).await;
     let service = format!(
         "pulsar://{},{}",
         host(&brokers[0].url),
@@ -934,31 +911,8 @@ async fn given_a_full_site_when_an_owner_is_killed_during_production_then_every_
 async fn given_a_full_site_when_every_process_restarts_in_turn_then_no_acknowledged_message_is_lost(
 ) {
     let mut cluster = MetaCluster::start(3).await.expect("metadata nodes");
-    let endpoints = cluster.endpoints().join(",");
     let root = cluster.root.path().to_path_buf();
-    let mut bookies: Vec<BookieProc> = (0..3)
-        .map(|i| {
-            let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoints);
-            b.start().unwrap();
-            b
-        })
-        .collect();
-    wait_for_bookies(&cluster.client(), 3, Duration::from_secs(30))
-        .await
-        .unwrap();
-    let mut brokers: Vec<BrokerProc> = ["a", "b"]
-        .iter()
-        .map(|n| {
-            let mut b = BrokerProc::new(n, &root, &endpoints);
-            b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
-                .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
-                .env("MERIDIAN_BROKER_ENSEMBLE", "3")
-                .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
-                .env("MERIDIAN_BROKER_ACK_QUORUM", "2");
-            b.start().unwrap();
-            b
-        })
-        .collect();
+    let (mut bookies, mut brokers) = full_site(&cluster).await;
     let service = format!(
         "pulsar://{},{}",
         host(&brokers[0].url),
@@ -1066,4 +1020,35 @@ async fn given_a_full_site_when_every_process_restarts_in_turn_then_no_acknowled
         .unwrap_or_else(|e| panic!("consume {}: {e:#}", t(i)));
         assert_eq!(consumed(&lines), (0..sends).collect::<Vec<_>>(), "{}", t(i));
     }
+}
+
+/// On `cluster`'s metadata nodes: 3 bookies and 2 brokers (E3 Qw2 Qa2, deduplication on,
+/// 2 s sessions), all started.
+async fn full_site(cluster: &MetaCluster) -> (Vec<BookieProc>, Vec<BrokerProc>) {
+    let endpoints = cluster.endpoints().join(",");
+    let root = cluster.root.path();
+    let bookies: Vec<BookieProc> = (0..3)
+        .map(|i| {
+            let mut b = BookieProc::new(&format!("bookie{i}"), root, &endpoints);
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    wait_for_bookies(&cluster.client(), 3, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let brokers = ["a", "b"]
+        .iter()
+        .map(|n| {
+            let mut b = BrokerProc::new(n, root, &endpoints);
+            b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
+                .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
+                .env("MERIDIAN_BROKER_ENSEMBLE", "3")
+                .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
+                .env("MERIDIAN_BROKER_ACK_QUORUM", "2");
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    (bookies, brokers)
 }

@@ -295,15 +295,8 @@ impl Conn {
                 let m = c
                     .partition_metadata
                     .ok_or_else(|| missing("PARTITIONED_METADATA"))?;
-                let n = match self.broker.check_topic(&m.topic) {
-                    Ok(t) => match self
-                        .broker
-                        .authorize(self.role.as_deref(), &t.namespace(), None)
-                        .await
-                    {
-                        Ok(()) => self.broker.partitioned_metadata(&t).await,
-                        Err(e) => Err(e),
-                    },
+                let n = match self.readable_topic(&m.topic).await {
+                    Ok(t) => self.broker.partitioned_metadata(&t).await,
                     Err(e) => Err(e),
                 };
                 let r = match n {
@@ -314,19 +307,12 @@ impl Conn {
             }
             Type::Lookup => {
                 let l = c.lookup_topic.ok_or_else(|| missing("LOOKUP"))?;
-                let answer = match self.broker.check_topic(&l.topic) {
-                    Ok(t) => match self
-                        .broker
-                        .authorize(self.role.as_deref(), &t.namespace(), None)
-                        .await
-                    {
-                        Ok(()) => {
-                            self.broker
-                                .lookup(&t, l.authoritative.unwrap_or(false))
-                                .await
-                        }
-                        Err(e) => Err(e),
-                    },
+                let answer = match self.readable_topic(&l.topic).await {
+                    Ok(t) => {
+                        self.broker
+                            .lookup(&t, l.authoritative.unwrap_or(false))
+                            .await
+                    }
                     Err(e) => Err(e),
                 };
                 let r = match answer {
@@ -527,20 +513,13 @@ impl Conn {
             }
             Type::GetSchema => {
                 let g = c.get_schema.ok_or_else(|| missing("GET_SCHEMA"))?;
-                let found = match self.broker.check_topic(&g.topic) {
-                    // Any grant on the namespace (produce or consume) may read its schemas.
-                    Ok(t) => match self
-                        .broker
-                        .authorize(self.role.as_deref(), &t.namespace(), None)
-                        .await
-                    {
-                        Ok(()) => {
-                            self.broker
-                                .get_schema(&t, g.schema_version.as_deref())
-                                .await
-                        }
-                        Err(e) => Err(e),
-                    },
+                // Any grant on the namespace (produce or consume) may read its schemas.
+                let found = match self.readable_topic(&g.topic).await {
+                    Ok(t) => {
+                        self.broker
+                            .get_schema(&t, g.schema_version.as_deref())
+                            .await
+                    }
                     Err(e) => Err(e),
                 };
                 let r = match found {
@@ -904,6 +883,19 @@ impl Conn {
             ));
         }
         Ok(())
+    }
+
+    /// A topic name the connection's role may read about (any grant on its namespace):
+    /// lookups, partition counts, schemas.
+    async fn readable_topic(
+        &self,
+        name: &str,
+    ) -> Result<crate::topic_name::TopicName, BrokerError> {
+        let t = self.broker.check_topic(name)?;
+        self.broker
+            .authorize(self.role.as_deref(), &t.namespace(), None)
+            .await?;
+        Ok(t)
     }
 
     async fn subscribe(&mut self, s: pb::CommandSubscribe) -> Result<(), BrokerError> {

@@ -569,15 +569,8 @@ impl MetadataClient {
 
     /// Renews a session's lease. `FailedPrecondition` once the session has ended.
     pub async fn keep_alive(&self, session: u64) -> Result<u64, ClientError> {
-        Ok(self
-            .call(true, |mut c, t| {
-                let mut r = tonic::Request::new(pb::SessionKeepAliveRequest { session });
-                r.set_timeout(t);
-                async move { c.session_keep_alive(r).await }
-            })
-            .await?
-            .into_inner()
-            .ttl_ms)
+        let t = self.inner.request_timeout;
+        self.keep_alive_within(session, t, t).await
     }
 
     /// Ends a session now; its ephemeral keys are deleted. Returns how many.

@@ -521,6 +521,11 @@ impl Topic {
         Some((pos, batch_index))
     }
 
+    /// Messages in, messages out, bytes in, bytes out per second, as last sampled.
+    pub fn rates_per_sec(&self) -> [f64; 4] {
+        self.rates.lock().expect("rates lock").per_sec
+    }
+
     /// Samples the counters and updates the rates (called by the stats loop).
     pub async fn sample_rates(&self) {
         let totals = [
