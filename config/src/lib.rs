@@ -346,6 +346,14 @@ pub struct BookieConfig {
     pub session_ttl_ms: u64,
     /// Fsync the journal before acknowledging adds. Default `true`.
     pub fsync: bool,
+    /// Autorecovery (in brokers and `meridian autorecovery`): a bookie unregistered this long
+    /// is lost and every ledger with a replica on it is re-replicated elsewhere, milliseconds.
+    /// Long enough for a restart not to start copies. Range 0..=86400000, default 60000.
+    pub lost_grace_ms: u64,
+    /// Autorecovery: while a bookie is lost or decommissioned, every ledger is audited again
+    /// this often (writers moving off it leave new fragments behind), milliseconds.
+    /// Range 1000..=3600000, default 10000.
+    pub audit_interval_ms: u64,
 }
 
 impl Default for BookieConfig {
@@ -373,6 +381,8 @@ impl Default for BookieConfig {
             requests_in_flight_max: 10_000,
             session_ttl_ms: 10_000,
             fsync: true,
+            lost_grace_ms: 60_000,
+            audit_interval_ms: 10_000,
         }
     }
 }
@@ -430,6 +440,8 @@ impl BookieConfig {
             ("bookie.frame_bytes_max", b.frame_bytes_max, 1_024, 268_435_456, ""),
             ("bookie.requests_in_flight_max", b.requests_in_flight_max, 1, 1_000_000, ""),
             ("bookie.session_ttl_ms", b.session_ttl_ms, 1_000, 300_000, ""),
+            ("bookie.lost_grace_ms", b.lost_grace_ms, 0, 86_400_000, ""),
+            ("bookie.audit_interval_ms", b.audit_interval_ms, 1_000, 3_600_000, ""),
         ];
         ranges(&bounds)
     }
@@ -593,6 +605,9 @@ pub struct BrokerConfig {
     pub load_shed_grace_ms: u64,
     /// Shed bundles at all (placement of unowned bundles happens regardless). Default `true`.
     pub load_balancer_enabled: bool,
+    /// Run bookie autorecovery in this broker (the auditor election and a replication
+    /// worker; settings `bookie.lost_grace_ms`, `bookie.audit_interval_ms`). Default `true`.
+    pub autorecovery_enabled: bool,
 }
 
 impl Default for BrokerConfig {
@@ -647,6 +662,7 @@ impl Default for BrokerConfig {
             load_shed_interval_ms: 60_000,
             load_shed_grace_ms: 300_000,
             load_balancer_enabled: true,
+            autorecovery_enabled: true,
         }
     }
 }

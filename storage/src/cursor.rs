@@ -404,7 +404,8 @@ impl ManagedCursor {
             "cursor".to_string(),
             format!("{}/{}", self.ml.name(), self.name),
         );
-        let writer = client.create(1, 1, 1, props).await?;
+        let (e, qw, qa) = self.ml.quorums();
+        let writer = client.create(e, qw, qa, props).await?;
         writer.add(self.snapshot_bytes()).await?;
         let info = CursorInfo {
             cursor_ledger: Some(writer.id()),

@@ -14,7 +14,7 @@
 //!  fenced ─► every pending and later add fails: another client recovered the ledger
 //! ```
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -169,7 +169,14 @@ pub struct LedgerClient {
     meta: MetadataClient,
     pool: Arc<BookiePool>,
     opts: LedgerClientOptions,
+    /// The registered writable bookies, polled by one task per client once a writer exists:
+    /// an idle writer whose ensemble holds a bookie that left or turned read-only (lost,
+    /// decommissioned, full) moves off it without waiting for its next add.
+    writable: Arc<std::sync::OnceLock<tokio::sync::watch::Receiver<Arc<BTreeSet<String>>>>>,
 }
+
+/// How often a client polls the bookie registrations for its idle writers.
+const WRITABLE_POLL: Duration = Duration::from_secs(1);
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -196,7 +203,57 @@ impl LedgerClient {
             opts.frame_bytes_max,
             opts.tls.clone(),
         );
-        Self { meta, pool, opts }
+        Self {
+            meta,
+            pool,
+            opts,
+            writable: Arc::default(),
+        }
+    }
+
+    /// The registered writable bookies, as last polled (the poller starts on first use; it
+    /// ends when every receiver is gone). The first value is sent on its first answer.
+    fn writable_bookies(&self) -> tokio::sync::watch::Receiver<Arc<BTreeSet<String>>> {
+        self.writable
+            .get_or_init(|| {
+                let (tx, rx) = tokio::sync::watch::channel(Arc::new(BTreeSet::new()));
+                let client = self.clone_without_monitor();
+                tokio::spawn(async move {
+                    loop {
+                        if let Ok(list) = client.bookies().await {
+                            let now: BTreeSet<String> = list
+                                .into_iter()
+                                .filter(|b| b.writable)
+                                .map(|b| b.address)
+                                .collect();
+                            tx.send_if_modified(|cur| {
+                                let changed = **cur != now;
+                                if changed {
+                                    *cur = Arc::new(now);
+                                }
+                                changed
+                            });
+                        }
+                        tokio::select! {
+                            _ = tx.closed() => return,
+                            _ = tokio::time::sleep(WRITABLE_POLL) => {}
+                        }
+                    }
+                });
+                rx
+            })
+            .clone()
+    }
+
+    /// This client without the writable-bookies poller (the poller's own client must not keep
+    /// its receiver alive).
+    fn clone_without_monitor(&self) -> Self {
+        Self {
+            meta: self.meta.clone(),
+            pool: Arc::clone(&self.pool),
+            opts: self.opts.clone(),
+            writable: Arc::default(),
+        }
     }
 
     pub fn metadata_client(&self) -> &MetadataClient {
@@ -232,17 +289,18 @@ impl LedgerClient {
     }
 
     /// `n` writable bookies not in `exclude` (the rest of an ensemble, and a failed member),
-    /// spread over racks, racks of `exclude` last, the emptiest first
-    /// ([`crate::placement`]).
-    async fn choose_bookies(
+    /// spread over racks, racks of `staying` (the members that stay in the ensemble) last,
+    /// the emptiest first ([`crate::placement`]).
+    pub(crate) async fn choose_bookies(
         &self,
         n: usize,
         exclude: &[String],
+        staying: &[String],
     ) -> Result<Vec<String>, LedgerError> {
         let all = self.bookies().await?;
         let used: Vec<String> = all
             .iter()
-            .filter(|b| exclude.contains(&b.address))
+            .filter(|b| staying.contains(&b.address))
             .map(|b| b.rack.clone())
             .collect();
         crate::placement::choose(&all, n, exclude, &used).map_err(|available| {
@@ -263,7 +321,7 @@ impl LedgerClient {
         properties: BTreeMap<String, String>,
     ) -> Result<LedgerWriter, LedgerError> {
         let q = Quorums::new(ensemble_size, write_quorum, ack_quorum)?;
-        let ensemble = self.choose_bookies(ensemble_size, &[]).await?;
+        let ensemble = self.choose_bookies(ensemble_size, &[], &[]).await?;
         // Connect now, so the first adds do not wait for it (a failure shows up at the first
         // add, which then changes the ensemble).
         futures::future::join_all(ensemble.iter().map(|a| self.pool.get(a))).await;
@@ -328,7 +386,16 @@ impl LedgerClient {
         Ok((m, kv.mod_revision))
     }
 
-    async fn cas_metadata(&self, m: &LedgerMetadata, version: u64) -> Result<u64, LedgerError> {
+    /// The pool of bookie connections (autorecovery reads and writes single replicas).
+    pub(crate) fn pool(&self) -> &BookiePool {
+        &self.pool
+    }
+
+    pub(crate) async fn cas_metadata(
+        &self,
+        m: &LedgerMetadata,
+        version: u64,
+    ) -> Result<u64, LedgerError> {
         Ok(self
             .meta
             .put_with(
@@ -542,10 +609,35 @@ impl LedgerClient {
             }
             next += 1;
         }
-        // 3. Close at the last recovered entry.
-        meta.state = LedgerState::Closed;
-        meta.last_entry = next.checked_sub(1);
-        self.cas_metadata(&meta, version).await?;
+        // 3. Close at the last recovered entry. Autorecovery may have replaced a bookie of an
+        //    earlier fragment meanwhile: take its metadata and close that.
+        let last_entry = next.checked_sub(1);
+        let mut attempts = 0;
+        loop {
+            meta.state = LedgerState::Closed;
+            meta.last_entry = last_entry;
+            match self.cas_metadata(&meta, version).await {
+                Ok(_) => break,
+                Err(LedgerError::Metadata(ClientError::Conflict { .. })) if attempts < 10 => {
+                    attempts += 1;
+                    let (now, v) = self.metadata(id).await?;
+                    if now.state != LedgerState::InRecovery
+                        || now.fragments.last() != meta.fragments.last()
+                    {
+                        return Err(LedgerError::Failed {
+                            ledger: id,
+                            detail: format!(
+                                "another client changed the ledger during recovery (now {:?})",
+                                now.state
+                            ),
+                        });
+                    }
+                    meta = now;
+                    version = v;
+                }
+                Err(e) => return Err(e),
+            }
+        }
         tracing::info!(ledger = id, last_entry = ?meta.last_entry, "ledger recovered and closed");
         Ok(LedgerReader {
             client: self.clone(),
@@ -712,7 +804,10 @@ impl LedgerWriter {
         let window = Arc::new(Semaphore::new(client.opts.window.max(1)));
         let lac = Arc::new(std::sync::atomic::AtomicU64::new(NONE));
         let id = meta.id;
+        let writable = client.writable_bookies();
         let actor = WriterActor {
+            writable,
+            writable_gone: false,
             client,
             key: meta.key_bytes(),
             ensemble: meta.fragments.last().expect("fragment").ensemble.clone(),
@@ -783,6 +878,9 @@ impl LedgerWriter {
 
 struct WriterActor {
     client: LedgerClient,
+    /// The client's registered writable bookies ([`LedgerClient::writable_bookies`]).
+    writable: tokio::sync::watch::Receiver<Arc<BTreeSet<String>>>,
+    writable_gone: bool,
     meta: LedgerMetadata,
     version: u64,
     key: Bytes,
@@ -814,6 +912,14 @@ impl WriterActor {
                 c = rx.recv() => match c { Some(c) => c, None => return },
                 _ = tick.tick(), if busy => {
                     Box::pin(self.check_timeouts()).await;
+                    continue;
+                }
+                changed = self.writable.changed(), if !self.writable_gone => {
+                    match changed {
+                        Ok(()) => Box::pin(self.move_off_unwritable()).await,
+                        // The poller ended (the runtime is stopping): no more news.
+                        Err(_) => self.writable_gone = true,
+                    }
                     continue;
                 }
             };
@@ -1030,16 +1136,55 @@ impl WriterActor {
         }
     }
 
+    /// An idle writer (nothing pending; adds find failed bookies themselves) whose ensemble
+    /// holds a bookie no longer registered writable changes its ensemble now, so the bookie's
+    /// replicas are all in earlier fragments, which autorecovery makes again. Without a
+    /// replacement it stays as it is (an add would try again).
+    async fn move_off_unwritable(&mut self) {
+        let writable = Arc::clone(&self.writable.borrow_and_update());
+        if !self.pending.is_empty()
+            || self.failed.is_some()
+            || self.closing.is_some()
+            || writable.is_empty()
+        {
+            return;
+        }
+        for index in 0..self.ensemble.len() {
+            if !writable.contains(&self.ensemble[index]) {
+                tracing::info!(ledger = self.meta.id, bookie = %self.ensemble[index], "bookie no longer registered writable; idle writer changes its ensemble");
+                self.replace_bookie_with(index, false).await;
+            }
+        }
+    }
+
     /// Ensemble change: a new fragment from LAC+1 with `index` replaced, recorded with CAS;
     /// then every pending entry that bookie should hold is sent to the replacement.
     async fn replace_bookie(&mut self, index: usize) {
+        self.replace_bookie_with(index, true).await
+    }
+
+    /// [`replace_bookie`](Self::replace_bookie); `must`: without a replacement the writer
+    /// fails (an add needs one), otherwise it stays as it is.
+    async fn replace_bookie_with(&mut self, index: usize, must: bool) {
         if self.failed.is_some() {
             return;
         }
         let mut attempts = 0;
         let replacement = loop {
-            match self.client.choose_bookies(1, &self.ensemble).await {
+            let staying: Vec<String> = (0..self.ensemble.len())
+                .filter(|i| *i != index)
+                .map(|i| self.ensemble[i].clone())
+                .collect();
+            match self
+                .client
+                .choose_bookies(1, &self.ensemble, &staying)
+                .await
+            {
                 Ok(mut v) => break v.remove(0),
+                Err(e) if !must => {
+                    tracing::warn!(ledger = self.meta.id, error = %e, "no bookie to move an idle ledger to; it stays");
+                    return;
+                }
                 Err(e) => {
                     attempts += 1;
                     if attempts >= 5 {
@@ -1056,33 +1201,43 @@ impl WriterActor {
         let mut ensemble = self.ensemble.clone();
         let old = std::mem::replace(&mut ensemble[index], replacement.clone());
         let first_entry = if self.lac == NONE { 0 } else { self.lac + 1 };
-        let mut meta = self.meta.clone();
-        match meta.fragments.last_mut() {
-            Some(f) if f.first_entry == first_entry => f.ensemble = ensemble.clone(),
-            _ => meta.fragments.push(Fragment {
-                first_entry,
-                ensemble: ensemble.clone(),
-            }),
-        }
-        match self.client.cas_metadata(&meta, self.version).await {
-            Ok(v) => {
-                self.version = v;
-                self.meta = meta;
+        let mut adopted = 0;
+        loop {
+            let mut meta = self.meta.clone();
+            match meta.fragments.last_mut() {
+                Some(f) if f.first_entry == first_entry => f.ensemble = ensemble.clone(),
+                _ => meta.fragments.push(Fragment {
+                    first_entry,
+                    ensemble: ensemble.clone(),
+                }),
             }
-            Err(e) => {
-                // Someone else changed the ledger (recovery): this writer is done.
-                let state = self
-                    .client
-                    .metadata(self.meta.id)
-                    .await
-                    .map(|(m, _)| m.state);
-                if matches!(state, Ok(LedgerState::InRecovery | LedgerState::Closed)) {
-                    self.fail("fenced".into());
-                } else {
-                    self.fail(format!("recording the ensemble change failed: {e}"));
+            let e = match self.client.cas_metadata(&meta, self.version).await {
+                Ok(v) => {
+                    self.version = v;
+                    self.meta = meta;
+                    break;
                 }
-                return;
+                Err(e) => e,
+            };
+            if matches!(e, LedgerError::Metadata(ClientError::Conflict { .. }))
+                && adopted < 10
+                && self.adopt_after_conflict().await
+            {
+                adopted += 1;
+                continue;
             }
+            // Someone else changed the ledger (recovery): this writer is done.
+            let state = self
+                .client
+                .metadata(self.meta.id)
+                .await
+                .map(|(m, _)| m.state);
+            if matches!(state, Ok(LedgerState::InRecovery | LedgerState::Closed)) {
+                self.fail("fenced".into());
+            } else {
+                self.fail(format!("recording the ensemble change failed: {e}"));
+            }
+            return;
         }
         tracing::info!(ledger = self.meta.id, from = %old, to = %replacement, first_entry, "ensemble changed");
         self.ensemble = ensemble;
@@ -1106,19 +1261,48 @@ impl WriterActor {
         if self.failed.is_some() {
             return Err(self.fail_error());
         }
-        let mut meta = self.meta.clone();
-        meta.state = LedgerState::Closed;
-        meta.last_entry = (self.lac != NONE).then_some(self.lac);
-        match self.client.cas_metadata(&meta, self.version).await {
-            Ok(v) => {
+        let mut adopted = 0;
+        loop {
+            let mut meta = self.meta.clone();
+            meta.state = LedgerState::Closed;
+            meta.last_entry = (self.lac != NONE).then_some(self.lac);
+            match self.client.cas_metadata(&meta, self.version).await {
+                Ok(v) => {
+                    self.version = v;
+                    self.meta = meta;
+                    return Ok(self.meta.last_entry);
+                }
+                Err(LedgerError::Metadata(ClientError::Conflict { .. })) => {
+                    if adopted < 10 && self.adopt_after_conflict().await {
+                        adopted += 1;
+                        continue;
+                    }
+                    return Err(LedgerError::Fenced(self.meta.id));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// After a compare-and-set of the metadata lost to another client: autorecovery replaces
+    /// bookies of an open ledger's earlier fragments (never the last, which is this writer's).
+    /// If the ledger is still open and its last fragment is this writer's, the stored metadata
+    /// is taken and `true` says try again; anything else (recovery, close) is not ours to undo.
+    async fn adopt_after_conflict(&mut self) -> bool {
+        match self.client.metadata(self.meta.id).await {
+            Ok((m, v))
+                if m.state == LedgerState::Open
+                    && m.fragments.last() == self.meta.fragments.last() =>
+            {
+                tracing::info!(
+                    ledger = self.meta.id,
+                    "ledger metadata changed by autorecovery; taking it"
+                );
+                self.meta = m;
                 self.version = v;
-                self.meta = meta;
-                Ok(self.meta.last_entry)
+                true
             }
-            Err(LedgerError::Metadata(ClientError::Conflict { .. })) => {
-                Err(LedgerError::Fenced(self.meta.id))
-            }
-            Err(e) => Err(e),
+            _ => false,
         }
     }
 }

@@ -7,6 +7,7 @@
 //!
 //! Does not know about: the Pulsar wire protocol, topics as clients see them, tenants, geo.
 
+pub mod autorecovery;
 pub mod bookie;
 pub mod client;
 pub mod compacted;

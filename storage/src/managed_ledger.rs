@@ -398,6 +398,16 @@ impl ManagedLedger {
         }
     }
 
+    /// The log's ensemble size, write quorum and ack quorum (its cursors' ledgers use them too:
+    /// acknowledgement state is as durable as the messages).
+    pub fn quorums(&self) -> (usize, usize, usize) {
+        (
+            self.opts.ensemble,
+            self.opts.write_quorum,
+            self.opts.ack_quorum,
+        )
+    }
+
     /// Creates the next ledger and records it (CAS) as the open one.
     async fn start_ledger(&self, st: &mut State) -> Result<(), ManagedLedgerError> {
         let mut props = BTreeMap::new();

@@ -52,6 +52,13 @@ pub trait TopicOps: Send + Sync + 'static {
         address: String,
         rack: String,
     ) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// Decommissions a bookie; answers what still names it.
+    fn decommission_bookie(
+        &self,
+        address: String,
+    ) -> BoxFuture<'_, Result<DecommissionStatus, AdminError>>;
+    /// Ledgers marked under-replicated.
+    fn under_replicated(&self) -> BoxFuture<'_, Result<Vec<UnderReplicatedLedger>, AdminError>>;
     /// The load manager's leader.
     fn leader(&self) -> BoxFuture<'_, Result<Option<BrokerInfo>, AdminError>>;
     /// Who serves a topic.
@@ -776,6 +783,24 @@ impl Admin for AdminService {
         let r = r.into_inner();
         self.topics.set_bookie_rack(r.address, r.rack).await?;
         ok(Empty {})
+    }
+
+    async fn decommission_bookie(
+        &self,
+        r: Request<DecommissionBookieRequest>,
+    ) -> Reply<DecommissionStatus> {
+        self.superuser(role_of(&r).as_ref())?;
+        ok(self
+            .topics
+            .decommission_bookie(r.into_inner().address)
+            .await?)
+    }
+
+    async fn list_under_replicated(&self, r: Request<Empty>) -> Reply<UnderReplicatedList> {
+        self.superuser(role_of(&r).as_ref())?;
+        ok(UnderReplicatedList {
+            ledgers: self.topics.under_replicated().await?,
+        })
     }
 
     async fn get_leader_broker(&self, r: Request<Empty>) -> Reply<BrokerInfo> {

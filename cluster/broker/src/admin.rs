@@ -6,6 +6,7 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use futures::FutureExt;
 use meridian_protocol::pb::ServerError;
+use meridian_storage::autorecovery;
 use meridian_tenancy::model::ClusterData;
 use meridian_tenancy::pb;
 use meridian_tenancy::service::{AdminService, RunningAdmin, TopicOps};
@@ -389,6 +390,10 @@ impl TopicOps for BrokerTopics {
 
     fn bookies(&self) -> BoxFuture<'_, Result<Vec<pb::BookieInfo>, AdminError>> {
         async move {
+            let decommissioned =
+                autorecovery::decommissioned(self.0.ledger_client().metadata_client())
+                    .await
+                    .map_err(|e| AdminError::Unavailable(e.to_string()))?;
             let list = self
                 .0
                 .ledger_client()
@@ -398,14 +403,88 @@ impl TopicOps for BrokerTopics {
             let mut out: Vec<pb::BookieInfo> = list
                 .into_iter()
                 .map(|b| pb::BookieInfo {
+                    state: if decommissioned.contains(&b.address) {
+                        "decommissioned"
+                    } else if b.writable {
+                        "writable"
+                    } else {
+                        "read-only"
+                    }
+                    .to_string(),
                     address: b.address,
                     rack: b.rack,
-                    state: if b.writable { "writable" } else { "read-only" }.to_string(),
                     free_bytes: b.free_bytes,
                 })
                 .collect();
             out.sort_by(|a, b| a.address.cmp(&b.address));
             Ok(out)
+        }
+        .boxed()
+    }
+
+    fn decommission_bookie(
+        &self,
+        address: String,
+    ) -> BoxFuture<'_, Result<pb::DecommissionStatus, AdminError>> {
+        async move {
+            let unavailable = |e: String| AdminError::Unavailable(e);
+            let client = self.0.ledger_client();
+            let registered = client
+                .bookies()
+                .await
+                .map_err(|e| unavailable(e.to_string()))?
+                .iter()
+                .any(|b| b.address == address);
+            let ledgers = autorecovery::ledgers_on(client, &address)
+                .await
+                .map_err(|e| unavailable(e.to_string()))?;
+            let marked = autorecovery::decommissioned(client.metadata_client())
+                .await
+                .map_err(|e| unavailable(e.to_string()))?
+                .contains(&address);
+            if !registered && ledgers.is_empty() && !marked {
+                return Err(AdminError::NotFound(format!(
+                    "no bookie {address} is registered or named by a ledger"
+                )));
+            }
+            if !marked {
+                autorecovery::decommission(client.metadata_client(), &address)
+                    .await
+                    .map_err(|e| unavailable(e.to_string()))?;
+                tracing::warn!(bookie = %address, ledgers = ledgers.len(), "bookie decommissioned by an admin");
+            }
+            Ok(pb::DecommissionStatus {
+                address,
+                done: ledgers.is_empty(),
+                ledgers,
+            })
+        }
+        .boxed()
+    }
+
+    fn under_replicated(
+        &self,
+    ) -> BoxFuture<'_, Result<Vec<pb::UnderReplicatedLedger>, AdminError>> {
+        async move {
+            let list = autorecovery::under_replicated(self.0.ledger_client().metadata_client())
+                .await
+                .map_err(|e| AdminError::Unavailable(e.to_string()))?;
+            Ok(list
+                .into_iter()
+                .map(|r| pb::UnderReplicatedLedger {
+                    ledger: r.ledger,
+                    since_ms: r.since_ms,
+                    fragments: r
+                        .fragments
+                        .into_iter()
+                        .map(|f| pb::UnderReplicatedFragment {
+                            first_entry: f.first_entry,
+                            last_entry: f.last_entry,
+                            bookies: f.bookies,
+                        })
+                        .collect(),
+                })
+                .collect())
         }
         .boxed()
     }

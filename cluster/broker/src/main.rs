@@ -66,6 +66,9 @@ enum Command {
     Meta(meta::MetaArgs),
     /// Run a bookie (storage node).
     Bookie(storage_cmds::BookieArgs),
+    /// Run bookie autorecovery alone (auditor election and a replication worker); brokers
+    /// run it too unless broker.autorecovery_enabled = false.
+    Autorecovery(storage_cmds::AutorecoveryArgs),
     /// Inspect ledgers.
     Ledger(storage_cmds::LedgerArgs),
     /// Benchmarks against running servers.
@@ -207,6 +210,18 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     } else {
         cfg.broker.advertise.clone()
     };
+    let (stop_recovery, stop_recovery_rx) = tokio::sync::watch::channel(false);
+    let autorecovery = cfg.broker.autorecovery_enabled.then(|| {
+        tokio::spawn(meridian_storage::autorecovery::run(
+            client.clone(),
+            meridian_storage::autorecovery::Options::from_config(
+                &cfg.bookie,
+                format!("broker {advertise}"),
+                cfg.broker.session_ttl_ms,
+            ),
+            stop_recovery_rx,
+        ))
+    });
     let broker = meridian_broker::broker::Broker::new(
         cfg.broker.clone(),
         meta,
@@ -262,6 +277,10 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     stats.abort();
     policies.abort();
     ownership.abort();
+    let _ = stop_recovery.send(true);
+    if let Some(a) = autorecovery {
+        let _ = a.await;
+    }
     Ok(())
 }
 
@@ -392,6 +411,7 @@ fn main() -> ExitCode {
         Command::Metadata(a) => a.overrides(),
         Command::Meta(a) => a.overrides(),
         Command::Bookie(a) => a.overrides(),
+        Command::Autorecovery(a) => a.overrides(),
         Command::Ledger(a) => a.overrides(),
         Command::Perf(a) => a.overrides(),
         Command::Standalone(a) => a.overrides(),
@@ -447,6 +467,12 @@ fn main() -> ExitCode {
             init_logging(&cfg);
             runtime
                 .block_on(storage_cmds::run_bookie(cfg))
+                .map(|()| ExitCode::SUCCESS)
+        }
+        Command::Autorecovery(_) => {
+            init_logging(&cfg);
+            runtime
+                .block_on(storage_cmds::run_autorecovery(cfg))
                 .map(|()| ExitCode::SUCCESS)
         }
         Command::Ledger(args) => {

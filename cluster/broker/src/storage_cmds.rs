@@ -52,6 +52,64 @@ impl BookieArgs {
     }
 }
 
+#[derive(clap::Args)]
+pub struct AutorecoveryArgs {
+    /// Metadata store endpoints, `HOST:PORT,...` (client.endpoints).
+    #[arg(long)]
+    metadata: Option<String>,
+    /// A bookie unregistered this long is lost, milliseconds (bookie.lost_grace_ms).
+    #[arg(long)]
+    lost_grace_ms: Option<String>,
+}
+
+impl AutorecoveryArgs {
+    pub fn overrides(&self) -> Vec<(String, String)> {
+        let mut o = Vec::new();
+        if let Some(v) = &self.metadata {
+            o.push(("client.endpoints".to_string(), v.clone()));
+        }
+        if let Some(v) = &self.lost_grace_ms {
+            o.push(("bookie.lost_grace_ms".to_string(), v.clone()));
+        }
+        o
+    }
+}
+
+/// `meridian autorecovery`: the auditor election and a replication worker, alone. With
+/// `[tls]` it presents a broker's certificate (it writes to bookies and ledger metadata as
+/// brokers do).
+pub async fn run_autorecovery(cfg: Config) -> anyhow::Result<()> {
+    let tls = crate::tls_of(&cfg, Some(meridian_metadata::tls::ProcessRole::Broker))?;
+    let meta = MetadataClient::with_tls(&cfg.client, tls.clone()).context("client.endpoints")?;
+    let client = LedgerClient::new(
+        meta,
+        LedgerClientOptions {
+            tls,
+            ..LedgerClientOptions::default()
+        },
+    );
+    let id = format!("autorecovery {}", std::process::id());
+    println!(
+        "meridian autorecovery: metadata {}, lost after {} ms",
+        cfg.client.endpoints.join(","),
+        cfg.bookie.lost_grace_ms
+    );
+    let (stop, stop_rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(meridian_storage::autorecovery::run(
+        client,
+        meridian_storage::autorecovery::Options::from_config(
+            &cfg.bookie,
+            id,
+            cfg.broker.session_ttl_ms,
+        ),
+        stop_rx,
+    ));
+    crate::shutdown_signal().await;
+    let _ = stop.send(true);
+    let _ = task.await;
+    Ok(())
+}
+
 pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
     let b = &cfg.bookie;
     let listener = tokio::net::TcpListener::bind(&b.listen)

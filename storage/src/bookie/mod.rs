@@ -95,6 +95,10 @@ pub struct BookieCore {
     /// Read-only because the disk is too full (not for an error): lifted once usage falls
     /// [`DISK_HYSTERESIS_PERCENT`] below the limit.
     disk_full: AtomicBool,
+    /// This bookie's own address once an admin decommissioned it (`bookies decommission`):
+    /// read-only for writers (recovery adds still land), and ledgers whose metadata no longer
+    /// names it are deleted by the orphan scan.
+    decommissioned: std::sync::Mutex<Option<String>>,
     opts: BookieOptions,
 }
 
@@ -118,11 +122,38 @@ impl BookieCore {
     }
 
     pub fn is_read_only(&self) -> bool {
-        self.read_only.load(Ordering::Relaxed) || self.disk_full.load(Ordering::Relaxed)
+        self.read_only.load(Ordering::Relaxed)
+            || self.disk_full.load(Ordering::Relaxed)
+            || self.decommissioned_as().is_some()
+    }
+
+    /// Read-only for a reason that still lets recovery adds in (ledger recovery rewriting an
+    /// entry it found, autorecovery): decommissioned, and neither failed nor full.
+    fn takes_recovery_adds_only(&self) -> bool {
+        !self.read_only.load(Ordering::Relaxed)
+            && !self.disk_full.load(Ordering::Relaxed)
+            && self.decommissioned_as().is_some()
+    }
+
+    /// The address this bookie was decommissioned as, if it was.
+    pub fn decommissioned_as(&self) -> Option<String> {
+        self.decommissioned.lock().expect("lock").clone()
+    }
+
+    /// An admin decommissioned this bookie (seen by its registration loop).
+    pub fn set_decommissioned(&self, addr: &str) {
+        let mut d = self.decommissioned.lock().expect("lock");
+        if d.is_none() {
+            tracing::warn!(bookie = %addr, "this bookie is decommissioned: read-only for writers; its ledgers are re-replicated elsewhere");
+            *d = Some(addr.to_string());
+        }
     }
 
     /// Why the bookie is read-only, if it is.
     pub fn read_only_reason(&self) -> Option<String> {
+        if self.takes_recovery_adds_only() {
+            return Some("decommissioned".into());
+        }
         self.is_read_only()
             .then(|| self.read_only_reason.lock().expect("lock").clone())
     }
@@ -317,6 +348,7 @@ pub async fn start_with_tls(
         read_only: AtomicBool::new(false),
         read_only_reason: std::sync::Mutex::default(),
         disk_full: AtomicBool::new(false),
+        decommissioned: std::sync::Mutex::default(),
         opts,
     });
     let (stop, stop_rx) = watch::channel(false);
@@ -812,7 +844,8 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
         payload,
     } = add;
     let reply = move |status| add_response(ledger_id, entry_id, status);
-    if core.is_read_only() {
+    if core.is_read_only() && !(flags & proto::ADD_RECOVERY != 0 && core.takes_recovery_adds_only())
+    {
         return send(&tx, id, reply(Status::ReadOnly));
     }
     // What decoding a frame checks on a socket, for in-process adds too: the key's length
@@ -1135,6 +1168,10 @@ pub async fn register(
                 Ok(Some(kv)) => String::from_utf8(kv.value).unwrap_or_else(|_| rack.clone()),
                 _ => rack.clone(),
             };
+            let decom_key = format!("{}{advertise}", crate::autorecovery::DECOMMISSIONED_PREFIX);
+            if let Ok(Some(_)) = meta.get(&decom_key).await {
+                core.set_decommissioned(&advertise);
+            }
             let info = crate::ledger::BookieInfo {
                 address: advertise.clone(),
                 free_bytes,
@@ -1188,7 +1225,29 @@ pub async fn delete_orphans(
                     }
                 }
             }
-            Ok(Some(_)) => {}
+            Ok(Some(kv)) => {
+                // A decommissioned bookie gives up what autorecovery has made elsewhere: the
+                // ledger's metadata no longer names it. (Only a decommissioned one: any other
+                // bookie may be a replacement whose copy is not yet swapped in.)
+                let Some(me) = core.decommissioned_as() else {
+                    continue;
+                };
+                let Ok(m) = serde_json::from_slice::<crate::ledger::LedgerMetadata>(&kv.value)
+                else {
+                    continue;
+                };
+                if m.fragments.iter().any(|f| f.ensemble.contains(&me)) {
+                    continue;
+                }
+                let storage = Arc::clone(&core.storage);
+                if let Ok(Ok(())) = tokio::task::spawn_blocking(move || storage.delete(id)).await {
+                    tracing::info!(
+                        ledger = id,
+                        "decommissioned: deleted a ledger now replicated elsewhere"
+                    );
+                    deleted.push(id);
+                }
+            }
             Err(e) => {
                 tracing::debug!(ledger = id, error = %e, "orphan check skipped");
             }

@@ -236,6 +236,19 @@ enum Bookies {
         #[arg(long)]
         rack: String,
     },
+    /// Decommissions a bookie: it turns read-only, autorecovery makes its replicas elsewhere;
+    /// waits until no ledger names it (then it is safe to remove).
+    Decommission {
+        address: String,
+        /// Mark it and return at once (run it again to see how far it is).
+        #[arg(long)]
+        no_wait: bool,
+        /// Give up waiting after this many seconds (exit code 1).
+        #[arg(long, default_value_t = 3600)]
+        timeout: u64,
+    },
+    /// Ledgers marked under-replicated: fragments, the bookies lost, since when.
+    UnderReplicated,
 }
 
 #[derive(Subcommand)]
@@ -980,6 +993,88 @@ async fn bookies(c: &mut Client, cmd: Bookies, out: Output) -> anyhow::Result<()
                             b.state,
                             b.free_bytes >> 30
                         )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
+        Bookies::Decommission {
+            address,
+            no_wait,
+            timeout,
+        } => {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(timeout);
+            let mut last = usize::MAX;
+            loop {
+                let st = c
+                    .decommission_bookie(DecommissionBookieRequest {
+                        address: address.clone(),
+                    })
+                    .await?
+                    .into_inner();
+                if st.done || no_wait || std::time::Instant::now() >= deadline {
+                    let v = json!({"address": st.address, "done": st.done, "ledgers": st.ledgers});
+                    print(out, &v, || {
+                        if st.done {
+                            format!(
+                                "bookie {} is decommissioned: no ledger names it; safe to remove",
+                                st.address
+                            )
+                        } else {
+                            format!(
+                                "bookie {} is decommissioned; {} ledger(s) still name it: {:?}",
+                                st.address,
+                                st.ledgers.len(),
+                                st.ledgers
+                            )
+                        }
+                    });
+                    if !st.done && !no_wait {
+                        anyhow::bail!("timed out after {timeout} s waiting for re-replication");
+                    }
+                    break;
+                }
+                if st.ledgers.len() != last && matches!(out, Output::Table) {
+                    eprintln!("{} ledger(s) still name {address}", st.ledgers.len());
+                    last = st.ledgers.len();
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
+        Bookies::UnderReplicated => {
+            let r = c.list_under_replicated(Empty {}).await?.into_inner();
+            let v: Vec<Value> = r
+                .ledgers
+                .iter()
+                .map(|l| {
+                    json!({
+                        "ledger": l.ledger,
+                        "since_ms": l.since_ms,
+                        "fragments": l.fragments.iter().map(|f| json!({
+                            "first_entry": f.first_entry,
+                            "last_entry": f.last_entry,
+                            "bookies": f.bookies,
+                        })).collect::<Vec<_>>(),
+                    })
+                })
+                .collect();
+            print(out, &Value::Array(v), || {
+                if r.ledgers.is_empty() {
+                    return "no under-replicated ledgers".to_string();
+                }
+                r.ledgers
+                    .iter()
+                    .flat_map(|l| {
+                        l.fragments.iter().map(move |f| {
+                            format!(
+                                "ledger {}  entries {}..={}  lost {}  since {} ms",
+                                l.ledger,
+                                f.first_entry,
+                                f.last_entry,
+                                f.bookies.join(","),
+                                l.since_ms
+                            )
+                        })
                     })
                     .collect::<Vec<_>>()
                     .join("\n")
