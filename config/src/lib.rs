@@ -605,6 +605,19 @@ pub struct BrokerConfig {
     pub load_shed_grace_ms: u64,
     /// Shed bundles at all (placement of unowned bundles happens regardless). Default `true`.
     pub load_balancer_enabled: bool,
+    /// A bundle's owner splits it in two (and unloads the upper half, which the next lookup
+    /// places on the least loaded broker) when it holds more topics than
+    /// `bundle_split_topics_max` or more messages per second in and out than
+    /// `bundle_split_msg_rate_max`, while the namespace has fewer than
+    /// `namespace_bundles_max` bundles. Default `true` (with `load_balancer_enabled`).
+    pub bundle_split_enabled: bool,
+    /// Range 1..=1000000, default 1000 (Pulsar's `loadBalancerNamespaceBundleMaxTopics`).
+    pub bundle_split_topics_max: u64,
+    /// Messages per second in and out. Range 1..=100000000, default 30000 (Pulsar's
+    /// `loadBalancerNamespaceBundleMaxMsgRate`).
+    pub bundle_split_msg_rate_max: u64,
+    /// Range 1..=65536, default 128 (Pulsar's `loadBalancerNamespaceMaximumBundles`).
+    pub namespace_bundles_max: u64,
     /// Run bookie autorecovery in this broker (the auditor election and a replication
     /// worker; settings `bookie.lost_grace_ms`, `bookie.audit_interval_ms`). Default `true`.
     pub autorecovery_enabled: bool,
@@ -662,6 +675,10 @@ impl Default for BrokerConfig {
             load_shed_interval_ms: 60_000,
             load_shed_grace_ms: 300_000,
             load_balancer_enabled: true,
+            bundle_split_enabled: true,
+            bundle_split_topics_max: 1_000,
+            bundle_split_msg_rate_max: 30_000,
+            namespace_bundles_max: 128,
             autorecovery_enabled: true,
         }
     }
@@ -777,6 +794,9 @@ impl BrokerConfig {
             ("broker.load_report_interval_ms", b.load_report_interval_ms, 500, 60_000, ""),
             ("broker.load_shed_interval_ms", b.load_shed_interval_ms, 1_000, 3_600_000, ""),
             ("broker.load_shed_grace_ms", b.load_shed_grace_ms, 0, 86_400_000, ""),
+            ("broker.bundle_split_topics_max", b.bundle_split_topics_max, 1, 1_000_000, ""),
+            ("broker.bundle_split_msg_rate_max", b.bundle_split_msg_rate_max, 1, 100_000_000, ""),
+            ("broker.namespace_bundles_max", b.namespace_bundles_max, 1, 65_536, ""),
         ];
         ranges(&bounds)
     }

@@ -505,6 +505,206 @@ async fn given_a_second_broker_joins_a_loaded_one_then_the_load_manager_moves_bu
     assert!(err.contains("no bundle"), "{err}");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_bundle_past_its_topic_limit_then_its_owner_splits_it_a_half_moves_and_nothing_acknowledged_is_lost(
+) {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let root = cluster.root.path().to_path_buf();
+    let mut bookie = BookieProc::new("bookie", &root, &endpoint);
+    bookie.start().unwrap();
+    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let broker = |name: &str| {
+        let mut b = BrokerProc::new(name, &root, &endpoint);
+        b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
+            .env("MERIDIAN_BROKER_LOAD_REPORT_INTERVAL_MS", "500")
+            .env("MERIDIAN_BROKER_LOAD_SHED_INTERVAL_MS", "3600000")
+            .env("MERIDIAN_BROKER_DEFAULT_BUNDLES", "1")
+            .env("MERIDIAN_BROKER_BUNDLE_SPLIT_TOPICS_MAX", "8");
+        b
+    };
+    let mut a = broker("a");
+    a.start().unwrap();
+    let mut b = broker("b");
+    b.start().unwrap();
+    let (a_id, b_id) = (host(&a.url).to_string(), host(&b.url).to_string());
+    let service = format!("pulsar://{},{}", host(&a.url), host(&b.url));
+
+    step("3 producers send slowly through both brokers while 24 topics fill the one bundle");
+    let t = |i: usize| format!("persistent://public/default/split-p{i}");
+    let sends = 150u64;
+    for i in 0..3 {
+        let lines = PyClient::run(
+            &root,
+            &format!("sub{i}"),
+            &[
+                "consume",
+                &service,
+                &t(i),
+                "s",
+                "--count",
+                "0",
+                "--timeout-ms",
+                "100",
+            ],
+        )
+        .finish(T)
+        .expect("subscribe");
+        assert!(
+            lines.iter().any(|v| v.get("subscribed").is_some()),
+            "{lines:?}"
+        );
+    }
+    let mut producers: Vec<PyClient> = (0..3)
+        .map(|i| {
+            PyClient::run(
+                &root,
+                &format!("p{i}"),
+                &[
+                    "produce",
+                    &service,
+                    &t(i),
+                    "--count",
+                    &sends.to_string(),
+                    "--name",
+                    &format!("split-{i}"),
+                    "--pause-every",
+                    "5",
+                    "--pause-ms",
+                    "60",
+                ],
+            )
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut round = 1;
+    loop {
+        let lines = PyClient::run(
+            &root,
+            &format!("m{round}"),
+            &[
+                "multi-produce",
+                &service,
+                "persistent://public/default/split",
+                "--topics",
+                "24",
+                "--round",
+                &round.to_string(),
+            ],
+        )
+        .finish(T)
+        .expect("multi-produce");
+        assert!(
+            lines.iter().any(|v| v["done"].as_u64() == Some(24)),
+            "{lines:?}"
+        );
+        let owners = bundle_owners(&a.admin_url);
+        let total: usize = owners.values().sum();
+        println!("round {round}: {owners:?}");
+        if total >= 3
+            && owners.get(&a_id).copied().unwrap_or(0) >= 1
+            && owners.get(&b_id).copied().unwrap_or(0) >= 1
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no splits: {owners:?}");
+        std::thread::sleep(Duration::from_millis(700));
+        round += 1;
+    }
+    let logs = format!("{}{}", a.log_text(), b.log_text());
+    assert!(logs.contains("bundle split"), "no split logged");
+    assert!(logs.contains("bundle_split_topics_max"), "no reason logged");
+
+    step("an admin splits a bundle owned by b through a, once the automatic splits settled");
+    let mut bundles = admin_json(&a.admin_url, &["namespaces", "bundles", "public/default"]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        std::thread::sleep(Duration::from_millis(1500));
+        let now = admin_json(&a.admin_url, &["namespaces", "bundles", "public/default"]);
+        if now == bundles {
+            break;
+        }
+        assert!(Instant::now() < deadline, "bundles keep changing: {now}");
+        bundles = now;
+    }
+    let on_b = bundles
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["owner"].as_str() == Some(b_id.as_str()))
+        .and_then(|x| x["range"].as_str())
+        .expect("a bundle on b")
+        .to_string();
+    let r = admin_json(
+        &a.admin_url,
+        &[
+            "namespaces",
+            "split-bundle",
+            "public/default",
+            "--bundle",
+            &on_b,
+        ],
+    );
+    let halves: Vec<String> = r["halves"]
+        .as_array()
+        .expect("halves")
+        .iter()
+        .map(|h| h.as_str().expect("range").to_string())
+        .collect();
+    assert_eq!(halves.len(), 2, "{r}");
+    let ranges: BTreeSet<String> =
+        admin_json(&b.admin_url, &["namespaces", "bundles", "public/default"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x["range"].as_str().unwrap().to_string())
+            .collect();
+    assert!(!ranges.contains(&on_b), "{ranges:?}");
+    assert!(halves.iter().all(|h| ranges.contains(h)), "{ranges:?}");
+    let (code, _, err) = run_admin(&[
+        "--admin-url",
+        &a.admin_url,
+        "namespaces",
+        "split-bundle",
+        "public/default",
+        "--bundle",
+        "0x1_0x2",
+    ])
+    .unwrap();
+    assert_ne!(code, 0);
+    assert!(err.contains("no bundle"), "{err}");
+
+    step("every send is acknowledged and every acknowledged message is consumed once, in order");
+    for (i, p) in producers.iter_mut().enumerate() {
+        let lines = p
+            .finish(T)
+            .unwrap_or_else(|e| panic!("producer {i}: {e:#}"));
+        let acked = lines.iter().filter(|v| v.get("acked").is_some()).count() as u64;
+        assert_eq!(acked, sends, "{}: {lines:?}", t(i));
+    }
+    for i in 0..3 {
+        let lines = PyClient::run(
+            &root,
+            &format!("c{i}"),
+            &[
+                "consume",
+                &service,
+                &t(i),
+                "s",
+                "--count",
+                &(sends + 1).to_string(),
+                "--timeout-ms",
+                "3000",
+            ],
+        )
+        .finish(T)
+        .unwrap_or_else(|e| panic!("consume {}: {e:#}", t(i)));
+        assert_eq!(consumed(&lines), (0..sends).collect::<Vec<_>>(), "{}", t(i));
+    }
+}
+
 /// A `meridian site up` process, stopped (SIGTERM, then its own clean-up) if the test fails.
 struct SiteUp(std::process::Child);
 

@@ -177,6 +177,9 @@ pub struct LedgerClient {
 
 /// How often a client polls the bookie registrations for its idle writers.
 const WRITABLE_POLL: Duration = Duration::from_secs(1);
+/// Polls in a row a bookie must be missing from the writable ones before idle writers move
+/// off it.
+const WRITABLE_POLLS_MISSED: u32 = 3;
 
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
@@ -219,13 +222,34 @@ impl LedgerClient {
                 let (tx, rx) = tokio::sync::watch::channel(Arc::new(BTreeSet::new()));
                 let client = self.clone_without_monitor();
                 tokio::spawn(async move {
+                    // A bookie counts as unwritable only once it was missing from the
+                    // writable ones in WRITABLE_POLLS_MISSED polls in a row (a restart or a
+                    // store hiccup does not move every idle ledger).
+                    let mut missed: BTreeMap<String, u32> = BTreeMap::new();
                     loop {
                         if let Ok(list) = client.bookies().await {
-                            let now: BTreeSet<String> = list
+                            let writable: BTreeSet<String> = list
                                 .into_iter()
                                 .filter(|b| b.writable)
                                 .map(|b| b.address)
                                 .collect();
+                            let known: Vec<String> = tx.borrow().iter().cloned().collect();
+                            for b in known {
+                                if writable.contains(&b) {
+                                    missed.remove(&b);
+                                } else {
+                                    *missed.entry(b).or_default() += 1;
+                                }
+                            }
+                            missed.retain(|b, _| !writable.contains(b));
+                            let mut now = writable;
+                            now.extend(
+                                missed
+                                    .iter()
+                                    .filter(|(_, n)| **n < WRITABLE_POLLS_MISSED)
+                                    .map(|(b, _)| b.clone()),
+                            );
+                            missed.retain(|_, n| *n < WRITABLE_POLLS_MISSED);
                             tx.send_if_modified(|cur| {
                                 let changed = **cur != now;
                                 if changed {
@@ -298,6 +322,12 @@ impl LedgerClient {
         staying: &[String],
     ) -> Result<Vec<String>, LedgerError> {
         let all = self.bookies().await?;
+        // A decommissioned bookie turns read-only within its registration refresh; until
+        // then it must not be chosen either.
+        let decommissioned = crate::autorecovery::decommissioned(&self.meta).await?;
+        let mut exclude = exclude.to_vec();
+        exclude.extend(decommissioned);
+        let exclude = &exclude[..];
         let used: Vec<String> = all
             .iter()
             .filter(|b| staying.contains(&b.address))
@@ -808,6 +838,7 @@ impl LedgerWriter {
         let actor = WriterActor {
             writable,
             writable_gone: false,
+            writable_recheck: false,
             client,
             key: meta.key_bytes(),
             ensemble: meta.fragments.last().expect("fragment").ensemble.clone(),
@@ -881,6 +912,8 @@ struct WriterActor {
     /// The client's registered writable bookies ([`LedgerClient::writable_bookies`]).
     writable: tokio::sync::watch::Receiver<Arc<BTreeSet<String>>>,
     writable_gone: bool,
+    /// The writable bookies changed while adds were pending: look again once they are done.
+    writable_recheck: bool,
     meta: LedgerMetadata,
     version: u64,
     key: Bytes,
@@ -936,6 +969,9 @@ impl WriterActor {
                 Cmd::Close(reply) => {
                     self.closing = Some(reply);
                 }
+            }
+            if self.writable_recheck && self.pending.is_empty() && self.closing.is_none() {
+                Box::pin(self.move_off_unwritable()).await;
             }
             if self.closing.is_some() && self.pending.is_empty() {
                 let reply = self.closing.take().expect("closing");
@@ -1142,13 +1178,15 @@ impl WriterActor {
     /// replacement it stays as it is (an add would try again).
     async fn move_off_unwritable(&mut self) {
         let writable = Arc::clone(&self.writable.borrow_and_update());
-        if !self.pending.is_empty()
-            || self.failed.is_some()
-            || self.closing.is_some()
-            || writable.is_empty()
-        {
+        if self.failed.is_some() || self.closing.is_some() || writable.is_empty() {
+            self.writable_recheck = false;
             return;
         }
+        if !self.pending.is_empty() {
+            self.writable_recheck = true;
+            return;
+        }
+        self.writable_recheck = false;
         for index in 0..self.ensemble.len() {
             if !writable.contains(&self.ensemble[index]) {
                 tracing::info!(ledger = self.meta.id, bookie = %self.ensemble[index], "bookie no longer registered writable; idle writer changes its ensemble");
@@ -1234,6 +1272,9 @@ impl WriterActor {
                 .map(|(m, _)| m.state);
             if matches!(state, Ok(LedgerState::InRecovery | LedgerState::Closed)) {
                 self.fail("fenced".into());
+            } else if !must {
+                // An idle move that could not be recorded: the writer stays as it was.
+                tracing::warn!(ledger = self.meta.id, error = %e, "recording an idle writer's ensemble change failed; it stays");
             } else {
                 self.fail(format!("recording the ensemble change failed: {e}"));
             }

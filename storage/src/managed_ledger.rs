@@ -743,9 +743,11 @@ impl ManagedLedger {
         }
         let reader = self.reader(pos.ledger_id, false).await?;
         let r = match reader.read(pos.entry_id).await {
-            // An open ledger's cached metadata may be stale (an ensemble change moved later
-            // entries to other bookies, or it was closed): refresh it once and retry.
-            Err(_) if reader.last_entry().is_none() => {
+            // Cached metadata may be stale: an open ledger's ensemble change moved later
+            // entries to other bookies, or it was closed; autorecovery replaced a bookie of
+            // any ledger (and the one replaced may have deleted its copy). Refresh it once and
+            // retry.
+            Err(_) => {
                 self.reader(pos.ledger_id, true)
                     .await?
                     .read(pos.entry_id)

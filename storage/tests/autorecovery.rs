@@ -247,6 +247,8 @@ async fn given_a_decommissioned_bookie_then_its_ledgers_move_and_it_empties() {
         w.close().await.expect("close");
     }
     assert!(core.storage().ledgers().iter().any(|(l, _)| *l == id));
+    let first = bookie::delete_orphans(&core, client.metadata_client()).await;
+    assert!(first.is_empty(), "deleted on the first sight: {first:?}");
     let deleted = bookie::delete_orphans(&core, client.metadata_client()).await;
     assert!(deleted.contains(&id), "{deleted:?}");
     assert!(core.storage().ledgers().is_empty());
@@ -312,6 +314,12 @@ async fn given_every_replica_of_some_entries_lost_then_the_ledger_stays_marked_a
             .collect::<BTreeSet<_>>(),
         lost
     );
+    assert!(r.attempts >= 1, "the worker tried: {r:?}");
+    assert!(
+        r.last_error.contains("no replica gave a verified copy"),
+        "{r:?}"
+    );
+    assert!(r.last_attempt_ms > 0);
 
     let _ = stop.send(true);
     ar.await.expect("autorecovery ends");
@@ -319,6 +327,60 @@ async fn given_every_replica_of_some_entries_lost_then_the_ledger_stays_marked_a
         if b.running.is_some() {
             b.stop(&store.client).await;
         }
+    }
+    store.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_two_bookies_of_one_ensemble_decommissioned_then_each_slot_gets_its_own_replacement()
+{
+    let (_tmp, store, mut bookies, client) = setup(5).await;
+    let w = client
+        .create(3, 2, 2, BTreeMap::new())
+        .await
+        .expect("create");
+    for i in 0..90 {
+        w.add(payload(i)).await.expect("add");
+    }
+    let id = w.id();
+    w.close().await.expect("close");
+    let (m, _) = client.metadata(id).await.expect("metadata");
+    let targets: Vec<String> = m.fragments[0].ensemble[..2].to_vec();
+
+    step("two of the three bookies of the ensemble are decommissioned at once");
+    let (stop, stop_rx) = watch::channel(false);
+    let ar = tokio::spawn(autorecovery::run(client.clone(), options("t"), stop_rx));
+    for t in &targets {
+        autorecovery::decommission(client.metadata_client(), t)
+            .await
+            .expect("mark");
+    }
+    wait_until("both decommissions", Duration::from_secs(60), || {
+        let client = client.clone();
+        let targets = targets.clone();
+        async move {
+            for t in &targets {
+                if !autorecovery::ledgers_on(&client, t)
+                    .await
+                    .expect("scan")
+                    .is_empty()
+                {
+                    return false;
+                }
+            }
+            true
+        }
+    })
+    .await;
+    let (after, _) = client.metadata(id).await.expect("metadata");
+    let ensemble: BTreeSet<&String> = after.fragments[0].ensemble.iter().collect();
+    assert_eq!(ensemble.len(), 3, "one bookie in two slots: {after:?}");
+    assert_fully_replicated(&client, id, 89).await;
+
+    let _ = stop.send(true);
+    ar.await.expect("autorecovery ends");
+    for b in &mut bookies {
+        b.stop(&store.client).await;
     }
     store.shutdown().await;
 }

@@ -44,6 +44,13 @@ pub trait TopicOps: Send + Sync + 'static {
         namespace: String,
         bundle: Option<String>,
     ) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
+    /// Splits a namespace's bundle; answers the halves.
+    fn split_bundle(
+        &self,
+        namespace: String,
+        bundle: String,
+        unload: bool,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
     /// The site's registered bookies.
     fn bookies(&self) -> BoxFuture<'_, Result<Vec<BookieInfo>, AdminError>>;
     /// Sets a bookie's rack.
@@ -768,6 +775,21 @@ impl Admin for AdminService {
                 .topics
                 .unload_bundles(ns, (!b.is_empty()).then_some(b))
                 .await?,
+        })
+    }
+
+    async fn split_namespace_bundle(&self, r: Request<SplitBundleRequest>) -> Reply<Names> {
+        let ns = r.get_ref().namespace.clone();
+        self.tenant_admin(role_of(&r).as_ref(), ns.split('/').next().unwrap_or(""))
+            .await?;
+        let r = r.into_inner();
+        if r.bundle.is_empty() {
+            return Err(Status::invalid_argument(
+                "--bundle 0xLO_0xHI is required (see namespaces bundles)",
+            ));
+        }
+        ok(Names {
+            names: self.topics.split_bundle(ns, r.bundle, r.unload).await?,
         })
     }
 

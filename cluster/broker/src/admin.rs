@@ -388,6 +388,23 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn split_bundle(
+        &self,
+        namespace: String,
+        bundle: String,
+        unload: bool,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>> {
+        async move {
+            let (lo, hi) = self
+                .0
+                .split_bundle(&namespace, &bundle, unload)
+                .await
+                .map_err(admin_error)?;
+            Ok(vec![lo, hi])
+        }
+        .boxed()
+    }
+
     fn bookies(&self) -> BoxFuture<'_, Result<Vec<pb::BookieInfo>, AdminError>> {
         async move {
             let decommissioned =
@@ -474,6 +491,8 @@ impl TopicOps for BrokerTopics {
                 .map(|r| pb::UnderReplicatedLedger {
                     ledger: r.ledger,
                     since_ms: r.since_ms,
+                    attempts: r.attempts,
+                    last_error: r.last_error,
                     fragments: r
                         .fragments
                         .into_iter()

@@ -279,7 +279,9 @@ async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     ownership.abort();
     let _ = stop_recovery.send(true);
     if let Some(a) = autorecovery {
-        let _ = a.await;
+        // A copy in progress is not waited for (the ledger stays marked and locked until
+        // this session ends; another worker takes it then).
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), a).await;
     }
     Ok(())
 }

@@ -23,6 +23,23 @@ pub struct UnderReplicated {
     pub fragments: Vec<MissingFragment>,
     /// When the auditor first marked it, ms since the epoch.
     pub since_ms: u64,
+    /// Failed re-replications so far, the last one's error and when it ended (workers wait
+    /// [`retry_delay_ms`] after it before trying again).
+    #[serde(default)]
+    pub attempts: u32,
+    #[serde(default)]
+    pub last_error: String,
+    #[serde(default)]
+    pub last_attempt_ms: u64,
+}
+
+/// How long workers wait after the `attempts`-th failure of a ledger: 5 s doubling, at most
+/// 5 minutes.
+pub fn retry_delay_ms(attempts: u32) -> u64 {
+    if attempts == 0 {
+        return 0;
+    }
+    (5_000u64 << (attempts - 1).min(6)).min(300_000)
 }
 
 /// The fragments of `meta` with a replica on a bookie of `gone`. An open ledger's last fragment
@@ -208,6 +225,15 @@ mod tests {
             &[(0, &["a", "b", "c"]), (5, &["a", "d", "c"])],
         );
         assert_eq!(missing_fragments(&m, &set(&["a"])).len(), 1);
+    }
+
+    #[test]
+    fn failed_ledgers_are_retried_later_and_later() {
+        assert_eq!(retry_delay_ms(0), 0);
+        assert_eq!(retry_delay_ms(1), 5_000);
+        assert_eq!(retry_delay_ms(2), 10_000);
+        assert_eq!(retry_delay_ms(7), 300_000);
+        assert_eq!(retry_delay_ms(40), 300_000);
     }
 
     #[test]

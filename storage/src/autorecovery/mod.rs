@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
 use crate::ledger::{LedgerClient, LedgerError};
-use audit::{missing_fragments, GoneTracker, UnderReplicated};
+use audit::{missing_fragments, retry_delay_ms, GoneTracker, UnderReplicated};
 
 /// The elected auditor: an ephemeral key of its session.
 pub const AUDITOR_KEY: &str = "/autorecovery/auditor";
@@ -173,6 +173,9 @@ pub async fn ledgers_on(client: &LedgerClient, addr: &str) -> Result<Vec<u64>, L
 #[derive(Default)]
 struct Auditor {
     tracker: GoneTracker,
+    /// Bookies named by some ledger at the last full audit (`None` before the first): a
+    /// decommissioned bookie no ledger names is done with, and no reason to audit again.
+    named: Option<BTreeSet<String>>,
     last_gone: Option<BTreeSet<String>>,
     last_scan: Option<Instant>,
 }
@@ -182,7 +185,6 @@ pub async fn run(client: LedgerClient, opts: Options, mut stop: watch::Receiver<
     let meta = client.metadata_client().clone();
     let mut session: Option<SessionHandle> = None;
     let mut auditor: Option<Auditor> = None;
-    let mut retry_at: HashMap<u64, Instant> = HashMap::new();
     loop {
         if session.as_ref().is_some_and(|s| s.lost().is_some()) {
             session = None;
@@ -208,7 +210,7 @@ pub async fn run(client: LedgerClient, opts: Options, mut stop: watch::Receiver<
                 Ok(false) => auditor = None,
                 Err(e) => tracing::warn!(error = %e, "autorecovery auditor election failed"),
             }
-            if let Err(e) = work_beat(&client, &opts, s.id, &mut retry_at, &stop).await {
+            if let Err(e) = work_beat(&client, &opts, s.id, &stop).await {
                 tracing::warn!(error = %e, "autorecovery worker failed");
             }
         }
@@ -262,7 +264,12 @@ async fn audit_beat(
     let now = now_ms();
     a.tracker.observe(now, &registered);
     let mut gone = a.tracker.gone(now, opts.lost_grace_ms);
-    gone.extend(decommissioned(meta).await?);
+    gone.extend(
+        decommissioned(meta)
+            .await?
+            .into_iter()
+            .filter(|b| a.named.as_ref().is_none_or(|n| n.contains(b))),
+    );
     let due = a.last_scan.is_none()
         || a.last_gone.as_ref() != Some(&gone)
         || (!gone.is_empty()
@@ -308,6 +315,9 @@ async fn audit_beat(
                     ledger: id,
                     fragments: missing,
                     since_ms: prev.map_or(now, |(r, _)| r.since_ms),
+                    attempts: prev.map_or(0, |(r, _)| r.attempts),
+                    last_error: prev.map_or_else(String::new, |(r, _)| r.last_error.clone()),
+                    last_attempt_ms: prev.map_or(0, |(r, _)| r.last_attempt_ms),
                 };
                 let opts = PutOptions {
                     expected_version: Some(prev.map_or(0, |(_, v)| *v)),
@@ -331,41 +341,30 @@ async fn audit_beat(
         }
     }
     a.tracker.retain_named(&named);
+    a.named = Some(named);
     metrics::gauge!("meridian_autorecovery_under_replicated_ledgers").set(marked as f64);
     Ok(())
 }
 
-/// The worker's beat: every marked ledger not locked by another worker, one at a time.
+/// The worker's beat: every marked ledger not locked by another worker and not waiting out
+/// a failure's retry delay, one at a time.
 async fn work_beat(
     client: &LedgerClient,
     opts: &Options,
     session: u64,
-    retry_at: &mut HashMap<u64, Instant>,
     stop: &watch::Receiver<bool>,
 ) -> Result<(), LedgerError> {
     let meta = client.metadata_client();
-    let now = Instant::now();
-    retry_at.retain(|_, t| *t > now);
     for (rec, version) in records(meta).await? {
         if *stop.borrow() {
             break;
         }
         let id = rec.ledger;
-        if retry_at.contains_key(&id) {
+        if now_ms() < rec.last_attempt_ms + retry_delay_ms(rec.attempts) {
             continue;
         }
-        let lock = PutOptions {
-            expected_version: Some(0),
-            session,
-            ..PutOptions::default()
-        };
-        let lock_version = match meta
-            .put_with(&lock_key(id), opts.id.as_bytes().to_vec(), lock)
-            .await
-        {
-            Ok(r) => r.version,
-            Err(ClientError::Conflict { .. }) => continue,
-            Err(e) => return Err(e.into()),
+        let Some(lock_version) = lock(meta, id, session, &opts.id).await? else {
+            continue;
         };
         let gone: BTreeSet<String> = rec
             .fragments
@@ -396,12 +395,58 @@ async fn work_beat(
                 }
             }
             Err(e) => {
-                tracing::warn!(ledger = id, error = %e, "re-replicating the ledger failed; it stays marked and is tried again");
+                tracing::warn!(ledger = id, error = %e, attempts = rec.attempts + 1, "re-replicating the ledger failed; it stays marked and is tried again later");
                 metrics::counter!("meridian_autorecovery_failures_total").increment(1);
-                retry_at.insert(id, Instant::now() + Duration::from_secs(5));
+                let failed = UnderReplicated {
+                    attempts: rec.attempts + 1,
+                    last_error: e.to_string(),
+                    last_attempt_ms: now_ms(),
+                    ..rec
+                };
+                let put = PutOptions {
+                    expected_version: Some(version),
+                    ..PutOptions::default()
+                };
+                // Lost to the auditor's newer record: that one is tried next.
+                let _ = meta
+                    .put_with(
+                        &record_key(id),
+                        serde_json::to_vec(&failed).expect("json"),
+                        put,
+                    )
+                    .await;
             }
         }
-        let _ = meta.delete(&lock_key(id), Some(lock_version)).await;
+        if let Err(e) = meta.delete(&lock_key(id), Some(lock_version)).await {
+            tracing::warn!(ledger = id, error = %e, "releasing the ledger's lock failed; the next beat takes it again");
+        }
     }
     Ok(())
+}
+
+/// Takes the ledger's lock in `session`; `None` if another worker holds it. A lock of this
+/// session left behind (its release failed) is taken again.
+async fn lock(
+    meta: &MetadataClient,
+    id: u64,
+    session: u64,
+    who: &str,
+) -> Result<Option<u64>, ClientError> {
+    let opts = PutOptions {
+        expected_version: Some(0),
+        session,
+        ..PutOptions::default()
+    };
+    match meta
+        .put_with(&lock_key(id), who.as_bytes().to_vec(), opts)
+        .await
+    {
+        Ok(r) => Ok(Some(r.version)),
+        Err(ClientError::Conflict { .. }) => Ok(meta
+            .get(&lock_key(id))
+            .await?
+            .filter(|kv| kv.session == session)
+            .map(|kv| kv.mod_revision)),
+        Err(e) => Err(e),
+    }
 }

@@ -36,50 +36,68 @@ pub async fn replicate_ledger(
     window: usize,
 ) -> Result<Replicated, LedgerError> {
     let mut done = Replicated::default();
-    let meta = match client.metadata(id).await {
-        Ok((m, _)) => m,
-        Err(LedgerError::NoSuchLedger(_)) => {
+    let Some(meta) = fetch(client, id).await? else {
+        done.deleted = true;
+        return Ok(done);
+    };
+    let work: Vec<(u64, String)> = missing_fragments(&meta, gone)
+        .into_iter()
+        .flat_map(|mf| mf.bookies.into_iter().map(move |b| (mf.first_entry, b)))
+        .collect();
+    for (first_entry, lost) in work {
+        // The metadata as it is now: an earlier swap put a replacement in this ensemble,
+        // which must not be chosen again for another slot.
+        let Some(meta) = fetch(client, id).await? else {
             done.deleted = true;
             return Ok(done);
-        }
-        Err(e) => return Err(e),
-    };
-    for mf in missing_fragments(&meta, gone) {
-        for lost in &mf.bookies {
-            let Some(index) = meta
-                .fragment_of(mf.first_entry)
-                .ensemble
-                .iter()
-                .position(|b| b == lost)
-            else {
-                continue;
-            };
-            let (entries, bytes, replacement) =
-                copy_fragment(client, &meta, &mf, index, gone, window).await?;
-            match swap(client, id, mf.first_entry, index, lost, &replacement).await? {
-                Swap::Done => {}
-                Swap::Deleted => {
-                    done.deleted = true;
-                    return Ok(done);
-                }
+        };
+        let Some(mf) = missing_fragments(&meta, gone)
+            .into_iter()
+            .find(|m| m.first_entry == first_entry && m.bookies.contains(&lost))
+        else {
+            continue;
+        };
+        let Some(index) = meta
+            .fragment_of(mf.first_entry)
+            .ensemble
+            .iter()
+            .position(|b| *b == lost)
+        else {
+            continue;
+        };
+        let (entries, bytes, replacement) =
+            copy_fragment(client, &meta, &mf, index, gone, window).await?;
+        match swap(client, id, mf.first_entry, index, &lost, &replacement).await? {
+            Swap::Done => {}
+            Swap::Deleted => {
+                done.deleted = true;
+                return Ok(done);
             }
-            tracing::info!(
-                ledger = id,
-                first_entry = mf.first_entry,
-                last_entry = mf.last_entry,
-                from = %lost,
-                to = %replacement,
-                entries,
-                bytes,
-                "fragment re-replicated"
-            );
-            metrics::counter!("meridian_autorecovery_fragments_replicated_total").increment(1);
-            done.fragments += 1;
-            done.entries += entries;
-            done.bytes += bytes;
         }
+        tracing::info!(
+            ledger = id,
+            first_entry = mf.first_entry,
+            last_entry = mf.last_entry,
+            from = %lost,
+            to = %replacement,
+            entries,
+            bytes,
+            "fragment re-replicated"
+        );
+        metrics::counter!("meridian_autorecovery_fragments_replicated_total").increment(1);
+        done.fragments += 1;
+        done.entries += entries;
+        done.bytes += bytes;
     }
     Ok(done)
+}
+
+async fn fetch(client: &LedgerClient, id: u64) -> Result<Option<LedgerMetadata>, LedgerError> {
+    match client.metadata(id).await {
+        Ok((m, _)) => Ok(Some(m)),
+        Err(LedgerError::NoSuchLedger(_)) => Ok(None),
+        Err(e) => Err(e),
+    }
 }
 
 /// Copies what bookie `index` of the fragment held to a replacement; answers (entries, bytes,
@@ -238,6 +256,15 @@ async fn swap(
             Err(LedgerError::NoSuchLedger(_)) => return Ok(Swap::Deleted),
             Err(e) => return Err(e),
         };
+        let closed = m.state == crate::ledger::LedgerState::Closed;
+        let last_first = m.fragments.last().map(|f| f.first_entry);
+        if !closed && last_first == Some(first_entry) {
+            // An open ledger's last fragment is its writer's to change.
+            return Err(LedgerError::Failed {
+                ledger: id,
+                detail: format!("the fragment from entry {first_entry} is the open ledger's last; left to its writer"),
+            });
+        }
         let Some(f) = m
             .fragments
             .iter_mut()
@@ -251,6 +278,15 @@ async fn swap(
         if f.ensemble.get(index).map(String::as_str) != Some(lost) {
             // Someone else replaced it already: the copy made here is an extra replica.
             return Ok(Swap::Done);
+        }
+        if f.ensemble.iter().any(|b| b == replacement) {
+            // Two slots on one bookie would leave some entries with one copy.
+            return Err(LedgerError::Failed {
+                ledger: id,
+                detail: format!(
+                    "{replacement} is already in the fragment's ensemble; choosing again"
+                ),
+            });
         }
         f.ensemble[index] = replacement.to_string();
         match client.cas_metadata(&m, version).await {

@@ -99,6 +99,10 @@ pub struct BookieCore {
     /// read-only for writers (recovery adds still land), and ledgers whose metadata no longer
     /// names it are deleted by the orphan scan.
     decommissioned: std::sync::Mutex<Option<String>>,
+    /// Ledgers the last orphan scan found no longer naming this decommissioned bookie: deleted
+    /// only if the next scan finds the same (a copy made here just before the metadata swap
+    /// that names it is never taken for one that moved away).
+    moved_away: std::sync::Mutex<std::collections::BTreeSet<u64>>,
     opts: BookieOptions,
 }
 
@@ -349,6 +353,7 @@ pub async fn start_with_tls(
         read_only_reason: std::sync::Mutex::default(),
         disk_full: AtomicBool::new(false),
         decommissioned: std::sync::Mutex::default(),
+        moved_away: std::sync::Mutex::default(),
         opts,
     });
     let (stop, stop_rx) = watch::channel(false);
@@ -1201,6 +1206,8 @@ pub async fn register(
 /// Deletes ledgers this bookie stores whose metadata is gone: ledgers deleted while this bookie
 /// was down or unreachable (the deleting client could not tell it). A ledger's metadata is
 /// written before its first add, so a ledger with entries here and no metadata is an orphan.
+/// A decommissioned bookie also deletes a ledger whose metadata has not named it in two scans
+/// in a row (autorecovery made its replicas elsewhere).
 /// Any error reading the metadata store skips that ledger: nothing is deleted on doubt.
 /// Returns the ids deleted.
 pub async fn delete_orphans(
@@ -1208,6 +1215,8 @@ pub async fn delete_orphans(
     meta: &meridian_metadata::MetadataClient,
 ) -> Vec<u64> {
     let mut deleted = Vec::new();
+    let was_moved = std::mem::take(&mut *core.moved_away.lock().expect("lock"));
+    let mut seen_moved = std::collections::BTreeSet::new();
     for (id, _) in core.storage.ledgers() {
         match meta.get(&crate::ledger::ledger_key(id)).await {
             Ok(None) => {
@@ -1239,6 +1248,10 @@ pub async fn delete_orphans(
                 if m.fragments.iter().any(|f| f.ensemble.contains(&me)) {
                     continue;
                 }
+                seen_moved.insert(id);
+                if !was_moved.contains(&id) {
+                    continue;
+                }
                 let storage = Arc::clone(&core.storage);
                 if let Ok(Ok(())) = tokio::task::spawn_blocking(move || storage.delete(id)).await {
                     tracing::info!(
@@ -1253,6 +1266,7 @@ pub async fn delete_orphans(
             }
         }
     }
+    *core.moved_away.lock().expect("lock") = seen_moved;
     deleted
 }
 

@@ -301,6 +301,18 @@ enum Namespaces {
         #[arg(long, short = 'b')]
         bundle: Option<String>,
     },
+    /// Splits a bundle in two at its owner (no data moves; the halves' topics stay where they
+    /// are unless --unload).
+    SplitBundle {
+        namespace: String,
+        /// The bundle, 0xLO_0xHI (see `namespaces bundles`).
+        #[arg(long, short = 'b')]
+        bundle: String,
+        /// Unload the upper half afterwards: the next lookup places it on the least loaded
+        /// broker.
+        #[arg(long)]
+        unload: bool,
+    },
     Create {
         namespace: String,
     },
@@ -1050,6 +1062,8 @@ async fn bookies(c: &mut Client, cmd: Bookies, out: Output) -> anyhow::Result<()
                     json!({
                         "ledger": l.ledger,
                         "since_ms": l.since_ms,
+                        "attempts": l.attempts,
+                        "last_error": l.last_error,
                         "fragments": l.fragments.iter().map(|f| json!({
                             "first_entry": f.first_entry,
                             "last_entry": f.last_entry,
@@ -1067,12 +1081,17 @@ async fn bookies(c: &mut Client, cmd: Bookies, out: Output) -> anyhow::Result<()
                     .flat_map(|l| {
                         l.fragments.iter().map(move |f| {
                             format!(
-                                "ledger {}  entries {}..={}  lost {}  since {} ms",
+                                "ledger {}  entries {}..={}  lost {}  since {} ms{}",
                                 l.ledger,
                                 f.first_entry,
                                 f.last_entry,
                                 f.bookies.join(","),
-                                l.since_ms
+                                l.since_ms,
+                                if l.attempts > 0 {
+                                    format!("  {} failed attempts: {}", l.attempts, l.last_error)
+                                } else {
+                                    String::new()
+                                }
                             )
                         })
                     })
@@ -1326,6 +1345,25 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
                     r.names.len(),
                     r.names.join(" ")
                 )
+            });
+            Ok(())
+        }
+        Namespaces::SplitBundle {
+            namespace,
+            bundle,
+            unload,
+        } => {
+            let r = c
+                .split_namespace_bundle(SplitBundleRequest {
+                    namespace: namespace.clone(),
+                    bundle: bundle.clone(),
+                    unload,
+                })
+                .await?
+                .into_inner();
+            let v = json!({"namespace": namespace, "bundle": bundle, "halves": r.names});
+            print(out, &v, || {
+                format!("split {bundle} of {namespace} into {}", r.names.join(" "))
             });
             Ok(())
         }

@@ -67,6 +67,14 @@ impl Broker {
         if let Err(e) = self.serve_unload_requests().await {
             tracing::warn!(error = %e, "serving unload requests failed");
         }
+        if let Err(e) = self.serve_split_requests().await {
+            tracing::warn!(error = %e, "serving split requests failed");
+        }
+        if self.cfg.load_balancer_enabled && self.cfg.bundle_split_enabled {
+            if let Err(e) = self.split_large_bundles().await {
+                tracing::warn!(error = %e, "splitting bundles failed");
+            }
+        }
         match self.lead().await {
             Ok(true) => {
                 let every = Duration::from_millis(self.cfg.load_shed_interval_ms);
@@ -222,7 +230,7 @@ impl Broker {
                 self.meta.delete(&kv.key, Some(kv.mod_revision)).await?;
                 continue;
             };
-            let Some(b) = self.ownership.bundle_named(ns, range).await? else {
+            let Some(b) = self.ownership.bundle_named_fresh(ns, range).await? else {
                 self.meta.delete(&kv.key, Some(kv.mod_revision)).await?;
                 continue;
             };

@@ -12,6 +12,8 @@
 //! knows about sockets.
 
 pub mod avro;
+pub mod bundle_split;
+pub mod bundles;
 pub mod compaction;
 pub mod dedup;
 pub mod key_shared;

@@ -25,8 +25,7 @@ pub const BROKERS_PREFIX: &str = "/brokers/available/";
 pub const BUNDLES_PREFIX: &str = "/namespace-bundles/";
 pub const OWNERS_PREFIX: &str = "/bundle-owners/";
 
-/// The hash space of topic names: `[0, 2^32)`.
-const HASH_END: u64 = 1 << 32;
+pub use super::bundles::{topic_hash, Bundle, Bundles};
 
 /// What a broker publishes about itself.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -62,73 +61,6 @@ pub struct LoadReport {
     pub reported_ms: u64,
 }
 
-/// A hash range `[lo, hi)` of a namespace's topic names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Bundle {
-    pub lo: u64,
-    pub hi: u64,
-}
-
-impl Bundle {
-    /// Pulsar's name of a range: `0x00000000_0x40000000` (the last ends at `0xffffffff`).
-    pub fn name(&self) -> String {
-        format!("0x{:08x}_0x{:08x}", self.lo, self.hi.min(HASH_END - 1))
-    }
-
-    pub fn contains(&self, hash: u32) -> bool {
-        (self.lo..self.hi).contains(&u64::from(hash))
-    }
-}
-
-/// A namespace's bundles: their boundaries, first 0 and last 2^32.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Bundles {
-    pub boundaries: Vec<u64>,
-}
-
-impl Bundles {
-    /// `n` equal ranges.
-    pub fn even(n: u64) -> Bundles {
-        let n = n.clamp(1, 1 << 16);
-        Bundles {
-            boundaries: (0..=n).map(|i| i * HASH_END / n).collect(),
-        }
-    }
-
-    pub fn list(&self) -> Vec<Bundle> {
-        self.boundaries
-            .windows(2)
-            .map(|w| Bundle { lo: w[0], hi: w[1] })
-            .collect()
-    }
-
-    /// The bundle holding `hash`.
-    pub fn of(&self, hash: u32) -> Bundle {
-        let h = u64::from(hash);
-        let i = self
-            .boundaries
-            .partition_point(|b| *b <= h)
-            .saturating_sub(1);
-        let i = i.min(self.boundaries.len().saturating_sub(2));
-        Bundle {
-            lo: self.boundaries[i],
-            hi: self.boundaries[i + 1],
-        }
-    }
-
-    fn valid(&self) -> bool {
-        self.boundaries.len() >= 2
-            && self.boundaries[0] == 0
-            && self.boundaries.last() == Some(&HASH_END)
-            && self.boundaries.windows(2).all(|w| w[0] < w[1])
-    }
-}
-
-/// Where a topic name falls in its namespace's hash space (Murmur3-32 of the full name).
-pub fn topic_hash(topic: &TopicName) -> u32 {
-    super::key_shared::murmur3_32(topic.to_string().as_bytes(), 0)
-}
-
 /// Who owns a bundle.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Owner {
@@ -158,8 +90,10 @@ pub struct Ownership {
     default_bundles: u64,
     me: Mutex<BrokerInfo>,
     held: Mutex<Option<Held>>,
-    /// Namespaces' bundles as read (they change only by splits).
-    bundles: Mutex<HashMap<String, Bundles>>,
+    /// Namespaces' bundles as read, with the record's version (they change only by splits;
+    /// taking a bundle is conditional on that version, so a stale copy cannot take a bundle
+    /// that was split).
+    bundles: Mutex<HashMap<String, (Bundles, u64)>>,
     /// Bundles this broker placed on each broker since that broker's last load report.
     placed: Mutex<HashMap<String, u64>>,
     /// Handing over (graceful shutdown): nothing more is taken or reported.
@@ -168,6 +102,10 @@ pub struct Ownership {
 
 fn ns_path(ns: &str) -> String {
     ns.to_string()
+}
+
+fn bundles_key(ns: &str) -> String {
+    format!("{BUNDLES_PREFIX}{}", ns_path(ns))
 }
 
 fn owner_key(ns: &str, b: &Bundle) -> String {
@@ -250,6 +188,20 @@ impl Ownership {
             .list()
             .into_iter()
             .find(|b| b.name() == range))
+    }
+
+    /// [`bundle_named`](Self::bundle_named), reading the bundles again once if the name is
+    /// not among them as read (another broker split one since).
+    pub async fn bundle_named_fresh(
+        &self,
+        ns: &str,
+        range: &str,
+    ) -> Result<Option<Bundle>, BrokerError> {
+        if let Some(b) = self.bundle_named(ns, range).await? {
+            return Ok(Some(b));
+        }
+        self.forget_bundles(ns);
+        self.bundle_named(ns, range).await
     }
 
     /// Marks this broker as its site's only one (standalone).
@@ -484,10 +436,15 @@ impl Ownership {
 
     /// A namespace's bundles, recorded with `broker.default_bundles` ranges on first use.
     pub async fn bundles(&self, ns: &str) -> Result<Bundles, BrokerError> {
+        Ok(self.bundles_versioned(ns).await?.0)
+    }
+
+    /// [`bundles`](Self::bundles) and the version of their record.
+    async fn bundles_versioned(&self, ns: &str) -> Result<(Bundles, u64), BrokerError> {
         if let Some(b) = self.bundles.lock().expect("bundles lock").get(ns) {
             return Ok(b.clone());
         }
-        let key = format!("{BUNDLES_PREFIX}{}", ns_path(ns));
+        let key = bundles_key(ns);
         let b = loop {
             if let Some(kv) = self.meta.get(&key).await? {
                 let b: Bundles = serde_json::from_slice(&kv.value)
@@ -499,7 +456,7 @@ impl Ownership {
                             format!("{key} does not hold valid bundles"),
                         )
                     })?;
-                break b;
+                break (b, kv.mod_revision);
             }
             let b = Bundles::even(self.default_bundles);
             match self
@@ -507,7 +464,7 @@ impl Ownership {
                 .create(&key, serde_json::to_vec(&b).expect("serializable"))
                 .await
             {
-                Ok(_) => break b,
+                Ok(v) => break (b, v),
                 Err(ClientError::Conflict { .. }) => continue,
                 Err(e) => return Err(e.into()),
             }
@@ -517,6 +474,122 @@ impl Ownership {
             .expect("bundles lock")
             .insert(ns.to_string(), b.clone());
         Ok(b)
+    }
+
+    /// Forgets the namespace's bundles as read (another broker split one).
+    pub fn forget_bundles(&self, ns: &str) {
+        self.bundles.lock().expect("bundles lock").remove(ns);
+    }
+
+    /// Cuts a bundle this broker owns in two (a metadata change, in one transaction: the
+    /// namespace's boundaries, an ownership key for each half in this broker's session, the
+    /// parent's key removed). The halves' topics stay loaded here; nothing is copied.
+    pub async fn split(&self, ns: &str, b: &Bundle) -> Result<(Bundle, Bundle), BrokerError> {
+        use meridian_metadata::pb;
+        let session = match self.session_id() {
+            Some(s) if self.owns(ns, b) => s,
+            _ => {
+                return Err(unavailable(format!(
+                    "bundle {} of {ns} is not owned by this broker; retry",
+                    b.name()
+                )))
+            }
+        };
+        let key = bundles_key(ns);
+        let kv = self.meta.get(&key).await?.ok_or_else(|| {
+            BrokerError::new(ServerError::MetadataError, format!("{key} is missing"))
+        })?;
+        let current: Bundles = serde_json::from_slice(&kv.value)
+            .ok()
+            .filter(Bundles::valid)
+            .ok_or_else(|| {
+                BrokerError::new(
+                    ServerError::MetadataError,
+                    format!("{key} does not hold valid bundles"),
+                )
+            })?;
+        let (after, lo, hi) = current.split(b).ok_or_else(|| {
+            BrokerError::new(
+                ServerError::InvalidTopicName,
+                format!(
+                    "bundle {} of {ns} cannot be split (not one of its bundles, or one hash)",
+                    b.name()
+                ),
+            )
+        })?;
+        let parent = owner_key(ns, b);
+        let own = self
+            .meta
+            .get(&parent)
+            .await?
+            .filter(|o| o.session == session)
+            .ok_or_else(|| {
+                unavailable(format!(
+                    "bundle {} of {ns} is not owned in this broker's session",
+                    b.name()
+                ))
+            })?;
+        let me = serde_json::to_vec(&self.me()).expect("serializable");
+        let put = |key: String, value: Vec<u8>, session: u64| pb::Op {
+            op: Some(pb::op::Op::Put(pb::PutOp {
+                key,
+                value,
+                session,
+                sequential: false,
+            })),
+        };
+        let cond = |key: String, expected_version: u64| pb::Condition {
+            key,
+            expected_version,
+        };
+        let resp = self
+            .meta
+            .txn(pb::TxnRequest {
+                conditions: vec![
+                    cond(key.clone(), kv.mod_revision),
+                    cond(parent.clone(), own.mod_revision),
+                    cond(owner_key(ns, &lo), 0),
+                    cond(owner_key(ns, &hi), 0),
+                ],
+                success: vec![
+                    put(key.clone(), serde_json::to_vec(&after).expect("json"), 0),
+                    put(owner_key(ns, &lo), me.clone(), session),
+                    put(owner_key(ns, &hi), me, session),
+                    pb::Op {
+                        op: Some(pb::op::Op::Delete(pb::DeleteOp {
+                            key: parent,
+                            prefix: false,
+                        })),
+                    },
+                ],
+                failure: vec![],
+            })
+            .await?;
+        if !resp.succeeded {
+            self.forget_bundles(ns);
+            return Err(unavailable(format!(
+                "bundle {} of {ns} changed meanwhile; retry",
+                b.name()
+            )));
+        }
+        let version = resp.results.first().map_or(0, |r| r.version);
+        self.bundles
+            .lock()
+            .expect("bundles lock")
+            .insert(ns.to_string(), (after, version));
+        if let Some(h) = self
+            .held
+            .lock()
+            .expect("held lock")
+            .as_mut()
+            .filter(|h| h.session.id == session)
+        {
+            let m = h.owned.entry(ns.to_string()).or_default();
+            m.remove(b);
+            m.insert(lo, ());
+            m.insert(hi, ());
+        }
+        Ok((lo, hi))
     }
 
     /// The bundle a topic falls in.
@@ -601,16 +674,47 @@ impl Ownership {
                 }
             }
         };
-        let opts = PutOptions {
-            expected_version: Some(0),
-            session,
-            ..PutOptions::default()
-        };
+        // Only while the bundles are as this broker read them: a bundle split meanwhile is
+        // not one any more.
+        let (_, bundles_version) = self.bundles_versioned(ns).await?;
         let value = serde_json::to_vec(&self.me()).expect("serializable");
-        match self.meta.put_with(&owner_key(ns, b), value, opts).await {
-            Ok(_) => {}
-            Err(ClientError::Conflict { .. }) => return Ok(false),
-            Err(e) => return Err(e.into()),
+        let resp = self
+            .meta
+            .txn(meridian_metadata::pb::TxnRequest {
+                conditions: vec![
+                    meridian_metadata::pb::Condition {
+                        key: owner_key(ns, b),
+                        expected_version: 0,
+                    },
+                    meridian_metadata::pb::Condition {
+                        key: bundles_key(ns),
+                        expected_version: bundles_version,
+                    },
+                ],
+                success: vec![meridian_metadata::pb::Op {
+                    op: Some(meridian_metadata::pb::op::Op::Put(
+                        meridian_metadata::pb::PutOp {
+                            key: owner_key(ns, b),
+                            value,
+                            session,
+                            sequential: false,
+                        },
+                    )),
+                }],
+                failure: vec![],
+            })
+            .await?;
+        if !resp.succeeded {
+            let key = bundles_key(ns);
+            if resp
+                .current
+                .iter()
+                .any(|c| c.key == key && c.expected_version != bundles_version)
+            {
+                tracing::info!(namespace = %ns, "the namespace's bundles changed (a split); reading them again");
+                self.forget_bundles(ns);
+            }
+            return Ok(false);
         }
         let mut held = self.held.lock().expect("held lock");
         let alive = held.as_ref().is_some_and(|h| self.alive(h));
@@ -721,52 +825,3 @@ impl ProcessSampler {
 
 /// Shared by the broker: the ownership, if the broker takes part in a site's ownership.
 pub type SharedOwnership = Arc<Ownership>;
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn even_bundles_cover_the_hash_space_and_every_hash_falls_in_one() {
-        for n in [1u64, 2, 3, 4, 7, 16] {
-            let b = Bundles::even(n);
-            assert!(b.valid(), "{b:?}");
-            let list = b.list();
-            assert_eq!(list.len() as u64, n);
-            for h in [
-                0u32,
-                1,
-                0x3fff_ffff,
-                0x4000_0000,
-                0x7fff_ffff,
-                0xffff_fffe,
-                u32::MAX,
-            ] {
-                let of = b.of(h);
-                assert!(of.contains(h), "{h:#x} in {of:?} of {n}");
-                assert_eq!(list.iter().filter(|x| x.contains(h)).count(), 1);
-            }
-        }
-        assert_eq!(Bundles::even(4).list()[0].name(), "0x00000000_0x40000000");
-        assert_eq!(Bundles::even(4).list()[3].name(), "0xc0000000_0xffffffff");
-    }
-
-    #[test]
-    fn bundles_records_that_do_not_cover_the_space_are_not_valid() {
-        for bad in [
-            vec![],
-            vec![0],
-            vec![1, HASH_END],
-            vec![0, 5, 5, HASH_END],
-            vec![0, 10],
-        ] {
-            assert!(
-                !Bundles {
-                    boundaries: bad.clone()
-                }
-                .valid(),
-                "{bad:?}"
-            );
-        }
-    }
-}
