@@ -292,6 +292,10 @@ pub struct BookieConfig {
     /// The rack the bookie stands in, `/NAME[/NAME...]`: ensembles spread over racks (as
     /// BookKeeper's rack-aware placement). Default `/default-rack`.
     pub rack: String,
+    /// The bookie affinity group it belongs to (`NAME`, letters, digits, `.`, `_`, `-`; empty:
+    /// none): a namespace with `namespaces set-bookie-affinity-group` keeps its ledgers on
+    /// its groups' bookies. Default empty.
+    pub group: String,
     /// Flush the journal once this many bytes wait. Range 4096..=67108864, default 1048576.
     pub journal_batch_bytes_max: u64,
     /// Flush the journal once the oldest waiting record has waited this long, microseconds;
@@ -364,6 +368,7 @@ impl Default for BookieConfig {
             journal_dir: "data/bookie/journal".to_string(),
             ledger_dir: "data/bookie/ledgers".to_string(),
             rack: "/default-rack".to_string(),
+            group: String::new(),
             journal_batch_bytes_max: 1 << 20,
             journal_flush_delay_us: 0,
             journal_file_bytes_max: 512 << 20,
@@ -413,6 +418,17 @@ impl BookieConfig {
         }
         if !self.advertise.is_empty() {
             socket_addr("bookie.advertise", &self.advertise)?;
+        }
+        if !self
+            .group
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        {
+            return Err(invalid(
+                "bookie.group",
+                &self.group,
+                "must be empty or letters, digits, '.', '_' and '-'",
+            ));
         }
         for (key, dir) in [
             ("bookie.journal_dir", &self.journal_dir),

@@ -399,7 +399,7 @@ impl ManagedCursor {
         version: u64,
         previous: Option<u64>,
     ) -> Result<(), CursorError> {
-        let mut props = std::collections::BTreeMap::new();
+        let mut props = self.ml.placement_properties();
         props.insert(
             "cursor".to_string(),
             format!("{}/{}", self.ml.name(), self.name),

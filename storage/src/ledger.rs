@@ -32,6 +32,27 @@ pub const LEDGER_IDS_PREFIX: &str = "/ledgers/ids/id-";
 pub const BOOKIES_PREFIX: &str = "/bookies/available/";
 /// A bookie's rack as set by an admin (`bookies set-rack`), over its `bookie.rack`.
 pub const BOOKIE_RACKS_PREFIX: &str = "/bookies/racks/";
+/// A bookie's affinity group as set by an admin (`bookies set-group`), over its
+/// `bookie.group`.
+pub const BOOKIE_GROUPS_PREFIX: &str = "/bookies/groups/";
+/// The ledger property naming the bookie affinity groups its replicas must stay in:
+/// `primary` or `primary,secondary` (a namespace's `set-bookie-affinity-group`). Ledger
+/// creation, ensemble changes and autorecovery all read it.
+pub const BOOKIE_AFFINITY_PROPERTY: &str = "bookie-affinity";
+
+/// The affinity groups a ledger's properties name, primary first (none: any bookie).
+pub fn affinity_groups(properties: &BTreeMap<String, String>) -> Vec<String> {
+    properties
+        .get(BOOKIE_AFFINITY_PROPERTY)
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|g| !g.is_empty())
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
 
 pub fn ledger_key(id: u64) -> String {
     format!("{LEDGERS_PREFIX}L{id:020}")
@@ -97,6 +118,9 @@ pub struct BookieInfo {
     /// Where it stands (`bookie.rack`); ensembles spread over racks.
     #[serde(default = "default_rack")]
     pub rack: String,
+    /// Its bookie affinity group (`bookie.group`; empty: none).
+    #[serde(default)]
+    pub group: String,
 }
 
 fn default_rack() -> String {
@@ -320,6 +344,7 @@ impl LedgerClient {
         n: usize,
         exclude: &[String],
         staying: &[String],
+        groups: &[String],
     ) -> Result<Vec<String>, LedgerError> {
         let all = self.bookies().await?;
         // A decommissioned bookie turns read-only within its registration refresh; until
@@ -333,11 +358,17 @@ impl LedgerClient {
             .filter(|b| staying.contains(&b.address))
             .map(|b| b.rack.clone())
             .collect();
-        crate::placement::choose(&all, n, exclude, &used).map_err(|available| {
+        crate::placement::choose(&all, n, exclude, &used, groups).map_err(|available| {
             LedgerError::NotEnoughBookies {
                 needed: n,
                 available,
-                detail: format!("registered under {BOOKIES_PREFIX}, excluding {exclude:?}"),
+                detail: if groups.is_empty() {
+                    format!("registered under {BOOKIES_PREFIX}, excluding {exclude:?}")
+                } else {
+                    format!(
+                        "in bookie affinity groups {groups:?} (primary first), excluding {exclude:?}"
+                    )
+                },
             }
         })
     }
@@ -351,7 +382,9 @@ impl LedgerClient {
         properties: BTreeMap<String, String>,
     ) -> Result<LedgerWriter, LedgerError> {
         let q = Quorums::new(ensemble_size, write_quorum, ack_quorum)?;
-        let ensemble = self.choose_bookies(ensemble_size, &[], &[]).await?;
+        let ensemble = self
+            .choose_bookies(ensemble_size, &[], &[], &affinity_groups(&properties))
+            .await?;
         // Connect now, so the first adds do not wait for it (a failure shows up at the first
         // add, which then changes the ensemble).
         futures::future::join_all(ensemble.iter().map(|a| self.pool.get(a))).await;
@@ -1213,9 +1246,10 @@ impl WriterActor {
                 .filter(|i| *i != index)
                 .map(|i| self.ensemble[i].clone())
                 .collect();
+            let groups = affinity_groups(&self.meta.properties);
             match self
                 .client
-                .choose_bookies(1, &self.ensemble, &staying)
+                .choose_bookies(1, &self.ensemble, &staying, &groups)
                 .await
             {
                 Ok(mut v) => break v.remove(0),

@@ -107,6 +107,8 @@ pub struct ManagedLedgerOptions {
     pub retention_ms: u64,
     /// ... and up to this many bytes of it; 0: none.
     pub retention_bytes: u64,
+    /// Bookie affinity groups of new ledgers, `primary[,secondary]` (`None`: any bookie).
+    pub bookie_affinity: Option<String>,
 }
 
 impl Default for ManagedLedgerOptions {
@@ -123,6 +125,7 @@ impl Default for ManagedLedgerOptions {
             tail_cache_budget: None,
             retention_ms: 0,
             retention_bytes: 0,
+            bookie_affinity: None,
         }
     }
 }
@@ -291,6 +294,9 @@ pub struct ManagedLedger {
     cache: Mutex<TailCache>,
     readers: tokio::sync::Mutex<HashMap<u64, Arc<LedgerReader>>>,
     last_confirmed: Mutex<Option<Position>>,
+    /// The bookie affinity groups new ledgers (and its cursors' ledgers) stay in:
+    /// `primary[,secondary]` ([`crate::ledger::BOOKIE_AFFINITY_PROPERTY`]).
+    affinity: Mutex<Option<String>>,
 }
 
 impl ManagedLedger {
@@ -329,6 +335,7 @@ impl ManagedLedger {
             }
         }
         let opts_budget = opts.tail_cache_budget.clone();
+        let affinity = opts.bookie_affinity.clone();
         let ml = Arc::new(ManagedLedger {
             name: name.to_string(),
             key: key.clone(),
@@ -348,6 +355,7 @@ impl ManagedLedger {
             }),
             readers: tokio::sync::Mutex::default(),
             last_confirmed: Mutex::new(None),
+            affinity: Mutex::new(affinity),
         });
         // Record the recovery (or create the log) before the first new ledger.
         version = ml.cas(&meta, version).await?;
@@ -398,6 +406,21 @@ impl ManagedLedger {
         }
     }
 
+    /// Keeps new ledgers in these bookie affinity groups (`primary[,secondary]`; `None`: any
+    /// bookie). Ledgers already written stay where they are.
+    pub fn set_bookie_affinity(&self, groups: Option<String>) {
+        *self.affinity.lock().expect("lock") = groups;
+    }
+
+    /// The properties that place a new ledger of this log or of its cursors.
+    pub fn placement_properties(&self) -> BTreeMap<String, String> {
+        let mut props = BTreeMap::new();
+        if let Some(g) = self.affinity.lock().expect("lock").clone() {
+            props.insert(crate::ledger::BOOKIE_AFFINITY_PROPERTY.to_string(), g);
+        }
+        props
+    }
+
     /// The log's ensemble size, write quorum and ack quorum (its cursors' ledgers use them too:
     /// acknowledgement state is as durable as the messages).
     pub fn quorums(&self) -> (usize, usize, usize) {
@@ -410,7 +433,7 @@ impl ManagedLedger {
 
     /// Creates the next ledger and records it (CAS) as the open one.
     async fn start_ledger(&self, st: &mut State) -> Result<(), ManagedLedgerError> {
-        let mut props = BTreeMap::new();
+        let mut props = self.placement_properties();
         props.insert("managed-ledger".to_string(), self.name.clone());
         let writer = self
             .client

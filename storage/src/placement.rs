@@ -10,8 +10,33 @@ use crate::ledger::BookieInfo;
 pub const DEFAULT_RACK: &str = "/default-rack";
 
 /// Chooses `n` bookies from `candidates`, none of `exclude`; `used_racks` are racks the rest
-/// of the ensemble already has. `Err(available)` if fewer than `n` are writable.
+/// of the ensemble already has. With affinity `groups` (primary, then secondary), only
+/// bookies of the primary group, or of both once the primary has too few.
+/// `Err(available)` if fewer than `n` are writable.
 pub fn choose(
+    candidates: &[BookieInfo],
+    n: usize,
+    exclude: &[String],
+    used_racks: &[String],
+    groups: &[String],
+) -> Result<Vec<String>, usize> {
+    if groups.is_empty() {
+        return choose_among(candidates, n, exclude, used_racks);
+    }
+    let of = |gs: &[String]| -> Vec<BookieInfo> {
+        candidates
+            .iter()
+            .filter(|b| gs.contains(&b.group))
+            .cloned()
+            .collect()
+    };
+    match choose_among(&of(&groups[..1]), n, exclude, used_racks) {
+        Err(_) if groups.len() > 1 => choose_among(&of(groups), n, exclude, used_racks),
+        r => r,
+    }
+}
+
+fn choose_among(
     candidates: &[BookieInfo],
     n: usize,
     exclude: &[String],
@@ -67,6 +92,7 @@ mod tests {
             free_bytes: free,
             writable: true,
             rack: rack.into(),
+            group: String::new(),
         }
     }
 
@@ -79,10 +105,10 @@ mod tests {
             b("b2", "/b", 70),
             b("c1", "/c", 10),
         ];
-        assert_eq!(choose(&site, 3, &[], &[]).unwrap(), ["a1", "b2", "c1"]);
-        assert_eq!(choose(&site, 2, &[], &[]).unwrap(), ["a1", "b2"]);
+        assert_eq!(choose(&site, 3, &[], &[], &[]).unwrap(), ["a1", "b2", "c1"]);
+        assert_eq!(choose(&site, 2, &[], &[], &[]).unwrap(), ["a1", "b2"]);
         assert_eq!(
-            choose(&site, 4, &[], &[]).unwrap(),
+            choose(&site, 4, &[], &[], &[]).unwrap(),
             ["a1", "b2", "c1", "a2"]
         );
         // Replacing one member of an ensemble on /a and /b: /c first.
@@ -91,7 +117,8 @@ mod tests {
                 &site,
                 1,
                 &["a1".into(), "b2".into()],
-                &["/a".into(), "/b".into()]
+                &["/a".into(), "/b".into()],
+                &[]
             )
             .unwrap(),
             ["c1"]
@@ -102,10 +129,38 @@ mod tests {
             b("y", DEFAULT_RACK, 5),
             b("z", DEFAULT_RACK, 3),
         ];
-        assert_eq!(choose(&flat, 2, &[], &[]).unwrap(), ["y", "z"]);
-        assert_eq!(choose(&flat, 4, &[], &[]), Err(3));
+        assert_eq!(choose(&flat, 2, &[], &[], &[]).unwrap(), ["y", "z"]);
+        assert_eq!(choose(&flat, 4, &[], &[], &[]), Err(3));
         let mut ro = flat.clone();
         ro[1].writable = false;
-        assert_eq!(choose(&ro, 2, &[], &[]).unwrap(), ["z", "x"]);
+        assert_eq!(choose(&ro, 2, &[], &[], &[]).unwrap(), ["z", "x"]);
+    }
+
+    #[test]
+    fn affinity_groups_keep_ensembles_in_the_primary_then_the_secondary() {
+        let mut site = vec![
+            b("a1", "/a", 90),
+            b("a2", "/b", 80),
+            b("b1", "/a", 99),
+            b("b2", "/b", 98),
+            b("x", "/a", 100),
+        ];
+        for (bk, g) in site.iter_mut().zip(["ga", "ga", "gb", "gb", ""]) {
+            bk.group = g.to_string();
+        }
+        let ga = ["ga".to_string()];
+        assert_eq!(choose(&site, 2, &[], &[], &ga).unwrap(), ["a1", "a2"]);
+        // Not enough in the primary and no secondary: refused, never spilled.
+        assert_eq!(choose(&site, 3, &[], &[], &ga), Err(2));
+        // With a secondary: both groups, never a bookie of neither.
+        let both = ["ga".to_string(), "gb".to_string()];
+        let three = choose(&site, 3, &[], &[], &both).unwrap();
+        assert!(!three.contains(&"x".to_string()), "{three:?}");
+        assert_eq!(three.len(), 3);
+        // A replacement for a1 stays in the primary while it can.
+        assert_eq!(
+            choose(&site, 1, &["a1".into()], &["/b".into()], &both).unwrap(),
+            ["a2"]
+        );
     }
 }

@@ -131,9 +131,41 @@ pub struct NamespacePolicies {
     /// `broker.compaction_threshold_bytes`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub compaction_threshold: Option<u64>,
+    /// The bookie affinity groups the namespace's ledgers stay in (Pulsar's
+    /// `set-bookie-affinity-group`): the primary group's bookies, and the secondary's too
+    /// once the primary has too few writable ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bookie_affinity_group: Option<BookieAffinityGroup>,
     /// Roles granted `produce` and/or `consume` in the namespace (with authentication on).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub permissions: std::collections::BTreeMap<String, Vec<String>>,
+}
+
+/// Bookie affinity groups: primary, and an optional secondary (empty: none).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct BookieAffinityGroup {
+    pub primary: String,
+    pub secondary: String,
+}
+
+impl BookieAffinityGroup {
+    /// As ledgers carry it: `primary` or `primary,secondary`.
+    pub fn placement(&self) -> String {
+        if self.secondary.is_empty() {
+            self.primary.clone()
+        } else {
+            format!("{},{}", self.primary, self.secondary)
+        }
+    }
+}
+
+/// Whether `g` is a valid bookie group name (as `bookie.group`).
+pub fn valid_group_name(g: &str) -> bool {
+    !g.is_empty()
+        && g.len() <= 128
+        && g.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
 /// A rate limit by messages and bytes per second; 0 limits nothing by that measure.
@@ -215,6 +247,7 @@ pub const POLICY_FIELDS: &[&str] = &[
     "publish_rate_total",
     "dispatch_rate_total",
     "compaction_threshold",
+    "bookie_affinity_group",
 ];
 
 impl NamespacePolicies {
@@ -255,6 +288,16 @@ impl NamespacePolicies {
             return Err(format!(
                 "compaction_threshold {t} is out of range 0..={COMPACTION_THRESHOLD_MAX} bytes (1 PiB; 0: only when asked)"
             ));
+        }
+        if let Some(g) = &self.bookie_affinity_group {
+            if !valid_group_name(&g.primary)
+                || !(g.secondary.is_empty() || valid_group_name(&g.secondary))
+            {
+                return Err(format!(
+                    "bookie affinity groups {:?} / {:?}: a group is 1 to 128 letters, digits, '.', '_' or '-' (the primary is required)",
+                    g.primary, g.secondary
+                ));
+            }
         }
         if let Some(q) = &self.backlog_quota {
             if !BACKLOG_QUOTA_POLICIES.contains(&q.policy.as_str()) {
@@ -394,6 +437,9 @@ impl NamespacePolicies {
         if set.compaction_threshold.is_some() {
             p.compaction_threshold = set.compaction_threshold;
         }
+        if set.bookie_affinity_group.is_some() {
+            p.bookie_affinity_group = set.bookie_affinity_group.clone();
+        }
     }
 
     /// Applies `set` (its present fields) and then removes the fields named in `clear`.
@@ -417,6 +463,7 @@ impl NamespacePolicies {
                 "publish_rate_total" => p.publish_rate_total = None,
                 "dispatch_rate_total" => p.dispatch_rate_total = None,
                 "compaction_threshold" => p.compaction_threshold = None,
+                "bookie_affinity_group" => p.bookie_affinity_group = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",

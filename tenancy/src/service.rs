@@ -59,6 +59,12 @@ pub trait TopicOps: Send + Sync + 'static {
         address: String,
         rack: String,
     ) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// Sets a bookie's affinity group.
+    fn set_bookie_group(
+        &self,
+        address: String,
+        group: String,
+    ) -> BoxFuture<'_, Result<(), AdminError>>;
     /// Decommissions a bookie; answers what still names it.
     fn decommission_bookie(
         &self,
@@ -306,6 +312,12 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
         publish_rate_total: p.publish_rate_total.map(rate_from),
         dispatch_rate_total: p.dispatch_rate_total.map(rate_from),
         compaction_threshold: p.compaction_threshold,
+        bookie_affinity_group: p
+            .bookie_affinity_group
+            .map(|g| crate::model::BookieAffinityGroup {
+                primary: g.primary,
+                secondary: g.secondary,
+            }),
         permissions: Default::default(),
     }
 }
@@ -348,6 +360,12 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
         publish_rate_total: p.publish_rate_total.as_ref().map(rate_to),
         dispatch_rate_total: p.dispatch_rate_total.as_ref().map(rate_to),
         compaction_threshold: p.compaction_threshold,
+        bookie_affinity_group: p.bookie_affinity_group.as_ref().map(|g| {
+            crate::pb::BookieAffinityGroup {
+                primary: g.primary.clone(),
+                secondary: g.secondary.clone(),
+            }
+        }),
     }
 }
 
@@ -804,6 +822,70 @@ impl Admin for AdminService {
         self.superuser(role_of(&r).as_ref())?;
         let r = r.into_inner();
         self.topics.set_bookie_rack(r.address, r.rack).await?;
+        ok(Empty {})
+    }
+
+    async fn set_ns_isolation_policy(&self, r: Request<NsIsolationPolicyRequest>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
+        let r = r.into_inner();
+        let p = r.policy.unwrap_or_default();
+        let policy = crate::isolation::NsIsolationPolicy {
+            namespaces: p.namespaces,
+            primary: p.primary,
+            secondary: p.secondary,
+            auto_failover_policy_type: p.auto_failover_policy_type,
+            min_limit: p.min_limit,
+        };
+        self.store
+            .set_isolation_policy(&r.cluster, &r.name, &policy)
+            .await?;
+        ok(Empty {})
+    }
+
+    async fn get_ns_isolation_policies(&self, r: Request<Name>) -> Reply<NsIsolationPolicies> {
+        self.superuser(role_of(&r).as_ref())?;
+        let cluster = r.into_inner().name;
+        self.store.cluster(&cluster).await?;
+        let policies = self
+            .store
+            .isolation_policies(&cluster)
+            .await?
+            .into_iter()
+            .map(|(name, p)| {
+                (
+                    name,
+                    NsIsolationPolicy {
+                        namespaces: p.namespaces,
+                        primary: p.primary,
+                        secondary: p.secondary,
+                        auto_failover_policy_type: p.auto_failover_policy_type,
+                        min_limit: p.min_limit,
+                    },
+                )
+            })
+            .collect();
+        ok(NsIsolationPolicies { policies })
+    }
+
+    async fn delete_ns_isolation_policy(&self, r: Request<NsIsolationPolicyName>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
+        let r = r.into_inner();
+        self.store
+            .delete_isolation_policy(&r.cluster, &r.name)
+            .await?;
+        ok(Empty {})
+    }
+
+    async fn set_bookie_group(&self, r: Request<SetBookieGroupRequest>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
+        let r = r.into_inner();
+        if !crate::model::valid_group_name(&r.group) {
+            return Err(Status::invalid_argument(format!(
+                "group {:?}: 1 to 128 letters, digits, '.', '_' or '-'",
+                r.group
+            )));
+        }
+        self.topics.set_bookie_group(r.address, r.group).await?;
         ok(Empty {})
     }
 

@@ -1,6 +1,8 @@
 //! Clusters, tenants and namespaces in the metadata store: every change a compare-and-set,
 //! every refusal a precise [`AdminError`] that changes nothing.
 
+use std::collections::BTreeMap;
+
 use meridian_metadata::client::{ClientError, PutOptions};
 use meridian_metadata::MetadataClient;
 use serde::de::DeserializeOwned;
@@ -194,6 +196,60 @@ impl TenancyStore {
             self.delete(&key, v, &format!("cluster {name}")).await?;
         }
         Ok(vec![format!("cluster {name}")])
+    }
+
+    // --- namespace isolation policies ------------------------------------------------------
+
+    /// Sets (creates or replaces) a namespace isolation policy of a cluster.
+    pub async fn set_isolation_policy(
+        &self,
+        cluster: &str,
+        name: &str,
+        p: &crate::isolation::NsIsolationPolicy,
+    ) -> Result<(), AdminError> {
+        self.cluster(cluster).await?;
+        check_name("isolation policy", name)?;
+        p.validate().map_err(AdminError::Invalid)?;
+        let key = format!("{}{cluster}/{name}", crate::isolation::POLICIES_PREFIX);
+        let version = self
+            .get::<crate::isolation::NsIsolationPolicy>(&key)
+            .await?
+            .map_or(0, |(_, v)| v);
+        self.put(&key, p, version, &format!("isolation policy {name}"))
+            .await
+    }
+
+    /// A cluster's namespace isolation policies, by name.
+    pub async fn isolation_policies(
+        &self,
+        cluster: &str,
+    ) -> Result<BTreeMap<String, crate::isolation::NsIsolationPolicy>, AdminError> {
+        check_name("cluster", cluster)?;
+        let prefix = format!("{}{cluster}/", crate::isolation::POLICIES_PREFIX);
+        let mut out = BTreeMap::new();
+        for name in self.children(&prefix).await? {
+            if let Some((p, _)) = self.get(&format!("{prefix}{name}")).await? {
+                out.insert(name, p);
+            }
+        }
+        Ok(out)
+    }
+
+    pub async fn delete_isolation_policy(
+        &self,
+        cluster: &str,
+        name: &str,
+    ) -> Result<(), AdminError> {
+        check_name("isolation policy", name)?;
+        let key = format!("{}{cluster}/{name}", crate::isolation::POLICIES_PREFIX);
+        let (_, v) = self
+            .get::<crate::isolation::NsIsolationPolicy>(&key)
+            .await?
+            .ok_or_else(|| {
+                AdminError::NotFound(format!("cluster {cluster} has no isolation policy {name}"))
+            })?;
+        self.delete(&key, v, &format!("isolation policy {name}"))
+            .await
     }
 
     // --- tenants -------------------------------------------------------------------------

@@ -431,6 +431,7 @@ impl TopicOps for BrokerTopics {
                     address: b.address,
                     rack: b.rack,
                     free_bytes: b.free_bytes,
+                    group: b.group,
                 })
                 .collect();
             out.sort_by(|a, b| a.address.cmp(&b.address));
@@ -540,6 +541,39 @@ impl TopicOps for BrokerTopics {
             self.0
                 .meta
                 .put(&key, rack.into_bytes())
+                .await
+                .map_err(|e| AdminError::Unavailable(e.to_string()))?;
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn set_bookie_group(
+        &self,
+        address: String,
+        group: String,
+    ) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            let known = self
+                .0
+                .ledger_client()
+                .bookies()
+                .await
+                .map_err(|e| AdminError::Unavailable(e.to_string()))?
+                .iter()
+                .any(|b| b.address == address);
+            if !known {
+                return Err(AdminError::NotFound(format!(
+                    "no bookie {address} is registered"
+                )));
+            }
+            let key = format!(
+                "{}{address}",
+                meridian_storage::ledger::BOOKIE_GROUPS_PREFIX
+            );
+            self.0
+                .meta
+                .put(&key, group.into_bytes())
                 .await
                 .map_err(|e| AdminError::Unavailable(e.to_string()))?;
             Ok(())

@@ -32,6 +32,9 @@ pub struct BookieArgs {
     /// The bookie's rack, /NAME (bookie.rack); ensembles spread over racks.
     #[arg(long)]
     rack: Option<String>,
+    /// The bookie affinity group it belongs to (bookie.group).
+    #[arg(long)]
+    group: Option<String>,
 }
 
 impl BookieArgs {
@@ -48,6 +51,7 @@ impl BookieArgs {
         add("bookie.journal_dir", &self.journal_dir);
         add("bookie.ledger_dir", &self.ledger_dir);
         add("bookie.rack", &self.rack);
+        add("bookie.group", &self.group);
         o
     }
 }
@@ -139,11 +143,12 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
         Duration::from_millis(b.gc_interval_ms),
         stop_rx.clone(),
     ));
-    let registration = tokio::spawn(bookie::register(
+    let registration = tokio::spawn(bookie::register_in_group(
         Arc::clone(&running.core),
         meta,
         advertise,
         b.rack.clone(),
+        b.group.clone(),
         b.session_ttl_ms,
         Duration::from_millis((b.session_ttl_ms / 3).max(500)),
         stop_rx,

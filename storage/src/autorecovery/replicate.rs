@@ -120,7 +120,12 @@ async fn copy_fragment(
         .map(|i| ensemble[i].clone())
         .collect();
     let replacement = client
-        .choose_bookies(1, &exclude, &staying)
+        .choose_bookies(
+            1,
+            &exclude,
+            &staying,
+            &crate::ledger::affinity_groups(&meta.properties),
+        )
         .await?
         .pop()
         .expect("one chosen");

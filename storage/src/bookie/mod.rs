@@ -1151,6 +1151,32 @@ pub async fn register(
     rack: String,
     ttl_ms: u64,
     refresh: Duration,
+    stop: watch::Receiver<bool>,
+) {
+    register_in_group(
+        core,
+        meta,
+        advertise,
+        rack,
+        String::new(),
+        ttl_ms,
+        refresh,
+        stop,
+    )
+    .await
+}
+
+/// [`register`] with a bookie affinity group (`bookie.group`; an admin's `bookies set-group`,
+/// kept at `/bookies/groups/<advertise>`, wins over it).
+#[allow(clippy::too_many_arguments)]
+pub async fn register_in_group(
+    core: Arc<BookieCore>,
+    meta: meridian_metadata::MetadataClient,
+    advertise: String,
+    rack: String,
+    group: String,
+    ttl_ms: u64,
+    refresh: Duration,
     mut stop: watch::Receiver<bool>,
 ) {
     let key = format!("{}{advertise}", crate::ledger::BOOKIES_PREFIX);
@@ -1177,11 +1203,17 @@ pub async fn register(
             if let Ok(Some(_)) = meta.get(&decom_key).await {
                 core.set_decommissioned(&advertise);
             }
+            let group_key = format!("{}{advertise}", crate::ledger::BOOKIE_GROUPS_PREFIX);
+            let group = match meta.get(&group_key).await {
+                Ok(Some(kv)) => String::from_utf8(kv.value).unwrap_or_else(|_| group.clone()),
+                _ => group.clone(),
+            };
             let info = crate::ledger::BookieInfo {
                 address: advertise.clone(),
                 free_bytes,
                 writable: !core.is_read_only(),
                 rack,
+                group,
             };
             let value = serde_json::to_vec(&info).expect("serializable");
             let opts = meridian_metadata::client::PutOptions {

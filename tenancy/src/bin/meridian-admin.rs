@@ -85,6 +85,9 @@ enum Group {
     /// The site's bookies.
     #[command(subcommand)]
     Bookies(Bookies),
+    /// Namespace isolation policies: which brokers may own which namespaces' bundles.
+    #[command(subcommand)]
+    NsIsolationPolicy(NsIsolation),
     /// Subscriptions of a topic (the same commands as under `topics`).
     #[command(subcommand)]
     Subscriptions(SubsGroup),
@@ -236,6 +239,13 @@ enum Bookies {
         #[arg(long)]
         rack: String,
     },
+    /// Puts a bookie in an affinity group (over its --group); namespaces with
+    /// set-bookie-affinity-group keep their new ledgers on their groups' bookies.
+    SetGroup {
+        address: String,
+        #[arg(long)]
+        group: String,
+    },
     /// Decommissions a bookie: it turns read-only, autorecovery makes its replicas elsewhere;
     /// waits until no ledger names it (then it is safe to remove).
     Decommission {
@@ -249,6 +259,43 @@ enum Bookies {
     },
     /// Ledgers marked under-replicated: fragments, the bookies lost, since when.
     UnderReplicated,
+}
+
+#[derive(Subcommand)]
+enum NsIsolation {
+    /// Sets (creates or replaces) a policy: the namespaces it names go on its primary
+    /// brokers, and on its secondaries too while fewer than min_limit primaries are alive.
+    Set {
+        cluster: String,
+        name: String,
+        /// Regexes over tenant/namespace, comma-separated or repeated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        namespaces: Vec<String>,
+        /// Regexes over broker ids (host:port), comma-separated or repeated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        primary: Vec<String>,
+        #[arg(long, value_delimiter = ',')]
+        secondary: Vec<String>,
+        /// min_available (the only type).
+        #[arg(long, default_value = "min_available")]
+        auto_failover_policy_type: String,
+        /// min_limit=N (other keys, such as usage_threshold, are accepted and ignored).
+        #[arg(long, value_delimiter = ',')]
+        auto_failover_policy_params: Vec<String>,
+    },
+    /// One policy of a cluster.
+    Get {
+        cluster: String,
+        name: String,
+    },
+    /// Every policy of a cluster.
+    List {
+        cluster: String,
+    },
+    Delete {
+        cluster: String,
+        name: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -517,6 +564,25 @@ enum PolicyCmd {
     },
     /// Back to the broker's default (`broker.compaction_threshold_bytes`).
     RemoveCompactionThreshold {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Keeps new ledgers on the bookies of a group (`--group`, `bookies set-group`), and of
+    /// the secondary group too once the primary has too few writable bookies.
+    SetBookieAffinityGroup {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        #[arg(long)]
+        primary_group: String,
+        #[arg(long)]
+        secondary_group: Option<String>,
+    },
+    GetBookieAffinityGroup {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// Any bookie again (for ledgers created from now on).
+    DeleteBookieAffinityGroup {
         #[arg(value_name = "TARGET")]
         namespace: String,
     },
@@ -979,10 +1045,120 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Topics(cmd) => topics(&mut c, cmd, out).await,
         Group::Brokers(cmd) => brokers(&mut c, cmd, out).await,
         Group::Bookies(cmd) => bookies(&mut c, cmd, out).await,
+        Group::NsIsolationPolicy(cmd) => ns_isolation(&mut c, cmd, out).await,
         Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
         Group::Tokens(cmd) => tokens(cmd),
         Group::SiteTls(cmd) => site_tls(cmd),
     }
+}
+
+fn isolation_json(p: &NsIsolationPolicy) -> Value {
+    json!({
+        "namespaces": p.namespaces,
+        "primary": p.primary,
+        "secondary": p.secondary,
+        "auto_failover_policy_type": p.auto_failover_policy_type,
+        "min_limit": p.min_limit,
+    })
+}
+
+async fn ns_isolation(c: &mut Client, cmd: NsIsolation, out: Output) -> anyhow::Result<()> {
+    match cmd {
+        NsIsolation::Set {
+            cluster,
+            name,
+            namespaces,
+            primary,
+            secondary,
+            auto_failover_policy_type,
+            auto_failover_policy_params,
+        } => {
+            let mut min_limit = 1u32;
+            for kv in &auto_failover_policy_params {
+                match kv.split_once('=') {
+                    Some(("min_limit", v)) => {
+                        min_limit = v.trim().parse().with_context(|| {
+                            format!("--auto-failover-policy-params {kv}: min_limit is a number")
+                        })?
+                    }
+                    Some((_, _)) => {}
+                    None => anyhow::bail!(
+                        "--auto-failover-policy-params {kv}: expected KEY=VALUE (min_limit=1)"
+                    ),
+                }
+            }
+            let policy = NsIsolationPolicy {
+                namespaces,
+                primary,
+                secondary,
+                auto_failover_policy_type,
+                min_limit,
+            };
+            let v = isolation_json(&policy);
+            c.set_ns_isolation_policy(NsIsolationPolicyRequest {
+                cluster: cluster.clone(),
+                name: name.clone(),
+                policy: Some(policy),
+            })
+            .await?;
+            print(out, &v, || {
+                format!("isolation policy {name} of {cluster} set")
+            });
+        }
+        NsIsolation::Get { cluster, name } => {
+            let all = c
+                .get_ns_isolation_policies(Name {
+                    name: cluster.clone(),
+                })
+                .await?
+                .into_inner();
+            let p = all.policies.get(&name).with_context(|| {
+                format!("NotFound: cluster {cluster} has no isolation policy {name}")
+            })?;
+            let v = isolation_json(p);
+            print(out, &v, || v.to_string());
+        }
+        NsIsolation::List { cluster } => {
+            let all = c
+                .get_ns_isolation_policies(Name { name: cluster })
+                .await?
+                .into_inner();
+            let v: serde_json::Map<String, Value> = all
+                .policies
+                .iter()
+                .map(|(n, p)| (n.clone(), isolation_json(p)))
+                .collect();
+            let v = Value::Object(v);
+            print(out, &v, || {
+                all.policies
+                    .iter()
+                    .map(|(n, p)| {
+                        format!(
+                            "{n}: namespaces {:?} primary {:?} secondary {:?} {} min_limit={}",
+                            p.namespaces,
+                            p.primary,
+                            p.secondary,
+                            p.auto_failover_policy_type,
+                            p.min_limit
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
+        NsIsolation::Delete { cluster, name } => {
+            c.delete_ns_isolation_policy(NsIsolationPolicyName {
+                cluster: cluster.clone(),
+                name: name.clone(),
+            })
+            .await?;
+            let v = json!({"cluster": cluster, "deleted": name});
+            print(out, &v, || {
+                format!("isolation policy {name} of {cluster} deleted")
+            });
+        }
+    }
+    Ok(())
 }
 
 async fn bookies(c: &mut Client, cmd: Bookies, out: Output) -> anyhow::Result<()> {
@@ -992,17 +1168,22 @@ async fn bookies(c: &mut Client, cmd: Bookies, out: Output) -> anyhow::Result<()
             let v: Vec<Value> = r
                 .bookies
                 .iter()
-                .map(|b| json!({"address": b.address, "rack": b.rack, "state": b.state, "free_bytes": b.free_bytes}))
+                .map(|b| json!({"address": b.address, "rack": b.rack, "group": b.group, "state": b.state, "free_bytes": b.free_bytes}))
                 .collect();
             print(out, &Value::Array(v), || {
                 r.bookies
                     .iter()
                     .map(|b| {
                         format!(
-                            "{}  {}  {}  {} GiB free",
+                            "{}  {}  {}{}  {} GiB free",
                             b.address,
                             b.rack,
                             b.state,
+                            if b.group.is_empty() {
+                                String::new()
+                            } else {
+                                format!("  group {}", b.group)
+                            },
                             b.free_bytes >> 30
                         )
                     })
@@ -1098,6 +1279,15 @@ async fn bookies(c: &mut Client, cmd: Bookies, out: Output) -> anyhow::Result<()
                     .collect::<Vec<_>>()
                     .join("\n")
             });
+        }
+        Bookies::SetGroup { address, group } => {
+            c.set_bookie_group(SetBookieGroupRequest {
+                address: address.clone(),
+                group: group.clone(),
+            })
+            .await?;
+            let v = json!({"address": address, "group": group});
+            print(out, &v, || format!("bookie {address} is in group {group}"));
         }
         Bookies::SetRack { address, rack } => {
             c.set_bookie_rack(SetBookieRackRequest {
@@ -1320,6 +1510,7 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "publish_rate_total": p.publish_rate_total.as_ref().map(|r| rate_json(Some(r))),
         "dispatch_rate_total": p.dispatch_rate_total.as_ref().map(|r| rate_json(Some(r))),
         "compaction_threshold": p.compaction_threshold,
+        "bookie_affinity_group": p.bookie_affinity_group.as_ref().map(|g| json!({"primary": g.primary, "secondary": g.secondary})),
     })
 }
 
@@ -1690,6 +1881,36 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
             print(out, &v, || v.to_string());
             return Ok(());
         }
+        PolicyCmd::SetBookieAffinityGroup {
+            namespace,
+            primary_group,
+            secondary_group,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                bookie_affinity_group: Some(BookieAffinityGroup {
+                    primary: primary_group,
+                    secondary: secondary_group.unwrap_or_default(),
+                }),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        PolicyCmd::GetBookieAffinityGroup { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
+            let g = n.policies.unwrap_or_default().bookie_affinity_group;
+            let v = g.as_ref().map_or(
+                Value::Null,
+                |g| json!({"primary": g.primary, "secondary": g.secondary}),
+            );
+            print(out, &v, || v.to_string());
+            return Ok(());
+        }
+        PolicyCmd::DeleteBookieAffinityGroup { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["bookie_affinity_group"],
+        ),
         PolicyCmd::RemoveCompactionThreshold { namespace } => update(
             namespace,
             NamespacePolicies::default(),

@@ -608,12 +608,11 @@ async fn run(topic: &Arc<Topic>) -> Result<u64, BrokerError> {
     drop(src);
     // Phase 2: what is retained, to a new ledger.
     let cfg = &topic.cfg;
-    let props = [
+    let mut props = topic.ml.placement_properties();
+    props.extend([
         ("compacted-topic".to_string(), topic.full_name().to_string()),
         ("horizon".to_string(), to.to_string()),
-    ]
-    .into_iter()
-    .collect();
+    ]);
     let writer = topic
         .client
         .create(

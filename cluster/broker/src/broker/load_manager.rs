@@ -174,12 +174,22 @@ impl Broker {
                 _ => break,
             }
         }
-        let pick = {
+        let movable: Vec<String> = {
             let moved = self.load_manager.moved.lock().expect("lock");
             owned
                 .into_iter()
-                .find(|k| moved.get(k).is_none_or(|t| t.elapsed() >= grace))
+                .filter(|k| moved.get(k).is_none_or(|t| t.elapsed() >= grace))
+                .collect()
         };
+        // Only a bundle the isolation policies let the target own.
+        let mut pick = None;
+        for k in movable {
+            let ns = k.rsplit_once('/').map_or("", |(ns, _)| ns);
+            if self.ownership.allows(ns, &to).await? {
+                pick = Some(k);
+                break;
+            }
+        }
         let Some(path) = pick else {
             return Ok(());
         };

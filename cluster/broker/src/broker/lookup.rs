@@ -78,6 +78,15 @@ impl Broker {
         }
         let other = match o.owner(&ns, &b).await? {
             Owner::Me => return held(),
+            Owner::Nobody if !o.allows(&ns, &o.id()).await? => {
+                return Err(BrokerError::new(
+                    ServerError::ServiceNotReady,
+                    format!(
+                        "{name}: the namespace isolation policies do not let broker {} own its bundle; look it up again",
+                        o.id()
+                    ),
+                ))
+            }
             Owner::Nobody if o.acquire(&ns, &b).await? => return held(),
             Owner::Nobody => match o.owner(&ns, &b).await? {
                 Owner::Other(x) => x.id,

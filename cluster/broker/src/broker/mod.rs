@@ -785,6 +785,8 @@ impl Topic {
             .dispatch
             .update(p.dispatch_rate_total.as_ref());
         let sub_rate = p.subscription_dispatch_rate.clone();
+        self.ml
+            .set_bookie_affinity(p.bookie_affinity_group.as_ref().map(|g| g.placement()));
         *self.policies.lock().expect("policies lock") = p;
         for s in self.subscriptions().await {
             s.limiter.update(sub_rate.as_ref());
@@ -979,19 +981,22 @@ impl Broker {
             .split_once("://")
             .map_or(service_url.as_str(), |(_, a)| a)
             .to_string();
-        let ownership = Arc::new(ownership::Ownership::new(
-            meta.clone(),
-            ownership::BrokerInfo {
-                id: id.clone(),
-                service_url: service_url.clone(),
-                run_id: run_id.clone(),
-                ..Default::default()
-            },
-            cfg.session_ttl_ms,
-            cfg.default_bundles,
-            // The bound address is this process's alone only when it names one interface.
-            cfg.advertise.is_empty() && !id.starts_with("0.0.0.0:") && !id.starts_with("[::]:"),
-        ));
+        let ownership = Arc::new(
+            ownership::Ownership::new(
+                meta.clone(),
+                ownership::BrokerInfo {
+                    id: id.clone(),
+                    service_url: service_url.clone(),
+                    run_id: run_id.clone(),
+                    ..Default::default()
+                },
+                cfg.session_ttl_ms,
+                cfg.default_bundles,
+                // The bound address is this process's alone only when it names one interface.
+                cfg.advertise.is_empty() && !id.starts_with("0.0.0.0:") && !id.starts_with("[::]:"),
+            )
+            .with_cluster(&cfg.cluster_name),
+        );
         Ok(Arc::new_cyclic(|me| Broker {
             me: me.clone(),
             ownership,
@@ -1464,7 +1469,16 @@ impl Broker {
         // Served only where its bundle is owned (checked again once loaded).
         let session = self.ensure_owned(name).await?;
         let ml_name = name.managed_ledger_name();
+        let policies_key = self.own_policies_key(name).await?;
+        let policies = self
+            .namespace_policies(&name.namespace())
+            .await?
+            .overlaid(&self.topic_own_policies(&policies_key).await?);
         let opts = ManagedLedgerOptions {
+            bookie_affinity: policies
+                .bookie_affinity_group
+                .as_ref()
+                .map(|g| g.placement()),
             ensemble: self.cfg.ensemble as usize,
             write_quorum: self.cfg.write_quorum as usize,
             ack_quorum: self.cfg.ack_quorum as usize,
@@ -1476,11 +1490,6 @@ impl Broker {
         };
         let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
         let terminated = ml.is_terminated().await;
-        let policies_key = self.own_policies_key(name).await?;
-        let policies = self
-            .namespace_policies(&name.namespace())
-            .await?
-            .overlaid(&self.topic_own_policies(&policies_key).await?);
         let policies_kept = policies.clone();
         let dedup = if policies
             .deduplication_enabled

@@ -98,6 +98,9 @@ pub struct Ownership {
     placed: Mutex<HashMap<String, u64>>,
     /// Handing over (graceful shutdown): nothing more is taken or reported.
     closing: std::sync::atomic::AtomicBool,
+    /// This site's cluster name (`broker.cluster_name`): its namespace isolation policies
+    /// decide which brokers may own which namespaces' bundles.
+    cluster: String,
 }
 
 fn ns_path(ns: &str) -> String {
@@ -135,7 +138,75 @@ impl Ownership {
             bundles: Mutex::new(HashMap::new()),
             placed: Mutex::new(HashMap::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
+            cluster: String::new(),
         }
+    }
+
+    /// The cluster whose isolation policies apply.
+    pub fn with_cluster(mut self, cluster: &str) -> Self {
+        self.cluster = cluster.to_string();
+        self
+    }
+
+    /// The cluster's namespace isolation policies, by name.
+    pub async fn isolation_policies(
+        &self,
+    ) -> Result<BTreeMap<String, meridian_tenancy::isolation::NsIsolationPolicy>, BrokerError> {
+        let prefix = format!(
+            "{}{}/",
+            meridian_tenancy::isolation::POLICIES_PREFIX,
+            self.cluster
+        );
+        let mut out = BTreeMap::new();
+        let mut after = String::new();
+        loop {
+            let page = self.meta.list(&prefix, &after, 0).await?;
+            for kv in &page.kvs {
+                match serde_json::from_slice(&kv.value) {
+                    Ok(p) => {
+                        out.insert(kv.key[prefix.len()..].to_string(), p);
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %kv.key, error = %e, "unreadable isolation policy")
+                    }
+                }
+            }
+            match page.kvs.last() {
+                Some(last) if page.more => after = last.key.clone(),
+                _ => break,
+            }
+        }
+        Ok(out)
+    }
+
+    /// Of `brokers`, those the isolation policies let own a bundle of `ns`
+    /// (ServiceNotReady naming the policy when none may).
+    pub async fn allowed(
+        &self,
+        ns: &str,
+        brokers: Vec<BrokerInfo>,
+    ) -> Result<Vec<BrokerInfo>, BrokerError> {
+        let policies = self.isolation_policies().await?;
+        if policies.is_empty() {
+            return Ok(brokers);
+        }
+        let ids: Vec<String> = brokers.iter().map(|b| b.id.clone()).collect();
+        let ok = meridian_tenancy::isolation::allowed_brokers(&policies, ns, &ids)
+            .map_err(unavailable)?;
+        Ok(brokers.into_iter().filter(|b| ok.contains(&b.id)).collect())
+    }
+
+    /// Whether the isolation policies let the broker `id` own a bundle of `ns` now.
+    pub async fn allows(&self, ns: &str, id: &str) -> Result<bool, BrokerError> {
+        let policies = self.isolation_policies().await?;
+        if policies.is_empty() {
+            return Ok(true);
+        }
+        let ids: Vec<String> = self.brokers().await?.into_iter().map(|b| b.id).collect();
+        Ok(
+            meridian_tenancy::isolation::allowed_brokers(&policies, ns, &ids)
+                .is_ok_and(|ok| ok.iter().any(|b| b == id)),
+        )
     }
 
     /// Graceful shutdown has begun: no bundle is taken any more, no report written.
@@ -733,7 +804,9 @@ impl Ownership {
     /// reported, plus those placed on it since), ties broken by a hash of the bundle and the
     /// broker, so brokers asked at once mostly agree.
     pub async fn candidate(&self, ns: &str, b: &Bundle) -> Result<BrokerInfo, BrokerError> {
-        let brokers = self.brokers().await?;
+        let registered = self.brokers().await?;
+        let none_registered = registered.is_empty();
+        let brokers = self.allowed(ns, registered).await?;
         let placed = self.placed.lock().expect("placed lock").clone();
         let tie = |id: &str| {
             super::key_shared::murmur3_32(format!("{ns}/{}/{id}", b.name()).as_bytes(), 0)
@@ -746,7 +819,7 @@ impl Ownership {
                     tie(&x.id),
                 )
             })
-            .or_else(|| (!self.is_closing()).then(|| self.me()))
+            .or_else(|| (none_registered && !self.is_closing()).then(|| self.me()))
             .ok_or_else(|| unavailable("no broker to place the bundle on; retry"))?;
         *self
             .placed
