@@ -1104,6 +1104,29 @@ async fn given_a_full_site_when_an_owner_is_killed_during_production_then_every_
         .unwrap_or_else(|e| panic!("consume {}: {e:#}", t(i)));
         assert_eq!(consumed(&lines), (0..sends).collect::<Vec<_>>(), "{}", t(i));
     }
+
+    step("with the bookies in racks /r1, /r1, /r2, every fragment of every ledger spans both");
+    let client = meridian_storage::ledger::LedgerClient::new(
+        cluster.client(),
+        meridian_storage::ledger::LedgerClientOptions::default(),
+    );
+    let rack_of = |addr: &str| {
+        let i = bookies
+            .iter()
+            .position(|b| b.addr == addr)
+            .expect("one of ours");
+        FULL_SITE_RACKS[i]
+    };
+    let mut fragments = 0;
+    for id in client.list().await.expect("ledgers") {
+        let (m, _) = client.metadata(id).await.expect("metadata");
+        for f in &m.fragments {
+            let racks: BTreeSet<&str> = f.ensemble.iter().map(|a| rack_of(a)).collect();
+            assert_eq!(racks.len(), 2, "ledger {id}: {f:?}");
+            fragments += 1;
+        }
+    }
+    assert!(fragments >= TOPICS, "only {fragments} fragments");
     drop(bookies.drain(..));
 }
 
@@ -1222,14 +1245,18 @@ async fn given_a_full_site_when_every_process_restarts_in_turn_then_no_acknowled
     }
 }
 
-/// On `cluster`'s metadata nodes: 3 bookies and 2 brokers (E3 Qw2 Qa2, deduplication on,
-/// 2 s sessions), all started.
+/// The racks of [`full_site`]'s bookies.
+const FULL_SITE_RACKS: [&str; 3] = ["/r1", "/r1", "/r2"];
+
+/// On `cluster`'s metadata nodes: 3 bookies in racks [`FULL_SITE_RACKS`] and 2 brokers (E3
+/// Qw2 Qa2, deduplication on, 2 s sessions), all started.
 async fn full_site(cluster: &MetaCluster) -> (Vec<BookieProc>, Vec<BrokerProc>) {
     let endpoints = cluster.endpoints().join(",");
     let root = cluster.root.path();
     let bookies: Vec<BookieProc> = (0..3)
         .map(|i| {
             let mut b = BookieProc::new(&format!("bookie{i}"), root, &endpoints);
+            b.env("MERIDIAN_BOOKIE_RACK", FULL_SITE_RACKS[i]);
             b.start().unwrap();
             b
         })

@@ -183,6 +183,7 @@ async fn submit(
     r: SendRequest,
 ) -> PendingSend {
     let submitted = Instant::now();
+    let mut silent = false;
     let payload = &r.payload;
     let append = if !handle.is_granted() {
         Err(BrokerError::new(
@@ -201,6 +202,14 @@ async fn submit(
             BrokerError::new(
                 ServerError::TopicTerminatedError,
                 "the topic is terminated: it takes no more messages",
+            )
+        } else if handle.is_closed_by_broker() {
+            // Sent before the client saw CLOSE_PRODUCER: it sends this again once it has
+            // reconnected (to wherever the topic is served now).
+            silent = true;
+            BrokerError::new(
+                ServerError::ServiceNotReady,
+                "the topic is no longer served by this producer's connection; sent again after reconnecting",
             )
         } else {
             BrokerError::new(
@@ -250,6 +259,7 @@ async fn submit(
         bytes: r.bytes,
         received: r.received,
         append,
+        silent,
     }
 }
 
@@ -261,6 +271,8 @@ pub(crate) struct PendingSend {
     bytes: u64,
     received: Instant,
     append: Result<Submitted, BrokerError>,
+    /// Refused without an answer (its producer was closed by the broker).
+    silent: bool,
 }
 
 /// Awaits each send's durability in SEND order and answers it.
@@ -283,6 +295,9 @@ pub(crate) async fn receipt_loop(
     let mut client_gone = false;
     let mut last_error_logged: Option<Instant> = None;
     while let Some(ps) = rx.recv().await {
+        if ps.silent {
+            continue;
+        }
         let submitted = ps.submitted;
         let outcome = match ps.append {
             Ok(Submitted::Appended(pa, ticket)) => {

@@ -191,6 +191,8 @@ impl Broker {
         }
         let mut candidates: Vec<(BundleKey, (u64, f64), String)> = figures
             .into_iter()
+            // One topic is not split off from itself: a hot topic alone in its bundle stays.
+            .filter(|(_, f)| f.0 >= 2)
             .filter_map(|(k, f)| {
                 split_reason(
                     f.0,
@@ -208,8 +210,14 @@ impl Broker {
                 tracing::debug!(namespace = %ns, count, "not splitting: broker.namespace_bundles_max reached");
                 continue;
             }
-            self.split_here(&ns, &b, true, &why).await?;
-            return Ok(());
+            match self.split_here(&ns, &b, true, &why).await {
+                Ok(_) => return Ok(()),
+                // One bundle that cannot be split (one hash wide, or changed meanwhile) must
+                // not keep the others from being split.
+                Err(e) => {
+                    tracing::warn!(namespace = %ns, bundle = %b.name(), error = %e, "bundle split failed")
+                }
+            }
         }
         Ok(())
     }

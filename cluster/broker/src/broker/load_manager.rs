@@ -196,7 +196,7 @@ impl Broker {
         let Some((ns, range)) = path.rsplit_once('/') else {
             return Ok(());
         };
-        let Some(b) = self.ownership.bundle_named(ns, range).await? else {
+        let Some(b) = self.ownership.bundle_named_fresh(ns, range).await? else {
             return Ok(());
         };
         let n = |id: &str| counts.iter().find(|c| c.0 == id).map_or(0, |c| c.1);
@@ -260,6 +260,7 @@ impl Broker {
 
     /// Unloads a bundle this broker owns: its topics, then its ownership.
     pub(super) async fn unload_bundle_here(&self, ns: &str, b: &Bundle) {
+        self.ownership.start_release(ns, b);
         for t in self.loaded_topics() {
             if t.name.namespace() == ns
                 && self.ownership.bundle_of(&t.name).await.ok().as_ref() == Some(b)

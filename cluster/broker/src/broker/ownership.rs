@@ -27,6 +27,12 @@ pub const OWNERS_PREFIX: &str = "/bundle-owners/";
 
 pub use super::bundles::{topic_hash, Bundle, Bundles};
 
+/// How long isolation policies read from the store are used before they are read again.
+const POLICIES_TTL: Duration = Duration::from_secs(2);
+
+/// A cluster's namespace isolation policies, by name.
+type IsolationPolicies = BTreeMap<String, meridian_tenancy::isolation::NsIsolationPolicy>;
+
 /// What a broker publishes about itself.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -98,6 +104,12 @@ pub struct Ownership {
     placed: Mutex<HashMap<String, u64>>,
     /// Handing over (graceful shutdown): nothing more is taken or reported.
     closing: std::sync::atomic::AtomicBool,
+    /// Bundles being given up: no longer owned for serving, and not taken back by a lookup
+    /// that finds their key still in this session, until the key is deleted.
+    releasing: Mutex<std::collections::HashSet<(String, Bundle)>>,
+    /// The cluster's isolation policies as last read, and when (read again after
+    /// [`POLICIES_TTL`]).
+    policies: Mutex<Option<(Instant, Arc<IsolationPolicies>)>>,
     /// This site's cluster name (`broker.cluster_name`): its namespace isolation policies
     /// decide which brokers may own which namespaces' bundles.
     cluster: String,
@@ -139,6 +151,8 @@ impl Ownership {
             placed: Mutex::new(HashMap::new()),
             closing: std::sync::atomic::AtomicBool::new(false),
             cluster: String::new(),
+            releasing: Mutex::default(),
+            policies: Mutex::default(),
         }
     }
 
@@ -149,9 +163,18 @@ impl Ownership {
     }
 
     /// The cluster's namespace isolation policies, by name.
-    pub async fn isolation_policies(
-        &self,
-    ) -> Result<BTreeMap<String, meridian_tenancy::isolation::NsIsolationPolicy>, BrokerError> {
+    pub async fn isolation_policies(&self) -> Result<Arc<IsolationPolicies>, BrokerError> {
+        if let Some((at, p)) = self.policies.lock().expect("policies lock").as_ref() {
+            if at.elapsed() < POLICIES_TTL {
+                return Ok(Arc::clone(p));
+            }
+        }
+        let p = Arc::new(self.read_isolation_policies().await?);
+        *self.policies.lock().expect("policies lock") = Some((Instant::now(), Arc::clone(&p)));
+        Ok(p)
+    }
+
+    async fn read_isolation_policies(&self) -> Result<IsolationPolicies, BrokerError> {
         let prefix = format!(
             "{}{}/",
             meridian_tenancy::isolation::POLICIES_PREFIX,
@@ -462,16 +485,30 @@ impl Ownership {
     /// Gives a bundle up (its topics were unloaded): its key goes, and the next lookup places
     /// it on another broker.
     pub async fn release(&self, ns: &str, b: &Bundle) -> Result<(), BrokerError> {
-        {
-            let mut held = self.held.lock().expect("held lock");
-            if let Some(m) = held.as_mut().and_then(|h| h.owned.get_mut(ns)) {
-                m.remove(b);
-            }
-        }
-        self.meta.delete(&owner_key(ns, b), None).await?;
+        self.start_release(ns, b);
+        let r = self.meta.delete(&owner_key(ns, b), None).await;
+        self.releasing
+            .lock()
+            .expect("releasing lock")
+            .remove(&(ns.to_string(), *b));
+        r?;
         tracing::info!(namespace = %ns, bundle = %b.name(), "bundle released");
         metrics::counter!("meridian_bundles_released_total").increment(1);
         Ok(())
+    }
+
+    /// A bundle is being given up (its topics are about to be unloaded): it no longer counts
+    /// as owned, and lookups meanwhile are told to retry instead of taking it back, until
+    /// [`release`](Self::release) deletes its key.
+    pub fn start_release(&self, ns: &str, b: &Bundle) {
+        self.releasing
+            .lock()
+            .expect("releasing lock")
+            .insert((ns.to_string(), *b));
+        let mut held = self.held.lock().expect("held lock");
+        if let Some(m) = held.as_mut().and_then(|h| h.owned.get_mut(ns)) {
+            m.remove(b);
+        }
     }
 
     /// Releases every bundle and ends the session (graceful shutdown): the ephemeral keys go
@@ -557,6 +594,9 @@ impl Ownership {
     /// parent's key removed). The halves' topics stay loaded here; nothing is copied.
     pub async fn split(&self, ns: &str, b: &Bundle) -> Result<(Bundle, Bundle), BrokerError> {
         use meridian_metadata::pb;
+        if self.is_closing() {
+            return Err(unavailable("this broker is shutting down; no splits"));
+        }
         let session = match self.session_id() {
             Some(s) if self.owns(ns, b) => s,
             _ => {
@@ -683,6 +723,17 @@ impl Ownership {
         if self.owns(ns, b) {
             return Ok(Owner::Me);
         }
+        if self
+            .releasing
+            .lock()
+            .expect("releasing lock")
+            .contains(&(ns.to_string(), *b))
+        {
+            return Err(unavailable(format!(
+                "bundle {} of {ns} is being unloaded; look the topic up again",
+                b.name()
+            )));
+        }
         match self.meta.get(&owner_key(ns, b)).await? {
             None => Ok(Owner::Nobody),
             Some(kv) => {
@@ -747,7 +798,15 @@ impl Ownership {
         };
         // Only while the bundles are as this broker read them: a bundle split meanwhile is
         // not one any more.
-        let (_, bundles_version) = self.bundles_versioned(ns).await?;
+        let (bundles, bundles_version) = self.bundles_versioned(ns).await?;
+        if !bundles.list().contains(b) {
+            self.forget_bundles(ns);
+            return Ok(false);
+        }
+        // Only where the namespace isolation policies allow.
+        if !self.allows(ns, &self.id()).await? {
+            return Ok(false);
+        }
         let value = serde_json::to_vec(&self.me()).expect("serializable");
         let resp = self
             .meta

@@ -68,9 +68,18 @@ pub struct ProducerHandle {
     /// A send of it failed to be stored: no later send is stored until the client has
     /// reconnected and sends again from the failed one (else they would overtake it).
     broken: AtomicBool,
+    /// Closed by the broker (the topic unloaded, deleted, over quota or terminated), not
+    /// fenced by another producer: sends still in flight from before the client saw
+    /// CLOSE_PRODUCER are dropped unanswered, as Pulsar does for a closing topic, and the
+    /// client sends them again once it has reconnected.
+    closed_by_broker: AtomicBool,
 }
 
 impl ProducerHandle {
+    pub fn is_closed_by_broker(&self) -> bool {
+        self.closed_by_broker.load(Ordering::Acquire)
+    }
+
     /// Fenced by an ExclusiveWithFencing producer: its sends are refused.
     pub fn is_fenced(&self) -> bool {
         self.fenced.load(Ordering::Acquire)
@@ -232,6 +241,7 @@ impl Producers {
             sink,
             fenced: AtomicBool::new(false),
             broken: AtomicBool::new(false),
+            closed_by_broker: AtomicBool::new(false),
             granted: AtomicBool::new(mode != AccessMode::WaitForExclusive),
         });
         let busy = |g: &Inner| -> Option<BrokerError> {
@@ -306,6 +316,7 @@ impl Producers {
     pub fn fence_all(&self) {
         let mut g = self.lock();
         for (_, p) in g.by_name.drain() {
+            p.closed_by_broker.store(true, Ordering::Release);
             p.fence();
         }
         g.exclusive = None;
