@@ -513,8 +513,13 @@ impl StandaloneProc {
         self
     }
 
-    /// Starts the process and waits until it prints where it listens.
+    /// Starts the process and waits until it prints where it listens (again, a little
+    /// later, while a port it must reuse is briefly taken: see [`retry_port_in_use`]).
     pub fn start(&mut self) -> anyhow::Result<()> {
+        retry_port_in_use(|| self.start_once())
+    }
+
+    fn start_once(&mut self) -> anyhow::Result<()> {
         assert!(self.child.is_none(), "standalone already running");
         let before = std::fs::read_to_string(&self.log).unwrap_or_default().len();
         let log = std::fs::OpenOptions::new()
@@ -601,6 +606,24 @@ struct Banner {
 
 /// Waits until the process prints its banner (a line starting with `prefix`) after byte
 /// `before` of its log; an exit or 60 s without it is an error carrying the log.
+/// A process restarted on its earlier ports can find one briefly taken: tests run in
+/// parallel, and another test's client may have been given that port as the local end of an
+/// outgoing connection. `start` is tried again for up to 10 s while it fails for that reason.
+fn retry_port_in_use(mut start: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match start() {
+            Err(e)
+                if format!("{e:#}").contains("Address already in use")
+                    && Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(500));
+            }
+            r => return r,
+        }
+    }
+}
+
 fn wait_for_banner(
     child: &mut Option<Child>,
     log: &Path,
@@ -678,7 +701,13 @@ impl BrokerProc {
         self
     }
 
+    /// Starts the broker and waits until it prints where it listens (again, a little later,
+    /// while a port it must reuse is briefly taken: see [`retry_port_in_use`]).
     pub fn start(&mut self) -> anyhow::Result<()> {
+        retry_port_in_use(|| self.start_once())
+    }
+
+    fn start_once(&mut self) -> anyhow::Result<()> {
         assert!(self.child.is_none(), "broker already running");
         let before = std::fs::read_to_string(&self.log).unwrap_or_default().len();
         let log = std::fs::OpenOptions::new()

@@ -631,6 +631,8 @@ impl TopicOps for BrokerTopics {
         async move {
             use crate::broker::ownership::Owner;
             let o = &self.0.ownership;
+            // As the store has them now (another broker may have split one).
+            o.forget_bundles(&namespace);
             let list = o.bundle_owners(&namespace).await.map_err(admin_error)?;
             Ok(list
                 .into_iter()

@@ -282,6 +282,8 @@ impl Broker {
         range: Option<&str>,
     ) -> Result<Vec<String>, BrokerError> {
         self.require_namespace(ns).await?;
+        // As the store has them now (another broker may have split one).
+        self.ownership.forget_bundles(ns);
         let all = self.ownership.bundles(ns).await?.list();
         let chosen: Vec<Bundle> = match range {
             None => all,

@@ -23,8 +23,19 @@ impl Broker {
         let ns = name.namespace();
         self.require_namespace(&ns).await?;
         let o = &self.ownership;
-        let b = o.bundle_of(name).await?;
-        match o.owner(&ns, &b).await? {
+        let mut b = o.bundle_of(name).await?;
+        let mut owner = o.owner(&ns, &b).await?;
+        if matches!(owner, Owner::Nobody) {
+            // The bundles as this broker read them may predate a split elsewhere: read them
+            // again before placing (unowned bundles are rare; owned ones need no read).
+            o.forget_bundles(&ns);
+            let fresh = o.bundle_of(name).await?;
+            if fresh != b {
+                b = fresh;
+                owner = o.owner(&ns, &b).await?;
+            }
+        }
+        match owner {
             Owner::Me => Ok(Lookup::Connect),
             Owner::Other(to) => Ok(Lookup::Redirect {
                 to,

@@ -893,6 +893,16 @@ impl Ownership {
     pub async fn bundle_owners(&self, ns: &str) -> Result<Vec<(Bundle, Owner)>, BrokerError> {
         let mut out = Vec::new();
         for b in self.bundles(ns).await?.list() {
+            let releasing = self
+                .releasing
+                .lock()
+                .expect("releasing lock")
+                .contains(&(ns.to_string(), b));
+            if releasing {
+                // Being unloaded here: nobody's in a moment.
+                out.push((b, Owner::Nobody));
+                continue;
+            }
             out.push((b, self.owner(ns, &b).await?));
         }
         Ok(out)
