@@ -327,6 +327,20 @@ pub fn assert_acked_consumed_in_order(
     );
 }
 
+/// `meridian-admin --admin-url URL --output json ARGS`, which must succeed: its JSON.
+pub fn admin_json(admin_url: &str, args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["--admin-url", admin_url, "--output", "json"];
+    all.extend_from_slice(args);
+    let (code, out, err) = run_admin(&all).expect("meridian-admin runs");
+    assert_eq!(code, 0, "meridian-admin {args:?}: {out}{err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
+}
+
+/// `HOST:PORT` of a `pulsar://HOST:PORT` URL (a broker's id).
+pub fn host(url: &str) -> &str {
+    url.trim_start_matches("pulsar://")
+}
+
 /// Runs `meridian-admin` with `args`: (exit code, stdout, stderr).
 pub fn run_admin(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
     run_bin(&admin_bin(), args)

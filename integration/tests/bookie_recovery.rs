@@ -6,21 +6,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
 use meridian_integration::{
-    run_admin, step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster, PyClient,
+    admin_json, run_admin, step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster, PyClient,
 };
 use meridian_storage::ledger::{LedgerClient, LedgerClientOptions, LedgerState};
 use meridian_storage::proto::{self, Request, Response, Status};
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(120);
-
-fn admin_json(admin_url: &str, args: &[&str]) -> Value {
-    let mut all = vec!["--admin-url", admin_url, "--output", "json"];
-    all.extend_from_slice(args);
-    let (code, out, err) = run_admin(&all).expect("meridian-admin runs");
-    assert_eq!(code, 0, "meridian-admin {args:?}: {out}{err}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
-}
 
 /// Every ledger: no fragment names `gone`, every fragment spans both racks, and every entry
 /// (up to the last of a closed ledger; of an open one, while any replica has it) is on every

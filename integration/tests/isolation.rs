@@ -7,24 +7,12 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use meridian_integration::{
-    run_admin, step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster, PyClient,
+    admin_json, host, run_admin, step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster,
+    PyClient,
 };
 use meridian_storage::ledger::{LedgerClient, LedgerClientOptions};
-use serde_json::Value;
 
 const T: Duration = Duration::from_secs(120);
-
-fn admin_json(admin_url: &str, args: &[&str]) -> Value {
-    let mut all = vec!["--admin-url", admin_url, "--output", "json"];
-    all.extend_from_slice(args);
-    let (code, out, err) = run_admin(&all).expect("meridian-admin runs");
-    assert_eq!(code, 0, "meridian-admin {args:?}: {out}{err}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
-}
-
-fn host(url: &str) -> &str {
-    url.trim_start_matches("pulsar://")
-}
 
 /// Every ledger of `tenant` (its topics' and cursors' ledgers): the bookies of its fragments.
 async fn bookies_of(client: &LedgerClient, tenant: &str) -> (usize, BTreeSet<String>) {

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use meridian_integration::raw::{error_of, producer, Raw};
 use meridian_integration::{
-    run_admin, step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster, PyClient,
+    admin_json, host, run_admin, step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster,
+    PyClient,
 };
 use meridian_protocol::pb::ServerError;
 use serde_json::Value;
@@ -15,18 +16,6 @@ use serde_json::Value;
 const T: Duration = Duration::from_secs(120);
 const TOPICS: usize = 8;
 const MESSAGES: u64 = 40;
-
-fn admin_json(admin_url: &str, args: &[&str]) -> Value {
-    let mut all = vec!["--admin-url", admin_url, "--output", "json"];
-    all.extend_from_slice(args);
-    let (code, out, err) = run_admin(&all).expect("meridian-admin runs");
-    assert_eq!(code, 0, "meridian-admin {args:?}: {out}{err}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
-}
-
-fn host(url: &str) -> &str {
-    url.trim_start_matches("pulsar://")
-}
 
 fn topic(i: usize) -> String {
     format!("persistent://public/default/site-{i}")

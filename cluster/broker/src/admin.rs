@@ -189,6 +189,38 @@ impl BrokerTopics {
     }
 }
 
+impl BrokerTopics {
+    /// An admin's setting of a registered bookie, kept at `prefix<address>` over its own
+    /// configuration (its rack, its group); the bookie shows it within its registration
+    /// refresh.
+    async fn set_bookie_override(
+        &self,
+        prefix: &str,
+        address: &str,
+        value: String,
+    ) -> Result<(), AdminError> {
+        let known = self
+            .0
+            .ledger_client()
+            .bookies()
+            .await
+            .map_err(|e| AdminError::Unavailable(e.to_string()))?
+            .iter()
+            .any(|b| b.address == address);
+        if !known {
+            return Err(AdminError::NotFound(format!(
+                "no bookie {address} is registered"
+            )));
+        }
+        self.0
+            .meta
+            .put(&format!("{prefix}{address}"), value.into_bytes())
+            .await
+            .map_err(|e| AdminError::Unavailable(e.to_string()))?;
+        Ok(())
+    }
+}
+
 impl TopicOps for BrokerTopics {
     fn list(&self, namespace: String) -> BoxFuture<'_, Result<Vec<(String, u32)>, AdminError>> {
         async move {
@@ -524,26 +556,12 @@ impl TopicOps for BrokerTopics {
                     "rack {rack:?} must be /NAME or /NAME/NAME..., without spaces"
                 )));
             }
-            let known = self
-                .0
-                .ledger_client()
-                .bookies()
-                .await
-                .map_err(|e| AdminError::Unavailable(e.to_string()))?
-                .iter()
-                .any(|b| b.address == address);
-            if !known {
-                return Err(AdminError::NotFound(format!(
-                    "no bookie {address} is registered"
-                )));
-            }
-            let key = format!("{}{address}", meridian_storage::ledger::BOOKIE_RACKS_PREFIX);
-            self.0
-                .meta
-                .put(&key, rack.into_bytes())
-                .await
-                .map_err(|e| AdminError::Unavailable(e.to_string()))?;
-            Ok(())
+            self.set_bookie_override(
+                meridian_storage::ledger::BOOKIE_RACKS_PREFIX,
+                &address,
+                rack,
+            )
+            .await
         }
         .boxed()
     }
@@ -554,29 +572,12 @@ impl TopicOps for BrokerTopics {
         group: String,
     ) -> BoxFuture<'_, Result<(), AdminError>> {
         async move {
-            let known = self
-                .0
-                .ledger_client()
-                .bookies()
-                .await
-                .map_err(|e| AdminError::Unavailable(e.to_string()))?
-                .iter()
-                .any(|b| b.address == address);
-            if !known {
-                return Err(AdminError::NotFound(format!(
-                    "no bookie {address} is registered"
-                )));
-            }
-            let key = format!(
-                "{}{address}",
-                meridian_storage::ledger::BOOKIE_GROUPS_PREFIX
-            );
-            self.0
-                .meta
-                .put(&key, group.into_bytes())
-                .await
-                .map_err(|e| AdminError::Unavailable(e.to_string()))?;
-            Ok(())
+            self.set_bookie_override(
+                meridian_storage::ledger::BOOKIE_GROUPS_PREFIX,
+                &address,
+                group,
+            )
+            .await
         }
         .boxed()
     }

@@ -458,6 +458,36 @@ impl MetadataClient {
         self.list_inner(prefix, false, start_after, limit).await
     }
 
+    /// Every key starting with `prefix`, in key order, however many pages that takes.
+    pub async fn list_all(&self, prefix: &str) -> Result<Vec<KeyValue>, ClientError> {
+        let mut out = Vec::new();
+        let mut after = String::new();
+        loop {
+            let page = self.list(prefix, &after, 0).await?;
+            let next = page.kvs.last().map(|kv| kv.key.clone());
+            out.extend(page.kvs);
+            match next {
+                Some(last) if page.more => after = last,
+                _ => return Ok(out),
+            }
+        }
+    }
+
+    /// Names of every direct child of `parent`, however many pages that takes.
+    pub async fn children_all(&self, parent: &str) -> Result<Vec<String>, ClientError> {
+        let mut out = Vec::new();
+        let mut after = String::new();
+        loop {
+            let page = self.children(parent, &after, 0).await?;
+            let next = page.children.last().map(|c| format!("{parent}{c}"));
+            out.extend(page.children);
+            match next {
+                Some(last) if page.more => after = last,
+                _ => return Ok(out),
+            }
+        }
+    }
+
     /// Names of the direct children of `parent`.
     pub async fn children(
         &self,

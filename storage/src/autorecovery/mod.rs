@@ -110,17 +110,11 @@ pub async fn decommission(meta: &MetadataClient, addr: &str) -> Result<(), Clien
 
 /// Addresses of decommissioned bookies.
 pub async fn decommissioned(meta: &MetadataClient) -> Result<BTreeSet<String>, ClientError> {
-    let mut out = BTreeSet::new();
-    let mut after = String::new();
-    loop {
-        let page = meta.children(DECOMMISSIONED_PREFIX, &after, 0).await?;
-        out.extend(page.children.iter().cloned());
-        match (page.more, page.children.last()) {
-            (true, Some(last)) => after = format!("{DECOMMISSIONED_PREFIX}{last}"),
-            _ => break,
-        }
-    }
-    Ok(out)
+    Ok(meta
+        .children_all(DECOMMISSIONED_PREFIX)
+        .await?
+        .into_iter()
+        .collect())
 }
 
 /// The records of under-replicated ledgers, by ledger.
@@ -130,20 +124,12 @@ pub async fn under_replicated(meta: &MetadataClient) -> Result<Vec<UnderReplicat
 
 async fn records(meta: &MetadataClient) -> Result<Vec<(UnderReplicated, u64)>, ClientError> {
     let mut out = Vec::new();
-    let mut after = String::new();
-    loop {
-        let page = meta.list(UNDER_REPLICATED_PREFIX, &after, 0).await?;
-        for kv in &page.kvs {
-            match serde_json::from_slice::<UnderReplicated>(&kv.value) {
-                Ok(r) => out.push((r, kv.mod_revision)),
-                Err(e) => {
-                    tracing::warn!(key = %kv.key, error = %e, "unreadable under-replicated record")
-                }
+    for kv in meta.list_all(UNDER_REPLICATED_PREFIX).await? {
+        match serde_json::from_slice::<UnderReplicated>(&kv.value) {
+            Ok(r) => out.push((r, kv.mod_revision)),
+            Err(e) => {
+                tracing::warn!(key = %kv.key, error = %e, "unreadable under-replicated record")
             }
-        }
-        match (page.more, page.kvs.last()) {
-            (true, Some(last)) => after = last.key.clone(),
-            _ => break,
         }
     }
     Ok(out)

@@ -181,22 +181,12 @@ impl Ownership {
             self.cluster
         );
         let mut out = BTreeMap::new();
-        let mut after = String::new();
-        loop {
-            let page = self.meta.list(&prefix, &after, 0).await?;
-            for kv in &page.kvs {
-                match serde_json::from_slice(&kv.value) {
-                    Ok(p) => {
-                        out.insert(kv.key[prefix.len()..].to_string(), p);
-                    }
-                    Err(e) => {
-                        tracing::warn!(key = %kv.key, error = %e, "unreadable isolation policy")
-                    }
+        for kv in self.meta.list_all(&prefix).await? {
+            match serde_json::from_slice(&kv.value) {
+                Ok(p) => {
+                    out.insert(kv.key[prefix.len()..].to_string(), p);
                 }
-            }
-            match page.kvs.last() {
-                Some(last) if page.more => after = last.key.clone(),
-                _ => break,
+                Err(e) => tracing::warn!(key = %kv.key, error = %e, "unreadable isolation policy"),
             }
         }
         Ok(out)
