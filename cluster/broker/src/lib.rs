@@ -1,12 +1,13 @@
-//! Meridian's broker: the Pulsar protocol over the storage layer, and the process roles.
+//! Meridian's broker: the Pulsar protocol over the storage layer.
 //!
-//! Owns: topic names ([`topic_name`]), topics, producers and subscriptions ([`broker`]), client
-//! connections ([`connection`]), the listeners ([`server`], TLS in [`tls`]), `/metrics` and `/health`
-//! ([`http`]), the broker's side of the admin API ([`admin`]), and `meridian standalone`
-//! ([`standalone`]).
+//! Owns: topic names ([`topic_name`]), topics, producers and subscriptions, bundle ownership,
+//! lookups and the load manager ([`broker`]), client connections ([`connection`]), the
+//! listeners ([`server`], TLS in [`tls`]), `/metrics` and `/health` ([`http`]), and the
+//! broker's side of the admin API ([`admin`]).
 //!
 //! Does not know about: how entries reach bookies (that is `meridian-storage`), frame bytes
-//! (that is `meridian-protocol`).
+//! (that is `meridian-protocol`), or how roles share a process (that is the `meridian`
+//! binary's crate, `meridian-roles`).
 
 pub mod admin;
 pub mod broker;
@@ -16,6 +17,5 @@ pub mod frame_queue;
 pub mod http;
 mod publish;
 pub mod server;
-pub mod standalone;
 pub mod tls;
 pub mod topic_name;

@@ -26,9 +26,9 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::broker::Broker;
-use crate::http::RunningHttp;
-use crate::server::RunningServer;
+use meridian_broker::broker::Broker;
+use meridian_broker::http::RunningHttp;
+use meridian_broker::server::RunningServer;
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Addresses {
@@ -86,7 +86,7 @@ impl Standalone {
             .map_or_else(|| "127.0.0.1:0".to_string(), |a| a.metadata.clone());
         // TLS between roles only when `[tls]` is set: then the store's and the bookie's ports
         // take only the site's certificates, as a cluster's do. Plaintext on loopback otherwise.
-        let tls = crate::tls::site(&cfg.tls, None)?;
+        let tls = meridian_broker::tls::site(&cfg.tls, None)?;
         let store = EmbeddedStore::start_with_tls(mcfg, tls.clone())
             .await
             .map_err(|e| anyhow::anyhow!("embedded metadata store: {e}"))?;
@@ -156,17 +156,17 @@ impl Standalone {
             format!("pulsar://{advertise}"),
         )?;
         let al = bind(&cfg.broker.admin_listen, "broker.admin_listen").await?;
-        let admin = crate::admin::start(&broker, al).await?;
+        let admin = meridian_broker::admin::start(&broker, al).await?;
         let hl = bind(&cfg.broker.http_listen, "broker.http_listen").await?;
-        let http = crate::http::serve(Arc::clone(&broker), hl)?;
-        let tls_server = crate::tls::start(&broker).await?;
+        let http = meridian_broker::http::serve(Arc::clone(&broker), hl)?;
+        let tls_server = meridian_broker::tls::start(&broker).await?;
         broker.announce(
             &format!("http://{}", http.addr),
             &format!("http://{}", admin.addr),
         );
         broker.ownership.set_sole();
         broker.register().await.context("registering the broker")?;
-        let server = crate::server::serve(Arc::clone(&broker), pl)?;
+        let server = meridian_broker::server::serve(Arc::clone(&broker), pl)?;
         background.push(tokio::spawn(Arc::clone(&broker).ownership_loop()));
         background.push(tokio::spawn(
             Arc::clone(&broker).stats_loop(Duration::from_secs(5)),
