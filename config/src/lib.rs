@@ -619,6 +619,14 @@ pub struct BrokerConfig {
     /// A bundle moved is not moved again for this long, milliseconds. Range 0..=86400000,
     /// default 300000.
     pub load_shed_grace_ms: u64,
+    /// Shedding by usage (as Pulsar's ThresholdShedder): a broker whose usage (the larger of
+    /// its CPU over its cores and its message rate over `load_msg_rate_capacity`) is this
+    /// many percentage points above the site's average sheds a bundle with traffic to the
+    /// least used broker, before bundle counts are compared. Range 1..=100, default 10.
+    pub load_shed_threshold_percent: u64,
+    /// Messages per second in and out that count as a broker's full usage. Range
+    /// 1..=100000000, default 200000.
+    pub load_msg_rate_capacity: u64,
     /// Shed bundles at all (placement of unowned bundles happens regardless). Default `true`.
     pub load_balancer_enabled: bool,
     /// A bundle's owner splits it in two (and unloads the upper half, which the next lookup
@@ -690,6 +698,8 @@ impl Default for BrokerConfig {
             load_report_interval_ms: 3_000,
             load_shed_interval_ms: 60_000,
             load_shed_grace_ms: 300_000,
+            load_shed_threshold_percent: 10,
+            load_msg_rate_capacity: 200_000,
             load_balancer_enabled: true,
             bundle_split_enabled: true,
             bundle_split_topics_max: 1_000,
@@ -810,6 +820,8 @@ impl BrokerConfig {
             ("broker.load_report_interval_ms", b.load_report_interval_ms, 500, 60_000, ""),
             ("broker.load_shed_interval_ms", b.load_shed_interval_ms, 1_000, 3_600_000, ""),
             ("broker.load_shed_grace_ms", b.load_shed_grace_ms, 0, 86_400_000, ""),
+            ("broker.load_shed_threshold_percent", b.load_shed_threshold_percent, 1, 100, ""),
+            ("broker.load_msg_rate_capacity", b.load_msg_rate_capacity, 1, 100_000_000, ""),
             ("broker.bundle_split_topics_max", b.bundle_split_topics_max, 1, 1_000_000, ""),
             ("broker.bundle_split_msg_rate_max", b.bundle_split_msg_rate_max, 1, 100_000_000, ""),
             ("broker.namespace_bundles_max", b.namespace_bundles_max, 1, 65_536, ""),

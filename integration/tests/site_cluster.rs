@@ -132,6 +132,77 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
         "loading stats did not move it: {o}"
     );
 
+    step("a partitioned topic spread over both brokers: admin calls at either broker reach every partition at its owner");
+    let pt = "persistent://public/default/spread";
+    let parts = 16u32;
+    let (code, out, err) = run_admin(&[
+        "--admin-url",
+        &brokers[0].admin_url,
+        "topics",
+        "create-partitioned-topic",
+        pt,
+        "-p",
+        &parts.to_string(),
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "{out}{err}");
+    let lines = PyClient::run(
+        &root,
+        "p-spread",
+        &["produce", &service, pt, "--count", "64"],
+    )
+    .finish(T)
+    .unwrap_or_else(|e| panic!("produce {pt}: {e:#}"));
+    assert!(
+        lines.iter().any(|v| v["done"].as_u64() == Some(64)),
+        "{lines:?}"
+    );
+    let part_owners: BTreeSet<String> = (0..parts)
+        .map(|i| {
+            admin_json(
+                &brokers[0].admin_url,
+                &["topics", "lookup", &format!("{pt}-partition-{i}")],
+            )["owner"]
+                .as_str()
+                .expect("owned once produced to")
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        part_owners, ids,
+        "the partitions are served by both brokers"
+    );
+    for b in &brokers {
+        let internal = admin_json(&b.admin_url, &["topics", "stats-internal", pt]);
+        let all = internal.as_array().expect("one per partition");
+        assert_eq!(all.len(), parts as usize, "{internal}");
+        let entries: u64 = all.iter().map(|t| t["entries"].as_u64().unwrap_or(0)).sum();
+        assert_eq!(entries, 64, "{internal}");
+        let status = admin_json(&b.admin_url, &["topics", "compaction-status", pt]);
+        assert_eq!(status["status"].as_str(), Some("NOT_RUN"), "{status}");
+        admin_json(&b.admin_url, &["topics", "unload", pt]);
+    }
+    let plan = admin_json(
+        &brokers[1].admin_url,
+        &["topics", "delete", pt, "--dry-run"],
+    );
+    let plan_text = plan.to_string();
+    for i in 0..parts {
+        assert!(
+            plan_text.contains(&format!("topic {pt}-partition-{i}\"")),
+            "partition {i} missing from the plan: {plan}"
+        );
+    }
+    admin_json(&brokers[1].admin_url, &["topics", "delete", pt]);
+    let listed = admin_json(&brokers[0].admin_url, &["topics", "list", "public/default"]);
+    assert!(!listed.to_string().contains("spread"), "{listed}");
+    for i in 0..parts {
+        let p = format!("{pt}-partition-{i}");
+        let (code, out, err) =
+            run_admin(&["--admin-url", &brokers[0].admin_url, "topics", "stats", &p]).unwrap();
+        assert_ne!(code, 0, "{p} is gone: {out}{err}");
+    }
+
     step("a durable subscription on every topic takes and acknowledges half of it");
     let half = (MESSAGES / 2).to_string();
     for i in 0..TOPICS {
@@ -1267,4 +1338,142 @@ async fn full_site(cluster: &MetaCluster) -> (Vec<BookieProc>, Vec<BrokerProc>) 
         })
         .collect();
     (bookies, brokers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_traffic_on_one_broker_then_the_load_manager_sheds_a_busy_bundle_by_usage() {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let root = cluster.root.path().to_path_buf();
+    let mut bookie = BookieProc::new("bookie", &root, &endpoint);
+    bookie.start().unwrap();
+    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let brokers: Vec<BrokerProc> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            let mut b = BrokerProc::new(n, &root, &endpoint);
+            b.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")
+                .env("MERIDIAN_BROKER_LOAD_REPORT_INTERVAL_MS", "500")
+                .env("MERIDIAN_BROKER_LOAD_SHED_INTERVAL_MS", "1000")
+                .env("MERIDIAN_BROKER_LOAD_SHED_GRACE_MS", "600000")
+                // 500 msg/s is a broker's whole capacity here: a few hundred messages per
+                // second make it busy.
+                .env("MERIDIAN_BROKER_LOAD_MSG_RATE_CAPACITY", "500");
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    let ids: Vec<String> = brokers.iter().map(|b| host(&b.url).to_string()).collect();
+    let service = format!("pulsar://{},{}", ids[0], ids[1]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while admin_json(&brokers[0].admin_url, &["brokers", "list"])
+        .as_array()
+        .map(Vec::len)
+        != Some(2)
+    {
+        assert!(Instant::now() < deadline, "both brokers registered");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    step("40 quiet topics place the 4 bundles two and two");
+    let lines = PyClient::run(
+        &root,
+        "quiet",
+        &[
+            "multi-produce",
+            &service,
+            "persistent://public/default/quiet",
+            "--topics",
+            "40",
+        ],
+    )
+    .finish(T)
+    .unwrap_or_else(|e| panic!("multi-produce: {e:#}"));
+    assert!(
+        lines.iter().any(|v| v["done"].as_u64() == Some(40)),
+        "{lines:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(40);
+    loop {
+        let owners = bundle_owners(&brokers[0].admin_url);
+        if owners.values().all(|n| *n == 2) && owners.len() == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "bundles not two and two: {owners:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+
+    step("traffic on both bundles of one broker: the leader sheds one of them to the other");
+    let lookup = |t: &str| admin_json(&brokers[0].admin_url, &["topics", "lookup", t]);
+    let busy_owner = ids[0].clone();
+    let mut hot: Vec<(String, String)> = Vec::new(); // (topic, bundle)
+    for i in 0..200 {
+        let t = format!("persistent://public/default/hot-{i}");
+        let l = lookup(&t);
+        let bundle = l["bundle"].as_str().expect("bundle").to_string();
+        if l["owner"].as_str() == Some(busy_owner.as_str()) && hot.iter().all(|h| h.1 != bundle) {
+            hot.push((t, bundle));
+        }
+        if hot.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(hot.len(), 2, "a topic in each of {busy_owner}'s bundles");
+    let mut producers: Vec<_> = hot
+        .iter()
+        .enumerate()
+        .map(|(i, (t, _))| {
+            PyClient::run(
+                &root,
+                &format!("hot{i}"),
+                &[
+                    "produce",
+                    &service,
+                    t,
+                    "--count",
+                    "200000",
+                    "--pause-every",
+                    "50",
+                    "--pause-ms",
+                    "50",
+                ],
+            )
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let moved = loop {
+        let moved: Vec<&(String, String)> = hot
+            .iter()
+            .filter(|(t, _)| lookup(t)["owner"].as_str() == Some(ids[1].as_str()))
+            .collect();
+        if !moved.is_empty() {
+            break moved.len();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no busy bundle moved within 60 s; loads: {}",
+            admin_json(&brokers[0].admin_url, &["brokers", "list"])
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert_eq!(moved, 1, "one busy bundle moved, the other stayed");
+    let metrics: String = brokers
+        .iter()
+        .map(|b| meridian_integration::http_get(&b.http, "/metrics"))
+        .collect();
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("meridian_load_manager_decisions_total")
+                && l.contains("rule=\"usage\"")),
+        "the decision is counted with its rule"
+    );
+    for p in &mut producers {
+        p.kill9();
+    }
 }

@@ -14,6 +14,18 @@ use crate::pb::*;
 use crate::store::{AdminError, TenancyStore};
 
 /// What the admin service asks of the broker.
+/// Where an admin topic call is served ([`TopicOps::route`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Route {
+    /// At this broker (it owns the topic, nobody does, or the call is refused here anyway).
+    Here,
+    /// At the admin API of the broker that owns the topic.
+    Owner(String),
+    /// A partitioned topic whose partitions are not all here: each partition where it is
+    /// served (`None`: here; else the owner's admin URL).
+    Partitions(Vec<(String, Option<String>)>),
+}
+
 pub trait TopicOps: Send + Sync + 'static {
     /// Topics of a namespace: (full name, partitions; 0 for a non-partitioned topic),
     /// partitions of partitioned topics folded into their topic.
@@ -33,9 +45,9 @@ pub trait TopicOps: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<Vec<TopicStats>, AdminError>>;
     /// Terminates a topic; answers its last message id (`ledger:entry`, empty if none).
     fn terminate(&self, topic: String) -> BoxFuture<'_, Result<String, AdminError>>;
-    /// The admin URL of the broker that owns `topic`, when another broker does (admin topic
-    /// calls are forwarded there); `None` to serve it here.
-    fn owner_admin_url(&self, topic: String) -> BoxFuture<'_, Result<Option<String>, AdminError>>;
+    /// Where an admin call on `topic` is served: here, at the owner's admin API, or (a
+    /// partitioned topic with partitions owned by other brokers) partition by partition.
+    fn route(&self, topic: String) -> BoxFuture<'_, Result<Route, AdminError>>;
     /// The site's registered brokers.
     fn brokers(&self) -> BoxFuture<'_, Result<Vec<BrokerInfo>, AdminError>>;
     /// Unloads a namespace's bundles (or one); answers the ranges unloaded.
@@ -388,33 +400,104 @@ fn ok<T>(t: T) -> Reply<T> {
 /// again.
 const FORWARDED: &str = "x-meridian-forwarded";
 
-/// A topic call made at a broker that does not own the topic goes to the owner's admin API,
-/// with the caller's credentials; the owner authorizes and answers.
-macro_rules! forward {
-    ($self:ident, $r:ident, $topic:expr, $method:ident) => {
-        if $r.metadata().get(FORWARDED).is_none() {
-            if let Some(url) = $self.topics.owner_admin_url($topic.to_string()).await? {
-                let mut c = peer(&url).await?;
-                let mut fwd = Request::new($r.get_ref().clone());
-                if let Some(a) = $r.metadata().get("authorization") {
-                    fwd.metadata_mut().insert("authorization", a.clone());
-                }
-                fwd.metadata_mut()
-                    .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
-                return match tokio::time::timeout(
-                    std::time::Duration::from_secs(60),
-                    c.$method(fwd),
-                )
-                .await
+/// A request made on the caller's behalf (its credentials, its role when served here),
+/// marked as forwarded.
+fn on_behalf<T, U>(r: &Request<T>, body: U) -> Request<U> {
+    let mut fwd = Request::new(body);
+    if let Some(a) = r.metadata().get("authorization") {
+        fwd.metadata_mut().insert("authorization", a.clone());
+    }
+    fwd.metadata_mut()
+        .insert(FORWARDED, tonic::metadata::MetadataValue::from_static("1"));
+    if let Some(role) = role_of(r) {
+        fwd.extensions_mut().insert(role);
+    }
+    fwd
+}
+
+/// Calls `$method` with `$fwd` at the admin API `$url` (with a deadline), or here (`None`).
+macro_rules! call_at {
+    ($self:ident, $url:expr, $fwd:expr, $method:ident) => {
+        match $url {
+            Some(url) => {
+                let mut c = peer(url).await?;
+                match tokio::time::timeout(std::time::Duration::from_secs(60), c.$method($fwd))
+                    .await
                 {
                     Ok(r) => r,
                     Err(_) => Err(Status::deadline_exceeded(format!(
                         "the topic's broker at {url} did not answer within 60 s"
                     ))),
-                };
+                }
+            }
+            None => $self.$method($fwd).await,
+        }
+    };
+}
+
+/// A topic call made at a broker that does not own the topic goes to the owner's admin API,
+/// with the caller's credentials; the owner authorizes and answers. With `$merge`, a
+/// partitioned topic whose partitions are not all here is served partition by partition
+/// (each at its owner) and the answers merged; without, such a call is served here (where it
+/// is refused: those operations take a partition or a non-partitioned topic).
+macro_rules! forward {
+    ($self:ident, $r:ident, $field:ident, $method:ident) => {
+        if $r.metadata().get(FORWARDED).is_none() {
+            if let Route::Owner(url) = $self.topics.route($r.get_ref().$field.to_string()).await? {
+                let fwd = on_behalf(&$r, $r.get_ref().clone());
+                return call_at!($self, Some(url.as_str()), fwd, $method);
             }
         }
     };
+    ($self:ident, $r:ident, $field:ident, $method:ident, $merge:expr) => {
+        if $r.metadata().get(FORWARDED).is_none() {
+            match $self.topics.route($r.get_ref().$field.to_string()).await? {
+                Route::Here => {}
+                Route::Owner(url) => {
+                    let fwd = on_behalf(&$r, $r.get_ref().clone());
+                    return call_at!($self, Some(url.as_str()), fwd, $method);
+                }
+                Route::Partitions(parts) => {
+                    let mut answers = Vec::with_capacity(parts.len());
+                    for (p, url) in &parts {
+                        let mut body = $r.get_ref().clone();
+                        body.$field = p.clone();
+                        let fwd = on_behalf(&$r, body);
+                        answers.push(call_at!($self, url.as_deref(), fwd, $method)?.into_inner());
+                    }
+                    #[allow(clippy::redundant_closure_call)]
+                    return ok(($merge)(answers));
+                }
+            }
+        }
+    };
+}
+
+/// A partitioned topic's compaction status from its partitions': running if any runs, else
+/// failed if any failed (naming the partition), else not run if any has not, else the first.
+fn merged_compaction_status(
+    parts: &[(String, Option<String>)],
+    all: Vec<CompactionStatus>,
+) -> CompactionStatus {
+    let pick = |status: &str| parts.iter().zip(&all).find(|(_, s)| s.status == status);
+    match pick("RUNNING")
+        .or_else(|| pick("ERROR"))
+        .or_else(|| pick("NOT_RUN"))
+        .or_else(|| parts.iter().zip(&all).next())
+    {
+        Some(((p, _), s)) => CompactionStatus {
+            status: s.status.clone(),
+            last_error: if s.last_error.is_empty() {
+                String::new()
+            } else {
+                format!("{p}: {}", s.last_error)
+            },
+        },
+        None => CompactionStatus {
+            status: "NOT_RUN".into(),
+            last_error: String::new(),
+        },
+    }
 }
 
 /// A client of another broker's admin API (plaintext; a TLS admin API is not forwarded to).
@@ -433,6 +516,60 @@ async fn peer(
         .await
         .map_err(|e| Status::unavailable(format!("the topic's broker at {url}: {e}")))?;
     Ok(crate::pb::admin_client::AdminClient::new(ch))
+}
+
+impl AdminService {
+    /// Deletes a partitioned topic whose partitions are served by several brokers: every
+    /// partition is checked first (at its owner, as a dry run), then each is deleted where it
+    /// is served, then the partitioned topic's record here.
+    async fn delete_partitioned(
+        &self,
+        r: Request<DeleteRequest>,
+        parts: Vec<(String, Option<String>)>,
+    ) -> Reply<DeleteResponse> {
+        let d = r.get_ref().clone();
+        let mut deleted = vec![format!(
+            "partitioned topic {} ({} partitions)",
+            d.name,
+            parts.len()
+        )];
+        for (p, url) in &parts {
+            let check = DeleteRequest {
+                name: p.clone(),
+                dry_run: true,
+                ..d.clone()
+            };
+            match call_at!(self, url.as_deref(), on_behalf(&r, check), delete_topic) {
+                Ok(a) => deleted.extend(a.into_inner().deleted),
+                // A partition never written to has no log: nothing to delete for it.
+                Err(s) if s.code() == tonic::Code::NotFound => {}
+                Err(s) => return Err(s),
+            }
+        }
+        if d.dry_run {
+            return ok(DeleteResponse {
+                deleted,
+                dry_run: true,
+            });
+        }
+        for (p, url) in &parts {
+            let del = DeleteRequest {
+                name: p.clone(),
+                ..d.clone()
+            };
+            match call_at!(self, url.as_deref(), on_behalf(&r, del), delete_topic) {
+                Ok(_) => {}
+                Err(s) if s.code() == tonic::Code::NotFound => {}
+                Err(s) => return Err(s),
+            }
+        }
+        // The partitions are gone: what is left here is the record (and schema, policies).
+        self.topics.delete(d.name, d.force, false).await?;
+        ok(DeleteResponse {
+            deleted,
+            dry_run: false,
+        })
+    }
 }
 
 #[tonic::async_trait]
@@ -723,7 +860,7 @@ impl Admin for AdminService {
     async fn get_topic_stats(&self, r: Request<Name>) -> Reply<TopicStats> {
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
-        forward!(self, r, r.get_ref().name, get_topic_stats);
+        forward!(self, r, name, get_topic_stats);
         ok(self.topics.stats(r.into_inner().name).await?)
     }
 
@@ -740,7 +877,16 @@ impl Admin for AdminService {
     async fn delete_topic(&self, r: Request<DeleteRequest>) -> Reply<DeleteResponse> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
-        forward!(self, r, r.get_ref().name, delete_topic);
+        if r.metadata().get(FORWARDED).is_none() {
+            match self.topics.route(r.get_ref().name.clone()).await? {
+                Route::Here => {}
+                Route::Owner(url) => {
+                    let fwd = on_behalf(&r, r.get_ref().clone());
+                    return call_at!(self, Some(url.as_str()), fwd, delete_topic);
+                }
+                Route::Partitions(parts) => return self.delete_partitioned(r, parts).await,
+            }
+        }
         let d = r.into_inner();
         let deleted = self.topics.delete(d.name, d.force, d.dry_run).await?;
         ok(DeleteResponse {
@@ -752,7 +898,7 @@ impl Admin for AdminService {
     async fn unload_topic(&self, r: Request<Name>) -> Reply<Empty> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
-        forward!(self, r, r.get_ref().name, unload_topic);
+        forward!(self, r, name, unload_topic, |_: Vec<Empty>| Empty {});
         self.topics.unload(r.into_inner().name).await?;
         ok(Empty {})
     }
@@ -760,7 +906,13 @@ impl Admin for AdminService {
     async fn get_topic_internal_stats(&self, r: Request<Name>) -> Reply<InternalStatsList> {
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
-        forward!(self, r, r.get_ref().name, get_topic_internal_stats);
+        forward!(self, r, name, get_topic_internal_stats, |all: Vec<
+            InternalStatsList,
+        >| {
+            InternalStatsList {
+                topics: all.into_iter().flat_map(|l| l.topics).collect(),
+            }
+        });
         ok(InternalStatsList {
             topics: self.topics.internal_stats(r.into_inner().name).await?,
         })
@@ -769,7 +921,7 @@ impl Admin for AdminService {
     async fn terminate_topic(&self, r: Request<Name>) -> Reply<TerminateResponse> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
-        forward!(self, r, r.get_ref().name, terminate_topic);
+        forward!(self, r, name, terminate_topic);
         let last = self.topics.terminate(r.into_inner().name).await?;
         ok(TerminateResponse {
             last_message_id: last,
@@ -933,7 +1085,7 @@ impl Admin for AdminService {
     async fn compact_topic(&self, r: Request<Name>) -> Reply<Empty> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
-        forward!(self, r, r.get_ref().name, compact_topic);
+        forward!(self, r, name, compact_topic, |_: Vec<Empty>| Empty {});
         self.topics.compact(r.into_inner().name).await?;
         ok(Empty {})
     }
@@ -941,14 +1093,26 @@ impl Admin for AdminService {
     async fn get_compaction_status(&self, r: Request<Name>) -> Reply<CompactionStatus> {
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
-        forward!(self, r, r.get_ref().name, get_compaction_status);
+        if r.metadata().get(FORWARDED).is_none() {
+            if let Route::Partitions(parts) = self.topics.route(r.get_ref().name.clone()).await? {
+                let mut all = Vec::with_capacity(parts.len());
+                for (p, url) in &parts {
+                    let fwd = on_behalf(&r, Name { name: p.clone() });
+                    all.push(
+                        call_at!(self, url.as_deref(), fwd, get_compaction_status)?.into_inner(),
+                    );
+                }
+                return ok(merged_compaction_status(&parts, all));
+            }
+        }
+        forward!(self, r, name, get_compaction_status);
         ok(self.topics.compaction_status(r.into_inner().name).await?)
     }
 
     async fn list_subscriptions(&self, r: Request<Name>) -> Reply<Names> {
         self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
             .await?;
-        forward!(self, r, r.get_ref().name, list_subscriptions);
+        forward!(self, r, name, list_subscriptions);
         ok(Names {
             names: self.topics.subscriptions(r.into_inner().name).await?,
         })
@@ -957,7 +1121,7 @@ impl Admin for AdminService {
     async fn create_subscription(&self, r: Request<CreateSubscriptionRequest>) -> Reply<Empty> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
-        forward!(self, r, r.get_ref().topic, create_subscription);
+        forward!(self, r, topic, create_subscription);
         self.topics.create_subscription(r.into_inner()).await?;
         ok(Empty {})
     }
@@ -965,7 +1129,7 @@ impl Admin for AdminService {
     async fn delete_subscription(&self, r: Request<SubscriptionRequest>) -> Reply<DeleteResponse> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
-        forward!(self, r, r.get_ref().topic, delete_subscription);
+        forward!(self, r, topic, delete_subscription);
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let deleted = self.topics.delete_subscription(r).await?;
@@ -975,7 +1139,7 @@ impl Admin for AdminService {
     async fn peek_messages(&self, r: Request<PeekRequest>) -> Reply<PeekResponse> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
-        forward!(self, r, r.get_ref().topic, peek_messages);
+        forward!(self, r, topic, peek_messages);
         ok(PeekResponse {
             messages: self.topics.peek(r.into_inner()).await?,
         })
@@ -984,7 +1148,7 @@ impl Admin for AdminService {
     async fn skip_messages(&self, r: Request<SkipRequest>) -> Reply<CountResponse> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
-        forward!(self, r, r.get_ref().topic, skip_messages);
+        forward!(self, r, topic, skip_messages);
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let sub = SubscriptionRequest {
@@ -999,7 +1163,7 @@ impl Admin for AdminService {
     async fn clear_backlog(&self, r: Request<SubscriptionRequest>) -> Reply<CountResponse> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
-        forward!(self, r, r.get_ref().topic, clear_backlog);
+        forward!(self, r, topic, clear_backlog);
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let entries = self.topics.skip(r, None).await?;
@@ -1009,7 +1173,7 @@ impl Admin for AdminService {
     async fn expire_messages(&self, r: Request<ExpireRequest>) -> Reply<CountResponse> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
-        forward!(self, r, r.get_ref().topic, expire_messages);
+        forward!(self, r, topic, expire_messages);
         let r = r.into_inner();
         let dry_run = r.dry_run;
         let entries = self.topics.expire(r).await?;
@@ -1019,7 +1183,7 @@ impl Admin for AdminService {
     async fn reset_cursor(&self, r: Request<ResetCursorRequest>) -> Reply<Empty> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
-        forward!(self, r, r.get_ref().topic, reset_cursor);
+        forward!(self, r, topic, reset_cursor);
         self.topics.reset_cursor(r.into_inner()).await?;
         ok(Empty {})
     }

@@ -9,7 +9,7 @@ use meridian_protocol::pb::ServerError;
 use meridian_storage::autorecovery;
 use meridian_tenancy::model::ClusterData;
 use meridian_tenancy::pb;
-use meridian_tenancy::service::{AdminService, RunningAdmin, TopicOps};
+use meridian_tenancy::service::{AdminService, Route, RunningAdmin, TopicOps};
 use meridian_tenancy::{AdminError, TenancyStore};
 
 use crate::broker::{compaction, Broker, BrokerError, Topic, TopicStats};
@@ -171,6 +171,18 @@ pub struct BrokerTopics(pub Arc<Broker>);
 impl BrokerTopics {
     fn name(&self, topic: &str) -> Result<TopicName, AdminError> {
         self.0.check_topic(topic).map_err(admin_error)
+    }
+
+    /// The admin URL of the broker that owns a (non-partitioned) topic, when another broker
+    /// does; `None` to serve it here.
+    async fn owner_admin_url(&self, name: &TopicName) -> Result<Option<String>, AdminError> {
+        use crate::broker::ownership::Owner;
+        let b = &self.0;
+        let bundle = b.ownership.bundle_of(name).await.map_err(admin_error)?;
+        Ok(match b.ownership.owner(&name.namespace(), &bundle).await {
+            Ok(Owner::Other(o)) if !o.admin_url.is_empty() => Some(o.admin_url),
+            _ => None,
+        })
     }
 
     /// A subscription an admin call may move (skip, clear, expire, reset): not compaction's,
@@ -376,31 +388,38 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
-    fn owner_admin_url(&self, topic: String) -> BoxFuture<'_, Result<Option<String>, AdminError>> {
+    fn route(&self, topic: String) -> BoxFuture<'_, Result<Route, AdminError>> {
         async move {
-            use crate::broker::ownership::Owner;
             let Ok(name) = self.name(&topic) else {
-                return Ok(None); // refused here, with the reason
+                return Ok(Route::Here); // refused here, with the reason
             };
             let b = &self.0;
-            // A partitioned topic's partitions may be anywhere: served here, partition by
-            // partition (those owned elsewhere answer ServiceNotReady).
-            if name.partition().is_none()
-                && b.partitions_of(&name).await.map_err(admin_error)?.is_some()
-            {
-                return Ok(None);
-            }
             if !b
                 .namespace_exists(&name.namespace())
                 .await
                 .map_err(admin_error)?
             {
-                return Ok(None);
+                return Ok(Route::Here);
             }
-            let bundle = b.ownership.bundle_of(&name).await.map_err(admin_error)?;
-            Ok(match b.ownership.owner(&name.namespace(), &bundle).await {
-                Ok(Owner::Other(o)) if !o.admin_url.is_empty() => Some(o.admin_url),
-                _ => None,
+            // A partitioned topic's partitions may be anywhere: each is served by its owner.
+            if name.partition().is_none() {
+                if let Some((n, _)) = b.partitions_of(&name).await.map_err(admin_error)? {
+                    let mut parts = Vec::with_capacity(n as usize);
+                    for i in 0..n {
+                        let p = name.partition_name(i);
+                        let at = self.owner_admin_url(&p).await?;
+                        parts.push((p.to_string(), at));
+                    }
+                    return Ok(if parts.iter().all(|(_, at)| at.is_none()) {
+                        Route::Here
+                    } else {
+                        Route::Partitions(parts)
+                    });
+                }
+            }
+            Ok(match self.owner_admin_url(&name).await? {
+                Some(url) => Route::Owner(url),
+                None => Route::Here,
             })
         }
         .boxed()

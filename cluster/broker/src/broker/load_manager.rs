@@ -1,6 +1,8 @@
 //! The site's load manager, as Pulsar's: one broker is leader (an ephemeral key of its
-//! session, taken by compare-and-set) and sheds bundles from brokers that hold more than
-//! others; moving a bundle is unloading it at its owner (through an unload request in the
+//! session, taken by compare-and-set) and sheds bundles from brokers used more than the
+//! site's average (CPU, message rates: [`usage_shed_choice`], as Pulsar's ThresholdShedder)
+//! or, when usage is even, from brokers that hold more bundles than others
+//! ([`shed_choice`]); moving a bundle is unloading it at its owner (through an unload request in the
 //! metadata store, which every broker serves for its own bundles), after which the next
 //! lookup places it on the least loaded broker. Unowned bundles are placed by whichever
 //! broker a lookup reaches ([`super::ownership::Ownership::candidate`]), by the same rule.
@@ -54,6 +56,81 @@ pub fn shed_choice(brokers: &[(String, u64)]) -> Option<(String, String)> {
         .iter()
         .min_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(&b.0)))?;
     (most.1 >= fewest.1 + 2).then(|| (most.0.clone(), fewest.0.clone()))
+}
+
+/// A broker's usage in percent of its capacity: the larger of its CPU over its cores and its
+/// message rate (in and out) over `msg_capacity`.
+pub fn usage_percent(l: &super::ownership::LoadReport, msg_capacity: f64) -> f64 {
+    let cpu = l.cpu_percent / l.cpu_cores.max(1) as f64;
+    let msgs = (l.msg_rate_in + l.msg_rate_out) / msg_capacity.max(1.0) * 100.0;
+    cpu.max(msgs)
+}
+
+/// A broker as the usage rule sees it.
+#[derive(Debug, Clone)]
+pub struct Usage {
+    pub id: String,
+    /// Percent of capacity ([`usage_percent`]).
+    pub percent: f64,
+    /// Messages per second of its busiest bundles.
+    pub bundles: Vec<(String, f64)>,
+}
+
+/// A shedding decision by usage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageShed {
+    pub from: String,
+    pub to: String,
+    /// The bundles worth moving, best first (`<ns>/<range>`): each leaves the target within
+    /// the threshold above the average once moved, so the move is not undone by the next.
+    pub candidates: Vec<String>,
+    pub reason: String,
+}
+
+/// The usage rule: the most used broker sheds when it is more than `threshold` points above
+/// the site's average, to the least used one; a bundle's share of its owner's usage is its
+/// share of the owner's message rate. Bundles without traffic never move by this rule; a
+/// bundle so hot that it would put its new owner past the threshold is left to splitting.
+pub fn usage_shed_choice(brokers: &[Usage], threshold: f64) -> Option<UsageShed> {
+    if brokers.len() < 2 {
+        return None;
+    }
+    let avg = brokers.iter().map(|b| b.percent).sum::<f64>() / brokers.len() as f64;
+    let from = brokers
+        .iter()
+        .max_by(|a, b| a.percent.total_cmp(&b.percent).then(b.id.cmp(&a.id)))?;
+    let to = brokers
+        .iter()
+        .min_by(|a, b| a.percent.total_cmp(&b.percent).then(a.id.cmp(&b.id)))?;
+    if from.percent <= avg + threshold || from.id == to.id {
+        return None;
+    }
+    let room = avg + threshold - to.percent;
+    let total: f64 = from.bundles.iter().map(|b| b.1).sum();
+    if total <= 0.0 {
+        return None;
+    }
+    let mut fits: Vec<(String, f64)> = from
+        .bundles
+        .iter()
+        .filter(|b| b.1 > 0.0)
+        .map(|(name, rate)| (name.clone(), rate / total * from.percent))
+        .filter(|(_, share)| *share <= room + 1e-9)
+        .collect();
+    // The largest share that fits first: the fewest moves to even the site out.
+    fits.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if fits.is_empty() {
+        return None;
+    }
+    Some(UsageShed {
+        from: from.id.clone(),
+        to: to.id.clone(),
+        reason: format!(
+            "{} used {:.0}% (site average {avg:.0}%, threshold {threshold:.0} points), {} {:.0}%",
+            from.id, from.percent, to.id, to.percent
+        ),
+        candidates: fits.into_iter().map(|f| f.0).collect(),
+    })
 }
 
 fn request_key(ns: &str, b: &Bundle) -> String {
@@ -151,6 +228,53 @@ impl Broker {
             *self.load_manager.pending.lock().expect("lock") = None;
         }
         let brokers = self.ownership.brokers().await?;
+        let capacity = self.cfg.load_msg_rate_capacity as f64;
+        let threshold = self.cfg.load_shed_threshold_percent as f64;
+        let usage: Vec<Usage> = brokers
+            .iter()
+            .map(|b| Usage {
+                id: b.id.clone(),
+                percent: usage_percent(&b.load, capacity),
+                bundles: b
+                    .load
+                    .bundle_msg_rates
+                    .iter()
+                    .map(|(k, v)| (k.clone(), *v))
+                    .collect(),
+            })
+            .collect();
+        let grace = Duration::from_millis(self.cfg.load_shed_grace_ms);
+        if let Some(choice) = usage_shed_choice(&usage, threshold) {
+            for path in &choice.candidates {
+                let recent = self
+                    .load_manager
+                    .moved
+                    .lock()
+                    .expect("lock")
+                    .get(path)
+                    .is_some_and(|t| t.elapsed() < grace);
+                let Some((ns, range)) = path.rsplit_once('/') else {
+                    continue;
+                };
+                if recent || !self.ownership.allows(ns, &choice.to).await? {
+                    continue;
+                }
+                let Some(b) = self.ownership.bundle_named_fresh(ns, range).await? else {
+                    continue;
+                };
+                let rate = usage
+                    .iter()
+                    .find(|u| u.id == choice.from)
+                    .and_then(|u| u.bundles.iter().find(|x| &x.0 == path))
+                    .map_or(0.0, |x| x.1);
+                let reason = format!(
+                    "{}: shed {range} of {ns} ({rate:.0} msg/s) to {}",
+                    choice.reason, choice.to
+                );
+                return self.shed_bundle(ns, b, path, &reason, "usage").await;
+            }
+        }
+        let average = usage.iter().map(|u| u.percent).sum::<f64>() / usage.len().max(1) as f64;
         let counts: Vec<(String, u64)> = brokers
             .iter()
             .map(|b| (b.id.clone(), b.load.bundles))
@@ -158,7 +282,21 @@ impl Broker {
         let Some((from, to)) = shed_choice(&counts) else {
             return Ok(());
         };
-        let grace = Duration::from_millis(self.cfg.load_shed_grace_ms);
+        // Not onto a broker already used past the threshold: bundle counts only even out
+        // brokers that have room.
+        if usage
+            .iter()
+            .any(|u| u.id == to && u.percent > average + threshold)
+        {
+            return Ok(());
+        }
+        let rate_of = |path: &str| {
+            usage
+                .iter()
+                .find(|u| u.id == from)
+                .and_then(|u| u.bundles.iter().find(|x| x.0 == path))
+                .map_or(0.0, |x| x.1)
+        };
         let mut owned = Vec::new();
         let mut after = String::new();
         loop {
@@ -174,13 +312,15 @@ impl Broker {
                 _ => break,
             }
         }
-        let movable: Vec<String> = {
+        let mut movable: Vec<String> = {
             let moved = self.load_manager.moved.lock().expect("lock");
             owned
                 .into_iter()
                 .filter(|k| moved.get(k).is_none_or(|t| t.elapsed() >= grace))
                 .collect()
         };
+        // The quietest bundles first: evening out counts should not move the traffic.
+        movable.sort_by(|a, b| rate_of(a).total_cmp(&rate_of(b)));
         // Only a bundle the isolation policies let the target own.
         let mut pick = None;
         for k in movable {
@@ -205,16 +345,30 @@ impl Broker {
             n(&from),
             n(&to)
         );
-        tracing::info!(%reason, "load manager decision");
-        metrics::counter!("meridian_load_manager_decisions_total", "kind" => "shed").increment(1);
+        self.shed_bundle(ns, b, &path, &reason, "bundles").await
+    }
+
+    /// Sheds one bundle: logged and counted with its rule and reason, remembered for the grace
+    /// period, and unloaded at its owner.
+    async fn shed_bundle(
+        &self,
+        ns: &str,
+        b: Bundle,
+        path: &str,
+        reason: &str,
+        rule: &'static str,
+    ) -> Result<(), BrokerError> {
+        tracing::info!(%reason, rule, "load manager decision");
+        metrics::counter!("meridian_load_manager_decisions_total", "kind" => "shed", "rule" => rule)
+            .increment(1);
         self.load_manager
             .moved
             .lock()
             .expect("lock")
-            .insert(path.clone(), Instant::now());
+            .insert(path.to_string(), Instant::now());
         *self.load_manager.pending.lock().expect("lock") =
             Some((ns.to_string(), b, Instant::now()));
-        self.request_unload(ns, &b, &reason).await
+        self.request_unload(ns, &b, reason).await
     }
 
     async fn request_unload(&self, ns: &str, b: &Bundle, reason: &str) -> Result<(), BrokerError> {
@@ -362,5 +516,83 @@ mod tests {
             "ties to the smaller id"
         );
         assert_eq!(shed_choice(&b(&[("a", 2), ("b", 2), ("c", 2)])), None);
+    }
+
+    fn u(id: &str, percent: f64, bundles: &[(&str, f64)]) -> Usage {
+        Usage {
+            id: id.into(),
+            percent,
+            bundles: bundles.iter().map(|(n, r)| (n.to_string(), *r)).collect(),
+        }
+    }
+
+    #[test]
+    fn a_broker_used_past_the_threshold_sheds_the_largest_bundle_the_target_has_room_for() {
+        // a at 80%, b at 10%: average 45, b may take up to 45 points (to 55). Shares of a's
+        // 80%: x 60, y 15, z 5.
+        let c = usage_shed_choice(
+            &[
+                u(
+                    "a",
+                    80.0,
+                    &[("t/n/x", 600.0), ("t/n/y", 150.0), ("t/n/z", 50.0)],
+                ),
+                u("b", 10.0, &[]),
+            ],
+            10.0,
+        )
+        .expect("a sheds");
+        assert_eq!((c.from.as_str(), c.to.as_str()), ("a", "b"));
+        assert_eq!(c.candidates, vec!["t/n/y".to_string(), "t/n/z".to_string()]);
+        assert!(c.reason.contains("a used 80%"), "{}", c.reason);
+        // Two even halves: one moves (the target ends 5 points over the average of 50).
+        let c = usage_shed_choice(
+            &[
+                u("a", 100.0, &[("t/n/x", 500.0), ("t/n/y", 500.0)]),
+                u("b", 0.0, &[]),
+            ],
+            10.0,
+        )
+        .expect("a sheds");
+        assert_eq!(c.candidates, vec!["t/n/x".to_string(), "t/n/y".to_string()]);
+    }
+
+    #[test]
+    fn usage_within_the_threshold_or_without_traffic_moves_nothing() {
+        assert_eq!(
+            usage_shed_choice(&[u("a", 50.0, &[("t/n/x", 10.0)]), u("b", 35.0, &[])], 10.0),
+            None,
+            "a is 7.5 points above the average of 42.5"
+        );
+        assert_eq!(
+            usage_shed_choice(&[u("a", 90.0, &[]), u("b", 0.0, &[])], 10.0),
+            None,
+            "CPU without traffic: nothing to move"
+        );
+        assert_eq!(
+            usage_shed_choice(
+                &[u("a", 90.0, &[("t/n/hot", 100.0)]), u("b", 0.0, &[])],
+                10.0
+            ),
+            None,
+            "one hot bundle would only move the problem: splitting handles it"
+        );
+        assert_eq!(
+            usage_shed_choice(&[u("a", 90.0, &[("t/n/x", 1.0)])], 10.0),
+            None
+        );
+    }
+
+    #[test]
+    fn usage_is_the_larger_of_cpu_over_cores_and_rate_over_capacity() {
+        let l = crate::broker::ownership::LoadReport {
+            cpu_percent: 150.0,
+            cpu_cores: 2,
+            msg_rate_in: 30_000.0,
+            msg_rate_out: 10_000.0,
+            ..Default::default()
+        };
+        assert_eq!(usage_percent(&l, 200_000.0), 75.0);
+        assert_eq!(usage_percent(&l, 20_000.0), 200.0);
     }
 }

@@ -202,9 +202,11 @@ impl Broker {
             memory_bytes,
             connections: self.connection_count(),
             reported_ms: super::now_ms(),
+            cpu_cores: std::thread::available_parallelism().map_or(1, |n| n.get() as u64),
             ..LoadReport::default()
         };
         // The rates the stats loop sampled (no backlog or storage figures: they cost reads).
+        let mut by_bundle: std::collections::HashMap<String, f64> = Default::default();
         for t in self.loaded_topics() {
             let [msgs_in, msgs_out, bytes_in, bytes_out] = t.rates_per_sec();
             r.topics += 1;
@@ -212,7 +214,18 @@ impl Broker {
             r.msg_rate_out += msgs_out;
             r.bytes_rate_in += bytes_in;
             r.bytes_rate_out += bytes_out;
+            if msgs_in + msgs_out > 0.0 {
+                if let Ok(b) = self.ownership.bundle_of(&t.name).await {
+                    *by_bundle
+                        .entry(format!("{}/{}", t.name.namespace(), b.name()))
+                        .or_default() += msgs_in + msgs_out;
+                }
+            }
         }
+        let mut busiest: Vec<(String, f64)> = by_bundle.into_iter().collect();
+        busiest.sort_by(|a, b| b.1.total_cmp(&a.1));
+        busiest.truncate(super::ownership::BUNDLE_RATES_MAX);
+        r.bundle_msg_rates = busiest.into_iter().collect();
         r
     }
 

@@ -65,7 +65,15 @@ pub struct LoadReport {
     pub connections: u64,
     pub memory_bytes: u64,
     pub reported_ms: u64,
+    /// Cores this process may use (its CPU capacity is 100 per core).
+    pub cpu_cores: u64,
+    /// Messages per second in and out of the busiest bundles (`<ns>/<range>`, at most
+    /// [`BUNDLE_RATES_MAX`], only those with traffic), for the load manager's choice.
+    pub bundle_msg_rates: BTreeMap<String, f64>,
 }
+
+/// How many bundles' rates a load report carries.
+pub const BUNDLE_RATES_MAX: usize = 32;
 
 /// Who owns a bundle.
 #[derive(Debug, Clone, PartialEq)]
