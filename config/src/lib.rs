@@ -513,8 +513,9 @@ pub struct BrokerConfig {
     /// The private key (PEM, PKCS#8, PKCS#1 or SEC1) of `broker.tls_cert_file`.
     pub tls_key_file: String,
     /// CA certificates (PEM) that client certificates are checked against (mutual TLS; the
-    /// certificate's subject CN is the client's role). Empty: client certificates are not
-    /// asked for.
+    /// certificate's subject CN is the client's role), and that other brokers' https admin
+    /// APIs are checked against when admin calls are forwarded to them. Empty: client
+    /// certificates are not asked for, and https admin APIs are not forwarded to.
     pub tls_trust_certs_file: String,
     /// Serve the admin API over TLS only (`https://`). Default `false`. Needs
     /// `broker.tls_cert_file`.

@@ -11,6 +11,8 @@ use meridian_integration::{
     PyClient,
 };
 use meridian_protocol::pb::ServerError;
+
+mod pki;
 use serde_json::Value;
 
 const T: Duration = Duration::from_secs(120);
@@ -172,10 +174,22 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
         part_owners, ids,
         "the partitions are served by both brokers"
     );
+    // Four partitions never written to: nothing of theirs is stored anywhere.
+    let (code, out, err) = run_admin(&[
+        "--admin-url",
+        &brokers[0].admin_url,
+        "topics",
+        "update-partitioned-topic",
+        pt,
+        "-p",
+        &(parts + 4).to_string(),
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "{out}{err}");
     for b in &brokers {
         let internal = admin_json(&b.admin_url, &["topics", "stats-internal", pt]);
         let all = internal.as_array().expect("one per partition");
-        assert_eq!(all.len(), parts as usize, "{internal}");
+        assert!(all.len() >= parts as usize, "{internal}");
         let entries: u64 = all.iter().map(|t| t["entries"].as_u64().unwrap_or(0)).sum();
         assert_eq!(entries, 64, "{internal}");
         let status = admin_json(&b.admin_url, &["topics", "compaction-status", pt]);
@@ -196,7 +210,7 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
     admin_json(&brokers[1].admin_url, &["topics", "delete", pt]);
     let listed = admin_json(&brokers[0].admin_url, &["topics", "list", "public/default"]);
     assert!(!listed.to_string().contains("spread"), "{listed}");
-    for i in 0..parts {
+    for i in 0..parts + 4 {
         let p = format!("{pt}-partition-{i}");
         let (code, out, err) =
             run_admin(&["--admin-url", &brokers[0].admin_url, "topics", "stats", &p]).unwrap();
@@ -882,7 +896,23 @@ fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_p
         if let Some(s) = site.0.try_wait().unwrap() {
             break s;
         }
-        assert!(Instant::now() < deadline, "site up did not stop");
+        if Instant::now() >= deadline {
+            // What each process was doing: the end of every log of the site.
+            for e in std::fs::read_dir(dir.path().join("site"))
+                .unwrap()
+                .flatten()
+            {
+                if e.path().extension().is_some_and(|x| x == "log") {
+                    let t = std::fs::read_to_string(e.path()).unwrap_or_default();
+                    let tail: Vec<&str> = t.lines().rev().take(30).collect();
+                    eprintln!("--- {}", e.path().display());
+                    for l in tail.iter().rev() {
+                        eprintln!("{l}");
+                    }
+                }
+            }
+            panic!("site up did not stop within 60 s of SIGTERM");
+        }
         std::thread::sleep(Duration::from_millis(100));
     };
     assert!(code.success(), "{code}");
@@ -1462,6 +1492,18 @@ async fn given_traffic_on_one_broker_then_the_load_manager_sheds_a_busy_bundle_b
         std::thread::sleep(Duration::from_millis(500));
     };
     assert_eq!(moved, 1, "one busy bundle moved, the other stayed");
+    // The site is even now: nothing more moves (the moved bundle went where the leader sent
+    // it, not back to the broker it left).
+    std::thread::sleep(Duration::from_secs(5));
+    let owners: Vec<String> = hot
+        .iter()
+        .map(|(t, _)| lookup(t)["owner"].as_str().unwrap_or("").to_string())
+        .collect();
+    assert_eq!(
+        owners.iter().filter(|o| **o == ids[1]).count(),
+        1,
+        "still one busy bundle on each broker: {owners:?}"
+    );
     let metrics: String = brokers
         .iter()
         .map(|b| meridian_integration::http_get(&b.http, "/metrics"))
@@ -1475,5 +1517,92 @@ async fn given_traffic_on_one_broker_then_the_load_manager_sheds_a_busy_bundle_b
     );
     for p in &mut producers {
         p.kill9();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_https_admin_apis_then_a_topic_call_at_any_broker_is_forwarded_to_its_owner_over_tls()
+{
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let root = cluster.root.path().to_path_buf();
+    let pki_dir = tempfile::tempdir().unwrap();
+    pki::test_pki(pki_dir.path());
+    let f = |n: &str| pki_dir.path().join(n).to_str().unwrap().to_string();
+    let mut bookie = BookieProc::new("bookie", &root, &endpoint);
+    bookie.start().unwrap();
+    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let brokers: Vec<BrokerProc> = ["a", "b"]
+        .iter()
+        .map(|n| {
+            let mut b = BrokerProc::new(n, &root, &endpoint);
+            b.env("MERIDIAN_BROKER_TLS_CERT_FILE", &f("server.pem"))
+                .env("MERIDIAN_BROKER_TLS_KEY_FILE", &f("server.key"))
+                .env("MERIDIAN_BROKER_TLS_TRUST_CERTS_FILE", &f("ca.pem"))
+                .env("MERIDIAN_BROKER_TLS_LISTEN", "127.0.0.1:0")
+                .env("MERIDIAN_BROKER_ADMIN_TLS", "true");
+            b.start().unwrap();
+            b
+        })
+        .collect();
+    for b in &brokers {
+        assert!(b.admin_url.starts_with("https://"), "{}", b.admin_url);
+    }
+    let ca = f("ca.pem");
+    let admin = |url: &str, args: &[&str]| -> Value {
+        let mut all = vec![
+            "--admin-url",
+            url,
+            "--tls-trust-cert-path",
+            &ca,
+            "--output",
+            "json",
+        ];
+        all.extend_from_slice(args);
+        let (code, out, err) = run_admin(&all).unwrap();
+        assert_eq!(code, 0, "{args:?}: {out}{err}");
+        serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}: {out}"))
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while admin(&brokers[0].admin_url, &["brokers", "list"])
+        .as_array()
+        .map(Vec::len)
+        != Some(2)
+    {
+        assert!(Instant::now() < deadline, "both brokers registered");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    step("topics produced through both brokers; each topic's stats asked at the broker that does not own it");
+    let service = format!(
+        "pulsar://{},{}",
+        host(&brokers[0].url),
+        host(&brokers[1].url)
+    );
+    for i in 0..4 {
+        let t = format!("persistent://public/default/tls-{i}");
+        let lines = PyClient::run(
+            &root,
+            &format!("p{i}"),
+            &["produce", &service, &t, "--count", "5"],
+        )
+        .finish(T)
+        .unwrap_or_else(|e| panic!("produce {t}: {e:#}"));
+        assert!(
+            lines.iter().any(|v| v["done"].as_u64() == Some(5)),
+            "{lines:?}"
+        );
+        let owner = admin(&brokers[0].admin_url, &["topics", "lookup", &t])["owner"]
+            .as_str()
+            .expect("owned")
+            .to_string();
+        let other = brokers
+            .iter()
+            .find(|b| host(&b.url) != owner)
+            .expect("another broker");
+        let st = admin(&other.admin_url, &["topics", "stats", &t]);
+        assert_eq!(st["storage_entries"].as_u64(), Some(5), "{t}: {st}");
     }
 }

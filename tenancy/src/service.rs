@@ -135,6 +135,9 @@ pub struct AdminService {
     topics: Arc<dyn TopicOps>,
     /// With authentication on: the roles that may do everything. Off: everyone may.
     authz: Option<Vec<String>>,
+    /// How this broker checks another broker's https admin API when it forwards a call
+    /// there (the CA that issued its certificate); `None`: https peers are not forwarded to.
+    peer_tls: Option<tonic::transport::ClientTlsConfig>,
 }
 
 /// What a role may administer (with authentication on):
@@ -189,7 +192,16 @@ impl AdminService {
             store,
             topics,
             authz: None,
+            peer_tls: None,
         }
+    }
+
+    /// Forwards calls to other brokers' https admin APIs, checking their certificates with
+    /// `tls` (only the caller's bearer token goes along: no client certificate is presented,
+    /// so a forwarded call never carries this broker's identity).
+    pub fn with_peer_tls(mut self, tls: tonic::transport::ClientTlsConfig) -> AdminService {
+        self.peer_tls = Some(tls);
+        self
     }
 
     /// Turns authorization on, with these superusers.
@@ -420,7 +432,7 @@ macro_rules! call_at {
     ($self:ident, $url:expr, $fwd:expr, $method:ident) => {
         match $url {
             Some(url) => {
-                let mut c = peer(url).await?;
+                let mut c = peer(url, $self.peer_tls.as_ref()).await?;
                 match tokio::time::timeout(std::time::Duration::from_secs(60), c.$method($fwd))
                     .await
                 {
@@ -463,7 +475,12 @@ macro_rules! forward {
                         let mut body = $r.get_ref().clone();
                         body.$field = p.clone();
                         let fwd = on_behalf(&$r, body);
-                        answers.push(call_at!($self, url.as_deref(), fwd, $method)?.into_inner());
+                        match call_at!($self, url.as_deref(), fwd, $method) {
+                            Ok(a) => answers.push(a.into_inner()),
+                            // A partition never written to has no log: nothing there.
+                            Err(s) if s.code() == tonic::Code::NotFound => {}
+                            Err(s) => return Err(s),
+                        }
                     }
                     #[allow(clippy::redundant_closure_call)]
                     return ok(($merge)(answers));
@@ -500,17 +517,29 @@ fn merged_compaction_status(
     }
 }
 
-/// A client of another broker's admin API (plaintext; a TLS admin API is not forwarded to).
+/// A client of another broker's admin API: plaintext, or https checked with `tls`.
 async fn peer(
     url: &str,
+    tls: Option<&tonic::transport::ClientTlsConfig>,
 ) -> Result<crate::pb::admin_client::AdminClient<tonic::transport::Channel>, Status> {
-    if !url.starts_with("http://") {
+    let mut endpoint = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| Status::internal(format!("admin URL {url}: {e}")))?;
+    if url.starts_with("https://") {
+        let Some(tls) = tls else {
+            return Err(Status::unavailable(format!(
+                "the topic is served by the broker whose admin API is {url}; call it there \
+                 (or set broker.tls_trust_certs_file to the CA of its certificate)"
+            )));
+        };
+        endpoint = endpoint
+            .tls_config(tls.clone())
+            .map_err(|e| Status::internal(format!("admin URL {url}: {e}")))?;
+    } else if !url.starts_with("http://") {
         return Err(Status::unavailable(format!(
             "the topic is served by the broker whose admin API is {url}; call it there"
         )));
     }
-    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| Status::internal(format!("admin URL {url}: {e}")))?
+    let ch = endpoint
         .connect_timeout(std::time::Duration::from_secs(5))
         .connect()
         .await
@@ -1085,6 +1114,24 @@ impl Admin for AdminService {
     async fn compact_topic(&self, r: Request<Name>) -> Reply<Empty> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().name))
             .await?;
+        if r.metadata().get(FORWARDED).is_none() {
+            if let Route::Partitions(parts) = self.topics.route(r.get_ref().name.clone()).await? {
+                // No partition started while one is still compacting (as where all are here).
+                for (p, url) in &parts {
+                    let fwd = on_behalf(&r, Name { name: p.clone() });
+                    match call_at!(self, url.as_deref(), fwd, get_compaction_status) {
+                        Ok(s) if s.get_ref().status == "RUNNING" => {
+                            return Err(Status::already_exists(format!(
+                                "Compaction already in progress for {p}"
+                            )));
+                        }
+                        Ok(_) => {}
+                        Err(s) if s.code() == tonic::Code::NotFound => {}
+                        Err(s) => return Err(s),
+                    }
+                }
+            }
+        }
         forward!(self, r, name, compact_topic, |_: Vec<Empty>| Empty {});
         self.topics.compact(r.into_inner().name).await?;
         ok(Empty {})
@@ -1096,13 +1143,19 @@ impl Admin for AdminService {
         if r.metadata().get(FORWARDED).is_none() {
             if let Route::Partitions(parts) = self.topics.route(r.get_ref().name.clone()).await? {
                 let mut all = Vec::with_capacity(parts.len());
+                let mut named = Vec::with_capacity(parts.len());
                 for (p, url) in &parts {
                     let fwd = on_behalf(&r, Name { name: p.clone() });
-                    all.push(
-                        call_at!(self, url.as_deref(), fwd, get_compaction_status)?.into_inner(),
-                    );
+                    match call_at!(self, url.as_deref(), fwd, get_compaction_status) {
+                        Ok(a) => {
+                            all.push(a.into_inner());
+                            named.push((p.clone(), url.clone()));
+                        }
+                        Err(s) if s.code() == tonic::Code::NotFound => {}
+                        Err(s) => return Err(s),
+                    }
                 }
-                return ok(merged_compaction_status(&parts, all));
+                return ok(merged_compaction_status(&named, all));
             }
         }
         forward!(self, r, name, get_compaction_status);

@@ -979,6 +979,18 @@ pub async fn start(
             .collect();
         service = service.with_superusers(superusers);
     }
+    if !broker.cfg.tls_trust_certs_file.is_empty() {
+        let ca = std::fs::read(&broker.cfg.tls_trust_certs_file).map_err(|e| {
+            anyhow::anyhow!(
+                "broker.tls_trust_certs_file {}: {e}",
+                broker.cfg.tls_trust_certs_file
+            )
+        })?;
+        service = service.with_peer_tls(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(tonic::transport::Certificate::from_pem(ca)),
+        );
+    }
     let tls = if broker.cfg.admin_tls {
         Some(crate::tls::admin_config(&broker.cfg)?)
     } else {

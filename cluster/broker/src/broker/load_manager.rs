@@ -15,7 +15,7 @@ use meridian_metadata::client::{ClientError, PutOptions};
 use meridian_protocol::pb::ServerError;
 use serde::{Deserialize, Serialize};
 
-use super::ownership::{BrokerInfo, Bundle, Owner, OWNERS_PREFIX};
+use super::ownership::{Assignment, BrokerInfo, Bundle, Owner, ASSIGN_PREFIX, OWNERS_PREFIX};
 use super::{Broker, BrokerError};
 
 pub const LEADER_KEY: &str = "/loadbalance/leader";
@@ -72,6 +72,8 @@ pub struct Usage {
     pub id: String,
     /// Percent of capacity ([`usage_percent`]).
     pub percent: f64,
+    /// Messages per second in and out.
+    pub msg_rate: f64,
     /// Messages per second of its busiest bundles.
     pub bundles: Vec<(String, f64)>,
 }
@@ -89,8 +91,10 @@ pub struct UsageShed {
 
 /// The usage rule: the most used broker sheds when it is more than `threshold` points above
 /// the site's average, to the least used one; a bundle's share of its owner's usage is its
-/// share of the owner's message rate. Bundles without traffic never move by this rule; a
-/// bundle so hot that it would put its new owner past the threshold is left to splitting.
+/// share of the owner's message rate. Only a broker carrying more traffic than the site's
+/// average sheds (usage from other work, such as autorecovery, is not moved by moving
+/// bundles); bundles without traffic never move by this rule; a bundle so hot that it would
+/// put its new owner past the threshold is left to splitting.
 pub fn usage_shed_choice(brokers: &[Usage], threshold: f64) -> Option<UsageShed> {
     if brokers.len() < 2 {
         return None;
@@ -102,7 +106,8 @@ pub fn usage_shed_choice(brokers: &[Usage], threshold: f64) -> Option<UsageShed>
     let to = brokers
         .iter()
         .min_by(|a, b| a.percent.total_cmp(&b.percent).then(a.id.cmp(&b.id)))?;
-    if from.percent <= avg + threshold || from.id == to.id {
+    let avg_rate = brokers.iter().map(|b| b.msg_rate).sum::<f64>() / brokers.len() as f64;
+    if from.percent <= avg + threshold || from.id == to.id || from.msg_rate <= avg_rate {
         return None;
     }
     let room = avg + threshold - to.percent;
@@ -226,6 +231,11 @@ impl Broker {
                 return Ok(());
             }
             *self.load_manager.pending.lock().expect("lock") = None;
+            // Placed (or given up on): its destination is no longer needed.
+            let _ = self
+                .meta
+                .delete(&format!("{ASSIGN_PREFIX}{ns}/{}", b.name()), None)
+                .await;
         }
         let brokers = self.ownership.brokers().await?;
         let capacity = self.cfg.load_msg_rate_capacity as f64;
@@ -235,6 +245,7 @@ impl Broker {
             .map(|b| Usage {
                 id: b.id.clone(),
                 percent: usage_percent(&b.load, capacity),
+                msg_rate: b.load.msg_rate_in + b.load.msg_rate_out,
                 bundles: b
                     .load
                     .bundle_msg_rates
@@ -271,7 +282,9 @@ impl Broker {
                     "{}: shed {range} of {ns} ({rate:.0} msg/s) to {}",
                     choice.reason, choice.to
                 );
-                return self.shed_bundle(ns, b, path, &reason, "usage").await;
+                return self
+                    .shed_bundle(ns, b, path, &reason, "usage", &choice.to)
+                    .await;
             }
         }
         let average = usage.iter().map(|u| u.percent).sum::<f64>() / usage.len().max(1) as f64;
@@ -321,9 +334,22 @@ impl Broker {
         };
         // The quietest bundles first: evening out counts should not move the traffic.
         movable.sort_by(|a, b| rate_of(a).total_cmp(&rate_of(b)));
-        // Only a bundle the isolation policies let the target own.
+        // Only a bundle the isolation policies let the target own, and that leaves the target
+        // within the usage threshold (else the usage rule would move traffic back).
+        let (from_usage, from_rate) = usage.iter().find(|u| u.id == from).map_or((0.0, 0.0), |u| {
+            (u.percent, u.bundles.iter().map(|x| x.1).sum::<f64>())
+        });
+        let to_usage = usage.iter().find(|u| u.id == to).map_or(0.0, |u| u.percent);
         let mut pick = None;
         for k in movable {
+            let share = if from_rate > 0.0 {
+                rate_of(&k) / from_rate * from_usage
+            } else {
+                0.0
+            };
+            if to_usage + share > average + threshold {
+                continue;
+            }
             let ns = k.rsplit_once('/').map_or("", |(ns, _)| ns);
             if self.ownership.allows(ns, &to).await? {
                 pick = Some(k);
@@ -345,11 +371,13 @@ impl Broker {
             n(&from),
             n(&to)
         );
-        self.shed_bundle(ns, b, &path, &reason, "bundles").await
+        self.shed_bundle(ns, b, &path, &reason, "bundles", &to)
+            .await
     }
 
-    /// Sheds one bundle: logged and counted with its rule and reason, remembered for the grace
-    /// period, and unloaded at its owner.
+    /// Sheds one bundle to `to`: logged and counted with its rule and reason, remembered for
+    /// the grace period, its destination recorded for the lookups that place it again
+    /// ([`ASSIGN_PREFIX`]), and unloaded at its owner.
     async fn shed_bundle(
         &self,
         ns: &str,
@@ -357,7 +385,18 @@ impl Broker {
         path: &str,
         reason: &str,
         rule: &'static str,
+        to: &str,
     ) -> Result<(), BrokerError> {
+        let hint = Assignment {
+            to: to.to_string(),
+            at_ms: super::now_ms(),
+        };
+        self.meta
+            .put(
+                &format!("{ASSIGN_PREFIX}{path}"),
+                serde_json::to_vec(&hint).expect("serializable"),
+            )
+            .await?;
         tracing::info!(%reason, rule, "load manager decision");
         metrics::counter!("meridian_load_manager_decisions_total", "kind" => "shed", "rule" => rule)
             .increment(1);
@@ -522,6 +561,7 @@ mod tests {
         Usage {
             id: id.into(),
             percent,
+            msg_rate: bundles.iter().map(|b| b.1).sum(),
             bundles: bundles.iter().map(|(n, r)| (n.to_string(), *r)).collect(),
         }
     }
@@ -580,6 +620,17 @@ mod tests {
         assert_eq!(
             usage_shed_choice(&[u("a", 90.0, &[("t/n/x", 1.0)])], 10.0),
             None
+        );
+        assert_eq!(
+            usage_shed_choice(
+                &[
+                    u("a", 90.0, &[("t/n/x", 10.0)]),
+                    u("b", 10.0, &[("t/n/y", 500.0)])
+                ],
+                10.0
+            ),
+            None,
+            "a's CPU comes from other work: its traffic is below the average"
         );
     }
 

@@ -99,9 +99,26 @@ impl Broker {
                 ))
             }
             Owner::Nobody if o.acquire(&ns, &b).await? => return held(),
+            // Taken meanwhile: by a concurrent load here (two topics of one bundle), or by
+            // another broker.
             Owner::Nobody => match o.owner(&ns, &b).await? {
+                Owner::Me => {
+                    // The concurrent load's acquisition may not have recorded it yet.
+                    for _ in 0..20 {
+                        if o.owns(&ns, &b) {
+                            break;
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                    return held();
+                }
                 Owner::Other(x) => x.id,
-                _ => "another broker".to_string(),
+                Owner::Nobody => {
+                    return Err(BrokerError::new(
+                        ServerError::ServiceNotReady,
+                        format!("{name}: its bundle could not be taken now; look it up again"),
+                    ))
+                }
             },
             Owner::Other(x) => x.id,
         };

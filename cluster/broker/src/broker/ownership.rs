@@ -75,6 +75,22 @@ pub struct LoadReport {
 /// How many bundles' rates a load report carries.
 pub const BUNDLE_RATES_MAX: usize = 32;
 
+/// Where the load manager records the broker a shed bundle goes to: the lookups that place it
+/// again choose that broker (while registered, allowed by the isolation policies, and for at
+/// most [`ASSIGNMENT_TTL_MS`]), not the one with the fewest bundles, which is often the one
+/// it was shed from.
+pub const ASSIGN_PREFIX: &str = "/loadbalance/assign/";
+
+/// How long a recorded destination is followed, milliseconds.
+pub const ASSIGNMENT_TTL_MS: u64 = 60_000;
+
+/// The destination of a shed bundle (`/loadbalance/assign/<ns>/<range>`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Assignment {
+    pub to: String,
+    pub at_ms: u64,
+}
+
 /// Who owns a bundle.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Owner {
@@ -864,6 +880,24 @@ impl Ownership {
         let registered = self.brokers().await?;
         let none_registered = registered.is_empty();
         let brokers = self.allowed(ns, registered).await?;
+        if let Some(kv) = self
+            .meta
+            .get(&format!("{ASSIGN_PREFIX}{ns}/{}", b.name()))
+            .await?
+        {
+            if let Ok(a) = serde_json::from_slice::<Assignment>(&kv.value) {
+                let fresh = super::now_ms().saturating_sub(a.at_ms) < ASSIGNMENT_TTL_MS;
+                if let Some(x) = brokers.iter().find(|x| fresh && x.id == a.to) {
+                    *self
+                        .placed
+                        .lock()
+                        .expect("placed lock")
+                        .entry(x.id.clone())
+                        .or_insert(0) += 1;
+                    return Ok(x.clone());
+                }
+            }
+        }
         let placed = self.placed.lock().expect("placed lock").clone();
         let tie = |id: &str| {
             super::key_shared::murmur3_32(format!("{ns}/{}/{id}", b.name()).as_bytes(), 0)
