@@ -236,6 +236,9 @@ async fn given_isolation_policies_and_bookie_groups_then_each_namespace_stays_on
         assert!(err.contains(want), "{args:?}: {err}");
     }
 
+    // Brokers read the policies again at most 2 s after they last did.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+
     step("each namespace's topics are served where its policy says, and its ledgers sit on its group");
     let topic = |t: &str, i: usize| format!("persistent://{t}/ns/iso-{i}");
     for t in ["ta", "tb", "tc"] {
@@ -283,6 +286,37 @@ async fn given_isolation_policies_and_bookie_groups_then_each_namespace_stays_on
             "ta's ledgers still name {lost}: {used:?}"
         );
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    step("tc's policy changes to b2: b1 lets its bundles go and they are served on b2; changed back, they return");
+    let set_pc = |primary: &str| {
+        admin_json(
+            &admin,
+            &[
+                "ns-isolation-policy",
+                "set",
+                "standalone",
+                "pc",
+                "--namespaces",
+                "tc/.*",
+                "--primary",
+                primary,
+            ],
+        );
+    };
+    for (primary, owner) in [(re(&id2), &id2), (re(&id1), &id1)] {
+        set_pc(&primary);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            // Producing looks the topic up again: placed where the policy now says.
+            produce(&root, "p-tc-moved", &service, &topic("tc", 0), 100, 1);
+            let o = admin_json(&admin, &["topics", "lookup", &topic("tc", 0)]);
+            if o["owner"].as_str() == Some(owner.as_str()) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "tc not moved to {owner}: {o}");
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
     }
 
     step("b1 is killed: ta moves to its secondary b2; tc, with no secondary, is served nowhere");

@@ -152,6 +152,9 @@ impl Broker {
         if let Err(e) = self.serve_split_requests().await {
             tracing::warn!(error = %e, "serving split requests failed");
         }
+        if let Err(e) = self.release_disallowed().await {
+            tracing::warn!(error = %e, "checking bundles against the isolation policies failed");
+        }
         if self.cfg.load_balancer_enabled && self.cfg.bundle_split_enabled {
             if let Err(e) = self.split_large_bundles().await {
                 tracing::warn!(error = %e, "splitting bundles failed");
@@ -408,6 +411,48 @@ impl Broker {
         *self.load_manager.pending.lock().expect("lock") =
             Some((ns.to_string(), b, Instant::now()));
         self.request_unload(ns, &b, reason).await
+    }
+
+    /// Unloads the bundles this broker owns that the namespace isolation policies no longer
+    /// let it own (a policy changed, or a primary broker came back for a namespace served by
+    /// a secondary), so the next lookups place them where the policies say. Not subject to
+    /// `broker.load_balancer_enabled`: the policies are a rule, not a preference.
+    async fn release_disallowed(&self) -> Result<(), BrokerError> {
+        if self.is_closing() {
+            return Ok(());
+        }
+        let policies = self.ownership.isolation_policies().await?;
+        if policies.is_empty() {
+            return Ok(());
+        }
+        let me = self.ownership.id();
+        let ids: Vec<String> = self
+            .ownership
+            .brokers()
+            .await?
+            .into_iter()
+            .map(|b| b.id)
+            .collect();
+        if !ids.contains(&me) {
+            // Not registered right now (registering again): no judgement on a partial list.
+            return Ok(());
+        }
+        for (ns, b) in self.ownership.owned() {
+            let allowed = meridian_tenancy::isolation::allowed_brokers(&policies, &ns, &ids)
+                .is_ok_and(|ok| ok.contains(&me));
+            if allowed {
+                continue;
+            }
+            let reason = format!(
+                "the namespace isolation policies no longer let {me} own {} of {ns}",
+                b.name()
+            );
+            tracing::info!(%reason, rule = "isolation", "load manager decision");
+            metrics::counter!("meridian_load_manager_decisions_total", "kind" => "release", "rule" => "isolation")
+                .increment(1);
+            self.unload_bundle_here(&ns, &b).await;
+        }
+        Ok(())
     }
 
     async fn request_unload(&self, ns: &str, b: &Bundle, reason: &str) -> Result<(), BrokerError> {
