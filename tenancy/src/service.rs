@@ -432,9 +432,19 @@ macro_rules! call_at {
     ($self:ident, $url:expr, $fwd:expr, $method:ident) => {
         match $url {
             Some(url) => {
+                let fwd = $fwd;
+                // Only a bearer token crosses to the other broker: a caller authenticated by
+                // its client certificate would arrive there as nobody.
+                if fwd.extensions().get::<Role>().is_some()
+                    && fwd.metadata().get("authorization").is_none()
+                {
+                    return Err(Status::unavailable(format!(
+                        "the topic is served by the broker whose admin API is {url}; a caller \
+                         authenticated by a client certificate must call it there"
+                    )));
+                }
                 let mut c = peer(url, $self.peer_tls.as_ref()).await?;
-                match tokio::time::timeout(std::time::Duration::from_secs(60), c.$method($fwd))
-                    .await
+                match tokio::time::timeout(std::time::Duration::from_secs(60), c.$method(fwd)).await
                 {
                     Ok(r) => r,
                     Err(_) => Err(Status::deadline_exceeded(format!(

@@ -8,7 +8,7 @@
 //! broker a lookup reaches ([`super::ownership::Ownership::candidate`]), by the same rule.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use meridian_metadata::client::{ClientError, PutOptions};
@@ -36,8 +36,11 @@ pub struct LoadManager {
     last_round: Mutex<Option<Instant>>,
     /// The last bundle shed, until a lookup placed it again: no other moves before (its
     /// new owner's count would be wrong), or for at most a minute.
-    pending: Mutex<Option<(String, Bundle, Instant)>>,
+    pending: Mutex<Option<Pending>>,
 }
+
+/// The last bundle shed: its namespace, the bundle, the broker it was shed from, and when.
+type Pending = (String, Bundle, String, Instant);
 
 /// How long a shed bundle that no lookup placed holds further shedding up.
 const PENDING_MAX: Duration = Duration::from_secs(60);
@@ -227,10 +230,15 @@ impl Broker {
     /// One shedding round: at most one bundle moves.
     async fn shed(&self) -> Result<(), BrokerError> {
         let pending = self.load_manager.pending.lock().expect("lock").clone();
-        if let Some((ns, b, at)) = pending {
-            if at.elapsed() < PENDING_MAX
-                && matches!(self.ownership.owner(&ns, &b).await, Ok(Owner::Nobody))
-            {
+        if let Some((ns, b, from, at)) = pending {
+            // Not yet let go by the broker it was shed from, or not yet placed again.
+            let waiting = match self.ownership.owner(&ns, &b).await {
+                Ok(Owner::Nobody) => true,
+                Ok(Owner::Other(o)) => o.id == from,
+                Ok(Owner::Me) => self.ownership.id() == from,
+                Err(_) => true,
+            };
+            if at.elapsed() < PENDING_MAX && waiting {
                 return Ok(());
             }
             *self.load_manager.pending.lock().expect("lock") = None;
@@ -408,8 +416,12 @@ impl Broker {
             .lock()
             .expect("lock")
             .insert(path.to_string(), Instant::now());
+        let from = match self.ownership.owner(ns, &b).await {
+            Ok(Owner::Other(o)) => o.id,
+            _ => self.ownership.id(),
+        };
         *self.load_manager.pending.lock().expect("lock") =
-            Some((ns.to_string(), b, Instant::now()));
+            Some((ns.to_string(), b, from, Instant::now()));
         self.request_unload(ns, &b, reason).await
     }
 
@@ -437,10 +449,22 @@ impl Broker {
             // Not registered right now (registering again): no judgement on a partial list.
             return Ok(());
         }
+        let Some(broker) = self.me.upgrade() else {
+            return Ok(());
+        };
         for (ns, b) in self.ownership.owned() {
-            let allowed = meridian_tenancy::isolation::allowed_brokers(&policies, &ns, &ids)
-                .is_ok_and(|ok| ok.contains(&me));
-            if allowed {
+            // Only when the policies name other live brokers for it: a policy that allows no
+            // live broker (a typo, every broker some policy's primary) leaves bundles where
+            // they are served rather than taking them offline.
+            let elsewhere = match meridian_tenancy::isolation::allowed_brokers(&policies, &ns, &ids)
+            {
+                Ok(ok) => !ok.is_empty() && !ok.contains(&me),
+                Err(e) => {
+                    tracing::warn!(namespace = %ns, error = %e, "isolation policies allow no live broker; its bundles stay where they are");
+                    false
+                }
+            };
+            if !elsewhere {
                 continue;
             }
             let reason = format!(
@@ -450,7 +474,12 @@ impl Broker {
             tracing::info!(%reason, rule = "isolation", "load manager decision");
             metrics::counter!("meridian_load_manager_decisions_total", "kind" => "release", "rule" => "isolation")
                 .increment(1);
-            self.unload_bundle_here(&ns, &b).await;
+            // Outside the beat's time limit: an unload cut short would leave the bundle
+            // neither served here nor free to take. The bundle leaves `owned` at once, so the
+            // next beat does not start it again.
+            self.ownership.start_release(&ns, &b);
+            let broker = Arc::clone(&broker);
+            tokio::spawn(async move { broker.unload_bundle_here(&ns, &b).await });
         }
         Ok(())
     }

@@ -886,7 +886,8 @@ impl Ownership {
             .await?
         {
             if let Ok(a) = serde_json::from_slice::<Assignment>(&kv.value) {
-                let fresh = super::now_ms().saturating_sub(a.at_ms) < ASSIGNMENT_TTL_MS;
+                // Written by the leader's clock: skew either way counts against it.
+                let fresh = super::now_ms().abs_diff(a.at_ms) < ASSIGNMENT_TTL_MS;
                 if let Some(x) = brokers.iter().find(|x| fresh && x.id == a.to) {
                     *self
                         .placed
