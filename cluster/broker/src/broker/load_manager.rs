@@ -512,9 +512,23 @@ impl Broker {
                 continue;
             };
             match self.ownership.owner(ns, &b).await {
+                // Being unloaded already (by an earlier beat's task): its task removes the
+                // request when done.
+                Ok(Owner::Me) if self.ownership.is_releasing(ns, &b) => {}
                 Ok(Owner::Me) => {
-                    self.unload_bundle_here(ns, &b).await;
-                    self.meta.delete(&kv.key, Some(kv.mod_revision)).await?;
+                    // In a task of its own, outside the beat's time limit: an unload cut short
+                    // would leave the bundle neither served here nor free to take.
+                    let Some(broker) = self.me.upgrade() else {
+                        return Ok(());
+                    };
+                    self.ownership.start_release(ns, &b);
+                    let ns = ns.to_string();
+                    tokio::spawn(async move {
+                        broker.unload_bundle_here(&ns, &b).await;
+                        if let Err(e) = broker.meta.delete(&kv.key, Some(kv.mod_revision)).await {
+                            tracing::warn!(key = %kv.key, error = %e, "removing a served unload request failed");
+                        }
+                    });
                 }
                 Ok(Owner::Nobody) => {
                     self.meta.delete(&kv.key, Some(kv.mod_revision)).await?;

@@ -525,6 +525,15 @@ impl Ownership {
         }
     }
 
+    /// Whether a bundle is being given up here ([`start_release`](Self::start_release) until
+    /// [`release`](Self::release) is done).
+    pub fn is_releasing(&self, ns: &str, b: &Bundle) -> bool {
+        self.releasing
+            .lock()
+            .expect("releasing lock")
+            .contains(&(ns.to_string(), *b))
+    }
+
     /// Releases every bundle and ends the session (graceful shutdown): the ephemeral keys go
     /// at once, so other brokers take the bundles without waiting for an expiry.
     pub async fn release_all(&self) {
