@@ -502,17 +502,14 @@ macro_rules! forward {
 
 /// A partitioned topic's compaction status from its partitions': running if any runs, else
 /// failed if any failed (naming the partition), else not run if any has not, else the first.
-fn merged_compaction_status(
-    parts: &[(String, Option<String>)],
-    all: Vec<CompactionStatus>,
-) -> CompactionStatus {
-    let pick = |status: &str| parts.iter().zip(&all).find(|(_, s)| s.status == status);
+fn merged_compaction_status(all: &[(String, CompactionStatus)]) -> CompactionStatus {
+    let pick = |status: &str| all.iter().find(|(_, s)| s.status == status);
     match pick("RUNNING")
         .or_else(|| pick("ERROR"))
         .or_else(|| pick("NOT_RUN"))
-        .or_else(|| parts.iter().zip(&all).next())
+        .or_else(|| all.first())
     {
-        Some(((p, _), s)) => CompactionStatus {
+        Some((p, s)) => CompactionStatus {
             status: s.status.clone(),
             last_error: if s.last_error.is_empty() {
                 String::new()
@@ -558,6 +555,25 @@ async fn peer(
 }
 
 impl AdminService {
+    /// Each partition's compaction status, asked where the partition is served; partitions
+    /// never written to are left out.
+    async fn partition_compaction_statuses<T>(
+        &self,
+        r: &Request<T>,
+        parts: &[(String, Option<String>)],
+    ) -> Result<Vec<(String, CompactionStatus)>, Status> {
+        let mut out = Vec::with_capacity(parts.len());
+        for (p, url) in parts {
+            let fwd = on_behalf(r, Name { name: p.clone() });
+            match call_at!(self, url.as_deref(), fwd, get_compaction_status) {
+                Ok(a) => out.push((p.clone(), a.into_inner())),
+                Err(s) if s.code() == tonic::Code::NotFound => {}
+                Err(s) => return Err(s),
+            }
+        }
+        Ok(out)
+    }
+
     /// Deletes a partitioned topic whose partitions are served by several brokers: every
     /// partition is checked first (at its owner, as a dry run), then each is deleted where it
     /// is served, then the partitioned topic's record here.
@@ -1127,18 +1143,11 @@ impl Admin for AdminService {
         if r.metadata().get(FORWARDED).is_none() {
             if let Route::Partitions(parts) = self.topics.route(r.get_ref().name.clone()).await? {
                 // No partition started while one is still compacting (as where all are here).
-                for (p, url) in &parts {
-                    let fwd = on_behalf(&r, Name { name: p.clone() });
-                    match call_at!(self, url.as_deref(), fwd, get_compaction_status) {
-                        Ok(s) if s.get_ref().status == "RUNNING" => {
-                            return Err(Status::already_exists(format!(
-                                "Compaction already in progress for {p}"
-                            )));
-                        }
-                        Ok(_) => {}
-                        Err(s) if s.code() == tonic::Code::NotFound => {}
-                        Err(s) => return Err(s),
-                    }
+                let statuses = self.partition_compaction_statuses(&r, &parts).await?;
+                if let Some((p, _)) = statuses.iter().find(|(_, s)| s.status == "RUNNING") {
+                    return Err(Status::already_exists(format!(
+                        "Compaction already in progress for {p}"
+                    )));
                 }
             }
         }
@@ -1152,20 +1161,8 @@ impl Admin for AdminService {
             .await?;
         if r.metadata().get(FORWARDED).is_none() {
             if let Route::Partitions(parts) = self.topics.route(r.get_ref().name.clone()).await? {
-                let mut all = Vec::with_capacity(parts.len());
-                let mut named = Vec::with_capacity(parts.len());
-                for (p, url) in &parts {
-                    let fwd = on_behalf(&r, Name { name: p.clone() });
-                    match call_at!(self, url.as_deref(), fwd, get_compaction_status) {
-                        Ok(a) => {
-                            all.push(a.into_inner());
-                            named.push((p.clone(), url.clone()));
-                        }
-                        Err(s) if s.code() == tonic::Code::NotFound => {}
-                        Err(s) => return Err(s),
-                    }
-                }
-                return ok(merged_compaction_status(&named, all));
+                let statuses = self.partition_compaction_statuses(&r, &parts).await?;
+                return ok(merged_compaction_status(&statuses));
             }
         }
         forward!(self, r, name, get_compaction_status);
