@@ -284,6 +284,10 @@ pub struct BookieConfig {
     /// Address writers and readers use to reach this bookie, `IP:PORT`; empty (the default)
     /// means the same as `listen`. It is the bookie's identity in ledger metadata.
     pub advertise: String,
+    /// Address of the bookie's `/metrics` (Prometheus text: journal write and fdatasync
+    /// latency, batch sizes, entry-log flushes) and `/health`, `IP:PORT`; empty (the
+    /// default) serves neither (in `meridian standalone` the broker's `/metrics` has them).
+    pub http_listen: String,
     /// Directory of the journal; non-empty. Default `data/bookie/journal`. Put it on its own
     /// disk so reads never slow down journal writes.
     pub journal_dir: String,
@@ -332,6 +336,10 @@ pub struct BookieConfig {
     /// 10,000 msg/s: about 2.5 ms at 250 against about 5 ms at 10000); a flush with nothing
     /// new costs nothing. Range 10..=600000, default 250.
     pub flush_interval_ms: u64,
+    /// Run the flusher (write-cache flushes, spare journal files, garbage collection) in the
+    /// idle I/O class, so the journal's fdatasyncs do not queue behind its writes where the
+    /// disk's scheduler honours classes (mq-deadline, bfq). Default `true`.
+    pub flusher_io_idle: bool,
     /// Look for entry logs to remove or compact this often, milliseconds.
     /// Range 100..=86400000, default 60000.
     pub gc_interval_ms: u64,
@@ -365,6 +373,7 @@ impl Default for BookieConfig {
         BookieConfig {
             listen: "127.0.0.1:3181".to_string(),
             advertise: String::new(),
+            http_listen: String::new(),
             journal_dir: "data/bookie/journal".to_string(),
             ledger_dir: "data/bookie/ledgers".to_string(),
             rack: "/default-rack".to_string(),
@@ -379,6 +388,7 @@ impl Default for BookieConfig {
             read_cache_bytes_max: 64 << 20,
             entry_log_bytes_max: 1 << 30,
             flush_interval_ms: 250,
+            flusher_io_idle: true,
             gc_interval_ms: 60_000,
             compaction_live_percent_min: 50,
             disk_usage_percent_max: 95,
@@ -418,6 +428,9 @@ impl BookieConfig {
         }
         if !self.advertise.is_empty() {
             socket_addr("bookie.advertise", &self.advertise)?;
+        }
+        if !self.http_listen.is_empty() {
+            socket_addr("bookie.http_listen", &self.http_listen)?;
         }
         if !self
             .group

@@ -270,6 +270,8 @@ fn site_cluster_compaction_and_rack_settings_are_checked() {
             set("broker.compaction_keys_max", "0"),
             set("bookie.rack", "rack-1"),
             set("bookie.rack", "/a//b"),
+            set("bookie.http_listen", "localhost"),
+            set("bookie.flusher_io_idle", "sometimes"),
         ],
         expect![[r#"
             set broker.session_ttl_ms=999
@@ -288,6 +290,10 @@ fn site_cluster_compaction_and_rack_settings_are_checked() {
               error: bookie.rack = "rack-1" is invalid: must be /NAME or /NAME/NAME..., without spaces
             set bookie.rack=/a//b
               error: bookie.rack = "/a//b" is invalid: must be /NAME or /NAME/NAME..., without spaces
+            set bookie.http_listen=localhost
+              error: bookie.http_listen = "localhost" is invalid: expected IP:PORT, e.g. 127.0.0.1:7101
+            set bookie.flusher_io_idle=sometimes
+              error: command-line override bookie.flusher_io_idle: expected true, false, 1 or 0, got "sometimes"
         "#]],
     );
 }

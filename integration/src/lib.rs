@@ -385,6 +385,8 @@ fn sigterm_and_wait(child: Option<Child>) -> anyhow::Result<i32> {
 /// One `meridian bookie` process with its own journal and ledger directories.
 pub struct BookieProc {
     pub addr: String,
+    /// `127.0.0.1:PORT` of the bookie's /metrics and /health.
+    pub http: String,
     pub dir: PathBuf,
     pub log: PathBuf,
     metadata: String,
@@ -396,6 +398,7 @@ impl BookieProc {
     pub fn new(name: &str, root: &Path, metadata: &str) -> Self {
         Self {
             addr: format!("127.0.0.1:{}", free_port()),
+            http: format!("127.0.0.1:{}", free_port()),
             dir: root.join(name),
             log: root.join(format!("{name}.log")),
             metadata: metadata.to_string(),
@@ -420,6 +423,7 @@ impl BookieProc {
             .arg("bookie")
             .args(["--metadata", &self.metadata])
             .args(["--listen", &self.addr])
+            .args(["--http-listen", &self.http])
             .arg("--journal-dir")
             .arg(self.dir.join("journal"))
             .arg("--ledger-dir")
@@ -448,6 +452,10 @@ impl BookieProc {
     /// SIGTERM, then waits for a clean exit and returns its code.
     pub fn stop(&mut self) -> anyhow::Result<i32> {
         sigterm_and_wait(self.child.take())
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn log_text(&self) -> String {
@@ -764,6 +772,10 @@ impl BrokerProc {
     /// SIGTERM, then waits for the exit and returns its code.
     pub fn stop(&mut self) -> anyhow::Result<i32> {
         sigterm_and_wait(self.child.take())
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
     }
 
     pub fn log_text(&self) -> String {

@@ -480,6 +480,14 @@ async fn given_a_second_broker_joins_a_loaded_one_then_the_load_manager_moves_bu
     let mut a = broker("a");
     a.start().unwrap();
     let a_id = host(&a.url).to_string();
+    // A shed destination left behind (a leader that stopped before placing its bundle, in a
+    // namespace deleted since): the leader removes it.
+    let stale = "/loadbalance/assign/gone/ns/0x00000000_0x40000000";
+    cluster
+        .client()
+        .put(stale, br#"{"to":"127.0.0.1:1","at_ms":1}"#.to_vec())
+        .await
+        .unwrap();
 
     step("100 topics on the only broker: it owns all 4 bundles and leads the load manager");
     let produce = |name: &str, url: &str, round: &str| {
@@ -545,6 +553,10 @@ async fn given_a_second_broker_joins_a_loaded_one_then_the_load_manager_moves_bu
     }
     let log = a.log_text();
     assert!(log.contains("load manager decision"), "no decision logged");
+    assert!(
+        cluster.client().get(stale).await.unwrap().is_none(),
+        "the stale shed destination is still there"
+    );
 
     step("an admin unloads one bundle at its owner through the other broker");
     let bundles = admin_json(&a.admin_url, &["namespaces", "bundles", "public/default"]);
@@ -888,6 +900,31 @@ fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_p
         eprintln!("{lines:?}");
     }
     assert_eq!(consumed(&lines), (0..20).collect::<Vec<_>>());
+
+    step("each bookie's /health and /metrics, at the addresses site up printed");
+    let pages = text
+        .lines()
+        .find_map(|l| l.trim_start().strip_prefix("bookie metrics: "))
+        .unwrap_or_else(|| panic!("no bookie metrics line: {text}"));
+    let pages: Vec<&str> = pages
+        .split_whitespace()
+        .next()
+        .unwrap_or("")
+        .split(',')
+        .map(|u| u.trim_start_matches("http://"))
+        .collect();
+    assert_eq!(pages.len(), 2, "{text}");
+    let mut syncs = 0.0;
+    for addr in &pages {
+        let health = meridian_integration::http_get(addr, "/health");
+        assert!(health.contains("\"status\":\"ok\""), "{health}");
+        syncs += meridian_integration::http_get(addr, "/metrics")
+            .lines()
+            .find_map(|l| l.strip_prefix("meridian_journal_sync_seconds_count "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+    }
+    assert!(syncs > 0.0, "the 20 messages were journaled and synced");
 
     step("SIGTERM: every process of the site stops");
     let status = std::process::Command::new("kill")

@@ -6,7 +6,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use meridian_integration::{
-    meridian_bin, recover_ledger, run_cli, step, wait_for_bookies, BookieProc, MetaCluster,
+    http_get, meridian_bin, recover_ledger, run_cli, step, wait_for_bookies, BookieProc,
+    MetaCluster,
 };
 
 fn ledger_show(endpoint: &str, id: &str) -> serde_json::Value {
@@ -121,6 +122,31 @@ async fn given_bookie_killed_mid_stream_then_writes_go_on_and_every_entry_surviv
     assert!(fragments.len() >= 2, "{meta}");
     let last_ensemble = fragments.last().expect("fragment")["ensemble"].to_string();
     assert!(!last_ensemble.contains(&victim), "{meta}");
+
+    step("each surviving bookie's /metrics has its journal's fdatasyncs; /health says ok");
+    let mut synced = 0;
+    for b in bookies.iter().filter(|b| b.addr != victim) {
+        let health = http_get(&b.http, "/health");
+        assert!(
+            health.starts_with("HTTP/1.0 200") || health.starts_with("HTTP/1.1 200"),
+            "{health}"
+        );
+        assert!(health.contains("\"status\":\"ok\""), "{health}");
+        let metrics = http_get(&b.http, "/metrics");
+        let count = metrics
+            .lines()
+            .find_map(|l| l.strip_prefix("meridian_journal_sync_seconds_count "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0);
+        if count > 0.0 {
+            synced += 1;
+        }
+    }
+    // Every entry went to two of the three that were written to (E=3, Qw=2).
+    assert!(
+        synced >= 2,
+        "journal fdatasyncs on {synced} bookies' /metrics"
+    );
 
     step("kill -9 every bookie, restart all four on the same directories: every entry reads back");
     for b in &mut bookies {

@@ -18,6 +18,7 @@
 
 mod admin_perf;
 mod bench;
+mod bookie_http;
 mod broker_role;
 mod meta;
 mod pulsar_perf;

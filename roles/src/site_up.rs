@@ -38,6 +38,9 @@ struct BrokerPorts {
 struct Layout {
     metadata: Vec<String>,
     bookies: Vec<String>,
+    /// Each bookie's /metrics and /health (absent in sites laid out before they had them).
+    #[serde(default)]
+    bookie_http: Vec<String>,
     brokers: Vec<BrokerPorts>,
 }
 
@@ -56,6 +59,7 @@ impl Layout {
         Ok(Layout {
             metadata: n(a.metadata)?,
             bookies: n(a.bookies)?,
+            bookie_http: n(a.bookies)?,
             brokers: (0..a.brokers)
                 .map(|_| {
                     Ok(BrokerPorts {
@@ -159,6 +163,13 @@ pub async fn run(a: SiteUpArgs) -> anyhow::Result<()> {
                     l.brokers.len()
                 );
             }
+            let mut l = l;
+            if l.bookie_http.len() != l.bookies.len() {
+                l.bookie_http = (0..l.bookies.len())
+                    .map(|_| free_addr())
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                std::fs::write(&layout_file, serde_json::to_vec_pretty(&l)?)?;
+            }
             l
         }
         Err(_) => {
@@ -204,6 +215,8 @@ pub async fn run(a: SiteUpArgs) -> anyhow::Result<()> {
                 d.join("journal").display().to_string(),
                 "--ledger-dir".into(),
                 d.join("ledgers").display().to_string(),
+                "--http-listen".into(),
+                layout.bookie_http[i].clone(),
             ];
             procs.push((1, spawn(&dir, &name, &args, &[])?));
         }
@@ -282,6 +295,12 @@ pub async fn run(a: SiteUpArgs) -> anyhow::Result<()> {
     println!("meridian site up: {} (logs and data there)", dir.display());
     println!("  metadata: {endpoints}");
     println!("  bookies: {}", layout.bookies.join(","));
+    let pages: Vec<String> = layout
+        .bookie_http
+        .iter()
+        .map(|h| format!("http://{h}"))
+        .collect();
+    println!("  bookie metrics: {} (/metrics, /health)", pages.join(","));
     for b in &banners {
         println!("  {}", b.trim_start_matches("meridian "));
     }

@@ -35,6 +35,9 @@ pub struct BookieArgs {
     /// The bookie affinity group it belongs to (bookie.group).
     #[arg(long)]
     group: Option<String>,
+    /// Address of /metrics and /health (bookie.http_listen; not served unless set).
+    #[arg(long)]
+    http_listen: Option<String>,
 }
 
 impl BookieArgs {
@@ -52,6 +55,7 @@ impl BookieArgs {
         add("bookie.ledger_dir", &self.ledger_dir);
         add("bookie.rack", &self.rack);
         add("bookie.group", &self.group);
+        add("bookie.http_listen", &self.http_listen);
         o
     }
 }
@@ -119,18 +123,37 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(&b.listen)
         .await
         .with_context(|| format!("bookie.listen {}", b.listen))?;
+    // Before the journal starts, so its first histograms are recorded.
+    let metrics = (!b.http_listen.is_empty())
+        .then(|| meridian_broker::http::init_metrics(cfg.broker.metrics_series_idle_s));
+    let http_listener = match &metrics {
+        Some(_) => Some(
+            tokio::net::TcpListener::bind(&b.http_listen)
+                .await
+                .with_context(|| format!("bookie.http_listen {}", b.http_listen))?,
+        ),
+        None => None,
+    };
     let tls = crate::tls_of(&cfg, Some(meridian_metadata::tls::ProcessRole::Bookie))?;
     let meta = MetadataClient::with_tls(&cfg.client, tls.clone()).context("client.endpoints")?;
     let running = bookie::start_with_tls(BookieOptions::from_config(b), tls, listener)
         .await
         .context("starting the bookie")?;
+    let http = match (metrics, http_listener) {
+        (Some(m), Some(l)) => Some(crate::bookie_http::serve(Arc::clone(&running.core), m, l)?),
+        _ => None,
+    };
     let advertise = if b.advertise.is_empty() {
         running.addr.to_string()
     } else {
         b.advertise.clone()
     };
+    let pages = http
+        .as_ref()
+        .map(|h| format!("; HTTP on http://{} (/metrics, /health)", h.addr))
+        .unwrap_or_default();
     println!(
-        "meridian bookie {advertise} listening on {} (journal in {}, ledgers in {}; metadata {})",
+        "meridian bookie {advertise} listening on {} (journal in {}, ledgers in {}; metadata {}{pages})",
         running.addr,
         b.journal_dir,
         b.ledger_dir,
@@ -159,6 +182,9 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
     let _ = registration.await;
     let _ = orphans.await;
     running.shutdown().await;
+    if let Some(h) = http {
+        h.shutdown().await;
+    }
     Ok(())
 }
 

@@ -30,8 +30,62 @@ struct Run {
     p50: f64,
     p99: f64,
     p999: f64,
-    /// The disk's 4 KiB write+fdatasync p99 meanwhile (with a probe directory).
+    max: f64,
+    /// The disk's 4 KiB write+fdatasync p99 and maximum meanwhile (with a probe directory).
     disk_p99: f64,
+    disk_max: f64,
+}
+
+/// `ISOLATION_BENCH_B_DIR=DIR` puts B's bookies' journals and ledgers under DIR (another disk,
+/// or a tmpfs standing in for one): then only the cores are shared, and the phase without a
+/// cap is left out (it would write gigabytes there).
+fn b_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("ISOLATION_BENCH_B_DIR").map(std::path::PathBuf::from)
+}
+
+/// `ISOLATION_BENCH_PIN=1` pins A's broker, bookies and client to the first core and B's to
+/// the second (`taskset`), as if each tenant had a machine's cores of its own (the metadata
+/// node floats).
+fn pinned() -> bool {
+    std::env::var_os("ISOLATION_BENCH_PIN").is_some()
+}
+
+/// Every thread of `pid` on `cpu`.
+fn pin(pid: Option<u32>, cpu: &str) -> anyhow::Result<()> {
+    let pid = pid.ok_or_else(|| anyhow::anyhow!("a process that is not running"))?;
+    let ok = Command::new("taskset")
+        .args(["-a", "-p", "-c", cpu, &pid.to_string()])
+        .stdout(Stdio::null())
+        .status()?
+        .success();
+    anyhow::ensure!(ok, "taskset of {pid} on cpu {cpu} failed");
+    Ok(())
+}
+
+/// `ISOLATION_BENCH_LOGS=DIR` keeps every process's log and each `perf` run's output (with
+/// figures every second) there.
+fn logs_dir() -> Option<std::path::PathBuf> {
+    std::env::var_os("ISOLATION_BENCH_LOGS").map(std::path::PathBuf::from)
+}
+
+/// Journal fdatasyncs that took longer than 50 ms, and all of them, so far, per bookie (from
+/// each bookie's /metrics).
+fn slow_syncs(bookies: &[BookieProc]) -> Vec<(f64, f64)> {
+    bookies
+        .iter()
+        .map(|b| {
+            let m = meridian_integration::http_get(&b.http, "/metrics");
+            let value = |prefix: &str| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix(prefix))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+                    .unwrap_or(0.0)
+            };
+            let all = value("meridian_journal_sync_seconds_count ");
+            let fast = value("meridian_journal_sync_seconds_bucket{le=\"0.05\"} ");
+            (all - fast, all)
+        })
+        .collect()
 }
 
 /// `meridian perf produce` against one broker.
@@ -44,7 +98,15 @@ fn perf(
     seconds: u64,
     probe: Option<&str>,
 ) -> anyhow::Result<Run> {
-    let mut cmd = Command::new(meridian_bin());
+    let mut cmd = if pinned() {
+        // A's topics are ta/..., B's tb/...
+        let cpu = if topic.contains("//ta/") { "0" } else { "1" };
+        let mut c = Command::new("taskset");
+        c.args(["-c", cpu]).arg(meridian_bin());
+        c
+    } else {
+        Command::new(meridian_bin())
+    };
     cmd.args(["perf", "produce"]);
     if let Some(dir) = probe {
         cmd.args(["--fsync-probe-dir", dir]);
@@ -66,11 +128,19 @@ fn perf(
             "--warmup-seconds",
             "3",
             "--report-every",
-            "60",
+            if logs_dir().is_some() { "1" } else { "60" },
         ])
         .stdin(Stdio::null())
         .output()?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
+    if let Some(dir) = logs_dir() {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.join(format!("perf-{}.txt", topic.replace(['/', ':'], "_"))))?;
+        writeln!(f, "=== {:?}\n{text}", std::time::SystemTime::now())?;
+    }
     anyhow::ensure!(
         out.status.success(),
         "perf produce {topic}: {text}{}",
@@ -89,10 +159,12 @@ fn perf(
     for line in text.lines().filter(|l| l.starts_with("summary")) {
         if line.starts_with("summary disk") {
             r.disk_p99 = num_after(line, "p99").unwrap_or(0.0);
+            r.disk_max = num_after(line, "max").unwrap_or(0.0);
         } else if line.contains("latency:") {
             r.p50 = num_after(line, "p50").unwrap_or(0.0);
             r.p99 = num_after(line, "p99").unwrap_or(0.0);
             r.p999 = num_after(line, "p99.9").unwrap_or(0.0);
+            r.max = num_after(line, "max").unwrap_or(0.0);
         } else if let Some(x) = line
             .split(" = ")
             .nth(1)
@@ -128,6 +200,13 @@ async fn main() -> anyhow::Result<()> {
     for (i, g) in groups.iter().enumerate() {
         let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoint);
         b.env("MERIDIAN_BOOKIE_GROUP", g);
+        if let (Some(dir), "gb") = (b_dir(), *g) {
+            b.dir = dir.join(format!("bookie{i}"));
+        }
+        if logs_dir().is_some() {
+            // Each journal fdatasync over 10 ms, with its time.
+            b.env("RUST_LOG", "info,meridian_storage::journal=debug");
+        }
         b.start()?;
         bookies.push(b);
     }
@@ -142,6 +221,13 @@ async fn main() -> anyhow::Result<()> {
             .env("MERIDIAN_BROKER_BUNDLE_SPLIT_ENABLED", "false");
         b.start()?;
         brokers.push(b);
+    }
+    if pinned() {
+        for (i, b) in bookies.iter().enumerate() {
+            pin(b.pid(), if i < 2 { "0" } else { "1" })?;
+        }
+        pin(brokers[0].pid(), "0")?;
+        pin(brokers[1].pid(), "1")?;
     }
     let admin = brokers[0].admin_url.clone();
     let re = |b: &BrokerProc| host(&b.url).replace('.', "\\.");
@@ -232,11 +318,19 @@ async fn main() -> anyhow::Result<()> {
         }
         Ok((a, b))
     };
+    let synced_before = std::cell::RefCell::new(slow_syncs(&bookies));
     let show = |name: &str, a: &Run, b: &Option<Run>| {
         let b_text = b.map_or(String::new(), |b| format!("; B {:.0} msg/s", b.rate));
+        let now = slow_syncs(&bookies);
+        let slow: Vec<String> = now
+            .iter()
+            .zip(synced_before.borrow().iter())
+            .map(|(n, b)| format!("{}/{}", n.0 - b.0, n.1 - b.1))
+            .collect();
+        *synced_before.borrow_mut() = now;
         println!(
-            "{name:>22}: A {:.0} msg/s p50 {:.2} p99 {:.2} p99.9 {:.2} ms (disk fdatasync p99 {:.2} ms){b_text}",
-            a.rate, a.p50, a.p99, a.p999, a.disk_p99
+            "{name:>22}: A {:.0} msg/s p50 {:.2} p99 {:.2} p99.9 {:.2} max {:.1} ms (disk fdatasync p99 {:.2} max {:.1} ms; journal fdatasyncs over 50 ms / all, bookies 1-4: {}){b_text}",
+            a.rate, a.p50, a.p99, a.p999, a.max, a.disk_p99, a.disk_max, slow.join(" ")
         );
     };
     let mut alone = Vec::new();
@@ -249,8 +343,17 @@ async fn main() -> anyhow::Result<()> {
         show(&format!("round {round} B capped"), &a, &b);
         capped.push((a, b.unwrap_or_default()));
     }
-    let (unlimited, b_unlimited) = phase(Some(0))?;
-    show("last: B without a cap", &unlimited, &b_unlimited);
+    let last = if b_dir().is_none() {
+        let (unlimited, b_unlimited) = phase(Some(0))?;
+        show("last: B without a cap", &unlimited, &b_unlimited);
+        Some((unlimited, b_unlimited))
+    } else {
+        println!(
+            "B's bookies on {}: no phase without a cap",
+            b_dir().unwrap_or_default().display()
+        );
+        None
+    };
 
     let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
     let median = |v: &[f64]| {
@@ -275,14 +378,38 @@ async fn main() -> anyhow::Result<()> {
         "means: A's publish p99 alone {alone_p99:.2} ms (disk {alone_disk:.2} ms); with B at its cap ({capped_rate:.0} msg/s) {capped_p99:.2} ms (disk {capped_disk:.2} ms) = {:.2}x",
         capped_p99 / alone_p99
     );
+    // On one disk the disk's own latency moves with B's writes: A's p99 over the disk's p99
+    // in the same window is what Meridian adds on top of it.
+    let over_disk = |v: &[Run]| {
+        median(
+            &v.iter()
+                .map(|r| r.p99 / r.disk_p99.max(1e-9))
+                .collect::<Vec<_>>(),
+        )
+    };
+    let capped_runs: Vec<Run> = capped.iter().map(|r| r.0).collect();
     println!(
-        "with B uncapped ({:.0} msg/s): {:.2} ms (disk {:.2} ms) = {:.2}x",
-        b_unlimited.map_or(0.0, |b| b.rate),
-        unlimited.p99,
-        unlimited.disk_p99,
-        unlimited.p99 / alone_p99
+        "medians of A's p99 over the disk's fdatasync p99 in the same window: alone {:.2}, with B at its cap {:.2}",
+        over_disk(&alone),
+        over_disk(&capped_runs)
     );
+    if let Some((unlimited, b_unlimited)) = last {
+        println!(
+            "with B uncapped ({:.0} msg/s): {:.2} ms (disk {:.2} ms) = {:.2}x",
+            b_unlimited.map_or(0.0, |b| b.rate),
+            unlimited.p99,
+            unlimited.disk_p99,
+            unlimited.p99 / alone_p99
+        );
+    }
     drop(brokers);
     drop(bookies);
+    if let Some(dir) = logs_dir() {
+        for e in std::fs::read_dir(&root)?.flatten() {
+            if e.path().extension().is_some_and(|x| x == "log") {
+                std::fs::copy(e.path(), dir.join(e.file_name()))?;
+            }
+        }
+    }
     Ok(())
 }

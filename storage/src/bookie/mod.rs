@@ -43,6 +43,8 @@ pub struct BookieOptions {
     pub requests_in_flight_max: usize,
     /// Above this share of a disk used (journal or ledger directory), the bookie turns read-only.
     pub disk_usage_percent_max: u64,
+    /// The flusher thread's I/O in the idle class ([`crate::io_priority`]).
+    pub flusher_io_idle: bool,
 }
 
 impl BookieOptions {
@@ -72,6 +74,7 @@ impl BookieOptions {
             frame_bytes_max: c.frame_bytes_max as usize,
             requests_in_flight_max: c.requests_in_flight_max as usize,
             disk_usage_percent_max: c.disk_usage_percent_max,
+            flusher_io_idle: c.flusher_io_idle,
         }
     }
 }
@@ -513,6 +516,11 @@ fn prepare_spare(core: &BookieCore, not_before: &mut std::time::Instant) {
 const WRITE_CACHE_TRIM_IDLE: Duration = Duration::from_secs(30);
 
 fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
+    if core.opts.flusher_io_idle {
+        if let Err(e) = crate::io_priority::idle_for_this_thread() {
+            tracing::warn!(error = %e, "could not put the flusher's I/O in the idle class");
+        }
+    }
     let interval = Duration::from_millis(core.opts.flush_interval_ms);
     let gc_interval = Duration::from_millis(core.opts.gc_interval_ms);
     let mut last_flush = std::time::Instant::now();

@@ -49,6 +49,7 @@ pub fn bookie_opts(dir: &Path) -> BookieOptions {
         frame_bytes_max: 5 << 20,
         requests_in_flight_max: 10_000,
         disk_usage_percent_max: 100,
+        flusher_io_idle: true,
     }
 }
 

@@ -15,7 +15,9 @@ use meridian_metadata::client::{ClientError, PutOptions};
 use meridian_protocol::pb::ServerError;
 use serde::{Deserialize, Serialize};
 
-use super::ownership::{Assignment, BrokerInfo, Bundle, Owner, ASSIGN_PREFIX, OWNERS_PREFIX};
+use super::ownership::{
+    Assignment, BrokerInfo, Bundle, Owner, ASSIGNMENT_TTL_MS, ASSIGN_PREFIX, OWNERS_PREFIX,
+};
 use super::{Broker, BrokerError};
 
 pub const LEADER_KEY: &str = "/loadbalance/leader";
@@ -174,6 +176,11 @@ impl Broker {
                     }
                     due
                 };
+                if due {
+                    if let Err(e) = self.sweep_assignments().await {
+                        tracing::warn!(error = %e, "removing stale shed destinations failed");
+                    }
+                }
                 if due && self.cfg.load_balancer_enabled {
                     if let Err(e) = self.shed().await {
                         tracing::warn!(error = %e, "load shedding failed");
@@ -225,6 +232,27 @@ impl Broker {
             Some(kv) => serde_json::from_slice(&kv.value).ok(),
             None => None,
         })
+    }
+
+    /// Removes shed destinations ([`ASSIGN_PREFIX`]) that no lookup follows any more (older
+    /// than [`ASSIGNMENT_TTL_MS`], as [`super::ownership::Ownership::candidate`] judges them):
+    /// a leader that stopped between writing one and seeing its bundle placed, or a namespace
+    /// deleted meanwhile, leaves them behind. Returns how many went.
+    async fn sweep_assignments(&self) -> Result<usize, BrokerError> {
+        let now = super::now_ms();
+        let mut removed = 0;
+        for kv in self.meta.list_all(ASSIGN_PREFIX).await? {
+            let stale = !serde_json::from_slice::<Assignment>(&kv.value)
+                .is_ok_and(|a| now.abs_diff(a.at_ms) < ASSIGNMENT_TTL_MS);
+            // Unless the leader rewrote it meanwhile.
+            if stale && self.meta.delete(&kv.key, Some(kv.mod_revision)).await? {
+                removed += 1;
+            }
+        }
+        if removed > 0 {
+            tracing::info!(removed, "removed stale shed destinations");
+        }
+        Ok(removed)
     }
 
     /// One shedding round: at most one bundle moves.
