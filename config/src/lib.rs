@@ -336,9 +336,10 @@ pub struct BookieConfig {
     /// 10,000 msg/s: about 2.5 ms at 250 against about 5 ms at 10000); a flush with nothing
     /// new costs nothing. Range 10..=600000, default 250.
     pub flush_interval_ms: u64,
-    /// Run the flusher (write-cache flushes, spare journal files, garbage collection) in the
-    /// idle I/O class, so the journal's fdatasyncs do not queue behind its writes where the
-    /// disk's scheduler honours classes (mq-deadline, bfq). Default `true`.
+    /// Do the flusher's routine write-cache flushes and garbage collection in the idle I/O
+    /// class, so the journal's fdatasyncs do not queue behind them where the disk's scheduler
+    /// honours classes (mq-deadline, bfq); a flush of a half-full cache and spare journal
+    /// files stay in the default class. Default `true`.
     pub flusher_io_idle: bool,
     /// Look for entry logs to remove or compact this often, milliseconds.
     /// Range 100..=86400000, default 60000.

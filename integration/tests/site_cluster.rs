@@ -1310,8 +1310,12 @@ async fn given_a_full_site_when_every_process_restarts_in_turn_then_no_acknowled
         assert!(Instant::now() < deadline, "the producers did not start");
         std::thread::sleep(Duration::from_millis(50));
     }
+    let began = Instant::now();
     for id in 1..=3 {
-        step(format!("metadata node {id}: SIGTERM and start"));
+        step(format!(
+            "metadata node {id}: SIGTERM and start ({:.1} s in)",
+            began.elapsed().as_secs_f64()
+        ));
         // SIGTERM and wait for the exit.
         cluster.node(id).stop().unwrap();
         cluster.node(id).start().unwrap();
@@ -1322,7 +1326,10 @@ async fn given_a_full_site_when_every_process_restarts_in_turn_then_no_acknowled
         tokio::time::sleep(Duration::from_millis(1000)).await;
     }
     for (i, b) in bookies.iter_mut().enumerate() {
-        step(format!("bookie {i}: SIGTERM and start"));
+        step(format!(
+            "bookie {i}: SIGTERM and start ({:.1} s in)",
+            began.elapsed().as_secs_f64()
+        ));
         assert_eq!(b.stop().unwrap(), 0);
         b.start().unwrap();
         wait_for_bookies(&cluster.client(), 3, Duration::from_secs(30))
@@ -1336,7 +1343,8 @@ async fn given_a_full_site_when_every_process_restarts_in_turn_then_no_acknowled
         .count();
     assert!(
         sending > 0,
-        "the producers finished before the brokers restarted"
+        "the producers finished before the brokers restarted ({:.1} s in)",
+        began.elapsed().as_secs_f64()
     );
     for (i, b) in brokers.iter_mut().enumerate() {
         step(format!("broker {i}: SIGTERM and start"));
@@ -1455,13 +1463,18 @@ async fn given_traffic_on_one_broker_then_the_load_manager_sheds_a_busy_bundle_b
     let place_quiet = || {
         for i in 0..40 {
             let t = format!("persistent://public/default/quiet-{i}");
-            let l = admin_json(&brokers[0].admin_url, &["topics", "lookup", &t]);
-            // As a client follows a redirect: the broker the leader chose takes the bundle
-            // at its own lookup.
-            if l["owner"].as_str().unwrap_or("").is_empty() {
+            // As a client follows redirects: the broker chosen takes the bundle at its own
+            // lookup (or names another, which is asked in turn).
+            let mut at = &brokers[0];
+            for _ in 0..4 {
+                let l = admin_json(&at.admin_url, &["topics", "lookup", &t]);
+                if !l["owner"].as_str().unwrap_or("").is_empty() {
+                    break;
+                }
                 let to = l["service_url"].as_str().unwrap_or("");
-                if let Some(b) = brokers.iter().find(|b| b.url == to) {
-                    admin_json(&b.admin_url, &["topics", "lookup", &t]);
+                match brokers.iter().find(|b| b.url == to) {
+                    Some(b) => at = b,
+                    None => break,
                 }
             }
         }

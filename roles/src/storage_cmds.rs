@@ -126,22 +126,21 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
     // Before the journal starts, so its first histograms are recorded.
     let metrics = (!b.http_listen.is_empty())
         .then(|| meridian_broker::http::init_metrics(cfg.broker.metrics_series_idle_s));
-    let http_listener = match &metrics {
-        Some(_) => Some(
-            tokio::net::TcpListener::bind(&b.http_listen)
-                .await
-                .with_context(|| format!("bookie.http_listen {}", b.http_listen))?,
-        ),
-        None => None,
-    };
     let tls = crate::tls_of(&cfg, Some(meridian_metadata::tls::ProcessRole::Bookie))?;
     let meta = MetadataClient::with_tls(&cfg.client, tls.clone()).context("client.endpoints")?;
     let running = bookie::start_with_tls(BookieOptions::from_config(b), tls, listener)
         .await
         .context("starting the bookie")?;
-    let http = match (metrics, http_listener) {
-        (Some(m), Some(l)) => Some(crate::bookie_http::serve(Arc::clone(&running.core), m, l)?),
-        _ => None,
+    // Bound once the bookie runs (journal replayed, first file ready): until then a probe is
+    // refused at once rather than left waiting.
+    let http = match metrics {
+        Some(m) => {
+            let l = tokio::net::TcpListener::bind(&b.http_listen)
+                .await
+                .with_context(|| format!("bookie.http_listen {}", b.http_listen))?;
+            Some(crate::bookie_http::serve(Arc::clone(&running.core), m, l)?)
+        }
+        None => None,
     };
     let advertise = if b.advertise.is_empty() {
         running.addr.to_string()
@@ -181,10 +180,12 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
     let _ = stop_reg.send(true);
     let _ = registration.await;
     let _ = orphans.await;
-    running.shutdown().await;
+    // First: its pages hold the bookie's core, and the index database closes only once
+    // nothing does (shutdown waits up to 10 s for that).
     if let Some(h) = http {
         h.shutdown().await;
     }
+    running.shutdown().await;
     Ok(())
 }
 

@@ -47,7 +47,7 @@ fn b_dir() -> Option<std::path::PathBuf> {
 /// the second (`taskset`), as if each tenant had a machine's cores of its own (the metadata
 /// node floats).
 fn pinned() -> bool {
-    std::env::var_os("ISOLATION_BENCH_PIN").is_some()
+    std::env::var("ISOLATION_BENCH_PIN").is_ok_and(|v| v == "1")
 }
 
 /// Every thread of `pid` on `cpu`.

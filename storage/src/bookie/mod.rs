@@ -516,11 +516,7 @@ fn prepare_spare(core: &BookieCore, not_before: &mut std::time::Instant) {
 const WRITE_CACHE_TRIM_IDLE: Duration = Duration::from_secs(30);
 
 fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
-    if core.opts.flusher_io_idle {
-        if let Err(e) = crate::io_priority::idle_for_this_thread() {
-            tracing::warn!(error = %e, "could not put the flusher's I/O in the idle class");
-        }
-    }
+    let mut class = crate::io_priority::FlusherClass::new(core.opts.flusher_io_idle);
     let interval = Duration::from_millis(core.opts.flush_interval_ms);
     let gc_interval = Duration::from_millis(core.opts.gc_interval_ms);
     let mut last_flush = std::time::Instant::now();
@@ -541,13 +537,20 @@ fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
         }
         let half_full = cached >= core.opts.storage.write_cache_bytes_max / 2;
         if half_full || last_flush.elapsed() >= interval {
+            if half_full {
+                class.urgent();
+            } else {
+                class.background();
+            }
             flush_once(&core);
             last_flush = std::time::Instant::now();
             let (_, used_pct) = core.disk_usage();
             core.check_disk(used_pct);
         }
+        class.urgent();
         prepare_spare(&core, &mut spare_not_before);
         if last_gc.elapsed() >= gc_interval {
+            class.background();
             match core.storage.collect_garbage() {
                 Ok(0) => {}
                 Ok(freed) => tracing::info!(freed, "garbage collection freed bytes"),

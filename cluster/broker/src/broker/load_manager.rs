@@ -244,9 +244,14 @@ impl Broker {
         for kv in self.meta.list_all(ASSIGN_PREFIX).await? {
             let stale = !serde_json::from_slice::<Assignment>(&kv.value)
                 .is_ok_and(|a| now.abs_diff(a.at_ms) < ASSIGNMENT_TTL_MS);
-            // Unless the leader rewrote it meanwhile.
-            if stale && self.meta.delete(&kv.key, Some(kv.mod_revision)).await? {
-                removed += 1;
+            if !stale {
+                continue;
+            }
+            // Unless it was rewritten or removed meanwhile.
+            match self.meta.delete(&kv.key, Some(kv.mod_revision)).await {
+                Ok(true) => removed += 1,
+                Ok(false) | Err(ClientError::Conflict { .. }) => {}
+                Err(e) => return Err(e.into()),
             }
         }
         if removed > 0 {
