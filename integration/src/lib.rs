@@ -336,6 +336,15 @@ pub fn admin_json(admin_url: &str, args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
 }
 
+/// The value of one series in a `/metrics` page (`name` with its labels, as printed), 0
+/// when absent.
+pub fn metric_value(page: &str, series: &str) -> f64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// `HOST:PORT` of a `pulsar://HOST:PORT` URL (a broker's id).
 pub fn host(url: &str) -> &str {
     url.trim_start_matches("pulsar://")

@@ -918,11 +918,10 @@ fn given_site_up_then_a_site_of_separate_processes_serves_clients_and_stops_by_p
     for addr in &pages {
         let health = meridian_integration::http_get(addr, "/health");
         assert!(health.contains("\"status\":\"ok\""), "{health}");
-        syncs += meridian_integration::http_get(addr, "/metrics")
-            .lines()
-            .find_map(|l| l.strip_prefix("meridian_journal_sync_seconds_count "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0);
+        syncs += meridian_integration::metric_value(
+            &meridian_integration::http_get(addr, "/metrics"),
+            "meridian_journal_sync_seconds_count",
+        );
     }
     assert!(syncs > 0.0, "the 20 messages were journaled and synced");
 

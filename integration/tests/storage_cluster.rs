@@ -6,8 +6,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use meridian_integration::{
-    http_get, meridian_bin, recover_ledger, run_cli, step, wait_for_bookies, BookieProc,
-    MetaCluster,
+    http_get, meridian_bin, metric_value, recover_ledger, run_cli, step, wait_for_bookies,
+    BookieProc, MetaCluster,
 };
 
 fn ledger_show(endpoint: &str, id: &str) -> serde_json::Value {
@@ -133,12 +133,7 @@ async fn given_bookie_killed_mid_stream_then_writes_go_on_and_every_entry_surviv
         );
         assert!(health.contains("\"status\":\"ok\""), "{health}");
         let metrics = http_get(&b.http, "/metrics");
-        let count = metrics
-            .lines()
-            .find_map(|l| l.strip_prefix("meridian_journal_sync_seconds_count "))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .unwrap_or(0.0);
-        if count > 0.0 {
+        if metric_value(&metrics, "meridian_journal_sync_seconds_count") > 0.0 {
             synced += 1;
         }
     }

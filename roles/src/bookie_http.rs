@@ -3,7 +3,6 @@
 //! `/health` (writable, or read-only and why). Nothing here names a tenant's topic, so unlike
 //! the broker's pages it needs no token.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -11,11 +10,10 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
+use meridian_broker::http::RunningHttp;
 use meridian_storage::bookie::BookieCore;
 use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::net::TcpListener;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 #[derive(Clone)]
 struct Ctx {
@@ -52,40 +50,15 @@ async fn health(State(c): State<Ctx>) -> impl IntoResponse {
     )
 }
 
-pub struct BookieHttp {
-    pub addr: SocketAddr,
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-}
-
-/// Serves the pages on `listener` until [`BookieHttp::shutdown`].
+/// Serves the pages on `listener` until the returned server's `shutdown`.
 pub fn serve(
     core: Arc<BookieCore>,
     metrics: PrometheusHandle,
     listener: TcpListener,
-) -> std::io::Result<BookieHttp> {
-    let addr = listener.local_addr()?;
+) -> std::io::Result<RunningHttp> {
     let app = Router::new()
         .route("/metrics", get(metrics_page))
         .route("/health", get(health))
         .with_state(Ctx { core, metrics });
-    let (stop, mut stop_rx) = watch::channel(false);
-    let task = tokio::spawn(async move {
-        let r = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stop_rx.changed().await;
-            })
-            .await;
-        if let Err(e) = r {
-            tracing::warn!(error = %e, "bookie HTTP server stopped");
-        }
-    });
-    Ok(BookieHttp { addr, stop, task })
-}
-
-impl BookieHttp {
-    pub async fn shutdown(self) {
-        let _ = self.stop.send(true);
-        let _ = self.task.await;
-    }
+    meridian_broker::http::serve_router(app, listener)
 }

@@ -177,7 +177,6 @@ pub struct RunningHttp {
 }
 
 pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<RunningHttp> {
-    let addr = listener.local_addr()?;
     let ctx = Ctx {
         broker,
         metrics: metrics_handle(),
@@ -187,6 +186,13 @@ pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<Runn
         .route("/health", get(health))
         .route("/stats", get(stats))
         .with_state(ctx);
+    serve_router(app, listener)
+}
+
+/// Serves `app` on `listener` until [`RunningHttp::shutdown`] (the broker's pages, and other
+/// roles' such as a bookie's).
+pub fn serve_router(app: Router, listener: TcpListener) -> std::io::Result<RunningHttp> {
+    let addr = listener.local_addr()?;
     let (stop, mut stop_rx) = watch::channel(false);
     let task = tokio::spawn(async move {
         let r = axum::serve(listener, app)

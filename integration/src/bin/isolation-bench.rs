@@ -75,14 +75,9 @@ fn slow_syncs(bookies: &[BookieProc]) -> Vec<(f64, f64)> {
         .iter()
         .map(|b| {
             let m = meridian_integration::http_get(&b.http, "/metrics");
-            let value = |prefix: &str| {
-                m.lines()
-                    .find_map(|l| l.strip_prefix(prefix))
-                    .and_then(|v| v.trim().parse::<f64>().ok())
-                    .unwrap_or(0.0)
-            };
-            let all = value("meridian_journal_sync_seconds_count ");
-            let fast = value("meridian_journal_sync_seconds_bucket{le=\"0.05\"} ");
+            let value = |series: &str| meridian_integration::metric_value(&m, series);
+            let all = value("meridian_journal_sync_seconds_count");
+            let fast = value("meridian_journal_sync_seconds_bucket{le=\"0.05\"}");
             (all - fast, all)
         })
         .collect()

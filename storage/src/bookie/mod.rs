@@ -491,7 +491,11 @@ fn flush_once(core: &BookieCore) {
 /// fsyncs do not wait long behind them.
 /// After a failure (a full disk, most likely) it waits a minute before trying again; the
 /// journal then grows its files as they are written.
-fn prepare_spare(core: &BookieCore, not_before: &mut std::time::Instant) {
+fn prepare_spare(
+    core: &BookieCore,
+    not_before: &mut std::time::Instant,
+    class: &mut crate::io_priority::FlusherClass,
+) {
     let j = &core.opts.journal;
     if !j.prefill
         || std::time::Instant::now() < *not_before
@@ -506,6 +510,8 @@ fn prepare_spare(core: &BookieCore, not_before: &mut std::time::Instant) {
     {
         return;
     }
+    // The journal waits for it once its file is full.
+    class.urgent();
     if let Err(e) = journal::prepare_spare(&j.dir, j.file_bytes_max, 1 << 20) {
         tracing::warn!(error = %e, "zero-filling a spare journal file failed; trying again in a minute");
         *not_before = std::time::Instant::now() + Duration::from_secs(60);
@@ -547,8 +553,7 @@ fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
             let (_, used_pct) = core.disk_usage();
             core.check_disk(used_pct);
         }
-        class.urgent();
-        prepare_spare(&core, &mut spare_not_before);
+        prepare_spare(&core, &mut spare_not_before, &mut class);
         if last_gc.elapsed() >= gc_interval {
             class.background();
             match core.storage.collect_garbage() {
