@@ -23,8 +23,11 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use toml::{Table, Value};
 
+mod geo;
 #[cfg(test)]
 mod tests;
+
+pub use geo::GeoConfig;
 
 /// Prefix of every environment variable this crate reads.
 pub const ENV_PREFIX: &str = "MERIDIAN_";
@@ -102,6 +105,8 @@ pub struct Config {
     pub standalone: StandaloneConfig,
     /// `[tls]`: mutual TLS between a site's roles (metadata nodes, bookies, brokers, tools).
     pub tls: TlsConfig,
+    /// `[geo]`: the link between sites (brokers and standalone).
+    pub geo: GeoConfig,
 }
 
 /// `[tls]` section, the same for every role: this process's certificate and key and the
@@ -952,8 +957,16 @@ impl Role {
     pub fn sections(&self) -> &'static [&'static str] {
         match self {
             Role::Metadata => &["log", "metadata", "tls"],
-            Role::Standalone => &["log", "standalone", "broker", "bookie", "metadata", "tls"],
-            Role::Broker => &["log", "broker", "client", "tls"],
+            Role::Standalone => &[
+                "log",
+                "standalone",
+                "broker",
+                "bookie",
+                "metadata",
+                "tls",
+                "geo",
+            ],
+            Role::Broker => &["log", "broker", "client", "tls", "geo"],
             Role::Meta => &["log", "client", "tls"],
             Role::Bookie => &["log", "bookie", "client", "tls"],
         }
@@ -1072,7 +1085,12 @@ impl Config {
         self.bookie.validate()?;
         self.broker.validate()?;
         self.standalone.validate()?;
-        self.tls.validate()
+        self.tls.validate()?;
+        self.geo.validate()?;
+        if self.geo.enabled() {
+            meridian_site_name(&self.broker.cluster_name)?;
+        }
+        Ok(())
     }
 
     /// The sections `role` reads, as TOML text that [`Config::load`] accepts.
@@ -1087,6 +1105,7 @@ impl Config {
                 "broker" => toml::to_string(&self.broker),
                 "standalone" => toml::to_string(&self.standalone),
                 "tls" => toml::to_string(&self.tls),
+                "geo" => toml::to_string(&self.geo),
                 _ => continue,
             };
             let body = body.expect("config sections serialize to TOML");
@@ -1241,6 +1260,25 @@ pub fn parse_members(list: &[String]) -> Result<Vec<(u64, String)>, ConfigError>
         members.push((id, addr.to_string()));
     }
     Ok(members)
+}
+
+/// A site that runs the link is named in certificates (`meridian://site/<name>`): 1 to 64
+/// of `A-Z a-z 0-9 . _ -`.
+fn meridian_site_name(name: &str) -> Result<(), ConfigError> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(invalid(
+            "broker.cluster_name",
+            name,
+            "a site on the geo link (geo.listen set) is named by 1 to 64 characters of A-Z, a-z, 0-9, '.', '_' or '-'",
+        ))
+    }
 }
 
 fn invalid(key: &str, value: &(impl fmt::Debug + ?Sized), reason: &str) -> ConfigError {

@@ -186,9 +186,9 @@ fn unknown_keys_are_rejected_with_their_path() {
             file "[metadata]\nnod_id = 3"
               error: unknown key metadata.nod_id in $FILE; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             file "[metdata]\nnode_id = 3"
-              error: unknown top-level key metdata in $FILE; known sections: bookie, broker, client, log, metadata, standalone, tls
+              error: unknown top-level key metdata in $FILE; known sections: bookie, broker, client, geo, log, metadata, standalone, tls
             file "node_id = 3"
-              error: unknown top-level key node_id in $FILE; known sections: bookie, broker, client, log, metadata, standalone, tls
+              error: unknown top-level key node_id in $FILE; known sections: bookie, broker, client, geo, log, metadata, standalone, tls
             env MERIDIAN_METADATA_NOD_ID=3
               error: unknown key metadata.nod_id in environment variable MERIDIAN_METADATA_NOD_ID; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             env MERIDIAN_CLIENT_ENDPOINT=a:1
@@ -196,7 +196,7 @@ fn unknown_keys_are_rejected_with_their_path() {
             set metadata.nod_id=3
               error: unknown key metadata.nod_id in command-line flags; known keys in [metadata]: advertise, data_dir, election_timeout_max_ms, election_timeout_min_ms, fsync, heartbeat_interval_ms, initial_members, key_bytes_max, list_limit_max, listen, log_entries_kept_after_snapshot, node_id, session_ttl_ms_max, session_ttl_ms_min, snapshot_every_entries, txn_ops_max, value_bytes_max, watch_buffer_batches, watch_history_events
             set metdata.node_id=3
-              error: unknown top-level key metdata in command-line flags; known sections: bookie, broker, client, log, metadata, standalone, tls
+              error: unknown top-level key metdata in command-line flags; known sections: bookie, broker, client, geo, log, metadata, standalone, tls
             set log=debug
               error: unknown key log. in command-line flags; known keys in [log]: json, level
         "#]],
@@ -722,4 +722,43 @@ fn unreadable_tls_files_are_named_by_their_key() {
     };
     readable.check_readable().unwrap();
     TlsConfig::default().check_readable().unwrap();
+}
+
+#[test]
+fn geo_settings_are_checked() {
+    check(
+        [
+            set("geo.listen", "127.0.0.1:7300"),
+            set("geo.listen", "127.0.0.1:7300")
+                .set("geo.cert_file", "e.crt")
+                .set("geo.key_file", "e.key")
+                .set("geo.ca_file", "ca.crt")
+                .set("broker.cluster_name", "east"),
+            set("geo.listen", "127.0.0.1:7300")
+                .set("geo.cert_file", "e.crt")
+                .set("geo.key_file", "e.key")
+                .set("geo.ca_file", "ca.crt")
+                .set("broker.cluster_name", "my site"),
+            set("geo.listen", "localhost:7300"),
+            set("geo.frame_bytes_max", "1024"),
+            set("geo.stall_after_ms", "0"),
+            set("geo.advertise", "nohost"),
+        ],
+        expect![[r#"
+            set geo.listen=127.0.0.1:7300
+              error: geo.cert_file = "" is invalid: geo.listen needs the site's certificate, its key and the federation CA (geo.cert_file, geo.key_file, geo.ca_file; `meridian-admin geo create-site-cert`)
+            set geo.listen=127.0.0.1:7300 set geo.cert_file=e.crt set geo.key_file=e.key set geo.ca_file=ca.crt set broker.cluster_name=east
+              ok: broker.cluster_name = "east", geo.ca_file = "ca.crt", geo.cert_file = "e.crt", geo.key_file = "e.key", geo.listen = "127.0.0.1:7300"
+            set geo.listen=127.0.0.1:7300 set geo.cert_file=e.crt set geo.key_file=e.key set geo.ca_file=ca.crt set broker.cluster_name=my site
+              error: broker.cluster_name = "my site" is invalid: a site on the geo link (geo.listen set) is named by 1 to 64 characters of A-Z, a-z, 0-9, '.', '_' or '-'
+            set geo.listen=localhost:7300
+              error: geo.listen = "localhost:7300" is invalid: expected IP:PORT, e.g. 127.0.0.1:7101
+            set geo.frame_bytes_max=1024
+              error: geo.frame_bytes_max = 1024 is out of range; accepted 65536..=268435456
+            set geo.stall_after_ms=0
+              error: geo.stall_after_ms = 0 is out of range; accepted 1000..=3600000
+            set geo.advertise=nohost
+              error: geo.advertise = "nohost" is invalid: expected HOST:PORT, e.g. localhost:7101
+        "#]],
+    );
 }

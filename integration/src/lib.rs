@@ -511,8 +511,11 @@ pub struct StandaloneProc {
     pub admin_url: String,
     /// `pulsar+ssl://127.0.0.1:PORT` once started, when TLS is configured.
     pub tls_url: Option<String>,
+    /// `quic://127.0.0.1:PORT` of the geo link once started, when it has one.
+    pub geo_url: Option<String>,
     child: Option<Child>,
     extra_env: Vec<(String, String)>,
+    extra_args: Vec<String>,
     /// Restart on the same ports (clients that stay up reconnect to them).
     keep_ports: bool,
 }
@@ -526,10 +529,18 @@ impl StandaloneProc {
             http: String::new(),
             admin_url: String::new(),
             tls_url: None,
+            geo_url: None,
             child: None,
             extra_env: Vec::new(),
+            extra_args: Vec::new(),
             keep_ports: false,
         }
+    }
+
+    /// Command-line arguments added to every later start.
+    pub fn args(&mut self, args: &[&str]) -> &mut Self {
+        self.extra_args.extend(args.iter().map(|a| a.to_string()));
+        self
     }
 
     /// Later starts reuse the ports of the first one.
@@ -585,6 +596,7 @@ impl StandaloneProc {
         for (k, v) in &self.extra_env {
             cmd.env(k, v);
         }
+        cmd.args(&self.extra_args);
         self.child = Some(cmd.spawn().context("spawning meridian standalone")?);
         let b = wait_for_banner(
             &mut self.child,
@@ -592,8 +604,13 @@ impl StandaloneProc {
             before,
             "meridian standalone: Pulsar protocol on ",
         )?;
-        (self.url, self.tls_url, self.http, self.admin_url) =
-            (b.url, b.tls_url, b.http, b.admin_url);
+        (
+            self.url,
+            self.tls_url,
+            self.http,
+            self.admin_url,
+            self.geo_url,
+        ) = (b.url, b.tls_url, b.http, b.admin_url, b.geo_url);
         Ok(())
     }
 
@@ -633,6 +650,7 @@ struct Banner {
     tls_url: Option<String>,
     http: String,
     admin_url: String,
+    geo_url: Option<String>,
 }
 
 /// Waits until the process prints its banner (a line starting with `prefix`) after byte
@@ -683,8 +701,9 @@ fn wait_for_banner(
                     .nth(1)
                     .and_then(|r| r.split_whitespace().next())
                     .context("no admin API in the banner")?
-                    .trim_end_matches(';')
+                    .trim_end_matches([';', ','])
                     .to_string(),
+                geo_url: word("quic://"),
             });
         }
         if let Some(status) = child.as_mut().context("not started")?.try_wait()? {

@@ -48,10 +48,15 @@ pub(crate) async fn run_broker(cfg: Config) -> anyhow::Result<()> {
         client,
         format!("pulsar://{advertise}"),
     )?;
+    let geo =
+        meridian_broker::geo::start_link(&cfg.geo, &cfg.broker.cluster_name, broker.meta.clone())
+            .await?;
     let al = tokio::net::TcpListener::bind(&cfg.broker.admin_listen)
         .await
         .with_context(|| format!("broker.admin_listen {}", cfg.broker.admin_listen))?;
-    let admin = meridian_broker::admin::start(&broker, al).await?;
+    let admin =
+        meridian_broker::admin::start(&broker, al, &meridian_broker::geo::geo_url(geo.as_ref()))
+            .await?;
     let hl = tokio::net::TcpListener::bind(&cfg.broker.http_listen)
         .await
         .with_context(|| format!("broker.http_listen {}", cfg.broker.http_listen))?;
@@ -76,8 +81,9 @@ pub(crate) async fn run_broker(cfg: Config) -> anyhow::Result<()> {
         .as_ref()
         .map(|t| format!(" and pulsar+ssl://{}", t.addr))
         .unwrap_or_default();
+    let geo_note = meridian_broker::geo::banner(geo.as_ref(), &cfg.broker.cluster_name);
     println!(
-        "meridian broker: Pulsar protocol on pulsar://{addr}{tls}, HTTP on http://{} (/metrics, /health), admin API on {}://{}; metadata {}",
+        "meridian broker: Pulsar protocol on pulsar://{addr}{tls}, HTTP on http://{} (/metrics, /health), admin API on {}://{}{geo_note}; metadata {}",
         http.addr,
         if cfg.broker.admin_tls { "https" } else { "http" },
         admin.addr,
@@ -87,6 +93,9 @@ pub(crate) async fn run_broker(cfg: Config) -> anyhow::Result<()> {
     tracing::info!("signal received; stopping");
     // Clients move to other brokers bundle by bundle before the listener closes.
     broker.hand_over().await;
+    if let Some(g) = &geo {
+        g.shutdown().await;
+    }
     server.shutdown().await;
     if let Some(t) = tls_server {
         t.shutdown().await;

@@ -120,6 +120,44 @@ struct StandaloneArgs {
     /// broker.tls_cert_file).
     #[arg(long)]
     pulsar_tls_listen: Option<String>,
+    #[command(flatten)]
+    geo: GeoArgs,
+}
+
+/// The site's name and its geo link, shared by `standalone` and `broker`.
+#[derive(clap::Args)]
+struct GeoArgs {
+    /// This site's name (broker.cluster_name); its geo certificate must name it.
+    #[arg(long)]
+    cluster: Option<String>,
+    /// UDP address of the geo link, IP:PORT (geo.listen).
+    #[arg(long)]
+    geo_listen: Option<String>,
+    /// The site's geo certificate, PEM (geo.cert_file; `meridian-admin geo create-site-cert`).
+    #[arg(long)]
+    geo_cert: Option<String>,
+    /// Its private key, PEM (geo.key_file).
+    #[arg(long)]
+    geo_key: Option<String>,
+    /// The federation's CA certificate, PEM (geo.ca_file).
+    #[arg(long)]
+    geo_ca: Option<String>,
+}
+
+impl GeoArgs {
+    fn add_to(&self, o: &mut Vec<(String, String)>) {
+        for (k, v) in [
+            ("broker.cluster_name", &self.cluster),
+            ("geo.listen", &self.geo_listen),
+            ("geo.cert_file", &self.geo_cert),
+            ("geo.key_file", &self.geo_key),
+            ("geo.ca_file", &self.geo_ca),
+        ] {
+            if let Some(v) = v {
+                o.push((k.to_string(), v.clone()));
+            }
+        }
+    }
 }
 
 impl StandaloneArgs {
@@ -136,6 +174,7 @@ impl StandaloneArgs {
         add("broker.admin_listen", &self.admin_listen);
         add("broker.advertise", &self.advertise);
         add("broker.tls_listen", &self.pulsar_tls_listen);
+        self.geo.add_to(&mut o);
         o
     }
 }
@@ -157,6 +196,8 @@ struct BrokerArgs {
     /// Address of the gRPC admin API (broker.admin_listen).
     #[arg(long)]
     admin_listen: Option<String>,
+    #[command(flatten)]
+    geo: GeoArgs,
 }
 
 impl BrokerArgs {
@@ -172,6 +213,7 @@ impl BrokerArgs {
         add("broker.advertise", &self.advertise);
         add("broker.http_listen", &self.http_listen);
         add("broker.admin_listen", &self.admin_listen);
+        self.geo.add_to(&mut o);
         o
     }
 }
@@ -183,8 +225,9 @@ async fn run_standalone(cfg: Config) -> anyhow::Result<()> {
         .pulsar_tls_addr
         .map(|a| format!(" and pulsar+ssl://{a}"))
         .unwrap_or_default();
+    let geo = meridian_broker::geo::banner(s.geo.as_ref(), &cfg.broker.cluster_name);
     println!(
-        "meridian standalone: Pulsar protocol on pulsar://{}{tls}, HTTP on http://{} (/metrics, /health), admin API on {}://{} (meridian-admin), data in {}",
+        "meridian standalone: Pulsar protocol on pulsar://{}{tls}, HTTP on http://{} (/metrics, /health), admin API on {}://{} (meridian-admin){geo}, data in {}",
         s.pulsar_addr,
         s.http_addr,
         if cfg.broker.admin_tls { "https" } else { "http" },

@@ -43,6 +43,8 @@ pub struct Standalone {
     pub admin_addr: SocketAddr,
     /// The Pulsar protocol over TLS, when `broker.tls_cert_file` is set.
     pub pulsar_tls_addr: Option<SocketAddr>,
+    /// The geo link, when `geo.listen` is set.
+    pub geo: Option<meridian_geo::GeoLink>,
     pub data_dir: PathBuf,
     server: RunningServer,
     tls_server: Option<RunningServer>,
@@ -155,8 +157,19 @@ impl Standalone {
             client,
             format!("pulsar://{advertise}"),
         )?;
+        let geo = meridian_broker::geo::start_link(
+            &cfg.geo,
+            &cfg.broker.cluster_name,
+            store.client.clone(),
+        )
+        .await?;
         let al = bind(&cfg.broker.admin_listen, "broker.admin_listen").await?;
-        let admin = meridian_broker::admin::start(&broker, al).await?;
+        let admin = meridian_broker::admin::start(
+            &broker,
+            al,
+            &meridian_broker::geo::geo_url(geo.as_ref()),
+        )
+        .await?;
         let hl = bind(&cfg.broker.http_listen, "broker.http_listen").await?;
         let http = meridian_broker::http::serve(Arc::clone(&broker), hl)?;
         let tls_server = meridian_broker::tls::start(&broker).await?;
@@ -178,6 +191,7 @@ impl Standalone {
             http_addr: http.addr,
             admin_addr: admin.addr,
             pulsar_tls_addr: tls_server.as_ref().map(|t| t.addr),
+            geo,
             data_dir,
             server,
             tls_server,
@@ -194,6 +208,9 @@ impl Standalone {
     /// stops the bookie and the store.
     pub async fn shutdown(self) {
         let started = Instant::now();
+        if let Some(g) = &self.geo {
+            g.shutdown().await;
+        }
         self.server.shutdown().await;
         if let Some(t) = self.tls_server {
             t.shutdown().await;

@@ -62,6 +62,9 @@ pub const NAME_BYTES_MAX: usize = 128;
 pub struct ClusterData {
     pub service_url: String,
     pub admin_url: String,
+    /// `quic://HOST:PORT` of the site's geo link; empty when it has none.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub geo_url: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

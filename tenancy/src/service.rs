@@ -642,6 +642,7 @@ impl Admin for AdminService {
             name,
             service_url: c.service_url,
             admin_url: c.admin_url,
+            geo_url: c.geo_url,
         })
     }
 
@@ -651,6 +652,7 @@ impl Admin for AdminService {
         let data = ClusterData {
             service_url: c.service_url,
             admin_url: c.admin_url,
+            geo_url: c.geo_url,
         };
         self.store.create_cluster(&c.name, &data).await?;
         ok(Empty {})
@@ -662,6 +664,7 @@ impl Admin for AdminService {
         let data = ClusterData {
             service_url: c.service_url,
             admin_url: c.admin_url,
+            geo_url: c.geo_url,
         };
         self.store.update_cluster(&c.name, &data).await?;
         ok(Empty {})

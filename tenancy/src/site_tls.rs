@@ -40,7 +40,7 @@ fn civil_from_days(days: i64) -> (i32, u8, u8) {
 }
 
 /// Valid from yesterday (clocks differ a little) for `days` days.
-fn set_validity(params: &mut CertificateParams, days: u32) {
+pub(crate) fn set_validity(params: &mut CertificateParams, days: u32) {
     let today = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| (d.as_secs() / 86_400) as i64);
@@ -89,6 +89,34 @@ pub fn create_ca(site: &str, days: u32) -> Result<Issued, String> {
 
 /// The site a CA certificate (PEM) of [`create_ca`] is for, checked against its key.
 pub fn ca_site(ca_cert_pem: &str, ca_key: &KeyPair) -> Result<String, String> {
+    with_ca_cert(ca_cert_pem, ca_key, |cert| {
+        let san = cert
+            .subject_alternative_name()
+            .ok()
+            .flatten()
+            .ok_or("the CA certificate names no site (not made by `site-tls create-ca`)")?;
+        san.value
+            .general_names
+            .iter()
+            .find_map(|n| match n {
+                x509_parser::extensions::GeneralName::URI(u) => u
+                    .strip_prefix(URI_PREFIX)
+                    .filter(|s| check_name("site", s).is_ok())
+                    .map(str::to_string),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                "the CA certificate names no site (not made by `site-tls create-ca`)".to_string()
+            })
+    })
+}
+
+/// Parses a CA certificate (PEM), checks that `ca_key` is its key, and hands it to `f`.
+pub(crate) fn with_ca_cert<T>(
+    ca_cert_pem: &str,
+    ca_key: &KeyPair,
+    f: impl FnOnce(&x509_parser::certificate::X509Certificate<'_>) -> Result<T, String>,
+) -> Result<T, String> {
     let (_, pem) = x509_parser::pem::parse_x509_pem(ca_cert_pem.as_bytes())
         .map_err(|e| format!("the CA certificate is not PEM: {e}"))?;
     let cert = pem
@@ -97,24 +125,7 @@ pub fn ca_site(ca_cert_pem: &str, ca_key: &KeyPair) -> Result<String, String> {
     if cert.public_key().raw != ca_key.public_key_der().as_slice() {
         return Err("the CA key does not belong to the CA certificate".to_string());
     }
-    let san = cert
-        .subject_alternative_name()
-        .ok()
-        .flatten()
-        .ok_or("the CA certificate names no site (not made by `site-tls create-ca`)")?;
-    san.value
-        .general_names
-        .iter()
-        .find_map(|n| match n {
-            x509_parser::extensions::GeneralName::URI(u) => u
-                .strip_prefix(URI_PREFIX)
-                .filter(|s| check_name("site", s).is_ok())
-                .map(str::to_string),
-            _ => None,
-        })
-        .ok_or_else(|| {
-            "the CA certificate names no site (not made by `site-tls create-ca`)".to_string()
-        })
+    f(&cert)
 }
 
 /// What a process certificate says beyond its identity: the addresses it serves on.
@@ -147,11 +158,23 @@ pub fn create_cert(
     let issuer = ca_params(&site, 1)?
         .self_signed(&ca_key)
         .map_err(|e| e.to_string())?;
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::CommonName, format!("meridian {role} {name}"));
+    dn.push(DnType::OrganizationName, site);
+    issue_leaf(&issuer, &ca_key, dn, identity.uri(), opts)
+}
+
+/// A leaf certificate signed by `issuer` (whose key is `ca_key`): subject `dn`, the identity
+/// `uri` and `opts`' addresses as subject alternative names, both TLS usages.
+pub(crate) fn issue_leaf(
+    issuer: &rcgen::Certificate,
+    ca_key: &KeyPair,
+    dn: DistinguishedName,
+    uri: String,
+    opts: &CertOptions,
+) -> Result<Issued, String> {
     let mut p = CertificateParams::default();
-    p.distinguished_name = DistinguishedName::new();
-    p.distinguished_name
-        .push(DnType::CommonName, format!("meridian {role} {name}"));
-    p.distinguished_name.push(DnType::OrganizationName, site);
+    p.distinguished_name = dn;
     p.is_ca = IsCa::ExplicitNoCa;
     p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     p.extended_key_usages = vec![
@@ -160,10 +183,7 @@ pub fn create_cert(
     ];
     p.use_authority_key_identifier_extension = true;
     p.subject_alt_names.push(SanType::URI(
-        identity
-            .uri()
-            .try_into()
-            .map_err(|e| format!("identity URI: {e}"))?,
+        uri.try_into().map_err(|e| format!("identity URI: {e}"))?,
     ));
     for ip in &opts.ips {
         p.subject_alt_names.push(SanType::IpAddress(*ip));
@@ -178,7 +198,7 @@ pub fn create_cert(
     set_validity(&mut p, opts.days);
     let key = KeyPair::generate().map_err(|e| e.to_string())?;
     let cert = p
-        .signed_by(&key, &issuer, &ca_key)
+        .signed_by(&key, issuer, ca_key)
         .map_err(|e| e.to_string())?;
     Ok(Issued {
         cert_pem: cert.pem(),

@@ -541,7 +541,11 @@ impl TenancyStore {
             Ok(()) | Err(AdminError::AlreadyExists(_)) => Ok(()),
             Err(e) => Err(e),
         };
-        ignore_existing(self.create_cluster(cluster, c).await)?;
+        match self.create_cluster(cluster, c).await {
+            Ok(()) => {}
+            Err(AdminError::AlreadyExists(_)) => self.fill_own_geo_url(cluster, c).await?,
+            Err(e) => return Err(e),
+        }
         let public = TenantInfo {
             admin_roles: Vec::new(),
             allowed_clusters: vec![cluster.to_string()],
@@ -552,6 +556,32 @@ impl TenancyStore {
             self.create_namespace("public/default", &NamespacePolicies::default())
                 .await,
         )
+    }
+}
+
+impl TenancyStore {
+    /// A site's own record made before it had a geo link gets the link's URL when a broker
+    /// with one starts; a URL already there (set by an operator, or another broker's) stays.
+    async fn fill_own_geo_url(&self, cluster: &str, c: &ClusterData) -> Result<(), AdminError> {
+        if c.geo_url.is_empty() {
+            return Ok(());
+        }
+        let key = format!("{CLUSTERS_PREFIX}{cluster}");
+        let Some((mut existing, v)) = self.get::<ClusterData>(&key).await? else {
+            return Ok(());
+        };
+        if !existing.geo_url.is_empty() {
+            return Ok(());
+        }
+        existing.geo_url = c.geo_url.clone();
+        match self
+            .put(&key, &existing, v, &format!("cluster {cluster}"))
+            .await
+        {
+            // Another broker filled it in meanwhile.
+            Err(AdminError::FailedPrecondition(_)) => Ok(()),
+            other => other,
+        }
     }
 }
 
@@ -569,6 +599,21 @@ fn check_cluster(c: &ClusterData) -> Result<(), AdminError> {
             "admin URL {:?} must start with http:// or https://",
             c.admin_url
         )));
+    }
+    if !c.geo_url.is_empty() {
+        let ok = c.geo_url.strip_prefix("quic://").is_some_and(|hp| {
+            hp.rsplit_once(':').is_some_and(|(host, port)| {
+                !host.is_empty()
+                    && !host.contains(char::is_whitespace)
+                    && port.parse::<u16>().is_ok_and(|p| p > 0)
+            })
+        });
+        if !ok {
+            return Err(AdminError::Invalid(format!(
+                "geo URL {:?} must be quic://HOST:PORT",
+                c.geo_url
+            )));
+        }
     }
     Ok(())
 }

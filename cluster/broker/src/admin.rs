@@ -942,11 +942,12 @@ impl BrokerTopics {
     }
 }
 
-/// Records the site's tenancy defaults (this cluster, tenant `public`, namespace
-/// `public/default`) and starts the admin API on `listener`.
+/// Records the site's tenancy defaults (this cluster, with `geo_url` when the site has a geo
+/// link, tenant `public`, namespace `public/default`) and starts the admin API on `listener`.
 pub async fn start(
     broker: &Arc<Broker>,
     listener: tokio::net::TcpListener,
+    geo_url: &str,
 ) -> anyhow::Result<RunningAdmin> {
     let store = TenancyStore::new(broker.meta.clone());
     let addr = listener.local_addr()?;
@@ -963,6 +964,7 @@ pub async fn start(
                         "http"
                     }
                 ),
+                geo_url: geo_url.to_string(),
             },
         )
         .await

@@ -14,6 +14,7 @@ pub mod broker;
 pub mod connection;
 pub mod failpoint;
 pub mod frame_queue;
+pub mod geo;
 pub mod http;
 mod publish;
 pub mod server;

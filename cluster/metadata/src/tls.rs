@@ -161,24 +161,46 @@ impl Identity {
     /// The identity a certificate (DER) names: its one subject alternative name of the form
     /// [`Identity::uri`]. A certificate with none, or with two, names nobody.
     pub fn from_certificate(der: &[u8]) -> Result<Self, String> {
-        let (_, cert) = x509_parser::parse_x509_certificate(der)
-            .map_err(|e| format!("not an X.509 certificate: {e}"))?;
-        let san = cert
-            .subject_alternative_name()
-            .map_err(|e| format!("bad subject alternative names: {e}"))?
-            .ok_or("the certificate has no subject alternative name naming its role")?;
-        let mut found = san.value.general_names.iter().filter_map(|n| match n {
-            x509_parser::extensions::GeneralName::URI(u) if u.starts_with(URI_PREFIX) => Some(*u),
-            _ => None,
-        });
-        let uri = found
-            .next()
-            .ok_or("the certificate has no meridian://site/... name naming its role")?;
-        if found.next().is_some() {
-            return Err("the certificate names more than one meridian identity".to_string());
-        }
-        Identity::parse_uri(uri)
+        Identity::parse_uri(&meridian_uri(der, "its role")?)
     }
+}
+
+/// The one `meridian://site/...` subject alternative name of a certificate (DER); `naming`
+/// says what it should name, for the error when there is none. Two of them name nobody.
+pub fn meridian_uri(der: &[u8], naming: &str) -> Result<String, String> {
+    let (_, cert) = x509_parser::parse_x509_certificate(der)
+        .map_err(|e| format!("not an X.509 certificate: {e}"))?;
+    let san = cert
+        .subject_alternative_name()
+        .map_err(|e| format!("bad subject alternative names: {e}"))?
+        .ok_or_else(|| {
+            format!("the certificate has no subject alternative name naming {naming}")
+        })?;
+    let mut found = san.value.general_names.iter().filter_map(|n| match n {
+        x509_parser::extensions::GeneralName::URI(u) if u.starts_with(URI_PREFIX) => Some(*u),
+        _ => None,
+    });
+    let uri = found.next().ok_or_else(|| {
+        format!("the certificate has no meridian://site/... name naming {naming}")
+    })?;
+    if found.next().is_some() {
+        return Err("the certificate names more than one meridian identity".to_string());
+    }
+    Ok(uri.to_string())
+}
+
+/// The certificates of a PEM file; `key` names the configuration key in the error.
+pub fn pem_certificates(
+    pem: &[u8],
+    key: &'static str,
+) -> Result<Vec<CertificateDer<'static>>, (&'static str, String)> {
+    let v = CertificateDer::pem_slice_iter(pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| (key, format!("not PEM certificates: {e}")))?;
+    if v.is_empty() {
+        return Err((key, "no certificate in it".to_string()));
+    }
+    Ok(v)
 }
 
 impl fmt::Display for Identity {
@@ -345,17 +367,8 @@ impl SiteTls {
         cert_pem: Vec<u8>,
         key_pem: Vec<u8>,
     ) -> Result<SiteTls, (&'static str, String)> {
-        let certs = |pem: &[u8], key: &'static str| {
-            let v = CertificateDer::pem_slice_iter(pem)
-                .collect::<Result<Vec<_>, _>>()
-                .map_err(|e| (key, format!("not PEM certificates: {e}")))?;
-            if v.is_empty() {
-                return Err((key, "no certificate in it".to_string()));
-            }
-            Ok(v)
-        };
-        let ca = certs(&ca_pem, "tls.ca_file")?;
-        let chain = certs(&cert_pem, "tls.cert_file")?;
+        let ca = pem_certificates(&ca_pem, "tls.ca_file")?;
+        let chain = pem_certificates(&cert_pem, "tls.cert_file")?;
         let private = || {
             PrivateKeyDer::from_pem_slice(&key_pem)
                 .map_err(|e| ("tls.key_file", format!("not a PEM private key: {e}")))

@@ -98,6 +98,40 @@ enum Group {
     /// (`[tls]`; local files, no admin API needed).
     #[command(subcommand)]
     SiteTls(SiteTls),
+    /// Geo-replication: the federation's CA and its sites' certificates (local files, no
+    /// admin API needed).
+    #[command(subcommand)]
+    Geo(Geo),
+}
+
+#[derive(Subcommand)]
+enum Geo {
+    /// A new federation CA, shared by every site of the federation: `ca.crt` (give it to
+    /// every site as geo.ca_file) and `ca.key` (keep it where certificates are made; readable
+    /// by its owner only).
+    CreateCa {
+        /// Directory to write ca.crt and ca.key to (created if absent).
+        #[arg(long)]
+        out_dir: std::path::PathBuf,
+        /// Days the CA is valid.
+        #[arg(long, default_value_t = 3650)]
+        days: u32,
+    },
+    /// A site's certificate, signed by the federation CA, naming the site
+    /// (`meridian://site/NAME`): `NAME.crt` and `NAME.key` (geo.cert_file, geo.key_file).
+    CreateSiteCert {
+        /// The site's name, as its brokers' --cluster.
+        name: String,
+        /// Directory holding ca.crt and ca.key (`geo create-ca --out-dir`).
+        #[arg(long)]
+        ca_dir: std::path::PathBuf,
+        /// Directory to write the certificate and key to (created if absent).
+        #[arg(long)]
+        out_dir: std::path::PathBuf,
+        /// Days the certificate is valid.
+        #[arg(long, default_value_t = 825)]
+        days: u32,
+    },
 }
 
 #[derive(Subcommand)]
@@ -196,6 +230,9 @@ struct ClusterArgs {
     /// The cluster's brokers (pulsar://...).
     #[arg(long, default_value = "")]
     broker_url: String,
+    /// The cluster's geo link (quic://HOST:PORT), for geo-replication.
+    #[arg(long, default_value = "")]
+    geo_url: String,
 }
 
 #[derive(Args)]
@@ -931,6 +968,61 @@ fn site_tls(cmd: SiteTls) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Writes `stem.crt` and `stem.key` (owner-only, never over an existing file) to `dir`.
+fn write_crt_pair(
+    dir: &std::path::Path,
+    stem: &str,
+    issued: &meridian_tenancy::site_tls::Issued,
+) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let cert = dir.join(format!("{stem}.crt"));
+    let key = dir.join(format!("{stem}.key"));
+    write_private(&key, issued.key_pem.as_bytes())?;
+    std::fs::write(&cert, &issued.cert_pem)
+        .with_context(|| format!("writing {}", cert.display()))?;
+    Ok((cert, key))
+}
+
+fn geo(cmd: Geo) -> anyhow::Result<()> {
+    use meridian_tenancy::geo_pki;
+    match cmd {
+        Geo::CreateCa { out_dir, days } => {
+            let ca = geo_pki::create_ca(days).map_err(anyhow::Error::msg)?;
+            let (cert, key) = write_crt_pair(&out_dir, "ca", &ca)?;
+            println!(
+                "federation CA certificate written to {}, its key to {}",
+                cert.display(),
+                key.display()
+            );
+        }
+        Geo::CreateSiteCert {
+            name,
+            ca_dir,
+            out_dir,
+            days,
+        } => {
+            let read = |f: &str| {
+                let p = ca_dir.join(f);
+                std::fs::read_to_string(&p).with_context(|| format!("reading {}", p.display()))
+            };
+            let opts = meridian_tenancy::site_tls::CertOptions {
+                days,
+                ..Default::default()
+            };
+            let issued =
+                geo_pki::create_site_cert(&read("ca.crt")?, &read("ca.key")?, &name, &opts)
+                    .map_err(anyhow::Error::msg)?;
+            let (cert, key) = write_crt_pair(&out_dir, &name, &issued)?;
+            println!(
+                "site {name}: certificate written to {}, its key to {}",
+                cert.display(),
+                key.display()
+            );
+        }
+    }
+    Ok(())
+}
+
 fn tokens(cmd: Tokens) -> anyhow::Result<()> {
     use meridian_tenancy::auth;
     match cmd {
@@ -999,6 +1091,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let cli = match cli.group {
         Group::Tokens(cmd) => return tokens(cmd),
         Group::SiteTls(cmd) => return site_tls(cmd),
+        Group::Geo(cmd) => return geo(cmd),
         _ => cli,
     };
     let mut endpoint = Channel::from_shared(cli.admin_url.clone())
@@ -1049,6 +1142,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
         Group::Tokens(cmd) => tokens(cmd),
         Group::SiteTls(cmd) => site_tls(cmd),
+        Group::Geo(cmd) => geo(cmd),
     }
 }
 
@@ -1400,12 +1494,14 @@ async fn clusters(c: &mut Client, cmd: Clusters, out: Output) -> anyhow::Result<
         Clusters::List => names(out, c.list_clusters(Empty {}).await?.into_inner()),
         Clusters::Get { cluster } => {
             let x = c.get_cluster(Name { name: cluster }).await?.into_inner();
-            let v = json!({"name": x.name, "broker_url": x.service_url, "url": x.admin_url});
+            let v = json!({"name": x.name, "broker_url": x.service_url, "url": x.admin_url,
+                "geo_url": x.geo_url});
             print(out, &v, || {
                 rows(&[
                     ("name", x.name.clone()),
                     ("broker-url", x.service_url.clone()),
                     ("url", x.admin_url.clone()),
+                    ("geo-url", x.geo_url.clone()),
                 ])
             });
         }
@@ -1436,6 +1532,7 @@ fn cluster_of(a: &ClusterArgs) -> Cluster {
         name: a.cluster.clone(),
         service_url: a.broker_url.clone(),
         admin_url: a.url.clone(),
+        geo_url: a.geo_url.clone(),
     }
 }
 

@@ -1,0 +1,52 @@
+//! The broker's side of the geo link (`meridian-geo`): the registry the link checks peers
+//! against (this site's cluster records), and the link's start on `geo.listen`.
+
+use std::sync::Arc;
+
+use futures::future::BoxFuture;
+use meridian_config::GeoConfig;
+use meridian_geo::{GeoLink, SiteDirectory};
+use meridian_metadata::MetadataClient;
+use meridian_tenancy::{AdminError, TenancyStore};
+
+/// This site's registry: a site is known when it has a cluster record
+/// (`clusters create NAME ...`, or one carried over the link).
+pub struct Registry(TenancyStore);
+
+impl SiteDirectory for Registry {
+    fn knows<'a>(&'a self, site: &'a str) -> BoxFuture<'a, Result<bool, String>> {
+        Box::pin(async move {
+            match self.0.cluster(site).await {
+                Ok(_) => Ok(true),
+                Err(AdminError::NotFound(_)) | Err(AdminError::Invalid(_)) => Ok(false),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+    }
+}
+
+/// Starts the link when `geo.listen` is set; `site` is `broker.cluster_name`.
+pub async fn start_link(
+    cfg: &GeoConfig,
+    site: &str,
+    meta: MetadataClient,
+) -> anyhow::Result<Option<GeoLink>> {
+    if !cfg.enabled() {
+        return Ok(None);
+    }
+    let registry = Arc::new(Registry(TenancyStore::new(meta)));
+    Ok(Some(GeoLink::start(cfg, site, registry).await?))
+}
+
+/// What a start-up banner says of the link: `, geo link on quic://ADDR (site NAME)`, or
+/// nothing.
+pub fn banner(link: Option<&GeoLink>, site: &str) -> String {
+    link.map(|l| format!(", geo link on quic://{} (site {site})", l.local_addr()))
+        .unwrap_or_default()
+}
+
+/// The geo URL of this site's cluster record: `quic://` and the link's advertised address.
+pub fn geo_url(link: Option<&GeoLink>) -> String {
+    link.map(|l| format!("quic://{}", l.advertise()))
+        .unwrap_or_default()
+}

@@ -1,0 +1,127 @@
+//! `[geo]`: the link between sites (QUIC with mutual TLS by the federation's CA).
+
+use serde::{Deserialize, Serialize};
+
+use crate::{host_port, invalid, ranges, socket_addr, ConfigError};
+
+/// `[geo]` section, read by brokers and standalone. `listen` empty (the default) = this site
+/// takes no part in geo-replication. With it, `cert_file`, `key_file` and `ca_file` are
+/// required: the site's certificate (naming it `meridian://site/<broker.cluster_name>`), its
+/// key, and the federation's CA (`meridian-admin geo create-ca | create-site-cert`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GeoConfig {
+    /// UDP address of the link, `IP:PORT`. Default empty (off).
+    pub listen: String,
+    /// `HOST:PORT` other sites dial (the cluster record's geo URL). Default empty: the bound
+    /// address.
+    pub advertise: String,
+    /// The site's certificate chain, PEM.
+    pub cert_file: String,
+    /// Its private key, PEM.
+    pub key_file: String,
+    /// The federation's CA certificate, PEM: the only root a peer site is checked against.
+    pub ca_file: String,
+    /// Largest frame a link stream accepts, bytes; a larger one closes that stream. Range
+    /// 65,536..=268,435,456, default 16,777,216.
+    pub frame_bytes_max: u64,
+    /// A replicator with backlog and no progress for this long is STALLED and rebuilds its
+    /// stream and connection. Range 1,000..=3,600,000, default 30,000.
+    pub stall_after_ms: u64,
+    /// How often the certificate, key and CA files are checked for changes (a change is
+    /// loaded without a restart; links up keep going). Range 100..=3,600,000, default 10,000.
+    pub cert_reload_interval_ms: u64,
+    /// A link that hears nothing for this long is closed (keep-alives go at a third of it).
+    /// Range 1,000..=600,000, default 15,000.
+    pub idle_timeout_ms: u64,
+    /// Longest a TLS handshake and the link's hello may take. Range 100..=60,000, default
+    /// 10,000.
+    pub handshake_timeout_ms: u64,
+}
+
+impl Default for GeoConfig {
+    fn default() -> Self {
+        GeoConfig {
+            listen: String::new(),
+            advertise: String::new(),
+            cert_file: String::new(),
+            key_file: String::new(),
+            ca_file: String::new(),
+            frame_bytes_max: 16 << 20,
+            stall_after_ms: 30_000,
+            cert_reload_interval_ms: 10_000,
+            idle_timeout_ms: 15_000,
+            handshake_timeout_ms: 10_000,
+        }
+    }
+}
+
+impl GeoConfig {
+    /// Whether this site runs the link.
+    pub fn enabled(&self) -> bool {
+        !self.listen.trim().is_empty()
+    }
+
+    /// Checks the `[geo]` section.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        ranges(&[
+            (
+                "geo.frame_bytes_max",
+                self.frame_bytes_max,
+                65_536,
+                268_435_456,
+                "",
+            ),
+            (
+                "geo.stall_after_ms",
+                self.stall_after_ms,
+                1_000,
+                3_600_000,
+                "",
+            ),
+            (
+                "geo.cert_reload_interval_ms",
+                self.cert_reload_interval_ms,
+                100,
+                3_600_000,
+                "",
+            ),
+            (
+                "geo.idle_timeout_ms",
+                self.idle_timeout_ms,
+                1_000,
+                600_000,
+                "",
+            ),
+            (
+                "geo.handshake_timeout_ms",
+                self.handshake_timeout_ms,
+                100,
+                60_000,
+                "",
+            ),
+        ])?;
+        if !self.advertise.is_empty() {
+            host_port(&self.advertise)
+                .map_err(|reason| invalid("geo.advertise", &self.advertise, reason))?;
+        }
+        if !self.enabled() {
+            return Ok(());
+        }
+        socket_addr("geo.listen", &self.listen)?;
+        for (key, value) in [
+            ("geo.cert_file", &self.cert_file),
+            ("geo.key_file", &self.key_file),
+            ("geo.ca_file", &self.ca_file),
+        ] {
+            if value.trim().is_empty() {
+                return Err(invalid(
+                    key,
+                    value,
+                    "geo.listen needs the site's certificate, its key and the federation CA (geo.cert_file, geo.key_file, geo.ca_file; `meridian-admin geo create-site-cert`)",
+                ));
+            }
+        }
+        Ok(())
+    }
+}

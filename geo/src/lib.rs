@@ -1,0 +1,17 @@
+//! Meridian's geo-replication: sites joined by a QUIC link (mutual TLS by the federation's
+//! CA) that carries the topics of global namespaces.
+//!
+//! - [`identity`]: a site's name in its certificate (`meridian://site/<name>`).
+//! - [`tls`]: the link's TLS 1.3 configurations, certificate files and their reload.
+//! - [`frame`]: the frames of the link's streams, sans-IO.
+//! - [`link`]: the endpoint: accepting peers the registry knows, dialing, the hello.
+//!
+//! It knows nothing of how a broker dispatches: what it needs from the site (the registry
+//! today) comes through small traits the broker implements.
+
+pub mod frame;
+pub mod identity;
+pub mod link;
+pub mod tls;
+
+pub use link::{GeoLink, LinkError, Peer, SiteDirectory};

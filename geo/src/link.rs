@@ -1,0 +1,590 @@
+//! The link between sites: one QUIC endpoint per broker on `geo.listen` (UDP) that both
+//! accepts peers and dials them.
+//!
+//! ```text
+//!  dial(addr, site)                              accept loop (each connection its own task)
+//!   QUIC + TLS 1.3 handshake (tls.rs) ─────────►  handshake: client certificate of the CA
+//!                                                 site named by the certificate known to
+//!                                                   the registry (SiteDirectory)? else close
+//!                                                   REFUSED "unknown site ..."
+//!   control stream: Hello{version, site} ──────►  same version, same site as the certificate?
+//!                   ◄────── Welcome{version, site}  else close REFUSED / PROTOCOL
+//! ```
+//!
+//! Every refusal is logged with the peer's address and the reason, and counted in
+//! `meridian_geo_link_refused_total{reason}`. Certificates are re-read every
+//! `geo.cert_reload_interval_ms`: a change that loads is used by new connections (the
+//! listener's configuration is swapped, dials take the new one), connections up keep going; a
+//! change that does not load is logged and the previous material kept.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use futures::future::BoxFuture;
+use meridian_config::GeoConfig;
+use tracing::{info, warn};
+
+use crate::frame::{Frame, FrameError, LENGTH_BYTES, PROTOCOL_VERSION};
+use crate::tls::{peer_site, GeoTls, TlsError, TlsFiles, SERVER_NAME};
+
+/// Close codes of the link's connections.
+pub mod close {
+    /// The endpoint is shutting down.
+    pub const SHUTDOWN: u32 = 0;
+    /// The peer's identity is refused (unknown site, hello naming another site).
+    pub const REFUSED: u32 = 1;
+    /// The peer broke the link protocol (bad frame, other version, no hello in time).
+    pub const PROTOCOL: u32 = 2;
+}
+
+/// Which sites this site knows (its registry: a cluster record per site). A peer naming a
+/// site it does not know is refused.
+pub trait SiteDirectory: Send + Sync + 'static {
+    fn knows<'a>(&'a self, site: &'a str) -> BoxFuture<'a, Result<bool, String>>;
+}
+
+/// Why the link could not start, or a dial failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error(transparent)]
+    Tls(#[from] TlsError),
+    #[error("geo.listen = {addr}: cannot bind: {reason}")]
+    Bind { addr: String, reason: String },
+    #[error("connecting to site {site} at {addr}: {reason}")]
+    Connect {
+        site: String,
+        addr: SocketAddr,
+        reason: String,
+    },
+    #[error("site {site} at {addr} refused the link: {reason}")]
+    Refused {
+        site: String,
+        addr: SocketAddr,
+        reason: String,
+    },
+    #[error("link to site {site} at {addr}: {what} took longer than {timeout:?}")]
+    Timeout {
+        site: String,
+        addr: SocketAddr,
+        what: &'static str,
+        timeout: Duration,
+    },
+    #[error("link to site {site} at {addr}: {reason}")]
+    Protocol {
+        site: String,
+        addr: SocketAddr,
+        reason: String,
+    },
+}
+
+/// The link's limits, from `[geo]`.
+#[derive(Debug, Clone)]
+pub struct LinkOptions {
+    pub frame_bytes_max: u64,
+    pub idle_timeout: Duration,
+    pub handshake_timeout: Duration,
+    pub cert_reload_interval: Duration,
+}
+
+impl From<&GeoConfig> for LinkOptions {
+    fn from(c: &GeoConfig) -> Self {
+        LinkOptions {
+            frame_bytes_max: c.frame_bytes_max,
+            idle_timeout: Duration::from_millis(c.idle_timeout_ms),
+            handshake_timeout: Duration::from_millis(c.handshake_timeout_ms),
+            cert_reload_interval: Duration::from_millis(c.cert_reload_interval_ms),
+        }
+    }
+}
+
+/// A link to a peer site, after the handshake and the hello.
+#[derive(Debug, Clone)]
+pub struct Peer {
+    /// The peer site, as its certificate names it.
+    pub site: String,
+    pub conn: quinn::Connection,
+}
+
+/// A peer connected to this endpoint, for status pages and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InboundPeer {
+    pub site: String,
+    pub addr: SocketAddr,
+}
+
+struct Shared {
+    site: String,
+    endpoint: quinn::Endpoint,
+    tls: RwLock<Arc<GeoTls>>,
+    transport: Arc<quinn::TransportConfig>,
+    opts: LinkOptions,
+    directory: Arc<dyn SiteDirectory>,
+    inbound: Mutex<HashMap<usize, InboundPeer>>,
+}
+
+/// This site's end of the link.
+pub struct GeoLink {
+    shared: Arc<Shared>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+    advertise: String,
+}
+
+impl std::fmt::Debug for GeoLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GeoLink")
+            .field("site", &self.shared.site)
+            .field("advertise", &self.advertise)
+            .finish()
+    }
+}
+
+fn transport(opts: &LinkOptions) -> Arc<quinn::TransportConfig> {
+    let mut t = quinn::TransportConfig::default();
+    let idle = quinn::IdleTimeout::try_from(opts.idle_timeout).unwrap_or(quinn::VarInt::MAX.into());
+    t.max_idle_timeout(Some(idle));
+    t.keep_alive_interval(Some(opts.idle_timeout / 3));
+    Arc::new(t)
+}
+
+fn server_config(
+    tls: &GeoTls,
+    transport: &Arc<quinn::TransportConfig>,
+) -> Result<quinn::ServerConfig, String> {
+    let mut c = quinn::ServerConfig::with_crypto(Arc::new(tls.quic_server()?));
+    c.transport_config(Arc::clone(transport));
+    Ok(c)
+}
+
+impl GeoLink {
+    /// Loads the certificates (naming `site`), binds `cfg.listen` and starts accepting peers
+    /// that `directory` knows.
+    pub async fn start(
+        cfg: &GeoConfig,
+        site: &str,
+        directory: Arc<dyn SiteDirectory>,
+    ) -> Result<GeoLink, LinkError> {
+        let files = TlsFiles {
+            cert_file: cfg.cert_file.clone(),
+            key_file: cfg.key_file.clone(),
+            ca_file: cfg.ca_file.clone(),
+        };
+        let tls = files.load(site)?;
+        let opts = LinkOptions::from(cfg);
+        let transport = transport(&opts);
+        let bind_err = |reason: String| LinkError::Bind {
+            addr: cfg.listen.clone(),
+            reason,
+        };
+        let addr: SocketAddr = cfg.listen.parse().map_err(|e| bind_err(format!("{e}")))?;
+        let endpoint =
+            quinn::Endpoint::server(server_config(&tls, &transport).map_err(bind_err)?, addr)
+                .map_err(|e| bind_err(e.to_string()))?;
+        let local = endpoint.local_addr().map_err(|e| bind_err(e.to_string()))?;
+        let advertise = if cfg.advertise.is_empty() {
+            local.to_string()
+        } else {
+            cfg.advertise.clone()
+        };
+        info!(site, %local, %advertise, serial = %tls.serial, "geo link listening");
+        let shared = Arc::new(Shared {
+            site: site.to_string(),
+            endpoint,
+            tls: RwLock::new(Arc::new(tls)),
+            transport,
+            opts,
+            directory,
+            inbound: Mutex::new(HashMap::new()),
+        });
+        let tasks = vec![
+            tokio::spawn(accept_loop(Arc::clone(&shared))),
+            tokio::spawn(reload_loop(Arc::clone(&shared), files)),
+        ];
+        Ok(GeoLink {
+            shared,
+            tasks,
+            advertise,
+        })
+    }
+
+    /// The bound UDP address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared
+            .endpoint
+            .local_addr()
+            .expect("a bound endpoint has an address")
+    }
+
+    /// What other sites dial (`geo.advertise`, else the bound address).
+    pub fn advertise(&self) -> &str {
+        &self.advertise
+    }
+
+    /// The serial number of the certificate in use (hex).
+    pub fn certificate_serial(&self) -> String {
+        self.shared.tls.read().expect("tls lock").serial.clone()
+    }
+
+    /// Peers connected to this endpoint now.
+    pub fn inbound(&self) -> Vec<InboundPeer> {
+        let mut v: Vec<_> = self
+            .shared
+            .inbound
+            .lock()
+            .expect("inbound lock")
+            .values()
+            .cloned()
+            .collect();
+        v.sort_by(|a, b| (&a.site, a.addr).cmp(&(&b.site, b.addr)));
+        v
+    }
+
+    /// Dials `site` at `addr`: the handshake (its certificate must name `site`), then the
+    /// hello on the control stream.
+    pub async fn dial(&self, addr: SocketAddr, site: &str) -> Result<Peer, LinkError> {
+        let shared = &self.shared;
+        let timeout = shared.opts.handshake_timeout;
+        let connect_err = |reason: String| LinkError::Connect {
+            site: site.to_string(),
+            addr,
+            reason,
+        };
+        let crypto = {
+            let tls = Arc::clone(&shared.tls.read().expect("tls lock"));
+            tls.quic_client(site).map_err(connect_err)?
+        };
+        let mut client = quinn::ClientConfig::new(Arc::new(crypto));
+        client.transport_config(Arc::clone(&shared.transport));
+        let timed_out = |what| LinkError::Timeout {
+            site: site.to_string(),
+            addr,
+            what,
+            timeout,
+        };
+        let connecting = shared
+            .endpoint
+            .connect_with(client, addr, SERVER_NAME)
+            .map_err(|e| connect_err(e.to_string()))?;
+        let conn = tokio::time::timeout(timeout, connecting)
+            .await
+            .map_err(|_| timed_out("the TLS handshake"))?
+            .map_err(|e| closed_error(site, addr, e))?;
+        let hello = async {
+            let (mut send, mut recv) = conn.open_bi().await?;
+            write_frame(
+                &mut send,
+                &Frame::Hello {
+                    version: PROTOCOL_VERSION,
+                    site: shared.site.clone(),
+                },
+            )
+            .await?;
+            read_frame(&mut recv, shared.opts.frame_bytes_max).await
+        };
+        let answer = tokio::time::timeout(timeout, hello)
+            .await
+            .map_err(|_| timed_out("the hello"))?;
+        match answer {
+            Ok(Some(Frame::Welcome { version, site: s }))
+                if version == PROTOCOL_VERSION && s == site =>
+            {
+                Ok(Peer {
+                    site: site.to_string(),
+                    conn,
+                })
+            }
+            Ok(other) => {
+                conn.close(close::PROTOCOL.into(), b"expected a welcome");
+                Err(LinkError::Protocol {
+                    site: site.to_string(),
+                    addr,
+                    reason: format!("expected a welcome of version {PROTOCOL_VERSION} from {site}, got {other:?}"),
+                })
+            }
+            Err(StreamError::Connection(e)) => Err(closed_error(site, addr, e)),
+            Err(e) => Err(LinkError::Protocol {
+                site: site.to_string(),
+                addr,
+                reason: e.to_string(),
+            }),
+        }
+    }
+
+    /// Closes every connection and stops accepting.
+    pub async fn shutdown(&self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+        self.shared
+            .endpoint
+            .close(close::SHUTDOWN.into(), b"site shutting down");
+        let _ =
+            tokio::time::timeout(Duration::from_secs(2), self.shared.endpoint.wait_idle()).await;
+    }
+}
+
+impl Drop for GeoLink {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+/// A dial's failure from how its connection ended: the peer's refusal with its reason, or a
+/// transport failure.
+fn closed_error(site: &str, addr: SocketAddr, e: quinn::ConnectionError) -> LinkError {
+    let reason = match &e {
+        quinn::ConnectionError::ApplicationClosed(c) => {
+            String::from_utf8_lossy(&c.reason).into_owned()
+        }
+        quinn::ConnectionError::ConnectionClosed(c) => format!("{c}"),
+        other => {
+            return LinkError::Connect {
+                site: site.to_string(),
+                addr,
+                reason: other.to_string(),
+            }
+        }
+    };
+    LinkError::Refused {
+        site: site.to_string(),
+        addr,
+        reason,
+    }
+}
+
+/// Reading or writing a frame on a stream.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    #[error(transparent)]
+    Frame(#[from] FrameError),
+    #[error("the connection ended: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    #[error("the stream was reset or stopped: {0}")]
+    Stream(String),
+}
+
+impl From<quinn::ReadExactError> for StreamError {
+    fn from(e: quinn::ReadExactError) -> Self {
+        match e {
+            quinn::ReadExactError::ReadError(quinn::ReadError::ConnectionLost(c)) => {
+                StreamError::Connection(c)
+            }
+            other => StreamError::Stream(other.to_string()),
+        }
+    }
+}
+
+impl From<quinn::WriteError> for StreamError {
+    fn from(e: quinn::WriteError) -> Self {
+        match e {
+            quinn::WriteError::ConnectionLost(c) => StreamError::Connection(c),
+            other => StreamError::Stream(other.to_string()),
+        }
+    }
+}
+
+/// Reads one frame; `None` at the stream's clean end before a frame began. A length over
+/// `max` is refused before its bytes are read.
+pub async fn read_frame(
+    recv: &mut quinn::RecvStream,
+    max: u64,
+) -> Result<Option<Frame>, StreamError> {
+    let mut prefix = [0u8; LENGTH_BYTES];
+    match recv.read_exact(&mut prefix).await {
+        Ok(()) => {}
+        Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    }
+    let len = Frame::announced_len(prefix, max)?;
+    let mut body = vec![0u8; len];
+    recv.read_exact(&mut body).await?;
+    Ok(Some(Frame::decode_body(&body)?))
+}
+
+/// Writes one frame.
+pub async fn write_frame(send: &mut quinn::SendStream, frame: &Frame) -> Result<(), StreamError> {
+    let mut buf = BytesMut::new();
+    frame.encode(&mut buf);
+    send.write_all(&buf).await?;
+    Ok(())
+}
+
+fn refused(reason: &'static str) {
+    metrics::counter!("meridian_geo_link_refused_total", "reason" => reason).increment(1);
+}
+
+async fn accept_loop(shared: Arc<Shared>) {
+    while let Some(incoming) = shared.endpoint.accept().await {
+        tokio::spawn(serve_incoming(Arc::clone(&shared), incoming));
+    }
+}
+
+async fn serve_incoming(shared: Arc<Shared>, incoming: quinn::Incoming) {
+    let addr = incoming.remote_address();
+    let timeout = shared.opts.handshake_timeout;
+    let conn = match tokio::time::timeout(timeout, incoming).await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => {
+            warn!(peer = %addr, error = %e, "geo link refused: the TLS handshake failed (no certificate, or not one of the federation CA)");
+            refused("handshake");
+            return;
+        }
+        Err(_) => {
+            warn!(peer = %addr, "geo link refused: no TLS handshake within {timeout:?}");
+            refused("handshake_timeout");
+            return;
+        }
+    };
+    let site = match peer_site(&conn) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(peer = %addr, error = %e, "geo link refused: the certificate names no site");
+            refused("identity");
+            conn.close(close::REFUSED.into(), format!("refused: {e}").as_bytes());
+            return;
+        }
+    };
+    match shared.directory.knows(&site).await {
+        Ok(true) => {}
+        Ok(false) => {
+            warn!(peer = %addr, site, "geo link refused: site {site} is not in this site's registry (clusters create {site} ...)");
+            refused("unknown_site");
+            conn.close(
+                close::REFUSED.into(),
+                format!("refused: site {site} is not known to site {}", shared.site).as_bytes(),
+            );
+            return;
+        }
+        Err(e) => {
+            warn!(peer = %addr, site, error = %e, "geo link refused: the registry could not be read");
+            refused("registry");
+            conn.close(
+                close::REFUSED.into(),
+                b"refused: the registry could not be read; try again",
+            );
+            return;
+        }
+    }
+    let hello = async {
+        let (mut send, mut recv) = conn.accept_bi().await?;
+        let first = read_frame(&mut recv, shared.opts.frame_bytes_max).await?;
+        Ok::<_, StreamError>((
+            send_welcome(&mut send, &shared.site, first, &site).await,
+            send,
+        ))
+    };
+    let outcome = tokio::time::timeout(timeout, hello).await;
+    let (code, reason) = match outcome {
+        Ok(Ok((Ok(()), _send))) => {
+            let id = conn.stable_id();
+            info!(peer = %addr, site, "geo link from site {site} up");
+            shared.inbound.lock().expect("inbound lock").insert(
+                id,
+                InboundPeer {
+                    site: site.clone(),
+                    addr,
+                },
+            );
+            metrics::gauge!("meridian_geo_links", "direction" => "inbound").increment(1.0);
+            let why = conn.closed().await;
+            shared.inbound.lock().expect("inbound lock").remove(&id);
+            metrics::gauge!("meridian_geo_links", "direction" => "inbound").decrement(1.0);
+            info!(peer = %addr, site, reason = %why, "geo link from site {site} down");
+            return;
+        }
+        Ok(Ok((Err((code, reason)), _))) => (code, reason),
+        Ok(Err(e)) => (close::PROTOCOL, format!("bad hello: {e}")),
+        Err(_) => (close::PROTOCOL, format!("no hello within {timeout:?}")),
+    };
+    warn!(peer = %addr, site, "geo link refused: {reason}");
+    refused(if code == close::REFUSED {
+        "identity"
+    } else {
+        "protocol"
+    });
+    conn.close(code.into(), reason.as_bytes());
+}
+
+/// Checks the dialer's hello against its certificate's site and answers it.
+async fn send_welcome(
+    send: &mut quinn::SendStream,
+    own: &str,
+    first: Option<Frame>,
+    cert_site: &str,
+) -> Result<(), (u32, String)> {
+    match first {
+        Some(Frame::Hello { version, site }) => {
+            if version != PROTOCOL_VERSION {
+                return Err((
+                    close::PROTOCOL,
+                    format!("link protocol version {version}; this site speaks {PROTOCOL_VERSION}"),
+                ));
+            }
+            if site != cert_site {
+                return Err((
+                    close::REFUSED,
+                    format!(
+                        "the hello names site {site:?} but the certificate names {cert_site:?}"
+                    ),
+                ));
+            }
+        }
+        other => return Err((close::PROTOCOL, format!("expected a hello, got {other:?}"))),
+    }
+    write_frame(
+        send,
+        &Frame::Welcome {
+            version: PROTOCOL_VERSION,
+            site: own.to_string(),
+        },
+    )
+    .await
+    .map_err(|e| (close::PROTOCOL, e.to_string()))
+}
+
+async fn reload_loop(shared: Arc<Shared>, files: TlsFiles) {
+    let mut last = files.read().ok();
+    loop {
+        tokio::time::sleep(shared.opts.cert_reload_interval).await;
+        let now = match files.read() {
+            Ok(b) => b,
+            Err(e) => {
+                if last.is_some() {
+                    warn!(error = %e, "geo certificates cannot be read; keeping the ones in use");
+                }
+                last = None;
+                continue;
+            }
+        };
+        if last.as_ref() == Some(&now) {
+            continue;
+        }
+        last = Some(now);
+        let loaded = files.load(&shared.site).and_then(|tls| {
+            let config = server_config(&tls, &shared.transport).map_err(|reason| TlsError {
+                key: "geo.cert_file",
+                path: files.cert_file.clone(),
+                reason,
+            })?;
+            Ok((tls, config))
+        });
+        match loaded {
+            Ok((tls, config)) => {
+                info!(serial = %tls.serial, "geo certificates reloaded; new connections use them, links up keep going");
+                shared.endpoint.set_server_config(Some(config));
+                *shared.tls.write().expect("tls lock") = Arc::new(tls);
+                metrics::counter!("meridian_geo_cert_reloads_total", "outcome" => "loaded")
+                    .increment(1);
+            }
+            Err(e) => {
+                warn!(error = %e, "geo certificates changed but do not load; keeping the ones in use");
+                metrics::counter!("meridian_geo_cert_reloads_total", "outcome" => "refused")
+                    .increment(1);
+            }
+        }
+    }
+}

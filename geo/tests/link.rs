@@ -1,0 +1,288 @@
+//! The link on loopback: real QUIC, real TLS, certificates made as `meridian-admin geo` makes
+//! them.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use meridian_config::GeoConfig;
+use meridian_geo::frame::{Frame, PROTOCOL_VERSION};
+use meridian_geo::link::{read_frame, write_frame};
+use meridian_geo::{GeoLink, LinkError, SiteDirectory};
+use meridian_tenancy::geo_pki;
+use meridian_tenancy::site_tls::{CertOptions, Issued};
+use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::pem::PemObject;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+#[derive(Default)]
+struct Registry(Mutex<BTreeSet<String>>);
+
+impl SiteDirectory for Registry {
+    fn knows<'a>(&'a self, site: &'a str) -> BoxFuture<'a, Result<bool, String>> {
+        Box::pin(async move { Ok(self.0.lock().unwrap().contains(site)) })
+    }
+}
+
+fn registry(sites: &[&str]) -> Arc<Registry> {
+    Arc::new(Registry(Mutex::new(
+        sites.iter().map(|s| s.to_string()).collect(),
+    )))
+}
+
+struct Pki {
+    ca: Issued,
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Pki {
+        Pki {
+            ca: geo_pki::create_ca(30).unwrap(),
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    fn cert(&self, site: &str) -> Issued {
+        let opts = CertOptions {
+            days: 30,
+            ..CertOptions::default()
+        };
+        geo_pki::create_site_cert(&self.ca.cert_pem, &self.ca.key_pem, site, &opts).unwrap()
+    }
+
+    /// Writes the site's files; `[geo]` pointing at them.
+    fn config(&self, site: &str) -> GeoConfig {
+        let issued = self.cert(site);
+        self.write(site, &issued);
+        let p = |f: String| self.dir.path().join(f).display().to_string();
+        GeoConfig {
+            listen: "127.0.0.1:0".into(),
+            cert_file: p(format!("{site}.crt")),
+            key_file: p(format!("{site}.key")),
+            ca_file: p("ca.crt".into()),
+            cert_reload_interval_ms: 100,
+            handshake_timeout_ms: 5_000,
+            ..GeoConfig::default()
+        }
+    }
+
+    fn write(&self, site: &str, issued: &Issued) {
+        std::fs::write(self.dir.path().join("ca.crt"), &self.ca.cert_pem).unwrap();
+        std::fs::write(
+            self.dir.path().join(format!("{site}.crt")),
+            &issued.cert_pem,
+        )
+        .unwrap();
+        std::fs::write(self.dir.path().join(format!("{site}.key")), &issued.key_pem).unwrap();
+    }
+}
+
+async fn start(pki: &Pki, site: &str, known: &[&str]) -> GeoLink {
+    GeoLink::start(&pki.config(site), site, registry(known))
+        .await
+        .unwrap()
+}
+
+/// A client that accepts any server certificate, presenting `cert` (or none), and sends a
+/// hello naming `hello_site`: what the listener answers, or how it closed the connection.
+async fn raw_dial(
+    addr: SocketAddr,
+    cert: Option<&Issued>,
+    hello_site: &str,
+) -> Result<Frame, String> {
+    #[derive(Debug)]
+    struct AnyServer(Arc<rustls::crypto::CryptoProvider>);
+    impl rustls::client::danger::ServerCertVerifier for AnyServer {
+        fn verify_server_cert(
+            &self,
+            _: &CertificateDer<'_>,
+            _: &[CertificateDer<'_>],
+            _: &rustls::pki_types::ServerName<'_>,
+            _: &[u8],
+            _: rustls::pki_types::UnixTime,
+        ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+            Ok(rustls::client::danger::ServerCertVerified::assertion())
+        }
+        fn verify_tls12_signature(
+            &self,
+            m: &[u8],
+            c: &CertificateDer<'_>,
+            d: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls12_signature(
+                m,
+                c,
+                d,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+        fn verify_tls13_signature(
+            &self,
+            m: &[u8],
+            c: &CertificateDer<'_>,
+            d: &rustls::DigitallySignedStruct,
+        ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+            rustls::crypto::verify_tls13_signature(
+                m,
+                c,
+                d,
+                &self.0.signature_verification_algorithms,
+            )
+        }
+        fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+            self.0.signature_verification_algorithms.supported_schemes()
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(Arc::clone(&provider))
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyServer(provider)));
+    let mut config = match cert {
+        Some(c) => builder
+            .with_client_auth_cert(
+                vec![CertificateDer::from_pem_slice(c.cert_pem.as_bytes()).unwrap()],
+                PrivateKeyDer::from_pem_slice(c.key_pem.as_bytes()).unwrap(),
+            )
+            .unwrap(),
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![meridian_geo::tls::ALPN.to_vec()];
+    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(config).unwrap();
+    let mut endpoint = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    endpoint.set_default_client_config(quinn::ClientConfig::new(Arc::new(crypto)));
+    let run = async {
+        let conn = endpoint
+            .connect(addr, "meridian-geo")
+            .unwrap()
+            .await
+            .map_err(|e| e.to_string())?;
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        write_frame(
+            &mut send,
+            &Frame::Hello {
+                version: PROTOCOL_VERSION,
+                site: hello_site.to_string(),
+            },
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        match read_frame(&mut recv, 1 << 20).await {
+            Ok(Some(f)) => Ok(f),
+            Ok(None) => Err("stream ended".to_string()),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("the listener answers or closes within 10 s")
+}
+
+#[tokio::test]
+async fn given_two_sites_that_know_each_other_then_each_dials_the_other() {
+    let pki = Pki::new();
+    let east = start(&pki, "east", &["west"]).await;
+    let west = start(&pki, "west", &["east"]).await;
+    let peer = east.dial(west.local_addr(), "west").await.unwrap();
+    assert_eq!(peer.site, "west");
+    let back = west.dial(east.local_addr(), "east").await.unwrap();
+    assert_eq!(back.site, "east");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(west.inbound().len(), 1);
+    assert_eq!(west.inbound()[0].site, "east");
+    assert_eq!(east.inbound()[0].site, "west");
+}
+
+#[tokio::test]
+async fn given_peers_without_a_good_identity_then_the_listener_refuses_them() {
+    let pki = Pki::new();
+    let west = start(&pki, "west", &["east"]).await;
+    let addr = west.local_addr();
+
+    // The control: a certificate of the CA naming a known site is welcomed.
+    let east = pki.cert("east");
+    assert!(matches!(
+        raw_dial(addr, Some(&east), "east").await,
+        Ok(Frame::Welcome { .. })
+    ));
+    // No certificate: the handshake fails.
+    let err = raw_dial(addr, None, "east").await.unwrap_err();
+    assert!(err.contains("peer sent no certificates"), "{err}");
+    // A certificate of another CA naming a known site: the handshake fails.
+    let rogue = Pki::new().cert("east");
+    let err = raw_dial(addr, Some(&rogue), "east").await.unwrap_err();
+    assert!(err.contains("invalid peer certificate"), "{err}");
+    // A site the registry does not know.
+    let north = pki.cert("north");
+    let err = raw_dial(addr, Some(&north), "north").await.unwrap_err();
+    assert!(err.contains("north is not known to site west"), "{err}");
+    // A hello naming another site than the certificate.
+    let err = raw_dial(addr, Some(&east), "north").await.unwrap_err();
+    assert!(err.contains("the certificate names \"east\""), "{err}");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(west.inbound().is_empty(), "{:?}", west.inbound());
+
+    // Dialing: the unknown site is told why; a listener whose certificate names another site
+    // than the one dialed is refused by the dialer.
+    let north_link = start(&pki, "north", &["west"]).await;
+    match north_link.dial(addr, "west").await {
+        Err(LinkError::Refused { reason, .. }) => {
+            assert!(reason.contains("north is not known"), "{reason}")
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    let east_link = start(&pki, "east", &["west"]).await;
+    let err = east_link.dial(addr, "south").await.unwrap_err();
+    assert!(err.to_string().contains("names site \"west\""), "{err}");
+}
+
+#[tokio::test]
+async fn given_new_certificate_files_then_new_links_use_them_and_links_up_keep_going() {
+    let pki = Pki::new();
+    let west_cfg = pki.config("west");
+    let west = GeoLink::start(&west_cfg, "west", registry(&["east"]))
+        .await
+        .unwrap();
+    let east = start(&pki, "east", &["west"]).await;
+    let first = east.dial(west.local_addr(), "west").await.unwrap();
+    let old_serial = west.certificate_serial();
+
+    // A damaged file is not taken: the old certificate stays in use.
+    std::fs::write(&west_cfg.cert_file, "not a certificate").unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(west.certificate_serial(), old_serial);
+    let _kept = east.dial(west.local_addr(), "west").await.unwrap();
+
+    // A new certificate is.
+    pki.write("west", &pki.cert("west"));
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while west.certificate_serial() == old_serial {
+        assert!(tokio::time::Instant::now() < deadline, "not reloaded");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let second = east.dial(west.local_addr(), "west").await.unwrap();
+    let served = second
+        .conn
+        .peer_identity()
+        .unwrap()
+        .downcast::<Vec<CertificateDer<'static>>>()
+        .unwrap();
+    let (_, cert) = x509_parser::parse_x509_certificate(&served[0]).unwrap();
+    assert_eq!(cert.raw_serial_as_string(), west.certificate_serial());
+    assert_ne!(cert.raw_serial_as_string(), old_serial);
+    // The first link is still up.
+    assert!(first.conn.close_reason().is_none());
+    assert_eq!(
+        west.inbound().iter().filter(|p| p.site == "east").count(),
+        3
+    );
+    // A certificate naming another site is not taken.
+    let serial = west.certificate_serial();
+    pki.write("west", &pki.cert("south"));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(west.certificate_serial(), serial);
+}

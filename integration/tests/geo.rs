@@ -1,0 +1,187 @@
+//! Geo-replication's link between real `meridian standalone` processes: the federation's
+//! certificates made by `meridian-admin geo`, the site's own cluster record with its geo URL,
+//! and peers admitted only when the registry knows their site.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use meridian_config::GeoConfig;
+use meridian_geo::{GeoLink, LinkError, SiteDirectory};
+use meridian_integration::{admin_json, run_admin, step, StandaloneProc};
+
+struct KnowsAll;
+
+impl SiteDirectory for KnowsAll {
+    fn knows<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<bool, String>> {
+        Box::pin(async { Ok(true) })
+    }
+}
+
+fn admin_ok(args: &[&str]) -> String {
+    let (code, out, err) = run_admin(args).expect("meridian-admin runs");
+    assert_eq!(code, 0, "meridian-admin {args:?}: {out}{err}");
+    out
+}
+
+fn geo_flags(site: &str, pki: &std::path::Path, listen: &str) -> Vec<String> {
+    let p = |f: &str| pki.join(f).display().to_string();
+    vec![
+        "--cluster".into(),
+        site.into(),
+        "--geo-listen".into(),
+        listen.into(),
+        "--geo-cert".into(),
+        p(&format!("{site}.crt")),
+        "--geo-key".into(),
+        p(&format!("{site}.key")),
+        "--geo-ca".into(),
+        p("ca.crt"),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_site_with_a_geo_link_then_only_sites_in_its_registry_are_admitted() {
+    let root = tempfile::tempdir().unwrap();
+    let pki = root.path().join("pki");
+    let d = pki.display().to_string();
+
+    step("meridian-admin geo create-ca and create-site-cert make the federation's files");
+    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
+    for site in ["east", "north", "west"] {
+        admin_ok(&[
+            "geo",
+            "create-site-cert",
+            site,
+            "--ca-dir",
+            &d,
+            "--out-dir",
+            &d,
+        ]);
+    }
+    use std::os::unix::fs::PermissionsExt;
+    for key in ["ca.key", "east.key"] {
+        let mode = std::fs::metadata(pki.join(key))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "{key} is readable by its owner only");
+    }
+    let (code, _, err) = run_admin(&["geo", "create-ca", "--out-dir", &d]).unwrap();
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("must not exist"),
+        "the CA key is never overwritten: {err}"
+    );
+    let (code, _, err) = run_admin(&[
+        "geo",
+        "create-site-cert",
+        "no site",
+        "--ca-dir",
+        &d,
+        "--out-dir",
+        &d,
+    ])
+    .unwrap();
+    assert_ne!(code, 0);
+    assert!(err.contains("must be 1 to 64 characters"), "{err}");
+
+    step("a site whose certificate names another site does not start, and says why");
+    std::fs::create_dir_all(root.path().join("wrong")).unwrap();
+    std::fs::create_dir_all(root.path().join("east")).unwrap();
+    let mut wrong = StandaloneProc::new(&root.path().join("wrong"));
+    let mut flags = geo_flags("east", &pki, "127.0.0.1:0");
+    flags[1] = "south".into();
+    wrong.args(&flags.iter().map(String::as_str).collect::<Vec<_>>());
+    let err = format!("{:#}", wrong.start().unwrap_err());
+    assert!(
+        err.contains("geo.cert_file") && err.contains("names site \"east\""),
+        "{err}"
+    );
+
+    step("east starts with its link; its own cluster record carries the geo URL");
+    let mut east = StandaloneProc::new(&root.path().join("east"));
+    let east_listen = format!("127.0.0.1:{}", meridian_integration::free_port());
+    east.args(
+        &geo_flags("east", &pki, &east_listen)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    east.start().unwrap();
+    let geo_url = east.geo_url.clone().expect("the banner names the geo link");
+    let record = admin_json(&east.admin_url, &["clusters", "get", "east"]);
+    assert_eq!(record["geo_url"], geo_url.as_str(), "{record}");
+    assert_eq!(record["broker_url"], east.url.as_str(), "{record}");
+    let addr = geo_url.trim_start_matches("quic://").parse().unwrap();
+
+    step("north, unknown to east, is refused with the reason");
+    let north_cfg = GeoConfig {
+        listen: "127.0.0.1:0".into(),
+        cert_file: pki.join("north.crt").display().to_string(),
+        key_file: pki.join("north.key").display().to_string(),
+        ca_file: pki.join("ca.crt").display().to_string(),
+        ..GeoConfig::default()
+    };
+    let north = GeoLink::start(&north_cfg, "north", Arc::new(KnowsAll))
+        .await
+        .unwrap();
+    match north.dial(addr, "east").await {
+        Err(LinkError::Refused { reason, .. }) => {
+            assert!(
+                reason.contains("north is not known to site east"),
+                "{reason}"
+            )
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert!(east.log_text().contains("geo link refused"));
+
+    step("a geo URL that is not quic://HOST:PORT is refused; clusters create north admits it");
+    let (code, _, err) = run_admin(&[
+        "--admin-url",
+        &east.admin_url,
+        "clusters",
+        "create",
+        "north",
+        "--geo-url",
+        "http://127.0.0.1:1",
+    ])
+    .unwrap();
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("InvalidArgument") && err.contains("quic://HOST:PORT"),
+        "{err}"
+    );
+    let north_url = format!("quic://{}", north.local_addr());
+    admin_ok(&[
+        "--admin-url",
+        &east.admin_url,
+        "clusters",
+        "create",
+        "north",
+        "--broker-url",
+        "pulsar://127.0.0.1:1",
+        "--url",
+        "http://127.0.0.1:1",
+        "--geo-url",
+        &north_url,
+    ]);
+    let got = admin_json(&east.admin_url, &["clusters", "get", "north"]);
+    assert_eq!(got["geo_url"], north_url.as_str());
+    let peer = north.dial(addr, "east").await.unwrap();
+    assert_eq!(peer.site, "east");
+
+    step("after a restart the link is back, and north is still known");
+    east.stop().unwrap();
+    east.start().unwrap();
+    assert_eq!(east.geo_url.as_deref(), Some(geo_url.as_str()));
+    let record = admin_json(&east.admin_url, &["clusters", "get", "east"]);
+    assert_eq!(record["geo_url"], geo_url.as_str());
+    tokio::time::timeout(Duration::from_secs(30), north.dial(addr, "east"))
+        .await
+        .unwrap()
+        .unwrap();
+    north.shutdown().await;
+    east.stop().unwrap();
+}
