@@ -5,6 +5,14 @@
 //!  str   = length: u16 BE | UTF-8 bytes
 //!  Hello   (1) = version: u16 | site: str      the dialer, first on the control stream
 //!  Welcome (2) = version: u16 | site: str      the listener's answer
+//!
+//!  on a topic's own stream, opened by the sending site:
+//!  Open    (3) = topic: str | partitions: u32  (0: not partitioned)
+//!  Opened  (4) = has: u8 | ledger: u64 | entry: u64   the highest origin position the
+//!                receiver holds from the sender (has = 0: none)
+//!  Entries (5) = count: u32 | (ledger: u64 | entry: u64 | len: u32 | bytes)*count
+//!  Ack     (6) = ledger: u64 | entry: u64      durably appended up to this origin position
+//!  Refused (7) = code: u8 | reason: str        the stream is not served (then it ends)
 //! ```
 //!
 //! A frame longer than the limit (`geo.frame_bytes_max`) is refused from its length alone,
@@ -25,6 +33,62 @@ pub enum Frame {
     Hello { version: u16, site: String },
     /// The listener's answer.
     Welcome { version: u16, site: String },
+    /// A topic's stream begins: the sender's topic (a partition of a partitioned topic is
+    /// named as such) and its partition count.
+    Open { topic: String, partitions: u32 },
+    /// The receiver serves the stream; the highest origin position it holds from the sender.
+    Opened { last: Option<OriginPosition> },
+    /// Entries in the origin's log order, each as stored at the origin.
+    Entries { items: Vec<ReplicatedEntry> },
+    /// Everything up to this origin position is durably appended at the receiver.
+    Ack { up_to: OriginPosition },
+    /// The receiver does not serve the stream, and why.
+    Refused { code: RefusalCode, reason: String },
+}
+
+/// A position in the origin site's log of a topic.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct OriginPosition {
+    pub ledger: u64,
+    pub entry: u64,
+}
+
+/// One entry on its way, byte for byte as its origin stores it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicatedEntry {
+    pub at: OriginPosition,
+    pub bytes: bytes::Bytes,
+}
+
+/// Why a receiver refuses a topic's stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalCode {
+    /// Not for this site: the namespace does not list the sender's site, or the topic's
+    /// partitions differ. Retrying will not help until the configuration changes.
+    NotAllowed,
+    /// Try again later (the topic is moving, the site is busy).
+    Retry,
+    /// The stream broke the protocol (a bad entry, a frame out of place).
+    Protocol,
+}
+
+impl RefusalCode {
+    fn to_u8(self) -> u8 {
+        match self {
+            RefusalCode::NotAllowed => 1,
+            RefusalCode::Retry => 2,
+            RefusalCode::Protocol => 3,
+        }
+    }
+
+    fn from_u8(b: u8) -> Result<Self, FrameError> {
+        Ok(match b {
+            1 => RefusalCode::NotAllowed,
+            2 => RefusalCode::Retry,
+            3 => RefusalCode::Protocol,
+            _ => return Err(FrameError::UnknownRefusal(b)),
+        })
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,6 +105,10 @@ pub enum FrameError {
     Trailing(usize),
     #[error("{0} is not UTF-8")]
     NotUtf8(&'static str),
+    #[error("unknown refusal code {0}")]
+    UnknownRefusal(u8),
+    #[error("{0}")]
+    Invalid(&'static str),
 }
 
 impl Frame {
@@ -48,6 +116,11 @@ impl Frame {
         match self {
             Frame::Hello { .. } => 1,
             Frame::Welcome { .. } => 2,
+            Frame::Open { .. } => 3,
+            Frame::Opened { .. } => 4,
+            Frame::Entries { .. } => 5,
+            Frame::Ack { .. } => 6,
+            Frame::Refused { .. } => 7,
         }
     }
 
@@ -60,6 +133,36 @@ impl Frame {
             Frame::Hello { version, site } | Frame::Welcome { version, site } => {
                 out.put_u16(*version);
                 put_str(out, site);
+            }
+            Frame::Open { topic, partitions } => {
+                put_str(out, topic);
+                out.put_u32(*partitions);
+            }
+            Frame::Opened { last } => {
+                out.put_u8(u8::from(last.is_some()));
+                let p = last.unwrap_or(OriginPosition {
+                    ledger: 0,
+                    entry: 0,
+                });
+                out.put_u64(p.ledger);
+                out.put_u64(p.entry);
+            }
+            Frame::Entries { items } => {
+                out.put_u32(items.len() as u32);
+                for e in items {
+                    out.put_u64(e.at.ledger);
+                    out.put_u64(e.at.entry);
+                    out.put_u32(e.bytes.len() as u32);
+                    out.put_slice(&e.bytes);
+                }
+            }
+            Frame::Ack { up_to } => {
+                out.put_u64(up_to.ledger);
+                out.put_u64(up_to.entry);
+            }
+            Frame::Refused { code, reason } => {
+                out.put_u8(code.to_u8());
+                put_str(out, reason);
             }
         }
         let len = (out.len() - start - LENGTH_BYTES) as u32;
@@ -91,6 +194,50 @@ impl Frame {
                     Frame::Welcome { version, site }
                 }
             }
+            3 => Frame::Open {
+                topic: get_str(&mut body, "topic")?,
+                partitions: get_u32(&mut body, "partitions")?,
+            },
+            4 => {
+                let has = get_u8(&mut body, "opened")?;
+                let at = get_position(&mut body)?;
+                Frame::Opened {
+                    last: match has {
+                        0 if at.ledger == 0 && at.entry == 0 => None,
+                        0 => return Err(FrameError::Invalid("opened without a position has one")),
+                        1 => Some(at),
+                        _ => return Err(FrameError::Invalid("opened flag is not 0 or 1")),
+                    },
+                }
+            }
+            5 => {
+                let count = get_u32(&mut body, "entry count")? as usize;
+                // Each entry takes at least 20 bytes: a count past that is a lie.
+                if count > body.remaining() / 20 {
+                    return Err(FrameError::Truncated("entries"));
+                }
+                let mut items = Vec::with_capacity(count);
+                for _ in 0..count {
+                    let at = get_position(&mut body)?;
+                    let len = get_u32(&mut body, "entry length")? as usize;
+                    if body.remaining() < len {
+                        return Err(FrameError::Truncated("entry"));
+                    }
+                    items.push(ReplicatedEntry {
+                        at,
+                        bytes: bytes::Bytes::copy_from_slice(&body[..len]),
+                    });
+                    body.advance(len);
+                }
+                Frame::Entries { items }
+            }
+            6 => Frame::Ack {
+                up_to: get_position(&mut body)?,
+            },
+            7 => Frame::Refused {
+                code: RefusalCode::from_u8(get_u8(&mut body, "refusal code")?)?,
+                reason: get_str(&mut body, "reason")?,
+            },
             k => return Err(FrameError::UnknownKind(k)),
         };
         if !body.is_empty() {
@@ -134,6 +281,23 @@ fn get_u16(buf: &mut &[u8], what: &'static str) -> Result<u16, FrameError> {
     Ok(buf.get_u16())
 }
 
+fn get_u32(buf: &mut &[u8], what: &'static str) -> Result<u32, FrameError> {
+    if buf.remaining() < 4 {
+        return Err(FrameError::Truncated(what));
+    }
+    Ok(buf.get_u32())
+}
+
+fn get_position(buf: &mut &[u8]) -> Result<OriginPosition, FrameError> {
+    if buf.remaining() < 16 {
+        return Err(FrameError::Truncated("position"));
+    }
+    Ok(OriginPosition {
+        ledger: buf.get_u64(),
+        entry: buf.get_u64(),
+    })
+}
+
 fn get_str(buf: &mut &[u8], what: &'static str) -> Result<String, FrameError> {
     let len = get_u16(buf, what)? as usize;
     if buf.remaining() < len {
@@ -165,6 +329,46 @@ mod tests {
             Frame::Welcome {
                 version: 7,
                 site: String::new(),
+            },
+            Frame::Open {
+                topic: "persistent://acme/g/orders-partition-3".into(),
+                partitions: 8,
+            },
+            Frame::Opened { last: None },
+            Frame::Opened {
+                last: Some(OriginPosition {
+                    ledger: u64::MAX,
+                    entry: 3,
+                }),
+            },
+            Frame::Entries { items: vec![] },
+            Frame::Entries {
+                items: vec![
+                    ReplicatedEntry {
+                        at: OriginPosition {
+                            ledger: 5,
+                            entry: 0,
+                        },
+                        bytes: bytes::Bytes::from_static(b"one"),
+                    },
+                    ReplicatedEntry {
+                        at: OriginPosition {
+                            ledger: 5,
+                            entry: 1,
+                        },
+                        bytes: bytes::Bytes::new(),
+                    },
+                ],
+            },
+            Frame::Ack {
+                up_to: OriginPosition {
+                    ledger: 1,
+                    entry: 2,
+                },
+            },
+            Frame::Refused {
+                code: RefusalCode::NotAllowed,
+                reason: "namespace acme/g does not list site north".into(),
             },
         ] {
             let bytes = encoded(&f);
@@ -209,6 +413,21 @@ mod tests {
         assert_eq!(
             Frame::decode(&[0, 0, 0, 7, 1, 0, 1, 0, 1, 0xff, 0], 64),
             Err(FrameError::NotUtf8("site"))
+        );
+        // An entry count larger than the bytes could hold is refused before any allocation.
+        assert_eq!(
+            Frame::decode(&[0, 0, 0, 5, 5, 0xff, 0xff, 0xff, 0xff], 64),
+            Err(FrameError::Truncated("entries"))
+        );
+        assert_eq!(
+            Frame::decode(&[0, 0, 0, 2, 7, 9], 64),
+            Err(FrameError::UnknownRefusal(9))
+        );
+        let mut opened = vec![0, 0, 0, 18, 4, 2];
+        opened.extend_from_slice(&[0; 16]);
+        assert_eq!(
+            Frame::decode(&opened, 64),
+            Err(FrameError::Invalid("opened flag is not 0 or 1"))
         );
         let mut long = hello.clone();
         long[3] += 1;

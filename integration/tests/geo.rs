@@ -185,3 +185,117 @@ async fn given_a_site_with_a_geo_link_then_only_sites_in_its_registry_are_admitt
     north.shutdown().await;
     east.stop().unwrap();
 }
+
+/// `meridian-admin --admin-url URL ARGS` that must fail with gRPC status `status`: stderr.
+fn admin_refused(url: &str, args: &[&str], status: &str) -> String {
+    let mut all = vec!["--admin-url", url];
+    all.extend_from_slice(args);
+    let (code, _, err) = run_admin(&all).expect("meridian-admin runs");
+    assert_eq!(code, 1, "{args:?} should fail");
+    assert!(err.contains(status), "{args:?}: want {status}, got {err}");
+    err
+}
+
+#[test]
+fn given_replication_clusters_then_they_must_be_known_sites_the_tenant_may_use() {
+    let root = tempfile::tempdir().unwrap();
+    let mut east = StandaloneProc::new(root.path());
+    east.args(&["--cluster", "east"]);
+    east.start().unwrap();
+    let url = east.admin_url.clone();
+    let a = |args: &[&str]| {
+        let mut all = vec!["--admin-url", url.as_str()];
+        all.extend_from_slice(args);
+        admin_ok(&all)
+    };
+    a(&[
+        "clusters",
+        "create",
+        "west",
+        "--geo-url",
+        "quic://127.0.0.1:7300",
+    ]);
+    a(&["tenants", "create", "acme", "--allowed-clusters", "east"]);
+
+    step("namespaces create --clusters: each a known site among the tenant's allowed clusters");
+    let err = admin_refused(
+        &url,
+        &["namespaces", "create", "acme/g", "--clusters", "east,west"],
+        "FailedPrecondition",
+    );
+    assert!(
+        err.contains("west is not among tenant acme's allowed clusters"),
+        "{err}"
+    );
+    let err = admin_refused(
+        &url,
+        &[
+            "namespaces",
+            "create",
+            "acme/g",
+            "--clusters",
+            "east,nowhere",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("nowhere does not exist"), "{err}");
+    admin_refused(
+        &url,
+        &["namespaces", "create", "acme/g", "--clusters", "east,east"],
+        "InvalidArgument",
+    );
+    a(&[
+        "tenants",
+        "update",
+        "acme",
+        "--allowed-clusters",
+        "east,west",
+    ]);
+    a(&["namespaces", "create", "acme/g", "--clusters", "east,west"]);
+    assert_eq!(
+        admin_json(&url, &["namespaces", "get-clusters", "acme/g"]),
+        serde_json::json!(["east", "west"])
+    );
+
+    step("set-clusters, and a topic's own replication clusters over its namespace's");
+    a(&["namespaces", "set-clusters", "acme/g", "--clusters", "west"]);
+    assert_eq!(
+        admin_json(&url, &["namespaces", "get-clusters", "acme/g"]),
+        serde_json::json!(["west"])
+    );
+    let t = "persistent://acme/g/orders";
+    a(&["topics", "create", t]);
+    a(&[
+        "topics",
+        "set-replication-clusters",
+        t,
+        "--clusters",
+        "east",
+    ]);
+    assert_eq!(
+        admin_json(&url, &["topics", "get-replication-clusters", t]),
+        serde_json::json!(["east"])
+    );
+    admin_refused(
+        &url,
+        &[
+            "topics",
+            "set-replication-clusters",
+            t,
+            "--clusters",
+            "nowhere",
+        ],
+        "InvalidArgument",
+    );
+    a(&["topics", "remove-replication-clusters", t]);
+    assert_eq!(
+        admin_json(&url, &["topics", "get-replication-clusters", t]),
+        serde_json::Value::Null
+    );
+    a(&["namespaces", "remove-clusters", "acme/g"]);
+    assert_eq!(
+        admin_json(&url, &["namespaces", "get-clusters", "acme/g"]),
+        serde_json::Value::Null
+    );
+    east.stop().unwrap();
+}

@@ -54,6 +54,9 @@ pub fn split_topic(topic: &str) -> Result<(String, String, String), BadName> {
     Ok((t.to_string(), n.to_string(), local.to_string()))
 }
 
+/// Most sites a namespace or topic is replicated between.
+pub const REPLICATION_CLUSTERS_MAX: usize = 64;
+
 /// Longest tenant, cluster or namespace name part.
 pub const NAME_BYTES_MAX: usize = 128;
 
@@ -139,6 +142,11 @@ pub struct NamespacePolicies {
     /// once the primary has too few writable ones.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bookie_affinity_group: Option<BookieAffinityGroup>,
+    /// The sites the topics are replicated between (Pulsar's namespace `clusters`, a topic's
+    /// replication clusters); none set: this site alone. Each must have a cluster record and
+    /// be among the tenant's allowed clusters (checked by the store).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replication_clusters: Option<Vec<String>>,
     /// Roles granted `produce` and/or `consume` in the namespace (with authentication on).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub permissions: std::collections::BTreeMap<String, Vec<String>>,
@@ -251,6 +259,7 @@ pub const POLICY_FIELDS: &[&str] = &[
     "dispatch_rate_total",
     "compaction_threshold",
     "bookie_affinity_group",
+    "replication_clusters",
 ];
 
 impl NamespacePolicies {
@@ -300,6 +309,19 @@ impl NamespacePolicies {
                     "bookie affinity groups {:?} / {:?}: a group is 1 to 128 letters, digits, '.', '_' or '-' (the primary is required)",
                     g.primary, g.secondary
                 ));
+            }
+        }
+        if let Some(clusters) = &self.replication_clusters {
+            if clusters.is_empty() || clusters.len() > REPLICATION_CLUSTERS_MAX {
+                return Err(format!(
+                    "replication_clusters: 1 to {REPLICATION_CLUSTERS_MAX} clusters (remove the policy for this site alone)"
+                ));
+            }
+            for (i, c) in clusters.iter().enumerate() {
+                check_name("cluster", c).map_err(|e| format!("replication_clusters: {e}"))?;
+                if clusters[..i].contains(c) {
+                    return Err(format!("replication_clusters: {c} is named twice"));
+                }
             }
         }
         if let Some(q) = &self.backlog_quota {
@@ -443,6 +465,9 @@ impl NamespacePolicies {
         if set.bookie_affinity_group.is_some() {
             p.bookie_affinity_group = set.bookie_affinity_group.clone();
         }
+        if set.replication_clusters.is_some() {
+            p.replication_clusters = set.replication_clusters.clone();
+        }
     }
 
     /// Applies `set` (its present fields) and then removes the fields named in `clear`.
@@ -467,6 +492,7 @@ impl NamespacePolicies {
                 "dispatch_rate_total" => p.dispatch_rate_total = None,
                 "compaction_threshold" => p.compaction_threshold = None,
                 "bookie_affinity_group" => p.bookie_affinity_group = None,
+                "replication_clusters" => p.replication_clusters = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",

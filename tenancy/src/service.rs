@@ -342,6 +342,7 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
                 primary: g.primary,
                 secondary: g.secondary,
             }),
+        replication_clusters: p.replication_clusters.map(|c| c.names),
         permissions: Default::default(),
     }
 }
@@ -390,6 +391,12 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
                 secondary: g.secondary.clone(),
             }
         }),
+        replication_clusters: p
+            .replication_clusters
+            .as_ref()
+            .map(|names| crate::pb::ClusterList {
+                names: names.clone(),
+            }),
     }
 }
 

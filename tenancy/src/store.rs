@@ -379,6 +379,7 @@ impl TenancyStore {
         let (tenant, _) = split_namespace(ns)?;
         p.validate().map_err(AdminError::Invalid)?;
         self.tenant(tenant).await?;
+        self.check_replication_clusters(tenant, p).await?;
         self.put(
             &format!("{NAMESPACES_PREFIX}{ns}"),
             p,
@@ -396,6 +397,10 @@ impl TenancyStore {
     ) -> Result<NamespacePolicies, AdminError> {
         let (old, v) = self.policies(ns).await?;
         let new = old.updated(set, clear).map_err(AdminError::Invalid)?;
+        if set.replication_clusters.is_some() {
+            let (tenant, _) = split_namespace(ns)?;
+            self.check_replication_clusters(tenant, &new).await?;
+        }
         self.put(
             &format!("{NAMESPACES_PREFIX}{ns}"),
             &new,
@@ -440,6 +445,9 @@ impl TenancyStore {
         ns.overlaid(&new)
             .validate()
             .map_err(|e| AdminError::Invalid(format!("with namespace {t}/{n}'s policies: {e}")))?;
+        if set.replication_clusters.is_some() {
+            self.check_replication_clusters(&t, &new).await?;
+        }
         let key = topic_policies_key(&t, &n, &local);
         let what = format!("the policies of topic {topic}");
         if new == NamespacePolicies::default() {
@@ -560,6 +568,37 @@ impl TenancyStore {
 }
 
 impl TenancyStore {
+    /// Replication clusters must be known sites the tenant may use (Pulsar's rule: the
+    /// tenant's allowed clusters bound every namespace's and topic's).
+    pub(crate) async fn check_replication_clusters(
+        &self,
+        tenant: &str,
+        p: &NamespacePolicies,
+    ) -> Result<(), AdminError> {
+        let Some(clusters) = &p.replication_clusters else {
+            return Ok(());
+        };
+        let allowed = self.tenant(tenant).await?.allowed_clusters;
+        for c in clusters {
+            match self.cluster(c).await {
+                Ok(_) => {}
+                Err(AdminError::NotFound(_)) => {
+                    return Err(AdminError::Invalid(format!(
+                        "replication cluster {c} does not exist (clusters create {c} ...)"
+                    )))
+                }
+                Err(e) => return Err(e),
+            }
+            if !allowed.contains(c) {
+                return Err(AdminError::FailedPrecondition(format!(
+                    "cluster {c} is not among tenant {tenant}'s allowed clusters ({}); tenants update {tenant} --allowed-clusters ... first",
+                    allowed.join(",")
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// A site's own record made before it had a geo link gets the link's URL when a broker
     /// with one starts; a URL already there (set by an operator, or another broker's) stays.
     async fn fill_own_geo_url(&self, cluster: &str, c: &ClusterData) -> Result<(), AdminError> {

@@ -9,7 +9,7 @@ use bytes::{BufMut, Bytes, BytesMut};
 use prost::Message as _;
 
 use crate::frame::Payload;
-use crate::pb::MessageMetadata;
+use crate::pb::{MeridianOrigin, MessageMetadata};
 use crate::MAGIC_CRC32C;
 
 const HEADER: usize = 2 + 4 + 4;
@@ -51,6 +51,23 @@ impl Entry {
             prost::Message::encode_raw(&kv, &mut meta);
         }
         Entry::build(&meta, &self.payload())
+    }
+
+    /// The entry as stored at a site it was replicated to: `replicated_from` (what stock
+    /// clients read as the message's origin cluster) and Meridian's origin (site and position,
+    /// field 1001, which stock clients skip) appended to the metadata bytes, nothing
+    /// re-encoded; the checksum is computed anew. Verify the original's checksum first.
+    pub fn replicated(&self, origin: &MeridianOrigin) -> Entry {
+        let mut meta = self.metadata_bytes().to_vec();
+        prost::encoding::string::encode(5, &origin.site, &mut meta);
+        prost::encoding::message::encode(1001, origin, &mut meta);
+        Entry::build(&meta, &self.payload())
+    }
+
+    /// Where an entry that arrived by replication was first written; `None` for an entry
+    /// produced at this site.
+    pub fn origin(&self) -> Result<Option<MeridianOrigin>, EntryError> {
+        Ok(self.metadata()?.meridian_origin)
     }
 
     /// The entry for a received payload. Call only after [`Payload::checksum_ok`]; a payload
@@ -129,6 +146,48 @@ pub fn message_count(meta: &MessageMetadata) -> u32 {
 mod tests {
     use super::*;
     use crate::pb::{KeyValue, MessageMetadata};
+
+    #[test]
+    fn given_a_replicated_entry_then_it_names_its_origin_and_keeps_everything_else() {
+        let meta = MessageMetadata {
+            producer_name: "p".into(),
+            sequence_id: 7,
+            publish_time: 99,
+            properties: vec![KeyValue {
+                key: "k".into(),
+                value: "v".into(),
+            }],
+            event_time: Some(5),
+            ..Default::default()
+        };
+        let original = Entry::build(&meta.encode_to_vec(), b"payload");
+        assert_eq!(original.origin(), Ok(None));
+        let origin = MeridianOrigin {
+            site: "east".into(),
+            ledger_id: 12,
+            entry_id: 34,
+        };
+        let stored = original.replicated(&origin);
+        assert!(stored.verify());
+        assert_eq!(stored.origin(), Ok(Some(origin)));
+        assert_eq!(stored.payload(), original.payload());
+        // The original metadata bytes come first, unchanged.
+        assert!(stored
+            .metadata_bytes()
+            .starts_with(&original.metadata_bytes()));
+        let got = stored.metadata().unwrap();
+        assert_eq!(got.replicated_from.as_deref(), Some("east"));
+        assert_eq!(
+            (
+                got.producer_name.as_str(),
+                got.sequence_id,
+                got.publish_time
+            ),
+            ("p", 7, 99)
+        );
+        assert_eq!(got.properties, meta.properties);
+        assert_eq!(got.event_time, Some(5));
+    }
 
     #[test]
     fn given_properties_added_then_old_and_new_ones_read_back_and_the_checksum_verifies() {

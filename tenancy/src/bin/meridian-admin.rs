@@ -399,6 +399,10 @@ enum Namespaces {
     },
     Create {
         namespace: String,
+        /// The sites its topics are replicated between (comma-separated; default: this site
+        /// alone).
+        #[arg(long, value_delimiter = ',')]
+        clusters: Vec<String>,
     },
     Delete(ForceDeleteArgs),
     /// Lets a role produce and/or consume in the namespace (with authentication on).
@@ -620,6 +624,27 @@ enum PolicyCmd {
     },
     /// Any bookie again (for ledgers created from now on).
     DeleteBookieAffinityGroup {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// The sites the topics are replicated between (each a known cluster the tenant may
+    /// use). Pulsar's `namespaces set-clusters` and `topics set-replication-clusters`.
+    #[command(visible_alias = "set-replication-clusters")]
+    SetClusters {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        /// Comma-separated cluster names.
+        #[arg(long, value_delimiter = ',', required = true)]
+        clusters: Vec<String>,
+    },
+    #[command(visible_alias = "get-replication-clusters")]
+    GetClusters {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    /// This site alone again (a topic: its namespace's clusters again).
+    #[command(visible_alias = "remove-replication-clusters")]
+    RemoveClusters {
         #[arg(value_name = "TARGET")]
         namespace: String,
     },
@@ -1608,6 +1633,7 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "dispatch_rate_total": p.dispatch_rate_total.as_ref().map(|r| rate_json(Some(r))),
         "compaction_threshold": p.compaction_threshold,
         "bookie_affinity_group": p.bookie_affinity_group.as_ref().map(|g| json!({"primary": g.primary, "secondary": g.secondary})),
+        "replication_clusters": p.replication_clusters.as_ref().map(|c| &c.names),
     })
 }
 
@@ -1724,10 +1750,16 @@ async fn namespaces(c: &mut Client, cmd: Namespaces, out: Output) -> anyhow::Res
             print_permissions(out, &p);
             Ok(())
         }
-        Namespaces::Create { namespace } => {
+        Namespaces::Create {
+            namespace,
+            clusters,
+        } => {
             c.create_namespace(Namespace {
                 name: namespace.clone(),
-                policies: None,
+                policies: (!clusters.is_empty()).then(|| NamespacePolicies {
+                    replication_clusters: Some(ClusterList { names: clusters }),
+                    ..Default::default()
+                }),
             })
             .await?;
             done(out, format!("created namespace {namespace}"));
@@ -2007,6 +2039,33 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
             namespace,
             NamespacePolicies::default(),
             vec!["bookie_affinity_group"],
+        ),
+        PolicyCmd::SetClusters {
+            namespace,
+            clusters,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                replication_clusters: Some(ClusterList { names: clusters }),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        PolicyCmd::GetClusters { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
+            let names = n
+                .policies
+                .unwrap_or_default()
+                .replication_clusters
+                .map(|c| c.names);
+            let v = json!(names);
+            print(out, &v, || names.map(|n| n.join(",")).unwrap_or_default());
+            return Ok(());
+        }
+        PolicyCmd::RemoveClusters { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["replication_clusters"],
         ),
         PolicyCmd::RemoveCompactionThreshold { namespace } => update(
             namespace,
