@@ -31,8 +31,8 @@ pub struct GeoConfig {
     /// How often the certificate, key and CA files are checked for changes (a change is
     /// loaded without a restart; links up keep going). Range 100..=3,600,000, default 10,000.
     pub cert_reload_interval_ms: u64,
-    /// A link that hears nothing for this long is closed (keep-alives go at a third of it).
-    /// Range 1,000..=600,000, default 15,000.
+    /// A link that hears nothing for this long is closed (keep-alives go at a third of it), and
+    /// its replicators dial again. Range 1,000..=600,000, default 5,000.
     pub idle_timeout_ms: u64,
     /// Longest a TLS handshake and the link's hello may take. Range 100..=60,000, default
     /// 10,000.
@@ -50,7 +50,7 @@ impl Default for GeoConfig {
             frame_bytes_max: 16 << 20,
             stall_after_ms: 30_000,
             cert_reload_interval_ms: 10_000,
-            idle_timeout_ms: 15_000,
+            idle_timeout_ms: 5_000,
             handshake_timeout_ms: 10_000,
         }
     }

@@ -4,7 +4,11 @@
 //! - [`identity`]: a site's name in its certificate (`meridian://site/<name>`).
 //! - [`tls`]: the link's TLS 1.3 configurations, certificate files and their reload.
 //! - [`frame`]: the frames of the link's streams, sans-IO.
-//! - [`link`]: the endpoint: accepting peers the registry knows, dialing, the hello.
+//! - [`link`]: the endpoint: accepting peers the registry knows, dialing, the hello, and
+//!   handing peers' topic streams to the receiver.
+//! - [`receiver`]: a topic stream's receiving end (append, acknowledge once durable).
+//! - [`replicator`]: a topic's sending end per remote site (window, acknowledgements,
+//!   reconnects with back-off).
 //!
 //! It knows nothing of how a broker dispatches: what it needs from the site (the registry
 //! today) comes through small traits the broker implements.
@@ -12,6 +16,8 @@
 pub mod frame;
 pub mod identity;
 pub mod link;
+pub mod receiver;
+pub mod replicator;
 pub mod tls;
 
 pub use link::{GeoLink, LinkError, Peer, SiteDirectory};

@@ -28,6 +28,7 @@ use meridian_config::GeoConfig;
 use tracing::{info, warn};
 
 use crate::frame::{Frame, FrameError, LENGTH_BYTES, PROTOCOL_VERSION};
+use crate::receiver::ReplicaSink;
 use crate::tls::{peer_site, GeoTls, TlsError, TlsFiles, SERVER_NAME};
 
 /// Close codes of the link's connections.
@@ -44,6 +45,11 @@ pub mod close {
 /// site it does not know is refused.
 pub trait SiteDirectory: Send + Sync + 'static {
     fn knows<'a>(&'a self, site: &'a str) -> BoxFuture<'a, Result<bool, String>>;
+
+    /// The geo URL (`quic://HOST:PORT`) of a site, from its cluster record.
+    fn locate<'a>(&'a self, _site: &'a str) -> BoxFuture<'a, Result<Option<String>, String>> {
+        Box::pin(async { Ok(None) })
+    }
 }
 
 /// Why the link could not start, or a dial failed.
@@ -72,6 +78,8 @@ pub enum LinkError {
         what: &'static str,
         timeout: Duration,
     },
+    #[error("site {site} cannot be reached: {reason}")]
+    Unknown { site: String, reason: String },
     #[error("link to site {site} at {addr}: {reason}")]
     Protocol {
         site: String,
@@ -84,6 +92,7 @@ pub enum LinkError {
 #[derive(Debug, Clone)]
 pub struct LinkOptions {
     pub frame_bytes_max: u64,
+    pub stall_after: Duration,
     pub idle_timeout: Duration,
     pub handshake_timeout: Duration,
     pub cert_reload_interval: Duration,
@@ -93,6 +102,7 @@ impl From<&GeoConfig> for LinkOptions {
     fn from(c: &GeoConfig) -> Self {
         LinkOptions {
             frame_bytes_max: c.frame_bytes_max,
+            stall_after: Duration::from_millis(c.stall_after_ms),
             idle_timeout: Duration::from_millis(c.idle_timeout_ms),
             handshake_timeout: Duration::from_millis(c.handshake_timeout_ms),
             cert_reload_interval: Duration::from_millis(c.cert_reload_interval_ms),
@@ -123,6 +133,10 @@ struct Shared {
     opts: LinkOptions,
     directory: Arc<dyn SiteDirectory>,
     inbound: Mutex<HashMap<usize, InboundPeer>>,
+    /// Where peers' topic streams go (none: they are refused).
+    sink: Option<Arc<dyn ReplicaSink>>,
+    /// Links this site dialed, shared by its replicators to each remote.
+    outbound: tokio::sync::Mutex<HashMap<String, Peer>>,
 }
 
 /// This site's end of the link.
@@ -165,6 +179,7 @@ impl GeoLink {
         cfg: &GeoConfig,
         site: &str,
         directory: Arc<dyn SiteDirectory>,
+        sink: Option<Arc<dyn ReplicaSink>>,
     ) -> Result<GeoLink, LinkError> {
         let files = TlsFiles {
             cert_file: cfg.cert_file.clone(),
@@ -179,9 +194,13 @@ impl GeoLink {
             reason,
         };
         let addr: SocketAddr = cfg.listen.parse().map_err(|e| bind_err(format!("{e}")))?;
-        let endpoint =
-            quinn::Endpoint::server(server_config(&tls, &transport).map_err(bind_err)?, addr)
-                .map_err(|e| bind_err(e.to_string()))?;
+        let endpoint = quinn::Endpoint::new(
+            quinn::EndpointConfig::new(Arc::new(tls.reset_key())),
+            Some(server_config(&tls, &transport).map_err(bind_err)?),
+            std::net::UdpSocket::bind(addr).map_err(|e| bind_err(e.to_string()))?,
+            Arc::new(quinn::TokioRuntime),
+        )
+        .map_err(|e| bind_err(e.to_string()))?;
         let local = endpoint.local_addr().map_err(|e| bind_err(e.to_string()))?;
         let advertise = if cfg.advertise.is_empty() {
             local.to_string()
@@ -197,6 +216,8 @@ impl GeoLink {
             opts,
             directory,
             inbound: Mutex::new(HashMap::new()),
+            sink,
+            outbound: tokio::sync::Mutex::new(HashMap::new()),
         });
         let tasks = vec![
             tokio::spawn(accept_loop(Arc::clone(&shared))),
@@ -310,6 +331,50 @@ impl GeoLink {
                 reason: e.to_string(),
             }),
         }
+    }
+
+    /// How long a replicator with entries in flight waits for an acknowledgement before it
+    /// rebuilds its stream (`geo.stall_after_ms`).
+    pub fn stall_after(&self) -> Duration {
+        self.shared.opts.stall_after
+    }
+
+    /// The largest frame a stream takes (`geo.frame_bytes_max`).
+    pub fn frame_bytes_max(&self) -> u64 {
+        self.shared.opts.frame_bytes_max
+    }
+
+    /// A link to `site` for replicators: the one up, else a new one dialed at the geo URL of
+    /// its cluster record.
+    pub async fn peer(&self, site: &str) -> Result<Peer, LinkError> {
+        let mut outbound = self.shared.outbound.lock().await;
+        if let Some(p) = outbound.get(site) {
+            if p.conn.close_reason().is_none() {
+                return Ok(p.clone());
+            }
+        }
+        let unknown = |reason: String| LinkError::Unknown {
+            site: site.to_string(),
+            reason,
+        };
+        let url = self
+            .shared
+            .directory
+            .locate(site)
+            .await
+            .map_err(unknown)?
+            .ok_or_else(|| unknown("its cluster record has no geo URL".to_string()))?;
+        let host_port = url
+            .strip_prefix("quic://")
+            .ok_or_else(|| unknown(format!("geo URL {url:?} is not quic://HOST:PORT")))?;
+        let addr = tokio::net::lookup_host(host_port)
+            .await
+            .map_err(|e| unknown(format!("resolving {host_port}: {e}")))?
+            .next()
+            .ok_or_else(|| unknown(format!("{host_port} resolves to no address")))?;
+        let peer = self.dial(addr, site).await?;
+        outbound.insert(site.to_string(), peer.clone());
+        Ok(peer)
     }
 
     /// Closes every connection and stops accepting.
@@ -490,7 +555,7 @@ async fn serve_incoming(shared: Arc<Shared>, incoming: quinn::Incoming) {
                 },
             );
             metrics::gauge!("meridian_geo_links", "direction" => "inbound").increment(1.0);
-            let why = conn.closed().await;
+            let why = serve_streams(&shared, &conn, &site).await;
             shared.inbound.lock().expect("inbound lock").remove(&id);
             metrics::gauge!("meridian_geo_links", "direction" => "inbound").decrement(1.0);
             info!(peer = %addr, site, reason = %why, "geo link from site {site} down");
@@ -507,6 +572,41 @@ async fn serve_incoming(shared: Arc<Shared>, incoming: quinn::Incoming) {
         "protocol"
     });
     conn.close(code.into(), reason.as_bytes());
+}
+
+/// Serves a peer's topic streams (each in a task of its own) until the connection ends.
+async fn serve_streams(
+    shared: &Arc<Shared>,
+    conn: &quinn::Connection,
+    site: &str,
+) -> quinn::ConnectionError {
+    loop {
+        let (send, recv) = match conn.accept_bi().await {
+            Ok(s) => s,
+            Err(e) => return e,
+        };
+        let Some(sink) = shared.sink.clone() else {
+            let mut send = send;
+            let _ = write_frame(
+                &mut send,
+                &Frame::Refused {
+                    code: crate::frame::RefusalCode::NotAllowed,
+                    reason: format!("site {} takes no replicated topics", shared.site),
+                },
+            )
+            .await;
+            let _ = send.finish();
+            continue;
+        };
+        let (site, max, timeout) = (
+            site.to_string(),
+            shared.opts.frame_bytes_max,
+            shared.opts.handshake_timeout,
+        );
+        tokio::spawn(async move {
+            crate::receiver::serve_stream(sink.as_ref(), &site, send, recv, max, timeout).await
+        });
+    }
 }
 
 /// Checks the dialer's hello against its certificate's site and answers it.

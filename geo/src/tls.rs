@@ -179,6 +179,16 @@ impl GeoTls {
         })
     }
 
+    /// The key of the endpoint's stateless resets, derived from the site's private key: the
+    /// same after a restart, so peers' connections to the process before it end at its first
+    /// reset instead of at their idle timeout.
+    pub fn reset_key(&self) -> ring::hmac::Key {
+        let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+        ctx.update(b"meridian-geo stateless reset v1");
+        ctx.update(self.key.secret_der());
+        ring::hmac::Key::new(ring::hmac::HMAC_SHA256, ctx.finish().as_ref())
+    }
+
     /// The listener's QUIC crypto.
     pub fn quic_server(&self) -> Result<quinn::crypto::rustls::QuicServerConfig, String> {
         quinn::crypto::rustls::QuicServerConfig::try_from(Arc::clone(&self.server))

@@ -81,7 +81,7 @@ impl Pki {
 }
 
 async fn start(pki: &Pki, site: &str, known: &[&str]) -> GeoLink {
-    GeoLink::start(&pki.config(site), site, registry(known))
+    GeoLink::start(&pki.config(site), site, registry(known), None)
         .await
         .unwrap()
 }
@@ -244,7 +244,7 @@ async fn given_peers_without_a_good_identity_then_the_listener_refuses_them() {
 async fn given_new_certificate_files_then_new_links_use_them_and_links_up_keep_going() {
     let pki = Pki::new();
     let west_cfg = pki.config("west");
-    let west = GeoLink::start(&west_cfg, "west", registry(&["east"]))
+    let west = GeoLink::start(&west_cfg, "west", registry(&["east"]), None)
         .await
         .unwrap();
     let east = start(&pki, "east", &["west"]).await;

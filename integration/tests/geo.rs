@@ -123,7 +123,7 @@ async fn given_a_site_with_a_geo_link_then_only_sites_in_its_registry_are_admitt
         ca_file: pki.join("ca.crt").display().to_string(),
         ..GeoConfig::default()
     };
-    let north = GeoLink::start(&north_cfg, "north", Arc::new(KnowsAll))
+    let north = GeoLink::start(&north_cfg, "north", Arc::new(KnowsAll), None)
         .await
         .unwrap();
     match north.dial(addr, "east").await {
@@ -298,4 +298,225 @@ fn given_replication_clusters_then_they_must_be_known_sites_the_tenant_may_use()
         serde_json::Value::Null
     );
     east.stop().unwrap();
+}
+
+/// Two sites on loopback, each a standalone with a geo link, that know each other and share
+/// tenant `acme` with namespace `acme/g` replicated between them.
+struct TwoSites {
+    root: tempfile::TempDir,
+    east: StandaloneProc,
+    west: StandaloneProc,
+}
+
+fn two_sites() -> TwoSites {
+    let root = tempfile::tempdir().unwrap();
+    let pki = root.path().join("pki");
+    let d = pki.display().to_string();
+    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
+    for site in ["east", "west"] {
+        admin_ok(&[
+            "geo",
+            "create-site-cert",
+            site,
+            "--ca-dir",
+            &d,
+            "--out-dir",
+            &d,
+        ]);
+    }
+    let mut procs = Vec::new();
+    for site in ["east", "west"] {
+        let dir = root.path().join(site);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut s = StandaloneProc::new(&dir);
+        let listen = format!("127.0.0.1:{}", meridian_integration::free_port());
+        s.keep_ports()
+            .args(
+                &geo_flags(site, &pki, &listen)
+                    .iter()
+                    .map(String::as_str)
+                    .collect::<Vec<_>>(),
+            )
+            .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+        s.start().unwrap();
+        procs.push(s);
+    }
+    let west = procs.pop().unwrap();
+    let east = procs.pop().unwrap();
+    for (here, other, name) in [(&east, &west, "west"), (&west, &east, "east")] {
+        let a = |args: &[&str]| {
+            let mut all = vec!["--admin-url", here.admin_url.as_str()];
+            all.extend_from_slice(args);
+            admin_ok(&all)
+        };
+        a(&[
+            "clusters",
+            "create",
+            name,
+            "--broker-url",
+            &other.url,
+            "--url",
+            &other.admin_url,
+            "--geo-url",
+            other.geo_url.as_deref().unwrap(),
+        ]);
+        a(&[
+            "tenants",
+            "create",
+            "acme",
+            "--allowed-clusters",
+            "east,west",
+        ]);
+        a(&["namespaces", "create", "acme/g", "--clusters", "east,west"]);
+    }
+    TwoSites { root, east, west }
+}
+
+/// Reads `topic` at `url` from the earliest message until it holds `want` messages (or
+/// `timeout` passes): the `i` of each, in log order.
+fn read_until(
+    dir: &std::path::Path,
+    url: &str,
+    topic: &str,
+    want: usize,
+    timeout: Duration,
+) -> Vec<u64> {
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let mut r = meridian_integration::PyClient::run(dir, "reader", &["read", url, topic]);
+        let got = r.finish(Duration::from_secs(120)).map(|_| r.ints("i"));
+        match got {
+            Ok(got) if got.len() >= want || std::time::Instant::now() > deadline => return got,
+            _ if std::time::Instant::now() > deadline => return Vec::new(),
+            _ => std::thread::sleep(Duration::from_millis(500)),
+        }
+    }
+}
+
+/// Each of `ranges` (one producer's ids, in its order) is in `got` exactly once and in order,
+/// and nothing else is.
+fn assert_exactly_once(got: &[u64], ranges: &[std::ops::Range<u64>], site: &str) {
+    let mut seen = std::collections::BTreeSet::new();
+    let dups: Vec<u64> = got
+        .iter()
+        .copied()
+        .filter(|i| !seen.insert(*i))
+        .take(10)
+        .collect();
+    assert!(
+        dups.is_empty(),
+        "{site}: duplicates {dups:?} ({} messages)",
+        got.len()
+    );
+    for r in ranges {
+        let of: Vec<u64> = got.iter().copied().filter(|i| r.contains(i)).collect();
+        let missing: Vec<u64> = r.clone().filter(|i| !seen.contains(i)).take(10).collect();
+        assert!(missing.is_empty(), "{site}: missing {missing:?} of {r:?}");
+        assert!(
+            of.windows(2).all(|w| w[0] < w[1]),
+            "{site}: order of {r:?} broken"
+        );
+    }
+    let expected: usize = ranges.iter().map(|r| r.clone().count()).sum();
+    assert_eq!(got.len(), expected, "{site}: unexpected messages");
+}
+
+/// A batched producer of `count` messages numbered from `start`.
+fn produce(
+    dir: &std::path::Path,
+    name: &str,
+    url: &str,
+    topic: &str,
+    count: u64,
+    start: u64,
+) -> meridian_integration::PyClient {
+    let (count, start) = (count.to_string(), start.to_string());
+    meridian_integration::PyClient::run(
+        dir,
+        name,
+        &[
+            "produce", url, topic, "--count", &count, "--batch", "--start", &start,
+        ],
+    )
+}
+
+#[test]
+fn given_two_sites_then_what_each_produces_arrives_once_at_the_other_and_survives_a_kill() {
+    let mut s = two_sites();
+    let dir = s.root.path().to_path_buf();
+    let t = "persistent://acme/g/orders";
+    const N: u64 = 2_000;
+
+    step("both sites produce to the same topic at once (batched)");
+    let mut pe = produce(&dir, "pe", &s.east.url, t, N, 0);
+    let mut pw = produce(&dir, "pw", &s.west.url, t, N, 100000);
+    pe.finish(Duration::from_secs(120)).unwrap();
+    pw.finish(Duration::from_secs(120)).unwrap();
+    let east_range = 0..N;
+    let west_range = 100_000..100_000 + N;
+    for (site, url) in [("east", &s.east.url), ("west", &s.west.url)] {
+        let got = read_until(&dir, url, t, 2 * N as usize, Duration::from_secs(60));
+        assert_exactly_once(&got, &[east_range.clone(), west_range.clone()], site);
+    }
+
+    step("kill -9 of west, east produces meanwhile, west restarts: each arrives once");
+    s.west.kill9().unwrap();
+    let mut pe = produce(&dir, "pe2", &s.east.url, t, N, 200000);
+    pe.finish(Duration::from_secs(120)).unwrap();
+    s.west.start().unwrap();
+    let later = 200_000..200_000 + N;
+    let got = read_until(
+        &dir,
+        &s.west.url,
+        t,
+        3 * N as usize,
+        Duration::from_secs(90),
+    );
+    assert_exactly_once(
+        &got,
+        &[east_range.clone(), west_range.clone(), later.clone()],
+        "west",
+    );
+    let log = s.east.log_text();
+    assert!(
+        log.matches("replicator connected").count() >= 2,
+        "east's replicator reconnected after west came back:\n{}",
+        log.lines()
+            .filter(|l| l.contains("replicat"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    eprintln!(
+        "{}",
+        log.lines()
+            .filter(|l| l.contains("replicat"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+
+    step("kill -9 of east while it sends: nothing lost, nothing twice, nothing flows back");
+    let mut pe = produce(&dir, "pe3", &s.east.url, t, N, 300000);
+    pe.finish(Duration::from_secs(120)).unwrap();
+    s.east.kill9().unwrap();
+    s.east.start().unwrap();
+    let last = 300_000..300_000 + N;
+    let all = [east_range, west_range, later, last];
+    let got = read_until(
+        &dir,
+        &s.west.url,
+        t,
+        4 * N as usize,
+        Duration::from_secs(90),
+    );
+    assert_exactly_once(&got, &all, "west");
+    let got = read_until(
+        &dir,
+        &s.east.url,
+        t,
+        4 * N as usize,
+        Duration::from_secs(30),
+    );
+    assert_exactly_once(&got, &all, "east");
+    s.east.stop().unwrap();
+    s.west.stop().unwrap();
 }

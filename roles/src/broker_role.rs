@@ -48,9 +48,7 @@ pub(crate) async fn run_broker(cfg: Config) -> anyhow::Result<()> {
         client,
         format!("pulsar://{advertise}"),
     )?;
-    let geo =
-        meridian_broker::geo::start_link(&cfg.geo, &cfg.broker.cluster_name, broker.meta.clone())
-            .await?;
+    let geo = meridian_broker::geo::start_link(&cfg.geo, &broker).await?;
     let al = tokio::net::TcpListener::bind(&cfg.broker.admin_listen)
         .await
         .with_context(|| format!("broker.admin_listen {}", cfg.broker.admin_listen))?;

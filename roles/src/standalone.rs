@@ -44,7 +44,7 @@ pub struct Standalone {
     /// The Pulsar protocol over TLS, when `broker.tls_cert_file` is set.
     pub pulsar_tls_addr: Option<SocketAddr>,
     /// The geo link, when `geo.listen` is set.
-    pub geo: Option<meridian_geo::GeoLink>,
+    pub geo: Option<Arc<meridian_geo::GeoLink>>,
     pub data_dir: PathBuf,
     server: RunningServer,
     tls_server: Option<RunningServer>,
@@ -157,12 +157,7 @@ impl Standalone {
             client,
             format!("pulsar://{advertise}"),
         )?;
-        let geo = meridian_broker::geo::start_link(
-            &cfg.geo,
-            &cfg.broker.cluster_name,
-            store.client.clone(),
-        )
-        .await?;
+        let geo = meridian_broker::geo::start_link(&cfg.geo, &broker).await?;
         let al = bind(&cfg.broker.admin_listen, "broker.admin_listen").await?;
         let admin = meridian_broker::admin::start(
             &broker,

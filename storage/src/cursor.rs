@@ -753,6 +753,12 @@ impl ManagedCursor {
         self.persist().await
     }
 
+    /// Reading starts again after the mark-delete position: entries read and not
+    /// acknowledged are read again (a replicator after a reconnect).
+    pub fn rewind(&mut self) {
+        self.read_after = self.mark_delete;
+    }
+
     /// The position reading continues after (`None`: from the first entry).
     pub fn read_position(&self) -> Option<Position> {
         self.read_after

@@ -3,10 +3,11 @@
 
 use std::sync::Arc;
 
+use crate::broker::replication::GeoSink;
+use crate::broker::Broker;
 use futures::future::BoxFuture;
 use meridian_config::GeoConfig;
 use meridian_geo::{GeoLink, SiteDirectory};
-use meridian_metadata::MetadataClient;
 use meridian_tenancy::{AdminError, TenancyStore};
 
 /// This site's registry: a site is known when it has a cluster record
@@ -23,30 +24,43 @@ impl SiteDirectory for Registry {
             }
         })
     }
+
+    fn locate<'a>(&'a self, site: &'a str) -> BoxFuture<'a, Result<Option<String>, String>> {
+        Box::pin(async move {
+            match self.0.cluster(site).await {
+                Ok(c) if !c.geo_url.is_empty() => Ok(Some(c.geo_url)),
+                Ok(_) | Err(AdminError::NotFound(_)) | Err(AdminError::Invalid(_)) => Ok(None),
+                Err(e) => Err(e.to_string()),
+            }
+        })
+    }
 }
 
-/// Starts the link when `geo.listen` is set; `site` is `broker.cluster_name`.
+/// Starts the link when `geo.listen` is set (the site is `broker.cluster_name`): peers'
+/// topic streams go to `broker`, and its topics replicate over it.
 pub async fn start_link(
     cfg: &GeoConfig,
-    site: &str,
-    meta: MetadataClient,
-) -> anyhow::Result<Option<GeoLink>> {
+    broker: &Arc<Broker>,
+) -> anyhow::Result<Option<Arc<GeoLink>>> {
     if !cfg.enabled() {
         return Ok(None);
     }
-    let registry = Arc::new(Registry(TenancyStore::new(meta)));
-    Ok(Some(GeoLink::start(cfg, site, registry).await?))
+    let registry = Arc::new(Registry(TenancyStore::new(broker.meta.clone())));
+    let sink = Arc::new(GeoSink(Arc::downgrade(broker)));
+    let link = Arc::new(GeoLink::start(cfg, &broker.cfg.cluster_name, registry, Some(sink)).await?);
+    let _ = broker.geo.set(Arc::clone(&link));
+    Ok(Some(link))
 }
 
 /// What a start-up banner says of the link: `, geo link on quic://ADDR (site NAME)`, or
 /// nothing.
-pub fn banner(link: Option<&GeoLink>, site: &str) -> String {
+pub fn banner(link: Option<&Arc<GeoLink>>, site: &str) -> String {
     link.map(|l| format!(", geo link on quic://{} (site {site})", l.local_addr()))
         .unwrap_or_default()
 }
 
 /// The geo URL of this site's cluster record: `quic://` and the link's advertised address.
-pub fn geo_url(link: Option<&GeoLink>) -> String {
+pub fn geo_url(link: Option<&Arc<GeoLink>>) -> String {
     link.map(|l| format!("quic://{}", l.advertise()))
         .unwrap_or_default()
 }

@@ -33,6 +33,7 @@ mod policy;
 pub mod producers;
 mod quota;
 pub mod rate;
+pub mod replication;
 pub mod schema;
 mod stats;
 pub mod subscription;
@@ -100,6 +101,8 @@ pub struct Broker {
     me: std::sync::Weak<Broker>,
     /// Checks tokens when `broker.authentication_enabled`.
     pub auth: Option<Arc<meridian_tenancy::auth::Authenticator>>,
+    /// The link to other sites, once started (`geo.listen`).
+    pub geo: std::sync::OnceLock<Arc<meridian_geo::GeoLink>>,
 }
 
 impl Broker {
@@ -161,6 +164,7 @@ impl Broker {
             topics: Mutex::default(),
             service_url,
             service_url_tls: std::sync::OnceLock::new(),
+            geo: std::sync::OnceLock::new(),
             producer_names: AtomicU64::new(0),
             run_id,
             closing: AtomicBool::new(false),
@@ -563,6 +567,8 @@ impl Broker {
                     .or_default(),
             ),
             compaction: compaction::Compaction::default(),
+            repl_origins: tokio::sync::Mutex::new(None),
+            replicators: Mutex::default(),
         });
         topic.set_policies(policies_kept).await;
         compaction::restore(&topic).await?;

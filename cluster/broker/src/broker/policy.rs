@@ -240,8 +240,19 @@ impl Topic {
         let Some(last) = self.ml.last_confirmed() else {
             return;
         };
-        // The first entry some subscription still needs; past the end if none does.
+        // The first entry some subscription (or replicator) still needs; past the end if none
+        // does.
         let mut keep_from = Position::new(last.ledger_id, last.entry_id.saturating_add(1));
+        for mark in self.replicator_marks() {
+            let needed = match mark {
+                Some(md) => self.ml.next_position(md).await.unwrap_or(keep_from),
+                None => match self.ml.first_position().await {
+                    Some(p) => p,
+                    None => return,
+                },
+            };
+            keep_from = keep_from.min(needed);
+        }
         for sub in subs {
             let needed = match sub.mark_delete().await {
                 Some(md) => self.ml.next_position(md).await.unwrap_or(keep_from),

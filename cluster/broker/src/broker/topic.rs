@@ -63,6 +63,11 @@ pub struct Topic {
     pub ns_limiters: Arc<NamespaceLimiters>,
     /// The compacted view and the state of compaction runs.
     pub compaction: compaction::Compaction,
+    /// The highest origin position held per origin site (geo-replication's receiving side),
+    /// loaded on first use.
+    pub(super) repl_origins: tokio::sync::Mutex<Option<super::replication::Origins>>,
+    /// Replicators to other sites, by remote site.
+    pub(super) replicators: Mutex<HashMap<String, super::replication::Replicator>>,
 }
 
 /// Rate limits over all of a namespace's topics on this broker.
@@ -389,7 +394,8 @@ impl Topic {
 
     /// Sets the policies (as last read) and the rate limits that follow them, for the topic
     /// and its open subscriptions.
-    pub async fn set_policies(&self, p: NamespacePolicies) {
+    pub async fn set_policies(self: &Arc<Self>, p: NamespacePolicies) {
+        self.reconcile_replicators(&p).await;
         match p.backlog_quota.as_ref().map(|q| q.limit_size_bytes) {
             // A size limit not checked yet: the next append asks for a check.
             Some(l) if l > 0 => {
@@ -527,6 +533,7 @@ impl Topic {
 
     /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
     pub async fn close(&self) {
+        self.stop_replicators();
         self.compaction.stop();
         for sub in self.subscriptions().await {
             sub.close().await;

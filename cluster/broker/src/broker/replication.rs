@@ -1,0 +1,517 @@
+//! Geo-replication in the broker: the receiving side of peers' topic streams
+//! ([`GeoSink`], [`Incoming`]) and this site's replicators ([`Topic::reconcile_replicators`],
+//! [`TopicSource`]).
+//!
+//! ```text
+//!  receiving (meridian_geo::receiver)              sending (meridian_geo::replicator)
+//!  open: the namespace (or topic) lists the        per remote in the topic's replication
+//!    sender's site? partitions agree (created       clusters: cursor meridian.repl.<remote>
+//!    on first use)? the topic loads here?           (Earliest), entries produced here sent,
+//!  append: under the topic's origins lock,          entries that arrived by replication
+//!    drop origin positions already held, check      skipped; the cursor moves on the
+//!    each entry's checksum, append it marked        remote's acknowledgement only
+//!    with its origin, wait until durable, record
+//!    the highest origin position held
+//! ```
+//!
+//! The highest origin position per (topic, origin site) is recovered on first use from a
+//! snapshot (`/topic-repl-origins/<log>`: the positions and the local position through which
+//! they are known) plus the entries after it, each of which names its origin in its metadata
+//! (`Entry::origin`). An append is acknowledged only after it is durable, and the snapshot
+//! written after; a crash between the two is covered by the replay, so a range sent again is
+//! dropped: no duplicates, no loss.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, Weak};
+
+use futures::future::BoxFuture;
+use meridian_geo::frame::{OriginPosition, RefusalCode, ReplicatedEntry};
+use meridian_geo::receiver::{Refusal, ReplicaSink, ReplicaTopic};
+use meridian_geo::replicator::{ReplicaSource, ReplicatorOptions, ReplicatorStatus, SourceEntry};
+use meridian_protocol::pb::MeridianOrigin;
+use meridian_protocol::Entry;
+use meridian_storage::cursor::{InitialPosition, ManagedCursor};
+use meridian_storage::managed_ledger::Position;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::{Broker, NamespacePolicies, Topic};
+use crate::topic_name::TopicName;
+
+/// Replicators' cursors are named so: `meridian.repl.<remote site>`.
+pub const REPL_CURSOR_PREFIX: &str = "meridian.repl.";
+
+/// Where each topic's origins snapshot is kept (by managed-ledger name).
+pub const ORIGINS_PREFIX: &str = "/topic-repl-origins/";
+
+/// The highest origin position held per origin site, known through local position `at`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OriginsSnapshot {
+    pub at: Option<(u64, u64)>,
+    pub highest: BTreeMap<String, (u64, u64)>,
+}
+
+/// A topic's origins, loaded.
+#[derive(Debug)]
+pub struct Origins {
+    snap: OriginsSnapshot,
+}
+
+impl Origins {
+    fn highest(&self, site: &str) -> Option<OriginPosition> {
+        self.snap
+            .highest
+            .get(site)
+            .map(|&(ledger, entry)| OriginPosition { ledger, entry })
+    }
+
+    fn observe(&mut self, site: &str, at: OriginPosition) {
+        let e = self
+            .snap
+            .highest
+            .entry(site.to_string())
+            .or_insert((at.ledger, at.entry));
+        if (at.ledger, at.entry) > *e {
+            *e = (at.ledger, at.entry);
+        }
+    }
+}
+
+/// A running replicator of a topic to one remote site.
+pub struct Replicator {
+    stop: watch::Sender<bool>,
+    pub status: Arc<Mutex<ReplicatorStatus>>,
+    /// Its cursor's mark-delete position (retention keeps what it has not sent).
+    mark: Arc<Mutex<Option<Position>>>,
+    /// Opened yet (until then, everything counts as needed).
+    opened: Arc<std::sync::atomic::AtomicBool>,
+}
+
+fn refusal(code: RefusalCode, reason: impl Into<String>) -> Refusal {
+    Refusal::new(code, reason)
+}
+
+impl Topic {
+    /// The origins, loaded on first use: the snapshot, then the entries after it.
+    async fn origins<'a>(
+        &self,
+        guard: &'a mut Option<Origins>,
+    ) -> Result<&'a mut Origins, Refusal> {
+        if guard.is_none() {
+            let key = format!("{ORIGINS_PREFIX}{}", self.ml.name());
+            let retry = |e: String| refusal(RefusalCode::Retry, e);
+            let mut snap: OriginsSnapshot = match self.meta.get(&key).await {
+                Ok(Some(kv)) => serde_json::from_slice(&kv.value)
+                    .map_err(|e| retry(format!("origins snapshot {key} is damaged: {e}")))?,
+                Ok(None) => OriginsSnapshot::default(),
+                Err(e) => return Err(retry(e.to_string())),
+            };
+            let mut next = match snap.at {
+                Some((l, e)) => self.ml.next_position(Position::new(l, e)).await,
+                None => self.ml.first_position().await,
+            };
+            let mut o = Origins {
+                snap: OriginsSnapshot::default(),
+            };
+            std::mem::swap(&mut o.snap, &mut snap);
+            let mut replayed = 0u64;
+            while let Some(start) = next {
+                let batch = self
+                    .ml
+                    .read_range(start, 256)
+                    .await
+                    .map_err(|e| retry(format!("replaying the topic's origins: {e}")))?;
+                let Some(&(last, _)) = batch.last() else {
+                    break;
+                };
+                for (p, bytes) in batch {
+                    if let Some(origin) = Entry::parse(bytes)
+                        .ok()
+                        .and_then(|e| e.origin().ok().flatten())
+                    {
+                        o.observe(
+                            &origin.site,
+                            OriginPosition {
+                                ledger: origin.ledger_id,
+                                entry: origin.entry_id,
+                            },
+                        );
+                    }
+                    o.snap.at = Some((p.ledger_id, p.entry_id));
+                    replayed += 1;
+                }
+                next = self.ml.next_position(last).await;
+            }
+            tracing::debug!(topic = %self.full_name, replayed, origins = ?o.snap.highest, "replication origins loaded");
+            *guard = Some(o);
+        }
+        Ok(guard.as_mut().expect("loaded above"))
+    }
+
+    async fn save_origins(&self, o: &Origins) {
+        let key = format!("{ORIGINS_PREFIX}{}", self.ml.name());
+        let value = serde_json::to_vec(&o.snap).expect("origins serialize");
+        if let Err(e) = self.meta.put(&key, value).await {
+            // The next load replays from the older snapshot: nothing is lost, only time.
+            tracing::warn!(topic = %self.full_name, error = %e, "saving the replication origins failed");
+        }
+    }
+
+    /// Starts and stops replicators to follow the replication clusters in `p`.
+    pub(super) async fn reconcile_replicators(self: &Arc<Self>, p: &NamespacePolicies) {
+        let Some(broker) = self.broker.upgrade() else {
+            return;
+        };
+        let Some(link) = broker.geo.get() else {
+            return;
+        };
+        let local = &self.cfg.cluster_name;
+        let want: BTreeSet<String> = p
+            .replication_clusters
+            .iter()
+            .flatten()
+            .filter(|c| *c != local)
+            .cloned()
+            .collect();
+        let partitions = match self.name.parent() {
+            Some(parent) if self.name.partition().is_some() => broker
+                .partitions_of(&parent)
+                .await
+                .ok()
+                .flatten()
+                .map_or(0, |(n, _)| n),
+            _ => 0,
+        };
+        let mut reps = self.replicators.lock().expect("replicators lock");
+        reps.retain(|remote, r| {
+            let keep = want.contains(remote);
+            if !keep {
+                tracing::info!(topic = %self.full_name, remote, "replication to {remote} stops (no longer in the replication clusters)");
+                let _ = r.stop.send(true);
+            }
+            keep
+        });
+        for remote in want {
+            if reps.contains_key(&remote) {
+                continue;
+            }
+            let (stop, stop_rx) = watch::channel(false);
+            let status = Arc::new(Mutex::new(ReplicatorStatus::default()));
+            let mark = Arc::new(Mutex::new(None));
+            let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let topic = Arc::clone(self);
+            let link_stall = link.stall_after();
+            let (link, st, mk, op, r) = (
+                Arc::clone(link),
+                Arc::clone(&status),
+                Arc::clone(&mark),
+                Arc::clone(&opened),
+                remote.clone(),
+            );
+            tokio::spawn(async move {
+                let cursor_name = format!("{REPL_CURSOR_PREFIX}{r}");
+                let cursor = loop {
+                    match ManagedCursor::open(
+                        topic.client.clone(),
+                        Arc::clone(&topic.ml),
+                        &cursor_name,
+                        InitialPosition::Earliest,
+                    )
+                    .await
+                    {
+                        Ok(c) => break c,
+                        Err(e) => {
+                            tracing::warn!(topic = %topic.full_name, remote = r, error = %e, "opening the replicator's cursor failed; trying again");
+                            if *stop_rx.borrow() {
+                                return;
+                            }
+                            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+                        }
+                    }
+                };
+                *mk.lock().expect("mark lock") = cursor.mark_delete();
+                op.store(true, std::sync::atomic::Ordering::Release);
+                let source = TopicSource {
+                    appended: topic.appended.subscribe(),
+                    topic: Arc::clone(&topic),
+                    cursor,
+                    mark: mk,
+                };
+                let name = topic.full_name.clone();
+                tracing::info!(topic = %name, remote = r, "replicator started");
+                meridian_geo::replicator::run(
+                    link,
+                    r,
+                    name,
+                    partitions,
+                    source,
+                    st,
+                    ReplicatorOptions {
+                        stall_after: link_stall,
+                        ..ReplicatorOptions::default()
+                    },
+                    stop_rx,
+                )
+                .await;
+            });
+            reps.insert(
+                remote,
+                Replicator {
+                    stop,
+                    status,
+                    mark,
+                    opened,
+                },
+            );
+        }
+    }
+
+    /// Stops every replicator (the topic closes).
+    pub(super) fn stop_replicators(&self) {
+        for (_, r) in self.replicators.lock().expect("replicators lock").drain() {
+            let _ = r.stop.send(true);
+        }
+    }
+
+    /// What each replicator has been acknowledged through (`None`: nothing yet, so it needs
+    /// the whole log).
+    pub(super) fn replicator_marks(&self) -> Vec<Option<Position>> {
+        self.replicators
+            .lock()
+            .expect("replicators lock")
+            .values()
+            .map(|r| {
+                if r.opened.load(std::sync::atomic::Ordering::Acquire) {
+                    *r.mark.lock().expect("mark lock")
+                } else {
+                    None
+                }
+            })
+            .collect()
+    }
+
+    /// The replicators' states, by remote site.
+    pub fn replication_status(&self) -> BTreeMap<String, ReplicatorStatus> {
+        self.replicators
+            .lock()
+            .expect("replicators lock")
+            .iter()
+            .map(|(k, r)| (k.clone(), r.status.lock().expect("status lock").clone()))
+            .collect()
+    }
+}
+
+/// The topic's log through a replicator's cursor.
+struct TopicSource {
+    topic: Arc<Topic>,
+    cursor: ManagedCursor,
+    appended: watch::Receiver<Option<Position>>,
+    mark: Arc<Mutex<Option<Position>>>,
+}
+
+impl ReplicaSource for TopicSource {
+    fn rewind(&mut self) -> BoxFuture<'_, Result<(), String>> {
+        self.cursor.rewind();
+        Box::pin(async { Ok(()) })
+    }
+
+    fn available(&mut self, max: usize) -> BoxFuture<'_, Result<Vec<SourceEntry>, String>> {
+        Box::pin(async move {
+            // Seen before reading: an append after this wakes `wait_for_more`.
+            self.appended.borrow_and_update();
+            let entries = self
+                .cursor
+                .read_entries(max)
+                .await
+                .map_err(|e| format!("reading {}: {e}", self.topic.full_name))?;
+            Ok(entries
+                .into_iter()
+                .map(|(p, bytes)| {
+                    let replicated = Entry::parse(bytes.clone())
+                        .ok()
+                        .and_then(|e| e.origin().ok().flatten())
+                        .is_some();
+                    SourceEntry {
+                        at: OriginPosition {
+                            ledger: p.ledger_id,
+                            entry: p.entry_id,
+                        },
+                        bytes,
+                        send: !replicated,
+                    }
+                })
+                .collect())
+        })
+    }
+
+    fn wait_for_more(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if self.appended.changed().await.is_err() {
+                futures::future::pending::<()>().await;
+            }
+        })
+    }
+
+    fn done(&mut self, pos: OriginPosition) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async move {
+            self.cursor
+                .ack_cumulative(Position::new(pos.ledger, pos.entry))
+                .await
+                .map_err(|e| format!("moving the replicator's cursor: {e}"))?;
+            *self.mark.lock().expect("mark lock") = self.cursor.mark_delete();
+            Ok(())
+        })
+    }
+}
+
+/// The receiving side: a broker's [`ReplicaSink`] (held weakly: the link lives in the broker).
+pub struct GeoSink(pub Weak<Broker>);
+
+impl ReplicaSink for GeoSink {
+    fn open<'a>(
+        &'a self,
+        origin: &'a str,
+        topic: &'a str,
+        partitions: u32,
+    ) -> BoxFuture<'a, Result<(Box<dyn ReplicaTopic>, Option<OriginPosition>), Refusal>> {
+        Box::pin(async move {
+            let broker = self
+                .0
+                .upgrade()
+                .ok_or_else(|| refusal(RefusalCode::Retry, "the broker is shutting down"))?;
+            let name = TopicName::parse(topic)
+                .map_err(|e| refusal(RefusalCode::Protocol, e.to_string()))?;
+            let retry = |e: super::BrokerError| refusal(RefusalCode::Retry, e.to_string());
+            let ns = name.namespace();
+            if !broker.namespace_exists(&ns).await.map_err(retry)? {
+                return Err(refusal(
+                    RefusalCode::NotAllowed,
+                    format!(
+                        "namespace {ns} does not exist at site {}",
+                        broker.cfg.cluster_name
+                    ),
+                ));
+            }
+            let p = broker.namespace_policies(&ns).await.map_err(retry)?;
+            let key = broker.own_policies_key(&name).await.map_err(retry)?;
+            let own = broker.topic_own_policies(&key).await.map_err(retry)?;
+            let clusters = p.overlaid(&own).replication_clusters.unwrap_or_default();
+            if !clusters.iter().any(|c| c == origin) {
+                return Err(refusal(
+                    RefusalCode::NotAllowed,
+                    format!(
+                        "{topic} at site {} is not replicated with site {origin} (its replication clusters: {})",
+                        broker.cfg.cluster_name,
+                        clusters.join(",")
+                    ),
+                ));
+            }
+            if partitions > 0 {
+                let parent = name
+                    .parent()
+                    .filter(|_| name.partition().is_some())
+                    .ok_or_else(|| {
+                        refusal(RefusalCode::Protocol, format!("{topic} is not a partition"))
+                    })?;
+                match broker.partitions_of(&parent).await.map_err(retry)? {
+                    Some((n, _)) if n == partitions => {}
+                    Some((n, _)) => {
+                        return Err(refusal(
+                            RefusalCode::NotAllowed,
+                            format!(
+                            "{parent} has {n} partitions at site {}, {partitions} at site {origin}",
+                            broker.cfg.cluster_name
+                        ),
+                        ))
+                    }
+                    None => {
+                        if let Err(e) = broker.create_partitioned_topic(&parent, partitions).await {
+                            // Created meanwhile by another stream: checked again next time.
+                            tracing::debug!(topic = %parent, error = %e, "creating the partitioned topic of a replicated partition");
+                        }
+                    }
+                }
+            }
+            let t = broker.topic(&name, true).await.map_err(retry)?;
+            let last = {
+                let mut g = t.repl_origins.lock().await;
+                t.origins(&mut g).await?.highest(origin)
+            };
+            let target: Box<dyn ReplicaTopic> = Box::new(Incoming {
+                topic: t,
+                origin: origin.to_string(),
+            });
+            Ok((target, last))
+        })
+    }
+}
+
+/// A topic open for one origin site's entries.
+struct Incoming {
+    topic: Arc<Topic>,
+    origin: String,
+}
+
+impl ReplicaTopic for Incoming {
+    fn append(
+        &self,
+        entries: Vec<ReplicatedEntry>,
+    ) -> BoxFuture<'_, Result<Option<OriginPosition>, Refusal>> {
+        Box::pin(async move {
+            let t = &self.topic;
+            let mut g = t.repl_origins.lock().await;
+            let origins = t.origins(&mut g).await?;
+            let held = origins.highest(&self.origin);
+            let mut pending = Vec::new();
+            for item in entries {
+                if held.is_some_and(|h| item.at <= h) {
+                    continue; // already appended: a range sent again
+                }
+                let bad = |why: &str| {
+                    refusal(
+                        RefusalCode::Protocol,
+                        format!(
+                            "entry {}:{} of site {} {why}",
+                            item.at.ledger, item.at.entry, self.origin
+                        ),
+                    )
+                };
+                let entry = Entry::parse(item.bytes.clone()).map_err(|e| bad(&e.to_string()))?;
+                if !entry.verify() {
+                    return Err(bad("fails its checksum"));
+                }
+                let meta = entry.metadata().map_err(|e| bad(&e.to_string()))?;
+                if meta.meridian_origin.is_some() {
+                    return Err(bad("arrived there by replication and is not to be sent on"));
+                }
+                let stored = entry.replicated(&MeridianOrigin {
+                    site: self.origin.clone(),
+                    ledger_id: item.at.ledger,
+                    entry_id: item.at.entry,
+                });
+                let messages = u64::from(meridian_protocol::entry::message_count(&meta));
+                let bytes = stored.as_bytes().len() as u64;
+                let pa =
+                    t.ml.append_queued(stored.into_bytes())
+                        .await
+                        .map_err(|e| refusal(RefusalCode::Retry, e.to_string()))?;
+                pending.push((pa, item.at, messages, bytes));
+            }
+            let mut last_local = None;
+            for (pa, at, messages, bytes) in pending {
+                let pos = pa
+                    .wait()
+                    .await
+                    .map_err(|e| refusal(RefusalCode::Retry, e.to_string()))?;
+                t.on_appended(pos, messages, bytes);
+                origins.observe(&self.origin, at);
+                last_local = Some(pos);
+            }
+            if let Some(p) = last_local {
+                origins.snap.at = Some((p.ledger_id, p.entry_id));
+                t.save_origins(origins).await;
+            }
+            Ok(origins.highest(&self.origin))
+        })
+    }
+}

@@ -1,0 +1,142 @@
+//! The receiving end of a topic's stream: what a peer site sends is appended here, and
+//! acknowledged only once durable.
+//!
+//! ```text
+//!  sender                        receiver (this site)
+//!  Open{topic, partitions} ───►  ReplicaSink::open: allowed? owned here? ─► Opened{last}
+//!                                                                   else ─► Refused{code, why}
+//!  Entries{..} ──────────────►  ReplicaTopic::append (drops what it already holds, checks
+//!                                each entry, appends, waits until durable) ─► Ack{up_to}
+//! ```
+//!
+//! The site behind the traits decides what is a duplicate: the highest origin position it
+//! holds per (topic, origin site) is stored with the data, so a range sent again after a
+//! reconnect, a restart or a move of the topic is dropped, not appended twice.
+
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tracing::{debug, warn};
+
+use crate::frame::{Frame, OriginPosition, RefusalCode, ReplicatedEntry};
+use crate::link::{read_frame, write_frame};
+
+/// Why a stream is not served.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub code: RefusalCode,
+    pub reason: String,
+}
+
+impl Refusal {
+    pub fn new(code: RefusalCode, reason: impl Into<String>) -> Self {
+        Refusal {
+            code,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The site's side of receiving: opening a topic for a peer's entries.
+pub trait ReplicaSink: Send + Sync + 'static {
+    /// Opens `topic` (`partitions` at the origin; 0: not partitioned) for entries from site
+    /// `origin`: the topic, and the highest origin position it holds from `origin`.
+    #[allow(clippy::type_complexity)]
+    fn open<'a>(
+        &'a self,
+        origin: &'a str,
+        topic: &'a str,
+        partitions: u32,
+    ) -> BoxFuture<'a, Result<(Box<dyn ReplicaTopic>, Option<OriginPosition>), Refusal>>;
+}
+
+/// A topic open for a peer's entries.
+pub trait ReplicaTopic: Send + Sync {
+    /// Appends the entries it does not hold yet, in order, and returns once they are durable:
+    /// the highest origin position held from the stream's origin now.
+    fn append(
+        &self,
+        entries: Vec<ReplicatedEntry>,
+    ) -> BoxFuture<'_, Result<Option<OriginPosition>, Refusal>>;
+}
+
+async fn refuse(send: &mut quinn::SendStream, r: Refusal) {
+    let frame = Frame::Refused {
+        code: r.code,
+        reason: r.reason,
+    };
+    let _ = write_frame(send, &frame).await;
+    let _ = send.finish();
+}
+
+/// Serves one topic stream of `origin` until it ends, breaks, or is refused.
+pub async fn serve_stream(
+    sink: &dyn ReplicaSink,
+    origin: &str,
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    frame_bytes_max: u64,
+    open_timeout: Duration,
+) {
+    let first =
+        match tokio::time::timeout(open_timeout, read_frame(&mut recv, frame_bytes_max)).await {
+            Ok(Ok(Some(f))) => f,
+            Ok(Ok(None)) => return,
+            Ok(Err(e)) => {
+                warn!(origin, error = %e, "geo stream closed: a bad first frame");
+                return;
+            }
+            Err(_) => {
+                warn!(origin, "geo stream closed: no Open within {open_timeout:?}");
+                return;
+            }
+        };
+    let Frame::Open { topic, partitions } = first else {
+        let r = Refusal::new(RefusalCode::Protocol, "a topic's stream begins with Open");
+        refuse(&mut send, r).await;
+        return;
+    };
+    let (target, last) = match sink.open(origin, &topic, partitions).await {
+        Ok(x) => x,
+        Err(r) => {
+            warn!(origin, topic, reason = %r.reason, "geo stream refused");
+            refuse(&mut send, r).await;
+            return;
+        }
+    };
+    if write_frame(&mut send, &Frame::Opened { last })
+        .await
+        .is_err()
+    {
+        return;
+    }
+    debug!(origin, topic, ?last, "geo stream open");
+    loop {
+        let frame = match read_frame(&mut recv, frame_bytes_max).await {
+            Ok(Some(f)) => f,
+            Ok(None) => return,
+            Err(e) => {
+                warn!(origin, topic, error = %e, "geo stream closed");
+                return;
+            }
+        };
+        let Frame::Entries { items } = frame else {
+            let r = Refusal::new(RefusalCode::Protocol, "expected Entries");
+            refuse(&mut send, r).await;
+            return;
+        };
+        match target.append(items).await {
+            Ok(Some(up_to)) => {
+                if write_frame(&mut send, &Frame::Ack { up_to }).await.is_err() {
+                    return;
+                }
+            }
+            Ok(None) => {}
+            Err(r) => {
+                warn!(origin, topic, reason = %r.reason, "geo stream refused");
+                refuse(&mut send, r).await;
+                return;
+            }
+        }
+    }
+}
