@@ -57,6 +57,12 @@ pub enum LinkState {
         since_ms: u64,
         reason: String,
     },
+    /// Entries were in flight and no acknowledgement came for `stall_after`: the stream is
+    /// being rebuilt.
+    Stalled {
+        since_ms: u64,
+        reason: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -114,6 +120,9 @@ impl Default for ReplicatorOptions {
     }
 }
 
+/// How a stall's reason begins.
+pub const STALLED: &str = "STALLED";
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -147,9 +156,19 @@ pub async fn run(
             Err(e) => e,
         };
         warn!(topic, remote, reason = %reason, "replicator disconnected; trying again");
-        status.lock().expect("status lock").state = LinkState::Disconnected {
-            since_ms: now_ms(),
-            reason: reason.clone(),
+        let since_ms = now_ms();
+        status.lock().expect("status lock").state = if reason.starts_with(STALLED) {
+            metrics::counter!("meridian_replication_stalls_total", "remote" => remote.clone())
+                .increment(1);
+            LinkState::Stalled {
+                since_ms,
+                reason: reason.clone(),
+            }
+        } else {
+            LinkState::Disconnected {
+                since_ms,
+                reason: reason.clone(),
+            }
         };
         if started.elapsed() > Duration::from_secs(30) {
             backoff = opts.backoff_min;
@@ -321,7 +340,7 @@ async fn session(
         tokio::select! {
             _ = stall => {
                 return Err(err(format!(
-                    "STALLED: entries in flight and no acknowledgement for {:?}; the stream is rebuilt",
+                    "{STALLED}: entries in flight and no acknowledgement for {:?}; the stream is rebuilt",
                     opts.stall_after
                 )));
             }

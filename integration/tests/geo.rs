@@ -463,6 +463,41 @@ fn given_two_sites_then_what_each_produces_arrives_once_at_the_other_and_survive
     s.west.kill9().unwrap();
     let mut pe = produce(&dir, "pe2", &s.east.url, t, N, 200000);
     pe.finish(Duration::from_secs(120)).unwrap();
+    step("meanwhile east's stats show the lag: disconnected, a backlog, its age");
+    let replication = |url: &str| {
+        admin_json(url, &["topics", "stats", t])["replication"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = replication(&s.east.admin_url);
+        let st = &r[0];
+        if st["state"] == "disconnected" && st["backlog_entries"].as_u64() > Some(0) {
+            assert_eq!(st["remote"], "west");
+            assert!(st["oldest_unreplicated_age_ms"].as_u64() > Some(0), "{st}");
+            assert!(!st["reason"].as_str().unwrap().is_empty(), "{st}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no lag shown: {r:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let status = admin_json(&s.east.admin_url, &["geo", "status"]);
+    assert_eq!(status[0]["topic"], t, "{status}");
+    assert_eq!(status[0]["remote"], "west", "{status}");
+    let page = meridian_integration::http_get(&s.east.http, "/metrics");
+    let series = format!("meridian_replication_backlog_entries{{topic=\"{t}\",remote=\"west\"}}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut page = page;
+    while meridian_integration::metric_value(&page, &series) == 0.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no {series} in:\n{page}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+        page = meridian_integration::http_get(&s.east.http, "/metrics");
+    }
     s.west.start().unwrap();
     let later = 200_000..200_000 + N;
     let got = read_until(
@@ -477,6 +512,15 @@ fn given_two_sites_then_what_each_produces_arrives_once_at_the_other_and_survive
         &[east_range.clone(), west_range.clone(), later.clone()],
         "west",
     );
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = replication(&s.east.admin_url);
+        if r[0]["state"] == "connected" && r[0]["backlog_entries"] == 0 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the lag stays: {r:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
     let log = s.east.log_text();
     assert!(
         log.matches("replicator connected").count() >= 2,

@@ -54,6 +54,20 @@ fn to_pb(s: TopicStats, terminated: bool, t: &Topic) -> pb::TopicStats {
         terminated,
         backlog_quota_exceeded: s.backlog_quota_exceeded.unwrap_or_default(),
         compaction: Some(compaction),
+        replication: s
+            .replication
+            .into_iter()
+            .map(|r| pb::ReplicationStats {
+                remote: r.remote,
+                state: r.state,
+                reason: r.reason,
+                since_ms: r.since_ms,
+                backlog_entries: r.backlog_entries,
+                oldest_unreplicated_age_ms: r.oldest_unreplicated_age_ms,
+                last_acked: r.last_acked,
+                entries_acked: r.entries_acked,
+            })
+            .collect(),
         subscriptions: s
             .subscriptions
             .into_iter()

@@ -117,6 +117,9 @@ enum Geo {
         #[arg(long, default_value_t = 3650)]
         days: u32,
     },
+    /// Every replicated topic (of NAMESPACE, or of every namespace) with its replicators:
+    /// state, backlog, age of the oldest unreplicated entry; the oldest lag first.
+    Status { namespace: Option<String> },
     /// A site's certificate, signed by the federation CA, naming the site
     /// (`meridian://site/NAME`): `NAME.crt` and `NAME.key` (geo.cert_file, geo.key_file).
     CreateSiteCert {
@@ -1011,6 +1014,7 @@ fn write_crt_pair(
 fn geo(cmd: Geo) -> anyhow::Result<()> {
     use meridian_tenancy::geo_pki;
     match cmd {
+        Geo::Status { .. } => anyhow::bail!("geo status is answered by the admin API"),
         Geo::CreateCa { out_dir, days } => {
             let ca = geo_pki::create_ca(days).map_err(anyhow::Error::msg)?;
             let (cert, key) = write_crt_pair(&out_dir, "ca", &ca)?;
@@ -1116,7 +1120,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let cli = match cli.group {
         Group::Tokens(cmd) => return tokens(cmd),
         Group::SiteTls(cmd) => return site_tls(cmd),
-        Group::Geo(cmd) => return geo(cmd),
+        Group::Geo(cmd) if !matches!(cmd, Geo::Status { .. }) => return geo(cmd),
         _ => cli,
     };
     let mut endpoint = Channel::from_shared(cli.admin_url.clone())
@@ -1167,8 +1171,84 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
         Group::Tokens(cmd) => tokens(cmd),
         Group::SiteTls(cmd) => site_tls(cmd),
+        Group::Geo(Geo::Status { namespace }) => geo_status(&mut c, namespace, out).await,
         Group::Geo(cmd) => geo(cmd),
     }
+}
+
+fn replication_json(r: &ReplicationStats) -> Value {
+    json!({"remote": r.remote, "state": r.state, "reason": r.reason, "since_ms": r.since_ms,
+        "backlog_entries": r.backlog_entries,
+        "oldest_unreplicated_age_ms": r.oldest_unreplicated_age_ms,
+        "last_acked": r.last_acked, "entries_acked": r.entries_acked})
+}
+
+fn replication_line(r: &ReplicationStats) -> String {
+    let mut line = format!(
+        "replication to {}: {}, backlog {} entries, oldest {:.1} s, last acknowledged {}, {} entries acknowledged",
+        r.remote,
+        r.state,
+        r.backlog_entries,
+        r.oldest_unreplicated_age_ms as f64 / 1000.0,
+        if r.last_acked.is_empty() { "none" } else { &r.last_acked },
+        r.entries_acked
+    );
+    if !r.reason.is_empty() {
+        line.push_str(&format!(" ({})", r.reason));
+    }
+    line
+}
+
+/// `geo status [NS]`: every replicated topic's replicators, the oldest lag first.
+async fn geo_status(c: &mut Client, namespace: Option<String>, out: Output) -> anyhow::Result<()> {
+    let namespaces = match namespace {
+        Some(ns) => vec![ns],
+        None => {
+            let mut all = Vec::new();
+            for t in c.list_tenants(Empty {}).await?.into_inner().names {
+                all.extend(
+                    c.list_namespaces(Name { name: t })
+                        .await?
+                        .into_inner()
+                        .names,
+                );
+            }
+            all
+        }
+    };
+    let mut rows_out: Vec<(String, ReplicationStats)> = Vec::new();
+    for ns in namespaces {
+        let l = c
+            .get_namespace_topic_stats(Name { name: ns })
+            .await?
+            .into_inner();
+        for s in l.topics {
+            for r in s.replication {
+                rows_out.push((s.topic.clone(), r));
+            }
+        }
+    }
+    rows_out.sort_by(|a, b| {
+        b.1.oldest_unreplicated_age_ms
+            .cmp(&a.1.oldest_unreplicated_age_ms)
+            .then_with(|| a.0.cmp(&b.0))
+    });
+    let v: Vec<Value> = rows_out
+        .iter()
+        .map(|(t, r)| {
+            let mut j = replication_json(r);
+            j["topic"] = json!(t);
+            j
+        })
+        .collect();
+    print(out, &json!(v), || {
+        rows_out
+            .iter()
+            .map(|(t, r)| format!("{t}: {}", replication_line(r)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    });
+    Ok(())
 }
 
 fn isolation_json(p: &NsIsolationPolicy) -> Value {
@@ -2244,7 +2324,8 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                 "compaction": s.compaction.as_ref().map(|c| json!({"status": c.status,
                     "last_succeed_ms": c.last_succeed_ms, "last_failed_ms": c.last_failed_ms,
                     "last_duration_ms": c.last_duration_ms,
-                    "last_removed_messages": c.last_removed_messages}))});
+                    "last_removed_messages": c.last_removed_messages})),
+                "replication": s.replication.iter().map(replication_json).collect::<Vec<_>>()});
             print(out, &v, || {
                 let mut t = rows(&[
                     ("topic", s.topic.clone()),
@@ -2271,6 +2352,9 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                         },
                     ),
                 ]);
+                for r in &s.replication {
+                    t.push_str(&format!("\n{}", replication_line(r)));
+                }
                 for x in &s.subscriptions {
                     t.push_str(&format!(
                         "\nsubscription {} ({}{}): {} consumers, backlog {} entries / {} bytes, {} unacked, {} delayed",

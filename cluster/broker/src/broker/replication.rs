@@ -27,7 +27,9 @@ use std::sync::{Arc, Mutex, Weak};
 use futures::future::BoxFuture;
 use meridian_geo::frame::{OriginPosition, RefusalCode, ReplicatedEntry};
 use meridian_geo::receiver::{Refusal, ReplicaSink, ReplicaTopic};
-use meridian_geo::replicator::{ReplicaSource, ReplicatorOptions, ReplicatorStatus, SourceEntry};
+use meridian_geo::replicator::{
+    LinkState, ReplicaSource, ReplicatorOptions, ReplicatorStatus, SourceEntry,
+};
 use meridian_protocol::pb::MeridianOrigin;
 use meridian_protocol::Entry;
 use meridian_storage::cursor::{InitialPosition, ManagedCursor};
@@ -298,6 +300,119 @@ impl Topic {
             .iter()
             .map(|(k, r)| (k.clone(), r.status.lock().expect("status lock").clone()))
             .collect()
+    }
+}
+
+/// A replicator's figures, as `topics stats` shows them.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct ReplicationStats {
+    pub remote: String,
+    /// connecting, connected, disconnected or stalled.
+    pub state: String,
+    /// Why it is disconnected or stalled.
+    pub reason: String,
+    /// Since when (ms since the epoch) it is disconnected or stalled; 0 otherwise.
+    pub since_ms: u64,
+    /// Entries of the log after what the remote acknowledged (those that arrived here by
+    /// replication too, which are passed over, not sent).
+    pub backlog_entries: u64,
+    /// How old the oldest of them is (its publish time), ms; 0 without a backlog.
+    pub oldest_unreplicated_age_ms: u64,
+    /// The last position the remote acknowledged, `ledger:entry`; empty: none yet.
+    pub last_acked: String,
+    /// Entries the remote acknowledged since the replicator started.
+    pub entries_acked: u64,
+}
+
+impl Topic {
+    /// Each replicator's figures, by remote site (from its cursor: an unload does not reset
+    /// them).
+    pub async fn replication_stats(&self) -> Vec<ReplicationStats> {
+        let reps: Vec<(String, ReplicatorStatus, Option<Position>, bool)> = self
+            .replicators
+            .lock()
+            .expect("replicators lock")
+            .iter()
+            .map(|(k, r)| {
+                (
+                    k.clone(),
+                    r.status.lock().expect("status lock").clone(),
+                    *r.mark.lock().expect("mark lock"),
+                    r.opened.load(std::sync::atomic::Ordering::Acquire),
+                )
+            })
+            .collect();
+        let mut out = Vec::new();
+        for (remote, st, mark, opened) in reps {
+            let (state, reason, since_ms) = match st.state {
+                LinkState::Connecting => ("connecting", String::new(), 0),
+                LinkState::Connected => ("connected", String::new(), 0),
+                LinkState::Disconnected { since_ms, reason } => ("disconnected", reason, since_ms),
+                LinkState::Stalled { since_ms, reason } => ("stalled", reason, since_ms),
+            };
+            let (backlog_entries, oldest_unreplicated_age_ms) = self
+                .replication_backlog(if opened { mark } else { None })
+                .await;
+            out.push(ReplicationStats {
+                remote,
+                state: state.to_string(),
+                reason,
+                since_ms,
+                backlog_entries,
+                oldest_unreplicated_age_ms,
+                last_acked: st
+                    .last_acked
+                    .map(|p| format!("{}:{}", p.ledger, p.entry))
+                    .unwrap_or_default(),
+                entries_acked: st.entries_acked,
+            });
+        }
+        out.sort_by(|a, b| a.remote.cmp(&b.remote));
+        out
+    }
+
+    /// Entries after `mark` (all kept ones when `None`) and the age of the first of them.
+    async fn replication_backlog(&self, mark: Option<Position>) -> (u64, u64) {
+        let Some(last) = self.ml.last_confirmed() else {
+            return (0, 0);
+        };
+        let first = match mark {
+            Some(m) if m >= last => return (0, 0),
+            Some(m) => self.ml.next_position(m).await,
+            None => self.ml.first_position().await,
+        };
+        let Some(first) = first else {
+            return (0, 0);
+        };
+        let (Some(a), Some(b)) = (self.ml.index_of(first).await, self.ml.index_of(last).await)
+        else {
+            return (0, 0);
+        };
+        let age = match self
+            .ml
+            .read(first)
+            .await
+            .ok()
+            .and_then(|b| Entry::parse(b).ok())
+        {
+            Some(e) => e.metadata().map_or(0, |m| {
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_millis() as u64);
+                now.saturating_sub(m.publish_time)
+            }),
+            None => 0,
+        };
+        (b.saturating_sub(a) + 1, age)
+    }
+
+    /// Whether the topic replicates to another site (its replicators keep it loaded).
+    pub fn replicates(&self) -> bool {
+        !self
+            .replicators
+            .lock()
+            .expect("replicators lock")
+            .is_empty()
     }
 }
 

@@ -35,6 +35,9 @@ pub struct TopicStats {
     /// While the backlog quota is passed: which subscription pins the backlog, and how.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backlog_quota_exceeded: Option<String>,
+    /// Each replicator to another site.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replication: Vec<super::replication::ReplicationStats>,
 }
 
 /// The last sample of a topic's counters and the rates computed from it.
@@ -113,6 +116,7 @@ impl Topic {
             producers: self.producer_count(),
             subscriptions,
             backlog_quota_exceeded: self.quota_breach().map(|b| b.detail),
+            replication: self.replication_stats().await,
         }
     }
 }
@@ -129,10 +133,12 @@ impl Broker {
             metrics::gauge!("meridian_connections").set(self.connection_count() as f64);
             let dedup_idle_ms = self.cfg.dedup_producer_inactivity_s.saturating_mul(1000);
             let mut inactive = Vec::new();
+            let mut ns_backlog: HashMap<(String, String), u64> = HashMap::new();
             for topic in self.loaded_topics() {
                 if topic.idle_for_ms(now_ms()).await
                     >= self.cfg.inactive_topic_ttl_s.saturating_mul(1000)
                     && self.cfg.inactive_topic_ttl_s > 0
+                    && !topic.replicates()
                 {
                     inactive.push(Arc::clone(&topic));
                     continue;
@@ -145,6 +151,26 @@ impl Broker {
                 let (_, bytes) = topic.ml.size().await;
                 metrics::gauge!("meridian_topic_storage_bytes", "topic" => topic.full_name.clone())
                     .set(bytes as f64);
+                for r in topic.replication_stats().await {
+                    let labels = [
+                        ("topic", topic.full_name.clone()),
+                        ("remote", r.remote.clone()),
+                    ];
+                    metrics::gauge!("meridian_replication_backlog_entries", &labels)
+                        .set(r.backlog_entries as f64);
+                    metrics::gauge!(
+                        "meridian_replication_oldest_unreplicated_age_seconds",
+                        &labels
+                    )
+                    .set(r.oldest_unreplicated_age_ms as f64 / 1000.0);
+                    metrics::gauge!("meridian_replication_connected", &labels)
+                        .set(if r.state == "connected" { 1.0 } else { 0.0 });
+                    metrics::gauge!("meridian_replication_acked_entries", &labels)
+                        .set(r.entries_acked as f64);
+                    *ns_backlog
+                        .entry((topic.name.namespace(), r.remote))
+                        .or_insert(0) += r.backlog_entries;
+                }
                 for sub in topic.subscriptions().await {
                     let backlog = sub.backlog().await;
                     metrics::gauge!(
@@ -154,6 +180,14 @@ impl Broker {
                     )
                     .set(backlog.entries as f64);
                 }
+            }
+            for ((namespace, remote), backlog) in ns_backlog {
+                metrics::gauge!(
+                    "meridian_replication_namespace_backlog_entries",
+                    "namespace" => namespace,
+                    "remote" => remote
+                )
+                .set(backlog as f64);
             }
             for topic in inactive {
                 self.retire_inactive(&topic).await;
