@@ -5,7 +5,7 @@ Every command prints one JSON object per line and flushes, so the Rust test read
 stdout sees progress as it happens (and sees what was acknowledged before a kill -9).
 
   produce URL TOPIC --count N [--batch] [--start I] [--sync] [--name P] [--seq] [--key-mod K]
-          [--routing round-robin|single]
+          [--routing round-robin|single] [--replication-clusters A,B] [--disable-replication]
       payload "msg-I", property i=I; prints {"acked": I} for each receipt, then {"done": N};
       --seq sends I as the sequence id, --key-mod K gives partition key "kI%K"; prints
       {"last_sequence_id": S} first (what the broker said for the producer name), or
@@ -97,6 +97,10 @@ def produce(a):
             kw["sequence_id"] = i
         if a.key_mod:
             kw["partition_key"] = "k%d" % (i % a.key_mod)
+        if a.replication_clusters:
+            kw["replication_clusters"] = a.replication_clusters.split(",")
+        if a.disable_replication:
+            kw["disable_replication"] = True
         if a.delay_ms and i % a.delay_mod == 0:
             kw["deliver_after"] = datetime.timedelta(milliseconds=a.delay_ms)
             # The client computes the same from its clock when it sends.
@@ -848,6 +852,8 @@ def main():
     p.add_argument("--delay-ms", type=int, default=0)
     p.add_argument("--delay-mod", type=int, default=1)
     p.add_argument("--pause-ms", type=int, default=0)
+    p.add_argument("--replication-clusters", default="")
+    p.add_argument("--disable-replication", action="store_true")
     p.set_defaults(fn=produce)
     p = sub.add_parser("multi-produce")
     p.add_argument("url")

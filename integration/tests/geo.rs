@@ -309,6 +309,11 @@ struct TwoSites {
 }
 
 fn two_sites() -> TwoSites {
+    two_sites_with(&[])
+}
+
+/// [`two_sites`] with `MERIDIAN_*` settings for both.
+fn two_sites_with(env: &[(&str, &str)]) -> TwoSites {
     let root = tempfile::tempdir().unwrap();
     let pki = root.path().join("pki");
     let d = pki.display().to_string();
@@ -338,6 +343,9 @@ fn two_sites() -> TwoSites {
                     .collect::<Vec<_>>(),
             )
             .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+        for (k, v) in env {
+            s.env(k, v);
+        }
         s.start().unwrap();
         procs.push(s);
     }
@@ -561,6 +569,159 @@ fn given_two_sites_then_what_each_produces_arrives_once_at_the_other_and_survive
         Duration::from_secs(30),
     );
     assert_exactly_once(&got, &all, "east");
+    s.east.stop().unwrap();
+    s.west.stop().unwrap();
+}
+
+/// The `replication` section of a topic's stats at a site.
+fn replication_of(admin_url: &str, topic: &str) -> Vec<serde_json::Value> {
+    admin_json(admin_url, &["topics", "stats", topic])["replication"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// Waits until the replicator of `topic` at `admin_url` satisfies `pred`; its stats.
+fn wait_replication(
+    admin_url: &str,
+    topic: &str,
+    what: &str,
+    pred: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = replication_of(admin_url, topic);
+        if let Some(st) = r.first().filter(|st| pred(st)) {
+            return st.clone();
+        }
+        assert!(std::time::Instant::now() < deadline, "{what}: {r:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn given_a_stuck_or_refused_topic_then_other_topics_replicate_and_the_stuck_one_says_why() {
+    let mut s = two_sites_with(&[("MERIDIAN_GEO_STALL_AFTER_MS", "1000")]);
+    let dir = s.root.path().to_path_buf();
+    let west_admin = |args: &[&str]| {
+        let mut all = vec!["--admin-url", s.west.admin_url.as_str()];
+        all.extend_from_slice(args);
+        admin_ok(&all)
+    };
+    let east_admin = |args: &[&str]| {
+        let mut all = vec!["--admin-url", s.east.admin_url.as_str()];
+        all.extend_from_slice(args);
+        admin_ok(&all)
+    };
+    let (stuck, ok, other) = (
+        "persistent://acme/g/stuck",
+        "persistent://acme/g/ok",
+        "persistent://acme/x/t",
+    );
+    // West takes nothing of acme/x from east: its namespace lists west alone.
+    west_admin(&["namespaces", "create", "acme/x", "--clusters", "west"]);
+    east_admin(&["namespaces", "create", "acme/x", "--clusters", "east,west"]);
+    // West's copy of the stuck topic refuses every append.
+    west_admin(&["topics", "create", stuck]);
+    west_admin(&["topics", "terminate", stuck]);
+
+    step("east produces to all three; the good topic arrives whole");
+    let mut p1 = produce(&dir, "p1", &s.east.url, stuck, 200, 0);
+    let mut p2 = produce(&dir, "p2", &s.east.url, ok, 200, 0);
+    let mut p3 = produce(&dir, "p3", &s.east.url, other, 200, 0);
+    for p in [&mut p1, &mut p2, &mut p3] {
+        p.finish(Duration::from_secs(60)).unwrap();
+    }
+    let got = read_until(&dir, &s.west.url, ok, 200, Duration::from_secs(30));
+    assert_exactly_once(&got, &[0..200], "west");
+
+    step("the stuck topic and the refused namespace say why at east; west holds none of them");
+    let st = wait_replication(&s.east.admin_url, stuck, "stuck", |st| {
+        st["state"] == "disconnected" && st["backlog_entries"].as_u64() > Some(0)
+    });
+    assert!(
+        st["reason"].as_str().unwrap().contains("terminated"),
+        "{st}"
+    );
+    let st = wait_replication(&s.east.admin_url, other, "refused", |st| {
+        st["state"] == "disconnected"
+    });
+    assert!(
+        st["reason"]
+            .as_str()
+            .unwrap()
+            .contains("is not replicated with site east"),
+        "{st}"
+    );
+    assert!(read_until(&dir, &s.west.url, stuck, 0, Duration::ZERO).is_empty());
+    assert!(read_until(&dir, &s.west.url, other, 0, Duration::ZERO).is_empty());
+    let ok_stats = wait_replication(&s.east.admin_url, ok, "ok", |st| {
+        st["state"] == "connected" && st["backlog_entries"] == 0
+    });
+    assert!(ok_stats["entries_acked"].as_u64() > Some(0), "{ok_stats}");
+
+    step("west paused (SIGSTOP): the replicator with entries in flight shows STALLED, then catches up");
+    let pid = s.west.pid().unwrap().to_string();
+    assert!(std::process::Command::new("kill")
+        .args(["-STOP", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let mut p4 = produce(&dir, "p4", &s.east.url, ok, 200, 1000);
+    p4.finish(Duration::from_secs(60)).unwrap();
+    let st = wait_replication(&s.east.admin_url, ok, "stalled", |st| {
+        st["state"] == "stalled"
+    });
+    assert!(
+        st["reason"].as_str().unwrap().starts_with("STALLED"),
+        "{st}"
+    );
+    assert!(std::process::Command::new("kill")
+        .args(["-CONT", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let got = read_until(&dir, &s.west.url, ok, 400, Duration::from_secs(60));
+    assert_exactly_once(&got, &[0..200, 1000..1200], "west");
+    let page = meridian_integration::http_get(&s.east.http, "/metrics");
+    assert!(
+        meridian_integration::metric_value(
+            &page,
+            "meridian_replication_stalls_total{remote=\"west\"}"
+        ) >= 1.0,
+        "{page}"
+    );
+
+    step("messages sent with replication_clusters naming east alone, or disable_replication, stay at east");
+    let url = s.east.url.clone();
+    let send = |name: &str, start: &str, extra: &[&str]| {
+        let mut args = vec![
+            "produce",
+            url.as_str(),
+            ok,
+            "--count",
+            "50",
+            "--start",
+            start,
+        ];
+        args.extend_from_slice(extra);
+        let mut p = meridian_integration::PyClient::run(&dir, name, &args);
+        p.finish(Duration::from_secs(60)).unwrap();
+    };
+    send("p5", "5000", &["--replication-clusters", "east"]);
+    send("p6", "6000", &["--disable-replication"]);
+    send("p7", "7000", &["--replication-clusters", "east,west"]);
+    let got = read_until(&dir, &s.west.url, ok, 450, Duration::from_secs(30));
+    assert_exactly_once(&got, &[0..200, 1000..1200, 7000..7050], "west");
+    let got = read_until(&dir, &s.east.url, ok, 550, Duration::from_secs(30));
+    assert_exactly_once(
+        &got,
+        &[0..200, 1000..1200, 5000..5050, 6000..6050, 7000..7050],
+        "east",
+    );
+    wait_replication(&s.east.admin_url, ok, "drained", |st| {
+        st["state"] == "connected" && st["backlog_entries"] == 0
+    });
     s.east.stop().unwrap();
     s.west.stop().unwrap();
 }

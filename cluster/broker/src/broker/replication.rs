@@ -93,6 +93,18 @@ fn refusal(code: RefusalCode, reason: impl Into<String>) -> Refusal {
     Refusal::new(code, reason)
 }
 
+/// A failed append: a terminated topic takes nothing more (asking again soon will not help);
+/// anything else may pass.
+fn append_refusal(e: meridian_storage::managed_ledger::ManagedLedgerError) -> Refusal {
+    let code = match e {
+        meridian_storage::managed_ledger::ManagedLedgerError::Terminated { .. } => {
+            RefusalCode::NotAllowed
+        }
+        _ => RefusalCode::Retry,
+    };
+    refusal(code, e.to_string())
+}
+
 impl Topic {
     /// The origins, loaded on first use: the snapshot, then the entries after it.
     async fn origins<'a>(
@@ -234,6 +246,7 @@ impl Topic {
                 *mk.lock().expect("mark lock") = cursor.mark_delete();
                 op.store(true, std::sync::atomic::Ordering::Release);
                 let source = TopicSource {
+                    remote: r.clone(),
                     appended: topic.appended.subscribe(),
                     topic: Arc::clone(&topic),
                     cursor,
@@ -418,10 +431,22 @@ impl Topic {
 
 /// The topic's log through a replicator's cursor.
 struct TopicSource {
+    /// The site it sends to.
+    remote: String,
     topic: Arc<Topic>,
     cursor: ManagedCursor,
     appended: watch::Receiver<Option<Position>>,
     mark: Arc<Mutex<Option<Position>>>,
+}
+
+impl TopicSource {
+    /// Whether an entry goes to this remote: produced here (not arrived by replication), and
+    /// not restricted by its producer to other sites (`replicate_to`, which the clients'
+    /// `replication_clusters` and `disable_replication` set).
+    fn sends(&self, m: &meridian_protocol::pb::MessageMetadata) -> bool {
+        m.meridian_origin.is_none()
+            && (m.replicate_to.is_empty() || m.replicate_to.iter().any(|c| *c == self.remote))
+    }
 }
 
 impl ReplicaSource for TopicSource {
@@ -442,17 +467,16 @@ impl ReplicaSource for TopicSource {
             Ok(entries
                 .into_iter()
                 .map(|(p, bytes)| {
-                    let replicated = Entry::parse(bytes.clone())
+                    let meta = Entry::parse(bytes.clone())
                         .ok()
-                        .and_then(|e| e.origin().ok().flatten())
-                        .is_some();
+                        .and_then(|e| e.metadata().ok());
                     SourceEntry {
                         at: OriginPosition {
                             ledger: p.ledger_id,
                             entry: p.entry_id,
                         },
                         bytes,
-                        send: !replicated,
+                        send: meta.is_some_and(|m| self.sends(&m)),
                     }
                 })
                 .collect())
@@ -609,15 +633,12 @@ impl ReplicaTopic for Incoming {
                 let pa =
                     t.ml.append_queued(stored.into_bytes())
                         .await
-                        .map_err(|e| refusal(RefusalCode::Retry, e.to_string()))?;
+                        .map_err(append_refusal)?;
                 pending.push((pa, item.at, messages, bytes));
             }
             let mut last_local = None;
             for (pa, at, messages, bytes) in pending {
-                let pos = pa
-                    .wait()
-                    .await
-                    .map_err(|e| refusal(RefusalCode::Retry, e.to_string()))?;
+                let pos = pa.wait().await.map_err(append_refusal)?;
                 t.on_appended(pos, messages, bytes);
                 origins.observe(&self.origin, at);
                 last_local = Some(pos);
