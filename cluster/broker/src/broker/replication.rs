@@ -445,7 +445,7 @@ impl TopicSource {
     /// `replication_clusters` and `disable_replication` set).
     fn sends(&self, m: &meridian_protocol::pb::MessageMetadata) -> bool {
         m.meridian_origin.is_none()
-            && (m.replicate_to.is_empty() || m.replicate_to.iter().any(|c| *c == self.remote))
+            && (m.replicate_to.is_empty() || m.replicate_to.contains(&self.remote))
     }
 }
 
