@@ -314,11 +314,21 @@ fn two_sites() -> TwoSites {
 
 /// [`two_sites`] with `MERIDIAN_*` settings for both.
 fn two_sites_with(env: &[(&str, &str)]) -> TwoSites {
+    let (root, mut procs) = mesh(&["east", "west"], env);
+    let west = procs.pop().unwrap();
+    let east = procs.pop().unwrap();
+    TwoSites { root, east, west }
+}
+
+/// Sites named `names`, each a standalone with a geo link, each knowing every other, sharing
+/// tenant `acme` with namespace `acme/g` replicated between all of them.
+fn mesh(names: &[&str], env: &[(&str, &str)]) -> (tempfile::TempDir, Vec<StandaloneProc>) {
     let root = tempfile::tempdir().unwrap();
     let pki = root.path().join("pki");
     let d = pki.display().to_string();
     admin_ok(&["geo", "create-ca", "--out-dir", &d]);
-    for site in ["east", "west"] {
+    let mut procs = Vec::new();
+    for site in names {
         admin_ok(&[
             "geo",
             "create-site-cert",
@@ -328,9 +338,6 @@ fn two_sites_with(env: &[(&str, &str)]) -> TwoSites {
             "--out-dir",
             &d,
         ]);
-    }
-    let mut procs = Vec::new();
-    for site in ["east", "west"] {
         let dir = root.path().join(site);
         std::fs::create_dir_all(&dir).unwrap();
         let mut s = StandaloneProc::new(&dir);
@@ -349,35 +356,33 @@ fn two_sites_with(env: &[(&str, &str)]) -> TwoSites {
         s.start().unwrap();
         procs.push(s);
     }
-    let west = procs.pop().unwrap();
-    let east = procs.pop().unwrap();
-    for (here, other, name) in [(&east, &west, "west"), (&west, &east, "east")] {
+    let all = names.join(",");
+    for here in &procs {
         let a = |args: &[&str]| {
             let mut all = vec!["--admin-url", here.admin_url.as_str()];
             all.extend_from_slice(args);
             admin_ok(&all)
         };
-        a(&[
-            "clusters",
-            "create",
-            name,
-            "--broker-url",
-            &other.url,
-            "--url",
-            &other.admin_url,
-            "--geo-url",
-            other.geo_url.as_deref().unwrap(),
-        ]);
-        a(&[
-            "tenants",
-            "create",
-            "acme",
-            "--allowed-clusters",
-            "east,west",
-        ]);
-        a(&["namespaces", "create", "acme/g", "--clusters", "east,west"]);
+        for (other, name) in procs.iter().zip(names) {
+            if std::ptr::eq(other, here) {
+                continue;
+            }
+            a(&[
+                "clusters",
+                "create",
+                name,
+                "--broker-url",
+                &other.url,
+                "--url",
+                &other.admin_url,
+                "--geo-url",
+                other.geo_url.as_deref().unwrap(),
+            ]);
+        }
+        a(&["tenants", "create", "acme", "--allowed-clusters", &all]);
+        a(&["namespaces", "create", "acme/g", "--clusters", &all]);
     }
-    TwoSites { root, east, west }
+    (root, procs)
 }
 
 /// Reads `topic` at `url` from the earliest message until it holds `want` messages (or
@@ -724,4 +729,30 @@ fn given_a_stuck_or_refused_topic_then_other_topics_replicate_and_the_stuck_one_
     });
     s.east.stop().unwrap();
     s.west.stop().unwrap();
+}
+
+#[test]
+fn given_three_sites_in_a_full_mesh_then_a_message_from_any_arrives_once_at_the_others() {
+    let names = ["east", "west", "north"];
+    let (root, mut procs) = mesh(&names, &[]);
+    let dir = root.path().to_path_buf();
+    let t = "persistent://acme/g/mesh";
+    const N: u64 = 1_000;
+    step("each site produces its own range to the same topic at once");
+    let mut producers: Vec<_> = procs
+        .iter()
+        .enumerate()
+        .map(|(i, p)| produce(&dir, &format!("p{i}"), &p.url, t, N, i as u64 * 100_000))
+        .collect();
+    for p in &mut producers {
+        p.finish(Duration::from_secs(120)).unwrap();
+    }
+    let ranges: Vec<std::ops::Range<u64>> = (0..3).map(|i| i * 100_000..i * 100_000 + N).collect();
+    for (p, name) in procs.iter().zip(names) {
+        let got = read_until(&dir, &p.url, t, 3 * N as usize, Duration::from_secs(60));
+        assert_exactly_once(&got, &ranges, name);
+    }
+    for p in &mut procs {
+        p.stop().unwrap();
+    }
 }
