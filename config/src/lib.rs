@@ -1089,6 +1089,16 @@ impl Config {
         self.geo.validate()?;
         if self.geo.enabled() {
             meridian_site_name(&self.broker.cluster_name)?;
+            // An entry (a message or a batch, up to broker.message_bytes_max) must fit in a
+            // frame of the link with its envelope.
+            let least = self.broker.message_bytes_max + 65_536;
+            ranges(&[(
+                "geo.frame_bytes_max",
+                self.geo.frame_bytes_max,
+                least,
+                268_435_456,
+                " (at least broker.message_bytes_max + 65536)",
+            )])?;
         }
         Ok(())
     }

@@ -743,6 +743,12 @@ fn geo_settings_are_checked() {
             set("geo.frame_bytes_max", "1024"),
             set("geo.stall_after_ms", "0"),
             set("geo.advertise", "nohost"),
+            set("geo.listen", "127.0.0.1:7300")
+                .set("geo.cert_file", "e.crt")
+                .set("geo.key_file", "e.key")
+                .set("geo.ca_file", "ca.crt")
+                .set("broker.cluster_name", "east")
+                .set("geo.frame_bytes_max", "1048576"),
         ],
         expect![[r#"
             set geo.listen=127.0.0.1:7300
@@ -759,6 +765,8 @@ fn geo_settings_are_checked() {
               error: geo.stall_after_ms = 0 is out of range; accepted 1000..=3600000
             set geo.advertise=nohost
               error: geo.advertise = "nohost" is invalid: expected HOST:PORT, e.g. localhost:7101
+            set geo.listen=127.0.0.1:7300 set geo.cert_file=e.crt set geo.key_file=e.key set geo.ca_file=ca.crt set broker.cluster_name=east set geo.frame_bytes_max=1048576
+              error: geo.frame_bytes_max = 1048576 is out of range; accepted 5308416..=268435456 (at least broker.message_bytes_max + 65536)
         "#]],
     );
 }

@@ -8,8 +8,9 @@
 //!
 //!  on a topic's own stream, opened by the sending site:
 //!  Open    (3) = topic: str | partitions: u32  (0: not partitioned)
-//!  Opened  (4) = has: u8 | ledger: u64 | entry: u64   the highest origin position the
-//!                receiver holds from the sender (has = 0: none)
+//!  Opened  (4) = has: u8 | ledger: u64 | entry: u64 | frame_bytes_max: u64
+//!                the highest origin position the receiver holds from the sender (has = 0:
+//!                none), and the largest frame it takes
 //!  Entries (5) = count: u32 | (ledger: u64 | entry: u64 | len: u32 | bytes)*count
 //!  Ack     (6) = ledger: u64 | entry: u64      durably appended up to this origin position
 //!  Refused (7) = code: u8 | reason: str        the stream is not served (then it ends)
@@ -36,8 +37,12 @@ pub enum Frame {
     /// A topic's stream begins: the sender's topic (a partition of a partitioned topic is
     /// named as such) and its partition count.
     Open { topic: String, partitions: u32 },
-    /// The receiver serves the stream; the highest origin position it holds from the sender.
-    Opened { last: Option<OriginPosition> },
+    /// The receiver serves the stream; the highest origin position it holds from the sender,
+    /// and the largest frame it takes.
+    Opened {
+        last: Option<OriginPosition>,
+        frame_bytes_max: u64,
+    },
     /// Entries in the origin's log order, each as stored at the origin.
     Entries { items: Vec<ReplicatedEntry> },
     /// Everything up to this origin position is durably appended at the receiver.
@@ -138,7 +143,10 @@ impl Frame {
                 put_str(out, topic);
                 out.put_u32(*partitions);
             }
-            Frame::Opened { last } => {
+            Frame::Opened {
+                last,
+                frame_bytes_max,
+            } => {
                 out.put_u8(u8::from(last.is_some()));
                 let p = last.unwrap_or(OriginPosition {
                     ledger: 0,
@@ -146,6 +154,7 @@ impl Frame {
                 });
                 out.put_u64(p.ledger);
                 out.put_u64(p.entry);
+                out.put_u64(*frame_bytes_max);
             }
             Frame::Entries { items } => {
                 out.put_u32(items.len() as u32);
@@ -201,13 +210,18 @@ impl Frame {
             4 => {
                 let has = get_u8(&mut body, "opened")?;
                 let at = get_position(&mut body)?;
+                let last = match has {
+                    0 if at.ledger == 0 && at.entry == 0 => None,
+                    0 => return Err(FrameError::Invalid("opened without a position has one")),
+                    1 => Some(at),
+                    _ => return Err(FrameError::Invalid("opened flag is not 0 or 1")),
+                };
+                if body.remaining() < 8 {
+                    return Err(FrameError::Truncated("frame_bytes_max"));
+                }
                 Frame::Opened {
-                    last: match has {
-                        0 if at.ledger == 0 && at.entry == 0 => None,
-                        0 => return Err(FrameError::Invalid("opened without a position has one")),
-                        1 => Some(at),
-                        _ => return Err(FrameError::Invalid("opened flag is not 0 or 1")),
-                    },
+                    last,
+                    frame_bytes_max: body.get_u64(),
                 }
             }
             5 => {
@@ -334,8 +348,12 @@ mod tests {
                 topic: "persistent://acme/g/orders-partition-3".into(),
                 partitions: 8,
             },
-            Frame::Opened { last: None },
             Frame::Opened {
+                last: None,
+                frame_bytes_max: 0,
+            },
+            Frame::Opened {
+                frame_bytes_max: 16 << 20,
                 last: Some(OriginPosition {
                     ledger: u64::MAX,
                     entry: 3,
@@ -423,8 +441,8 @@ mod tests {
             Frame::decode(&[0, 0, 0, 2, 7, 9], 64),
             Err(FrameError::UnknownRefusal(9))
         );
-        let mut opened = vec![0, 0, 0, 18, 4, 2];
-        opened.extend_from_slice(&[0; 16]);
+        let mut opened = vec![0, 0, 0, 26, 4, 2];
+        opened.extend_from_slice(&[0; 24]);
         assert_eq!(
             Frame::decode(&opened, 64),
             Err(FrameError::Invalid("opened flag is not 0 or 1"))

@@ -135,8 +135,11 @@ struct Shared {
     inbound: Mutex<HashMap<usize, InboundPeer>>,
     /// Where peers' topic streams go (none: they are refused).
     sink: Option<Arc<dyn ReplicaSink>>,
-    /// Links this site dialed, shared by its replicators to each remote.
-    outbound: tokio::sync::Mutex<HashMap<String, Peer>>,
+    /// Links this site dialed, shared by its replicators to each remote; one slot per site,
+    /// so a dial to a site that does not answer holds up no other.
+    outbound: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<Peer>>>>>,
+    /// Times the certificate files were looked at.
+    reload_checks: std::sync::atomic::AtomicU64,
 }
 
 /// This site's end of the link.
@@ -160,8 +163,13 @@ fn transport(opts: &LinkOptions) -> Arc<quinn::TransportConfig> {
     let idle = quinn::IdleTimeout::try_from(opts.idle_timeout).unwrap_or(quinn::VarInt::MAX.into());
     t.max_idle_timeout(Some(idle));
     t.keep_alive_interval(Some(opts.idle_timeout / 3));
+    // Each replicated topic partition holds a stream of its own for as long as it replicates.
+    t.max_concurrent_bidi_streams(STREAMS_MAX.into());
     Arc::new(t)
 }
+
+/// Topic streams one peer may have open on a link at once.
+pub const STREAMS_MAX: u32 = 100_000;
 
 fn server_config(
     tls: &GeoTls,
@@ -217,7 +225,8 @@ impl GeoLink {
             directory,
             inbound: Mutex::new(HashMap::new()),
             sink,
-            outbound: tokio::sync::Mutex::new(HashMap::new()),
+            outbound: Mutex::new(HashMap::new()),
+            reload_checks: std::sync::atomic::AtomicU64::new(0),
         });
         let tasks = vec![
             tokio::spawn(accept_loop(Arc::clone(&shared))),
@@ -241,6 +250,13 @@ impl GeoLink {
     /// What other sites dial (`geo.advertise`, else the bound address).
     pub fn advertise(&self) -> &str {
         &self.advertise
+    }
+
+    /// How many times the certificate files were looked at since the start.
+    pub fn reload_checks(&self) -> u64 {
+        self.shared
+            .reload_checks
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The serial number of the certificate in use (hex).
@@ -347,8 +363,16 @@ impl GeoLink {
     /// A link to `site` for replicators: the one up, else a new one dialed at the geo URL of
     /// its cluster record.
     pub async fn peer(&self, site: &str) -> Result<Peer, LinkError> {
-        let mut outbound = self.shared.outbound.lock().await;
-        if let Some(p) = outbound.get(site) {
+        let slot = Arc::clone(
+            self.shared
+                .outbound
+                .lock()
+                .expect("outbound lock")
+                .entry(site.to_string())
+                .or_default(),
+        );
+        let mut slot = slot.lock().await;
+        if let Some(p) = slot.as_ref() {
             if p.conn.close_reason().is_none() {
                 return Ok(p.clone());
             }
@@ -373,7 +397,7 @@ impl GeoLink {
             .next()
             .ok_or_else(|| unknown(format!("{host_port} resolves to no address")))?;
         let peer = self.dial(addr, site).await?;
-        outbound.insert(site.to_string(), peer.clone());
+        *slot = Some(peer.clone());
         Ok(peer)
     }
 
@@ -465,10 +489,19 @@ pub async fn read_frame(
         Err(e) => return Err(e.into()),
     }
     let len = Frame::announced_len(prefix, max)?;
-    let mut body = vec![0u8; len];
-    recv.read_exact(&mut body).await?;
+    // Grown as the bytes come, not allocated from the announced length alone.
+    let mut body = Vec::with_capacity(len.min(READ_CHUNK));
+    let mut chunk = vec![0u8; len.min(READ_CHUNK)];
+    while body.len() < len {
+        let n = (len - body.len()).min(READ_CHUNK);
+        recv.read_exact(&mut chunk[..n]).await?;
+        body.extend_from_slice(&chunk[..n]);
+    }
     Ok(Some(Frame::decode_body(&body)?))
 }
+
+/// Bytes read at a time into a frame's body.
+const READ_CHUNK: usize = 64 * 1024;
 
 /// Writes one frame.
 pub async fn write_frame(send: &mut quinn::SendStream, frame: &Frame) -> Result<(), StreamError> {
@@ -513,6 +546,15 @@ async fn serve_incoming(shared: Arc<Shared>, incoming: quinn::Incoming) {
             return;
         }
     };
+    if site == shared.site {
+        warn!(peer = %addr, site, "geo link refused: the certificate names this site");
+        refused("identity");
+        conn.close(
+            close::REFUSED.into(),
+            b"refused: the certificate names the site it dials",
+        );
+        return;
+    }
     match shared.directory.knows(&site).await {
         Ok(true) => {}
         Ok(false) => {
@@ -650,7 +692,11 @@ async fn reload_loop(shared: Arc<Shared>, files: TlsFiles) {
     let mut last = files.read().ok();
     loop {
         tokio::time::sleep(shared.opts.cert_reload_interval).await;
-        let now = match files.read() {
+        let now = files.read();
+        shared
+            .reload_checks
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let now = match now {
             Ok(b) => b,
             Err(e) => {
                 if last.is_some() {

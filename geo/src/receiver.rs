@@ -104,10 +104,11 @@ pub async fn serve_stream(
             return;
         }
     };
-    if write_frame(&mut send, &Frame::Opened { last })
-        .await
-        .is_err()
-    {
+    let opened = Frame::Opened {
+        last,
+        frame_bytes_max,
+    };
+    if write_frame(&mut send, &opened).await.is_err() {
         return;
     }
     debug!(origin, topic, ?last, "geo stream open");

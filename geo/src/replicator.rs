@@ -136,7 +136,7 @@ pub async fn run(
     remote: String,
     topic: String,
     partitions: u32,
-    mut source: impl ReplicaSource,
+    source: &mut impl ReplicaSource,
     status: Arc<Mutex<ReplicatorStatus>>,
     opts: ReplicatorOptions,
     mut stop: watch::Receiver<bool>,
@@ -148,7 +148,7 @@ pub async fn run(
         }
         let started = Instant::now();
         let outcome = tokio::select! {
-            r = session(&link, &remote, &topic, partitions, &mut source, &status, &opts) => r,
+            r = session(&link, &remote, &topic, partitions, source, &status, &opts) => r,
             _ = stop.wait_for(|s| *s) => return,
         };
         let (reason, refused) = match outcome {
@@ -218,10 +218,14 @@ async fn session(
 ) -> Result<(), SessionError> {
     let err = |e: String| (e, false);
     let peer = link.peer(remote).await.map_err(|e| err(e.to_string()))?;
-    let (mut send, mut recv) = peer
-        .conn
-        .open_bi()
+    let (mut send, mut recv) = tokio::time::timeout(opts.open_timeout, peer.conn.open_bi())
         .await
+        .map_err(|_| {
+            err(format!(
+                "no stream to {remote} within {:?}",
+                opts.open_timeout
+            ))
+        })?
         .map_err(|e| err(format!("opening the topic's stream: {e}")))?;
     write_frame(
         &mut send,
@@ -237,18 +241,30 @@ async fn session(
         .await
         .map_err(|_| err(format!("no answer to Open within {:?}", opts.open_timeout)))?
         .map_err(|e| err(e.to_string()))?;
-    match answer {
-        Some(Frame::Opened { last }) => {
+    let remote_max = match answer {
+        Some(Frame::Opened {
+            last,
+            frame_bytes_max,
+        }) => {
             info!(topic, remote, ?last, "replicator connected");
+            frame_bytes_max as usize
         }
         Some(Frame::Refused { code, reason }) => {
             return Err((
                 format!("refused by {remote}: {reason}"),
-                code == RefusalCode::NotAllowed,
+                code != RefusalCode::Retry,
             ))
         }
         other => return Err(err(format!("expected Opened, got {other:?}"))),
-    }
+    };
+    // A frame's own bytes beside its entries': length, kind, count.
+    let frame_limit = opts.frame_bytes.min(remote_max.saturating_sub(16));
+    let deadline = opts.stall_after;
+    let stalled = || {
+        err(format!(
+            "{STALLED}: the remote takes no more bytes for {deadline:?}; the stream is rebuilt"
+        ))
+    };
     source.rewind().await.map_err(err)?;
     status.lock().expect("status lock").state = LinkState::Connected;
 
@@ -288,20 +304,31 @@ async fn session(
             let mut frames = 0usize;
             let mut entries = 0u64;
             for e in batch.into_iter().filter(|e| e.send) {
-                if !frame.is_empty() && frame_bytes + e.bytes.len() > opts.frame_bytes {
-                    write_frame(
-                        &mut send,
-                        &Frame::Entries {
-                            items: std::mem::take(&mut frame),
-                        },
-                    )
-                    .await
-                    .map_err(|e| err(e.to_string()))?;
+                let size = e.bytes.len() + 20;
+                if size > frame_limit {
+                    return Err((
+                        format!(
+                            "entry {}:{} of {} bytes is over {remote}'s frame limit of {remote_max} bytes (geo.frame_bytes_max there)",
+                            e.at.ledger,
+                            e.at.entry,
+                            e.bytes.len()
+                        ),
+                        true,
+                    ));
+                }
+                if !frame.is_empty() && frame_bytes + size > frame_limit {
+                    let f = Frame::Entries {
+                        items: std::mem::take(&mut frame),
+                    };
+                    tokio::time::timeout(deadline, write_frame(&mut send, &f))
+                        .await
+                        .map_err(|_| stalled())?
+                        .map_err(|e| err(e.to_string()))?;
                     frames += 1;
                     frame_bytes = 0;
                 }
                 entries += 1;
-                frame_bytes += e.bytes.len() + 20;
+                frame_bytes += size;
                 last_sent = Some(e.at);
                 frame.push(ReplicatedEntry {
                     at: e.at,
@@ -309,8 +336,10 @@ async fn session(
                 });
             }
             if !frame.is_empty() {
-                write_frame(&mut send, &Frame::Entries { items: frame })
+                let f = Frame::Entries { items: frame };
+                tokio::time::timeout(deadline, write_frame(&mut send, &f))
                     .await
+                    .map_err(|_| stalled())?
                     .map_err(|e| err(e.to_string()))?;
                 frames += 1;
             }

@@ -253,7 +253,10 @@ async fn given_new_certificate_files_then_new_links_use_them_and_links_up_keep_g
 
     // A damaged file is not taken: the old certificate stays in use.
     std::fs::write(&west_cfg.cert_file, "not a certificate").unwrap();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let checks = west.reload_checks();
+    while west.reload_checks() < checks + 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(west.certificate_serial(), old_serial);
     let _kept = east.dial(west.local_addr(), "west").await.unwrap();
 
@@ -283,6 +286,9 @@ async fn given_new_certificate_files_then_new_links_use_them_and_links_up_keep_g
     // A certificate naming another site is not taken.
     let serial = west.certificate_serial();
     pki.write("west", &pki.cert("south"));
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let checks = west.reload_checks();
+    while west.reload_checks() < checks + 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(west.certificate_serial(), serial);
 }

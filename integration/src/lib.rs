@@ -13,6 +13,7 @@ use anyhow::{bail, Context};
 
 pub mod powercut;
 pub mod raw;
+pub mod udp_proxy;
 use meridian_metadata::MetadataClient;
 
 /// The `meridian` binary: `$MERIDIAN_BIN`, else the one cargo built next to this test.

@@ -8,6 +8,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use meridian_config::GeoConfig;
 use meridian_geo::{GeoLink, LinkError, SiteDirectory};
+use meridian_integration::udp_proxy::{Faults, UdpProxy};
 use meridian_integration::{admin_json, run_admin, step, StandaloneProc};
 
 struct KnowsAll;
@@ -323,6 +324,20 @@ fn two_sites_with(env: &[(&str, &str)]) -> TwoSites {
 /// Sites named `names`, each a standalone with a geo link, each knowing every other, sharing
 /// tenant `acme` with namespace `acme/g` replicated between all of them.
 fn mesh(names: &[&str], env: &[(&str, &str)]) -> (tempfile::TempDir, Vec<StandaloneProc>) {
+    let (root, procs, _) = mesh_with(names, env, false);
+    (root, procs)
+}
+
+/// Links between two sites, each through a proxy the test controls: `[(from, to, proxy)]`.
+type Proxies = Vec<(usize, usize, UdpProxy)>;
+
+/// [`mesh`], with each site's record of every other pointing at a proxy toward it when
+/// `proxied`.
+fn mesh_with(
+    names: &[&str],
+    env: &[(&str, &str)],
+    proxied: bool,
+) -> (tempfile::TempDir, Vec<StandaloneProc>, Proxies) {
     let root = tempfile::tempdir().unwrap();
     let pki = root.path().join("pki");
     let d = pki.display().to_string();
@@ -357,16 +372,27 @@ fn mesh(names: &[&str], env: &[(&str, &str)]) -> (tempfile::TempDir, Vec<Standal
         procs.push(s);
     }
     let all = names.join(",");
-    for here in &procs {
+    let mut proxies = Vec::new();
+    for (h, here) in procs.iter().enumerate() {
         let a = |args: &[&str]| {
             let mut all = vec!["--admin-url", here.admin_url.as_str()];
             all.extend_from_slice(args);
             admin_ok(&all)
         };
-        for (other, name) in procs.iter().zip(names) {
-            if std::ptr::eq(other, here) {
+        for (o, (other, name)) in procs.iter().zip(names).enumerate() {
+            if o == h {
                 continue;
             }
+            let real = other.geo_url.clone().unwrap();
+            let geo_url = if proxied {
+                let upstream = real.trim_start_matches("quic://").parse().unwrap();
+                let p = UdpProxy::start(upstream);
+                let url = format!("quic://{}", p.addr);
+                proxies.push((h, o, p));
+                url
+            } else {
+                real
+            };
             a(&[
                 "clusters",
                 "create",
@@ -376,13 +402,13 @@ fn mesh(names: &[&str], env: &[(&str, &str)]) -> (tempfile::TempDir, Vec<Standal
                 "--url",
                 &other.admin_url,
                 "--geo-url",
-                other.geo_url.as_deref().unwrap(),
+                &geo_url,
             ]);
         }
         a(&["tenants", "create", "acme", "--allowed-clusters", &all]);
         a(&["namespaces", "create", "acme/g", "--clusters", &all]);
     }
-    (root, procs)
+    (root, procs, proxies)
 }
 
 /// Reads `topic` at `url` from the earliest message until it holds `want` messages (or
@@ -664,6 +690,23 @@ fn given_a_stuck_or_refused_topic_then_other_topics_replicate_and_the_stuck_one_
         st["state"] == "connected" && st["backlog_entries"] == 0
     });
     assert!(ok_stats["entries_acked"].as_u64() > Some(0), "{ok_stats}");
+    // The replicator's cursor is no subscription: not listed, not to be subscribed or moved.
+    let subs = admin_json(&s.east.admin_url, &["subscriptions", "list", ok]);
+    assert_eq!(subs, serde_json::json!([]), "{subs}");
+    let err = admin_refused(
+        &s.east.admin_url,
+        &[
+            "subscriptions",
+            "skip",
+            ok,
+            "-s",
+            "meridian.repl.west",
+            "-n",
+            "1",
+        ],
+        "NotFound",
+    );
+    assert!(err.contains("replicator's cursor"), "{err}");
 
     step("west paused (SIGSTOP): the replicator with entries in flight shows STALLED, then catches up");
     let pid = s.west.pid().unwrap().to_string();
@@ -751,6 +794,101 @@ fn given_three_sites_in_a_full_mesh_then_a_message_from_any_arrives_once_at_the_
     for (p, name) in procs.iter().zip(names) {
         let got = read_until(&dir, &p.url, t, 3 * N as usize, Duration::from_secs(60));
         assert_exactly_once(&got, &ranges, name);
+    }
+    for p in &mut procs {
+        p.stop().unwrap();
+    }
+}
+
+#[test]
+fn given_a_partition_and_a_lossy_link_then_every_message_arrives_once_and_the_lag_returns_to_zero()
+{
+    let (root, mut procs, proxies) = mesh_with(&["east", "west"], &[], true);
+    let dir = root.path().to_path_buf();
+    let t = "persistent://acme/g/cut";
+    const N: u64 = 1_000;
+
+    step("a lossy link (10% dropped, 10% duplicated, 0-30 ms jitter) while both produce");
+    let (east, west) = (&procs[0], &procs[1]);
+    for (_, _, p) in &proxies {
+        p.set(Faults {
+            drop_percent: 10,
+            duplicate_percent: 10,
+            jitter_ms: 30,
+            ..Faults::default()
+        });
+    }
+    let mut pe = produce(&dir, "pe", &east.url, t, N, 0);
+    let mut pw = produce(&dir, "pw", &west.url, t, N, 100_000);
+    pe.finish(Duration::from_secs(120)).unwrap();
+    pw.finish(Duration::from_secs(120)).unwrap();
+    let mut ranges = vec![0..N, 100_000..100_000 + N];
+    for (site, p) in [("east", east), ("west", west)] {
+        let got = read_until(&dir, &p.url, t, 2 * N as usize, Duration::from_secs(60));
+        assert_exactly_once(&got, &ranges, site);
+    }
+    let dropped: u64 = proxies
+        .iter()
+        .map(|(_, _, p)| {
+            p.counters
+                .dropped
+                .load(std::sync::atomic::Ordering::Relaxed)
+        })
+        .sum();
+    assert!(
+        dropped > 0,
+        "the proxies dropped nothing: the test proves nothing"
+    );
+
+    step("a partition of 60 s: both sites take writes and admin changes while cut off");
+    for (_, _, p) in &proxies {
+        p.partition(true);
+    }
+    let cut_at = std::time::Instant::now();
+    let mut pe = produce(&dir, "pe2", &east.url, t, N, 200_000);
+    let mut pw = produce(&dir, "pw2", &west.url, t, N, 300_000);
+    pe.finish(Duration::from_secs(120)).unwrap();
+    pw.finish(Duration::from_secs(120)).unwrap();
+    ranges.extend([200_000..200_000 + N, 300_000..300_000 + N]);
+    for p in [east, west] {
+        admin_ok(&[
+            "--admin-url",
+            &p.admin_url,
+            "namespaces",
+            "set-message-ttl",
+            "acme/g",
+            "--ttl",
+            "3600",
+        ]);
+        let st = wait_replication(&p.admin_url, t, "cut off", |st| {
+            st["state"] == "disconnected" && st["backlog_entries"].as_u64() > Some(0)
+        });
+        assert!(st["oldest_unreplicated_age_ms"].as_u64() > Some(0), "{st}");
+    }
+    let rest = Duration::from_secs(60).saturating_sub(cut_at.elapsed());
+    std::thread::sleep(rest);
+
+    step("healed, then east killed (-9) while it catches up: everything arrives once, the lag returns to 0");
+    for (_, _, p) in &proxies {
+        p.partition(false);
+    }
+    let healed = std::time::Instant::now();
+    std::thread::sleep(Duration::from_millis(300));
+    procs[0].kill9().unwrap();
+    procs[0].start().unwrap();
+    let (east, west) = (&procs[0], &procs[1]);
+    for p in [east, west] {
+        wait_replication(&p.admin_url, t, "caught up", |st| {
+            st["state"] == "connected" && st["backlog_entries"] == 0
+        });
+    }
+    eprintln!(
+        "geo: after a 60 s partition and a kill -9 of one site 0.3 s after the heal, both sites' replicators were connected with no backlog {:.1} s after the heal",
+        healed.elapsed().as_secs_f64()
+    );
+    for (site, p) in [("east", east), ("west", west)] {
+        let got = read_until(&dir, &p.url, t, 4 * N as usize, Duration::from_secs(60));
+        assert_exactly_once(&got, &ranges, site);
     }
     for p in &mut procs {
         p.stop().unwrap();

@@ -354,6 +354,11 @@ impl Dedup {
                 let Ok(entry) = Entry::parse(bytes) else {
                     continue;
                 };
+                // An entry that arrived by geo-replication carries its origin's producer name
+                // and sequence ids, which are not this site's producers'.
+                if entry.origin().ok().flatten().is_some() {
+                    continue;
+                }
                 if let Some(seq) = entry_sequence(&entry).filter(|s| !s.partial_chunk) {
                     let v = inner.persisted.entry(seq.producer).or_insert(-1);
                     *v = (*v).max(seq.highest);

@@ -569,12 +569,23 @@ impl Broker {
             compaction: compaction::Compaction::default(),
             repl_origins: tokio::sync::Mutex::new(None),
             replicators: Mutex::default(),
+            repl_closed: AtomicBool::new(false),
         });
         topic.set_policies(policies_kept).await;
-        compaction::restore(&topic).await?;
+        // A load that fails from here on closes the topic (its replicators have started).
+        if let Err(e) = compaction::restore(&topic).await {
+            topic.close().await;
+            return Err(e);
+        }
         // A load is long (log recovery, deduplication state): the ownership it began under
         // must still hold, or another broker may serve the topic now.
-        let b = self.ownership.bundle_of(name).await?;
+        let b = match self.ownership.bundle_of(name).await {
+            Ok(b) => b,
+            Err(e) => {
+                topic.close().await;
+                return Err(e);
+            }
+        };
         if self.ownership.session_id() != Some(session)
             || !self.ownership.owns(&name.namespace(), &b)
         {

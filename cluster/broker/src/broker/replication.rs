@@ -87,6 +87,97 @@ pub struct Replicator {
     mark: Arc<Mutex<Option<Position>>>,
     /// Opened yet (until then, everything counts as needed).
     opened: Arc<std::sync::atomic::AtomicBool>,
+    /// Set when its remote left the replication clusters: the cursor goes with it.
+    delete_cursor: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// What a replicator's task shares with its [`Replicator`].
+struct Handles {
+    stop: watch::Receiver<bool>,
+    status: Arc<Mutex<ReplicatorStatus>>,
+    mark: Arc<Mutex<Option<Position>>>,
+    opened: Arc<std::sync::atomic::AtomicBool>,
+    delete_cursor: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Replicator {
+    fn handles(&self) -> Handles {
+        Handles {
+            stop: self.stop.subscribe(),
+            status: Arc::clone(&self.status),
+            mark: Arc::clone(&self.mark),
+            opened: Arc::clone(&self.opened),
+            delete_cursor: Arc::clone(&self.delete_cursor),
+        }
+    }
+}
+
+async fn open_cursor(topic: &Topic, name: &str) -> Result<ManagedCursor, String> {
+    ManagedCursor::open(
+        topic.client.clone(),
+        Arc::clone(&topic.ml),
+        name,
+        InitialPosition::Earliest,
+    )
+    .await
+    .map_err(|e| e.to_string())
+}
+
+/// One replicator's task: its cursor, then the link loop until stopped; the cursor is
+/// deleted after when its remote left the replication clusters.
+async fn replicate(
+    topic: Arc<Topic>,
+    link: Arc<meridian_geo::GeoLink>,
+    remote: String,
+    partitions: u32,
+    h: Handles,
+) {
+    let cursor_name = format!("{REPL_CURSOR_PREFIX}{remote}");
+    let cursor = loop {
+        match open_cursor(&topic, &cursor_name).await {
+            Ok(c) => break c,
+            Err(e) => {
+                tracing::warn!(topic = %topic.full_name, remote, error = %e, "opening the replicator's cursor failed; trying again");
+                if *h.stop.borrow() {
+                    return;
+                }
+                tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            }
+        }
+    };
+    *h.mark.lock().expect("mark lock") = cursor.mark_delete();
+    h.opened.store(true, std::sync::atomic::Ordering::Release);
+    let mut source = TopicSource {
+        remote: remote.clone(),
+        appended: topic.appended.subscribe(),
+        topic: Arc::clone(&topic),
+        cursor,
+        cursor_name,
+        broken: false,
+        mark: h.mark,
+    };
+    let name = topic.full_name.clone();
+    tracing::info!(topic = %name, remote, "replicator started");
+    let opts = ReplicatorOptions {
+        stall_after: link.stall_after(),
+        ..ReplicatorOptions::default()
+    };
+    meridian_geo::replicator::run(
+        link,
+        remote.clone(),
+        name,
+        partitions,
+        &mut source,
+        h.status,
+        opts,
+        h.stop,
+    )
+    .await;
+    if h.delete_cursor.load(std::sync::atomic::Ordering::Acquire) {
+        if let Err(e) = source.cursor.delete().await {
+            tracing::warn!(topic = %topic.full_name, remote, error = %e, "deleting the replicator's cursor failed");
+        }
+    }
 }
 
 fn refusal(code: RefusalCode, reason: impl Into<String>) -> Refusal {
@@ -197,10 +288,16 @@ impl Topic {
             _ => 0,
         };
         let mut reps = self.replicators.lock().expect("replicators lock");
+        // A topic closed meanwhile (unloaded, deleted) starts nothing more.
+        if self.repl_closed.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         reps.retain(|remote, r| {
             let keep = want.contains(remote);
             if !keep {
-                tracing::info!(topic = %self.full_name, remote, "replication to {remote} stops (no longer in the replication clusters)");
+                tracing::info!(topic = %self.full_name, remote, "replication to {remote} stops (no longer in the replication clusters); its cursor is deleted");
+                r.delete_cursor
+                    .store(true, std::sync::atomic::Ordering::Release);
                 let _ = r.stop.send(true);
             }
             keep
@@ -209,83 +306,60 @@ impl Topic {
             if reps.contains_key(&remote) {
                 continue;
             }
-            let (stop, stop_rx) = watch::channel(false);
-            let status = Arc::new(Mutex::new(ReplicatorStatus::default()));
-            let mark = Arc::new(Mutex::new(None));
-            let opened = Arc::new(std::sync::atomic::AtomicBool::new(false));
-            let topic = Arc::clone(self);
-            let link_stall = link.stall_after();
-            let (link, st, mk, op, r) = (
+            let r = Replicator {
+                stop: watch::channel(false).0,
+                status: Arc::new(Mutex::new(ReplicatorStatus::default())),
+                mark: Arc::new(Mutex::new(None)),
+                opened: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                delete_cursor: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            };
+            tokio::spawn(replicate(
+                Arc::clone(self),
                 Arc::clone(link),
-                Arc::clone(&status),
-                Arc::clone(&mark),
-                Arc::clone(&opened),
                 remote.clone(),
-            );
-            tokio::spawn(async move {
-                let cursor_name = format!("{REPL_CURSOR_PREFIX}{r}");
-                let cursor = loop {
-                    match ManagedCursor::open(
-                        topic.client.clone(),
-                        Arc::clone(&topic.ml),
-                        &cursor_name,
-                        InitialPosition::Earliest,
-                    )
-                    .await
-                    {
-                        Ok(c) => break c,
-                        Err(e) => {
-                            tracing::warn!(topic = %topic.full_name, remote = r, error = %e, "opening the replicator's cursor failed; trying again");
-                            if *stop_rx.borrow() {
-                                return;
-                            }
-                            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
-                        }
-                    }
-                };
-                *mk.lock().expect("mark lock") = cursor.mark_delete();
-                op.store(true, std::sync::atomic::Ordering::Release);
-                let source = TopicSource {
-                    remote: r.clone(),
-                    appended: topic.appended.subscribe(),
-                    topic: Arc::clone(&topic),
-                    cursor,
-                    mark: mk,
-                };
-                let name = topic.full_name.clone();
-                tracing::info!(topic = %name, remote = r, "replicator started");
-                meridian_geo::replicator::run(
-                    link,
-                    r,
-                    name,
-                    partitions,
-                    source,
-                    st,
-                    ReplicatorOptions {
-                        stall_after: link_stall,
-                        ..ReplicatorOptions::default()
-                    },
-                    stop_rx,
-                )
-                .await;
-            });
-            reps.insert(
-                remote,
-                Replicator {
-                    stop,
-                    status,
-                    mark,
-                    opened,
-                },
-            );
+                partitions,
+                r.handles(),
+            ));
+            reps.insert(remote, r);
         }
     }
 
-    /// Stops every replicator (the topic closes).
+    /// Stops every replicator and starts none again (the topic closes).
     pub(super) fn stop_replicators(&self) {
-        for (_, r) in self.replicators.lock().expect("replicators lock").drain() {
+        let mut reps = self.replicators.lock().expect("replicators lock");
+        self.repl_closed
+            .store(true, std::sync::atomic::Ordering::Release);
+        for (_, r) in reps.drain() {
             let _ = r.stop.send(true);
         }
+    }
+
+    /// Deletes the replicators' cursors and the origins snapshot (the topic is deleted).
+    pub(super) async fn delete_replication_state(&self) -> Result<(), super::BrokerError> {
+        let prefix = format!(
+            "{}{}/",
+            meridian_storage::cursor::MANAGED_CURSORS_PREFIX,
+            self.ml.name()
+        );
+        let page = self.meta.children(&prefix, "", 0).await?;
+        for c in page
+            .children
+            .iter()
+            .filter(|c| c.starts_with(REPL_CURSOR_PREFIX))
+        {
+            let mut cursor = ManagedCursor::open(
+                self.client.clone(),
+                Arc::clone(&self.ml),
+                c,
+                InitialPosition::Earliest,
+            )
+            .await?;
+            cursor.delete().await?;
+        }
+        self.meta
+            .delete(&format!("{ORIGINS_PREFIX}{}", self.ml.name()), None)
+            .await?;
+        Ok(())
     }
 
     /// What each replicator has been acknowledged through (`None`: nothing yet, so it needs
@@ -435,6 +509,10 @@ struct TopicSource {
     remote: String,
     topic: Arc<Topic>,
     cursor: ManagedCursor,
+    cursor_name: String,
+    /// A move of the cursor failed (fenced, or the store unreachable): it is opened again
+    /// before the next session.
+    broken: bool,
     appended: watch::Receiver<Option<Position>>,
     mark: Arc<Mutex<Option<Position>>>,
 }
@@ -451,8 +529,14 @@ impl TopicSource {
 
 impl ReplicaSource for TopicSource {
     fn rewind(&mut self) -> BoxFuture<'_, Result<(), String>> {
-        self.cursor.rewind();
-        Box::pin(async { Ok(()) })
+        Box::pin(async move {
+            if self.broken {
+                self.cursor = open_cursor(&self.topic, &self.cursor_name).await?;
+                self.broken = false;
+            }
+            self.cursor.rewind();
+            Ok(())
+        })
     }
 
     fn available(&mut self, max: usize) -> BoxFuture<'_, Result<Vec<SourceEntry>, String>> {
@@ -493,10 +577,14 @@ impl ReplicaSource for TopicSource {
 
     fn done(&mut self, pos: OriginPosition) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async move {
-            self.cursor
+            if let Err(e) = self
+                .cursor
                 .ack_cumulative(Position::new(pos.ledger, pos.entry))
                 .await
-                .map_err(|e| format!("moving the replicator's cursor: {e}"))?;
+            {
+                self.broken = true;
+                return Err(format!("moving the replicator's cursor: {e}"));
+            }
             *self.mark.lock().expect("mark lock") = self.cursor.mark_delete();
             Ok(())
         })
@@ -548,9 +636,12 @@ impl ReplicaSink for GeoSink {
             if partitions > 0 {
                 let parent = name
                     .parent()
-                    .filter(|_| name.partition().is_some())
+                    .filter(|_| name.partition().is_some_and(|i| i < partitions))
                     .ok_or_else(|| {
-                        refusal(RefusalCode::Protocol, format!("{topic} is not a partition"))
+                        refusal(
+                            RefusalCode::Protocol,
+                            format!("{topic} is not a partition of a topic of {partitions}"),
+                        )
                     })?;
                 match broker.partitions_of(&parent).await.map_err(retry)? {
                     Some((n, _)) if n == partitions => {}
@@ -598,10 +689,18 @@ impl ReplicaTopic for Incoming {
     ) -> BoxFuture<'_, Result<Option<OriginPosition>, Refusal>> {
         Box::pin(async move {
             let t = &self.topic;
+            if t.repl_closed.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(refusal(
+                    RefusalCode::Retry,
+                    format!("{} is no longer served here", t.full_name),
+                ));
+            }
             let mut g = t.repl_origins.lock().await;
             let origins = t.origins(&mut g).await?;
             let held = origins.highest(&self.origin);
-            let mut pending = Vec::new();
+            // Every entry is checked before any is appended: a bad one refuses the frame whole.
+            let mut checked = Vec::new();
+            let mut before = held;
             for item in entries {
                 if held.is_some_and(|h| item.at <= h) {
                     continue; // already appended: a range sent again
@@ -615,6 +714,10 @@ impl ReplicaTopic for Incoming {
                         ),
                     )
                 };
+                if before.is_some_and(|b| item.at <= b) {
+                    return Err(bad("is not after the entry before it"));
+                }
+                before = Some(item.at);
                 let entry = Entry::parse(item.bytes.clone()).map_err(|e| bad(&e.to_string()))?;
                 if !entry.verify() {
                     return Err(bad("fails its checksum"));
@@ -629,25 +732,47 @@ impl ReplicaTopic for Incoming {
                     entry_id: item.at.entry,
                 });
                 let messages = u64::from(meridian_protocol::entry::message_count(&meta));
+                checked.push((stored, item.at, messages));
+            }
+            // Appended in order; after a failure, those submitted before it are waited for and
+            // recorded, so a resend drops what did land.
+            let mut pending = Vec::new();
+            let mut failed = None;
+            for (stored, at, messages) in checked {
                 let bytes = stored.as_bytes().len() as u64;
-                let pa =
-                    t.ml.append_queued(stored.into_bytes())
-                        .await
-                        .map_err(append_refusal)?;
-                pending.push((pa, item.at, messages, bytes));
+                match t.ml.append_queued(stored.into_bytes()).await {
+                    Ok(pa) => pending.push((pa, at, messages, bytes)),
+                    Err(e) => {
+                        failed = Some(append_refusal(e));
+                        break;
+                    }
+                }
             }
             let mut last_local = None;
             for (pa, at, messages, bytes) in pending {
-                let pos = pa.wait().await.map_err(append_refusal)?;
-                t.on_appended(pos, messages, bytes);
-                origins.observe(&self.origin, at);
-                last_local = Some(pos);
+                match pa.wait().await {
+                    Ok(pos) if failed.is_none() => {
+                        t.on_appended(pos, messages, bytes);
+                        origins.observe(&self.origin, at);
+                        last_local = Some(pos);
+                    }
+                    // Durable after an earlier one failed: not recorded, since the highest
+                    // position held must not pass the entry that is missing (it is sent
+                    // again, and this one with it).
+                    Ok(pos) => t.on_appended(pos, messages, bytes),
+                    Err(e) => {
+                        failed.get_or_insert(append_refusal(e));
+                    }
+                }
             }
             if let Some(p) = last_local {
                 origins.snap.at = Some((p.ledger_id, p.entry_id));
                 t.save_origins(origins).await;
             }
-            Ok(origins.highest(&self.origin))
+            match failed {
+                Some(r) => Err(r),
+                None => Ok(origins.highest(&self.origin)),
+            }
         })
     }
 }

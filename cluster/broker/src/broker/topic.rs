@@ -68,6 +68,8 @@ pub struct Topic {
     pub(super) repl_origins: tokio::sync::Mutex<Option<super::replication::Origins>>,
     /// Replicators to other sites, by remote site.
     pub(super) replicators: Mutex<HashMap<String, super::replication::Replicator>>,
+    /// Closed: no replicator starts, no replicated entry is taken.
+    pub(super) repl_closed: AtomicBool,
 }
 
 /// Rate limits over all of a namespace's topics on this broker.
@@ -157,6 +159,18 @@ impl Topic {
         req: SubscribeRequest,
         sink: ConsumerSink,
     ) -> Result<Arc<Subscription>, BrokerError> {
+        if req
+            .subscription
+            .starts_with(super::replication::REPL_CURSOR_PREFIX)
+        {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!(
+                    "subscription names beginning {} are the replicators' cursors; choose another name",
+                    super::replication::REPL_CURSOR_PREFIX
+                ),
+            ));
+        }
         if req.subscription == compaction::COMPACTION_SUBSCRIPTION {
             return Err(BrokerError::new(
                 ServerError::NotAllowedError,
@@ -273,6 +287,12 @@ impl Topic {
         self: &Arc<Self>,
         name: &str,
     ) -> Result<Arc<Subscription>, BrokerError> {
+        if name.starts_with(super::replication::REPL_CURSOR_PREFIX) {
+            return Err(BrokerError::new(
+                ServerError::SubscriptionNotFound,
+                format!("{name} is a replicator's cursor, not a subscription"),
+            ));
+        }
         if let Some(s) = self
             .subscriptions
             .lock()
@@ -319,7 +339,12 @@ impl Topic {
         loop {
             let page = self.meta.children(&prefix, &after, 0).await?;
             for c in &page.children {
-                out.push(crate::topic_name::unescape(c));
+                let name = crate::topic_name::unescape(c);
+                // Replicators' cursors are not subscriptions: no policy, admin call or client
+                // may move them (`replication.rs`).
+                if !name.starts_with(super::replication::REPL_CURSOR_PREFIX) {
+                    out.push(name);
+                }
             }
             match page.children.last() {
                 Some(last) if page.more => after = last.clone(),
@@ -480,6 +505,8 @@ impl Topic {
     pub(super) async fn delete(self: &Arc<Self>) -> Result<(), BrokerError> {
         self.producers.fence_all();
         self.compaction.stop();
+        self.stop_replicators();
+        self.delete_replication_state().await?;
         for name in self.durable_subscriptions().await? {
             self.subscription_for_admin(&name)
                 .await?
