@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+pub mod geo_sites;
 pub mod powercut;
 pub mod raw;
 pub mod udp_proxy;

@@ -8,7 +8,8 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use meridian_config::GeoConfig;
 use meridian_geo::{GeoLink, LinkError, SiteDirectory};
-use meridian_integration::udp_proxy::{Faults, UdpProxy};
+use meridian_integration::geo_sites::{admin_ok, geo_flags, mesh_with};
+use meridian_integration::udp_proxy::Faults;
 use meridian_integration::{admin_json, run_admin, step, StandaloneProc};
 
 struct KnowsAll;
@@ -17,28 +18,6 @@ impl SiteDirectory for KnowsAll {
     fn knows<'a>(&'a self, _: &'a str) -> BoxFuture<'a, Result<bool, String>> {
         Box::pin(async { Ok(true) })
     }
-}
-
-fn admin_ok(args: &[&str]) -> String {
-    let (code, out, err) = run_admin(args).expect("meridian-admin runs");
-    assert_eq!(code, 0, "meridian-admin {args:?}: {out}{err}");
-    out
-}
-
-fn geo_flags(site: &str, pki: &std::path::Path, listen: &str) -> Vec<String> {
-    let p = |f: &str| pki.join(f).display().to_string();
-    vec![
-        "--cluster".into(),
-        site.into(),
-        "--geo-listen".into(),
-        listen.into(),
-        "--geo-cert".into(),
-        p(&format!("{site}.crt")),
-        "--geo-key".into(),
-        p(&format!("{site}.key")),
-        "--geo-ca".into(),
-        p("ca.crt"),
-    ]
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -321,94 +300,10 @@ fn two_sites_with(env: &[(&str, &str)]) -> TwoSites {
     TwoSites { root, east, west }
 }
 
-/// Sites named `names`, each a standalone with a geo link, each knowing every other, sharing
-/// tenant `acme` with namespace `acme/g` replicated between all of them.
+/// Sites that know each other (no proxies).
 fn mesh(names: &[&str], env: &[(&str, &str)]) -> (tempfile::TempDir, Vec<StandaloneProc>) {
     let (root, procs, _) = mesh_with(names, env, false);
     (root, procs)
-}
-
-/// Links between two sites, each through a proxy the test controls: `[(from, to, proxy)]`.
-type Proxies = Vec<(usize, usize, UdpProxy)>;
-
-/// [`mesh`], with each site's record of every other pointing at a proxy toward it when
-/// `proxied`.
-fn mesh_with(
-    names: &[&str],
-    env: &[(&str, &str)],
-    proxied: bool,
-) -> (tempfile::TempDir, Vec<StandaloneProc>, Proxies) {
-    let root = tempfile::tempdir().unwrap();
-    let pki = root.path().join("pki");
-    let d = pki.display().to_string();
-    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
-    let mut procs = Vec::new();
-    for site in names {
-        admin_ok(&[
-            "geo",
-            "create-site-cert",
-            site,
-            "--ca-dir",
-            &d,
-            "--out-dir",
-            &d,
-        ]);
-        let dir = root.path().join(site);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut s = StandaloneProc::new(&dir);
-        let listen = format!("127.0.0.1:{}", meridian_integration::free_port());
-        s.keep_ports()
-            .args(
-                &geo_flags(site, &pki, &listen)
-                    .iter()
-                    .map(String::as_str)
-                    .collect::<Vec<_>>(),
-            )
-            .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
-        for (k, v) in env {
-            s.env(k, v);
-        }
-        s.start().unwrap();
-        procs.push(s);
-    }
-    let all = names.join(",");
-    let mut proxies = Vec::new();
-    for (h, here) in procs.iter().enumerate() {
-        let a = |args: &[&str]| {
-            let mut all = vec!["--admin-url", here.admin_url.as_str()];
-            all.extend_from_slice(args);
-            admin_ok(&all)
-        };
-        for (o, (other, name)) in procs.iter().zip(names).enumerate() {
-            if o == h {
-                continue;
-            }
-            let real = other.geo_url.clone().unwrap();
-            let geo_url = if proxied {
-                let upstream = real.trim_start_matches("quic://").parse().unwrap();
-                let p = UdpProxy::start(upstream);
-                let url = format!("quic://{}", p.addr);
-                proxies.push((h, o, p));
-                url
-            } else {
-                real
-            };
-            a(&[
-                "clusters",
-                "create",
-                name,
-                "--broker-url",
-                &other.url,
-                "--url",
-                &other.admin_url,
-                "--geo-url",
-                &geo_url,
-            ]);
-        }
-        a(&["tenants", "create", "acme", "--allowed-clusters", &all]);
-        a(&["namespaces", "create", "acme/g", "--clusters", &all]);
-    }
-    (root, procs, proxies)
 }
 
 /// Reads `topic` at `url` from the earliest message until it holds `want` messages (or
@@ -840,7 +735,7 @@ fn given_a_partition_and_a_lossy_link_then_every_message_arrives_once_and_the_la
         "the proxies dropped nothing: the test proves nothing"
     );
 
-    step("a partition of 60 s: both sites take writes and admin changes while cut off");
+    step("a partition of 60 s: both sites take writes and admin changes (a TTL of 5 s, far shorter than the partition: it must not expire what is unreplicated) while cut off");
     for (_, _, p) in &proxies {
         p.partition(true);
     }
@@ -858,7 +753,7 @@ fn given_a_partition_and_a_lossy_link_then_every_message_arrives_once_and_the_la
             "set-message-ttl",
             "acme/g",
             "--ttl",
-            "3600",
+            "5",
         ]);
         let st = wait_replication(&p.admin_url, t, "cut off", |st| {
             st["state"] == "disconnected" && st["backlog_entries"].as_u64() > Some(0)

@@ -165,6 +165,10 @@ pub struct E2eArgs {
     /// Consumers per topic, each on its own connection.
     #[arg(long, default_value_t = 1)]
     consumers: usize,
+    /// Consume at this broker instead of --url's: another site's, to measure geo-replication
+    /// (publish at one site to delivery at the other).
+    #[arg(long)]
+    consume_url: Option<String>,
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1097,8 +1101,12 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
     let consumed = Arc::new(Counters::default());
     let e2e_latency = Arc::new(Recorder::new());
     print_broker_memory(&p.common, "at the start");
+    let mut consume_at = p.common.clone();
+    if let Some(url) = &a.consume_url {
+        consume_at.url = url.clone();
+    }
     let tasks = spawn_consumers(
-        &p.common,
+        &consume_at,
         &a.subscription,
         a.subscription_type,
         a.consumers,

@@ -1,0 +1,193 @@
+//! Geo-replication measured on loopback with mutual TLS: two sites (standalones with geo
+//! links, `meridian_integration::geo_sites`), 1 KiB messages, batched, one run.
+//!
+//! 1. local: `meridian perf produce` at site A to a namespace that is not replicated, as fast
+//!    as it goes: the site's own maximum publish rate in this run;
+//! 2. replicated: `meridian perf e2e --url A --consume-url B` as fast as it goes to a
+//!    replicated topic: what B delivers per second is the replication throughput, beside 1;
+//! 3. lag: the same at a fixed rate (10,000 msg/s by default): the end-to-end latency, publish
+//!    at A to delivery at B, is the replication lag plus B's dispatch;
+//! 4. backlog: B paused (SIGSTOP) while A takes `BACKLOG` unbatched messages (one entry each),
+//!    then resumed: the time until A's replicator sends again and until its backlog is 0, and
+//!    the drain rate in entries per second.
+//!
+//! `MERIDIAN_BIN=target/release/meridian MERIDIAN_ADMIN_BIN=target/release/meridian-admin
+//! cargo run --release -p meridian-integration --bin geo-bench -- [SECONDS] [LAG_RATE]
+//! [BACKLOG]` (defaults 20, 10000, 1000000).
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use meridian_integration::geo_sites::{admin_ok, mesh_with};
+use meridian_integration::{admin_json, meridian_bin};
+
+/// Runs `meridian perf ARGS`, prints its summary lines, returns its output.
+fn perf(label: &str, args: &[&str]) -> anyhow::Result<String> {
+    let out = Command::new(meridian_bin())
+        .arg("perf")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    anyhow::ensure!(
+        out.status.success(),
+        "perf {label}: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for line in text.lines().filter(|l| l.starts_with("summary")) {
+        println!("{label}: {line}");
+    }
+    Ok(text)
+}
+
+/// The msg/s of the summary line of `label` (`summary produce: ... = N msg/s`).
+fn rate_of(text: &str, label: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(&format!("summary {label}:")))
+        .and_then(|l| l.split(" = ").nth(1))
+        .and_then(|x| x.split_whitespace().next())
+        .and_then(|x| x.parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn backlog_at(admin_url: &str, topic: &str) -> Option<u64> {
+    admin_json(admin_url, &["topics", "stats", topic])["replication"][0]["backlog_entries"].as_u64()
+}
+
+fn signal(pid: u32, sig: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()?
+        .success());
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args: Vec<u64> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse().expect("numbers: SECONDS LAG_RATE BACKLOG"))
+        .collect();
+    let seconds = args.first().copied().unwrap_or(20).to_string();
+    let lag_rate = args.get(1).copied().unwrap_or(10_000).to_string();
+    let backlog = args.get(2).copied().unwrap_or(1_000_000);
+
+    let (_root, sites, _) = mesh_with(&["a", "b"], &[], false);
+    let (a, b) = (&sites[0], &sites[1]);
+    for s in [a, b] {
+        admin_ok(&[
+            "--admin-url",
+            &s.admin_url,
+            "namespaces",
+            "create",
+            "acme/local",
+        ]);
+    }
+    let common = |topic: &str| -> Vec<String> {
+        [
+            "--topic",
+            topic,
+            "--size",
+            "1024",
+            "--seconds",
+            &seconds,
+            "--warmup-seconds",
+            "3",
+            "--report-every",
+            "60",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    };
+    let run = |label: &str, kind: &str, extra: &[&str], topic: &str| {
+        let mut v: Vec<String> = vec![kind.to_string(), "--url".into(), a.url.clone()];
+        v.extend(extra.iter().map(|s| s.to_string()));
+        v.extend(common(topic));
+        let refs: Vec<&str> = v.iter().map(String::as_str).collect();
+        perf(label, &refs)
+    };
+
+    println!("geo-bench: two sites on loopback, mutual TLS on the link, 1 KiB messages batched");
+    let local = run("local", "produce", &[], "persistent://acme/local/max")?;
+    let consume_b = ["--consume-url", b.url.as_str()];
+    let repl = run("replicated", "e2e", &consume_b, "persistent://acme/g/max")?;
+    let (l, r) = (rate_of(&local, "produce"), rate_of(&repl, "consume"));
+    println!(
+        "replication throughput: {r:.0} msg/s delivered at B, {:.0}% of A's local maximum of {l:.0} msg/s",
+        100.0 * r / l.max(1.0)
+    );
+    let mut extra = consume_b.to_vec();
+    extra.extend(["--rate", lag_rate.as_str()]);
+    run("lag", "e2e", &extra, "persistent://acme/g/lag")?;
+
+    // Backlog: B paused, A takes BACKLOG one-message entries, B resumed.
+    let topic = "persistent://acme/g/backlog";
+    let bpid = b.pid().expect("running");
+    // The topic and its replicator first, then the pause.
+    perf(
+        "backlog-warm",
+        &[
+            "produce",
+            "--url",
+            &a.url,
+            "--topic",
+            topic,
+            "--messages",
+            "10",
+            "--seconds",
+            "0",
+            "--batch-max-messages",
+            "1",
+            "--report-every",
+            "60",
+        ],
+    )?;
+    signal(bpid, "-STOP")?;
+    let n = backlog.to_string();
+    perf(
+        "backlog-fill",
+        &[
+            "produce",
+            "--url",
+            &a.url,
+            "--topic",
+            topic,
+            "--messages",
+            &n,
+            "--seconds",
+            "0",
+            "--batch-max-messages",
+            "1",
+            "--size",
+            "1024",
+            "--report-every",
+            "60",
+        ],
+    )?;
+    let filled = backlog_at(&a.admin_url, topic).unwrap_or(0);
+    signal(bpid, "-CONT")?;
+    let resumed = Instant::now();
+    let mut first_progress = None;
+    loop {
+        let left = backlog_at(&a.admin_url, topic).unwrap_or(filled);
+        if first_progress.is_none() && left < filled {
+            first_progress = Some(resumed.elapsed());
+        }
+        if left == 0 {
+            break;
+        }
+        anyhow::ensure!(
+            resumed.elapsed() < Duration::from_secs(600),
+            "the backlog did not drain in 10 minutes ({left} left)"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let drained = resumed.elapsed();
+    println!(
+        "backlog: {filled} entries held while B was paused; after resuming, traffic again in {:.2} s, drained in {:.1} s = {:.0} entries/s",
+        first_progress.unwrap_or_default().as_secs_f64(),
+        drained.as_secs_f64(),
+        filled as f64 / drained.as_secs_f64()
+    );
+    Ok(())
+}
