@@ -45,6 +45,12 @@ pub trait ReplicaSource: Send + 'static {
     fn wait_for_more(&mut self) -> BoxFuture<'_, ()>;
     /// Everything up to `pos` is done: the remote holds it, or it is not to be sent.
     fn done(&mut self, pos: OriginPosition) -> BoxFuture<'_, Result<(), String>>;
+    /// Called before each attempt to connect (so at least every back-off while the remote
+    /// is unreachable): the source applies what it was asked meanwhile, such as dropping
+    /// its oldest entries under a replication backlog quota.
+    fn settle(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async {})
+    }
 }
 
 /// What a replicator is doing, for stats.
@@ -146,6 +152,7 @@ pub async fn run(
         if *stop.borrow() {
             return;
         }
+        source.settle().await;
         let started = Instant::now();
         let outcome = tokio::select! {
             r = session(&link, &remote, &topic, partitions, source, &status, &opts) => r,

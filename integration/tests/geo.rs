@@ -789,3 +789,174 @@ fn given_a_partition_and_a_lossy_link_then_every_message_arrives_once_and_the_la
         p.stop().unwrap();
     }
 }
+
+#[test]
+fn given_a_replication_backlog_quota_then_producers_are_refused_or_the_oldest_are_dropped_and_counted(
+) {
+    let (root, mut procs, proxies) = mesh_with(&["east", "west"], &[], true);
+    let dir = root.path().to_path_buf();
+    let (east, west) = (&procs[0], &procs[1]);
+    let (held, dropped) = ("persistent://acme/g/held", "persistent://acme/g/dropped");
+    let sync_produce = |name: &str, topic: &str, count: u64, start: u64| {
+        let (count, start) = (count.to_string(), start.to_string());
+        let mut p = meridian_integration::PyClient::run(
+            &dir,
+            name,
+            &[
+                "produce", &east.url, topic, "--count", &count, "--start", &start, "--sync",
+            ],
+        );
+        // A producer refused part-way ends with an error: what it had acknowledged counts.
+        let _ = p.finish(Duration::from_secs(120));
+        p.ints("acked")
+    };
+
+    step("a policy that is not one of the replication quota's is refused, naming them");
+    let err = admin_refused(
+        &east.admin_url,
+        &[
+            "namespaces",
+            "set-replication-backlog-quota",
+            "acme/g",
+            "--limit-size",
+            "2K",
+            "--policy",
+            "consumer_backlog_eviction",
+        ],
+        "InvalidArgument",
+    );
+    assert!(err.contains("drop_oldest"), "{err}");
+
+    step(
+        "both topics replicate; then the sites are cut apart and each topic gets a quota of 2 KiB",
+    );
+    for t in [held, dropped] {
+        assert_eq!(sync_produce("warm", t, 10, 0).len(), 10);
+        let got = read_until(&dir, &west.url, t, 10, Duration::from_secs(60));
+        assert_exactly_once(&got, std::slice::from_ref(&(0..10)), "west");
+    }
+    for (_, _, p) in &proxies {
+        p.partition(true);
+    }
+    for (t, policy) in [(held, "producer_exception"), (dropped, "drop_oldest")] {
+        admin_ok(&[
+            "--admin-url",
+            &east.admin_url,
+            "topics",
+            "set-replication-backlog-quota",
+            t,
+            "--limit-size",
+            "2K",
+            "--policy",
+            policy,
+        ]);
+        let q = admin_json(
+            &east.admin_url,
+            &["topics", "get-replication-backlog-quota", t],
+        );
+        assert_eq!(q["policy"], policy, "{q}");
+        assert_eq!(q["limit_size_bytes"], 2048, "{q}");
+    }
+
+    step("producer_exception: past the quota a producer is refused at once, and the stats say why");
+    let acked_held = sync_produce("held1", held, 200, 1000);
+    assert!(!acked_held.is_empty());
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let st = admin_json(&east.admin_url, &["topics", "stats", held]);
+        if st["backlog_quota_exceeded"]
+            .as_str()
+            .is_some_and(|d| d.contains("replication to west"))
+        {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{st}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let mut p = meridian_integration::PyClient::run(
+        &dir,
+        "held2",
+        &["produce", &east.url, held, "--count", "1"],
+    );
+    let lines = p.finish(Duration::from_secs(60)).unwrap();
+    let why = lines
+        .iter()
+        .find_map(|v| v["create_failed"].as_str())
+        .expect("refused");
+    assert!(
+        why.contains("ProducerBlockedQuotaExceededException"),
+        "{why}"
+    );
+
+    step("drop_oldest: the oldest unreplicated entries are dropped (counted), producers go on");
+    let acked_dropped = sync_produce("dropped1", dropped, 200, 1000);
+    assert_eq!(acked_dropped.len(), 200);
+    let st = wait_replication(&east.admin_url, dropped, "entries dropped", |st| {
+        st["dropped_entries"].as_u64() > Some(0) && st["state"] != "connected"
+    });
+    eprintln!("geo: drop_oldest under a 2 KiB replication quota: {st}");
+
+    step("healed: what was kept arrives once, the dropped entries never, and producers are let in again");
+    for (_, _, p) in &proxies {
+        p.partition(false);
+    }
+    for t in [held, dropped] {
+        wait_replication(&east.admin_url, t, "caught up", |st| {
+            st["state"] == "connected" && st["backlog_entries"] == 0
+        });
+    }
+    // Every acknowledged send is stored; the one a refusal cut short may be too (its client
+    // saw an error): west holds exactly what east holds.
+    let n = acked_held.len() as u64;
+    let at_east = read_until(
+        &dir,
+        &east.url,
+        held,
+        10 + n as usize,
+        Duration::from_secs(60),
+    );
+    let m = at_east.len() as u64 - 10;
+    assert!(m == n || m == n + 1, "{n} acknowledged, {m} stored");
+    assert_exactly_once(&at_east, &[0..10, 1000..1000 + m], "east (held)");
+    let got = read_until(
+        &dir,
+        &west.url,
+        held,
+        10 + m as usize,
+        Duration::from_secs(60),
+    );
+    assert_exactly_once(&got, &[0..10, 1000..1000 + m], "west (held)");
+    let st = replication_of(&east.admin_url, dropped).remove(0);
+    let lost = st["dropped_entries"].as_u64().unwrap();
+    assert!((1..200).contains(&lost), "{st}");
+    let got = read_until(
+        &dir,
+        &west.url,
+        dropped,
+        10 + 200 - lost as usize,
+        Duration::from_secs(60),
+    );
+    assert_exactly_once(&got, &[0..10, 1000 + lost..1200], "west (dropped)");
+    let page = meridian_integration::http_get(&east.http, "/metrics");
+    assert!(
+        meridian_integration::metric_value(
+            &page,
+            "meridian_replication_dropped_entries_total{remote=\"west\"}"
+        ) >= lost as f64,
+        "{page}"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !admin_json(&east.admin_url, &["topics", "stats", held])["backlog_quota_exceeded"]
+        .is_null()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the quota did not clear"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(sync_produce("held3", held, 1, 5000), vec![5000]);
+    for p in &mut procs {
+        p.stop().unwrap();
+    }
+}

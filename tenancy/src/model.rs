@@ -147,6 +147,11 @@ pub struct NamespacePolicies {
     /// be among the tenant's allowed clusters (checked by the store).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replication_clusters: Option<Vec<String>>,
+    /// How large and how old a topic's unreplicated backlog to any one remote site may grow,
+    /// and what happens then (policy one of [`REPLICATION_BACKLOG_QUOTA_POLICIES`]); none set:
+    /// no bound (nothing unreplicated is ever dropped).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replication_backlog_quota: Option<BacklogQuota>,
     /// Roles granted `produce` and/or `consume` in the namespace (with authentication on).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub permissions: std::collections::BTreeMap<String, Vec<String>>,
@@ -229,6 +234,12 @@ pub const BACKLOG_QUOTA_POLICIES: &[&str] = &[
     "consumer_backlog_eviction",
 ];
 
+/// What a passed replication backlog quota does: producers wait (their sends are refused
+/// with a retriable error) or are refused, or the oldest unreplicated entries are no longer
+/// sent to that remote (counted as dropped).
+pub const REPLICATION_BACKLOG_QUOTA_POLICIES: &[&str] =
+    &["producer_request_hold", "producer_exception", "drop_oldest"];
+
 /// The schema compatibility strategies (Pulsar's names).
 pub const SCHEMA_STRATEGIES: &[&str] = &[
     "ALWAYS_COMPATIBLE",
@@ -260,6 +271,7 @@ pub const POLICY_FIELDS: &[&str] = &[
     "compaction_threshold",
     "bookie_affinity_group",
     "replication_clusters",
+    "replication_backlog_quota",
 ];
 
 impl NamespacePolicies {
@@ -324,16 +336,24 @@ impl NamespacePolicies {
                 }
             }
         }
-        if let Some(q) = &self.backlog_quota {
-            if !BACKLOG_QUOTA_POLICIES.contains(&q.policy.as_str()) {
+        for (what, quota, accepted) in [
+            ("backlog quota", &self.backlog_quota, BACKLOG_QUOTA_POLICIES),
+            (
+                "replication backlog quota",
+                &self.replication_backlog_quota,
+                REPLICATION_BACKLOG_QUOTA_POLICIES,
+            ),
+        ] {
+            let Some(q) = quota else { continue };
+            if !accepted.contains(&q.policy.as_str()) {
                 return Err(format!(
-                    "backlog quota policy {:?} is not one of {}",
+                    "{what} policy {:?} is not one of {}",
                     q.policy,
-                    BACKLOG_QUOTA_POLICIES.join(", ")
+                    accepted.join(", ")
                 ));
             }
             if q.limit_size_bytes == 0 && q.limit_time_seconds == 0 {
-                return Err("a backlog quota needs a size limit, a time limit or both".into());
+                return Err(format!("a {what} needs a size limit, a time limit or both"));
             }
         }
         for (name, r) in [
@@ -468,6 +488,9 @@ impl NamespacePolicies {
         if set.replication_clusters.is_some() {
             p.replication_clusters = set.replication_clusters.clone();
         }
+        if set.replication_backlog_quota.is_some() {
+            p.replication_backlog_quota = set.replication_backlog_quota.clone();
+        }
     }
 
     /// Applies `set` (its present fields) and then removes the fields named in `clear`.
@@ -493,6 +516,7 @@ impl NamespacePolicies {
                 "compaction_threshold" => p.compaction_threshold = None,
                 "bookie_affinity_group" => p.bookie_affinity_group = None,
                 "replication_clusters" => p.replication_clusters = None,
+                "replication_backlog_quota" => p.replication_backlog_quota = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",
@@ -560,6 +584,46 @@ mod tests {
         assert_eq!(split_namespace("acme/orders").unwrap(), ("acme", "orders"));
         assert!(split_namespace("acme").is_err());
         assert!(split_namespace("acme/or/ders").is_err());
+    }
+
+    #[test]
+    fn given_a_replication_backlog_quota_then_its_own_policies_and_a_limit_are_required() {
+        let q = |policy: &str, size: u64, secs: u64| NamespacePolicies {
+            replication_backlog_quota: Some(BacklogQuota {
+                limit_size_bytes: size,
+                limit_time_seconds: secs,
+                policy: policy.into(),
+            }),
+            ..Default::default()
+        };
+        let err = q("consumer_backlog_eviction", 1, 0).validate().unwrap_err();
+        assert!(err.contains("replication backlog quota"), "{err}");
+        assert!(err.contains("drop_oldest"), "{err}");
+        assert!(q("drop_oldest", 0, 0)
+            .validate()
+            .unwrap_err()
+            .contains("size limit, a time limit or both"));
+        assert!(q("drop_oldest", 0, 60).validate().is_ok());
+        let p = NamespacePolicies::default()
+            .updated(&q("producer_exception", 1 << 20, 0), &[])
+            .unwrap();
+        assert_eq!(
+            p.replication_backlog_quota.as_ref().unwrap().policy,
+            "producer_exception"
+        );
+        let cleared = p
+            .updated(
+                &NamespacePolicies::default(),
+                &["replication_backlog_quota".to_string()],
+            )
+            .unwrap();
+        assert!(cleared.replication_backlog_quota.is_none());
+        // The subscriptions' quota does not take the replication quota's policy.
+        let sub = NamespacePolicies {
+            backlog_quota: q("drop_oldest", 1, 0).replication_backlog_quota,
+            ..Default::default()
+        };
+        assert!(sub.validate().unwrap_err().contains("backlog quota policy"));
     }
 
     #[test]

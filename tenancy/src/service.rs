@@ -321,11 +321,8 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
         max_producers_per_topic: p.max_producers_per_topic,
         max_consumers_per_topic: p.max_consumers_per_topic,
         max_subscriptions_per_topic: p.max_subscriptions_per_topic,
-        backlog_quota: p.backlog_quota.map(|q| crate::model::BacklogQuota {
-            limit_size_bytes: q.limit_size_bytes,
-            limit_time_seconds: q.limit_time_seconds,
-            policy: q.policy,
-        }),
+        backlog_quota: p.backlog_quota.map(quota_from),
+        replication_backlog_quota: p.replication_backlog_quota.map(quota_from),
         retention: p.retention.map(|r| crate::model::Retention {
             time_minutes: r.time_minutes,
             size_mb: r.size_mb,
@@ -344,6 +341,22 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
             }),
         replication_clusters: p.replication_clusters.map(|c| c.names),
         permissions: Default::default(),
+    }
+}
+
+fn quota_from(q: crate::pb::BacklogQuota) -> crate::model::BacklogQuota {
+    crate::model::BacklogQuota {
+        limit_size_bytes: q.limit_size_bytes,
+        limit_time_seconds: q.limit_time_seconds,
+        policy: q.policy,
+    }
+}
+
+fn quota_to(q: &crate::model::BacklogQuota) -> crate::pb::BacklogQuota {
+    crate::pb::BacklogQuota {
+        limit_size_bytes: q.limit_size_bytes,
+        limit_time_seconds: q.limit_time_seconds,
+        policy: q.policy.clone(),
     }
 }
 
@@ -370,11 +383,8 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
         max_producers_per_topic: p.max_producers_per_topic,
         max_consumers_per_topic: p.max_consumers_per_topic,
         max_subscriptions_per_topic: p.max_subscriptions_per_topic,
-        backlog_quota: p.backlog_quota.as_ref().map(|q| crate::pb::BacklogQuota {
-            limit_size_bytes: q.limit_size_bytes,
-            limit_time_seconds: q.limit_time_seconds,
-            policy: q.policy.clone(),
-        }),
+        backlog_quota: p.backlog_quota.as_ref().map(quota_to),
+        replication_backlog_quota: p.replication_backlog_quota.as_ref().map(quota_to),
         retention: p.retention.as_ref().map(|r| crate::pb::Retention {
             time_minutes: r.time_minutes,
             size_mb: r.size_mb,

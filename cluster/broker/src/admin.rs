@@ -66,6 +66,7 @@ fn to_pb(s: TopicStats, terminated: bool, t: &Topic) -> pb::TopicStats {
                 oldest_unreplicated_age_ms: r.oldest_unreplicated_age_ms,
                 last_acked: r.last_acked,
                 entries_acked: r.entries_acked,
+                dropped_entries: r.dropped_entries,
             })
             .collect(),
         subscriptions: s

@@ -589,6 +589,31 @@ enum PolicyCmd {
         #[arg(value_name = "TARGET")]
         namespace: String,
     },
+    /// Bounds a topic's unreplicated backlog to each remote site by size and/or age (none set:
+    /// no bound, nothing unreplicated is ever dropped); the policy says what happens when one
+    /// is passed: producers wait, producers are refused, or the oldest unreplicated entries
+    /// are not sent to that remote (counted in `topics stats`).
+    SetReplicationBacklogQuota {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        /// Bytes, or with K, M, G, T (powers of 1024), e.g. 10G.
+        #[arg(long)]
+        limit_size: Option<String>,
+        /// Seconds, or with s, m, h, d, e.g. 6h.
+        #[arg(long)]
+        limit_time: Option<String>,
+        /// producer_request_hold, producer_exception or drop_oldest.
+        #[arg(long)]
+        policy: String,
+    },
+    GetReplicationBacklogQuota {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    RemoveReplicationBacklogQuota {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
     GetMessageTtl {
         #[arg(value_name = "TARGET")]
         namespace: String,
@@ -1180,7 +1205,8 @@ fn replication_json(r: &ReplicationStats) -> Value {
     json!({"remote": r.remote, "state": r.state, "reason": r.reason, "since_ms": r.since_ms,
         "backlog_entries": r.backlog_entries,
         "oldest_unreplicated_age_ms": r.oldest_unreplicated_age_ms,
-        "last_acked": r.last_acked, "entries_acked": r.entries_acked})
+        "last_acked": r.last_acked, "entries_acked": r.entries_acked,
+        "dropped_entries": r.dropped_entries})
 }
 
 fn replication_line(r: &ReplicationStats) -> String {
@@ -1193,6 +1219,12 @@ fn replication_line(r: &ReplicationStats) -> String {
         if r.last_acked.is_empty() { "none" } else { &r.last_acked },
         r.entries_acked
     );
+    if r.dropped_entries > 0 {
+        line.push_str(&format!(
+            ", {} entries dropped by the replication backlog quota",
+            r.dropped_entries
+        ));
+    }
     if !r.reason.is_empty() {
         line.push_str(&format!(" ({})", r.reason));
     }
@@ -1714,6 +1746,7 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "compaction_threshold": p.compaction_threshold,
         "bookie_affinity_group": p.bookie_affinity_group.as_ref().map(|g| json!({"primary": g.primary, "secondary": g.secondary})),
         "replication_clusters": p.replication_clusters.as_ref().map(|c| &c.names),
+        "replication_backlog_quota": p.replication_backlog_quota.as_ref().map(quota_json),
     })
 }
 
@@ -2009,30 +2042,14 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
             limit_size,
             limit_time,
             policy,
-        } => {
-            let size = limit_size
-                .as_deref()
-                .map(parse_size)
-                .transpose()?
-                .unwrap_or(0);
-            let time = limit_time
-                .as_deref()
-                .map(parse_duration_s)
-                .transpose()?
-                .unwrap_or(0);
-            update(
-                namespace,
-                NamespacePolicies {
-                    backlog_quota: Some(BacklogQuota {
-                        limit_size_bytes: size,
-                        limit_time_seconds: time,
-                        policy,
-                    }),
-                    ..Default::default()
-                },
-                vec![],
-            )
-        }
+        } => update(
+            namespace,
+            NamespacePolicies {
+                backlog_quota: Some(backlog_quota(limit_size, limit_time, policy)?),
+                ..Default::default()
+            },
+            vec![],
+        ),
         PolicyCmd::GetBacklogQuotas { namespace } => {
             let n = get_policies(c, namespace, topic).await?;
             let q = n.policies.unwrap_or_default().backlog_quota;
@@ -2040,6 +2057,31 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
             print(out, &v, || v.to_string());
             return Ok(());
         }
+        PolicyCmd::SetReplicationBacklogQuota {
+            namespace,
+            limit_size,
+            limit_time,
+            policy,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                replication_backlog_quota: Some(backlog_quota(limit_size, limit_time, policy)?),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        PolicyCmd::GetReplicationBacklogQuota { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
+            let q = n.policies.unwrap_or_default().replication_backlog_quota;
+            let v = q.as_ref().map_or(Value::Null, quota_json);
+            print(out, &v, || v.to_string());
+            return Ok(());
+        }
+        PolicyCmd::RemoveReplicationBacklogQuota { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["replication_backlog_quota"],
+        ),
         PolicyCmd::SetRetention {
             namespace,
             size,
@@ -2695,6 +2737,27 @@ fn print_permissions(out: Output, p: &Permissions) {
 
 fn retention_json(r: &Retention) -> Value {
     json!({"time_minutes": r.time_minutes, "size_mb": r.size_mb})
+}
+
+/// A backlog quota from the flags (absent limits are 0: none).
+fn backlog_quota(
+    limit_size: Option<String>,
+    limit_time: Option<String>,
+    policy: String,
+) -> anyhow::Result<BacklogQuota> {
+    Ok(BacklogQuota {
+        limit_size_bytes: limit_size
+            .as_deref()
+            .map(parse_size)
+            .transpose()?
+            .unwrap_or(0),
+        limit_time_seconds: limit_time
+            .as_deref()
+            .map(parse_duration_s)
+            .transpose()?
+            .unwrap_or(0),
+        policy,
+    })
 }
 
 fn quota_json(q: &BacklogQuota) -> Value {

@@ -33,6 +33,7 @@ mod policy;
 pub mod producers;
 mod quota;
 pub mod rate;
+mod repl_quota;
 pub mod replication;
 pub mod schema;
 mod stats;
@@ -556,6 +557,7 @@ impl Broker {
             idle_since_ms: AtomicU64::new(0),
             quota_breach: Mutex::new(None),
             storage_breach: Mutex::new(None),
+            repl_breach: Mutex::new(None),
             quota_headroom: AtomicI64::new(i64::MAX),
             publish_limiter: rate::PolicyLimiter::default(),
             dispatch_limiter: rate::PolicyLimiter::default(),

@@ -152,6 +152,8 @@ impl Broker {
                     if p.backlog_quota.is_none() {
                         t.set_quota_breach(None);
                     }
+                    t.check_replication_quota(p.replication_backlog_quota.as_ref())
+                        .await;
                     if ttl_ms == 0 && p.backlog_quota.is_none() && p.retention.is_none() {
                         continue;
                     }

@@ -32,14 +32,14 @@ impl QuotaBreach {
 }
 
 impl Topic {
-    /// The passed backlog quota that stops producers, if any.
     /// The quota that stops producers now, if one does: the backlog quota's, else the
-    /// tenant's storage quota's.
+    /// replication backlog quota's, else the tenant's storage quota's.
     pub fn quota_breach(&self) -> Option<QuotaBreach> {
         self.quota_breach
             .lock()
             .expect("quota lock")
             .clone()
+            .or_else(|| self.repl_breach.lock().expect("quota lock").clone())
             .or_else(|| self.storage_breach.lock().expect("quota lock").clone())
     }
 

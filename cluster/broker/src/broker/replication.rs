@@ -22,6 +22,7 @@
 //! dropped: no duplicates, no loss.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use futures::future::BoxFuture;
@@ -84,11 +85,16 @@ pub struct Replicator {
     stop: watch::Sender<bool>,
     pub status: Arc<Mutex<ReplicatorStatus>>,
     /// Its cursor's mark-delete position (retention keeps what it has not sent).
-    mark: Arc<Mutex<Option<Position>>>,
+    pub(super) mark: Arc<Mutex<Option<Position>>>,
     /// Opened yet (until then, everything counts as needed).
-    opened: Arc<std::sync::atomic::AtomicBool>,
+    pub(super) opened: Arc<AtomicBool>,
     /// Set when its remote left the replication clusters: the cursor goes with it.
-    delete_cursor: Arc<std::sync::atomic::AtomicBool>,
+    delete_cursor: Arc<AtomicBool>,
+    /// Asked by a `drop_oldest` replication backlog quota: entries through this position are
+    /// not sent (the cursor moves past them at the replicator's next step).
+    pub(super) drop_through: Arc<Mutex<Option<Position>>>,
+    /// Entries dropped so (since the topic was loaded here).
+    pub(super) dropped: Arc<AtomicU64>,
 }
 
 /// What a replicator's task shares with its [`Replicator`].
@@ -96,8 +102,10 @@ struct Handles {
     stop: watch::Receiver<bool>,
     status: Arc<Mutex<ReplicatorStatus>>,
     mark: Arc<Mutex<Option<Position>>>,
-    opened: Arc<std::sync::atomic::AtomicBool>,
-    delete_cursor: Arc<std::sync::atomic::AtomicBool>,
+    opened: Arc<AtomicBool>,
+    delete_cursor: Arc<AtomicBool>,
+    drop_through: Arc<Mutex<Option<Position>>>,
+    dropped: Arc<AtomicU64>,
 }
 
 impl Replicator {
@@ -108,6 +116,8 @@ impl Replicator {
             mark: Arc::clone(&self.mark),
             opened: Arc::clone(&self.opened),
             delete_cursor: Arc::clone(&self.delete_cursor),
+            drop_through: Arc::clone(&self.drop_through),
+            dropped: Arc::clone(&self.dropped),
         }
     }
 }
@@ -146,7 +156,7 @@ async fn replicate(
         }
     };
     *h.mark.lock().expect("mark lock") = cursor.mark_delete();
-    h.opened.store(true, std::sync::atomic::Ordering::Release);
+    h.opened.store(true, Ordering::Release);
     let mut source = TopicSource {
         remote: remote.clone(),
         appended: topic.appended.subscribe(),
@@ -155,6 +165,8 @@ async fn replicate(
         cursor_name,
         broken: false,
         mark: h.mark,
+        drop_through: h.drop_through,
+        dropped: h.dropped,
     };
     let name = topic.full_name.clone();
     tracing::info!(topic = %name, remote, "replicator started");
@@ -173,7 +185,7 @@ async fn replicate(
         h.stop,
     )
     .await;
-    if h.delete_cursor.load(std::sync::atomic::Ordering::Acquire) {
+    if h.delete_cursor.load(Ordering::Acquire) {
         if let Err(e) = source.cursor.delete().await {
             tracing::warn!(topic = %topic.full_name, remote, error = %e, "deleting the replicator's cursor failed");
         }
@@ -289,7 +301,7 @@ impl Topic {
         };
         let mut reps = self.replicators.lock().expect("replicators lock");
         // A topic closed meanwhile (unloaded, deleted) starts nothing more.
-        if self.repl_closed.load(std::sync::atomic::Ordering::Acquire) {
+        if self.repl_closed.load(Ordering::Acquire) {
             return;
         }
         reps.retain(|remote, r| {
@@ -297,7 +309,7 @@ impl Topic {
             if !keep {
                 tracing::info!(topic = %self.full_name, remote, "replication to {remote} stops (no longer in the replication clusters); its cursor is deleted");
                 r.delete_cursor
-                    .store(true, std::sync::atomic::Ordering::Release);
+                    .store(true, Ordering::Release);
                 let _ = r.stop.send(true);
             }
             keep
@@ -310,8 +322,10 @@ impl Topic {
                 stop: watch::channel(false).0,
                 status: Arc::new(Mutex::new(ReplicatorStatus::default())),
                 mark: Arc::new(Mutex::new(None)),
-                opened: Arc::new(std::sync::atomic::AtomicBool::new(false)),
-                delete_cursor: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+                opened: Arc::new(AtomicBool::new(false)),
+                delete_cursor: Arc::new(AtomicBool::new(false)),
+                drop_through: Arc::new(Mutex::new(None)),
+                dropped: Arc::new(AtomicU64::new(0)),
             };
             tokio::spawn(replicate(
                 Arc::clone(self),
@@ -327,8 +341,7 @@ impl Topic {
     /// Stops every replicator and starts none again (the topic closes).
     pub(super) fn stop_replicators(&self) {
         let mut reps = self.replicators.lock().expect("replicators lock");
-        self.repl_closed
-            .store(true, std::sync::atomic::Ordering::Release);
+        self.repl_closed.store(true, Ordering::Release);
         for (_, r) in reps.drain() {
             let _ = r.stop.send(true);
         }
@@ -370,7 +383,7 @@ impl Topic {
             .expect("replicators lock")
             .values()
             .map(|r| {
-                if r.opened.load(std::sync::atomic::Ordering::Acquire) {
+                if r.opened.load(Ordering::Acquire) {
                     *r.mark.lock().expect("mark lock")
                 } else {
                     None
@@ -409,13 +422,16 @@ pub struct ReplicationStats {
     pub last_acked: String,
     /// Entries the remote acknowledged since the replicator started.
     pub entries_acked: u64,
+    /// Entries a `drop_oldest` replication backlog quota kept from the remote (since the
+    /// topic was loaded here).
+    pub dropped_entries: u64,
 }
 
 impl Topic {
     /// Each replicator's figures, by remote site (from its cursor: an unload does not reset
     /// them).
     pub async fn replication_stats(&self) -> Vec<ReplicationStats> {
-        let reps: Vec<(String, ReplicatorStatus, Option<Position>, bool)> = self
+        let reps: Vec<(String, ReplicatorStatus, Option<Position>, bool, u64)> = self
             .replicators
             .lock()
             .expect("replicators lock")
@@ -425,12 +441,13 @@ impl Topic {
                     k.clone(),
                     r.status.lock().expect("status lock").clone(),
                     *r.mark.lock().expect("mark lock"),
-                    r.opened.load(std::sync::atomic::Ordering::Acquire),
+                    r.opened.load(Ordering::Acquire),
+                    r.dropped.load(Ordering::Relaxed),
                 )
             })
             .collect();
         let mut out = Vec::new();
-        for (remote, st, mark, opened) in reps {
+        for (remote, st, mark, opened, dropped_entries) in reps {
             let (state, reason, since_ms) = match st.state {
                 LinkState::Connecting => ("connecting", String::new(), 0),
                 LinkState::Connected => ("connected", String::new(), 0),
@@ -452,6 +469,7 @@ impl Topic {
                     .map(|p| format!("{}:{}", p.ledger, p.entry))
                     .unwrap_or_default(),
                 entries_acked: st.entries_acked,
+                dropped_entries,
             });
         }
         out.sort_by(|a, b| a.remote.cmp(&b.remote));
@@ -459,7 +477,7 @@ impl Topic {
     }
 
     /// Entries after `mark` (all kept ones when `None`) and the age of the first of them.
-    async fn replication_backlog(&self, mark: Option<Position>) -> (u64, u64) {
+    pub(super) async fn replication_backlog(&self, mark: Option<Position>) -> (u64, u64) {
         let Some(last) = self.ml.last_confirmed() else {
             return (0, 0);
         };
@@ -515,6 +533,8 @@ struct TopicSource {
     broken: bool,
     appended: watch::Receiver<Option<Position>>,
     mark: Arc<Mutex<Option<Position>>>,
+    drop_through: Arc<Mutex<Option<Position>>>,
+    dropped: Arc<AtomicU64>,
 }
 
 impl TopicSource {
@@ -525,6 +545,42 @@ impl TopicSource {
         m.meridian_origin.is_none()
             && (m.replicate_to.is_empty() || m.replicate_to.contains(&self.remote))
     }
+
+    /// Moves the cursor past what a `drop_oldest` quota asked to drop, counting the entries.
+    async fn apply_drop(&mut self) -> Result<(), String> {
+        let Some(through) = *self.drop_through.lock().expect("drop lock") else {
+            return Ok(());
+        };
+        let mark = self.cursor.mark_delete();
+        if mark.is_none_or(|m| m < through) {
+            let ml = &self.topic.ml;
+            let first = match mark {
+                Some(m) => ml.index_of(m).await.map(|i| i + 1),
+                None => match ml.first_position().await {
+                    Some(p) => ml.index_of(p).await,
+                    None => None,
+                },
+            };
+            let n = match (first, ml.index_of(through).await) {
+                (Some(a), Some(b)) => (b + 1).saturating_sub(a),
+                _ => 0,
+            };
+            if let Err(e) = self.cursor.ack_cumulative(through).await {
+                self.broken = true;
+                return Err(format!("dropping the oldest entries: {e}"));
+            }
+            *self.mark.lock().expect("mark lock") = self.cursor.mark_delete();
+            self.dropped.fetch_add(n, Ordering::Relaxed);
+            metrics::counter!("meridian_replication_dropped_entries_total", "remote" => self.remote.clone())
+                .increment(n);
+            tracing::warn!(topic = %self.topic.full_name, remote = %self.remote, entries = n, through = %format!("{}:{}", through.ledger_id, through.entry_id), "replication backlog quota (drop_oldest): the oldest unreplicated entries are not sent");
+        }
+        let mut g = self.drop_through.lock().expect("drop lock");
+        if *g == Some(through) {
+            *g = None;
+        }
+        Ok(())
+    }
 }
 
 impl ReplicaSource for TopicSource {
@@ -534,6 +590,7 @@ impl ReplicaSource for TopicSource {
                 self.cursor = open_cursor(&self.topic, &self.cursor_name).await?;
                 self.broken = false;
             }
+            self.apply_drop().await?;
             self.cursor.rewind();
             Ok(())
         })
@@ -541,6 +598,7 @@ impl ReplicaSource for TopicSource {
 
     fn available(&mut self, max: usize) -> BoxFuture<'_, Result<Vec<SourceEntry>, String>> {
         Box::pin(async move {
+            self.apply_drop().await?;
             // Seen before reading: an append after this wakes `wait_for_more`.
             self.appended.borrow_and_update();
             let entries = self
@@ -587,6 +645,23 @@ impl ReplicaSource for TopicSource {
             }
             *self.mark.lock().expect("mark lock") = self.cursor.mark_delete();
             Ok(())
+        })
+    }
+
+    fn settle(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            if self.broken {
+                match open_cursor(&self.topic, &self.cursor_name).await {
+                    Ok(c) => {
+                        self.cursor = c;
+                        self.broken = false;
+                    }
+                    Err(_) => return,
+                }
+            }
+            if let Err(e) = self.apply_drop().await {
+                tracing::warn!(topic = %self.topic.full_name, remote = %self.remote, error = %e, "applying the replication backlog quota failed");
+            }
         })
     }
 }
@@ -689,7 +764,7 @@ impl ReplicaTopic for Incoming {
     ) -> BoxFuture<'_, Result<Option<OriginPosition>, Refusal>> {
         Box::pin(async move {
             let t = &self.topic;
-            if t.repl_closed.load(std::sync::atomic::Ordering::Acquire) {
+            if t.repl_closed.load(Ordering::Acquire) {
                 return Err(refusal(
                     RefusalCode::Retry,
                     format!("{} is no longer served here", t.full_name),

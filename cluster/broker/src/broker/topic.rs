@@ -49,6 +49,8 @@ pub struct Topic {
     pub(super) quota_breach: Mutex<Option<QuotaBreach>>,
     /// Set while the tenant stores more than its storage quota.
     pub(super) storage_breach: Mutex<Option<QuotaBreach>>,
+    /// Set while a replication backlog quota with a producer policy is passed.
+    pub(super) repl_breach: Mutex<Option<QuotaBreach>>,
     /// Bytes that may be appended before the backlog quota's size limit may be passed (the
     /// limit less the largest backlog at the last check; `i64::MAX` without a size limit).
     /// The append that uses it up asks for a check at once: the quota is checked on the
