@@ -37,6 +37,10 @@ pub struct GeoConfig {
     /// Longest a TLS handshake and the link's hello may take. Range 100..=60,000, default
     /// 10,000.
     pub handshake_timeout_ms: u64,
+    /// How long a deleted global topic's tombstone keeps refusing replicated entries for it
+    /// after every site confirmed the deletion (until then it always does); after it, the
+    /// topic may be created again. Range 1,000..=604,800,000, default 60,000.
+    pub tombstone_grace_ms: u64,
 }
 
 impl Default for GeoConfig {
@@ -52,6 +56,7 @@ impl Default for GeoConfig {
             cert_reload_interval_ms: 10_000,
             idle_timeout_ms: 5_000,
             handshake_timeout_ms: 10_000,
+            tombstone_grace_ms: 60_000,
         }
     }
 }
@@ -98,6 +103,13 @@ impl GeoConfig {
                 self.handshake_timeout_ms,
                 100,
                 60_000,
+                "",
+            ),
+            (
+                "geo.tombstone_grace_ms",
+                self.tombstone_grace_ms,
+                1_000,
+                604_800_000,
                 "",
             ),
         ])?;

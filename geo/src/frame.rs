@@ -49,6 +49,11 @@ pub enum Frame {
     Ack { up_to: OriginPosition },
     /// The receiver does not serve the stream, and why.
     Refused { code: RefusalCode, reason: String },
+    /// A stream's first frame: the sender's site deleted this topic (a global topic is
+    /// deleted at every site of its replication clusters), at this time (ms since the epoch).
+    Delete { topic: String, deleted_at_ms: u64 },
+    /// The receiver deleted the topic (or never had it) and keeps a tombstone for it.
+    Deleted,
 }
 
 /// A position in the origin site's log of a topic.
@@ -126,6 +131,8 @@ impl Frame {
             Frame::Entries { .. } => 5,
             Frame::Ack { .. } => 6,
             Frame::Refused { .. } => 7,
+            Frame::Delete { .. } => 8,
+            Frame::Deleted => 9,
         }
     }
 
@@ -173,6 +180,14 @@ impl Frame {
                 out.put_u8(code.to_u8());
                 put_str(out, reason);
             }
+            Frame::Delete {
+                topic,
+                deleted_at_ms,
+            } => {
+                put_str(out, topic);
+                out.put_u64(*deleted_at_ms);
+            }
+            Frame::Deleted => {}
         }
         let len = (out.len() - start - LENGTH_BYTES) as u32;
         out[start..start + LENGTH_BYTES].copy_from_slice(&len.to_be_bytes());
@@ -252,6 +267,17 @@ impl Frame {
                 code: RefusalCode::from_u8(get_u8(&mut body, "refusal code")?)?,
                 reason: get_str(&mut body, "reason")?,
             },
+            8 => {
+                let topic = get_str(&mut body, "topic")?;
+                if body.remaining() < 8 {
+                    return Err(FrameError::Truncated("deleted_at_ms"));
+                }
+                Frame::Delete {
+                    topic,
+                    deleted_at_ms: body.get_u64(),
+                }
+            }
+            9 => Frame::Deleted,
             k => return Err(FrameError::UnknownKind(k)),
         };
         if !body.is_empty() {
@@ -388,6 +414,11 @@ mod tests {
                 code: RefusalCode::NotAllowed,
                 reason: "namespace acme/g does not list site north".into(),
             },
+            Frame::Delete {
+                topic: "persistent://acme/g/orders".into(),
+                deleted_at_ms: 1_796_000_000_000,
+            },
+            Frame::Deleted,
         ] {
             let bytes = encoded(&f);
             assert_eq!(Frame::decode(&bytes, 1 << 20), Ok(Some((f, bytes.len()))));

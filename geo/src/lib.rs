@@ -9,10 +9,12 @@
 //! - [`receiver`]: a topic stream's receiving end (append, acknowledge once durable).
 //! - [`replicator`]: a topic's sending end per remote site (window, acknowledgements,
 //!   reconnects with back-off).
+//! - [`deletion`]: a global topic's deletion carried to another site.
 //!
 //! It knows nothing of how a broker dispatches: what it needs from the site (the registry
 //! today) comes through small traits the broker implements.
 
+pub mod deletion;
 pub mod frame;
 pub mod identity;
 pub mod link;

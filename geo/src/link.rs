@@ -96,6 +96,8 @@ pub struct LinkOptions {
     pub idle_timeout: Duration,
     pub handshake_timeout: Duration,
     pub cert_reload_interval: Duration,
+    /// How long a settled deletion's tombstone still refuses the topic's streams.
+    pub tombstone_grace: Duration,
 }
 
 impl From<&GeoConfig> for LinkOptions {
@@ -106,6 +108,7 @@ impl From<&GeoConfig> for LinkOptions {
             idle_timeout: Duration::from_millis(c.idle_timeout_ms),
             handshake_timeout: Duration::from_millis(c.handshake_timeout_ms),
             cert_reload_interval: Duration::from_millis(c.cert_reload_interval_ms),
+            tombstone_grace: Duration::from_millis(c.tombstone_grace_ms),
         }
     }
 }
@@ -358,6 +361,12 @@ impl GeoLink {
     /// The largest frame a stream takes (`geo.frame_bytes_max`).
     pub fn frame_bytes_max(&self) -> u64 {
         self.shared.opts.frame_bytes_max
+    }
+
+    /// How long a settled deletion's tombstone still refuses the topic's streams
+    /// (`geo.tombstone_grace_ms`).
+    pub fn tombstone_grace(&self) -> Duration {
+        self.shared.opts.tombstone_grace
     }
 
     /// A link to `site` for replicators: the one up, else a new one dialed at the geo URL of

@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 use crate::frame::{Frame, OriginPosition, RefusalCode, ReplicatedEntry};
 use crate::link::{read_frame, write_frame};
@@ -48,6 +48,23 @@ pub trait ReplicaSink: Send + Sync + 'static {
         topic: &'a str,
         partitions: u32,
     ) -> BoxFuture<'a, Result<(Box<dyn ReplicaTopic>, Option<OriginPosition>), Refusal>>;
+
+    /// Site `origin` deleted `topic` at `deleted_at_ms`: delete it here too (idempotently)
+    /// and keep it from being re-created by late replicated entries.
+    fn delete<'a>(
+        &'a self,
+        origin: &'a str,
+        topic: &'a str,
+        deleted_at_ms: u64,
+    ) -> BoxFuture<'a, Result<(), Refusal>> {
+        let _ = (origin, topic, deleted_at_ms);
+        Box::pin(async {
+            Err(Refusal::new(
+                RefusalCode::NotAllowed,
+                "this site takes no deletions",
+            ))
+        })
+    }
 }
 
 /// A topic open for a peer's entries.
@@ -91,10 +108,30 @@ pub async fn serve_stream(
                 return;
             }
         };
-    let Frame::Open { topic, partitions } = first else {
-        let r = Refusal::new(RefusalCode::Protocol, "a topic's stream begins with Open");
-        refuse(&mut send, r).await;
-        return;
+    let (topic, partitions) = match first {
+        Frame::Open { topic, partitions } => (topic, partitions),
+        Frame::Delete {
+            topic,
+            deleted_at_ms,
+        } => {
+            match sink.delete(origin, &topic, deleted_at_ms).await {
+                Ok(()) => {
+                    info!(origin, topic, "deleted: the topic was deleted at {origin}");
+                    let _ = write_frame(&mut send, &Frame::Deleted).await;
+                    let _ = send.finish();
+                }
+                Err(r) => {
+                    warn!(origin, topic, reason = %r.reason, "geo deletion refused");
+                    refuse(&mut send, r).await;
+                }
+            }
+            return;
+        }
+        _ => {
+            let r = Refusal::new(RefusalCode::Protocol, "a stream begins with Open or Delete");
+            refuse(&mut send, r).await;
+            return;
+        }
     };
     let (target, last) = match sink.open(origin, &topic, partitions).await {
         Ok(x) => x,

@@ -960,3 +960,95 @@ fn given_a_replication_backlog_quota_then_producers_are_refused_or_the_oldest_ar
         p.stop().unwrap();
     }
 }
+
+/// Whether `topic` is among the topics of acme/g at the site.
+fn listed(admin_url: &str, topic: &str) -> bool {
+    admin_json(admin_url, &["topics", "list", "acme/g"])
+        .as_array()
+        .is_some_and(|a| a.iter().any(|t| t["name"] == topic))
+}
+
+#[test]
+fn given_a_global_topic_deleted_while_entries_are_in_flight_then_no_site_re_creates_it() {
+    let env = [("MERIDIAN_GEO_TOMBSTONE_GRACE_MS", "3000")];
+    let (root, mut procs, proxies) = mesh_with(&["east", "west"], &env, true);
+    let dir = root.path().to_path_buf();
+    let (east, west) = (&procs[0], &procs[1]);
+    let t = "persistent://acme/g/doomed";
+    const N: u64 = 200;
+
+    step("both sites produce and replicate; cut apart, both produce more (backlog both ways)");
+    let mut pe = produce(&dir, "pe", &east.url, t, N, 0);
+    let mut pw = produce(&dir, "pw", &west.url, t, N, 100_000);
+    pe.finish(Duration::from_secs(120)).unwrap();
+    pw.finish(Duration::from_secs(120)).unwrap();
+    for p in [east, west] {
+        let got = read_until(&dir, &p.url, t, 2 * N as usize, Duration::from_secs(60));
+        assert_exactly_once(&got, &[0..N, 100_000..100_000 + N], "before the cut");
+    }
+    for (_, _, p) in &proxies {
+        p.partition(true);
+    }
+    let mut pe = produce(&dir, "pe2", &east.url, t, N, 1_000);
+    let mut pw = produce(&dir, "pw2", &west.url, t, N, 101_000);
+    pe.finish(Duration::from_secs(120)).unwrap();
+    pw.finish(Duration::from_secs(120)).unwrap();
+
+    step("deleted at east while cut off: the dry run names west; the topic is gone at east");
+    let dry = admin_ok(&[
+        "--admin-url",
+        &east.admin_url,
+        "topics",
+        "delete",
+        t,
+        "--dry-run",
+    ]);
+    assert!(dry.contains("sites west"), "{dry}");
+    assert!(listed(&east.admin_url, t));
+    admin_ok(&[
+        "--admin-url",
+        &east.admin_url,
+        "topics",
+        "delete",
+        t,
+        "--force",
+    ]);
+    assert!(!listed(&east.admin_url, t));
+    assert!(
+        listed(&west.admin_url, t),
+        "west is cut off: it still has it"
+    );
+
+    step("healed: west's late entries are refused at east, west deletes it, neither re-creates it");
+    for (_, _, p) in &proxies {
+        p.partition(false);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while listed(&west.admin_url, t) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "west did not delete the topic"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Longer than west's replicator waits after a refusal is not needed: its topic, and so
+    // its replicator, is gone; what was in flight had its chance meanwhile.
+    std::thread::sleep(Duration::from_secs(2));
+    for (site, p) in [("east", east), ("west", west)] {
+        assert!(!listed(&p.admin_url, t), "{site} re-created {t}");
+    }
+
+    step("after the tombstones' grace the topic may be created again, and it replicates");
+    std::thread::sleep(Duration::from_secs(4));
+    let mut pw = produce(&dir, "pw3", &west.url, t, 10, 200_000);
+    pw.finish(Duration::from_secs(120)).unwrap();
+    let got = read_until(&dir, &east.url, t, 10, Duration::from_secs(60));
+    assert_exactly_once(
+        &got,
+        std::slice::from_ref(&(200_000..200_010)),
+        "east (again)",
+    );
+    for p in &mut procs {
+        p.stop().unwrap();
+    }
+}

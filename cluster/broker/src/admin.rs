@@ -386,10 +386,39 @@ impl TopicOps for BrokerTopics {
     ) -> BoxFuture<'_, Result<Vec<String>, AdminError>> {
         async move {
             let name = self.name(&topic)?;
-            self.0
-                .delete_topic(&name, force, dry_run)
+            // A global topic: deleted at every site of its replication clusters.
+            let remotes = self
+                .0
+                .remote_replication_clusters(&name)
                 .await
-                .map_err(admin_error)
+                .map_err(admin_error)?;
+            let global = !remotes.is_empty() && !dry_run;
+            if global {
+                // Streams for it are refused from before the deletion on.
+                self.0
+                    .tombstone_deleted(&name, Vec::new())
+                    .await
+                    .map_err(admin_error)?;
+            }
+            let plan = self.0.delete_topic(&name, force, dry_run).await;
+            if global && plan.is_err() {
+                self.0.drop_tombstone(&name).await;
+            }
+            let mut plan = plan.map_err(admin_error)?;
+            if !remotes.is_empty() {
+                if dry_run {
+                    plan.push(format!(
+                        "the deletion goes to sites {} (a tombstone here keeps their late entries out)",
+                        remotes.join(", ")
+                    ));
+                } else {
+                    self.0
+                        .tombstone_deleted(&name, remotes)
+                        .await
+                        .map_err(admin_error)?;
+                }
+            }
+            Ok(plan)
         }
         .boxed()
     }

@@ -49,6 +49,7 @@ pub async fn start_link(
     let sink = Arc::new(GeoSink(Arc::downgrade(broker)));
     let link = Arc::new(GeoLink::start(cfg, &broker.cfg.cluster_name, registry, Some(sink)).await?);
     let _ = broker.geo.set(Arc::clone(&link));
+    tokio::spawn(Arc::clone(broker).tombstone_loop());
     Ok(Some(link))
 }
 

@@ -38,6 +38,7 @@ pub mod replication;
 pub mod schema;
 mod stats;
 pub mod subscription;
+pub mod tombstones;
 mod topic;
 
 use std::collections::HashMap;
@@ -96,6 +97,8 @@ pub struct Broker {
     /// at once (woken by `quota_wake`).
     quota_checks: Mutex<std::collections::HashSet<String>>,
     quota_wake: tokio::sync::Notify,
+    /// Wakes the tombstone loop after a global topic's deletion here.
+    tombstone_wake: tokio::sync::Notify,
     /// Namespace-wide rate limits, by namespace.
     ns_limiters: Mutex<HashMap<String, Arc<NamespaceLimiters>>>,
     connections: AtomicU64,
@@ -174,6 +177,7 @@ impl Broker {
             quota_checks: Mutex::default(),
             ns_limiters: Mutex::default(),
             quota_wake: tokio::sync::Notify::new(),
+            tombstone_wake: tokio::sync::Notify::new(),
             connections: AtomicU64::new(0),
         }))
     }

@@ -58,7 +58,13 @@ pub struct OriginsSnapshot {
 #[derive(Debug)]
 pub struct Origins {
     snap: OriginsSnapshot,
+    /// When the snapshot was last written (None: not since loading).
+    saved_at: Option<std::time::Instant>,
 }
+
+/// The origins snapshot is written at most this often: what comes after it is replayed from
+/// the log on load, so a rarer snapshot costs only replay time, never a duplicate.
+const ORIGINS_SAVE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl Origins {
     fn highest(&self, site: &str) -> Option<OriginPosition> {
@@ -229,6 +235,7 @@ impl Topic {
             };
             let mut o = Origins {
                 snap: OriginsSnapshot::default(),
+                saved_at: None,
             };
             std::mem::swap(&mut o.snap, &mut snap);
             let mut replayed = 0u64;
@@ -521,6 +528,9 @@ impl Topic {
     }
 }
 
+/// About how many bytes a replicator reads from the log at a time.
+const READ_BYTES: u64 = 4 << 20;
+
 /// The topic's log through a replicator's cursor.
 struct TopicSource {
     /// The site it sends to.
@@ -601,6 +611,14 @@ impl ReplicaSource for TopicSource {
             self.apply_drop().await?;
             // Seen before reading: an append after this wakes `wait_for_more`.
             self.appended.borrow_and_update();
+            // Small entries are read many at a time (a frame of a few MiB), large ones fewer.
+            let (count, bytes) = self.topic.ml.size().await;
+            let max = match bytes.checked_div(count) {
+                Some(avg) if avg > 0 => {
+                    usize::try_from((READ_BYTES / avg).clamp(16, 4096)).unwrap_or(max)
+                }
+                _ => max,
+            };
             let entries = self
                 .cursor
                 .read_entries(max)
@@ -669,7 +687,59 @@ impl ReplicaSource for TopicSource {
 /// The receiving side: a broker's [`ReplicaSink`] (held weakly: the link lives in the broker).
 pub struct GeoSink(pub Weak<Broker>);
 
+impl Broker {
+    /// Refused unless `name`'s namespace exists here and its replication clusters (the
+    /// topic's own, else its namespace's) name site `origin`.
+    pub(crate) async fn check_replicated_with(
+        &self,
+        name: &TopicName,
+        origin: &str,
+    ) -> Result<(), Refusal> {
+        let retry = |e: super::BrokerError| refusal(RefusalCode::Retry, e.to_string());
+        let ns = name.namespace();
+        if !self.namespace_exists(&ns).await.map_err(retry)? {
+            return Err(refusal(
+                RefusalCode::NotAllowed,
+                format!(
+                    "namespace {ns} does not exist at site {}",
+                    self.cfg.cluster_name
+                ),
+            ));
+        }
+        let p = self.namespace_policies(&ns).await.map_err(retry)?;
+        let key = self.own_policies_key(name).await.map_err(retry)?;
+        let own = self.topic_own_policies(&key).await.map_err(retry)?;
+        let clusters = p.overlaid(&own).replication_clusters.unwrap_or_default();
+        if !clusters.iter().any(|c| c == origin) {
+            return Err(refusal(
+                RefusalCode::NotAllowed,
+                format!(
+                    "{name} at site {} is not replicated with site {origin} (its replication clusters: {})",
+                    self.cfg.cluster_name,
+                    clusters.join(",")
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl ReplicaSink for GeoSink {
+    fn delete<'a>(
+        &'a self,
+        origin: &'a str,
+        topic: &'a str,
+        deleted_at_ms: u64,
+    ) -> BoxFuture<'a, Result<(), Refusal>> {
+        Box::pin(async move {
+            let broker = self
+                .0
+                .upgrade()
+                .ok_or_else(|| refusal(RefusalCode::Retry, "the broker is shutting down"))?;
+            broker.delete_for_site(origin, topic, deleted_at_ms).await
+        })
+    }
+
     fn open<'a>(
         &'a self,
         origin: &'a str,
@@ -684,29 +754,20 @@ impl ReplicaSink for GeoSink {
             let name = TopicName::parse(topic)
                 .map_err(|e| refusal(RefusalCode::Protocol, e.to_string()))?;
             let retry = |e: super::BrokerError| refusal(RefusalCode::Retry, e.to_string());
-            let ns = name.namespace();
-            if !broker.namespace_exists(&ns).await.map_err(retry)? {
-                return Err(refusal(
-                    RefusalCode::NotAllowed,
-                    format!(
-                        "namespace {ns} does not exist at site {}",
-                        broker.cfg.cluster_name
-                    ),
-                ));
-            }
-            let p = broker.namespace_policies(&ns).await.map_err(retry)?;
-            let key = broker.own_policies_key(&name).await.map_err(retry)?;
-            let own = broker.topic_own_policies(&key).await.map_err(retry)?;
-            let clusters = p.overlaid(&own).replication_clusters.unwrap_or_default();
-            if !clusters.iter().any(|c| c == origin) {
-                return Err(refusal(
-                    RefusalCode::NotAllowed,
-                    format!(
-                        "{topic} at site {} is not replicated with site {origin} (its replication clusters: {})",
-                        broker.cfg.cluster_name,
-                        clusters.join(",")
-                    ),
-                ));
+            broker.check_replicated_with(&name, origin).await?;
+            if let Some(link) = broker.geo.get() {
+                let grace = link.tombstone_grace();
+                if let Some(t) = broker.live_tombstone(&name, grace).await.map_err(retry)? {
+                    return Err(refusal(
+                        RefusalCode::NotAllowed,
+                        format!(
+                            "{} was deleted at site {} ({} s ago): a tombstone keeps its late entries out",
+                            t.topic,
+                            t.site,
+                            super::now_ms().saturating_sub(t.deleted_at_ms) / 1000
+                        ),
+                    ));
+                }
             }
             if partitions > 0 {
                 let parent = name
@@ -842,7 +903,13 @@ impl ReplicaTopic for Incoming {
             }
             if let Some(p) = last_local {
                 origins.snap.at = Some((p.ledger_id, p.entry_id));
-                t.save_origins(origins).await;
+                if origins
+                    .saved_at
+                    .is_none_or(|s| s.elapsed() >= ORIGINS_SAVE_EVERY)
+                {
+                    t.save_origins(origins).await;
+                    origins.saved_at = Some(std::time::Instant::now());
+                }
             }
             match failed {
                 Some(r) => Err(r),

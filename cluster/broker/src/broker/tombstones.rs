@@ -1,0 +1,278 @@
+//! Global deletion: a topic of a replicated namespace deleted at one site is deleted at every
+//! site of its replication clusters, and late replicated entries do not bring it back.
+//!
+//! ```text
+//!  deleting site                                   each other site
+//!  topics delete T ─► T deleted here
+//!    tombstone /geo-tombstones/<T> {pending: sites}
+//!  tombstone loop (every second, each broker):
+//!    Delete{T, at} per pending site ─────────────► T deleted (forced), tombstone {pending: []}
+//!    that site leaves `pending` ◄──────────────── Deleted
+//!  a stream for T (or a partition of it) while its tombstone is live is refused (NotAllowed)
+//! ```
+//!
+//! A tombstone is live while a site has not confirmed the deletion and for
+//! `geo.tombstone_grace_ms` after the last did; then it is removed and the topic may be
+//! created again (by producers or replication) like any other.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use meridian_geo::frame::RefusalCode;
+use meridian_geo::receiver::Refusal;
+use serde::{Deserialize, Serialize};
+
+use super::{now_ms, Broker, BrokerError};
+use crate::topic_name::TopicName;
+
+/// Where tombstones are kept, by the topic's managed-ledger name.
+pub const TOMBSTONES_PREFIX: &str = "/geo-tombstones/";
+
+/// A deleted global topic.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct Tombstone {
+    /// Its full name (a partitioned topic's: its partitions are covered too).
+    pub topic: String,
+    /// The site where it was deleted.
+    pub site: String,
+    pub deleted_at_ms: u64,
+    /// Sites that have not confirmed the deletion yet (at the deleting site; empty at the
+    /// others).
+    pub pending: Vec<String>,
+    /// When the last of them confirmed (0 while some have not).
+    pub settled_at_ms: u64,
+}
+
+impl Tombstone {
+    /// Whether it still refuses the topic's streams.
+    pub fn live(&self, now: u64, grace: Duration) -> bool {
+        !self.pending.is_empty()
+            || now < self.settled_at_ms.saturating_add(grace.as_millis() as u64)
+    }
+}
+
+fn key(name: &TopicName) -> String {
+    format!("{TOMBSTONES_PREFIX}{}", name.managed_ledger_name())
+}
+
+impl Broker {
+    /// The remote sites a topic is replicated to, by its policies now (none without a link).
+    pub(crate) async fn remote_replication_clusters(
+        &self,
+        name: &TopicName,
+    ) -> Result<Vec<String>, BrokerError> {
+        if self.geo.get().is_none() {
+            return Ok(Vec::new());
+        }
+        let p = self.namespace_policies(&name.namespace()).await?;
+        let own = self
+            .topic_own_policies(&self.own_policies_key(name).await?)
+            .await?;
+        Ok(p.overlaid(&own)
+            .replication_clusters
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|c| *c != self.cfg.cluster_name)
+            .collect())
+    }
+
+    /// Records that `name` was deleted here and is to be deleted at `remotes` too (none: a
+    /// tombstone that only keeps replicated entries out, written before the deletion).
+    pub(crate) async fn tombstone_deleted(
+        &self,
+        name: &TopicName,
+        remotes: Vec<String>,
+    ) -> Result<(), BrokerError> {
+        let now = now_ms();
+        let t = Tombstone {
+            topic: name.to_string(),
+            site: self.cfg.cluster_name.clone(),
+            deleted_at_ms: now,
+            settled_at_ms: if remotes.is_empty() { now } else { 0 },
+            pending: remotes,
+        };
+        if !t.pending.is_empty() {
+            tracing::info!(topic = %name, sites = %t.pending.join(","), "global topic deleted here: the deletion goes to its other sites");
+        }
+        self.meta
+            .put(
+                &key(name),
+                serde_json::to_vec(&t).expect("tombstone serializes"),
+            )
+            .await?;
+        self.tombstone_wake.notify_one();
+        Ok(())
+    }
+
+    /// Removes `name`'s tombstone (its deletion here failed).
+    pub(crate) async fn drop_tombstone(&self, name: &TopicName) {
+        if let Err(e) = self.meta.delete(&key(name), None).await {
+            tracing::warn!(topic = %name, error = %e, "removing a tombstone failed");
+        }
+    }
+
+    /// The live tombstone of `name`, or of the partitioned topic it is a partition of.
+    pub(crate) async fn live_tombstone(
+        &self,
+        name: &TopicName,
+        grace: Duration,
+    ) -> Result<Option<Tombstone>, BrokerError> {
+        let now = now_ms();
+        for n in std::iter::once(name.clone()).chain(name.parent()) {
+            if let Some(kv) = self.meta.get(&key(&n)).await? {
+                match serde_json::from_slice::<Tombstone>(&kv.value) {
+                    Ok(t) if t.live(now, grace) => return Ok(Some(t)),
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::warn!(key = %kv.key, error = %e, "a damaged tombstone ignored")
+                    }
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// Site `origin` deleted `topic`: it is deleted here (producers and consumers closed), and
+    /// a tombstone keeps late entries out. Only for a topic replicated with `origin`.
+    pub(crate) async fn delete_for_site(
+        &self,
+        origin: &str,
+        topic: &str,
+        deleted_at_ms: u64,
+    ) -> Result<(), Refusal> {
+        let name = TopicName::parse(topic)
+            .map_err(|e| Refusal::new(RefusalCode::Protocol, e.to_string()))?;
+        let retry = |e: BrokerError| Refusal::new(RefusalCode::Retry, e.to_string());
+        self.check_replicated_with(&name, origin)
+            .await
+            .map_err(|r| Refusal::new(r.code, format!("{} (deletion refused)", r.reason)))?;
+        let t = Tombstone {
+            topic: name.to_string(),
+            site: origin.to_string(),
+            deleted_at_ms,
+            pending: Vec::new(),
+            settled_at_ms: now_ms(),
+        };
+        // The tombstone first: a stream for the topic that opens meanwhile is refused.
+        self.meta
+            .put(
+                &key(&name),
+                serde_json::to_vec(&t).expect("tombstone serializes"),
+            )
+            .await
+            .map_err(|e| retry(e.into()))?;
+        match self.delete_topic(&name, true, false).await {
+            Ok(_) => {
+                tracing::info!(topic = %name, origin, "deleted at the request of site {origin}")
+            }
+            Err(e) if e.code == meridian_protocol::pb::ServerError::TopicNotFound => {}
+            Err(e) => return Err(retry(e)),
+        }
+        Ok(())
+    }
+
+    /// Carries deletions to the sites that have not confirmed them, every second (or at once
+    /// after a deletion here), and removes tombstones whose grace has passed.
+    pub async fn tombstone_loop(self: Arc<Self>) {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                _ = self.tombstone_wake.notified() => {}
+            }
+            if self.is_closing() {
+                return;
+            }
+            let Some(link) = self.geo.get().cloned() else {
+                continue;
+            };
+            let kvs = match self.meta.list_all(TOMBSTONES_PREFIX).await {
+                Ok(k) => k,
+                Err(e) => {
+                    tracing::warn!(error = %e, "listing tombstones failed");
+                    continue;
+                }
+            };
+            // A site that did not answer is not asked again this round (each ask may wait).
+            let mut unreachable: Vec<String> = Vec::new();
+            for kv in kvs {
+                let Ok(mut t) = serde_json::from_slice::<Tombstone>(&kv.value) else {
+                    continue;
+                };
+                if !t.live(now_ms(), link.tombstone_grace()) {
+                    let _ = self.meta.delete(&kv.key, Some(kv.mod_revision)).await;
+                    continue;
+                }
+                if t.pending.is_empty() {
+                    continue;
+                }
+                let mut confirmed = Vec::new();
+                let ask: Vec<String> = t
+                    .pending
+                    .iter()
+                    .filter(|s| !unreachable.contains(s))
+                    .cloned()
+                    .collect();
+                for site in &ask {
+                    match meridian_geo::deletion::send_delete(
+                        &link,
+                        site,
+                        &t.topic,
+                        t.deleted_at_ms,
+                        Duration::from_secs(10),
+                    )
+                    .await
+                    {
+                        Ok(()) => confirmed.push(site.clone()),
+                        Err(e) => {
+                            tracing::debug!(topic = %t.topic, site, error = %e, "the deletion did not reach the site yet");
+                            unreachable.push(site.clone());
+                        }
+                    }
+                }
+                if confirmed.is_empty() {
+                    continue;
+                }
+                t.pending.retain(|s| !confirmed.contains(s));
+                if t.pending.is_empty() {
+                    t.settled_at_ms = now_ms();
+                    tracing::info!(topic = %t.topic, "every site deleted the topic");
+                }
+                let value = serde_json::to_vec(&t).expect("tombstone serializes");
+                let opts = meridian_metadata::client::PutOptions {
+                    expected_version: Some(kv.mod_revision),
+                    ..Default::default()
+                };
+                // A conflict: another broker of this site moved it on; the next round sees it.
+                let _ = self.meta.put_with(&kv.key, value, opts).await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_a_tombstone_then_it_is_live_until_every_site_confirmed_and_the_grace_passed() {
+        let grace = Duration::from_secs(60);
+        let mut t = Tombstone {
+            topic: "persistent://acme/g/t".into(),
+            site: "east".into(),
+            deleted_at_ms: 1_000,
+            pending: vec!["west".into()],
+            settled_at_ms: 0,
+        };
+        // Pending: live however old.
+        assert!(t.live(u64::MAX, grace));
+        t.pending.clear();
+        t.settled_at_ms = 10_000;
+        assert!(t.live(10_000, grace));
+        assert!(t.live(69_999, grace));
+        assert!(!t.live(70_000, grace));
+        assert_eq!(
+            key(&TopicName::parse("persistent://acme/g/a%b").unwrap()),
+            "/geo-tombstones/acme/g/persistent/a%25b"
+        );
+    }
+}
