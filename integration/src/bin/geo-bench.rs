@@ -7,9 +7,12 @@
 //!    replicated topic: what B delivers per second is the replication throughput, beside 1;
 //! 3. lag: the same at a fixed rate (10,000 msg/s by default): the end-to-end latency, publish
 //!    at A to delivery at B, is the replication lag plus B's dispatch;
-//! 4. backlog: B paused (SIGSTOP) while A takes `BACKLOG` unbatched messages (one entry each),
-//!    then resumed: the time until A's replicator sends again and until its backlog is 0, and
-//!    the drain rate in entries per second.
+//! 4. catch-up: B paused (SIGSTOP) while A takes batched messages as fast as it goes for
+//!    `SECONDS`, then resumed: the rate at which B takes them (A's producer is not competing
+//!    for the machine meanwhile), beside 1;
+//! 5. backlog: B paused while A takes `BACKLOG` unbatched messages (one entry each), then
+//!    resumed: the time until A's replicator sends again and until its backlog is 0, and the
+//!    drain rate in entries per second.
 //!
 //! `MERIDIAN_BIN=target/release/meridian MERIDIAN_ADMIN_BIN=target/release/meridian-admin
 //! cargo run --release -p meridian-integration --bin geo-bench -- [SECONDS] [LAG_RATE]
@@ -108,6 +111,10 @@ fn main() -> anyhow::Result<()> {
     };
 
     println!("geo-bench: two sites on loopback, mutual TLS on the link, 1 KiB messages batched");
+    let (mib, syncs) = disk(_root.path())?;
+    println!(
+        "disk: {mib:.0} MiB/s of 1 MiB writes with fdatasync, {syncs:.0} fdatasyncs/s of 4 KiB"
+    );
     let local = run("local", "produce", &[], "persistent://acme/local/max")?;
     let consume_b = ["--consume-url", b.url.as_str()];
     let repl = run("replicated", "e2e", &consume_b, "persistent://acme/g/max")?;
@@ -120,28 +127,52 @@ fn main() -> anyhow::Result<()> {
     extra.extend(["--rate", lag_rate.as_str()]);
     run("lag", "e2e", &extra, "persistent://acme/g/lag")?;
 
+    let bpid = b.pid().expect("running");
+    let warm = |topic: &str| {
+        // The topic and its replicator first, then the pause.
+        perf(
+            "warm",
+            &[
+                "produce",
+                "--url",
+                &a.url,
+                "--topic",
+                topic,
+                "--messages",
+                "10",
+                "--seconds",
+                "0",
+                "--batch-max-messages",
+                "1",
+                "--report-every",
+                "60",
+            ],
+        )
+    };
+
+    // Catch-up: B paused, A takes batched messages for SECONDS, B resumed.
+    let topic = "persistent://acme/g/catchup";
+    warm(topic)?;
+    signal(bpid, "-STOP")?;
+    run("catchup-fill", "produce", &[], topic)?;
+    let st = admin_json(&a.admin_url, &["topics", "stats", topic]);
+    let sent = st["msgs_in_total"].as_u64().unwrap_or(0) as f64;
+    let bytes = st["storage_bytes"].as_u64().unwrap_or(0) as f64;
+    let filled = backlog_at(&a.admin_url, topic).unwrap_or(0);
+    signal(bpid, "-CONT")?;
+    let (_, drained) = drain(&a.admin_url, topic, filled)?;
+    let secs = drained.as_secs_f64();
+    let rate = sent / secs;
+    println!(
+        "catch-up: {sent:.0} batched messages ({filled} entries, {:.0} MiB) taken by B in {secs:.1} s = {rate:.0} msg/s, {:.1} MiB/s, {:.0}% of A's local maximum",
+        bytes / 1048576.0,
+        bytes / 1048576.0 / secs,
+        100.0 * rate / l.max(1.0)
+    );
+
     // Backlog: B paused, A takes BACKLOG one-message entries, B resumed.
     let topic = "persistent://acme/g/backlog";
-    let bpid = b.pid().expect("running");
-    // The topic and its replicator first, then the pause.
-    perf(
-        "backlog-warm",
-        &[
-            "produce",
-            "--url",
-            &a.url,
-            "--topic",
-            topic,
-            "--messages",
-            "10",
-            "--seconds",
-            "0",
-            "--batch-max-messages",
-            "1",
-            "--report-every",
-            "60",
-        ],
-    )?;
+    warm(topic)?;
     signal(bpid, "-STOP")?;
     let n = backlog.to_string();
     perf(
@@ -166,15 +197,52 @@ fn main() -> anyhow::Result<()> {
     )?;
     let filled = backlog_at(&a.admin_url, topic).unwrap_or(0);
     signal(bpid, "-CONT")?;
+    let (first_progress, drained) = drain(&a.admin_url, topic, filled)?;
+    println!(
+        "backlog: {filled} entries held while B was paused; after resuming, traffic again in {:.2} s, drained in {:.1} s = {:.0} entries/s",
+        first_progress.as_secs_f64(),
+        drained.as_secs_f64(),
+        filled as f64 / drained.as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The disk's own limits where the sites keep their data, as fio would measure them: MiB/s
+/// of 1 MiB writes each followed by fdatasync, and fdatasyncs/s of 4 KiB writes, 3 s each.
+fn disk(dir: &std::path::Path) -> anyhow::Result<(f64, f64)> {
+    use std::io::Write;
+    let path = dir.join("geo-bench-disk-probe");
+    let mut f = std::fs::File::create(&path)?;
+    let mut run = |block: usize| -> anyhow::Result<f64> {
+        let buf = vec![0x5au8; block];
+        let start = Instant::now();
+        let mut n = 0u64;
+        while start.elapsed() < Duration::from_secs(3) {
+            f.write_all(&buf)?;
+            f.sync_data()?;
+            n += 1;
+        }
+        Ok(n as f64 / start.elapsed().as_secs_f64())
+    };
+    let mib = run(1 << 20)?;
+    let syncs = run(4096)?;
+    drop(f);
+    std::fs::remove_file(&path)?;
+    Ok((mib, syncs))
+}
+
+/// Waits until the replication backlog of `topic` (`filled` entries at the start) is 0:
+/// the time until it first went down, and until it was 0.
+fn drain(admin_url: &str, topic: &str, filled: u64) -> anyhow::Result<(Duration, Duration)> {
     let resumed = Instant::now();
     let mut first_progress = None;
     loop {
-        let left = backlog_at(&a.admin_url, topic).unwrap_or(filled);
+        let left = backlog_at(admin_url, topic).unwrap_or(filled);
         if first_progress.is_none() && left < filled {
             first_progress = Some(resumed.elapsed());
         }
         if left == 0 {
-            break;
+            return Ok((first_progress.unwrap_or_default(), resumed.elapsed()));
         }
         anyhow::ensure!(
             resumed.elapsed() < Duration::from_secs(600),
@@ -182,12 +250,4 @@ fn main() -> anyhow::Result<()> {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    let drained = resumed.elapsed();
-    println!(
-        "backlog: {filled} entries held while B was paused; after resuming, traffic again in {:.2} s, drained in {:.1} s = {:.0} entries/s",
-        first_progress.unwrap_or_default().as_secs_f64(),
-        drained.as_secs_f64(),
-        filled as f64 / drained.as_secs_f64()
-    );
-    Ok(())
 }
