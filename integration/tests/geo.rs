@@ -1052,3 +1052,125 @@ fn given_a_global_topic_deleted_while_entries_are_in_flight_then_no_site_re_crea
         p.stop().unwrap();
     }
 }
+
+#[test]
+fn given_a_site_removed_from_the_clusters_then_its_data_is_kept_unless_deletion_is_confirmed() {
+    let (root, mut procs, _) = mesh_with(&["east", "west"], &[], false);
+    let dir = root.path().to_path_buf();
+    let (east, west) = (&procs[0], &procs[1]);
+    for p in [east, west] {
+        admin_ok(&[
+            "--admin-url",
+            &p.admin_url,
+            "namespaces",
+            "create",
+            "acme/h",
+            "--clusters",
+            "east,west",
+        ]);
+    }
+    let (kept, gone) = ("persistent://acme/g/kept", "persistent://acme/h/gone");
+    for t in [kept, gone] {
+        produce(&dir, "p", &east.url, t, 50, 0)
+            .finish(Duration::from_secs(120))
+            .unwrap();
+        let got = read_until(&dir, &west.url, t, 50, Duration::from_secs(60));
+        assert_exactly_once(&got, std::slice::from_ref(&(0..50)), "west");
+    }
+    let at_east = |args: &[&str]| {
+        let mut all = vec!["--admin-url", east.admin_url.as_str()];
+        all.extend_from_slice(args);
+        admin_ok(&all)
+    };
+
+    step("--dry-run says what would happen and changes nothing; deleting needs --confirm");
+    let dry = at_east(&[
+        "namespaces",
+        "set-clusters",
+        "acme/g",
+        "--clusters",
+        "east",
+        "--dry-run",
+    ]);
+    assert!(
+        dry.contains("replication to west stops; the data at west is kept"),
+        "{dry}"
+    );
+    let dry = at_east(&[
+        "namespaces",
+        "set-clusters",
+        "acme/h",
+        "--clusters",
+        "east",
+        "--delete-remote-data",
+        "--dry-run",
+    ]);
+    assert!(
+        dry.contains(&format!("would delete {gone} at site west")),
+        "{dry}"
+    );
+    let clusters = at_east(&["namespaces", "get-clusters", "acme/h"]);
+    assert!(clusters.contains("east,west"), "{clusters}");
+    let (code, _, err) = run_admin(&[
+        "--admin-url",
+        &east.admin_url,
+        "namespaces",
+        "set-clusters",
+        "acme/h",
+        "--clusters",
+        "east",
+        "--delete-remote-data",
+    ])
+    .unwrap();
+    assert_eq!(code, 1);
+    assert!(err.contains("--confirm"), "{err}");
+
+    step("removed without deletion: replication to west stops, west keeps what it has");
+    at_east(&["namespaces", "set-clusters", "acme/g", "--clusters", "east"]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !replication_of(&east.admin_url, kept).is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replicator did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    produce(&dir, "p2", &east.url, kept, 10, 1000)
+        .finish(Duration::from_secs(120))
+        .unwrap();
+
+    step("removed with --delete-remote-data --confirm: west's copy is deleted, east's stays");
+    let out = at_east(&[
+        "namespaces",
+        "set-clusters",
+        "acme/h",
+        "--clusters",
+        "east",
+        "--delete-remote-data",
+        "--confirm",
+    ]);
+    assert!(
+        out.contains(&format!("deleting {gone} at site west")),
+        "{out}"
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while admin_json(&west.admin_url, &["topics", "list", "acme/h"])
+        .as_array()
+        .is_some_and(|a| a.iter().any(|t| t["name"] == gone))
+    {
+        assert!(std::time::Instant::now() < deadline, "west kept {gone}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let got = read_until(&dir, &east.url, gone, 50, Duration::from_secs(60));
+    assert_exactly_once(&got, std::slice::from_ref(&(0..50)), "east");
+    std::thread::sleep(Duration::from_secs(2));
+    let got = read_until(&dir, &west.url, kept, 50, Duration::from_secs(60));
+    assert_exactly_once(
+        &got,
+        std::slice::from_ref(&(0..50)),
+        "west (kept, nothing new)",
+    );
+    for p in &mut procs {
+        p.stop().unwrap();
+    }
+}

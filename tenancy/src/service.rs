@@ -104,6 +104,21 @@ pub trait TopicOps: Send + Sync + 'static {
         force: bool,
         dry_run: bool,
     ) -> BoxFuture<'_, Result<Vec<String>, AdminError>>;
+    /// Deletes the namespace's topics at other `sites` (over the geo link), or lists what
+    /// would go.
+    fn delete_remote_data(
+        &self,
+        namespace: String,
+        sites: Vec<String>,
+        dry_run: bool,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>> {
+        let _ = (namespace, sites, dry_run);
+        Box::pin(async {
+            Err(AdminError::FailedPrecondition(
+                "this site has no geo link".into(),
+            ))
+        })
+    }
     fn unload(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>>;
     fn internal_stats(
         &self,
@@ -964,6 +979,27 @@ impl Admin for AdminService {
         }
         let d = r.into_inner();
         let deleted = self.topics.delete(d.name, d.force, d.dry_run).await?;
+        ok(DeleteResponse {
+            deleted,
+            dry_run: d.dry_run,
+        })
+    }
+
+    async fn delete_remote_data(
+        &self,
+        r: Request<DeleteRemoteDataRequest>,
+    ) -> Reply<DeleteResponse> {
+        let d = r.get_ref().clone();
+        let (tenant, _) = crate::model::split_namespace(&d.namespace)
+            .map_err(|e| Status::invalid_argument(e.0))?;
+        self.tenant_admin(role_of(&r).as_ref(), tenant).await?;
+        if d.sites.is_empty() {
+            return Err(Status::invalid_argument("name the sites (--sites)"));
+        }
+        let deleted = self
+            .topics
+            .delete_remote_data(d.namespace, d.sites, d.dry_run)
+            .await?;
         ok(DeleteResponse {
             deleted,
             dry_run: d.dry_run,

@@ -423,6 +423,46 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn delete_remote_data(
+        &self,
+        namespace: String,
+        sites: Vec<String>,
+        dry_run: bool,
+    ) -> BoxFuture<'_, Result<Vec<String>, AdminError>> {
+        async move {
+            let b = &self.0;
+            if b.geo.get().is_none() {
+                return Err(AdminError::FailedPrecondition(
+                    "this site has no geo link (geo.listen) to carry the deletion".into(),
+                ));
+            }
+            let store = TenancyStore::new(b.meta.clone());
+            for s in &sites {
+                if *s == b.cfg.cluster_name {
+                    return Err(AdminError::Invalid(format!(
+                        "{s} is this site: delete its topics with topics delete"
+                    )));
+                }
+                store.cluster(s).await?;
+            }
+            let topics = self.list(namespace.clone()).await?;
+            let mut plan = Vec::new();
+            for (topic, _) in topics {
+                let name = TopicName::parse(&topic).map_err(|e| admin_error(e.into()))?;
+                for s in &sites {
+                    plan.push(format!("{topic} at site {s}"));
+                }
+                if !dry_run {
+                    b.tombstone_remote(&name, sites.clone())
+                        .await
+                        .map_err(admin_error)?;
+                }
+            }
+            Ok(plan)
+        }
+        .boxed()
+    }
+
     fn unload(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>> {
         async move {
             let name = self.name(&topic)?;

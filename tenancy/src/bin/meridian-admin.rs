@@ -664,6 +664,8 @@ enum PolicyCmd {
         /// Comma-separated cluster names.
         #[arg(long, value_delimiter = ',', required = true)]
         clusters: Vec<String>,
+        #[command(flatten)]
+        removal: SiteRemoval,
     },
     #[command(visible_alias = "get-replication-clusters")]
     GetClusters {
@@ -675,6 +677,8 @@ enum PolicyCmd {
     RemoveClusters {
         #[arg(value_name = "TARGET")]
         namespace: String,
+        #[command(flatten)]
+        removal: SiteRemoval,
     },
     /// Each topic's publish rate: producers past it are slowed, not refused.
     SetPublishRate {
@@ -795,6 +799,111 @@ async fn update_and_print(
 }
 
 /// A change of a namespace's (or topic's) policies: `set` set, `clear` removed.
+/// What happens to the sites a change of replication clusters leaves out.
+#[derive(clap::Args, Debug, Clone, Default)]
+struct SiteRemoval {
+    /// Say what the change would do (replication that stops, data that would be deleted);
+    /// change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Also delete the namespace's topics at the sites left out (their data is kept
+    /// otherwise); needs --confirm.
+    #[arg(long)]
+    delete_remote_data: bool,
+    /// Confirms --delete-remote-data.
+    #[arg(long)]
+    confirm: bool,
+}
+
+/// Sets (`Some`) or removes (`None`) replication clusters; sites left out stop getting the
+/// topics and keep their data unless `--delete-remote-data --confirm`.
+async fn change_clusters(
+    c: &mut Client,
+    target: String,
+    new: Option<Vec<String>>,
+    r: SiteRemoval,
+    topic: bool,
+    out: Output,
+) -> anyhow::Result<()> {
+    if r.delete_remote_data && topic {
+        anyhow::bail!("--delete-remote-data applies to a namespace; delete one topic everywhere with topics delete");
+    }
+    if r.delete_remote_data && !r.confirm && !r.dry_run {
+        anyhow::bail!("--delete-remote-data deletes the namespace's topics at the sites left out: add --confirm (--dry-run shows what would go)");
+    }
+    let req = match &new {
+        Some(names) => policy_update(
+            target.clone(),
+            NamespacePolicies {
+                replication_clusters: Some(ClusterList {
+                    names: names.clone(),
+                }),
+                ..Default::default()
+            },
+            &[],
+        ),
+        None => policy_update(
+            target.clone(),
+            NamespacePolicies::default(),
+            &["replication_clusters"],
+        ),
+    };
+    if !r.dry_run && !r.delete_remote_data {
+        return update_and_print(c, req, topic, out).await;
+    }
+    let old = get_policies(c, target.clone(), topic)
+        .await?
+        .policies
+        .unwrap_or_default()
+        .replication_clusters
+        .map(|c| c.names)
+        .unwrap_or_default();
+    let kept = new.clone().unwrap_or_default();
+    let removed: Vec<String> = old.iter().filter(|s| !kept.contains(s)).cloned().collect();
+    let mut lines = vec![format!(
+        "replication clusters of {target}: {} -> {}",
+        if old.is_empty() {
+            "(none)".to_string()
+        } else {
+            old.join(",")
+        },
+        new.as_ref()
+            .map_or("(none: this site alone)".to_string(), |n| n.join(","))
+    )];
+    for s in &removed {
+        lines.push(if r.delete_remote_data {
+            format!("replication to {s} stops, and the topics' copies at {s} are deleted")
+        } else {
+            format!("replication to {s} stops; the data at {s} is kept (--delete-remote-data --confirm deletes it)")
+        });
+    }
+    let mut deleted = Vec::new();
+    if !r.dry_run {
+        update_policies(c, req, topic).await?;
+    }
+    if r.delete_remote_data && !removed.is_empty() {
+        let d = c
+            .delete_remote_data(DeleteRemoteDataRequest {
+                namespace: target.clone(),
+                sites: removed.clone(),
+                dry_run: r.dry_run,
+            })
+            .await?
+            .into_inner();
+        let verb = if r.dry_run {
+            "would delete"
+        } else {
+            "deleting"
+        };
+        lines.extend(d.deleted.iter().map(|x| format!("{verb} {x}")));
+        deleted = d.deleted;
+    }
+    let v = json!({"namespace": target, "dry_run": r.dry_run, "removed": removed,
+        "deleted": deleted, "lines": lines});
+    print(out, &v, || lines.join("\n"));
+    Ok(())
+}
+
 fn policy_update(target: String, set: NamespacePolicies, clear: &[&str]) -> UpdatePoliciesRequest {
     UpdatePoliciesRequest {
         namespace: target,
@@ -2165,14 +2274,10 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
         PolicyCmd::SetClusters {
             namespace,
             clusters,
-        } => update(
-            namespace,
-            NamespacePolicies {
-                replication_clusters: Some(ClusterList { names: clusters }),
-                ..Default::default()
-            },
-            vec![],
-        ),
+            removal,
+        } => {
+            return change_clusters(c, namespace, Some(clusters), removal, topic, out).await;
+        }
         PolicyCmd::GetClusters { namespace } => {
             let n = get_policies(c, namespace, topic).await?;
             let names = n
@@ -2184,11 +2289,9 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
             print(out, &v, || names.map(|n| n.join(",")).unwrap_or_default());
             return Ok(());
         }
-        PolicyCmd::RemoveClusters { namespace } => update(
-            namespace,
-            NamespacePolicies::default(),
-            vec!["replication_clusters"],
-        ),
+        PolicyCmd::RemoveClusters { namespace, removal } => {
+            return change_clusters(c, namespace, None, removal, topic, out).await;
+        }
         PolicyCmd::RemoveCompactionThreshold { namespace } => update(
             namespace,
             NamespacePolicies::default(),

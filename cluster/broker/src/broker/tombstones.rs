@@ -41,13 +41,25 @@ pub struct Tombstone {
     pub pending: Vec<String>,
     /// When the last of them confirmed (0 while some have not).
     pub settled_at_ms: u64,
+    /// Only a deletion at `pending` (the topic stays here: those sites left its replication
+    /// clusters and their copies are deleted on request); refuses no stream here, and goes
+    /// once every site confirmed.
+    #[serde(default)]
+    pub remote_only: bool,
 }
 
 impl Tombstone {
-    /// Whether it still refuses the topic's streams.
+    /// Whether it still refuses the topic's streams (a remote-only one never does).
     pub fn live(&self, now: u64, grace: Duration) -> bool {
-        !self.pending.is_empty()
-            || now < self.settled_at_ms.saturating_add(grace.as_millis() as u64)
+        !self.remote_only
+            && (!self.pending.is_empty()
+                || now < self.settled_at_ms.saturating_add(grace.as_millis() as u64))
+    }
+
+    /// Whether it is done with: every site confirmed and, unless remote-only, the grace
+    /// passed.
+    fn spent(&self, now: u64, grace: Duration) -> bool {
+        self.pending.is_empty() && (self.remote_only || !self.live(now, grace))
     }
 }
 
@@ -90,6 +102,7 @@ impl Broker {
             deleted_at_ms: now,
             settled_at_ms: if remotes.is_empty() { now } else { 0 },
             pending: remotes,
+            remote_only: false,
         };
         if !t.pending.is_empty() {
             tracing::info!(topic = %name, sites = %t.pending.join(","), "global topic deleted here: the deletion goes to its other sites");
@@ -99,6 +112,40 @@ impl Broker {
                 &key(name),
                 serde_json::to_vec(&t).expect("tombstone serializes"),
             )
+            .await?;
+        self.tombstone_wake.notify_one();
+        Ok(())
+    }
+
+    /// Asks `sites` to delete their copies of `name`, which stays here (they left its
+    /// replication clusters). A live tombstone of `name` is left as it is.
+    pub(crate) async fn tombstone_remote(
+        &self,
+        name: &TopicName,
+        sites: Vec<String>,
+    ) -> Result<(), BrokerError> {
+        let k = key(name);
+        let mut t = match self.meta.get(&k).await? {
+            Some(kv) => match serde_json::from_slice::<Tombstone>(&kv.value) {
+                Ok(t) if !t.remote_only => return Ok(()),
+                Ok(t) => t,
+                Err(_) => Tombstone::default(),
+            },
+            None => Tombstone::default(),
+        };
+        t.topic = name.to_string();
+        t.site = self.cfg.cluster_name.clone();
+        t.deleted_at_ms = now_ms();
+        t.remote_only = true;
+        t.settled_at_ms = 0;
+        for s in sites {
+            if !t.pending.contains(&s) {
+                t.pending.push(s);
+            }
+        }
+        tracing::info!(topic = %name, sites = %t.pending.join(","), "the topic's copies at sites that left its replication clusters are to be deleted");
+        self.meta
+            .put(&k, serde_json::to_vec(&t).expect("tombstone serializes"))
             .await?;
         self.tombstone_wake.notify_one();
         Ok(())
@@ -152,6 +199,7 @@ impl Broker {
             deleted_at_ms,
             pending: Vec::new(),
             settled_at_ms: now_ms(),
+            remote_only: false,
         };
         // The tombstone first: a stream for the topic that opens meanwhile is refused.
         self.meta
@@ -198,7 +246,7 @@ impl Broker {
                 let Ok(mut t) = serde_json::from_slice::<Tombstone>(&kv.value) else {
                     continue;
                 };
-                if !t.live(now_ms(), link.tombstone_grace()) {
+                if t.spent(now_ms(), link.tombstone_grace()) {
                     let _ = self.meta.delete(&kv.key, Some(kv.mod_revision)).await;
                     continue;
                 }
@@ -262,6 +310,7 @@ mod tests {
             deleted_at_ms: 1_000,
             pending: vec!["west".into()],
             settled_at_ms: 0,
+            remote_only: false,
         };
         // Pending: live however old.
         assert!(t.live(u64::MAX, grace));
@@ -270,6 +319,17 @@ mod tests {
         assert!(t.live(10_000, grace));
         assert!(t.live(69_999, grace));
         assert!(!t.live(70_000, grace));
+        assert!(t.spent(70_000, grace));
+        // A remote-only one refuses nothing here, and is done once the sites confirmed.
+        let mut r = Tombstone {
+            remote_only: true,
+            pending: vec!["west".into()],
+            ..t.clone()
+        };
+        assert!(!r.live(10_000, grace));
+        assert!(!r.spent(10_000, grace));
+        r.pending.clear();
+        assert!(r.spent(10_000, grace));
         assert_eq!(
             key(&TopicName::parse("persistent://acme/g/a%b").unwrap()),
             "/geo-tombstones/acme/g/persistent/a%25b"
