@@ -41,6 +41,9 @@ pub struct GeoConfig {
     /// after every site confirmed the deletion (until then it always does); after it, the
     /// topic may be created again. Range 1,000..=604,800,000, default 60,000.
     pub tombstone_grace_ms: u64,
+    /// UDP segmentation offload (GSO) for the link's datagrams, where the kernel has it.
+    /// Default true.
+    pub segmentation_offload: bool,
 }
 
 impl Default for GeoConfig {
@@ -57,6 +60,7 @@ impl Default for GeoConfig {
             idle_timeout_ms: 5_000,
             handshake_timeout_ms: 10_000,
             tombstone_grace_ms: 60_000,
+            segmentation_offload: true,
         }
     }
 }

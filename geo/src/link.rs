@@ -98,6 +98,8 @@ pub struct LinkOptions {
     pub cert_reload_interval: Duration,
     /// How long a settled deletion's tombstone still refuses the topic's streams.
     pub tombstone_grace: Duration,
+    /// UDP segmentation offload (`geo.segmentation_offload`).
+    pub segmentation_offload: bool,
 }
 
 impl From<&GeoConfig> for LinkOptions {
@@ -109,6 +111,7 @@ impl From<&GeoConfig> for LinkOptions {
             handshake_timeout: Duration::from_millis(c.handshake_timeout_ms),
             cert_reload_interval: Duration::from_millis(c.cert_reload_interval_ms),
             tombstone_grace: Duration::from_millis(c.tombstone_grace_ms),
+            segmentation_offload: c.segmentation_offload,
         }
     }
 }
@@ -168,6 +171,7 @@ fn transport(opts: &LinkOptions) -> Arc<quinn::TransportConfig> {
     t.keep_alive_interval(Some(opts.idle_timeout / 3));
     // Each replicated topic partition holds a stream of its own for as long as it replicates.
     t.max_concurrent_bidi_streams(STREAMS_MAX.into());
+    t.enable_segmentation_offload(opts.segmentation_offload);
     Arc::new(t)
 }
 

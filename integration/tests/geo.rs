@@ -1019,7 +1019,21 @@ fn given_a_global_topic_deleted_while_entries_are_in_flight_then_no_site_re_crea
         "west is cut off: it still has it"
     );
 
-    step("healed: west's late entries are refused at east, west deletes it, neither re-creates it");
+    step("healed one way (west dials east, east not west): east refuses west's late entries");
+    for (h, o, p) in &proxies {
+        if (*h, *o) == (1, 0) {
+            p.partition(false);
+        }
+    }
+    let st = wait_replication(&west.admin_url, t, "refused by the tombstone", |st| {
+        st["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("was deleted at site east"))
+    });
+    eprintln!("geo: west's replicator after the one-way heal: {st}");
+    assert!(!listed(&east.admin_url, t), "east re-created {t}");
+
+    step("healed both ways: west deletes it, neither re-creates it");
     for (_, _, p) in &proxies {
         p.partition(false);
     }

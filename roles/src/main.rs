@@ -20,6 +20,7 @@ mod admin_perf;
 mod bench;
 mod bookie_http;
 mod broker_role;
+mod geo_perf;
 mod meta;
 mod pulsar_perf;
 mod site_up;

@@ -374,6 +374,8 @@ enum PerfCommand {
     E2e(crate::pulsar_perf::E2eArgs),
     /// Time the admin API's namespace-wide topic stats over many topics.
     Admin(crate::admin_perf::AdminPerfArgs),
+    /// The geo link alone (`--link-only`): MiB/s over 1 and 100 streams, GSO on and off.
+    Geo(crate::geo_perf::GeoPerfArgs),
 }
 
 #[derive(clap::Args)]
@@ -442,6 +444,7 @@ pub async fn run_perf(args: PerfArgs, cfg: Config) -> anyhow::Result<ExitCode> {
         PerfCommand::Admin(a) => {
             return crate::admin_perf::run(a).await.map(|()| ExitCode::SUCCESS)
         }
+        PerfCommand::Geo(a) => return crate::geo_perf::run(a).await.map(|()| ExitCode::SUCCESS),
     };
     let tls = crate::tls_of(&cfg, None)?;
     let meta = MetadataClient::with_tls(&cfg.client, tls.clone()).context("client.endpoints")?;

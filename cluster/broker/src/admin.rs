@@ -392,33 +392,43 @@ impl TopicOps for BrokerTopics {
                 .remote_replication_clusters(&name)
                 .await
                 .map_err(admin_error)?;
-            let global = !remotes.is_empty() && !dry_run;
-            if global {
-                // Streams for it are refused from before the deletion on.
-                self.0
-                    .tombstone_deleted(&name, Vec::new())
+            if remotes.is_empty() || dry_run {
+                let mut plan = self
+                    .0
+                    .delete_topic(&name, force, dry_run)
                     .await
                     .map_err(admin_error)?;
-            }
-            let plan = self.0.delete_topic(&name, force, dry_run).await;
-            if global && plan.is_err() {
-                self.0.drop_tombstone(&name).await;
-            }
-            let mut plan = plan.map_err(admin_error)?;
-            if !remotes.is_empty() {
-                if dry_run {
+                if !remotes.is_empty() {
                     plan.push(format!(
                         "the deletion goes to sites {} (a tombstone here keeps their late entries out)",
                         remotes.join(", ")
                     ));
-                } else {
-                    self.0
-                        .tombstone_deleted(&name, remotes)
-                        .await
-                        .map_err(admin_error)?;
+                }
+                return Ok(plan);
+            }
+            // What would refuse the deletion (no such topic, clients without --force) does
+            // so before any record changes.
+            self.0
+                .delete_topic(&name, force, true)
+                .await
+                .map_err(admin_error)?;
+            // Streams for it are refused, and the other sites are to delete it, from before
+            // the deletion on; a failed deletion puts the record back as it was.
+            let prev = self
+                .0
+                .tombstone_deleted(&name, remotes)
+                .await
+                .map_err(admin_error)?;
+            match self.0.delete_topic(&name, force, false).await {
+                Ok(plan) => {
+                    self.0.wake_tombstones();
+                    Ok(plan)
+                }
+                Err(e) => {
+                    self.0.restore_tombstone(&name, prev).await;
+                    Err(admin_error(e))
                 }
             }
-            Ok(plan)
         }
         .boxed()
     }
@@ -437,25 +447,45 @@ impl TopicOps for BrokerTopics {
                 ));
             }
             let store = TenancyStore::new(b.meta.clone());
+            // This site's own copies are not remote data: `topics delete` deletes them.
+            let sites: Vec<String> = sites
+                .into_iter()
+                .filter(|s| *s != b.cfg.cluster_name)
+                .collect();
             for s in &sites {
-                if *s == b.cfg.cluster_name {
-                    return Err(AdminError::Invalid(format!(
-                        "{s} is this site: delete its topics with topics delete"
+                store.cluster(s).await?;
+            }
+            if !dry_run {
+                // Only sites that left the clusters: one that still replicates the namespace
+                // would have its copies deleted and then re-created without their history.
+                let clusters = b
+                    .namespace_policies(&namespace)
+                    .await
+                    .map_err(admin_error)?
+                    .replication_clusters
+                    .unwrap_or_default();
+                if let Some(s) = sites.iter().find(|s| clusters.contains(s)) {
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "{s} is still among the replication clusters of {namespace} ({}): remove it first",
+                        clusters.join(",")
                     )));
                 }
-                store.cluster(s).await?;
             }
             let topics = self.list(namespace.clone()).await?;
             let mut plan = Vec::new();
             for (topic, _) in topics {
                 let name = TopicName::parse(&topic).map_err(|e| admin_error(e.into()))?;
-                for s in &sites {
+                // A topic whose own clusters still name a site keeps replicating there.
+                let own = b
+                    .own_replication_clusters(&name)
+                    .await
+                    .map_err(admin_error)?;
+                let at: Vec<String> = sites.iter().filter(|s| !own.contains(s)).cloned().collect();
+                for s in &at {
                     plan.push(format!("{topic} at site {s}"));
                 }
-                if !dry_run {
-                    b.tombstone_remote(&name, sites.clone())
-                        .await
-                        .map_err(admin_error)?;
+                if !dry_run && !at.is_empty() {
+                    b.tombstone_remote(&name, at).await.map_err(admin_error)?;
                 }
             }
             Ok(plan)

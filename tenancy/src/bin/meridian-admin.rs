@@ -879,6 +879,15 @@ async fn change_clusters(
     }
     let mut deleted = Vec::new();
     if !r.dry_run {
+        if r.delete_remote_data && !removed.is_empty() {
+            // Refusals (an unknown site, no geo link) come before the clusters change.
+            c.delete_remote_data(DeleteRemoteDataRequest {
+                namespace: target.clone(),
+                sites: removed.clone(),
+                dry_run: true,
+            })
+            .await?;
+        }
         update_policies(c, req, topic).await?;
     }
     if r.delete_remote_data && !removed.is_empty() {

@@ -141,6 +141,7 @@ impl Broker {
                     };
                     let ttl_ms = u64::from(p.message_ttl_seconds.unwrap_or(0)) * 1000;
                     t.set_policies(p.clone()).await;
+                    t.flush_origins().await;
                     let threshold = p
                         .compaction_threshold
                         .unwrap_or(self.cfg.compaction_threshold_bytes);

@@ -17,9 +17,10 @@
 //! The highest origin position per (topic, origin site) is recovered on first use from a
 //! snapshot (`/topic-repl-origins/<log>`: the positions and the local position through which
 //! they are known) plus the entries after it, each of which names its origin in its metadata
-//! (`Entry::origin`). An append is acknowledged only after it is durable, and the snapshot
-//! written after; a crash between the two is covered by the replay, so a range sent again is
-//! dropped: no duplicates, no loss.
+//! (`Entry::origin`). An append is acknowledged only after it is durable; the snapshot is
+//! written after it at most every 250 ms (and by the policy beat when a burst's last frames
+//! were not), so a crash covers what the snapshot lacks by the replay, and a range sent again
+//! is dropped: no duplicates, no loss.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -60,6 +61,8 @@ pub struct Origins {
     snap: OriginsSnapshot,
     /// When the snapshot was last written (None: not since loading).
     saved_at: Option<std::time::Instant>,
+    /// Changed since it was last written (the policy beat writes it: [`Topic::flush_origins`]).
+    dirty: bool,
 }
 
 /// The origins snapshot is written at most this often: what comes after it is replayed from
@@ -236,6 +239,7 @@ impl Topic {
             let mut o = Origins {
                 snap: OriginsSnapshot::default(),
                 saved_at: None,
+                dirty: false,
             };
             std::mem::swap(&mut o.snap, &mut snap);
             let mut replayed = 0u64;
@@ -272,12 +276,27 @@ impl Topic {
         Ok(guard.as_mut().expect("loaded above"))
     }
 
-    async fn save_origins(&self, o: &Origins) {
+    /// Writes the origins snapshot if it changed since it was last written (a burst's last
+    /// frames, which the 250 ms spacing skipped); a topic busy receiving is passed over.
+    pub(super) async fn flush_origins(&self) {
+        let Ok(mut g) = self.repl_origins.try_lock() else {
+            return;
+        };
+        if let Some(o) = g.as_mut().filter(|o| o.dirty) {
+            self.save_origins(o).await;
+        }
+    }
+
+    async fn save_origins(&self, o: &mut Origins) {
         let key = format!("{ORIGINS_PREFIX}{}", self.ml.name());
         let value = serde_json::to_vec(&o.snap).expect("origins serialize");
-        if let Err(e) = self.meta.put(&key, value).await {
+        o.saved_at = Some(std::time::Instant::now());
+        match self.meta.put(&key, value).await {
+            Ok(_) => o.dirty = false,
             // The next load replays from the older snapshot: nothing is lost, only time.
-            tracing::warn!(topic = %self.full_name, error = %e, "saving the replication origins failed");
+            Err(e) => {
+                tracing::warn!(topic = %self.full_name, error = %e, "saving the replication origins failed")
+            }
         }
     }
 
@@ -528,8 +547,10 @@ impl Topic {
     }
 }
 
-/// About how many bytes a replicator reads from the log at a time.
+/// About how many bytes a replicator reads from the log at a time (it stops at the chunk
+/// that reaches them), and at most how many entries.
 const READ_BYTES: u64 = 4 << 20;
+const READ_ENTRIES_MAX: usize = 4096;
 
 /// The topic's log through a replicator's cursor.
 struct TopicSource {
@@ -611,19 +632,23 @@ impl ReplicaSource for TopicSource {
             self.apply_drop().await?;
             // Seen before reading: an append after this wakes `wait_for_more`.
             self.appended.borrow_and_update();
-            // Small entries are read many at a time (a frame of a few MiB), large ones fewer.
-            let (count, bytes) = self.topic.ml.size().await;
-            let max = match bytes.checked_div(count) {
-                Some(avg) if avg > 0 => {
-                    usize::try_from((READ_BYTES / avg).clamp(16, 4096)).unwrap_or(max)
+            // Read in small chunks until about READ_BYTES (many small entries, few large
+            // ones): what one read holds stays bounded whatever the entries' sizes.
+            let chunk = max.clamp(1, 64);
+            let mut entries = Vec::new();
+            let mut bytes = 0u64;
+            while entries.len() < READ_ENTRIES_MAX && bytes < READ_BYTES {
+                let got = self
+                    .cursor
+                    .read_entries(chunk.min(READ_ENTRIES_MAX - entries.len()))
+                    .await
+                    .map_err(|e| format!("reading {}: {e}", self.topic.full_name))?;
+                if got.is_empty() {
+                    break;
                 }
-                _ => max,
-            };
-            let entries = self
-                .cursor
-                .read_entries(max)
-                .await
-                .map_err(|e| format!("reading {}: {e}", self.topic.full_name))?;
+                bytes += got.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
+                entries.extend(got);
+            }
             Ok(entries
                 .into_iter()
                 .map(|(p, bytes)| {
@@ -903,12 +928,12 @@ impl ReplicaTopic for Incoming {
             }
             if let Some(p) = last_local {
                 origins.snap.at = Some((p.ledger_id, p.entry_id));
+                origins.dirty = true;
                 if origins
                     .saved_at
                     .is_none_or(|s| s.elapsed() >= ORIGINS_SAVE_EVERY)
                 {
                     t.save_origins(origins).await;
-                    origins.saved_at = Some(std::time::Instant::now());
                 }
             }
             match failed {

@@ -88,74 +88,140 @@ impl Broker {
             .collect())
     }
 
-    /// Records that `name` was deleted here and is to be deleted at `remotes` too (none: a
-    /// tombstone that only keeps replicated entries out, written before the deletion).
+    /// Changes `name`'s tombstone with `f` (given what is there; `None` from `f`: leave it),
+    /// by compare-and-set, again after a conflict. Returns what was there before.
+    async fn update_tombstone(
+        &self,
+        name: &TopicName,
+        f: impl Fn(Option<Tombstone>) -> Option<Tombstone>,
+    ) -> Result<Option<Tombstone>, BrokerError> {
+        let k = key(name);
+        loop {
+            let (prev, version) = match self.meta.get(&k).await? {
+                Some(kv) => (
+                    serde_json::from_slice::<Tombstone>(&kv.value).ok(),
+                    kv.mod_revision,
+                ),
+                None => (None, 0),
+            };
+            let Some(next) = f(prev.clone()) else {
+                return Ok(prev);
+            };
+            let opts = meridian_metadata::client::PutOptions {
+                expected_version: Some(version),
+                ..Default::default()
+            };
+            let value = serde_json::to_vec(&next).expect("tombstone serializes");
+            match self.meta.put_with(&k, value, opts).await {
+                Ok(_) => return Ok(prev),
+                Err(meridian_metadata::client::ClientError::Conflict { .. }) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// The replication clusters a topic sets itself (not its namespace's), if any.
+    pub(crate) async fn own_replication_clusters(
+        &self,
+        name: &TopicName,
+    ) -> Result<Vec<String>, BrokerError> {
+        Ok(self
+            .topic_own_policies(&self.own_policies_key(name).await?)
+            .await?
+            .replication_clusters
+            .unwrap_or_default())
+    }
+
+    /// Records that `name` is being deleted here and is to be deleted at `remotes` too,
+    /// merged with a deletion already on its way (its sites stay pending). Written before the
+    /// deletion, so streams for it are refused from then on; returns the record it replaced,
+    /// for [`Broker::restore_tombstone`] should the deletion fail.
     pub(crate) async fn tombstone_deleted(
         &self,
         name: &TopicName,
         remotes: Vec<String>,
-    ) -> Result<(), BrokerError> {
+    ) -> Result<Option<Tombstone>, BrokerError> {
         let now = now_ms();
-        let t = Tombstone {
-            topic: name.to_string(),
-            site: self.cfg.cluster_name.clone(),
-            deleted_at_ms: now,
-            settled_at_ms: if remotes.is_empty() { now } else { 0 },
-            pending: remotes,
-            remote_only: false,
-        };
-        if !t.pending.is_empty() {
-            tracing::info!(topic = %name, sites = %t.pending.join(","), "global topic deleted here: the deletion goes to its other sites");
-        }
-        self.meta
-            .put(
-                &key(name),
-                serde_json::to_vec(&t).expect("tombstone serializes"),
-            )
+        let prev = self
+            .update_tombstone(name, |prev| {
+                let mut pending = prev.map(|t| t.pending).unwrap_or_default();
+                for r in &remotes {
+                    if !pending.contains(r) {
+                        pending.push(r.clone());
+                    }
+                }
+                Some(Tombstone {
+                    topic: name.to_string(),
+                    site: self.cfg.cluster_name.clone(),
+                    deleted_at_ms: now,
+                    settled_at_ms: if pending.is_empty() { now } else { 0 },
+                    pending,
+                    remote_only: false,
+                })
+            })
             .await?;
+        if !remotes.is_empty() {
+            tracing::info!(topic = %name, sites = %remotes.join(","), "global topic deleted here: the deletion goes to its other sites");
+        }
+        Ok(prev)
+    }
+
+    /// Puts back the record [`Broker::tombstone_deleted`] replaced (the deletion failed).
+    pub(crate) async fn restore_tombstone(&self, name: &TopicName, prev: Option<Tombstone>) {
+        let r = match prev {
+            Some(t) => self
+                .meta
+                .put(
+                    &key(name),
+                    serde_json::to_vec(&t).expect("tombstone serializes"),
+                )
+                .await
+                .map(|_| ()),
+            None => self.meta.delete(&key(name), None).await.map(|_| ()),
+        };
+        if let Err(e) = r {
+            tracing::warn!(topic = %name, error = %e, "restoring a tombstone failed");
+        }
+    }
+
+    /// Wakes the loop that carries deletions to other sites.
+    pub(crate) fn wake_tombstones(&self) {
         self.tombstone_wake.notify_one();
-        Ok(())
     }
 
     /// Asks `sites` to delete their copies of `name`, which stays here (they left its
-    /// replication clusters). A live tombstone of `name` is left as it is.
+    /// replication clusters), merged with a deletion already on its way.
     pub(crate) async fn tombstone_remote(
         &self,
         name: &TopicName,
         sites: Vec<String>,
     ) -> Result<(), BrokerError> {
-        let k = key(name);
-        let mut t = match self.meta.get(&k).await? {
-            Some(kv) => match serde_json::from_slice::<Tombstone>(&kv.value) {
-                Ok(t) if !t.remote_only => return Ok(()),
-                Ok(t) => t,
-                Err(_) => Tombstone::default(),
-            },
-            None => Tombstone::default(),
-        };
-        t.topic = name.to_string();
-        t.site = self.cfg.cluster_name.clone();
-        t.deleted_at_ms = now_ms();
-        t.remote_only = true;
-        t.settled_at_ms = 0;
-        for s in sites {
-            if !t.pending.contains(&s) {
-                t.pending.push(s);
+        let now = now_ms();
+        self.update_tombstone(name, |prev| {
+            let mut t = match prev {
+                // A deletion of the topic everywhere on its way: these sites join it.
+                Some(t) if !t.remote_only && !t.pending.is_empty() => t,
+                Some(t) if t.remote_only => t,
+                _ => Tombstone {
+                    topic: name.to_string(),
+                    site: self.cfg.cluster_name.clone(),
+                    deleted_at_ms: now,
+                    remote_only: true,
+                    ..Tombstone::default()
+                },
+            };
+            for s in &sites {
+                if !t.pending.contains(s) {
+                    t.pending.push(s.clone());
+                }
             }
-        }
-        tracing::info!(topic = %name, sites = %t.pending.join(","), "the topic's copies at sites that left its replication clusters are to be deleted");
-        self.meta
-            .put(&k, serde_json::to_vec(&t).expect("tombstone serializes"))
-            .await?;
+            t.settled_at_ms = 0;
+            Some(t)
+        })
+        .await?;
+        tracing::info!(topic = %name, sites = %sites.join(","), "the topic's copies at sites that left its replication clusters are to be deleted");
         self.tombstone_wake.notify_one();
         Ok(())
-    }
-
-    /// Removes `name`'s tombstone (its deletion here failed).
-    pub(crate) async fn drop_tombstone(&self, name: &TopicName) {
-        if let Err(e) = self.meta.delete(&key(name), None).await {
-            tracing::warn!(topic = %name, error = %e, "removing a tombstone failed");
-        }
     }
 
     /// The live tombstone of `name`, or of the partitioned topic it is a partition of.
@@ -193,22 +259,24 @@ impl Broker {
         self.check_replicated_with(&name, origin)
             .await
             .map_err(|r| Refusal::new(r.code, format!("{} (deletion refused)", r.reason)))?;
-        let t = Tombstone {
-            topic: name.to_string(),
-            site: origin.to_string(),
-            deleted_at_ms,
-            pending: Vec::new(),
-            settled_at_ms: now_ms(),
-            remote_only: false,
-        };
-        // The tombstone first: a stream for the topic that opens meanwhile is refused.
-        self.meta
-            .put(
-                &key(&name),
-                serde_json::to_vec(&t).expect("tombstone serializes"),
-            )
-            .await
-            .map_err(|e| retry(e.into()))?;
+        // The tombstone first: a stream for the topic that opens meanwhile is refused. A
+        // deletion of this site's own on its way keeps its pending sites.
+        let now = now_ms();
+        self.update_tombstone(&name, |prev| {
+            let mut t = prev.unwrap_or_else(|| Tombstone {
+                topic: name.to_string(),
+                site: origin.to_string(),
+                deleted_at_ms,
+                ..Tombstone::default()
+            });
+            t.remote_only = false;
+            if t.pending.is_empty() {
+                t.settled_at_ms = now;
+            }
+            Some(t)
+        })
+        .await
+        .map_err(retry)?;
         match self.delete_topic(&name, true, false).await {
             Ok(_) => {
                 tracing::info!(topic = %name, origin, "deleted at the request of site {origin}")
@@ -271,7 +339,12 @@ impl Broker {
                     .await
                     {
                         Ok(()) => confirmed.push(site.clone()),
-                        Err(e) => {
+                        // It answered and will not: asking again would hold up the rest.
+                        Err(meridian_geo::deletion::DeleteFailure::Refused(why)) => {
+                            tracing::warn!(topic = %t.topic, site, reason = %why, "the site refused the topic's deletion; it is not asked again");
+                            confirmed.push(site.clone());
+                        }
+                        Err(meridian_geo::deletion::DeleteFailure::Failed(e)) => {
                             tracing::debug!(topic = %t.topic, site, error = %e, "the deletion did not reach the site yet");
                             unreachable.push(site.clone());
                         }
