@@ -1188,3 +1188,85 @@ fn given_a_site_removed_from_the_clusters_then_its_data_is_kept_unless_deletion_
         p.stop().unwrap();
     }
 }
+
+#[test]
+fn given_three_sites_and_one_cut_off_past_the_grace_then_a_deleted_topic_stays_deleted_everywhere()
+{
+    let env = [("MERIDIAN_GEO_TOMBSTONE_GRACE_MS", "2000")];
+    let (root, mut procs, proxies) = mesh_with(&["east", "west", "north"], &env, true);
+    let dir = root.path().to_path_buf();
+    let (east, west, north) = (&procs[0], &procs[1], &procs[2]);
+    let t = "persistent://acme/g/doomed3";
+
+    step("a topic at all three sites; north cut off, with a backlog of its own");
+    produce(&dir, "pe", &east.url, t, 50, 0)
+        .finish(Duration::from_secs(120))
+        .unwrap();
+    for p in [west, north] {
+        let got = read_until(&dir, &p.url, t, 50, Duration::from_secs(60));
+        assert_exactly_once(&got, std::slice::from_ref(&(0..50)), "before the cut");
+    }
+    for (h, o, p) in &proxies {
+        if *h == 2 || *o == 2 {
+            p.partition(true);
+        }
+    }
+    produce(&dir, "pn", &north.url, t, 20, 100_000)
+        .finish(Duration::from_secs(120))
+        .unwrap();
+
+    step("deleted at east: west deletes it too; north, cut off, cannot be told");
+    admin_ok(&[
+        "--admin-url",
+        &east.admin_url,
+        "topics",
+        "delete",
+        t,
+        "--force",
+    ]);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while listed(&west.admin_url, t) {
+        assert!(std::time::Instant::now() < deadline, "west kept {t}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+
+    step("past the grace, north may dial west only: west still refuses north's late entries");
+    std::thread::sleep(Duration::from_secs(4));
+    for (h, o, p) in &proxies {
+        if (*h, *o) == (2, 1) {
+            p.partition(false);
+        }
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let reps = replication_of(&north.admin_url, t);
+        let to_west = reps.iter().find(|r| r["remote"] == "west");
+        if to_west.is_some_and(|r| {
+            r["reason"]
+                .as_str()
+                .is_some_and(|x| x.contains("was deleted at site"))
+        }) {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{reps:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(!listed(&west.admin_url, t), "west re-created {t}");
+
+    step("healed: north deletes it, and no site has it");
+    for (_, _, p) in &proxies {
+        p.partition(false);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while listed(&north.admin_url, t) {
+        assert!(std::time::Instant::now() < deadline, "north kept {t}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    for (site, p) in [("east", east), ("west", west), ("north", north)] {
+        assert!(!listed(&p.admin_url, t), "{site} has {t}");
+    }
+    for p in &mut procs {
+        p.stop().unwrap();
+    }
+}

@@ -259,24 +259,46 @@ impl Broker {
         self.check_replicated_with(&name, origin)
             .await
             .map_err(|r| Refusal::new(r.code, format!("{} (deletion refused)", r.reason)))?;
+        // The deletion goes on from here to the topic's other sites too (once: a deletion
+        // already live here is not passed on again), so this site's tombstone stays live
+        // until they have it, however long one of them is cut off.
+        let others: Vec<String> = self
+            .remote_replication_clusters(&name)
+            .await
+            .map_err(retry)?
+            .into_iter()
+            .filter(|c| c != origin)
+            .collect();
+        let grace = self
+            .geo
+            .get()
+            .map_or(Duration::from_secs(60), |l| l.tombstone_grace());
         // The tombstone first: a stream for the topic that opens meanwhile is refused. A
         // deletion of this site's own on its way keeps its pending sites.
         let now = now_ms();
         self.update_tombstone(&name, |prev| {
+            let fresh = prev.as_ref().is_none_or(|t| !t.live(now, grace));
             let mut t = prev.unwrap_or_else(|| Tombstone {
                 topic: name.to_string(),
                 site: origin.to_string(),
                 deleted_at_ms,
                 ..Tombstone::default()
             });
-            t.remote_only = false;
-            if t.pending.is_empty() {
-                t.settled_at_ms = now;
+            if fresh {
+                t.deleted_at_ms = deleted_at_ms;
+                for o in &others {
+                    if !t.pending.contains(o) {
+                        t.pending.push(o.clone());
+                    }
+                }
             }
+            t.remote_only = false;
+            t.settled_at_ms = if t.pending.is_empty() { now } else { 0 };
             Some(t)
         })
         .await
         .map_err(retry)?;
+        self.tombstone_wake.notify_one();
         match self.delete_topic(&name, true, false).await {
             Ok(_) => {
                 tracing::info!(topic = %name, origin, "deleted at the request of site {origin}")
