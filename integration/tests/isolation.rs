@@ -73,7 +73,7 @@ async fn given_isolation_policies_and_bookie_groups_then_each_namespace_stays_on
             b
         })
         .collect();
-    wait_for_bookies(&cluster.client(), groups.len(), Duration::from_secs(30))
+    wait_for_bookies(&cluster.client(), groups.len(), Duration::from_secs(60))
         .await
         .unwrap();
     let in_group = |g: &str| -> BTreeSet<String> {
