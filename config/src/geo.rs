@@ -44,6 +44,10 @@ pub struct GeoConfig {
     /// UDP segmentation offload (GSO) for the link's datagrams, where the kernel has it.
     /// Default true.
     pub segmentation_offload: bool,
+    /// Where this site dials a peer instead of the geo URL of its cluster record, as
+    /// `SITE=HOST:PORT` items (a private interconnect, a proxy); the registry, which every
+    /// site shares, stays as it is. Default empty.
+    pub routes: Vec<String>,
 }
 
 impl Default for GeoConfig {
@@ -61,6 +65,7 @@ impl Default for GeoConfig {
             handshake_timeout_ms: 10_000,
             tombstone_grace_ms: 60_000,
             segmentation_offload: true,
+            routes: Vec::new(),
         }
     }
 }
@@ -69,6 +74,24 @@ impl GeoConfig {
     /// Whether this site runs the link.
     pub fn enabled(&self) -> bool {
         !self.listen.trim().is_empty()
+    }
+
+    /// `geo.routes` as (site, `HOST:PORT`) pairs, each checked.
+    pub fn route_map(&self) -> Result<Vec<(String, String)>, ConfigError> {
+        self.routes
+            .iter()
+            .map(|r| {
+                let bad = |why: &str| invalid("geo.routes", r, why);
+                let (site, addr) = r
+                    .split_once('=')
+                    .ok_or_else(|| bad("each route is SITE=HOST:PORT"))?;
+                if site.trim().is_empty() {
+                    return Err(bad("each route is SITE=HOST:PORT; the site is empty"));
+                }
+                host_port(addr.trim()).map_err(|reason| invalid("geo.routes", r, reason))?;
+                Ok((site.trim().to_string(), addr.trim().to_string()))
+            })
+            .collect()
     }
 
     /// Checks the `[geo]` section.
@@ -117,6 +140,7 @@ impl GeoConfig {
                 "",
             ),
         ])?;
+        self.route_map()?;
         if !self.advertise.is_empty() {
             host_port(&self.advertise)
                 .map_err(|reason| invalid("geo.advertise", &self.advertise, reason))?;

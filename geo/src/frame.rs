@@ -14,6 +14,13 @@
 //!  Entries (5) = count: u32 | (ledger: u64 | entry: u64 | len: u32 | bytes)*count
 //!  Ack     (6) = ledger: u64 | entry: u64      durably appended up to this origin position
 //!  Refused (7) = code: u8 | reason: str        the stream is not served (then it ends)
+//!
+//!  on a stream of its own, opened by either site:
+//!  Delete  (8) = topic: str | deleted_at_ms: u64  a global topic's deletion
+//!  Deleted (9) =                                 the receiver deleted it
+//!  Sync   (10) = len: u32 | bytes                the sender's copies of the global objects
+//!                                                the receiver takes part in (JSON)
+//!  Synced (11) = changed: u32 | skipped: u32     merged: how many changed here, not taken
 //! ```
 //!
 //! A frame longer than the limit (`geo.frame_bytes_max`) is refused from its length alone,
@@ -54,6 +61,11 @@ pub enum Frame {
     Delete { topic: String, deleted_at_ms: u64 },
     /// The receiver deleted the topic (or never had it) and keeps a tombstone for it.
     Deleted,
+    /// A stream's first frame: the sender's copies of the global objects (cluster records,
+    /// tenants, namespaces) the receiver takes part in, as JSON the site's registry reads.
+    Sync { doc: bytes::Bytes },
+    /// The receiver merged them: how many objects changed there, how many it did not take.
+    Synced { changed: u32, skipped: u32 },
 }
 
 /// A position in the origin site's log of a topic.
@@ -133,6 +145,8 @@ impl Frame {
             Frame::Refused { .. } => 7,
             Frame::Delete { .. } => 8,
             Frame::Deleted => 9,
+            Frame::Sync { .. } => 10,
+            Frame::Synced { .. } => 11,
         }
     }
 
@@ -188,6 +202,14 @@ impl Frame {
                 out.put_u64(*deleted_at_ms);
             }
             Frame::Deleted => {}
+            Frame::Sync { doc } => {
+                out.put_u32(doc.len() as u32);
+                out.put_slice(doc);
+            }
+            Frame::Synced { changed, skipped } => {
+                out.put_u32(*changed);
+                out.put_u32(*skipped);
+            }
         }
         let len = (out.len() - start - LENGTH_BYTES) as u32;
         out[start..start + LENGTH_BYTES].copy_from_slice(&len.to_be_bytes());
@@ -278,6 +300,19 @@ impl Frame {
                 }
             }
             9 => Frame::Deleted,
+            10 => {
+                let len = get_u32(&mut body, "document length")? as usize;
+                if body.remaining() < len {
+                    return Err(FrameError::Truncated("document"));
+                }
+                let doc = bytes::Bytes::copy_from_slice(&body[..len]);
+                body.advance(len);
+                Frame::Sync { doc }
+            }
+            11 => Frame::Synced {
+                changed: get_u32(&mut body, "changed")?,
+                skipped: get_u32(&mut body, "skipped")?,
+            },
             k => return Err(FrameError::UnknownKind(k)),
         };
         if !body.is_empty() {
@@ -419,6 +454,13 @@ mod tests {
                 deleted_at_ms: 1_796_000_000_000,
             },
             Frame::Deleted,
+            Frame::Sync {
+                doc: bytes::Bytes::from_static(br#"[{"key":"/admin/tenants/acme"}]"#),
+            },
+            Frame::Synced {
+                changed: 2,
+                skipped: 1,
+            },
         ] {
             let bytes = encoded(&f);
             assert_eq!(Frame::decode(&bytes, 1 << 20), Ok(Some((f, bytes.len()))));

@@ -9,7 +9,10 @@
 //! - [`receiver`]: a topic stream's receiving end (append, acknowledge once durable).
 //! - [`replicator`]: a topic's sending end per remote site (window, acknowledgements,
 //!   reconnects with back-off).
+//! - [`request`]: one question on a stream of its own, one answer.
 //! - [`deletion`]: a global topic's deletion carried to another site.
+//! - [`metasync`]: the global objects (registry, tenants, namespaces) carried to another
+//!   site and merged there.
 //!
 //! It knows nothing of how a broker dispatches: what it needs from the site (the registry
 //! today) comes through small traits the broker implements.
@@ -18,8 +21,10 @@ pub mod deletion;
 pub mod frame;
 pub mod identity;
 pub mod link;
+pub mod metasync;
 pub mod receiver;
 pub mod replicator;
+pub mod request;
 pub mod tls;
 
 pub use link::{GeoLink, LinkError, Peer, SiteDirectory};

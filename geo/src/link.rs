@@ -100,6 +100,8 @@ pub struct LinkOptions {
     pub tombstone_grace: Duration,
     /// UDP segmentation offload (`geo.segmentation_offload`).
     pub segmentation_offload: bool,
+    /// Where a peer is dialed instead of its cluster record's geo URL (`geo.routes`).
+    pub routes: HashMap<String, String>,
 }
 
 impl From<&GeoConfig> for LinkOptions {
@@ -112,6 +114,8 @@ impl From<&GeoConfig> for LinkOptions {
             cert_reload_interval: Duration::from_millis(c.cert_reload_interval_ms),
             tombstone_grace: Duration::from_millis(c.tombstone_grace_ms),
             segmentation_offload: c.segmentation_offload,
+            // Checked with the rest of the configuration.
+            routes: c.route_map().unwrap_or_default().into_iter().collect(),
         }
     }
 }
@@ -394,13 +398,16 @@ impl GeoLink {
             site: site.to_string(),
             reason,
         };
-        let url = self
-            .shared
-            .directory
-            .locate(site)
-            .await
-            .map_err(unknown)?
-            .ok_or_else(|| unknown("its cluster record has no geo URL".to_string()))?;
+        let url = match self.shared.opts.routes.get(site) {
+            Some(route) => format!("quic://{route}"),
+            None => self
+                .shared
+                .directory
+                .locate(site)
+                .await
+                .map_err(unknown)?
+                .ok_or_else(|| unknown("its cluster record has no geo URL".to_string()))?,
+        };
         let host_port = url
             .strip_prefix("quic://")
             .ok_or_else(|| unknown(format!("geo URL {url:?} is not quic://HOST:PORT")))?;

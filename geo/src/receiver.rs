@@ -65,6 +65,22 @@ pub trait ReplicaSink: Send + Sync + 'static {
             ))
         })
     }
+
+    /// Site `origin`'s copies of the global objects it shares with this site (`doc`, see
+    /// [`crate::metasync`]): merge them; how many changed here and how many were not taken.
+    fn sync<'a>(
+        &'a self,
+        origin: &'a str,
+        doc: bytes::Bytes,
+    ) -> BoxFuture<'a, Result<(u32, u32), Refusal>> {
+        let _ = (origin, doc);
+        Box::pin(async {
+            Err(Refusal::new(
+                RefusalCode::NotAllowed,
+                "this site takes no global objects",
+            ))
+        })
+    }
 }
 
 /// A topic open for a peer's entries.
@@ -127,8 +143,30 @@ pub async fn serve_stream(
             }
             return;
         }
+        Frame::Sync { doc } => {
+            match sink.sync(origin, doc).await {
+                Ok((changed, skipped)) => {
+                    if changed > 0 || skipped > 0 {
+                        info!(
+                            origin,
+                            changed, skipped, "global objects merged from {origin}"
+                        );
+                    }
+                    let _ = write_frame(&mut send, &Frame::Synced { changed, skipped }).await;
+                    let _ = send.finish();
+                }
+                Err(r) => {
+                    warn!(origin, reason = %r.reason, "global objects refused");
+                    refuse(&mut send, r).await;
+                }
+            }
+            return;
+        }
         _ => {
-            let r = Refusal::new(RefusalCode::Protocol, "a stream begins with Open or Delete");
+            let r = Refusal::new(
+                RefusalCode::Protocol,
+                "a stream begins with Open, Delete or Sync",
+            );
             refuse(&mut send, r).await;
             return;
         }

@@ -37,67 +37,48 @@ pub fn geo_flags(site: &str, pki: &Path, listen: &str) -> Vec<String> {
 pub type Proxies = Vec<(usize, usize, UdpProxy)>;
 
 /// Sites named `names` under a new temporary directory, with `MERIDIAN_*` settings `env`;
-/// with `proxied`, each site's record of every other points at a proxy toward it.
+/// with `proxied`, each site dials every other through a proxy of its own toward it
+/// (`geo.routes`), while the registry, which the sites share, has the real addresses.
 pub fn mesh_with(
     names: &[&str],
     env: &[(&str, &str)],
     proxied: bool,
 ) -> (tempfile::TempDir, Vec<StandaloneProc>, Proxies) {
-    let root = tempfile::tempdir().unwrap();
-    let pki = root.path().join("pki");
-    let d = pki.display().to_string();
-    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
-    let mut procs = Vec::new();
-    for site in names {
-        admin_ok(&[
-            "geo",
-            "create-site-cert",
-            site,
-            "--ca-dir",
-            &d,
-            "--out-dir",
-            &d,
-        ]);
-        let dir = root.path().join(site);
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut s = StandaloneProc::new(&dir);
-        let listen = format!("127.0.0.1:{}", crate::free_port());
-        s.keep_ports()
-            .args(
-                &geo_flags(site, &pki, &listen)
-                    .iter()
-                    .map(String::as_str)
-                    .collect::<Vec<_>>(),
-            )
-            .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
-        for (k, v) in env {
-            s.env(k, v);
-        }
-        s.start().unwrap();
-        procs.push(s);
-    }
-    let all = names.join(",");
+    let listens: Vec<String> = names
+        .iter()
+        .map(|_| format!("127.0.0.1:{}", crate::free_port()))
+        .collect();
     let mut proxies = Vec::new();
-    for (h, here) in procs.iter().enumerate() {
+    let mut routes: Vec<Vec<String>> = vec![Vec::new(); names.len()];
+    if proxied {
+        for (h, routes) in routes.iter_mut().enumerate() {
+            for (o, (name, listen)) in names.iter().zip(&listens).enumerate() {
+                if o != h {
+                    let p = UdpProxy::start(listen.parse().unwrap());
+                    routes.push(format!("{name}={}", p.addr));
+                    proxies.push((h, o, p));
+                }
+            }
+        }
+    }
+    let (root, procs) = sites(names, &listens, &routes, env);
+    let all = names.join(",");
+    for here in &procs {
+        // A record may have come over the link from a site made earlier: then it is there.
         let a = |args: &[&str]| {
             let mut all = vec!["--admin-url", here.admin_url.as_str()];
             all.extend_from_slice(args);
-            admin_ok(&all)
+            let (code, out, err) = run_admin(&all).expect("meridian-admin runs");
+            assert!(
+                code == 0 || err.contains("already exists"),
+                "meridian-admin {all:?}: {out}{err}"
+            );
         };
-        for (o, (other, name)) in procs.iter().zip(names).enumerate() {
-            if o == h {
+        for (other, name) in procs.iter().zip(names) {
+            if std::ptr::eq(other, here) {
                 continue;
             }
-            let real = other.geo_url.clone().unwrap();
-            let geo_url = if proxied {
-                let upstream = real.trim_start_matches("quic://").parse().unwrap();
-                let p = UdpProxy::start(upstream);
-                let url = format!("quic://{}", p.addr);
-                proxies.push((h, o, p));
-                url
-            } else {
-                real
-            };
+            let geo_url = other.geo_url.clone().unwrap();
             a(&[
                 "clusters",
                 "create",
@@ -114,4 +95,58 @@ pub fn mesh_with(
         a(&["namespaces", "create", "acme/g", "--clusters", &all]);
     }
     (root, procs, proxies)
+}
+
+/// Sites named `names` with links on `listens` (each dialing through its `routes`, `SITE=ADDR`
+/// items), certificates of one federation CA, and no records of each other yet.
+pub fn sites(
+    names: &[&str],
+    listens: &[String],
+    routes: &[Vec<String>],
+    env: &[(&str, &str)],
+) -> (tempfile::TempDir, Vec<StandaloneProc>) {
+    let root = tempfile::tempdir().unwrap();
+    let pki = root.path().join("pki");
+    let d = pki.display().to_string();
+    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
+    let mut procs = Vec::new();
+    for (i, site) in names.iter().enumerate() {
+        admin_ok(&[
+            "geo",
+            "create-site-cert",
+            site,
+            "--ca-dir",
+            &d,
+            "--out-dir",
+            &d,
+        ]);
+        let dir = root.path().join(site);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut s = StandaloneProc::new(&dir);
+        let listen = &listens[i];
+        s.keep_ports()
+            .args(
+                &geo_flags(site, &pki, listen)
+                    .iter()
+                    .map(String::as_str)
+                    .collect::<Vec<_>>(),
+            )
+            .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
+            .env("MERIDIAN_GEO_ROUTES", &routes[i].join(","));
+        for (k, v) in env {
+            s.env(k, v);
+        }
+        s.start().unwrap();
+        procs.push(s);
+    }
+    (root, procs)
+}
+
+/// Sites named `names` that know nothing of each other (the caller introduces them).
+pub fn unlinked(names: &[&str]) -> (tempfile::TempDir, Vec<StandaloneProc>) {
+    let listens: Vec<String> = names
+        .iter()
+        .map(|_| format!("127.0.0.1:{}", crate::free_port()))
+        .collect();
+    sites(names, &listens, &vec![Vec::new(); names.len()], &[])
 }

@@ -760,6 +760,34 @@ fn given_a_partition_and_a_lossy_link_then_every_message_arrives_once_and_the_la
         });
         assert!(st["oldest_unreplicated_age_ms"].as_u64() > Some(0), "{st}");
     }
+    // The same policy changed at both sides (west's change is the later), and one each.
+    let set = |p: &StandaloneProc, args: &[&str]| {
+        let mut all = vec!["--admin-url", p.admin_url.as_str(), "namespaces"];
+        all.extend_from_slice(args);
+        admin_ok(&all);
+    };
+    set(east, &["set-max-producers-per-topic", "acme/g", "-p", "7"]);
+    set(east, &["set-max-consumers-per-topic", "acme/g", "-c", "11"]);
+    std::thread::sleep(Duration::from_millis(20));
+    set(west, &["set-max-producers-per-topic", "acme/g", "-p", "9"]);
+    set(
+        west,
+        &["set-max-subscriptions-per-topic", "acme/g", "-m", "13"],
+    );
+    let policies = |p: &StandaloneProc| -> serde_json::Value {
+        serde_json::from_str(&admin_ok(&[
+            "--admin-url",
+            &p.admin_url,
+            "--output",
+            "json",
+            "namespaces",
+            "policies",
+            "acme/g",
+        ]))
+        .unwrap()
+    };
+    assert_eq!(policies(east)["max_producers_per_topic"], 7, "apart");
+    assert_eq!(policies(west)["max_producers_per_topic"], 9, "apart");
     let rest = Duration::from_secs(60).saturating_sub(cut_at.elapsed());
     std::thread::sleep(rest);
 
@@ -784,6 +812,201 @@ fn given_a_partition_and_a_lossy_link_then_every_message_arrives_once_and_the_la
     for (site, p) in [("east", east), ("west", west)] {
         let got = read_until(&dir, &p.url, t, 4 * N as usize, Duration::from_secs(60));
         assert_exactly_once(&got, &ranges, site);
+    }
+    // The namespace's policies changed apart converge to one value at both.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (e, w) = (policies(east), policies(west));
+        if e == w {
+            assert_eq!(
+                e["max_producers_per_topic"], 9,
+                "the later change wins: {e}"
+            );
+            assert_eq!(e["max_consumers_per_topic"], 11, "{e}");
+            assert_eq!(e["max_subscriptions_per_topic"], 13, "{e}");
+            assert_eq!(e["message_ttl_seconds"], 5, "{e}");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the policies did not converge: east {e}, west {w}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    for p in &mut procs {
+        p.stop().unwrap();
+    }
+}
+
+/// Waits (30 s at most) until `meridian-admin --admin-url URL ARGS` succeeds and `ok` holds of
+/// its output; the output.
+fn wait_admin(url: &str, args: &[&str], what: &str, ok: impl Fn(&str) -> bool) -> String {
+    let mut all = vec!["--admin-url", url];
+    all.extend_from_slice(args);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, out, err) = run_admin(&all).unwrap();
+        if code == 0 && ok(&out) {
+            return out;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: meridian-admin {args:?}: {out}{err}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+#[test]
+fn given_objects_made_at_one_site_then_every_site_they_name_converges_on_them() {
+    let (root, mut procs) = meridian_integration::geo_sites::unlinked(&["east", "west", "north"]);
+    let dir = root.path().to_path_buf();
+    let (east, west, north) = (&procs[0], &procs[1], &procs[2]);
+    let at = |p: &StandaloneProc, args: &[&str]| {
+        let mut all = vec!["--admin-url", p.admin_url.as_str()];
+        all.extend_from_slice(args);
+        admin_ok(&all)
+    };
+    let create = |p: &StandaloneProc, name: &str, of: &StandaloneProc| {
+        let geo = of.geo_url.clone().unwrap();
+        at(
+            p,
+            &[
+                "clusters",
+                "create",
+                name,
+                "--broker-url",
+                &of.url,
+                "--url",
+                &of.admin_url,
+                "--geo-url",
+                &geo,
+            ],
+        );
+    };
+
+    step("introductions: east knows west and north, each of them knows only east");
+    create(east, "west", west);
+    create(east, "north", north);
+    create(west, "east", east);
+    create(north, "east", east);
+    step("the tenant, the namespace and a policy made at east alone");
+    at(
+        east,
+        &[
+            "tenants",
+            "create",
+            "acme",
+            "--allowed-clusters",
+            "east,west,north",
+        ],
+    );
+    at(
+        east,
+        &[
+            "namespaces",
+            "create",
+            "acme/g",
+            "--clusters",
+            "east,west,north",
+        ],
+    );
+    at(
+        east,
+        &["namespaces", "set-message-ttl", "acme/g", "--ttl", "3600"],
+    );
+    at(
+        east,
+        &[
+            "namespaces",
+            "create",
+            "acme/east-only",
+            "--clusters",
+            "east",
+        ],
+    );
+    for (p, other) in [(west, "north"), (north, "west")] {
+        wait_admin(
+            &p.admin_url,
+            &["clusters", "get", other],
+            "the registry",
+            |_| true,
+        );
+        wait_admin(
+            &p.admin_url,
+            &["tenants", "get", "acme"],
+            "the tenant",
+            |o| o.contains("north") && o.contains("west"),
+        );
+        wait_admin(
+            &p.admin_url,
+            &["--output", "json", "namespaces", "policies", "acme/g"],
+            "the namespace",
+            |o| o.contains("\"message_ttl_seconds\": 3600"),
+        );
+    }
+    let (code, out, err) = run_admin(&[
+        "--admin-url",
+        &west.admin_url,
+        "namespaces",
+        "policies",
+        "acme/east-only",
+    ])
+    .unwrap();
+    assert_ne!(code, 0, "a namespace of east alone stays at east: {out}");
+    assert!(
+        err.contains("NotFound") || err.contains("does not exist"),
+        "{err}"
+    );
+
+    step("north and west, introduced through east's registry, replicate to each other");
+    let t = "persistent://acme/g/introduced";
+    produce(&dir, "pn", &north.url, t, 50, 0)
+        .finish(Duration::from_secs(60))
+        .unwrap();
+    let got = read_until(&dir, &west.url, t, 50, Duration::from_secs(60));
+    let sent = std::slice::from_ref(&(0..50));
+    assert_exactly_once(&got, sent, "west");
+
+    step("a namespace deleted at west is deleted at east and north");
+    at(
+        west,
+        &[
+            "namespaces",
+            "create",
+            "acme/tmp",
+            "--clusters",
+            "east,west,north",
+        ],
+    );
+    for p in [east, north] {
+        wait_admin(
+            &p.admin_url,
+            &["namespaces", "policies", "acme/tmp"],
+            "created",
+            |_| true,
+        );
+    }
+    at(west, &["namespaces", "delete", "acme/tmp"]);
+    for p in [east, north] {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while run_admin(&[
+            "--admin-url",
+            &p.admin_url,
+            "namespaces",
+            "policies",
+            "acme/tmp",
+        ])
+        .unwrap()
+        .0 == 0
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "acme/tmp is still at {}",
+                p.admin_url
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
     }
     for p in &mut procs {
         p.stop().unwrap();

@@ -7,12 +7,14 @@
 //! reads the records (policies) and enforces them.
 
 pub mod auth;
+pub mod federation;
 pub mod geo_pki;
 pub mod isolation;
 pub mod model;
 pub mod service;
 pub mod site_tls;
 pub mod store;
+pub mod versions;
 
 pub mod pb {
     //! Generated protobuf and gRPC types (`proto/admin.proto`).

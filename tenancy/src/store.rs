@@ -60,7 +60,9 @@ impl From<BadName> for AdminError {
 /// The tenancy records of one site.
 #[derive(Clone)]
 pub struct TenancyStore {
-    meta: MetadataClient,
+    pub(crate) meta: MetadataClient,
+    /// The site whose changes these are (the versions of global objects name it).
+    pub(crate) site: String,
 }
 
 fn decode<T: DeserializeOwned>(key: &str, value: &[u8]) -> Result<T, AdminError> {
@@ -73,8 +75,17 @@ fn encode<T: Serialize>(v: &T) -> Vec<u8> {
 }
 
 impl TenancyStore {
+    /// A store for reading, and for changes that name no site in their versions.
     pub fn new(meta: MetadataClient) -> TenancyStore {
-        TenancyStore { meta }
+        TenancyStore::for_site(meta, "")
+    }
+
+    /// A store whose changes of global objects are versioned as made at `site`.
+    pub fn for_site(meta: MetadataClient, site: &str) -> TenancyStore {
+        TenancyStore {
+            meta,
+            site: site.to_string(),
+        }
     }
 
     async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<(T, u64)>, AdminError> {
@@ -105,6 +116,10 @@ impl TenancyStore {
         version: u64,
         what: &str,
     ) -> Result<(), AdminError> {
+        if crate::federation::tombstone_key(key).is_some() {
+            let value = serde_json::to_value(value).expect("records serialise");
+            return self.put_global(key, value, version, what).await;
+        }
         let opts = PutOptions {
             expected_version: Some(version),
             ..Default::default()
@@ -122,6 +137,9 @@ impl TenancyStore {
     }
 
     async fn delete(&self, key: &str, version: u64, what: &str) -> Result<(), AdminError> {
+        if crate::federation::tombstone_key(key).is_some() {
+            return self.delete_global(key, version, what).await;
+        }
         match self.meta.delete(key, Some(version)).await {
             Ok(_) => Ok(()),
             Err(ClientError::Conflict { .. }) => Err(AdminError::FailedPrecondition(format!(
@@ -624,7 +642,7 @@ impl TenancyStore {
     }
 }
 
-fn check_cluster(c: &ClusterData) -> Result<(), AdminError> {
+pub(crate) fn check_cluster(c: &ClusterData) -> Result<(), AdminError> {
     let has_scheme =
         |url: &str, schemes: &[&str]| url.is_empty() || schemes.iter().any(|s| url.starts_with(s));
     if !has_scheme(&c.service_url, &["pulsar://", "pulsar+ssl://"]) {

@@ -1063,7 +1063,7 @@ pub async fn start(
     listener: tokio::net::TcpListener,
     geo_url: &str,
 ) -> anyhow::Result<RunningAdmin> {
-    let store = TenancyStore::new(broker.meta.clone());
+    let store = TenancyStore::for_site(broker.meta.clone(), &broker.cfg.cluster_name);
     let addr = listener.local_addr()?;
     store
         .bootstrap_standalone(

@@ -11,7 +11,7 @@ use meridian_geo::{GeoLink, SiteDirectory};
 use meridian_tenancy::{AdminError, TenancyStore};
 
 /// This site's registry: a site is known when it has a cluster record
-/// (`clusters create NAME ...`, or one carried over the link).
+/// (`clusters create NAME ...`, or one carried over the link from a site that knows it).
 pub struct Registry(TenancyStore);
 
 impl SiteDirectory for Registry {
@@ -50,6 +50,7 @@ pub async fn start_link(
     let link = Arc::new(GeoLink::start(cfg, &broker.cfg.cluster_name, registry, Some(sink)).await?);
     let _ = broker.geo.set(Arc::clone(&link));
     tokio::spawn(Arc::clone(broker).tombstone_loop());
+    tokio::spawn(Arc::clone(broker).meta_sync_loop());
     Ok(Some(link))
 }
 

@@ -27,6 +27,7 @@ mod error;
 pub mod key_shared;
 pub mod load_manager;
 pub mod lookup;
+mod meta_sync;
 pub mod ownership;
 pub mod partitioned;
 mod policy;

@@ -750,6 +750,20 @@ impl Broker {
 }
 
 impl ReplicaSink for GeoSink {
+    fn sync<'a>(
+        &'a self,
+        origin: &'a str,
+        doc: bytes::Bytes,
+    ) -> BoxFuture<'a, Result<(u32, u32), Refusal>> {
+        Box::pin(async move {
+            let broker = self
+                .0
+                .upgrade()
+                .ok_or_else(|| refusal(RefusalCode::Retry, "the broker is shutting down"))?;
+            broker.merge_global(origin, &doc).await
+        })
+    }
+
     fn delete<'a>(
         &'a self,
         origin: &'a str,

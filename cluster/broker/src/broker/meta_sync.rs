@@ -1,0 +1,165 @@
+//! The site's global objects (cluster records, tenants, namespaces) carried to and merged
+//! from the other sites (`meridian_tenancy::federation`, over `meridian_geo::metasync`).
+//!
+//! ```text
+//!  meta_sync_loop, every second:  for each other site in the registry (geo URL or route):
+//!     export_for(site) ─► JSON ─► changed since the last Synced, or 30 s old? ─► Sync ─► Synced
+//!  a peer's Sync ─► merge_global: merge_from(peer) ─► a namespace deleted there: its topics
+//!     here go first (BrokerTopics::delete, forced) ─► Synced{changed, skipped}
+//! ```
+//!
+//! Every broker of a site with a geo link runs the loop; merges are idempotent compare-and-
+//! sets, so two brokers sending the same copies change nothing twice.
+
+use std::collections::HashMap;
+use std::hash::{Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::future::BoxFuture;
+use meridian_geo::frame::RefusalCode;
+use meridian_geo::receiver::Refusal;
+use meridian_geo::request::RequestFailure;
+use meridian_tenancy::federation::{NamespaceData, SyncItem};
+use meridian_tenancy::service::TopicOps;
+use meridian_tenancy::{AdminError, TenancyStore};
+
+use super::Broker;
+
+/// How often the loop looks for changes to send.
+const BEAT: Duration = Duration::from_secs(1);
+/// Copies are sent again this often even when nothing changed (a peer restored from an old
+/// backup, a merge that was skipped there and may be taken now).
+const RESEND: Duration = Duration::from_secs(30);
+/// Longest one exchange may take.
+const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The broker's part of a namespace deleted at another site: its topics here.
+struct SiteTopics(Arc<Broker>);
+
+impl NamespaceData for SiteTopics {
+    fn delete_topics<'a>(&'a self, ns: &'a str) -> BoxFuture<'a, Result<(), AdminError>> {
+        Box::pin(async move {
+            let ops = crate::admin::BrokerTopics(Arc::clone(&self.0));
+            for (topic, _) in ops.list(ns.to_string()).await? {
+                ops.delete(topic, true, false).await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+impl Broker {
+    fn federation_store(&self) -> TenancyStore {
+        TenancyStore::for_site(self.meta.clone(), &self.cfg.cluster_name)
+    }
+
+    /// A peer's copies of the global objects it shares with this site, merged here.
+    pub(crate) async fn merge_global(
+        self: &Arc<Self>,
+        origin: &str,
+        doc: &[u8],
+    ) -> Result<(u32, u32), Refusal> {
+        let items: Vec<SyncItem> = serde_json::from_slice(doc).map_err(|e| {
+            Refusal::new(
+                RefusalCode::Protocol,
+                format!("global objects are not readable: {e}"),
+            )
+        })?;
+        let data = SiteTopics(Arc::clone(self));
+        let report = self
+            .federation_store()
+            .merge_from(origin, items, &data)
+            .await
+            .map_err(|e| Refusal::new(RefusalCode::Retry, e.to_string()))?;
+        for key in &report.changed {
+            tracing::info!(origin, key, "global object changed by a copy from {origin}");
+        }
+        for (key, why) in &report.skipped {
+            tracing::debug!(origin, key, why, "global object from {origin} not taken");
+        }
+        metrics::counter!("meridian_geo_objects_merged_total")
+            .increment(report.changed.len() as u64);
+        Ok((report.changed.len() as u32, report.skipped.len() as u32))
+    }
+
+    /// Sends this site's copies to every other site of the registry when they changed (see
+    /// the module's picture), until the broker closes.
+    pub async fn meta_sync_loop(self: Arc<Self>) {
+        let store = self.federation_store();
+        // Per site: the digest of the copies it last took, and when.
+        let mut sent: HashMap<String, (u64, Instant)> = HashMap::new();
+        loop {
+            tokio::time::sleep(BEAT).await;
+            if self.is_closing() {
+                return;
+            }
+            let Some(link) = self.geo.get().cloned() else {
+                continue;
+            };
+            let sites = match store.clusters().await {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::debug!(error = %e, "global objects: the registry is not readable");
+                    continue;
+                }
+            };
+            let mut due = Vec::new();
+            for site in sites {
+                if site == self.cfg.cluster_name {
+                    continue;
+                }
+                let items = match store.export_for(&site).await {
+                    Ok(i) => i,
+                    Err(e) => {
+                        tracing::debug!(site, error = %e, "global objects: export failed");
+                        continue;
+                    }
+                };
+                let doc = serde_json::to_vec(&items).expect("json");
+                let mut h = std::collections::hash_map::DefaultHasher::new();
+                doc.hash(&mut h);
+                let digest = h.finish();
+                if sent
+                    .get(&site)
+                    .is_some_and(|(d, at)| *d == digest && at.elapsed() < RESEND)
+                {
+                    continue;
+                }
+                due.push((site, digest, doc));
+            }
+            let results = futures::future::join_all(due.into_iter().map(|(site, digest, doc)| {
+                let link = Arc::clone(&link);
+                async move {
+                    let r = meridian_geo::metasync::send_sync(
+                        &link,
+                        &site,
+                        bytes::Bytes::from(doc),
+                        EXCHANGE_TIMEOUT,
+                    )
+                    .await;
+                    (site, digest, r)
+                }
+            }))
+            .await;
+            for (site, digest, r) in results {
+                match r {
+                    Ok((changed, skipped)) => {
+                        if changed > 0 {
+                            tracing::info!(site, changed, skipped, "global objects sent to {site}");
+                        }
+                        sent.insert(site, (digest, Instant::now()));
+                    }
+                    Err(RequestFailure::Refused(why)) => {
+                        // Not asked again until the copies change or the resend is due.
+                        tracing::warn!(site, why, "global objects refused by {site}");
+                        sent.insert(site, (digest, Instant::now()));
+                    }
+                    Err(RequestFailure::Failed(why)) => {
+                        tracing::debug!(site, why, "global objects not sent to {site}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,527 @@
+//! Global objects between sites: cluster records, tenants and namespaces carry versions
+//! ([`crate::versions`]) in their records, deletions leave tombstones, and a peer's copies are
+//! merged into this site's field by field. No site coordinates another: each stays writable
+//! while cut off, and two sites that have exchanged their copies hold the same objects.
+//!
+//! ```text
+//!  /admin/clusters/<c>, /admin/tenants/<t>, /admin/namespaces/<t>/<n>   records with "_v"
+//!  /admin/deleted/clusters/<c>, .../tenants/<t>, .../namespaces/<t>/<n>  tombstones
+//!
+//!  export_for(peer): every cluster record and tombstone; the tenants that allow the peer;
+//!                    the namespaces of those tenants; the tombstones that name the peer
+//!  merge_from(peer): in order clusters, tenants, namespaces, tenants again (a tenant deleted
+//!                    after its namespaces); each copy merged, checked, written by CAS
+//! ```
+//!
+//! What a peer may change here: the registry (never this site's own record away); a tenant
+//! that allows the peer (a new one must allow the peer and this site); a namespace of a tenant
+//! that allows the peer, listing the peer here or in the peer's copy (a new one must list the
+//! peer and this site). Anything else in a peer's copy is skipped and reported.
+
+use futures::future::BoxFuture;
+use meridian_metadata::client::ClientError;
+use meridian_metadata::pb;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::model::{
+    check_name, split_namespace, CLUSTERS_PREFIX, NAMESPACES_PREFIX, TENANTS_PREFIX,
+};
+use crate::store::{AdminError, TenancyStore};
+use crate::versions::{self, Copy, Tombstone, CLOCK};
+
+/// Where the tombstones of global objects are kept.
+pub const TOMBSTONES_PREFIX: &str = "/admin/deleted/";
+
+/// A global object's tombstone key (`/admin/deleted/<kind>/<name>`), or none for another key.
+pub fn tombstone_key(key: &str) -> Option<String> {
+    kind_of(key).map(|_| {
+        format!(
+            "{TOMBSTONES_PREFIX}{}",
+            key.strip_prefix("/admin/").expect("admin key")
+        )
+    })
+}
+
+/// The kinds of global object, in the order a peer's copies are merged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Cluster,
+    Tenant,
+    Namespace,
+}
+
+fn kind_of(key: &str) -> Option<Kind> {
+    if let Some(n) = key.strip_prefix(CLUSTERS_PREFIX) {
+        check_name("cluster", n).ok().map(|_| Kind::Cluster)
+    } else if let Some(n) = key.strip_prefix(TENANTS_PREFIX) {
+        check_name("tenant", n).ok().map(|_| Kind::Tenant)
+    } else if let Some(n) = key.strip_prefix(NAMESPACES_PREFIX) {
+        split_namespace(n).ok().map(|_| Kind::Namespace)
+    } else {
+        None
+    }
+}
+
+/// One object as a site holds it, on its way to a peer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SyncItem {
+    /// The object's record key (`/admin/namespaces/acme/g`).
+    pub key: String,
+    #[serde(flatten)]
+    pub copy: Copy,
+}
+
+/// What merging a peer's copies did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct MergeReport {
+    /// Keys whose copy here changed (created, updated or deleted).
+    pub changed: Vec<String>,
+    /// Keys not taken, and why.
+    pub skipped: Vec<(String, String)>,
+}
+
+/// What a site does to its own data when a namespace is deleted elsewhere: deletes the
+/// namespace's topics here (the broker's part), so the namespace's record can go.
+pub trait NamespaceData: Send + Sync {
+    fn delete_topics<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<(), AdminError>>;
+}
+
+fn strings(v: Option<&Value>, field: &str) -> Vec<String> {
+    v.and_then(|v| v.get(field))
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(|s| s.as_str().map(str::to_string))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The sites an object's record names: a tenant's allowed clusters, a namespace's
+/// replication clusters.
+fn sites_of(kind: Kind, record: Option<&Value>) -> Vec<String> {
+    match kind {
+        Kind::Cluster => Vec::new(),
+        Kind::Tenant => strings(record, "allowed_clusters"),
+        Kind::Namespace => strings(record, "replication_clusters"),
+    }
+}
+
+fn damaged(key: &str, e: serde_json::Error) -> AdminError {
+    AdminError::Unavailable(format!("record {key} is damaged: {e}"))
+}
+
+/// A copy as read, with the versions its keys had (0: absent), for the CAS that replaces it.
+struct Held {
+    copy: Copy,
+    record_rev: u64,
+    tomb_rev: u64,
+}
+
+impl TenancyStore {
+    async fn held(&self, key: &str) -> Result<Held, AdminError> {
+        let tkey = tombstone_key(key).expect("a global key");
+        let (record, record_rev) = match self.meta.get(key).await? {
+            Some(kv) => (
+                Some(serde_json::from_slice(&kv.value).map_err(|e| damaged(key, e))?),
+                kv.mod_revision,
+            ),
+            None => (None, 0),
+        };
+        let (deleted, tomb_rev) = match self.meta.get(&tkey).await? {
+            Some(kv) => (
+                Some(serde_json::from_slice(&kv.value).map_err(|e| damaged(&tkey, e))?),
+                kv.mod_revision,
+            ),
+            None => (None, 0),
+        };
+        Ok(Held {
+            copy: Copy { record, deleted },
+            record_rev,
+            tomb_rev,
+        })
+    }
+
+    /// Creates (`version` 0) or replaces a global object's record, versioning the fields that
+    /// change as changed here, now.
+    pub(crate) async fn put_global(
+        &self,
+        key: &str,
+        value: Value,
+        version: u64,
+        what: &str,
+    ) -> Result<(), AdminError> {
+        let held = self.held(key).await?;
+        let raced = || {
+            if version == 0 {
+                AdminError::AlreadyExists(format!("{what} already exists"))
+            } else {
+                AdminError::FailedPrecondition(format!("{what} changed meanwhile; retry"))
+            }
+        };
+        if held.record_rev != version {
+            return Err(raced());
+        }
+        let old = held.copy.record.as_ref();
+        let floor = versions::floor(old, held.copy.deleted.as_ref());
+        let at = CLOCK.tick(versions::wall_ms(), &self.site, floor.as_ref());
+        let record = versions::stamp(old, &value, &at);
+        let opts = meridian_metadata::client::PutOptions {
+            expected_version: Some(version),
+            ..Default::default()
+        };
+        match self
+            .meta
+            .put_with(key, serde_json::to_vec(&record).expect("json"), opts)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(ClientError::Conflict { .. }) => Err(raced()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Deletes a global object's record at `version`, leaving its tombstone in the same
+    /// transaction.
+    pub(crate) async fn delete_global(
+        &self,
+        key: &str,
+        version: u64,
+        what: &str,
+    ) -> Result<(), AdminError> {
+        let held = self.held(key).await?;
+        let raced = || AdminError::FailedPrecondition(format!("{what} changed meanwhile; retry"));
+        if held.record_rev != version {
+            return Err(raced());
+        }
+        let kind = kind_of(key).expect("a global key");
+        let old = held.copy.record.as_ref();
+        let floor = versions::floor(old, held.copy.deleted.as_ref());
+        let at = CLOCK.tick(versions::wall_ms(), &self.site, floor.as_ref());
+        let tomb = Tombstone {
+            at,
+            sites: sites_of(kind, old),
+        };
+        let mut next = held.copy.clone();
+        next.record = None;
+        next.deleted = Some(tomb);
+        if self.write(key, &held, &next).await? {
+            Ok(())
+        } else {
+            Err(raced())
+        }
+    }
+
+    /// Replaces `held` by `next` (record and tombstone) in one transaction; false: either
+    /// changed meanwhile.
+    async fn write(&self, key: &str, held: &Held, next: &Copy) -> Result<bool, AdminError> {
+        let tkey = tombstone_key(key).expect("a global key");
+        let mut success = Vec::new();
+        if next.deleted != held.copy.deleted {
+            if let Some(t) = &next.deleted {
+                success.push(pb::Op {
+                    op: Some(pb::op::Op::Put(pb::PutOp {
+                        key: tkey.clone(),
+                        value: serde_json::to_vec(t).expect("json"),
+                        ..Default::default()
+                    })),
+                });
+            }
+        }
+        match &next.record {
+            Some(r) => success.push(pb::Op {
+                op: Some(pb::op::Op::Put(pb::PutOp {
+                    key: key.to_string(),
+                    value: serde_json::to_vec(r).expect("json"),
+                    ..Default::default()
+                })),
+            }),
+            None if held.record_rev != 0 => success.push(pb::Op {
+                op: Some(pb::op::Op::Delete(pb::DeleteOp {
+                    key: key.to_string(),
+                    prefix: false,
+                })),
+            }),
+            None => {}
+        }
+        let resp = self
+            .meta
+            .txn(pb::TxnRequest {
+                conditions: vec![
+                    pb::Condition {
+                        key: key.to_string(),
+                        expected_version: held.record_rev,
+                    },
+                    pb::Condition {
+                        key: tkey,
+                        expected_version: held.tomb_rev,
+                    },
+                ],
+                success,
+                failure: vec![],
+            })
+            .await?;
+        Ok(resp.succeeded)
+    }
+
+    async fn copies(&self, prefix: &str) -> Result<Vec<(String, Copy)>, AdminError> {
+        let mut out: std::collections::BTreeMap<String, Copy> = Default::default();
+        for kv in self.meta.list_all(prefix).await? {
+            if kind_of(&kv.key).is_none() {
+                continue;
+            }
+            let record = serde_json::from_slice(&kv.value).map_err(|e| damaged(&kv.key, e))?;
+            out.entry(kv.key).or_default().record = Some(record);
+        }
+        let tprefix = format!(
+            "{TOMBSTONES_PREFIX}{}",
+            prefix.strip_prefix("/admin/").expect("an admin prefix")
+        );
+        for kv in self.meta.list_all(&tprefix).await? {
+            let key = format!(
+                "/admin/{}",
+                kv.key.strip_prefix(TOMBSTONES_PREFIX).expect("prefix")
+            );
+            if kind_of(&key).is_none() {
+                continue;
+            }
+            let t = serde_json::from_slice(&kv.value).map_err(|e| damaged(&kv.key, e))?;
+            out.entry(key).or_default().deleted = Some(t);
+        }
+        Ok(out.into_iter().collect())
+    }
+
+    /// This site's global objects that `peer` takes part in (see the module's picture).
+    pub async fn export_for(&self, peer: &str) -> Result<Vec<SyncItem>, AdminError> {
+        let mut items = Vec::new();
+        for (key, copy) in self.copies(CLUSTERS_PREFIX).await? {
+            items.push(SyncItem { key, copy });
+        }
+        let names_peer = |c: &Copy, kind: Kind| {
+            sites_of(kind, c.record.as_ref()).iter().any(|s| s == peer)
+                || c.deleted
+                    .as_ref()
+                    .is_some_and(|t| t.sites.iter().any(|s| s == peer))
+        };
+        let mut tenants = Vec::new();
+        for (key, copy) in self.copies(TENANTS_PREFIX).await? {
+            if names_peer(&copy, Kind::Tenant) {
+                if copy.record.is_some() {
+                    tenants.push(
+                        key.strip_prefix(TENANTS_PREFIX)
+                            .expect("prefix")
+                            .to_string(),
+                    );
+                }
+                items.push(SyncItem { key, copy });
+            }
+        }
+        for (key, copy) in self.copies(NAMESPACES_PREFIX).await? {
+            let ns = key.strip_prefix(NAMESPACES_PREFIX).expect("prefix");
+            let tenant = ns.split('/').next().unwrap_or_default();
+            if tenants.iter().any(|t| t == tenant) || names_peer(&copy, Kind::Namespace) {
+                items.push(SyncItem { key, copy });
+            }
+        }
+        Ok(items)
+    }
+
+    /// Merges `peer`'s copies into this site's (see the module's picture for what a peer may
+    /// change).
+    pub async fn merge_from(
+        &self,
+        peer: &str,
+        mut items: Vec<SyncItem>,
+        data: &dyn NamespaceData,
+    ) -> Result<MergeReport, AdminError> {
+        let mut report = MergeReport::default();
+        items.retain(|i| match kind_of(&i.key) {
+            Some(_) => true,
+            None => {
+                report
+                    .skipped
+                    .push((i.key.clone(), "not a global object".into()));
+                false
+            }
+        });
+        items.sort_by_key(|i| kind_of(&i.key));
+        // Tenants once more at the end: one deleted with its namespaces goes after them.
+        let again: Vec<SyncItem> = items
+            .iter()
+            .filter(|i| kind_of(&i.key) == Some(Kind::Tenant))
+            .cloned()
+            .collect();
+        for (n, item) in items.iter().chain(again.iter()).enumerate() {
+            let last_pass = n >= items.len();
+            for v in item
+                .copy
+                .record
+                .as_ref()
+                .and_then(versions::newest)
+                .iter()
+                .chain(item.copy.deleted.as_ref().map(|t| &t.at))
+            {
+                CLOCK.observe(v);
+            }
+            match self.merge_one(peer, item, data, last_pass).await {
+                Ok(Some(true)) => {
+                    if !report.changed.contains(&item.key) {
+                        report.changed.push(item.key.clone())
+                    }
+                }
+                Ok(Some(false)) => {}
+                Ok(None) => {}
+                Err(AdminError::FailedPrecondition(why))
+                | Err(AdminError::PermissionDenied(why)) => {
+                    if last_pass || kind_of(&item.key) != Some(Kind::Tenant) {
+                        report.skipped.push((item.key.clone(), why));
+                    }
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(report)
+    }
+
+    /// One object: Some(changed) once merged, None when it waits for the last pass.
+    async fn merge_one(
+        &self,
+        peer: &str,
+        item: &SyncItem,
+        data: &dyn NamespaceData,
+        last_pass: bool,
+    ) -> Result<Option<bool>, AdminError> {
+        let kind = kind_of(&item.key).expect("checked");
+        let mut incoming = item.copy.clone();
+        let name = item
+            .key
+            .strip_prefix("/admin/")
+            .and_then(|k| k.split_once('/'))
+            .map(|(_, n)| n.to_string())
+            .unwrap_or_default();
+        if kind == Kind::Cluster && name == self.site {
+            // No peer deletes this site's own record.
+            incoming.deleted = None;
+        }
+        let denied = |why: String| Err(AdminError::PermissionDenied(why));
+        for _ in 0..5 {
+            let held = self.held(&item.key).await?;
+            let here = held.copy.record.as_ref();
+            // What the peer may change.
+            match kind {
+                Kind::Cluster => {}
+                Kind::Tenant => {
+                    let allowed = |r: Option<&Value>| {
+                        strings(r, "allowed_clusters").iter().any(|s| s == peer)
+                    };
+                    let ok = if here.is_some() {
+                        allowed(here)
+                    } else {
+                        let theirs = strings(incoming.record.as_ref(), "allowed_clusters");
+                        incoming.record.is_none()
+                            || (theirs.iter().any(|s| s == peer) && theirs.contains(&self.site))
+                    };
+                    if !ok {
+                        return denied(format!("tenant {name} does not allow site {peer} here"));
+                    }
+                }
+                Kind::Namespace => {
+                    let tenant = name.split('/').next().unwrap_or_default();
+                    let t = self
+                        .meta
+                        .get(&format!("{TENANTS_PREFIX}{tenant}"))
+                        .await?
+                        .map(|kv| serde_json::from_slice::<Value>(&kv.value))
+                        .transpose()
+                        .map_err(|e| damaged(tenant, e))?;
+                    if !strings(t.as_ref(), "allowed_clusters")
+                        .iter()
+                        .any(|s| s == peer)
+                    {
+                        return denied(format!("tenant {tenant} does not allow site {peer} here"));
+                    }
+                    let lists = |r: Option<&Value>, s: &str| {
+                        strings(r, "replication_clusters").iter().any(|c| c == s)
+                    };
+                    let theirs = incoming.record.as_ref();
+                    let ok = if here.is_some() {
+                        lists(here, peer) || lists(theirs, peer)
+                    } else {
+                        theirs.is_none() || (lists(theirs, peer) && lists(theirs, &self.site))
+                    };
+                    if !ok {
+                        return denied(format!(
+                            "namespace {name} is not replicated with site {peer} here"
+                        ));
+                    }
+                }
+            }
+            let mut next = versions::merge(&held.copy, &incoming);
+            if next == held.copy {
+                return Ok(Some(false));
+            }
+            if here.is_some() && next.record.is_none() {
+                // A deletion from elsewhere: what it would leave behind here first.
+                match kind {
+                    Kind::Cluster => {
+                        for (tkey, t) in self.copies(TENANTS_PREFIX).await? {
+                            if strings(t.record.as_ref(), "allowed_clusters").contains(&name) {
+                                return Err(AdminError::FailedPrecondition(format!(
+                                    "cluster {name} is still allowed to {tkey} here"
+                                )));
+                            }
+                        }
+                    }
+                    Kind::Tenant => {
+                        if !self.namespaces(&name).await?.is_empty() {
+                            if !last_pass {
+                                return Ok(None);
+                            }
+                            return Err(AdminError::FailedPrecondition(format!(
+                                "tenant {name} still has namespaces here"
+                            )));
+                        }
+                    }
+                    Kind::Namespace => data.delete_topics(&name).await?,
+                }
+            }
+            if let Some(record) = &next.record {
+                // An object this site could not read is not taken (a field of a newer
+                // Meridian's, of another type).
+                let plain = versions::plain(record);
+                let readable = match kind {
+                    Kind::Cluster => serde_json::from_value::<crate::model::ClusterData>(plain)
+                        .map(|c| crate::store::check_cluster(&c).map_err(|e| e.to_string()))
+                        .map_err(|e| e.to_string())
+                        .and_then(|r| r),
+                    Kind::Tenant => serde_json::from_value::<crate::model::TenantInfo>(plain)
+                        .map(|_| ())
+                        .map_err(|e| e.to_string()),
+                    Kind::Namespace => {
+                        serde_json::from_value::<crate::model::NamespacePolicies>(plain)
+                            .map(|_| ())
+                            .map_err(|e| e.to_string())
+                    }
+                };
+                if let Err(e) = readable {
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "{} from {peer} is not taken: {e}",
+                        item.key
+                    )));
+                }
+            }
+            if let Some(t) = next.deleted.as_mut() {
+                t.sites.sort();
+                t.sites.dedup();
+            }
+            if self.write(&item.key, &held, &next).await? {
+                return Ok(Some(true));
+            }
+        }
+        Err(AdminError::Unavailable(format!(
+            "{} kept changing while it was merged",
+            item.key
+        )))
+    }
+}
