@@ -399,7 +399,12 @@ impl GeoLink {
             reason,
         };
         let url = match self.shared.opts.routes.get(site) {
-            Some(route) => format!("quic://{route}"),
+            // A route says where, not whom: the site must be known here all the same.
+            Some(route) => match self.shared.directory.knows(site).await {
+                Ok(true) => format!("quic://{route}"),
+                Ok(false) => return Err(unknown("it has no cluster record here".to_string())),
+                Err(e) => return Err(unknown(e)),
+            },
             None => self
                 .shared
                 .directory

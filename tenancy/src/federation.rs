@@ -19,7 +19,6 @@
 //! peer and this site). Anything else in a peer's copy is skipped and reported.
 
 use futures::future::BoxFuture;
-use meridian_metadata::client::ClientError;
 use meridian_metadata::pb;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -29,6 +28,10 @@ use crate::model::{
 };
 use crate::store::{AdminError, TenancyStore};
 use crate::versions::{self, Copy, Tombstone, CLOCK};
+
+/// A peer's version further ahead of this site's clock than this is not taken (a clock far
+/// off, or a bad peer, would otherwise win every later change).
+pub const CLOCK_DRIFT_MAX_MS: u64 = 10 * 60 * 1000;
 
 /// Where the tombstones of global objects are kept.
 pub const TOMBSTONES_PREFIX: &str = "/admin/deleted/";
@@ -166,19 +169,15 @@ impl TenancyStore {
         let old = held.copy.record.as_ref();
         let floor = versions::floor(old, held.copy.deleted.as_ref());
         let at = CLOCK.tick(versions::wall_ms(), &self.site, floor.as_ref());
-        let record = versions::stamp(old, &value, &at);
-        let opts = meridian_metadata::client::PutOptions {
-            expected_version: Some(version),
-            ..Default::default()
+        let next = Copy {
+            record: Some(versions::stamp(old, &value, &at)),
+            deleted: held.copy.deleted.clone(),
         };
-        match self
-            .meta
-            .put_with(key, serde_json::to_vec(&record).expect("json"), opts)
-            .await
-        {
-            Ok(_) => Ok(()),
-            Err(ClientError::Conflict { .. }) => Err(raced()),
-            Err(e) => Err(e.into()),
+        // Conditioned on the tombstone too: a deletion merged meanwhile is not outrun.
+        if self.write(key, &held, &next).await? {
+            Ok(())
+        } else {
+            Err(raced())
         }
     }
 
@@ -352,33 +351,40 @@ impl TenancyStore {
             .filter(|i| kind_of(&i.key) == Some(Kind::Tenant))
             .cloned()
             .collect();
+        let horizon = versions::wall_ms() + CLOCK_DRIFT_MAX_MS;
         for (n, item) in items.iter().chain(again.iter()).enumerate() {
             let last_pass = n >= items.len();
-            for v in item
+            let newest = item
                 .copy
                 .record
                 .as_ref()
                 .and_then(versions::newest)
-                .iter()
-                .chain(item.copy.deleted.as_ref().map(|t| &t.at))
-            {
-                CLOCK.observe(v);
+                .max(item.copy.deleted.as_ref().map(|t| t.at.clone()));
+            if let Some(v) = newest.as_ref().filter(|v| v.0 > horizon) {
+                report.skipped.push((
+                    item.key.clone(),
+                    format!("its version {v} is ahead of this site's clock by more than {CLOCK_DRIFT_MAX_MS} ms"),
+                ));
+                continue;
             }
             match self.merge_one(peer, item, data, last_pass).await {
-                Ok(Some(true)) => {
-                    if !report.changed.contains(&item.key) {
+                Ok(Some(changed)) => {
+                    if let Some(v) = &newest {
+                        CLOCK.observe(v);
+                    }
+                    if changed && !report.changed.contains(&item.key) {
                         report.changed.push(item.key.clone())
                     }
                 }
-                Ok(Some(false)) => {}
                 Ok(None) => {}
-                Err(AdminError::FailedPrecondition(why))
-                | Err(AdminError::PermissionDenied(why)) => {
+                // The metadata store is not there: nothing more can be merged now.
+                Err(e @ AdminError::Unavailable(_)) => return Err(e),
+                // This object is not taken; the others still are.
+                Err(e) => {
                     if last_pass || kind_of(&item.key) != Some(Kind::Tenant) {
-                        report.skipped.push((item.key.clone(), why));
+                        report.skipped.push((item.key.clone(), e.to_string()));
                     }
                 }
-                Err(e) => return Err(e),
             }
         }
         Ok(report)
@@ -393,18 +399,18 @@ impl TenancyStore {
         last_pass: bool,
     ) -> Result<Option<bool>, AdminError> {
         let kind = kind_of(&item.key).expect("checked");
-        let mut incoming = item.copy.clone();
+        let incoming = item.copy.clone();
         let name = item
             .key
             .strip_prefix("/admin/")
             .and_then(|k| k.split_once('/'))
             .map(|(_, n)| n.to_string())
             .unwrap_or_default();
-        if kind == Kind::Cluster && name == self.site {
-            // No peer deletes this site's own record.
-            incoming.deleted = None;
-        }
         let denied = |why: String| Err(AdminError::PermissionDenied(why));
+        if kind == Kind::Cluster && name == self.site {
+            // This site's own record changes only here.
+            return denied(format!("site {name}'s own record changes only at {name}"));
+        }
         for _ in 0..5 {
             let held = self.held(&item.key).await?;
             let here = held.copy.record.as_ref();
@@ -446,7 +452,7 @@ impl TenancyStore {
                     };
                     let theirs = incoming.record.as_ref();
                     let ok = if here.is_some() {
-                        lists(here, peer) || lists(theirs, peer)
+                        lists(here, peer)
                     } else {
                         theirs.is_none() || (lists(theirs, peer) && lists(theirs, &self.site))
                     };
@@ -483,7 +489,11 @@ impl TenancyStore {
                             )));
                         }
                     }
-                    Kind::Namespace => data.delete_topics(&name).await?,
+                    Kind::Namespace => data.delete_topics(&name).await.map_err(|e| {
+                        AdminError::FailedPrecondition(format!(
+                            "namespace {name}'s topics here were not deleted: {e}"
+                        ))
+                    })?,
                 }
             }
             if let Some(record) = &next.record {
@@ -516,10 +526,13 @@ impl TenancyStore {
                 t.sites.dedup();
             }
             if self.write(&item.key, &held, &next).await? {
+                if kind == Kind::Namespace && next.record.is_none() {
+                    self.clear_topic_policies(&name).await?;
+                }
                 return Ok(Some(true));
             }
         }
-        Err(AdminError::Unavailable(format!(
+        Err(AdminError::FailedPrecondition(format!(
             "{} kept changing while it was merged",
             item.key
         )))

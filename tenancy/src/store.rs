@@ -540,20 +540,24 @@ impl TenancyStore {
                 &format!("namespace {ns}"),
             )
             .await?;
-            // Topic policies left by topics deleted without the broker (none of a live
-            // topic: the namespace had none): a namespace created again starts clean.
-            let prefix = format!("{TOPIC_POLICIES_PREFIX}{ns}/");
-            loop {
-                let page = self.meta.list(&prefix, "", 0).await?;
-                for kv in &page.kvs {
-                    self.meta.delete(&kv.key, None).await?;
-                }
-                if !page.more {
-                    break;
-                }
-            }
+            self.clear_topic_policies(ns).await?;
         }
         Ok(vec![format!("namespace {ns}")])
+    }
+
+    /// Topic policies left by topics deleted without the broker (none of a live topic: the
+    /// namespace had none): a namespace created again starts clean.
+    pub(crate) async fn clear_topic_policies(&self, ns: &str) -> Result<(), AdminError> {
+        let prefix = format!("{TOPIC_POLICIES_PREFIX}{ns}/");
+        loop {
+            let page = self.meta.list(&prefix, "", 0).await?;
+            for kv in &page.kvs {
+                self.meta.delete(&kv.key, None).await?;
+            }
+            if !page.more {
+                return Ok(());
+            }
+        }
     }
 
     /// A one-site standalone's records: the cluster, tenant `public`, namespace

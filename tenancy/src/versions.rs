@@ -63,8 +63,10 @@ impl Hlc {
         }
         *last = if wall_ms > last.0 {
             (wall_ms, 0)
+        } else if last.1 == u32::MAX {
+            (last.0 + 1, 0)
         } else {
-            (last.0, last.1.saturating_add(1))
+            (last.0, last.1 + 1)
         };
         Version(last.0, last.1, site.to_string())
     }
@@ -187,9 +189,18 @@ pub fn merge(a: &Copy, b: &Copy) -> Copy {
         (x, y) => x.clone().or_else(|| y.clone()),
     };
     let cut = deleted.as_ref().map(|t| &t.at);
-    let (fa, va) = a.record.as_ref().map(split).unwrap_or_default();
-    let (fb, vb) = b.record.as_ref().map(split).unwrap_or_default();
     let zero = Version::default();
+    // A record created before the deletion is of the object deleted: none of it stays, not
+    // even a field changed after the deletion (so the order copies meet in does not matter).
+    fn alive<'c>(c: &'c Copy, cut: Option<&Version>) -> Option<&'c Value> {
+        c.record.as_ref().filter(|r| {
+            let created = split(r).1.get(EXISTS).cloned().unwrap_or_default();
+            cut.is_none_or(|d| created > *d)
+        })
+    }
+    let (ra, rb) = (alive(a, cut), alive(b, cut));
+    let (fa, va) = ra.map(split).unwrap_or_default();
+    let (fb, vb) = rb.map(split).unwrap_or_default();
     let mut fields = Map::new();
     let mut versions = BTreeMap::new();
     let names: std::collections::BTreeSet<&String> = fa
@@ -200,8 +211,8 @@ pub fn merge(a: &Copy, b: &Copy) -> Copy {
         .collect();
     // Without versions (a record from before them, or from only one side), a record is taken
     // as created at version zero.
-    let exists_a = a.record.as_ref().map(|_| va.get(EXISTS).unwrap_or(&zero));
-    let exists_b = b.record.as_ref().map(|_| vb.get(EXISTS).unwrap_or(&zero));
+    let exists_a = ra.map(|_| va.get(EXISTS).unwrap_or(&zero));
+    let exists_b = rb.map(|_| vb.get(EXISTS).unwrap_or(&zero));
     for name in names {
         let side_a = (va.get(name).unwrap_or(&zero), fa.get(name));
         let side_b = (vb.get(name).unwrap_or(&zero), fb.get(name));
@@ -340,6 +351,46 @@ mod tests {
         let m2 = merge(&m, &copy(Some(base), None));
         assert_eq!(plain(m2.record.as_ref().unwrap()), json!({"retention": 1}));
         assert_eq!(m2, merge(&copy(Some(again), Some(v(3, "west"))), &m2));
+    }
+
+    #[test]
+    fn given_a_deletion_a_change_apart_and_a_creation_then_every_order_of_merging_agrees() {
+        let a = stamp(None, &json!({"retention": 1}), &v(1, "east"));
+        // West changes the old object after east deleted it, apart.
+        let changed = copy(
+            Some(stamp(
+                Some(&a),
+                &json!({"retention": 1, "ttl": 5}),
+                &v(5, "west"),
+            )),
+            None,
+        );
+        let deleted = copy(None, Some(v(3, "east")));
+        let again = Copy {
+            record: Some(stamp(None, &json!({"retention": 2}), &v(7, "east"))),
+            deleted: deleted.deleted.clone(),
+        };
+        let copies = [changed, deleted, again];
+        let mut results = Vec::new();
+        for order in [
+            [0, 1, 2],
+            [0, 2, 1],
+            [1, 0, 2],
+            [1, 2, 0],
+            [2, 0, 1],
+            [2, 1, 0],
+        ] {
+            let [x, y, z] = order.map(|i| &copies[i]);
+            results.push(merge(&merge(x, y), z));
+            results.push(merge(x, &merge(y, z)));
+        }
+        for r in &results {
+            assert_eq!(r, &results[0]);
+        }
+        assert_eq!(
+            plain(results[0].record.as_ref().unwrap()),
+            json!({"retention": 2})
+        );
     }
 
     #[test]

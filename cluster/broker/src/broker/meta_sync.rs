@@ -89,6 +89,8 @@ impl Broker {
         let store = self.federation_store();
         // Per site: the digest of the copies it last took, and when.
         let mut sent: HashMap<String, (u64, Instant)> = HashMap::new();
+        // Per site that did not answer: how many times in a row, and not before when again.
+        let mut failing: HashMap<String, (u32, Instant)> = HashMap::new();
         loop {
             tokio::time::sleep(BEAT).await;
             if self.is_closing() {
@@ -106,7 +108,11 @@ impl Broker {
             };
             let mut due = Vec::new();
             for site in sites {
-                if site == self.cfg.cluster_name {
+                if site == self.cfg.cluster_name
+                    || failing
+                        .get(&site)
+                        .is_some_and(|(_, next)| Instant::now() < *next)
+                {
                     continue;
                 }
                 let items = match store.export_for(&site).await {
@@ -124,6 +130,16 @@ impl Broker {
                     .get(&site)
                     .is_some_and(|(d, at)| *d == digest && at.elapsed() < RESEND)
                 {
+                    continue;
+                }
+                // What the peer would refuse from its length alone is not sent.
+                if doc.len() as u64 + 64 > link.frame_bytes_max() {
+                    tracing::warn!(
+                        site,
+                        bytes = doc.len(),
+                        "global objects for {site} are larger than geo.frame_bytes_max; not sent"
+                    );
+                    sent.insert(site, (digest, Instant::now()));
                     continue;
                 }
                 due.push((site, digest, doc));
@@ -148,6 +164,7 @@ impl Broker {
                         if changed > 0 {
                             tracing::info!(site, changed, skipped, "global objects sent to {site}");
                         }
+                        failing.remove(&site);
                         sent.insert(site, (digest, Instant::now()));
                     }
                     Err(RequestFailure::Refused(why)) => {
@@ -156,6 +173,11 @@ impl Broker {
                         sent.insert(site, (digest, Instant::now()));
                     }
                     Err(RequestFailure::Failed(why)) => {
+                        // Again after 2, 4, 8, 8 ... s.
+                        let f = failing.entry(site.clone()).or_insert((0, Instant::now()));
+                        f.0 = f.0.saturating_add(1);
+                        let wait = Duration::from_secs(1 << f.0.min(3));
+                        f.1 = Instant::now() + wait;
                         tracing::debug!(site, why, "global objects not sent to {site}");
                     }
                 }
