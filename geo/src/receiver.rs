@@ -5,9 +5,14 @@
 //!  sender                        receiver (this site)
 //!  Open{topic, partitions} ───►  ReplicaSink::open: allowed? owned here? ─► Opened{last}
 //!                                                                   else ─► Refused{code, why}
-//!  Entries{..} ──────────────►  ReplicaTopic::append (drops what it already holds, checks
-//!                                each entry, appends, waits until durable) ─► Ack{up_to}
+//!  Entries{..} ──────────────►  ReplicaTopic::submit (drops what it already holds, checks
+//!  Entries{..} ──────────────►    each entry, queues the appends) ─► in order, once durable
+//!  ...  (up to 16 frames queued)                                     ─► Ack{up_to}
 //! ```
+//!
+//! The stream reads the next frame while the ones before it are being made durable, and
+//! acknowledges them in order as they are; a refusal from either ends the stream after the
+//! acknowledgements of what did land.
 //!
 //! The site behind the traits decides what is a duplicate: the highest origin position it
 //! holds per (topic, origin site) is stored with the data, so a range sent again after a
@@ -83,15 +88,20 @@ pub trait ReplicaSink: Send + Sync + 'static {
     }
 }
 
+/// Completes once a frame's entries are durable: the highest origin position held from the
+/// stream's origin then.
+pub type Durable = BoxFuture<'static, Result<Option<OriginPosition>, Refusal>>;
+
 /// A topic open for a peer's entries.
 pub trait ReplicaTopic: Send + Sync {
-    /// Appends the entries it does not hold yet, in order, and returns once they are durable:
-    /// the highest origin position held from the stream's origin now.
-    fn append(
-        &self,
-        entries: Vec<ReplicatedEntry>,
-    ) -> BoxFuture<'_, Result<Option<OriginPosition>, Refusal>>;
+    /// Queues the appends of the entries it does not hold yet, in order, and returns once
+    /// they are queued, with what completes once they are durable. Frames submitted one after
+    /// another complete in that order, and none completes well after one before it failed.
+    fn submit(&self, entries: Vec<ReplicatedEntry>) -> BoxFuture<'_, Result<Durable, Refusal>>;
 }
+
+/// Frames of a stream queued at once, at most (the sender keeps fewer in flight).
+pub const FRAMES_IN_FLIGHT: usize = 16;
 
 async fn refuse(send: &mut quinn::SendStream, r: Refusal) {
     let frame = Frame::Refused {
@@ -187,32 +197,62 @@ pub async fn serve_stream(
         return;
     }
     debug!(origin, topic, ?last, "geo stream open");
-    loop {
-        let frame = match read_frame(&mut recv, frame_bytes_max).await {
-            Ok(Some(f)) => f,
-            Ok(None) => return,
-            Err(e) => {
-                warn!(origin, topic, error = %e, "geo stream closed");
-                return;
-            }
-        };
-        let Frame::Entries { items } = frame else {
-            let r = Refusal::new(RefusalCode::Protocol, "expected Entries");
-            refuse(&mut send, r).await;
-            return;
-        };
-        match target.append(items).await {
-            Ok(Some(up_to)) => {
-                if write_frame(&mut send, &Frame::Ack { up_to }).await.is_err() {
-                    return;
+    // The acknowledging half: frames' completions in order, an Ack for each that lands; the
+    // first refusal ends the stream.
+    let (queued, mut completions) = tokio::sync::mpsc::channel::<Durable>(FRAMES_IN_FLIGHT);
+    let acks = {
+        let (origin, topic) = (origin.to_string(), topic.clone());
+        async move {
+            while let Some(done) = completions.recv().await {
+                match done.await {
+                    Ok(Some(up_to)) => {
+                        if write_frame(&mut send, &Frame::Ack { up_to }).await.is_err() {
+                            return;
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(r) => {
+                        warn!(origin, topic, reason = %r.reason, "geo stream refused");
+                        refuse(&mut send, r).await;
+                        return;
+                    }
                 }
             }
-            Ok(None) => {}
-            Err(r) => {
-                warn!(origin, topic, reason = %r.reason, "geo stream refused");
-                refuse(&mut send, r).await;
+        }
+    };
+    let reads = async move {
+        loop {
+            let frame = match read_frame(&mut recv, frame_bytes_max).await {
+                Ok(Some(f)) => f,
+                Ok(None) => return,
+                Err(e) => {
+                    warn!(origin, topic, error = %e, "geo stream closed");
+                    return;
+                }
+            };
+            let done: Durable = match frame {
+                Frame::Entries { items } => match target.submit(items).await {
+                    Ok(d) => d,
+                    Err(r) => Box::pin(async move { Err(r) }),
+                },
+                _ => {
+                    let r = Refusal::new(RefusalCode::Protocol, "expected Entries");
+                    Box::pin(async move { Err(r) })
+                }
+            };
+            // A refusal is the last thing queued; the acknowledging half ends the stream.
+            if queued.send(done).await.is_err() {
                 return;
             }
         }
+    };
+    // The reading half ends when the stream does, or when the acknowledging half stopped
+    // taking completions (it refused, or the peer went away).
+    let mut acks = tokio::spawn(acks);
+    tokio::select! {
+        _ = reads => {
+            let _ = acks.await;
+        }
+        _ = &mut acks => {}
     }
 }

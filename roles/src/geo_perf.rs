@@ -16,7 +16,7 @@ use bytes::Bytes;
 use futures::future::BoxFuture;
 use meridian_config::GeoConfig;
 use meridian_geo::frame::{OriginPosition, ReplicatedEntry};
-use meridian_geo::receiver::{Refusal, ReplicaSink, ReplicaTopic};
+use meridian_geo::receiver::{Durable, Refusal, ReplicaSink, ReplicaTopic};
 use meridian_geo::replicator::{ReplicaSource, ReplicatorOptions, ReplicatorStatus, SourceEntry};
 use meridian_geo::{GeoLink, SiteDirectory};
 
@@ -70,17 +70,16 @@ struct Counting {
 struct CountingTopic(Arc<Counting>);
 
 impl ReplicaTopic for CountingTopic {
-    fn append(
-        &self,
-        entries: Vec<ReplicatedEntry>,
-    ) -> BoxFuture<'_, Result<Option<OriginPosition>, Refusal>> {
+    fn submit(&self, entries: Vec<ReplicatedEntry>) -> BoxFuture<'_, Result<Durable, Refusal>> {
         Box::pin(async move {
             let bytes: usize = entries.iter().map(|e| e.bytes.len()).sum();
             self.0.bytes.fetch_add(bytes as u64, Ordering::Relaxed);
             self.0
                 .entries
                 .fetch_add(entries.len() as u64, Ordering::Relaxed);
-            Ok(entries.last().map(|e| e.at))
+            let last = entries.last().map(|e| e.at);
+            let done: Durable = Box::pin(async move { Ok(last) });
+            Ok(done)
         })
     }
 }

@@ -247,6 +247,11 @@ pub struct PendingAppend {
 }
 
 impl PendingAppend {
+    /// The ledger the entry went to.
+    pub fn ledger_id(&self) -> u64 {
+        self.ledger_id
+    }
+
     /// The entry's position once an ack quorum of bookies has fsynced it.
     pub async fn wait(self) -> Result<Position, ManagedLedgerError> {
         let ml = self.ml;
@@ -559,6 +564,29 @@ impl ManagedLedger {
         self: &Arc<Self>,
         payload: Bytes,
     ) -> Result<PendingAppend, ManagedLedgerError> {
+        self.queue(payload, None)
+            .await
+            .map(|p| p.expect("queued anywhere"))
+    }
+
+    /// As [`ManagedLedger::append_queued`], but only into ledger `ledger`: none when the entry
+    /// would go elsewhere (the ledger failed, is due to roll over, or is closed). A caller with
+    /// appends in flight there queues more this way, so that if one of them fails every later
+    /// one fails too (a ledger's writer fails whole), and waits for them before it lets the
+    /// log move on: a run of appends never lands with a hole in it.
+    pub async fn append_queued_in(
+        self: &Arc<Self>,
+        payload: Bytes,
+        ledger: u64,
+    ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
+        self.queue(payload, Some(ledger)).await
+    }
+
+    async fn queue(
+        self: &Arc<Self>,
+        payload: Bytes,
+        only_in: Option<u64>,
+    ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
         let (writer, ledger_id) = {
             let mut st = self.state.lock().await;
             if st.fenced {
@@ -570,6 +598,16 @@ impl ManagedLedger {
                 return Err(ManagedLedgerError::Terminated {
                     name: self.name.clone(),
                 });
+            }
+            if let Some(ledger) = only_in {
+                let stays = st.broken.is_none()
+                    && st
+                        .open
+                        .as_ref()
+                        .is_some_and(|o| o.ledger_id == ledger && !self.roll_due(o));
+                if !stays {
+                    return Ok(None);
+                }
             }
             if let Some(id) = st.broken.take() {
                 if st.open.as_ref().is_some_and(|o| o.ledger_id == id) {
@@ -591,12 +629,12 @@ impl ManagedLedger {
         };
         let outcome = writer.add_queued(payload.clone()).await;
         drop(writer);
-        Ok(PendingAppend {
+        Ok(Some(PendingAppend {
             ml: Arc::clone(self),
             ledger_id,
             outcome,
             payload,
-        })
+        }))
     }
 
     fn cache_insert(&self, pos: Position, payload: Bytes) {

@@ -338,6 +338,60 @@ mod managed {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_appends_in_flight_in_a_ledger_then_more_go_there_only_while_it_stays_open() {
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        let ml = ManagedLedger::open(
+            client.clone(),
+            "acme/orders/runs",
+            ManagedLedgerOptions {
+                ensemble: 1,
+                write_quorum: 1,
+                ack_quorum: 1,
+                rollover_entries_max: 3,
+                rollover_min_age_ms: 0,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("open");
+        let a = ml.append_queued(payload(0)).await.expect("queued");
+        let l = a.ledger_id();
+        let b = ml.append_queued_in(payload(1), l).await.expect("queued");
+        let c = ml.append_queued_in(payload(2), l).await.expect("queued");
+        assert!(b.is_some() && c.is_some(), "the ledger of those in flight");
+        assert!(
+            ml.append_queued_in(payload(3), l)
+                .await
+                .expect("asked")
+                .is_none(),
+            "a roll-over is due: not there"
+        );
+        for p in [Some(a), b, c].into_iter().flatten() {
+            p.wait().await.expect("durable");
+        }
+        let d = ml.append_queued(payload(3)).await.expect("queued");
+        let l2 = d.ledger_id();
+        assert_ne!(l2, l, "rolled over once those in flight landed");
+        d.wait().await.expect("durable");
+        step("the only bookie stops: the append in flight fails, and nothing goes to that ledger after it");
+        bookies[0].stop(&store.client).await;
+        let e = ml
+            .append_queued_in(payload(4), l2)
+            .await
+            .expect("queued")
+            .expect("still open");
+        assert!(e.wait().await.is_err(), "no bookie");
+        assert!(
+            ml.append_queued_in(payload(5), l2)
+                .await
+                .expect("asked")
+                .is_none(),
+            "a failed ledger takes no more"
+        );
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_the_only_bookie_fails_then_appends_fail_and_resume_in_a_new_ledger_when_one_returns(
     ) {
         let (tmp, store, mut bookies, client) = setup(1).await;

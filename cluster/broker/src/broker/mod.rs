@@ -575,6 +575,7 @@ impl Broker {
             ),
             compaction: compaction::Compaction::default(),
             repl_origins: tokio::sync::Mutex::new(None),
+            repl_inbound: Default::default(),
             replicators: Mutex::default(),
             repl_closed: AtomicBool::new(false),
         });

@@ -1,5 +1,5 @@
 //! Geo-replication in the broker: the receiving side of peers' topic streams
-//! ([`GeoSink`], [`Incoming`]) and this site's replicators ([`Topic::reconcile_replicators`],
+//! ([`GeoSink`], [`inbound`]: frames in flight, their appends and origins) and this site's replicators ([`Topic::reconcile_replicators`],
 //! [`TopicSource`]).
 //!
 //! ```text
@@ -7,11 +7,11 @@
 //!  open: the namespace (or topic) lists the        per remote in the topic's replication
 //!    sender's site? partitions agree (created       clusters: cursor meridian.repl.<remote>
 //!    on first use)? the topic loads here?           (Earliest), entries produced here sent,
-//!  append: under the topic's origins lock,          entries that arrived by replication
-//!    drop origin positions already held, check      skipped; the cursor moves on the
-//!    each entry's checksum, append it marked        remote's acknowledgement only
-//!    with its origin, wait until durable, record
-//!    the highest origin position held
+//!  submit (inbound.rs): drop origin positions      entries that arrived by replication
+//!    already held or queued, check each entry's     skipped; the cursor moves on the
+//!    checksum, queue it marked with its origin;     remote's acknowledgement only
+//!    the topic's completer waits for it, records
+//!    the highest origin position held, answers
 //! ```
 //!
 //! The highest origin position per (topic, origin site) is recovered on first use from a
@@ -27,12 +27,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use futures::future::BoxFuture;
-use meridian_geo::frame::{OriginPosition, RefusalCode, ReplicatedEntry};
+use meridian_geo::frame::{OriginPosition, RefusalCode};
 use meridian_geo::receiver::{Refusal, ReplicaSink, ReplicaTopic};
 use meridian_geo::replicator::{
     LinkState, ReplicaSource, ReplicatorOptions, ReplicatorStatus, SourceEntry,
 };
-use meridian_protocol::pb::MeridianOrigin;
 use meridian_protocol::Entry;
 use meridian_storage::cursor::{InitialPosition, ManagedCursor};
 use meridian_storage::managed_ledger::Position;
@@ -41,6 +40,8 @@ use tokio::sync::watch;
 
 use super::{Broker, NamespacePolicies, Topic};
 use crate::topic_name::TopicName;
+
+pub(super) mod inbound;
 
 /// Replicators' cursors are named so: `meridian.repl.<remote site>`.
 pub const REPL_CURSOR_PREFIX: &str = "meridian.repl.";
@@ -838,122 +839,9 @@ impl ReplicaSink for GeoSink {
                 }
             }
             let t = broker.topic(&name, true).await.map_err(retry)?;
-            let last = {
-                let mut g = t.repl_origins.lock().await;
-                t.origins(&mut g).await?.highest(origin)
-            };
-            let target: Box<dyn ReplicaTopic> = Box::new(Incoming {
-                topic: t,
-                origin: origin.to_string(),
-            });
+            let last = t.held_from(origin).await?;
+            let target: Box<dyn ReplicaTopic> = Box::new(inbound::Incoming::new(t, origin, last));
             Ok((target, last))
-        })
-    }
-}
-
-/// A topic open for one origin site's entries.
-struct Incoming {
-    topic: Arc<Topic>,
-    origin: String,
-}
-
-impl ReplicaTopic for Incoming {
-    fn append(
-        &self,
-        entries: Vec<ReplicatedEntry>,
-    ) -> BoxFuture<'_, Result<Option<OriginPosition>, Refusal>> {
-        Box::pin(async move {
-            let t = &self.topic;
-            if t.repl_closed.load(Ordering::Acquire) {
-                return Err(refusal(
-                    RefusalCode::Retry,
-                    format!("{} is no longer served here", t.full_name),
-                ));
-            }
-            let mut g = t.repl_origins.lock().await;
-            let origins = t.origins(&mut g).await?;
-            let held = origins.highest(&self.origin);
-            // Every entry is checked before any is appended: a bad one refuses the frame whole.
-            let mut checked = Vec::new();
-            let mut before = held;
-            for item in entries {
-                if held.is_some_and(|h| item.at <= h) {
-                    continue; // already appended: a range sent again
-                }
-                let bad = |why: &str| {
-                    refusal(
-                        RefusalCode::Protocol,
-                        format!(
-                            "entry {}:{} of site {} {why}",
-                            item.at.ledger, item.at.entry, self.origin
-                        ),
-                    )
-                };
-                if before.is_some_and(|b| item.at <= b) {
-                    return Err(bad("is not after the entry before it"));
-                }
-                before = Some(item.at);
-                let entry = Entry::parse(item.bytes.clone()).map_err(|e| bad(&e.to_string()))?;
-                if !entry.verify() {
-                    return Err(bad("fails its checksum"));
-                }
-                let meta = entry.metadata().map_err(|e| bad(&e.to_string()))?;
-                if meta.meridian_origin.is_some() {
-                    return Err(bad("arrived there by replication and is not to be sent on"));
-                }
-                let stored = entry.replicated(&MeridianOrigin {
-                    site: self.origin.clone(),
-                    ledger_id: item.at.ledger,
-                    entry_id: item.at.entry,
-                });
-                let messages = u64::from(meridian_protocol::entry::message_count(&meta));
-                checked.push((stored, item.at, messages));
-            }
-            // Appended in order; after a failure, those submitted before it are waited for and
-            // recorded, so a resend drops what did land.
-            let mut pending = Vec::new();
-            let mut failed = None;
-            for (stored, at, messages) in checked {
-                let bytes = stored.as_bytes().len() as u64;
-                match t.ml.append_queued(stored.into_bytes()).await {
-                    Ok(pa) => pending.push((pa, at, messages, bytes)),
-                    Err(e) => {
-                        failed = Some(append_refusal(e));
-                        break;
-                    }
-                }
-            }
-            let mut last_local = None;
-            for (pa, at, messages, bytes) in pending {
-                match pa.wait().await {
-                    Ok(pos) if failed.is_none() => {
-                        t.on_appended(pos, messages, bytes);
-                        origins.observe(&self.origin, at);
-                        last_local = Some(pos);
-                    }
-                    // Durable after an earlier one failed: not recorded, since the highest
-                    // position held must not pass the entry that is missing (it is sent
-                    // again, and this one with it).
-                    Ok(pos) => t.on_appended(pos, messages, bytes),
-                    Err(e) => {
-                        failed.get_or_insert(append_refusal(e));
-                    }
-                }
-            }
-            if let Some(p) = last_local {
-                origins.snap.at = Some((p.ledger_id, p.entry_id));
-                origins.dirty = true;
-                if origins
-                    .saved_at
-                    .is_none_or(|s| s.elapsed() >= ORIGINS_SAVE_EVERY)
-                {
-                    t.save_origins(origins).await;
-                }
-            }
-            match failed {
-                Some(r) => Err(r),
-                None => Ok(origins.highest(&self.origin)),
-            }
         })
     }
 }

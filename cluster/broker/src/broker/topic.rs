@@ -68,6 +68,8 @@ pub struct Topic {
     /// The highest origin position held per origin site (geo-replication's receiving side),
     /// loaded on first use.
     pub(super) repl_origins: tokio::sync::Mutex<Option<super::replication::Origins>>,
+    /// Peers' frames queued into the log and their completion in order.
+    pub(super) repl_inbound: super::replication::inbound::Inbound,
     /// Replicators to other sites, by remote site.
     pub(super) replicators: Mutex<HashMap<String, super::replication::Replicator>>,
     /// Closed: no replicator starts, no replicated entry is taken.

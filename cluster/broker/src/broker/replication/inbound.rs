@@ -1,0 +1,338 @@
+//! Peers' entries into a topic, many frames in flight: each stream's frames are checked and
+//! their appends queued in order; one completer per topic waits for them in the order they
+//! were queued (every stream's together) and records what landed.
+//!
+//! ```text
+//!  stream (origin west) ─submit─► order lock: drop what is held or queued, check, queue the
+//!  stream (origin north) ─submit─►   appends (in the ledger of those in flight, else after
+//!                                    waiting for them) ─► Job ─► completer (one per topic):
+//!                                    wait for each append, observe origins, snapshot, reply
+//! ```
+//!
+//! No run of appends lands with a hole in it: while appends are in flight they go to the same
+//! ledger (`append_queued_in`), whose writer fails whole, so when one fails every later one
+//! fails too; the log moves to another ledger only once everything before has completed. And
+//! origins are observed in log order, so the snapshot's position never passes an entry whose
+//! origin is not in it. A stream opened while another's frames are in flight waits for them
+//! before it says what it holds.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+
+use futures::future::BoxFuture;
+use meridian_geo::frame::{OriginPosition, RefusalCode, ReplicatedEntry};
+use meridian_geo::receiver::{Durable, Refusal, ReplicaTopic};
+use meridian_protocol::pb::MeridianOrigin;
+use meridian_protocol::Entry;
+use meridian_storage::managed_ledger::{ManagedLedgerError, PendingAppend, Position};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::{append_refusal, refusal, Topic, ORIGINS_SAVE_EVERY};
+
+/// A topic's receiving order: frames queued and completed.
+pub struct Inbound {
+    order: tokio::sync::Mutex<Order>,
+    /// Frames completed (well or not), in the order they were queued.
+    done: watch::Sender<u64>,
+}
+
+struct Order {
+    /// Frames queued so far.
+    queued: u64,
+    /// The ledger the appends in flight went to.
+    ledger: Option<u64>,
+    /// To the topic's completer (started with the first frame).
+    jobs: Option<mpsc::UnboundedSender<Job>>,
+}
+
+impl Default for Inbound {
+    fn default() -> Self {
+        Inbound {
+            order: tokio::sync::Mutex::new(Order {
+                queued: 0,
+                ledger: None,
+                jobs: None,
+            }),
+            done: watch::channel(0).0,
+        }
+    }
+}
+
+/// One entry of a frame: its append, or its outcome when it was waited for already.
+enum Step {
+    Queued(PendingAppend),
+    Landed(Result<Position, ManagedLedgerError>),
+}
+
+struct Appended {
+    step: Step,
+    at: OriginPosition,
+    messages: u64,
+    bytes: u64,
+}
+
+/// A frame for the completer.
+struct Job {
+    seq: u64,
+    origin: String,
+    entries: Vec<Appended>,
+    /// Why the rest of the frame was not queued.
+    stopped: Option<Refusal>,
+    /// The stream's: set when this frame fails, so it takes no more.
+    failed: Arc<AtomicBool>,
+    reply: oneshot::Sender<Result<Option<OriginPosition>, Refusal>>,
+}
+
+impl Inbound {
+    /// Waits until every frame queued so far has completed.
+    async fn drained(&self, order: &Order) {
+        let mut rx = self.done.subscribe();
+        let _ = rx.wait_for(|d| *d >= order.queued).await;
+    }
+}
+
+impl Topic {
+    /// The highest origin position held from `origin`, once no frame of any stream is in
+    /// flight (what a new stream from there is told).
+    pub(super) async fn held_from(&self, origin: &str) -> Result<Option<OriginPosition>, Refusal> {
+        let order = self.repl_inbound.order.lock().await;
+        self.repl_inbound.drained(&order).await;
+        let mut g = self.repl_origins.lock().await;
+        Ok(self.origins(&mut g).await?.highest(origin))
+    }
+}
+
+/// A topic open for one origin site's entries (one stream).
+pub(super) struct Incoming {
+    topic: Arc<Topic>,
+    origin: String,
+    /// The highest origin position held or queued from this stream.
+    queued_high: tokio::sync::Mutex<Option<OriginPosition>>,
+    failed: Arc<AtomicBool>,
+}
+
+impl Incoming {
+    pub(super) fn new(topic: Arc<Topic>, origin: &str, held: Option<OriginPosition>) -> Self {
+        Incoming {
+            topic,
+            origin: origin.to_string(),
+            queued_high: tokio::sync::Mutex::new(held),
+            failed: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// The entries after `held`, checked and marked with their origin.
+    fn check(
+        &self,
+        entries: Vec<ReplicatedEntry>,
+        held: Option<OriginPosition>,
+    ) -> Result<Vec<(Entry, OriginPosition, u64)>, Refusal> {
+        let mut checked = Vec::new();
+        let mut before = held;
+        for item in entries {
+            if held.is_some_and(|h| item.at <= h) {
+                continue; // already held or queued: a range sent again
+            }
+            let bad = |why: &str| {
+                refusal(
+                    RefusalCode::Protocol,
+                    format!(
+                        "entry {}:{} of site {} {why}",
+                        item.at.ledger, item.at.entry, self.origin
+                    ),
+                )
+            };
+            if before.is_some_and(|b| item.at <= b) {
+                return Err(bad("is not after the entry before it"));
+            }
+            before = Some(item.at);
+            let entry = Entry::parse(item.bytes.clone()).map_err(|e| bad(&e.to_string()))?;
+            if !entry.verify() {
+                return Err(bad("fails its checksum"));
+            }
+            let meta = entry.metadata().map_err(|e| bad(&e.to_string()))?;
+            if meta.meridian_origin.is_some() {
+                return Err(bad("arrived there by replication and is not to be sent on"));
+            }
+            let stored = entry.replicated(&MeridianOrigin {
+                site: self.origin.clone(),
+                ledger_id: item.at.ledger,
+                entry_id: item.at.entry,
+            });
+            let messages = u64::from(meridian_protocol::entry::message_count(&meta));
+            checked.push((stored, item.at, messages));
+        }
+        Ok(checked)
+    }
+}
+
+impl ReplicaTopic for Incoming {
+    fn submit(&self, entries: Vec<ReplicatedEntry>) -> BoxFuture<'_, Result<Durable, Refusal>> {
+        Box::pin(async move {
+            let t = &self.topic;
+            if t.repl_closed.load(Ordering::Acquire) {
+                return Err(refusal(
+                    RefusalCode::Retry,
+                    format!("{} is no longer served here", t.full_name),
+                ));
+            }
+            if self.failed.load(Ordering::Acquire) {
+                return Err(refusal(
+                    RefusalCode::Retry,
+                    "an earlier frame of this stream was not appended",
+                ));
+            }
+            let mut high = self.queued_high.lock().await;
+            // Every entry is checked before any is queued: a bad one refuses the frame whole.
+            let checked = self.check(entries, *high)?;
+            let inbound = &t.repl_inbound;
+            let mut order = inbound.order.lock().await;
+            let seq = order.queued + 1;
+            let mut appended: Vec<Appended> = Vec::with_capacity(checked.len());
+            let mut stopped = None;
+            for (stored, at, messages) in checked {
+                let bytes = stored.as_bytes().len() as u64;
+                let payload = stored.into_bytes();
+                let in_flight = *inbound.done.borrow() < order.queued || !appended.is_empty();
+                let mut queued = match order.ledger.filter(|_| in_flight) {
+                    Some(l) => t.ml.append_queued_in(payload.clone(), l).await,
+                    None => t.ml.append_queued(payload.clone()).await.map(Some),
+                };
+                if matches!(queued, Ok(None)) {
+                    // The log moves on (a roll-over, a failed ledger): only once everything
+                    // queued before has landed.
+                    inbound.drained(&order).await;
+                    let mut failed = false;
+                    for a in &mut appended {
+                        if let Step::Queued(_) = a.step {
+                            let Step::Queued(p) = std::mem::replace(
+                                &mut a.step,
+                                Step::Landed(Ok(Position::new(0, 0))),
+                            ) else {
+                                unreachable!("matched above")
+                            };
+                            let r = p.wait().await;
+                            failed |= r.is_err();
+                            a.step = Step::Landed(r);
+                        }
+                    }
+                    if failed {
+                        break; // the completer reports it
+                    }
+                    queued = t.ml.append_queued(payload).await.map(Some);
+                }
+                match queued {
+                    Ok(Some(p)) => {
+                        order.ledger = Some(p.ledger_id());
+                        appended.push(Appended {
+                            step: Step::Queued(p),
+                            at,
+                            messages,
+                            bytes,
+                        });
+                        *high = Some(at);
+                    }
+                    Ok(None) => unreachable!("queued anywhere"),
+                    Err(e) => {
+                        stopped = Some(append_refusal(e));
+                        break;
+                    }
+                }
+            }
+            order.queued = seq;
+            let (reply, answer) = oneshot::channel();
+            let job = Job {
+                seq,
+                origin: self.origin.clone(),
+                entries: appended,
+                stopped,
+                failed: Arc::clone(&self.failed),
+                reply,
+            };
+            let jobs = order.jobs.get_or_insert_with(|| {
+                let (tx, rx) = mpsc::unbounded_channel();
+                tokio::spawn(complete(Arc::downgrade(t), rx));
+                tx
+            });
+            if jobs.send(job).is_err() {
+                return Err(refusal(RefusalCode::Retry, "the topic is closing"));
+            }
+            let durable: Durable = Box::pin(async move {
+                answer
+                    .await
+                    .unwrap_or_else(|_| Err(refusal(RefusalCode::Retry, "the topic is closing")))
+            });
+            Ok(durable)
+        })
+    }
+}
+
+/// The topic's completer: each frame in the order queued, its appends waited for, what landed
+/// before any failure recorded, the frame answered.
+async fn complete(topic: Weak<Topic>, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    while let Some(job) = jobs.recv().await {
+        let mut failure: Option<Refusal> = None;
+        let mut landed = Vec::with_capacity(job.entries.len());
+        for a in job.entries {
+            let r = match a.step {
+                Step::Queued(p) => p.wait().await,
+                Step::Landed(r) => r,
+            };
+            match r {
+                Ok(pos) => landed.push((pos, a.at, a.messages, a.bytes, failure.is_none())),
+                Err(e) => {
+                    failure.get_or_insert(append_refusal(e));
+                }
+            }
+        }
+        let failure = failure.or(job.stopped);
+        let answer = match topic.upgrade() {
+            None => Err(refusal(RefusalCode::Retry, "the topic is closing")),
+            Some(t) => record(&t, &job.origin, &landed)
+                .await
+                .and_then(|high| match &failure {
+                    Some(r) => Err(r.clone()),
+                    None => Ok(high),
+                }),
+        };
+        if answer.is_err() {
+            job.failed.store(true, Ordering::Release);
+        }
+        if let Some(t) = topic.upgrade() {
+            t.repl_inbound.done.send_replace(job.seq);
+        }
+        let _ = job.reply.send(answer);
+    }
+}
+
+/// Records a frame's landed entries (those before any failure) in the topic's origins: the
+/// highest origin position held from `origin` now.
+async fn record(
+    t: &Topic,
+    origin: &str,
+    landed: &[(Position, OriginPosition, u64, u64, bool)],
+) -> Result<Option<OriginPosition>, Refusal> {
+    let mut g = t.repl_origins.lock().await;
+    let origins = t.origins(&mut g).await?;
+    let mut last_local = None;
+    for &(pos, at, messages, bytes, before_failure) in landed {
+        t.on_appended(pos, messages, bytes);
+        // Durable after an earlier one failed (none should: see the module's comment) is
+        // not recorded: the highest position held must not pass an entry that is missing.
+        if before_failure {
+            origins.observe(origin, at);
+            last_local = Some(pos);
+        }
+    }
+    if let Some(p) = last_local {
+        origins.snap.at = Some((p.ledger_id, p.entry_id));
+        origins.dirty = true;
+        if origins
+            .saved_at
+            .is_none_or(|s| s.elapsed() >= ORIGINS_SAVE_EVERY)
+        {
+            t.save_origins(origins).await;
+        }
+    }
+    Ok(origins.highest(origin))
+}
