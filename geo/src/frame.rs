@@ -13,7 +13,8 @@
 //!                none), and the largest frame it takes
 //!  Entries (5) = count: u32 | (ledger: u64 | entry: u64 | len: u32 | bytes)*count
 //!  Ack     (6) = ledger: u64 | entry: u64      durably appended up to this origin position
-//!  Refused (7) = code: u8 | reason: str        the stream is not served (then it ends)
+//!  Refused (7) = code: u8 | reason: str        the stream is not served (then it ends);
+//!                code 4 (Moved): the reason is the geo URL of the broker that serves it
 //!
 //!  on a stream of its own, opened by either site:
 //!  Delete  (8) = topic: str | deleted_at_ms: u64  a global topic's deletion
@@ -92,6 +93,9 @@ pub enum RefusalCode {
     Retry,
     /// The stream broke the protocol (a bad entry, a frame out of place).
     Protocol,
+    /// Another broker of the site serves the topic: the reason is its geo URL
+    /// (`quic://HOST:PORT`), where the sender opens the stream again.
+    Moved,
 }
 
 impl RefusalCode {
@@ -100,6 +104,7 @@ impl RefusalCode {
             RefusalCode::NotAllowed => 1,
             RefusalCode::Retry => 2,
             RefusalCode::Protocol => 3,
+            RefusalCode::Moved => 4,
         }
     }
 
@@ -108,6 +113,7 @@ impl RefusalCode {
             1 => RefusalCode::NotAllowed,
             2 => RefusalCode::Retry,
             3 => RefusalCode::Protocol,
+            4 => RefusalCode::Moved,
             _ => return Err(FrameError::UnknownRefusal(b)),
         })
     }

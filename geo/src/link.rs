@@ -413,6 +413,39 @@ impl GeoLink {
                 .map_err(unknown)?
                 .ok_or_else(|| unknown("its cluster record has no geo URL".to_string()))?,
         };
+        let peer = self.dial_url(site, &url).await?;
+        *slot = Some(peer.clone());
+        Ok(peer)
+    }
+
+    /// A link to `site` at one of its brokers' geo URL (`quic://HOST:PORT`; a topic's stream
+    /// is served by the broker that owns the topic there): the one up, else a new one. The
+    /// certificate that answers must name `site`, as for [`GeoLink::peer`].
+    pub async fn peer_at(&self, site: &str, url: &str) -> Result<Peer, LinkError> {
+        let slot = Arc::clone(
+            self.shared
+                .outbound
+                .lock()
+                .expect("outbound lock")
+                .entry(format!("{site} {url}"))
+                .or_default(),
+        );
+        let mut slot = slot.lock().await;
+        if let Some(p) = slot.as_ref() {
+            if p.conn.close_reason().is_none() {
+                return Ok(p.clone());
+            }
+        }
+        let peer = self.dial_url(site, url).await?;
+        *slot = Some(peer.clone());
+        Ok(peer)
+    }
+
+    async fn dial_url(&self, site: &str, url: &str) -> Result<Peer, LinkError> {
+        let unknown = |reason: String| LinkError::Unknown {
+            site: site.to_string(),
+            reason,
+        };
         let host_port = url
             .strip_prefix("quic://")
             .ok_or_else(|| unknown(format!("geo URL {url:?} is not quic://HOST:PORT")))?;
@@ -421,9 +454,7 @@ impl GeoLink {
             .map_err(|e| unknown(format!("resolving {host_port}: {e}")))?
             .next()
             .ok_or_else(|| unknown(format!("{host_port} resolves to no address")))?;
-        let peer = self.dial(addr, site).await?;
-        *slot = Some(peer.clone());
-        Ok(peer)
+        self.dial(addr, site).await
     }
 
     /// Closes every connection and stops accepting.

@@ -230,18 +230,18 @@ pub async fn serve_stream(
                     return;
                 }
             };
-            let done: Durable = match frame {
+            let (done, last): (Durable, bool) = match frame {
                 Frame::Entries { items } => match target.submit(items).await {
-                    Ok(d) => d,
-                    Err(r) => Box::pin(async move { Err(r) }),
+                    Ok(d) => (d, false),
+                    Err(r) => (Box::pin(async move { Err(r) }), true),
                 },
                 _ => {
                     let r = Refusal::new(RefusalCode::Protocol, "expected Entries");
-                    Box::pin(async move { Err(r) })
+                    (Box::pin(async move { Err(r) }), true)
                 }
             };
             // A refusal is the last thing queued; the acknowledging half ends the stream.
-            if queued.send(done).await.is_err() {
+            if queued.send(done).await.is_err() || last {
                 return;
             }
         }

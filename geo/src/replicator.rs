@@ -148,6 +148,11 @@ pub async fn run(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut backoff = opts.backoff_min;
+    // The broker of the remote site that serves the topic, once the site said which.
+    let mut at: Option<String> = None;
+    // Redirections in a row: past a few (brokers disagreeing while the topic moves), the
+    // back-off applies.
+    let mut moves = 0u32;
     loop {
         if *stop.borrow() {
             return;
@@ -155,13 +160,20 @@ pub async fn run(
         source.settle().await;
         let started = Instant::now();
         let outcome = tokio::select! {
-            r = session(&link, &remote, &topic, partitions, source, &status, &opts) => r,
+            r = session(&link, &remote, &mut at, &topic, partitions, source, &status, &opts) => r,
             _ = stop.wait_for(|s| *s) => return,
         };
         let (reason, refused) = match outcome {
             Ok(()) => return,
+            Err(e) if e.0.starts_with(MOVED) && moves < 3 => {
+                // Open it at the broker named, at once.
+                moves += 1;
+                info!(topic, remote, reason = %e.0, "replicator redirected");
+                continue;
+            }
             Err(e) => e,
         };
+        moves = 0;
         warn!(topic, remote, reason = %reason, "replicator disconnected; trying again");
         let since_ms = now_ms();
         status.lock().expect("status lock").state = if reason.starts_with(STALLED) {
@@ -214,9 +226,14 @@ struct InFlight {
 
 type SessionError = (String, bool);
 
+/// How a session that was sent to another broker of the remote site ends.
+const MOVED: &str = "moved";
+
+#[allow(clippy::too_many_arguments)]
 async fn session(
     link: &GeoLink,
     remote: &str,
+    at: &mut Option<String>,
     topic: &str,
     partitions: u32,
     source: &mut impl ReplicaSource,
@@ -224,7 +241,17 @@ async fn session(
     opts: &ReplicatorOptions,
 ) -> Result<(), SessionError> {
     let err = |e: String| (e, false);
-    let peer = link.peer(remote).await.map_err(|e| err(e.to_string()))?;
+    let peer = match at.as_deref() {
+        Some(url) => match link.peer_at(remote, url).await {
+            Ok(p) => p,
+            Err(e) => {
+                // The broker named is gone: ask the site again.
+                *at = None;
+                return Err(err(e.to_string()));
+            }
+        },
+        None => link.peer(remote).await.map_err(|e| err(e.to_string()))?,
+    };
     let (mut send, mut recv) = tokio::time::timeout(opts.open_timeout, peer.conn.open_bi())
         .await
         .map_err(|_| {
@@ -256,11 +283,26 @@ async fn session(
             info!(topic, remote, ?last, "replicator connected");
             frame_bytes_max as usize
         }
+        Some(Frame::Refused {
+            code: RefusalCode::Moved,
+            reason,
+        }) => {
+            if at.as_deref() == Some(reason.as_str()) {
+                // Sent back to where it is: the site is moving the topic; ask it again.
+                *at = None;
+                return Err(err(format!("{remote} is moving {topic}")));
+            }
+            let to = format!("{MOVED}: {remote} serves {topic} at {reason}");
+            *at = Some(reason);
+            return Err(err(to));
+        }
         Some(Frame::Refused { code, reason }) => {
+            // Any other answer: the site's own address decides next time.
+            *at = None;
             return Err((
                 format!("refused by {remote}: {reason}"),
                 code != RefusalCode::Retry,
-            ))
+            ));
         }
         other => return Err(err(format!("expected Opened, got {other:?}"))),
     };

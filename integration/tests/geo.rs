@@ -540,6 +540,177 @@ fn given_two_sites_active_active_then_a_hundred_thousand_from_each_arrive_once_i
     s.west.stop().unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_owner() {
+    use meridian_integration::{BookieProc, BrokerProc, MetaCluster};
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let root = cluster.root.path().to_path_buf();
+    let pki = root.join("pki");
+    let d = pki.display().to_string();
+    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
+    for s in ["east", "west"] {
+        admin_ok(&[
+            "geo",
+            "create-site-cert",
+            s,
+            "--ca-dir",
+            &d,
+            "--out-dir",
+            &d,
+        ]);
+    }
+    let file = |f: &str| pki.join(f).display().to_string();
+    step(
+        "east: a standalone; west: one metadata node, a bookie, brokers a and b, each with a link",
+    );
+    let east_dir = root.join("east");
+    std::fs::create_dir_all(&east_dir).unwrap();
+    let mut east = StandaloneProc::new(&east_dir);
+    let east_listen = format!("127.0.0.1:{}", meridian_integration::free_port());
+    east.args(
+        &geo_flags("east", &pki, &east_listen)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    east.start().unwrap();
+    let endpoints = cluster.endpoints().join(",");
+    let mut bookie = BookieProc::new("bookie", &root, &endpoints);
+    bookie.start().unwrap();
+    meridian_integration::wait_for_bookies(&cluster.client(), 1, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut brokers = Vec::new();
+    let mut geo_urls = Vec::new();
+    for n in ["a", "b"] {
+        let listen = format!("127.0.0.1:{}", meridian_integration::free_port());
+        let mut b = BrokerProc::new(n, &root, &endpoints);
+        b.env("MERIDIAN_BROKER_CLUSTER_NAME", "west")
+            .env("MERIDIAN_BROKER_ENSEMBLE", "1")
+            .env("MERIDIAN_BROKER_WRITE_QUORUM", "1")
+            .env("MERIDIAN_BROKER_ACK_QUORUM", "1")
+            .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
+            .env("MERIDIAN_GEO_LISTEN", &listen)
+            .env("MERIDIAN_GEO_CERT_FILE", &file("west.crt"))
+            .env("MERIDIAN_GEO_KEY_FILE", &file("west.key"))
+            .env("MERIDIAN_GEO_CA_FILE", &file("ca.crt"));
+        b.start().unwrap();
+        geo_urls.push(format!("quic://{listen}"));
+        brokers.push(b);
+    }
+    step("the sites introduced (east knows west at broker a's link); acme/g made at east alone");
+    let at = |url: &str, args: &[&str]| {
+        let mut all = vec!["--admin-url", url];
+        all.extend_from_slice(args);
+        admin_ok(&all)
+    };
+    let east_geo = east.geo_url.clone().unwrap();
+    at(
+        &east.admin_url,
+        &[
+            "clusters",
+            "create",
+            "west",
+            "--broker-url",
+            &brokers[0].url,
+            "--url",
+            &brokers[0].admin_url,
+            "--geo-url",
+            &geo_urls[0],
+        ],
+    );
+    at(
+        &brokers[0].admin_url,
+        &[
+            "clusters",
+            "create",
+            "east",
+            "--broker-url",
+            &east.url,
+            "--url",
+            &east.admin_url,
+            "--geo-url",
+            &east_geo,
+        ],
+    );
+    at(
+        &east.admin_url,
+        &[
+            "tenants",
+            "create",
+            "acme",
+            "--allowed-clusters",
+            "east,west",
+        ],
+    );
+    at(
+        &east.admin_url,
+        &["namespaces", "create", "acme/g", "--clusters", "east,west"],
+    );
+    for b in &brokers {
+        wait_admin(
+            &b.admin_url,
+            &["namespaces", "policies", "acme/g"],
+            "acme/g at west",
+            |_| true,
+        );
+    }
+    step("west's clients spread 8 topics over both brokers; then each site produces to each");
+    let topics: Vec<String> = (0..8)
+        .map(|i| format!("persistent://acme/g/owned-{i}"))
+        .collect();
+    let service = format!(
+        "pulsar://{},{}",
+        brokers[0].url.trim_start_matches("pulsar://"),
+        brokers[1].url.trim_start_matches("pulsar://")
+    );
+    for (i, t) in topics.iter().enumerate() {
+        let base = 10_000 * i as u64;
+        produce(&root, &format!("w{i}"), &service, t, 100, base + 5_000)
+            .finish(Duration::from_secs(60))
+            .unwrap();
+    }
+    let owners: std::collections::BTreeSet<String> = topics
+        .iter()
+        .map(|t| {
+            admin_json(&brokers[0].admin_url, &["topics", "lookup", t])["owner"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        owners.len(),
+        2,
+        "the topics are on both brokers: {owners:?}"
+    );
+    for (i, t) in topics.iter().enumerate() {
+        let base = 10_000 * i as u64;
+        produce(&root, &format!("e{i}"), &east.url, t, 100, base)
+            .finish(Duration::from_secs(60))
+            .unwrap();
+    }
+    step("every topic holds both sites' messages at both, once each; east was sent to b");
+    for (i, t) in topics.iter().enumerate() {
+        let base = 10_000 * i as u64;
+        let ranges = [base..base + 100, base + 5_000..base + 5_100];
+        for (site, url) in [("east", &east.url), ("west", &service)] {
+            let got = read_until(&root, url, t, 200, Duration::from_secs(60));
+            assert_exactly_once(&got, &ranges, &format!("{site} {t}"));
+        }
+    }
+    assert!(
+        east.log_text().contains("replicator redirected"),
+        "east's replicators were sent to broker b"
+    );
+    for b in &mut brokers {
+        b.stop().unwrap();
+    }
+    bookie.stop().unwrap();
+    east.stop().unwrap();
+}
+
 /// The `replication` section of a topic's stats at a site.
 fn replication_of(admin_url: &str, topic: &str) -> Vec<serde_json::Value> {
     admin_json(admin_url, &["topics", "stats", topic])["replication"]

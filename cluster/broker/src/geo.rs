@@ -49,6 +49,9 @@ pub async fn start_link(
     let sink = Arc::new(GeoSink(Arc::downgrade(broker)));
     let link = Arc::new(GeoLink::start(cfg, &broker.cfg.cluster_name, registry, Some(sink)).await?);
     let _ = broker.geo.set(Arc::clone(&link));
+    broker
+        .ownership
+        .set_geo_url(&format!("quic://{}", link.advertise()));
     tokio::spawn(Arc::clone(broker).tombstone_loop());
     tokio::spawn(Arc::clone(broker).meta_sync_loop());
     Ok(Some(link))

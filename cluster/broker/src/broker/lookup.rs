@@ -131,6 +131,25 @@ impl Broker {
         ))
     }
 
+    /// The geo URL of the broker that owns `name`'s bundle, when that is another broker
+    /// (None: this one, or nobody yet, and this one may take it). An owner without a geo link
+    /// is an error to retry later.
+    pub async fn geo_owner_elsewhere(
+        &self,
+        name: &TopicName,
+    ) -> Result<Option<String>, BrokerError> {
+        let ns = name.namespace();
+        let b = self.ownership.bundle_of(name).await?;
+        match self.ownership.owner(&ns, &b).await? {
+            Owner::Me | Owner::Nobody => Ok(None),
+            Owner::Other(o) if !o.geo_url.is_empty() => Ok(Some(o.geo_url)),
+            Owner::Other(o) => Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!("{name} is served by broker {}, which has no geo link", o.id),
+            )),
+        }
+    }
+
     /// Sets the URLs the registration shows (the TLS one is taken from the TLS listener).
     pub fn announce(&self, http_url: &str, admin_url: &str) {
         self.ownership.set_urls(http_url, admin_url);

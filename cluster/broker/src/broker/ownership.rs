@@ -48,6 +48,10 @@ pub struct BrokerInfo {
     /// taken over as an earlier run's.
     pub run_id: String,
     pub load: LoadReport,
+    /// `quic://HOST:PORT` of its geo link (empty: none): where other sites open the streams
+    /// of the topics it owns.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub geo_url: String,
 }
 
 /// A broker's load, refreshed every `broker.load_report_interval_ms`.
@@ -332,6 +336,11 @@ impl Ownership {
     /// Sets the TLS URL (known once its port is bound).
     pub fn set_tls_url(&self, url: &str) {
         self.me.lock().expect("me lock").service_url_tls = Some(url.to_string());
+    }
+
+    /// Sets the geo link's URL.
+    pub fn set_geo_url(&self, url: &str) {
+        self.me.lock().expect("me lock").geo_url = url.to_string();
     }
 
     /// Sets the HTTP and admin URLs.

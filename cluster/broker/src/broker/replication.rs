@@ -838,9 +838,14 @@ impl ReplicaSink for GeoSink {
                     }
                 }
             }
+            // Served by the broker that owns it: another one sends the stream there.
+            if let Some(url) = broker.geo_owner_elsewhere(&name).await.map_err(retry)? {
+                return Err(refusal(RefusalCode::Moved, url));
+            }
             let t = broker.topic(&name, true).await.map_err(retry)?;
-            let last = t.held_from(origin).await?;
-            let target: Box<dyn ReplicaTopic> = Box::new(inbound::Incoming::new(t, origin, last));
+            let (last, epoch) = t.held_from(origin).await?;
+            let target: Box<dyn ReplicaTopic> =
+                Box::new(inbound::Incoming::new(t, origin, last, epoch));
             Ok((target, last))
         })
     }

@@ -36,23 +36,23 @@ pub struct Inbound {
     done: watch::Sender<u64>,
 }
 
+#[derive(Default)]
 struct Order {
     /// Frames queued so far.
     queued: u64,
     /// The ledger the appends in flight went to.
     ledger: Option<u64>,
-    /// To the topic's completer (started with the first frame).
+    /// To the topic's completer (started with the first frame, again if it ended).
     jobs: Option<mpsc::UnboundedSender<Job>>,
+    /// Per origin site, the stream opened last: an older stream from there queues nothing
+    /// more (it and the new one would both append what the new one was told is missing).
+    epochs: std::collections::HashMap<String, u64>,
 }
 
 impl Default for Inbound {
     fn default() -> Self {
         Inbound {
-            order: tokio::sync::Mutex::new(Order {
-                queued: 0,
-                ledger: None,
-                jobs: None,
-            }),
+            order: tokio::sync::Mutex::new(Order::default()),
             done: watch::channel(0).0,
         }
     }
@@ -92,35 +92,56 @@ impl Inbound {
 }
 
 impl Topic {
-    /// The highest origin position held from `origin`, once no frame of any stream is in
-    /// flight (what a new stream from there is told).
-    pub(super) async fn held_from(&self, origin: &str) -> Result<Option<OriginPosition>, Refusal> {
-        let order = self.repl_inbound.order.lock().await;
+    /// Opens a stream from `origin`: once no frame of any stream is in flight, the highest
+    /// origin position held from there (what the sender is told), and the stream's epoch
+    /// (streams from there opened before it take nothing more).
+    pub(super) async fn held_from(
+        &self,
+        origin: &str,
+    ) -> Result<(Option<OriginPosition>, u64), Refusal> {
+        let mut order = self.repl_inbound.order.lock().await;
         self.repl_inbound.drained(&order).await;
+        let epoch = {
+            let e = order.epochs.entry(origin.to_string()).or_default();
+            *e += 1;
+            *e
+        };
         let mut g = self.repl_origins.lock().await;
-        Ok(self.origins(&mut g).await?.highest(origin))
+        Ok((self.origins(&mut g).await?.highest(origin), epoch))
     }
 }
 
 /// A topic open for one origin site's entries (one stream).
-pub(super) struct Incoming {
+pub(super) struct Incoming(Arc<Stream>);
+
+struct Stream {
     topic: Arc<Topic>,
     origin: String,
+    epoch: u64,
     /// The highest origin position held or queued from this stream.
     queued_high: tokio::sync::Mutex<Option<OriginPosition>>,
+    /// A frame of this stream failed, or was refused: it takes no more.
     failed: Arc<AtomicBool>,
 }
 
 impl Incoming {
-    pub(super) fn new(topic: Arc<Topic>, origin: &str, held: Option<OriginPosition>) -> Self {
-        Incoming {
+    pub(super) fn new(
+        topic: Arc<Topic>,
+        origin: &str,
+        held: Option<OriginPosition>,
+        epoch: u64,
+    ) -> Self {
+        Incoming(Arc::new(Stream {
             topic,
             origin: origin.to_string(),
+            epoch,
             queued_high: tokio::sync::Mutex::new(held),
             failed: Arc::new(AtomicBool::new(false)),
-        }
+        }))
     }
+}
 
+impl Stream {
     /// The entries after `held`, checked and marked with their origin.
     fn check(
         &self,
@@ -164,105 +185,150 @@ impl Incoming {
         }
         Ok(checked)
     }
-}
 
-impl ReplicaTopic for Incoming {
-    fn submit(&self, entries: Vec<ReplicatedEntry>) -> BoxFuture<'_, Result<Durable, Refusal>> {
-        Box::pin(async move {
-            let t = &self.topic;
-            if t.repl_closed.load(Ordering::Acquire) {
-                return Err(refusal(
-                    RefusalCode::Retry,
-                    format!("{} is no longer served here", t.full_name),
-                ));
-            }
-            if self.failed.load(Ordering::Acquire) {
-                return Err(refusal(
-                    RefusalCode::Retry,
-                    "an earlier frame of this stream was not appended",
-                ));
-            }
-            let mut high = self.queued_high.lock().await;
-            // Every entry is checked before any is queued: a bad one refuses the frame whole.
-            let checked = self.check(entries, *high)?;
-            let inbound = &t.repl_inbound;
-            let mut order = inbound.order.lock().await;
-            let seq = order.queued + 1;
-            let mut appended: Vec<Appended> = Vec::with_capacity(checked.len());
-            let mut stopped = None;
-            for (stored, at, messages) in checked {
-                let bytes = stored.as_bytes().len() as u64;
-                let payload = stored.into_bytes();
-                let in_flight = *inbound.done.borrow() < order.queued || !appended.is_empty();
-                let mut queued = match order.ledger.filter(|_| in_flight) {
-                    Some(l) => t.ml.append_queued_in(payload.clone(), l).await,
-                    None => t.ml.append_queued(payload.clone()).await.map(Some),
-                };
-                if matches!(queued, Ok(None)) {
-                    // The log moves on (a roll-over, a failed ledger): only once everything
-                    // queued before has landed.
-                    inbound.drained(&order).await;
-                    let mut failed = false;
-                    for a in &mut appended {
-                        if let Step::Queued(_) = a.step {
-                            let Step::Queued(p) = std::mem::replace(
-                                &mut a.step,
-                                Step::Landed(Ok(Position::new(0, 0))),
-                            ) else {
-                                unreachable!("matched above")
-                            };
-                            let r = p.wait().await;
-                            failed |= r.is_err();
-                            a.step = Step::Landed(r);
-                        }
-                    }
-                    if failed {
-                        break; // the completer reports it
-                    }
-                    queued = t.ml.append_queued(payload).await.map(Some);
-                }
-                match queued {
-                    Ok(Some(p)) => {
-                        order.ledger = Some(p.ledger_id());
-                        appended.push(Appended {
-                            step: Step::Queued(p),
-                            at,
-                            messages,
-                            bytes,
-                        });
-                        *high = Some(at);
-                    }
-                    Ok(None) => unreachable!("queued anywhere"),
-                    Err(e) => {
-                        stopped = Some(append_refusal(e));
-                        break;
-                    }
-                }
-            }
-            order.queued = seq;
-            let (reply, answer) = oneshot::channel();
-            let job = Job {
-                seq,
-                origin: self.origin.clone(),
-                entries: appended,
-                stopped,
-                failed: Arc::clone(&self.failed),
-                reply,
+    /// Refuses the stream from now on, with `r`.
+    fn fail(&self, r: Refusal) -> Refusal {
+        self.failed.store(true, Ordering::Release);
+        r
+    }
+
+    /// Queues a frame's appends and hands it to the completer (see the module's comment).
+    async fn submit(&self, entries: Vec<ReplicatedEntry>) -> Result<Durable, Refusal> {
+        let t = &self.topic;
+        if t.repl_closed.load(Ordering::Acquire) {
+            return Err(refusal(
+                RefusalCode::Retry,
+                format!("{} is no longer served here", t.full_name),
+            ));
+        }
+        let failed_before = || {
+            refusal(
+                RefusalCode::Retry,
+                "an earlier frame of this stream was not appended",
+            )
+        };
+        if self.failed.load(Ordering::Acquire) {
+            return Err(failed_before());
+        }
+        let mut high = self.queued_high.lock().await;
+        // Every entry is checked before any is queued: a bad one refuses the frame whole
+        // (and the stream: what comes after it would pass the entries it lacks).
+        let checked = self.check(entries, *high).map_err(|r| self.fail(r))?;
+        let inbound = &t.repl_inbound;
+        let mut order = inbound.order.lock().await;
+        if order.epochs.get(&self.origin) != Some(&self.epoch) {
+            return Err(self.fail(refusal(
+                RefusalCode::Retry,
+                format!(
+                    "a newer stream from {} took {} over",
+                    self.origin, t.full_name
+                ),
+            )));
+        }
+        let mut appended: Vec<Appended> = Vec::with_capacity(checked.len());
+        let mut stopped = None;
+        for (stored, at, messages) in checked {
+            let bytes = stored.as_bytes().len() as u64;
+            let payload = stored.into_bytes();
+            let in_flight = *inbound.done.borrow() < order.queued || !appended.is_empty();
+            let mut queued = match order.ledger.filter(|_| in_flight) {
+                Some(l) => t.ml.append_queued_in(payload.clone(), l).await,
+                None => Ok(None),
             };
+            if matches!(queued, Ok(None)) {
+                // The log may move on (a roll-over, a failed ledger, nothing in flight): only
+                // once everything queued before has landed, and none of this stream failed.
+                inbound.drained(&order).await;
+                let mut failed = false;
+                for a in &mut appended {
+                    let step =
+                        std::mem::replace(&mut a.step, Step::Landed(Ok(Position::new(0, 0))));
+                    a.step = match step {
+                        Step::Queued(p) => Step::Landed(p.wait().await),
+                        landed => landed,
+                    };
+                    failed |= matches!(a.step, Step::Landed(Err(_)));
+                }
+                if failed {
+                    break; // the completer reports it
+                }
+                if self.failed.load(Ordering::Acquire) {
+                    stopped = Some(failed_before());
+                    break;
+                }
+                queued = t.ml.append_queued(payload).await.map(Some);
+            }
+            match queued {
+                Ok(Some(p)) => {
+                    order.ledger = Some(p.ledger_id());
+                    appended.push(Appended {
+                        step: Step::Queued(p),
+                        at,
+                        messages,
+                        bytes,
+                    });
+                    *high = Some(at);
+                }
+                Ok(None) => unreachable!("queued anywhere"),
+                Err(e) => {
+                    stopped = Some(append_refusal(e));
+                    break;
+                }
+            }
+        }
+        if stopped.is_some() {
+            self.failed.store(true, Ordering::Release);
+        }
+        let seq = order.queued + 1;
+        let (reply, answer) = oneshot::channel();
+        let mut job = Job {
+            seq,
+            origin: self.origin.clone(),
+            entries: appended,
+            stopped,
+            failed: Arc::clone(&self.failed),
+            reply,
+        };
+        // A completer that ended (it cannot, short of a panic) is started again.
+        loop {
             let jobs = order.jobs.get_or_insert_with(|| {
                 let (tx, rx) = mpsc::unbounded_channel();
                 tokio::spawn(complete(Arc::downgrade(t), rx));
                 tx
             });
-            if jobs.send(job).is_err() {
-                return Err(refusal(RefusalCode::Retry, "the topic is closing"));
+            match jobs.send(job) {
+                Ok(()) => break,
+                Err(mpsc::error::SendError(back)) => {
+                    tracing::warn!(topic = %t.full_name, "the receiving completer ended; starting it again");
+                    order.jobs = None;
+                    job = back;
+                }
             }
-            let durable: Durable = Box::pin(async move {
-                answer
-                    .await
-                    .unwrap_or_else(|_| Err(refusal(RefusalCode::Retry, "the topic is closing")))
-            });
-            Ok(durable)
+        }
+        order.queued = seq;
+        let durable: Durable = Box::pin(async move {
+            answer
+                .await
+                .unwrap_or_else(|_| Err(refusal(RefusalCode::Retry, "the topic is closing")))
+        });
+        Ok(durable)
+    }
+}
+
+impl ReplicaTopic for Incoming {
+    fn submit(&self, entries: Vec<ReplicatedEntry>) -> BoxFuture<'_, Result<Durable, Refusal>> {
+        // In a task of its own: once appends are queued, their frame reaches the completer
+        // even if the stream goes away meanwhile (else they could land unrecorded).
+        let stream = Arc::clone(&self.0);
+        Box::pin(async move {
+            tokio::spawn(async move { stream.submit(entries).await })
+                .await
+                .unwrap_or_else(|e| {
+                    Err(refusal(
+                        RefusalCode::Retry,
+                        format!("receiving failed: {e}"),
+                    ))
+                })
         })
     }
 }
