@@ -49,9 +49,17 @@ pub async fn start_link(
     let sink = Arc::new(GeoSink(Arc::downgrade(broker)));
     let link = Arc::new(GeoLink::start(cfg, &broker.cfg.cluster_name, registry, Some(sink)).await?);
     let _ = broker.geo.set(Arc::clone(&link));
-    broker
-        .ownership
-        .set_geo_url(&format!("quic://{}", link.advertise()));
+    // Where other sites open the streams of this broker's topics: an unspecified address
+    // (0.0.0.0) would send them nowhere, so then only the site's own URL is used.
+    let advertise = link.advertise().to_string();
+    if advertise.starts_with("0.0.0.0:") || advertise.starts_with("[::]:") {
+        tracing::warn!(
+            advertise,
+            "geo.advertise is not set and geo.listen is an unspecified address: other sites cannot be sent to this broker for the topics it owns; set geo.advertise"
+        );
+    } else {
+        broker.ownership.set_geo_url(&format!("quic://{advertise}"));
+    }
     tokio::spawn(Arc::clone(broker).tombstone_loop());
     tokio::spawn(Arc::clone(broker).meta_sync_loop());
     Ok(Some(link))

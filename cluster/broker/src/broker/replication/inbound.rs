@@ -101,13 +101,14 @@ impl Topic {
     ) -> Result<(Option<OriginPosition>, u64), Refusal> {
         let mut order = self.repl_inbound.order.lock().await;
         self.repl_inbound.drained(&order).await;
-        let epoch = {
-            let e = order.epochs.entry(origin.to_string()).or_default();
-            *e += 1;
-            *e
+        let held = {
+            let mut g = self.repl_origins.lock().await;
+            self.origins(&mut g).await?.highest(origin)
         };
-        let mut g = self.repl_origins.lock().await;
-        Ok((self.origins(&mut g).await?.highest(origin), epoch))
+        // Only once it is known: an open that fails retires no stream.
+        let e = order.epochs.entry(origin.to_string()).or_default();
+        *e += 1;
+        Ok((held, *e))
     }
 }
 
@@ -225,6 +226,11 @@ impl Stream {
                 ),
             )));
         }
+        // Again under the order lock: an earlier frame of this stream may have failed while
+        // this one waited for it (another stream's drain let the log move on meanwhile).
+        if self.failed.load(Ordering::Acquire) {
+            return Err(failed_before());
+        }
         let mut appended: Vec<Appended> = Vec::with_capacity(checked.len());
         let mut stopped = None;
         for (stored, at, messages) in checked {
@@ -250,6 +256,7 @@ impl Stream {
                     failed |= matches!(a.step, Step::Landed(Err(_)));
                 }
                 if failed {
+                    self.failed.store(true, Ordering::Release);
                     break; // the completer reports it
                 }
                 if self.failed.load(Ordering::Acquire) {
