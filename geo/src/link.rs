@@ -422,14 +422,17 @@ impl GeoLink {
     /// is served by the broker that owns the topic there): the one up, else a new one. The
     /// certificate that answers must name `site`, as for [`GeoLink::peer`].
     pub async fn peer_at(&self, site: &str, url: &str) -> Result<Peer, LinkError> {
-        let slot = Arc::clone(
-            self.shared
-                .outbound
-                .lock()
-                .expect("outbound lock")
-                .entry(format!("{site} {url}"))
-                .or_default(),
-        );
+        let slot = {
+            let mut outbound = self.shared.outbound.lock().expect("outbound lock");
+            // Links to brokers that went away are forgotten (a site's own slots stay).
+            outbound.retain(|key, slot| {
+                !key.contains(' ')
+                    || slot.try_lock().map_or(true, |p| {
+                        p.as_ref().is_some_and(|p| p.conn.close_reason().is_none())
+                    })
+            });
+            Arc::clone(outbound.entry(format!("{site} {url}")).or_default())
+        };
         let mut slot = slot.lock().await;
         if let Some(p) = slot.as_ref() {
             if p.conn.close_reason().is_none() {

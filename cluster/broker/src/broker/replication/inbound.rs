@@ -343,6 +343,7 @@ impl ReplicaTopic for Incoming {
 /// The topic's completer: each frame in the order queued, its appends waited for, what landed
 /// before any failure recorded, the frame answered.
 async fn complete(topic: Weak<Topic>, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    let _guard = CompleterGuard(topic.clone());
     while let Some(job) = jobs.recv().await {
         let mut failure: Option<Refusal> = None;
         let mut landed = Vec::with_capacity(job.entries.len());
@@ -375,6 +376,23 @@ async fn complete(topic: Weak<Topic>, mut jobs: mpsc::UnboundedReceiver<Job>) {
             t.repl_inbound.done.send_replace(job.seq);
         }
         let _ = job.reply.send(answer);
+    }
+}
+
+/// Should the completer end other than by its topic going (a bug: a panic), the topic takes
+/// no more replicated entries until it is loaded again, and nothing waits for it for ever.
+struct CompleterGuard(Weak<Topic>);
+
+impl Drop for CompleterGuard {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        if let Some(t) = self.0.upgrade() {
+            tracing::error!(topic = %t.full_name, "the receiving completer failed; the topic takes no replicated entries until it is loaded again");
+            t.repl_closed.store(true, Ordering::Release);
+            t.repl_inbound.done.send_replace(u64::MAX);
+        }
     }
 }
 
