@@ -1201,24 +1201,16 @@ fn given_objects_made_at_one_site_then_every_site_they_name_converges_on_them() 
     }
     at(west, &["namespaces", "delete", "acme/tmp"]);
     for p in [east, north] {
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while run_admin(&[
-            "--admin-url",
-            &p.admin_url,
-            "namespaces",
-            "policies",
-            "acme/tmp",
-        ])
-        .unwrap()
-        .0 == 0
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "acme/tmp is still at {}",
-                p.admin_url
-            );
-            std::thread::sleep(Duration::from_millis(200));
-        }
+        wait_until(&format!("acme/tmp is still at {}", p.admin_url), || {
+            let args = [
+                "--admin-url",
+                &p.admin_url,
+                "namespaces",
+                "policies",
+                "acme/tmp",
+            ];
+            run_admin(&args).unwrap().0 != 0
+        });
     }
     for p in &mut procs {
         p.stop().unwrap();
@@ -1403,6 +1395,15 @@ fn listed(admin_url: &str, topic: &str) -> bool {
         .is_some_and(|a| a.iter().any(|t| t["name"] == topic))
 }
 
+/// Waits (30 s at most, checking every 200 ms) until `done` holds; fails with `what`.
+fn wait_until(what: &str, done: impl Fn() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
 #[test]
 fn given_a_global_topic_deleted_while_entries_are_in_flight_then_no_site_re_creates_it() {
     let env = [("MERIDIAN_GEO_TOMBSTONE_GRACE_MS", "3000")];
@@ -1472,14 +1473,9 @@ fn given_a_global_topic_deleted_while_entries_are_in_flight_then_no_site_re_crea
     for (_, _, p) in &proxies {
         p.partition(false);
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while listed(&west.admin_url, t) {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "west did not delete the topic"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until("west did not delete the topic", || {
+        !listed(&west.admin_url, t)
+    });
     // Longer than west's replicator waits after a refusal is not needed: its topic, and so
     // its replicator, is gone; what was in flight had its chance meanwhile.
     std::thread::sleep(Duration::from_secs(2));
@@ -1659,11 +1655,7 @@ fn given_three_sites_and_one_cut_off_past_the_grace_then_a_deleted_topic_stays_d
         t,
         "--force",
     ]);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while listed(&west.admin_url, t) {
-        assert!(std::time::Instant::now() < deadline, "west kept {t}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(&format!("west kept {t}"), || !listed(&west.admin_url, t));
 
     step("past the grace, north may dial west only: west still refuses north's late entries");
     std::thread::sleep(Duration::from_secs(4));
@@ -1692,11 +1684,7 @@ fn given_three_sites_and_one_cut_off_past_the_grace_then_a_deleted_topic_stays_d
     for (_, _, p) in &proxies {
         p.partition(false);
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while listed(&north.admin_url, t) {
-        assert!(std::time::Instant::now() < deadline, "north kept {t}");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(&format!("north kept {t}"), || !listed(&north.admin_url, t));
     std::thread::sleep(Duration::from_secs(1));
     for (site, p) in [("east", east), ("west", west), ("north", north)] {
         assert!(!listed(&p.admin_url, t), "{site} has {t}");
