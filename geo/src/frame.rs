@@ -139,6 +139,9 @@ pub enum FrameError {
     Invalid(&'static str),
 }
 
+/// An entry at least this large is not copied into an encoded frame's pieces.
+pub const SHARED_ENTRY_BYTES: usize = 16 * 1024;
+
 impl Frame {
     fn kind(&self) -> u8 {
         match self {
@@ -221,6 +224,38 @@ impl Frame {
         out[start..start + LENGTH_BYTES].copy_from_slice(&len.to_be_bytes());
     }
 
+    /// The same bytes as [`encode`](Self::encode), in pieces: an Entries frame's entries of
+    /// at least [`SHARED_ENTRY_BYTES`] are pieces of their own, shared with the caller rather
+    /// than copied; everything between them is copied into pieces of its own.
+    pub fn encode_pieces(&self) -> Vec<bytes::Bytes> {
+        let Frame::Entries { items } = self else {
+            let mut out = BytesMut::new();
+            self.encode(&mut out);
+            return vec![out.freeze()];
+        };
+        let body: usize = items.iter().map(|e| 20 + e.bytes.len()).sum::<usize>() + 1 + 4;
+        let mut pieces = Vec::new();
+        let mut out = BytesMut::with_capacity(64 * 1024);
+        out.put_u32(body as u32);
+        out.put_u8(self.kind());
+        out.put_u32(items.len() as u32);
+        for e in items {
+            out.put_u64(e.at.ledger);
+            out.put_u64(e.at.entry);
+            out.put_u32(e.bytes.len() as u32);
+            if e.bytes.len() >= SHARED_ENTRY_BYTES {
+                pieces.push(out.split().freeze());
+                pieces.push(e.bytes.clone());
+            } else {
+                out.put_slice(&e.bytes);
+            }
+        }
+        if !out.is_empty() {
+            pieces.push(out.freeze());
+        }
+        pieces
+    }
+
     /// The length a prefix announces, checked against `max` (call once 4 bytes are there).
     pub fn announced_len(prefix: [u8; LENGTH_BYTES], max: u64) -> Result<usize, FrameError> {
         let len = u64::from(u32::from_be_bytes(prefix));
@@ -233,8 +268,12 @@ impl Frame {
         Ok(len as usize)
     }
 
-    /// Decodes one frame's body (what follows the length prefix).
-    pub fn decode_body(mut body: &[u8]) -> Result<Frame, FrameError> {
+    /// Decodes one frame's body (what follows the length prefix). Entries and documents
+    /// are slices of `whole`, not copies.
+    pub fn decode_body(whole: bytes::Bytes) -> Result<Frame, FrameError> {
+        let mut body: &[u8] = &whole;
+        // Where `body` (what is left) begins in `whole`.
+        let offset = |rest: &[u8]| whole.len() - rest.len();
         let kind = get_u8(&mut body, "frame kind")?;
         let frame = match kind {
             1 | 2 => {
@@ -280,9 +319,10 @@ impl Frame {
                     if body.remaining() < len {
                         return Err(FrameError::Truncated("entry"));
                     }
+                    let from = offset(body);
                     items.push(ReplicatedEntry {
                         at,
-                        bytes: bytes::Bytes::copy_from_slice(&body[..len]),
+                        bytes: whole.slice(from..from + len),
                     });
                     body.advance(len);
                 }
@@ -311,7 +351,8 @@ impl Frame {
                 if body.remaining() < len {
                     return Err(FrameError::Truncated("document"));
                 }
-                let doc = bytes::Bytes::copy_from_slice(&body[..len]);
+                let from = offset(body);
+                let doc = whole.slice(from..from + len);
                 body.advance(len);
                 Frame::Sync { doc }
             }
@@ -337,6 +378,7 @@ impl Frame {
         let Some(body) = buf.get(LENGTH_BYTES..LENGTH_BYTES + len) else {
             return Ok(None);
         };
+        let body = bytes::Bytes::copy_from_slice(body);
         Ok(Some((Self::decode_body(body)?, LENGTH_BYTES + len)))
     }
 }
@@ -469,11 +511,43 @@ mod tests {
             },
         ] {
             let bytes = encoded(&f);
+            assert_eq!(f.encode_pieces().concat(), bytes);
             assert_eq!(Frame::decode(&bytes, 1 << 20), Ok(Some((f, bytes.len()))));
             for cut in 0..bytes.len() {
                 assert_eq!(Frame::decode(&bytes[..cut], 1 << 20), Ok(None));
             }
         }
+    }
+
+    #[test]
+    fn given_large_and_small_entries_then_the_pieces_share_the_large_ones_and_make_the_frame() {
+        let entry = |n: u64, len: usize| ReplicatedEntry {
+            at: OriginPosition {
+                ledger: 3,
+                entry: n,
+            },
+            bytes: bytes::Bytes::from(vec![n as u8; len]),
+        };
+        let items = vec![
+            entry(0, 10),
+            entry(1, SHARED_ENTRY_BYTES),
+            entry(2, SHARED_ENTRY_BYTES + 1),
+            entry(3, SHARED_ENTRY_BYTES - 1),
+            entry(4, 100_000),
+        ];
+        let large: Vec<*const u8> = [1, 2, 4].iter().map(|&i| items[i].bytes.as_ptr()).collect();
+        let f = Frame::Entries { items };
+        let pieces = f.encode_pieces();
+        let bytes = encoded(&f);
+        assert_eq!(pieces.concat(), bytes);
+        for p in large {
+            assert!(
+                pieces.iter().any(|c| c.as_ptr() == p),
+                "a large entry was copied"
+            );
+        }
+        let decoded = Frame::decode(&bytes, 1 << 20).unwrap().unwrap();
+        assert_eq!(decoded, (f, bytes.len()));
     }
 
     #[test]

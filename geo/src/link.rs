@@ -176,8 +176,22 @@ fn transport(opts: &LinkOptions) -> Arc<quinn::TransportConfig> {
     // Each replicated topic partition holds a stream of its own for as long as it replicates.
     t.max_concurrent_bidi_streams(STREAMS_MAX.into());
     t.enable_segmentation_offload(opts.segmentation_offload);
+    // Flow control: quinn's defaults (1.25 MB a stream, 10 MB a connection in flight) are
+    // below one replicator's window of frames of up to 4 MiB, so a stream would wait for the
+    // receiver's credit every megabyte. A stream may have two such frames unread, a
+    // connection 64 MiB: what a peer can make this site buffer stays bounded whatever the
+    // backlog.
+    t.stream_receive_window(STREAM_WINDOW_BYTES.into());
+    t.receive_window(CONNECTION_WINDOW_BYTES.into());
+    t.send_window(CONNECTION_WINDOW_BYTES.into());
     Arc::new(t)
 }
+
+/// Bytes a peer may send on one stream beyond what this site has read.
+pub const STREAM_WINDOW_BYTES: u32 = 8 << 20;
+/// Bytes a peer may send on a connection (all its streams) beyond what this site has read;
+/// and what this site keeps unacknowledged towards a peer.
+pub const CONNECTION_WINDOW_BYTES: u32 = 64 << 20;
 
 /// Topic streams one peer may have open on a link at once.
 pub const STREAMS_MAX: u32 = 100_000;
@@ -548,25 +562,41 @@ pub async fn read_frame(
         Err(e) => return Err(e.into()),
     }
     let len = Frame::announced_len(prefix, max)?;
-    // Grown as the bytes come, not allocated from the announced length alone.
-    let mut body = Vec::with_capacity(len.min(READ_CHUNK));
-    let mut chunk = vec![0u8; len.min(READ_CHUNK)];
-    while body.len() < len {
-        let n = (len - body.len()).min(READ_CHUNK);
-        recv.read_exact(&mut chunk[..n]).await?;
-        body.extend_from_slice(&chunk[..n]);
+    // The stream's own buffers as they come (nothing is allocated from the announced length
+    // alone), joined once at the end; the frame's entries are slices of that.
+    let mut chunks: Vec<bytes::Bytes> = Vec::new();
+    let mut got = 0usize;
+    while got < len {
+        match recv.read_chunk(len - got, true).await {
+            Ok(Some(c)) => {
+                got += c.bytes.len();
+                chunks.push(c.bytes);
+            }
+            Ok(None) => {
+                return Err(StreamError::Stream(format!(
+                    "the stream ended {got} bytes into a frame of {len}"
+                )))
+            }
+            Err(quinn::ReadError::ConnectionLost(c)) => return Err(StreamError::Connection(c)),
+            Err(e) => return Err(StreamError::Stream(e.to_string())),
+        }
     }
-    Ok(Some(Frame::decode_body(&body)?))
+    let body = if chunks.len() == 1 {
+        chunks.pop().expect("one chunk")
+    } else {
+        let mut joined = BytesMut::with_capacity(len);
+        for c in &chunks {
+            joined.extend_from_slice(c);
+        }
+        joined.freeze()
+    };
+    Ok(Some(Frame::decode_body(body)?))
 }
-
-/// Bytes read at a time into a frame's body.
-const READ_CHUNK: usize = 64 * 1024;
 
 /// Writes one frame.
 pub async fn write_frame(send: &mut quinn::SendStream, frame: &Frame) -> Result<(), StreamError> {
-    let mut buf = BytesMut::new();
-    frame.encode(&mut buf);
-    send.write_all(&buf).await?;
+    let mut pieces = frame.encode_pieces();
+    send.write_all_chunks(&mut pieces).await?;
     Ok(())
 }
 

@@ -103,6 +103,17 @@ pub trait ReplicaTopic: Send + Sync {
 /// Frames of a stream queued at once, at most (the sender keeps fewer in flight).
 pub const FRAMES_IN_FLIGHT: usize = 16;
 
+/// Frames of a stream read ahead of the one being checked and queued.
+const READ_AHEAD_FRAMES: usize = 1;
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 async fn refuse(send: &mut quinn::SendStream, r: Refusal) {
     let frame = Frame::Refused {
         code: r.code,
@@ -220,12 +231,25 @@ pub async fn serve_stream(
             }
         }
     };
+    // The stream's bytes are read by a task of their own, a frame ahead of the one being
+    // checked and queued (a read is not cancel-safe).
+    let (read_tx, mut read_rx) = tokio::sync::mpsc::channel(READ_AHEAD_FRAMES);
+    let reader = tokio::spawn(async move {
+        loop {
+            let r = read_frame(&mut recv, frame_bytes_max).await;
+            let more = matches!(r, Ok(Some(_)));
+            if read_tx.send(r).await.is_err() || !more {
+                return;
+            }
+        }
+    });
+    let _reader = AbortOnDrop(reader);
     let reads = async move {
         loop {
-            let frame = match read_frame(&mut recv, frame_bytes_max).await {
-                Ok(Some(f)) => f,
-                Ok(None) => return,
-                Err(e) => {
+            let frame = match read_rx.recv().await {
+                Some(Ok(Some(f))) => f,
+                Some(Ok(None)) | None => return,
+                Some(Err(e)) => {
                     warn!(origin, topic, error = %e, "geo stream closed");
                     return;
                 }

@@ -500,6 +500,76 @@ fn given_two_sites_then_what_each_produces_arrives_once_at_the_other_and_survive
 }
 
 #[test]
+fn given_a_topic_produced_to_here_then_its_origins_snapshot_follows_the_log_and_a_reload_loses_nothing(
+) {
+    let s = two_sites();
+    let dir = s.root.path().to_path_buf();
+    let t = "persistent://acme/g/snapshot";
+    const N: u64 = 1_000;
+    let internal = |url: &str| admin_json(url, &["topics", "stats-internal", t]);
+
+    step("east produces; west takes the topic and opens its own stream to east");
+    produce(&dir, "pe1", &s.east.url, t, N, 0)
+        .finish(Duration::from_secs(120))
+        .unwrap();
+    assert_eq!(
+        read_until(&dir, &s.west.url, t, N as usize, Duration::from_secs(60)).len(),
+        N as usize
+    );
+    step("east produces more: its stored snapshot moves to the end of its log by itself");
+    produce(&dir, "pe2", &s.east.url, t, N, 10_000)
+        .finish(Duration::from_secs(120))
+        .unwrap();
+    wait_until(
+        "east's origins snapshot did not reach the end of its log",
+        || {
+            let st = internal(&s.east.admin_url);
+            let last = st["last_confirmed"].as_str().unwrap_or("").to_string();
+            !last.is_empty() && st["replication_origins"]["at"].as_str() == Some(last.as_str())
+        },
+    );
+
+    step("west produces, east unloads the topic, both produce again: each arrives once");
+    produce(&dir, "pw1", &s.west.url, t, N, 100_000)
+        .finish(Duration::from_secs(120))
+        .unwrap();
+    wait_until("east's snapshot holds nothing of west", || {
+        internal(&s.east.admin_url)["replication_origins"]["highest"]["west"].is_string()
+    });
+    admin_ok(&["--admin-url", &s.east.admin_url, "topics", "unload", t]);
+    produce(&dir, "pe3", &s.east.url, t, N, 20_000)
+        .finish(Duration::from_secs(120))
+        .unwrap();
+    produce(&dir, "pw2", &s.west.url, t, N, 110_000)
+        .finish(Duration::from_secs(120))
+        .unwrap();
+    let all = [
+        0..N,
+        10_000..10_000 + N,
+        20_000..20_000 + N,
+        100_000..100_000 + N,
+        110_000..110_000 + N,
+    ];
+    for (site, url) in [("east", &s.east.url), ("west", &s.west.url)] {
+        let got = read_until(&dir, url, t, 5 * N as usize, Duration::from_secs(60));
+        assert_exactly_once(&got, &all, site);
+    }
+    let (code, text, err) = run_admin(&[
+        "--admin-url",
+        &s.east.admin_url,
+        "topics",
+        "stats-internal",
+        t,
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        text.contains("replication origins through") && text.contains("highest: west "),
+        "{text}"
+    );
+}
+
+#[test]
 fn given_two_sites_active_active_then_a_hundred_thousand_from_each_arrive_once_in_order() {
     let mut s = two_sites();
     let dir = s.root.path().to_path_buf();

@@ -56,12 +56,31 @@ impl Entry {
     /// The entry as stored at a site it was replicated to: `replicated_from` (what stock
     /// clients read as the message's origin cluster) and Meridian's origin (site and position,
     /// field 1001, which stock clients skip) appended to the metadata bytes, nothing
-    /// re-encoded; the checksum is computed anew. Verify the original's checksum first.
-    pub fn replicated(&self, origin: &MeridianOrigin) -> Entry {
+    /// re-encoded. `None` if this entry fails its checksum. The payload is read once for both
+    /// checksums: the original's is checked and the new one made from the metadata's and the
+    /// payload's.
+    pub fn replicated(&self, origin: &MeridianOrigin) -> Option<Entry> {
+        let meta_end = HEADER + self.metadata_len();
+        let payload = &self.0[meta_end..];
+        let payload_crc = crc32c::crc32c(payload);
+        let head_crc = crc32c::crc32c(&self.0[6..meta_end]);
+        let stored = u32::from_be_bytes(self.0[2..6].try_into().expect("4 bytes"));
+        if crc32c::crc32c_combine(head_crc, payload_crc, payload.len()) != stored {
+            return None;
+        }
         let mut meta = self.metadata_bytes().to_vec();
         prost::encoding::string::encode(5, &origin.site, &mut meta);
         prost::encoding::message::encode(1001, origin, &mut meta);
-        Entry::build(&meta, &self.payload())
+        let mut b = BytesMut::with_capacity(HEADER + meta.len() + payload.len());
+        b.put_u16(MAGIC_CRC32C);
+        b.put_u32(0);
+        b.put_u32(meta.len() as u32);
+        b.put_slice(&meta);
+        let head_crc = crc32c::crc32c(&b[6..]);
+        b.put_slice(payload);
+        let crc = crc32c::crc32c_combine(head_crc, payload_crc, payload.len());
+        b[2..6].copy_from_slice(&crc.to_be_bytes());
+        Some(Entry(b.freeze()))
     }
 
     /// Where an entry that arrived by replication was first written; `None` for an entry
@@ -167,7 +186,7 @@ mod tests {
             ledger_id: 12,
             entry_id: 34,
         };
-        let stored = original.replicated(&origin);
+        let stored = original.replicated(&origin).expect("the original verifies");
         assert!(stored.verify());
         assert_eq!(stored.origin(), Ok(Some(origin)));
         assert_eq!(stored.payload(), original.payload());
@@ -187,6 +206,29 @@ mod tests {
         );
         assert_eq!(got.properties, meta.properties);
         assert_eq!(got.event_time, Some(5));
+    }
+
+    #[test]
+    fn given_an_entry_damaged_anywhere_then_no_replicated_copy_is_made() {
+        let meta = MessageMetadata {
+            producer_name: "p".into(),
+            ..Default::default()
+        };
+        let original = Entry::build(&meta.encode_to_vec(), &[7u8; 300]);
+        let origin = MeridianOrigin {
+            site: "east".into(),
+            ledger_id: 1,
+            entry_id: 2,
+        };
+        let len = original.as_bytes().len();
+        // The checksum, the metadata's size and bytes, and the payload's first and last.
+        for at in [2, 9, 10, 12, len - 300, len - 1] {
+            let mut b = original.as_bytes().to_vec();
+            b[at] ^= 0x01;
+            let damaged = Entry::parse(Bytes::from(b)).expect("the structure holds");
+            assert!(damaged.replicated(&origin).is_none(), "byte {at}");
+        }
+        assert!(original.replicated(&origin).is_some());
     }
 
     #[test]

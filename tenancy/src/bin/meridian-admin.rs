@@ -2771,6 +2771,8 @@ fn print_internal_stats(out: Output, r: &InternalStatsList) {
                 "compacted_ledger": t.compacted_ledger.as_ref().map(|c| json!({
                     "ledger_id": c.ledger_id, "entries": c.entries, "bytes": c.bytes,
                     "horizon": c.horizon})),
+                "replication_origins": t.replication_origins.as_ref().map(|o| json!({
+                    "at": o.at, "highest": o.highest})),
             })
         })
         .collect();
@@ -2823,6 +2825,20 @@ fn print_internal_stats(out: Output, r: &InternalStatsList) {
                         .map_or_else(|| "-".to_string(), |l| l.to_string()),
                     c.entries,
                     c.bytes
+                ));
+            }
+            if let Some(o) = &t.replication_origins {
+                let mut highest: Vec<String> =
+                    o.highest.iter().map(|(s, p)| format!("{s} {p}")).collect();
+                highest.sort();
+                lines.push(format!(
+                    "  replication origins through {}  highest: {}",
+                    if o.at.is_empty() { "-" } else { &o.at },
+                    if highest.is_empty() {
+                        "-".to_string()
+                    } else {
+                        highest.join(", ")
+                    }
                 ));
             }
         }

@@ -1,7 +1,8 @@
 //! Splitting bundles, as Pulsar's: a bundle whose topics or message rate pass a limit
 //! (`broker.bundle_split_topics_max`, `broker.bundle_split_msg_rate_max`) is cut in two by
 //! its owner while the namespace has fewer than `broker.namespace_bundles_max` bundles, and its
-//! upper half is unloaded so that the next lookup places it on the least loaded broker. A split
+//! upper half is unloaded so that the next lookup places it on the least loaded broker (when
+//! the site has another). A split
 //! is a metadata change ([`super::ownership::Ownership::split`]): no data moves. An admin's
 //! `namespaces split-bundle` at a broker that does not own the bundle leaves a request
 //! (`/loadbalance/split/<ns>/<range>`) its owner serves within a load report interval.
@@ -210,7 +211,16 @@ impl Broker {
                 tracing::debug!(namespace = %ns, count, "not splitting: broker.namespace_bundles_max reached");
                 continue;
             }
-            match self.split_here(&ns, &b, true, &why).await {
+            // The upper half is unloaded to be placed elsewhere: with no other broker at
+            // the site it would only be loaded here again, its clients and replicators
+            // interrupted for nothing.
+            let others = self
+                .ownership
+                .brokers()
+                .await?
+                .iter()
+                .any(|o| o.id != self.ownership.id());
+            match self.split_here(&ns, &b, others, &why).await {
                 Ok(_) => return Ok(()),
                 // One bundle that cannot be split (one hash wide, or changed meanwhile) must
                 // not keep the others from being split.

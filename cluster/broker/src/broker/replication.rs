@@ -70,12 +70,27 @@ pub struct Origins {
 /// the log on load, so a rarer snapshot costs only replay time, never a duplicate.
 const ORIGINS_SAVE_EVERY: std::time::Duration = std::time::Duration::from_millis(250);
 
+/// While the origins are loaded and nothing is being received, the snapshot is moved to the
+/// end of the log at most this often (entries produced here need no replay), so loading the
+/// topic again replays only what came after.
+const ORIGINS_ADVANCE_EVERY: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// A replay of the log writes the snapshot each time it has read this many bytes.
+const ORIGINS_REPLAY_SAVE_BYTES: u64 = 64 << 20;
+
 impl Origins {
     fn highest(&self, site: &str) -> Option<OriginPosition> {
         self.snap
             .highest
             .get(site)
             .map(|&(ledger, entry)| OriginPosition { ledger, entry })
+    }
+
+    /// The snapshot holds everything up to local position `p` (never moved back).
+    fn through(&mut self, p: Position) {
+        if self.snap.at.is_none_or(|a| a < (p.ledger_id, p.entry_id)) {
+            self.snap.at = Some((p.ledger_id, p.entry_id));
+        }
     }
 
     fn observe(&mut self, site: &str, at: OriginPosition) {
@@ -244,6 +259,9 @@ impl Topic {
             };
             std::mem::swap(&mut o.snap, &mut snap);
             let mut replayed = 0u64;
+            // Bytes replayed since the snapshot was last written: a long replay keeps its
+            // progress, should it be cut short (the next load starts from there).
+            let mut unsaved = 0u64;
             while let Some(start) = next {
                 let batch = self
                     .ml
@@ -254,6 +272,7 @@ impl Topic {
                     break;
                 };
                 for (p, bytes) in batch {
+                    unsaved += bytes.len() as u64;
                     if let Some(origin) = Entry::parse(bytes)
                         .ok()
                         .and_then(|e| e.origin().ok().flatten())
@@ -266,10 +285,18 @@ impl Topic {
                             },
                         );
                     }
-                    o.snap.at = Some((p.ledger_id, p.entry_id));
+                    o.through(p);
                     replayed += 1;
                 }
+                if unsaved >= ORIGINS_REPLAY_SAVE_BYTES {
+                    self.save_origins(&mut o).await;
+                    unsaved = 0;
+                }
                 next = self.ml.next_position(last).await;
+            }
+            if unsaved > 0 {
+                // What was replayed is not replayed again by the next load.
+                self.save_origins(&mut o).await;
             }
             tracing::debug!(topic = %self.full_name, replayed, origins = ?o.snap.highest, "replication origins loaded");
             *guard = Some(o);
@@ -277,14 +304,12 @@ impl Topic {
         Ok(guard.as_mut().expect("loaded above"))
     }
 
-    /// Writes the origins snapshot if it changed since it was last written (a burst's last
-    /// frames, which the 250 ms spacing skipped); a topic busy receiving is passed over.
-    pub(super) async fn flush_origins(&self) {
-        let Ok(mut g) = self.repl_origins.try_lock() else {
-            return;
-        };
-        if let Some(o) = g.as_mut().filter(|o| o.dirty) {
-            self.save_origins(o).await;
+    /// The origins snapshot as stored (what a load starts from), if there is one.
+    pub async fn stored_origins(&self) -> Result<Option<OriginsSnapshot>, super::BrokerError> {
+        let key = format!("{ORIGINS_PREFIX}{}", self.ml.name());
+        match self.meta.get(&key).await? {
+            Some(kv) => Ok(serde_json::from_slice(&kv.value).ok()),
+            None => Ok(None),
         }
     }
 

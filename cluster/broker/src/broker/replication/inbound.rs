@@ -27,7 +27,7 @@ use meridian_protocol::Entry;
 use meridian_storage::managed_ledger::{ManagedLedgerError, PendingAppend, Position};
 use tokio::sync::{mpsc, oneshot, watch};
 
-use super::{append_refusal, refusal, Topic, ORIGINS_SAVE_EVERY};
+use super::{append_refusal, refusal, Topic, ORIGINS_ADVANCE_EVERY, ORIGINS_SAVE_EVERY};
 
 /// A topic's receiving order: frames queued and completed.
 pub struct Inbound {
@@ -110,6 +110,42 @@ impl Topic {
         *e += 1;
         Ok((held, *e))
     }
+
+    /// The policy beat's: writes the origins snapshot if it changed since it was last
+    /// written (a burst's last frames, which the 250 ms spacing skipped). With no frame in
+    /// flight (the receiving order held, so none starts), every replicated entry of the log
+    /// is in the origins, so the snapshot is moved to the log's end: what was produced here
+    /// meanwhile is not replayed by the next load. A topic busy receiving is passed over.
+    pub(in crate::broker) async fn flush_origins(&self) {
+        let Ok(order) = self.repl_inbound.order.try_lock() else {
+            return;
+        };
+        let Ok(mut g) = self.repl_origins.try_lock() else {
+            return;
+        };
+        let Some(o) = g.as_mut() else {
+            return;
+        };
+        let idle = *self.repl_inbound.done.borrow() >= order.queued;
+        let mut due = o.dirty;
+        if let Some(last) = self.ml.last_confirmed().filter(|_| idle) {
+            let behind = o
+                .snap
+                .at
+                .is_none_or(|a| a < (last.ledger_id, last.entry_id));
+            if behind
+                && o.saved_at
+                    .is_none_or(|s| s.elapsed() >= ORIGINS_ADVANCE_EVERY)
+            {
+                o.through(last);
+                due = true;
+            }
+        }
+        drop(order);
+        if due {
+            self.save_origins(o).await;
+        }
+    }
 }
 
 /// A topic open for one origin site's entries (one stream).
@@ -169,18 +205,17 @@ impl Stream {
             }
             before = Some(item.at);
             let entry = Entry::parse(item.bytes.clone()).map_err(|e| bad(&e.to_string()))?;
-            if !entry.verify() {
-                return Err(bad("fails its checksum"));
-            }
             let meta = entry.metadata().map_err(|e| bad(&e.to_string()))?;
             if meta.meridian_origin.is_some() {
                 return Err(bad("arrived there by replication and is not to be sent on"));
             }
-            let stored = entry.replicated(&MeridianOrigin {
-                site: self.origin.clone(),
-                ledger_id: item.at.ledger,
-                entry_id: item.at.entry,
-            });
+            let stored = entry
+                .replicated(&MeridianOrigin {
+                    site: self.origin.clone(),
+                    ledger_id: item.at.ledger,
+                    entry_id: item.at.entry,
+                })
+                .ok_or_else(|| bad("fails its checksum"))?;
             let messages = u64::from(meridian_protocol::entry::message_count(&meta));
             checked.push((stored, item.at, messages));
         }
@@ -416,7 +451,7 @@ async fn record(
         }
     }
     if let Some(p) = last_local {
-        origins.snap.at = Some((p.ledger_id, p.entry_id));
+        origins.through(p);
         origins.dirty = true;
         if origins
             .saved_at
