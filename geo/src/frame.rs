@@ -234,8 +234,22 @@ impl Frame {
             return vec![out.freeze()];
         };
         let body: usize = items.iter().map(|e| 20 + e.bytes.len()).sum::<usize>() + 1 + 4;
+        // Exactly what is copied: the pieces stay alive until the peer acknowledges them.
+        let copied: usize = items
+            .iter()
+            .map(|e| {
+                20 + if e.bytes.len() >= SHARED_ENTRY_BYTES {
+                    0
+                } else {
+                    e.bytes.len()
+                }
+            })
+            .sum::<usize>()
+            + LENGTH_BYTES
+            + 1
+            + 4;
         let mut pieces = Vec::new();
-        let mut out = BytesMut::with_capacity(64 * 1024);
+        let mut out = BytesMut::with_capacity(copied);
         out.put_u32(body as u32);
         out.put_u8(self.kind());
         out.put_u32(items.len() as u32);

@@ -177,10 +177,10 @@ fn transport(opts: &LinkOptions) -> Arc<quinn::TransportConfig> {
     t.max_concurrent_bidi_streams(STREAMS_MAX.into());
     t.enable_segmentation_offload(opts.segmentation_offload);
     // Flow control: quinn's defaults (1.25 MB a stream, 10 MB a connection in flight) are
-    // below one replicator's window of frames of up to 4 MiB, so a stream would wait for the
-    // receiver's credit every megabyte. A stream may have two such frames unread, a
-    // connection 64 MiB: what a peer can make this site buffer stays bounded whatever the
-    // backlog.
+    // below one replicator's window of the 4 MiB frames it sends, so a stream would wait for
+    // the receiver's credit every megabyte. A stream may have two such frames in quinn's
+    // buffers unread, a connection 64 MiB (the frames a stream has read and queued are
+    // bounded apart: `geo.frame_bytes_max` each, `FRAMES_IN_FLIGHT`).
     t.stream_receive_window(STREAM_WINDOW_BYTES.into());
     t.receive_window(CONNECTION_WINDOW_BYTES.into());
     t.send_window(CONNECTION_WINDOW_BYTES.into());
@@ -562,35 +562,24 @@ pub async fn read_frame(
         Err(e) => return Err(e.into()),
     }
     let len = Frame::announced_len(prefix, max)?;
-    // The stream's own buffers as they come (nothing is allocated from the announced length
-    // alone), joined once at the end; the frame's entries are slices of that.
-    let mut chunks: Vec<bytes::Bytes> = Vec::new();
-    let mut got = 0usize;
-    while got < len {
-        match recv.read_chunk(len - got, true).await {
-            Ok(Some(c)) => {
-                got += c.bytes.len();
-                chunks.push(c.bytes);
-            }
+    // Copied once out of quinn's buffers as the bytes come (holding its chunks would keep
+    // whole datagram buffers alive outside flow control), grown with them (nothing is
+    // allocated from the announced length alone); the frame's entries are slices of it.
+    let mut body = BytesMut::with_capacity(len.min(64 * 1024));
+    while body.len() < len {
+        match recv.read_chunk(len - body.len(), true).await {
+            Ok(Some(c)) => body.extend_from_slice(&c.bytes),
             Ok(None) => {
                 return Err(StreamError::Stream(format!(
-                    "the stream ended {got} bytes into a frame of {len}"
+                    "the stream ended {} bytes into a frame of {len}",
+                    body.len()
                 )))
             }
             Err(quinn::ReadError::ConnectionLost(c)) => return Err(StreamError::Connection(c)),
             Err(e) => return Err(StreamError::Stream(e.to_string())),
         }
     }
-    let body = if chunks.len() == 1 {
-        chunks.pop().expect("one chunk")
-    } else {
-        let mut joined = BytesMut::with_capacity(len);
-        for c in &chunks {
-            joined.extend_from_slice(c);
-        }
-        joined.freeze()
-    };
-    Ok(Some(Frame::decode_body(body)?))
+    Ok(Some(Frame::decode_body(body.freeze())?))
 }
 
 /// Writes one frame.

@@ -232,13 +232,18 @@ pub async fn serve_stream(
         }
     };
     // The stream's bytes are read by a task of their own, a frame ahead of the one being
-    // checked and queued (a read is not cancel-safe).
+    // checked and queued (a read is not cancel-safe): a frame is read only once there is
+    // room for it.
     let (read_tx, mut read_rx) = tokio::sync::mpsc::channel(READ_AHEAD_FRAMES);
     let reader = tokio::spawn(async move {
         loop {
+            let Ok(room) = read_tx.reserve().await else {
+                return;
+            };
             let r = read_frame(&mut recv, frame_bytes_max).await;
             let more = matches!(r, Ok(Some(_)));
-            if read_tx.send(r).await.is_err() || !more {
+            room.send(r);
+            if !more {
                 return;
             }
         }

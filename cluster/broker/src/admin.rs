@@ -171,17 +171,16 @@ async fn internal_stats(t: &Arc<Topic>) -> Result<pb::TopicInternalStats, Broker
             })
             .collect(),
         cursors,
-        replication_origins: t
-            .stored_origins()
-            .await?
-            .map(|s| pb::ReplicationOriginsStats {
+        replication_origins: t.stored_origins().await.ok().flatten().map(|s| {
+            pb::ReplicationOriginsStats {
                 at: s.at.map_or_else(String::new, |(l, e)| format!("{l}:{e}")),
                 highest: s
                     .highest
                     .into_iter()
                     .map(|(site, (l, e))| (site, format!("{l}:{e}")))
                     .collect(),
-            }),
+            }
+        }),
         compacted_ledger: t.compaction.view().map(|v| pb::CompactedLedgerStats {
             ledger_id: v.ledger_id,
             entries: v.entries,

@@ -2,8 +2,8 @@
 //! (`broker.bundle_split_topics_max`, `broker.bundle_split_msg_rate_max`) is cut in two by
 //! its owner while the namespace has fewer than `broker.namespace_bundles_max` bundles, and its
 //! upper half is unloaded so that the next lookup places it on the least loaded broker (when
-//! the site has another). A split
-//! is a metadata change ([`super::ownership::Ownership::split`]): no data moves. An admin's
+//! the site has another). A split is a metadata change
+//! ([`super::ownership::Ownership::split`]): no data moves. An admin's
 //! `namespaces split-bundle` at a broker that does not own the bundle leaves a request
 //! (`/loadbalance/split/<ns>/<range>`) its owner serves within a load report interval.
 
@@ -214,12 +214,13 @@ impl Broker {
             // The upper half is unloaded to be placed elsewhere: with no other broker at
             // the site it would only be loaded here again, its clients and replicators
             // interrupted for nothing.
+            // (The registry unreadable now: unloaded, as before.)
+            let me = self.ownership.id();
             let others = self
                 .ownership
                 .brokers()
-                .await?
-                .iter()
-                .any(|o| o.id != self.ownership.id());
+                .await
+                .map_or(true, |all| all.iter().any(|o| o.id != me));
             match self.split_here(&ns, &b, others, &why).await {
                 Ok(_) => return Ok(()),
                 // One bundle that cannot be split (one hash wide, or changed meanwhile) must

@@ -20,7 +20,9 @@
 //! (`Entry::origin`). An append is acknowledged only after it is durable; the snapshot is
 //! written after it at most every 250 ms (and by the policy beat when a burst's last frames
 //! were not), so a crash covers what the snapshot lacks by the replay, and a range sent again
-//! is dropped: no duplicates, no loss.
+//! is dropped: no duplicates, no loss. While nothing is being received the beat moves the
+//! snapshot's position to the log's end every 5 s (entries produced here hold no origin), and
+//! a load's replay writes it every 64 MiB and at its end, so a load replays little.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -64,6 +66,9 @@ pub struct Origins {
     saved_at: Option<std::time::Instant>,
     /// Changed since it was last written (the policy beat writes it: [`Topic::flush_origins`]).
     dirty: bool,
+    /// An entry landed whose origin was not recorded: the snapshot is not moved to the log's
+    /// end until the topic is loaded again.
+    hole: bool,
 }
 
 /// The origins snapshot is written at most this often: what comes after it is replayed from
@@ -256,6 +261,7 @@ impl Topic {
                 snap: OriginsSnapshot::default(),
                 saved_at: None,
                 dirty: false,
+                hole: false,
             };
             std::mem::swap(&mut o.snap, &mut snap);
             let mut replayed = 0u64;

@@ -112,9 +112,11 @@ impl Topic {
     }
 
     /// The policy beat's: writes the origins snapshot if it changed since it was last
-    /// written (a burst's last frames, which the 250 ms spacing skipped). With no frame in
-    /// flight (the receiving order held, so none starts), every replicated entry of the log
-    /// is in the origins, so the snapshot is moved to the log's end: what was produced here
+    /// written (a burst's last frames, which the 250 ms spacing skipped). With every frame
+    /// queued so far completed and recorded (the receiving order held, so none starts), no
+    /// frame ever landing after a failed one (`hole`), and the topic still receiving (not
+    /// closed by a deletion or a failed completer), every entry received by replication is in
+    /// the origins, so the snapshot is moved to the log's end: what was produced here
     /// meanwhile is not replayed by the next load. A topic busy receiving is passed over.
     pub(in crate::broker) async fn flush_origins(&self) {
         let Ok(order) = self.repl_inbound.order.try_lock() else {
@@ -126,7 +128,11 @@ impl Topic {
         let Some(o) = g.as_mut() else {
             return;
         };
-        let idle = *self.repl_inbound.done.borrow() >= order.queued;
+        if self.repl_closed.load(Ordering::Acquire) {
+            return;
+        }
+        // A failed completer sets `done` past every count: equal means all were recorded.
+        let idle = *self.repl_inbound.done.borrow() == order.queued && !o.hole;
         let mut due = o.dirty;
         if let Some(last) = self.ml.last_confirmed().filter(|_| idle) {
             let behind = o
@@ -448,6 +454,10 @@ async fn record(
         if before_failure {
             origins.observe(origin, at);
             last_local = Some(pos);
+        } else {
+            // Its origin is not recorded: the snapshot must not be moved past it by the
+            // beat (the next load's replay finds it).
+            origins.hole = true;
         }
     }
     if let Some(p) = last_local {
