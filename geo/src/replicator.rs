@@ -306,8 +306,10 @@ async fn session(
         }
         other => return Err(err(format!("expected Opened, got {other:?}"))),
     };
-    // A frame's own bytes beside its entries': length, kind, count.
-    let frame_limit = opts.frame_bytes.min(remote_max.saturating_sub(16));
+    // A frame's own bytes beside its entries': length, kind, count. Frames are cut at
+    // `frame_bytes`; an entry larger than that (up to the remote's limit) goes alone.
+    let remote_limit = remote_max.saturating_sub(16);
+    let frame_limit = opts.frame_bytes.min(remote_limit);
     let deadline = opts.stall_after;
     let stalled = || {
         err(format!(
@@ -354,7 +356,7 @@ async fn session(
             let mut entries = 0u64;
             for e in batch.into_iter().filter(|e| e.send) {
                 let size = e.bytes.len() + 20;
-                if size > frame_limit {
+                if size > remote_limit {
                     return Err((
                         format!(
                             "entry {}:{} of {} bytes is over {remote}'s frame limit of {remote_max} bytes (geo.frame_bytes_max there)",

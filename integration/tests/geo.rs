@@ -570,6 +570,44 @@ fn given_a_topic_produced_to_here_then_its_origins_snapshot_follows_the_log_and_
 }
 
 #[test]
+fn given_entries_larger_than_a_replicator_s_frames_then_each_goes_alone_and_arrives() {
+    let s = two_sites();
+    let t = "persistent://acme/g/large";
+    step("east takes messages of 4.5 MiB (over the 4 MiB a replicator puts in a frame)");
+    let out = std::process::Command::new(meridian_integration::meridian_bin())
+        .args([
+            "perf",
+            "produce",
+            "--url",
+            &s.east.url,
+            "--topic",
+            t,
+            "--size",
+            &(4_500 * 1024).to_string(),
+            "--messages",
+            "3",
+            "--seconds",
+            "0",
+            "--batch-max-messages",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_until("the large entries did not all reach west", || {
+        replication_of(&s.east.admin_url, t)
+            .first()
+            .is_some_and(|r| r["state"] == "connected" && r["backlog_entries"] == 0)
+            && admin_json(&s.west.admin_url, &["topics", "stats-internal", t])["entries"].as_u64()
+                == Some(3)
+    });
+}
+
+#[test]
 fn given_two_sites_active_active_then_a_hundred_thousand_from_each_arrive_once_in_order() {
     let mut s = two_sites();
     let dir = s.root.path().to_path_buf();
