@@ -245,7 +245,7 @@ impl Topic {
         guard: &'a mut Option<Origins>,
     ) -> Result<&'a mut Origins, Refusal> {
         if guard.is_none() {
-            let key = format!("{ORIGINS_PREFIX}{}", self.ml.name());
+            let key = self.origins_key();
             let retry = |e: String| refusal(RefusalCode::Retry, e);
             let mut snap: OriginsSnapshot = match self.meta.get(&key).await {
                 Ok(Some(kv)) => serde_json::from_slice(&kv.value)
@@ -310,9 +310,14 @@ impl Topic {
         Ok(guard.as_mut().expect("loaded above"))
     }
 
+    /// Where the topic's origins snapshot is stored.
+    fn origins_key(&self) -> String {
+        format!("{ORIGINS_PREFIX}{}", self.ml.name())
+    }
+
     /// The origins snapshot as stored (what a load starts from), if there is one.
     pub async fn stored_origins(&self) -> Result<Option<OriginsSnapshot>, super::BrokerError> {
-        let key = format!("{ORIGINS_PREFIX}{}", self.ml.name());
+        let key = self.origins_key();
         match self.meta.get(&key).await? {
             Some(kv) => Ok(serde_json::from_slice(&kv.value).ok()),
             None => Ok(None),
@@ -320,7 +325,7 @@ impl Topic {
     }
 
     async fn save_origins(&self, o: &mut Origins) {
-        let key = format!("{ORIGINS_PREFIX}{}", self.ml.name());
+        let key = self.origins_key();
         let value = serde_json::to_vec(&o.snap).expect("origins serialize");
         o.saved_at = Some(std::time::Instant::now());
         match self.meta.put(&key, value).await {
@@ -427,9 +432,7 @@ impl Topic {
             .await?;
             cursor.delete().await?;
         }
-        self.meta
-            .delete(&format!("{ORIGINS_PREFIX}{}", self.ml.name()), None)
-            .await?;
+        self.meta.delete(&self.origins_key(), None).await?;
         Ok(())
     }
 
