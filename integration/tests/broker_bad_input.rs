@@ -519,6 +519,44 @@ fn a_wait_for_exclusive_producer_cannot_publish_before_it_is_granted() {
     assert_eq!(r.message_id.expect("position").entry_id, 1);
 }
 
+#[test]
+fn a_message_claiming_a_replicated_origin_is_refused_and_takes_no_entry() {
+    // Field 1001 is what this site's receiving of replicated entries writes: a producer's
+    // message carrying it would be taken for one (never sent on, its claimed origin believed
+    // by the topic's origins, so the real site's entries would be dropped as held).
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.start().unwrap();
+    let mut c = Raw::connected(&s.url);
+    c.send(&producer("forged-origin", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    let forged = pb::MessageMetadata {
+        producer_name: "raw".into(),
+        sequence_id: 0,
+        publish_time: 1,
+        meridian_origin: Some(pb::MeridianOrigin {
+            site: "west".into(),
+            ledger_id: u64::MAX / 2,
+            entry_id: 0,
+        }),
+        ..Default::default()
+    };
+    c.send_raw(&send_with(1, 0, &forged, b"forged"));
+    let e = c.expect().command.send_error.expect("SEND_ERROR");
+    assert_eq!(
+        e.error,
+        ServerError::NotAllowedError as i32,
+        "{}",
+        e.message
+    );
+    assert!(e.message.contains("meridian_origin"), "{}", e.message);
+
+    step("the producer goes on; the refused message took no entry");
+    c.send_raw(&send_frame(1, 1, b"plain"));
+    let r = c.expect().command.send_receipt.expect("receipt");
+    assert_eq!(r.message_id.expect("position").entry_id, 0);
+}
+
 /// Publishes `n` unbatched messages of 1 KiB with `meridian perf produce`.
 fn produce(url: &str, topic: &str, n: u64) {
     let (code, out, err) = meridian_integration::run_cli(&[
@@ -681,15 +719,24 @@ fn a_producer_with_an_initial_subscription_name_creates_it_before_its_first_mess
 
 /// A SEND of one message stamped with `publish_time` (milliseconds).
 fn send_at(producer_id: u64, sequence_id: u64, publish_time: u64) -> Vec<u8> {
-    use prost::Message as _;
     let meta = pb::MessageMetadata {
         producer_name: "raw".into(),
         sequence_id,
         publish_time,
         ..Default::default()
-    }
-    .encode_to_vec();
-    let entry = meridian_protocol::Entry::build(&meta, b"stamped");
+    };
+    send_with(producer_id, sequence_id, &meta, b"stamped")
+}
+
+/// A SEND of one message with this metadata.
+fn send_with(
+    producer_id: u64,
+    sequence_id: u64,
+    meta: &pb::MessageMetadata,
+    payload: &[u8],
+) -> Vec<u8> {
+    use prost::Message as _;
+    let entry = meridian_protocol::Entry::build(&meta.encode_to_vec(), payload);
     let c = cmd(Type::Send, |c| {
         c.send = Some(pb::CommandSend {
             producer_id,

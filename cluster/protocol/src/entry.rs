@@ -13,6 +13,10 @@ use crate::pb::{MeridianOrigin, MessageMetadata};
 use crate::MAGIC_CRC32C;
 
 const HEADER: usize = 2 + 4 + 4;
+/// `MessageMetadata.replicated_from`: the cluster stock clients read as a message's origin.
+const REPLICATED_FROM_FIELD: u32 = 5;
+/// `MessageMetadata.meridian_origin`: where an entry that arrived by replication was written.
+pub const ORIGIN_FIELD: u32 = 1001;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry(Bytes);
@@ -35,11 +39,16 @@ impl Entry {
         Entry(b.freeze())
     }
 
-    /// The same message with `properties` added to its metadata. The metadata bytes are kept
+    /// The same message with `properties` added to its metadata, as a message of this site: a
+    /// copy (a dead letter) is written here, so where the original arrived from by replication
+    /// (`replicated_from`, Meridian's origin) is left out. The other metadata bytes are kept
     /// and the properties appended as further occurrences of the repeated field, which
     /// protobuf readers merge; nothing is re-encoded. The checksum is computed anew.
     pub fn with_properties(&self, properties: &[(&str, &str)]) -> Entry {
-        let mut meta = self.metadata_bytes().to_vec();
+        let original = self.metadata_bytes();
+        let mut meta =
+            crate::wire_fields::without_fields(&original, &[REPLICATED_FROM_FIELD, ORIGIN_FIELD])
+                .unwrap_or_else(|| original.to_vec());
         for (k, v) in properties {
             let kv = crate::pb::KeyValue {
                 key: (*k).to_string(),
@@ -69,8 +78,8 @@ impl Entry {
             return None;
         }
         let mut meta = self.metadata_bytes().to_vec();
-        prost::encoding::string::encode(5, &origin.site, &mut meta);
-        prost::encoding::message::encode(1001, origin, &mut meta);
+        prost::encoding::string::encode(REPLICATED_FROM_FIELD, &origin.site, &mut meta);
+        prost::encoding::message::encode(ORIGIN_FIELD, origin, &mut meta);
         let mut b = BytesMut::with_capacity(HEADER + meta.len() + payload.len());
         b.put_u16(MAGIC_CRC32C);
         b.put_u32(0);
@@ -87,6 +96,13 @@ impl Entry {
     /// produced at this site.
     pub fn origin(&self) -> Result<Option<MeridianOrigin>, EntryError> {
         Ok(self.metadata()?.meridian_origin)
+    }
+
+    /// Whether the metadata carries Meridian's origin, which only the site's own receiving of
+    /// replicated entries may write (a producer's message that carried one would be taken for
+    /// a replicated entry: not sent on, and its claimed origin believed).
+    pub fn claims_origin(&self) -> bool {
+        crate::wire_fields::has_field(&self.metadata_bytes(), ORIGIN_FIELD)
     }
 
     /// The entry for a received payload. Call only after [`Payload::checksum_ok`]; a payload
@@ -260,5 +276,30 @@ mod tests {
         );
         // The original metadata bytes are a prefix: nothing was re-encoded.
         assert!(d.metadata_bytes().starts_with(&e.metadata_bytes()));
+    }
+
+    #[test]
+    fn given_a_replicated_entry_copied_with_properties_then_the_copy_is_this_site_s_own() {
+        let meta = MessageMetadata {
+            producer_name: "p".into(),
+            sequence_id: 3,
+            ..Default::default()
+        };
+        let e = Entry::build(&meta.encode_to_vec(), b"payload");
+        assert!(!e.claims_origin());
+        let origin = MeridianOrigin {
+            site: "east".into(),
+            ledger_id: 4,
+            entry_id: 5,
+        };
+        let r = e.replicated(&origin).unwrap();
+        assert!(r.claims_origin());
+        let d = r.with_properties(&[("REAL_TOPIC", "persistent://t/n/x")]);
+        assert!(d.verify());
+        assert!(!d.claims_origin());
+        let m = d.metadata().unwrap();
+        assert_eq!((m.meridian_origin, m.replicated_from), (None, None));
+        assert_eq!((m.producer_name.as_str(), m.sequence_id), ("p", 3));
+        assert_eq!(m.properties.len(), 1);
     }
 }

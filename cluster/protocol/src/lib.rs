@@ -8,8 +8,9 @@
 //!
 //! Owns: frame encoding and decoding with a size limit ([`frame`]), the command types
 //! ([`pb`], generated from our own `proto/pulsar.proto`), stored entries (the checksummed tail
-//! of a payload frame, kept byte for byte: [`entry`]), batches read in place ([`batch`]), and
-//! constructors for the commands a broker sends ([`cmd`]).
+//! of a payload frame, kept byte for byte: [`entry`]), batches read in place ([`batch`]), a
+//! message's top-level fields read without decoding it ([`wire_fields`]), and constructors for
+//! the commands a broker sends ([`cmd`]).
 //!
 //! Does not know about: sockets, tokio, topics, storage.
 
@@ -17,6 +18,7 @@ pub mod batch;
 pub mod cmd;
 pub mod entry;
 pub mod frame;
+pub mod wire_fields;
 
 /// Types generated from `proto/pulsar.proto` (field numbers as upstream Pulsar).
 #[allow(clippy::all, missing_docs)]

@@ -1,0 +1,203 @@
+//! The top-level fields of a protobuf message's bytes, read without decoding the message.
+//!
+//! The broker keeps a message's metadata byte for byte (decoding and re-encoding would drop
+//! fields it does not know); what it must know of those bytes without decoding them (is a
+//! field present; the bytes without some fields) it learns here.
+
+use std::ops::Range;
+
+/// Iterates over the top-level fields: each field's number and the range of its bytes (key
+/// included). Stops at the first malformed field with `Err(())`.
+pub struct Fields<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    failed: bool,
+}
+
+pub fn fields(bytes: &[u8]) -> Fields<'_> {
+    Fields {
+        bytes,
+        at: 0,
+        failed: false,
+    }
+}
+
+impl Iterator for Fields<'_> {
+    type Item = Result<(u32, Range<usize>), ()>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.failed || self.at >= self.bytes.len() {
+            return None;
+        }
+        let start = self.at;
+        match skip_field(self.bytes, &mut self.at, None) {
+            Ok(number) => Some(Ok((number, start..self.at))),
+            Err(()) => {
+                self.failed = true;
+                Some(Err(()))
+            }
+        }
+    }
+}
+
+/// Whether field `number` occurs at the top level, before anything malformed (bytes that are
+/// malformed from the start have no field).
+pub fn has_field(bytes: &[u8], number: u32) -> bool {
+    fields(bytes).any(|f| matches!(f, Ok((n, _)) if n == number))
+}
+
+/// The bytes without any occurrence of the fields `numbers`, every other byte kept in order.
+/// `None` if the bytes are not a protobuf message.
+pub fn without_fields(bytes: &[u8], numbers: &[u32]) -> Option<Vec<u8>> {
+    let mut out = Vec::with_capacity(bytes.len());
+    for f in fields(bytes) {
+        let (n, range) = f.ok()?;
+        if !numbers.contains(&n) {
+            out.extend_from_slice(&bytes[range]);
+        }
+    }
+    Some(out)
+}
+
+fn varint(bytes: &[u8], at: &mut usize) -> Result<u64, ()> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let b = *bytes.get(*at).ok_or(())?;
+        *at += 1;
+        v |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            return Ok(v);
+        }
+    }
+    Err(())
+}
+
+/// Skips one field from `at`, returning its number. Inside a group, `group` is the group's
+/// field number and its end-group key is accepted (and returned as that number).
+fn skip_field(bytes: &[u8], at: &mut usize, group: Option<u32>) -> Result<u32, ()> {
+    let key = varint(bytes, at)?;
+    let number = u32::try_from(key >> 3).map_err(|_| ())?;
+    if number == 0 {
+        return Err(());
+    }
+    let advance = |at: &mut usize, n: u64| -> Result<(), ()> {
+        let end = at
+            .checked_add(usize::try_from(n).map_err(|_| ())?)
+            .ok_or(())?;
+        if end > bytes.len() {
+            return Err(());
+        }
+        *at = end;
+        Ok(())
+    };
+    match key & 7 {
+        0 => {
+            varint(bytes, at)?;
+        }
+        1 => advance(at, 8)?,
+        2 => {
+            let len = varint(bytes, at)?;
+            advance(at, len)?;
+        }
+        3 => loop {
+            // A group: fields up to its end-group key (wire type 4, same number).
+            let inner_start = *at;
+            let inner = skip_field(bytes, at, Some(number))?;
+            // The key's first byte holds its wire type.
+            if inner == number && bytes[inner_start] & 7 == 4 {
+                break;
+            }
+        },
+        4 => {
+            return if group == Some(number) {
+                Ok(number)
+            } else {
+                Err(())
+            }
+        }
+        5 => advance(at, 4)?,
+        _ => return Err(()),
+    }
+    Ok(number)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pb::{KeyValue, MeridianOrigin, MessageMetadata};
+    use prost::Message as _;
+
+    fn meta(origin: bool) -> MessageMetadata {
+        MessageMetadata {
+            producer_name: "p".into(),
+            sequence_id: 300,
+            publish_time: 1 << 40,
+            properties: vec![KeyValue {
+                key: "k".into(),
+                value: "v".into(),
+            }],
+            replicated_from: origin.then(|| "east".into()),
+            meridian_origin: origin.then(|| MeridianOrigin {
+                site: "east".into(),
+                ledger_id: 9,
+                entry_id: 10,
+            }),
+            num_messages_in_batch: Some(3),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn given_metadata_then_its_fields_are_found_and_removed_without_touching_the_rest() {
+        let plain = meta(false).encode_to_vec();
+        assert!(!has_field(&plain, 1001));
+        assert!(has_field(&plain, 1));
+        let with = meta(true).encode_to_vec();
+        assert!(has_field(&with, 1001));
+        let stripped = without_fields(&with, &[5, 1001]).unwrap();
+        assert!(!has_field(&stripped, 1001));
+        assert_eq!(
+            MessageMetadata::decode(stripped.as_slice()).unwrap(),
+            meta(false)
+        );
+        // Every field's bytes, in order, make up the whole.
+        let total: usize = fields(&with).map(|f| f.unwrap().1.len()).sum();
+        assert_eq!(total, with.len());
+    }
+
+    #[test]
+    fn given_a_group_or_fixed_width_fields_then_they_are_skipped_whole() {
+        // Field 7 fixed64, field 8 fixed32, group 9 holding field 1001 (varint), then 1001 at
+        // the top level is absent.
+        let mut b = vec![7 << 3 | 1];
+        b.extend_from_slice(&[0xff; 8]);
+        b.push(8 << 3 | 5);
+        b.extend_from_slice(&[0xff; 4]);
+        b.push(9 << 3 | 3);
+        prost::encoding::encode_key(1001, prost::encoding::WireType::Varint, &mut b);
+        b.push(1);
+        b.push(9 << 3 | 4);
+        let numbers: Vec<u32> = fields(&b).map(|f| f.unwrap().0).collect();
+        assert_eq!(numbers, vec![7, 8, 9]);
+        assert!(!has_field(&b, 1001));
+    }
+
+    #[test]
+    fn given_bytes_that_are_not_a_message_then_nothing_is_found_and_nothing_panics() {
+        for bad in [
+            &[0x08][..],             // a varint field cut short
+            &[0x0a, 0x05, 1, 2][..], // a length past the end
+            &[0x00, 0x01][..],       // field number 0
+            &[0x0c][..],             // an end-group with no group
+            &[0x0b, 0x08, 0x01][..], // a group never ended
+            &[0xff; 11][..],         // a key longer than a varint
+            &[
+                0x0a, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01,
+            ][..],
+        ] {
+            assert!(fields(bad).any(|f| f.is_err()), "{bad:?}");
+            assert!(without_fields(bad, &[1]).is_none());
+            assert!(!has_field(bad, 1001));
+        }
+    }
+}
