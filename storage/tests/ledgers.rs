@@ -923,6 +923,60 @@ mod disk_full {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_bookie_read_only_for_a_full_disk_then_recovery_still_rewrites_and_closes_its_ledger(
+    ) {
+        let (tmp, store, mut bookies, client) = setup(0).await;
+        let dir = tmp.path().join("b");
+        bookies.push(start_bookie(&store.client, dir.clone(), None).await);
+        wait_for_bookies(&client, 1).await;
+        let writer = client
+            .create(1, 1, 1, BTreeMap::new())
+            .await
+            .expect("create");
+        let id = writer.id();
+        for i in 0..10u64 {
+            writer.add(payload(i)).await.expect("add");
+        }
+        step(
+            "the bookie comes back read-only: its disk is above bookie.disk_usage_percent_max = 1",
+        );
+        let addr = bookies[0].addr.clone();
+        bookies[0].stop(&store.client).await;
+        bookies[0] = start_bookie_with(&store.client, dir, Some(addr), |o| {
+            o.disk_usage_percent_max = 1;
+        })
+        .await;
+        let core = std::sync::Arc::clone(&bookies[0].running.as_ref().expect("running").core);
+        for _ in 0..100 {
+            if core.is_read_only() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let reason = core.read_only_reason().expect("read-only");
+        assert!(reason.contains("disk_usage_percent_max"), "{reason}");
+        step(
+            "another client recovers the writer's open ledger: the rewrite of its last entry lands",
+        );
+        let other = LedgerClient::new(store.client.clone(), LedgerClientOptions::default());
+        let reader = other.open_recover(id).await.expect("recovered");
+        assert_eq!(reader.last_entry(), Some(9));
+        for i in 0..10u64 {
+            assert_eq!(reader.read(i).await.expect("read"), payload(i));
+        }
+        let (meta, _) = client.metadata(id).await.expect("metadata");
+        assert_eq!(meta.state, LedgerState::Closed);
+        step("a writer's add is still refused");
+        let err = writer.add(payload(99)).await.expect_err("refused");
+        step(&format!("refused: {err}"));
+        drop(core);
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_journal_disk_fills_then_bookie_turns_read_only_keeps_serving_reads_and_loses_nothing(
     ) {
         if rustix::process::geteuid().as_raw() != 0 {

@@ -15,7 +15,7 @@ pub mod index;
 pub mod ledger_storage;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -98,6 +98,10 @@ pub struct BookieCore {
     /// Read-only because the disk is too full (not for an error): lifted once usage falls
     /// [`DISK_HYSTERESIS_PERCENT`] below the limit.
     disk_full: AtomicBool,
+    /// Free bytes at the last disk check (the fuller of the journal's and the ledgers' file
+    /// systems): a full disk takes recovery adds while at least [`RECOVERY_ADDS_FREE_BYTES_MIN`]
+    /// are left.
+    disk_free: AtomicU64,
     /// This bookie's own address once an admin decommissioned it (`bookies decommission`):
     /// read-only for writers (recovery adds still land), and ledgers whose metadata no longer
     /// names it are deleted by the orphan scan.
@@ -123,6 +127,10 @@ fn disk_full_next(was_full: bool, used_pct: u64, max: u64) -> bool {
 /// read-only for a full disk takes writes again (BookKeeper's low-water mark, 5 points lower).
 pub const DISK_HYSTERESIS_PERCENT: u64 = 5;
 
+/// Free bytes a bookie read-only for a full disk keeps for recovery adds: below them it
+/// refuses those too (what is left is for the journal's records of adds already taken).
+pub const RECOVERY_ADDS_FREE_BYTES_MIN: u64 = 64 << 20;
+
 impl BookieCore {
     pub fn storage(&self) -> &LedgerStorage {
         &self.storage
@@ -135,11 +143,16 @@ impl BookieCore {
     }
 
     /// Read-only for a reason that still lets recovery adds in (ledger recovery rewriting an
-    /// entry it found, autorecovery): decommissioned, and neither failed nor full.
+    /// entry it found, autorecovery), as BookKeeper lets high-priority writes into a read-only
+    /// bookie: decommissioned, or past `bookie.disk_usage_percent_max` with at least
+    /// [`RECOVERY_ADDS_FREE_BYTES_MIN`] free; never after an error made it read-only. Without
+    /// this, a topic whose open ledger has a replica here could not be recovered (fenced and
+    /// closed) by its next owner, and so could not be served at all, not even read.
     fn takes_recovery_adds_only(&self) -> bool {
         !self.read_only.load(Ordering::Relaxed)
-            && !self.disk_full.load(Ordering::Relaxed)
-            && self.decommissioned_as().is_some()
+            && (self.decommissioned_as().is_some() || self.disk_full.load(Ordering::Relaxed))
+            && (!self.disk_full.load(Ordering::Relaxed)
+                || self.disk_free.load(Ordering::Relaxed) >= RECOVERY_ADDS_FREE_BYTES_MIN)
     }
 
     /// The address this bookie was decommissioned as, if it was.
@@ -158,7 +171,7 @@ impl BookieCore {
 
     /// Why the bookie is read-only, if it is.
     pub fn read_only_reason(&self) -> Option<String> {
-        if self.takes_recovery_adds_only() {
+        if self.takes_recovery_adds_only() && !self.disk_full.load(Ordering::Relaxed) {
             return Some("decommissioned".into());
         }
         self.is_read_only()
@@ -167,7 +180,8 @@ impl BookieCore {
 
     /// Turns read-only while the disk is past the limit, writable again once usage is
     /// [`DISK_HYSTERESIS_PERCENT`] below it (unless an error made it read-only for good).
-    fn check_disk(&self, used_pct: u64) {
+    fn check_disk(&self, free: u64, used_pct: u64) {
+        self.disk_free.store(free, Ordering::Relaxed);
         let max = self.opts.disk_usage_percent_max;
         let was = self.disk_full.load(Ordering::Relaxed);
         let full = disk_full_next(was, used_pct, max);
@@ -355,6 +369,7 @@ pub async fn start_with_tls(
         read_only: AtomicBool::new(false),
         read_only_reason: std::sync::Mutex::default(),
         disk_full: AtomicBool::new(false),
+        disk_free: AtomicU64::new(u64::MAX),
         decommissioned: std::sync::Mutex::default(),
         moved_away: std::sync::Mutex::default(),
         opts,
@@ -550,8 +565,8 @@ fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
             }
             flush_once(&core);
             last_flush = std::time::Instant::now();
-            let (_, used_pct) = core.disk_usage();
-            core.check_disk(used_pct);
+            let (free, used_pct) = core.disk_usage();
+            core.check_disk(free, used_pct);
         }
         prepare_spare(&core, &mut spare_not_before, &mut class);
         if last_gc.elapsed() >= gc_interval {
