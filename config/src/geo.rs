@@ -25,6 +25,11 @@ pub struct GeoConfig {
     /// Largest frame a link stream accepts, bytes; a larger one closes that stream. Range
     /// 65,536..=268,435,456, default 16,777,216.
     pub frame_bytes_max: u64,
+    /// Bytes of a peer's replicated entries one link may hold at this site: read from its
+    /// streams and not yet durable, all its topics together (one topic at most a quarter).
+    /// A stream whose next frame does not fit waits, and its peer with it (QUIC's flow
+    /// control). Range 4 × `geo.frame_bytes_max`..=68,719,476,736, default 268,435,456.
+    pub receive_bytes_max: u64,
     /// A replicator with backlog and no progress for this long is STALLED and rebuilds its
     /// stream and connection. Range 1,000..=3,600,000, default 30,000.
     pub stall_after_ms: u64,
@@ -59,6 +64,7 @@ impl Default for GeoConfig {
             key_file: String::new(),
             ca_file: String::new(),
             frame_bytes_max: 16 << 20,
+            receive_bytes_max: 256 << 20,
             stall_after_ms: 30_000,
             cert_reload_interval_ms: 10_000,
             idle_timeout_ms: 5_000,
@@ -103,6 +109,13 @@ impl GeoConfig {
                 65_536,
                 268_435_456,
                 "",
+            ),
+            (
+                "geo.receive_bytes_max",
+                self.receive_bytes_max,
+                self.frame_bytes_max.saturating_mul(4),
+                68_719_476_736,
+                " (at least 4 × geo.frame_bytes_max: a topic's share, a quarter, holds a frame)",
             ),
             (
                 "geo.stall_after_ms",

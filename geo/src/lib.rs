@@ -7,6 +7,7 @@
 //! - [`link`]: the endpoint: accepting peers the registry knows, dialing, the hello, and
 //!   handing peers' topic streams to the receiver.
 //! - [`receiver`]: a topic stream's receiving end (append, acknowledge once durable).
+//! - [`budget`]: what a peer's link may hold here (frames read and not yet durable).
 //! - [`replicator`]: a topic's sending end per remote site (window, acknowledgements,
 //!   reconnects with back-off).
 //! - [`request`]: one question on a stream of its own, one answer.
@@ -17,6 +18,7 @@
 //! It knows nothing of how a broker dispatches: what it needs from the site (the registry
 //! today) comes through small traits the broker implements.
 
+pub mod budget;
 pub mod deletion;
 pub mod frame;
 pub mod identity;

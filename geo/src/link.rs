@@ -92,6 +92,8 @@ pub enum LinkError {
 #[derive(Debug, Clone)]
 pub struct LinkOptions {
     pub frame_bytes_max: u64,
+    /// Bytes of a peer connection's frames held here until durable (`geo.receive_bytes_max`).
+    pub receive_bytes_max: u64,
     pub stall_after: Duration,
     pub idle_timeout: Duration,
     pub handshake_timeout: Duration,
@@ -108,6 +110,7 @@ impl From<&GeoConfig> for LinkOptions {
     fn from(c: &GeoConfig) -> Self {
         LinkOptions {
             frame_bytes_max: c.frame_bytes_max,
+            receive_bytes_max: c.receive_bytes_max,
             stall_after: Duration::from_millis(c.stall_after_ms),
             idle_timeout: Duration::from_millis(c.idle_timeout_ms),
             handshake_timeout: Duration::from_millis(c.handshake_timeout_ms),
@@ -179,8 +182,8 @@ fn transport(opts: &LinkOptions) -> Arc<quinn::TransportConfig> {
     // Flow control: quinn's defaults (1.25 MB a stream, 10 MB a connection in flight) are
     // below one replicator's window of the 4 MiB frames it sends, so a stream would wait for
     // the receiver's credit every megabyte. A stream may have two such frames in quinn's
-    // buffers unread, a connection 64 MiB (the frames a stream has read and queued are
-    // bounded apart: `geo.frame_bytes_max` each, `FRAMES_IN_FLIGHT`).
+    // buffers unread, a connection 64 MiB (the frames its streams have read and not yet made
+    // durable are bounded apart, for the whole connection: `geo.receive_bytes_max`).
     t.stream_receive_window(STREAM_WINDOW_BYTES.into());
     t.receive_window(CONNECTION_WINDOW_BYTES.into());
     t.send_window(CONNECTION_WINDOW_BYTES.into());
@@ -555,13 +558,31 @@ pub async fn read_frame(
     recv: &mut quinn::RecvStream,
     max: u64,
 ) -> Result<Option<Frame>, StreamError> {
+    match read_frame_len(recv, max).await? {
+        Some(len) => read_frame_body(recv, len).await.map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Reads the next frame's length (checked against `max`); `None` at the stream's end.
+pub async fn read_frame_len(
+    recv: &mut quinn::RecvStream,
+    max: u64,
+) -> Result<Option<usize>, StreamError> {
     let mut prefix = [0u8; LENGTH_BYTES];
     match recv.read_exact(&mut prefix).await {
         Ok(()) => {}
         Err(quinn::ReadExactError::FinishedEarly(0)) => return Ok(None),
         Err(e) => return Err(e.into()),
     }
-    let len = Frame::announced_len(prefix, max)?;
+    Ok(Some(Frame::announced_len(prefix, max)?))
+}
+
+/// Reads the body of a frame whose length [`read_frame_len`] read.
+pub async fn read_frame_body(
+    recv: &mut quinn::RecvStream,
+    len: usize,
+) -> Result<Frame, StreamError> {
     // Copied once out of quinn's buffers as the bytes come (holding its chunks would keep
     // whole datagram buffers alive outside flow control), grown with them (nothing is
     // allocated from the announced length alone); the frame's entries are slices of it.
@@ -579,7 +600,7 @@ pub async fn read_frame(
             Err(e) => return Err(StreamError::Stream(e.to_string())),
         }
     }
-    Ok(Some(Frame::decode_body(body.freeze())?))
+    Ok(Frame::decode_body(body.freeze())?)
 }
 
 /// Writes one frame.
@@ -700,6 +721,8 @@ async fn serve_streams(
     conn: &quinn::Connection,
     site: &str,
 ) -> quinn::ConnectionError {
+    // What this peer's frames may hold here, all its streams together.
+    let budget = crate::budget::ReceiveBudget::new(shared.opts.receive_bytes_max, site);
     loop {
         let (send, recv) = match conn.accept_bi().await {
             Ok(s) => s,
@@ -723,8 +746,10 @@ async fn serve_streams(
             shared.opts.frame_bytes_max,
             shared.opts.handshake_timeout,
         );
+        let budget = budget.clone();
         tokio::spawn(async move {
-            crate::receiver::serve_stream(sink.as_ref(), &site, send, recv, max, timeout).await
+            crate::receiver::serve_stream(sink.as_ref(), &site, send, recv, max, timeout, &budget)
+                .await
         });
     }
 }

@@ -12,7 +12,8 @@
 //!
 //! The stream reads the next frame while the ones before it are being made durable, and
 //! acknowledges them in order as they are; a refusal from either ends the stream after the
-//! acknowledgements of what did land.
+//! acknowledgements of what did land. A frame's body is read only once the link's receive
+//! budget has room for it ([`crate::budget`]), held until its entries are durable.
 //!
 //! The site behind the traits decides what is a duplicate: the highest origin position it
 //! holds per (topic, origin site) is stored with the data, so a range sent again after a
@@ -23,8 +24,9 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use tracing::{debug, info, warn};
 
+use crate::budget::{Held, ReceiveBudget, StreamBudget};
 use crate::frame::{Frame, OriginPosition, RefusalCode, ReplicatedEntry};
-use crate::link::{read_frame, write_frame};
+use crate::link::{read_frame_body, read_frame_len, write_frame, StreamError};
 
 /// Why a stream is not served.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -123,7 +125,21 @@ async fn refuse(send: &mut quinn::SendStream, r: Refusal) {
     let _ = send.finish();
 }
 
-/// Serves one topic stream of `origin` until it ends, breaks, or is refused.
+/// Reads the next frame once the stream's budget has room for it.
+async fn read_held(
+    recv: &mut quinn::RecvStream,
+    max: u64,
+    budget: &StreamBudget,
+) -> Result<Option<(Frame, Held)>, StreamError> {
+    let Some(len) = read_frame_len(recv, max).await? else {
+        return Ok(None);
+    };
+    let held = budget.hold(len).await;
+    Ok(Some((read_frame_body(recv, len).await?, held)))
+}
+
+/// Serves one topic stream of `origin` until it ends, breaks, or is refused. What its frames
+/// hold until they are durable is counted in `budget` (the peer connection's).
 pub async fn serve_stream(
     sink: &dyn ReplicaSink,
     origin: &str,
@@ -131,20 +147,29 @@ pub async fn serve_stream(
     mut recv: quinn::RecvStream,
     frame_bytes_max: u64,
     open_timeout: Duration,
+    budget: &ReceiveBudget,
 ) {
-    let first =
-        match tokio::time::timeout(open_timeout, read_frame(&mut recv, frame_bytes_max)).await {
-            Ok(Ok(Some(f))) => f,
-            Ok(Ok(None)) => return,
-            Ok(Err(e)) => {
-                warn!(origin, error = %e, "geo stream closed: a bad first frame");
-                return;
-            }
-            Err(_) => {
-                warn!(origin, "geo stream closed: no Open within {open_timeout:?}");
-                return;
-            }
-        };
+    let budget = budget.stream();
+    let first = match tokio::time::timeout(
+        open_timeout,
+        read_held(&mut recv, frame_bytes_max, &budget),
+    )
+    .await
+    {
+        Ok(Ok(Some((f, _held)))) => f,
+        Ok(Ok(None)) => return,
+        Ok(Err(e)) => {
+            warn!(origin, error = %e, "geo stream closed: a bad first frame");
+            return;
+        }
+        Err(_) => {
+            warn!(
+                origin,
+                "geo stream closed: no Open within {open_timeout:?} (or no room for it in geo.receive_bytes_max)"
+            );
+            return;
+        }
+    };
     let (topic, partitions) = match first {
         Frame::Open { topic, partitions } => (topic, partitions),
         Frame::Delete {
@@ -240,7 +265,7 @@ pub async fn serve_stream(
             let Ok(room) = read_tx.reserve().await else {
                 return;
             };
-            let r = read_frame(&mut recv, frame_bytes_max).await;
+            let r = read_held(&mut recv, frame_bytes_max, &budget).await;
             let more = matches!(r, Ok(Some(_)));
             room.send(r);
             if !more {
@@ -259,9 +284,18 @@ pub async fn serve_stream(
                     return;
                 }
             };
+            let (frame, held) = frame;
             let (done, last): (Durable, bool) = match frame {
                 Frame::Entries { items } => match target.submit(items).await {
-                    Ok(d) => (d, false),
+                    // The frame's room is given back once its entries are durable.
+                    Ok(d) => (
+                        Box::pin(async move {
+                            let r = d.await;
+                            drop(held);
+                            r
+                        }),
+                        false,
+                    ),
                     Err(r) => (Box::pin(async move { Err(r) }), true),
                 },
                 _ => {

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use meridian_config::GeoConfig;
-use meridian_geo::frame::{Frame, PROTOCOL_VERSION};
+use meridian_geo::frame::{Frame, OriginPosition, ReplicatedEntry, PROTOCOL_VERSION};
 use meridian_geo::link::{read_frame, write_frame};
+use meridian_geo::receiver::{Durable, Refusal, ReplicaSink, ReplicaTopic};
 use meridian_geo::{GeoLink, LinkError, SiteDirectory};
 use meridian_tenancy::geo_pki;
 use meridian_tenancy::site_tls::{CertOptions, Issued};
@@ -291,4 +292,125 @@ async fn given_new_certificate_files_then_new_links_use_them_and_links_up_keep_g
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(west.certificate_serial(), serial);
+}
+
+/// A site whose appends become durable a while after they are queued, counting the bytes
+/// queued and not yet durable.
+#[derive(Default)]
+struct SlowSink {
+    held: std::sync::atomic::AtomicU64,
+    most: std::sync::atomic::AtomicU64,
+    landed: std::sync::atomic::AtomicU64,
+}
+
+struct SlowSite(Arc<SlowSink>);
+struct SlowTopic(Arc<SlowSink>);
+
+impl ReplicaSink for SlowSite {
+    fn open<'a>(
+        &'a self,
+        _origin: &'a str,
+        _topic: &'a str,
+        _partitions: u32,
+    ) -> BoxFuture<'a, Result<(Box<dyn ReplicaTopic>, Option<OriginPosition>), Refusal>> {
+        let t: Box<dyn ReplicaTopic> = Box::new(SlowTopic(Arc::clone(&self.0)));
+        Box::pin(async move { Ok((t, None)) })
+    }
+}
+
+impl ReplicaTopic for SlowTopic {
+    fn submit(&self, entries: Vec<ReplicatedEntry>) -> BoxFuture<'_, Result<Durable, Refusal>> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let s = Arc::clone(&self.0);
+        Box::pin(async move {
+            let bytes: u64 = entries.iter().map(|e| e.bytes.len() as u64).sum();
+            let now = s.held.fetch_add(bytes, SeqCst) + bytes;
+            s.most.fetch_max(now, SeqCst);
+            let last = entries.last().map(|e| e.at);
+            let n = entries.len() as u64;
+            let d: Durable = Box::pin(async move {
+                tokio::time::sleep(Duration::from_millis(30)).await;
+                s.held.fetch_sub(bytes, SeqCst);
+                s.landed.fetch_add(n, SeqCst);
+                Ok(last)
+            });
+            Ok(d)
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_peer_that_floods_many_streams_then_what_its_frames_hold_stays_within_the_budget() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let pki = Pki::new();
+    let budget = 256 * 1024;
+    let sink = Arc::new(SlowSink::default());
+    let east = GeoLink::start(
+        &GeoConfig {
+            frame_bytes_max: 64 * 1024,
+            receive_bytes_max: budget,
+            ..pki.config("east")
+        },
+        "east",
+        registry(&["west"]),
+        Some(Arc::new(SlowSite(Arc::clone(&sink)))),
+    )
+    .await
+    .unwrap();
+    let west = start(&pki, "west", &["east"]).await;
+    let peer = west.dial(east.local_addr(), "east").await.unwrap();
+    // 8 streams each send 20 frames of 15 entries of 4 KiB at once, never waiting for an
+    // acknowledgement: 9.8 MB wanted in flight against a budget of 256 KiB.
+    let (streams, frames, per_frame) = (8u64, 20u64, 15u64);
+    let mut tasks = Vec::new();
+    for s in 0..streams {
+        let conn = peer.conn.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut send, mut recv) = conn.open_bi().await.unwrap();
+            let open = Frame::Open {
+                topic: format!("persistent://acme/g/t{s}"),
+                partitions: 0,
+            };
+            write_frame(&mut send, &open).await.unwrap();
+            let opened = read_frame(&mut recv, 1 << 20).await.unwrap();
+            assert!(matches!(opened, Some(Frame::Opened { .. })), "{opened:?}");
+            let writer = tokio::spawn(async move {
+                for f in 0..frames {
+                    let items = (0..per_frame)
+                        .map(|i| ReplicatedEntry {
+                            at: OriginPosition {
+                                ledger: 1,
+                                entry: f * per_frame + i,
+                            },
+                            bytes: bytes::Bytes::from(vec![s as u8; 4096]),
+                        })
+                        .collect();
+                    write_frame(&mut send, &Frame::Entries { items })
+                        .await
+                        .unwrap();
+                }
+                send
+            });
+            let last = frames * per_frame - 1;
+            loop {
+                match read_frame(&mut recv, 1 << 20).await.unwrap() {
+                    Some(Frame::Ack { up_to }) if up_to.entry == last => break,
+                    Some(Frame::Ack { .. }) => {}
+                    other => panic!("expected Ack, got {other:?}"),
+                }
+            }
+            drop(writer.await.unwrap());
+        }));
+    }
+    tokio::time::timeout(Duration::from_secs(60), futures::future::join_all(tasks))
+        .await
+        .expect("every stream's frames land within 60 s")
+        .into_iter()
+        .for_each(|r| r.unwrap());
+    assert_eq!(sink.landed.load(SeqCst), streams * frames * per_frame);
+    let most = sink.most.load(SeqCst);
+    assert!(
+        most > 0 && most <= budget,
+        "at most {most} bytes held at once, budget {budget}"
+    );
 }

@@ -1,0 +1,172 @@
+//! What a peer's link may hold at this site: the bytes of frames read from its streams and not
+//! yet durable (`geo.receive_bytes_max`, all its topics together; one topic a quarter of it).
+//!
+//! ```text
+//!  stream reader: length ─► StreamBudget::hold(len) ─► body ─► submit ─► durable ─► Held dropped
+//!                           (the topic's share, then the link's; waits while either is full,
+//!                            and the peer waits with it through QUIC's flow control)
+//! ```
+//!
+//! Whatever the backlog at the peer and however many streams it opens, what its frames hold
+//! here stays under the budget; a topic whose appends are slow holds at most its share, so
+//! the others go on.
+
+use std::sync::Arc;
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+/// Counted in KiB (a semaphore's permits are `u32` a request).
+const UNIT: u64 = 1024;
+
+/// A topic stream's share of its link's budget.
+pub const STREAM_SHARE_DIVISOR: u64 = 4;
+
+/// One peer connection's budget.
+#[derive(Clone)]
+pub struct ReceiveBudget {
+    link: Arc<Semaphore>,
+    link_units: u32,
+    stream_units: u32,
+    site: String,
+}
+
+impl ReceiveBudget {
+    /// A budget of `bytes` (at least one unit) for the connection of peer `site`.
+    pub fn new(bytes: u64, site: &str) -> ReceiveBudget {
+        let link_units = u32::try_from((bytes / UNIT).max(1)).unwrap_or(u32::MAX);
+        let link_units = link_units.min(Semaphore::MAX_PERMITS as u32);
+        ReceiveBudget {
+            link: Arc::new(Semaphore::new(link_units as usize)),
+            link_units,
+            stream_units: (link_units / STREAM_SHARE_DIVISOR as u32).max(1),
+            site: site.to_string(),
+        }
+    }
+
+    /// The budget of one of the connection's streams.
+    pub fn stream(&self) -> StreamBudget {
+        StreamBudget {
+            own: Arc::new(Semaphore::new(self.stream_units as usize)),
+            link: self.clone(),
+        }
+    }
+
+    /// Bytes free in the link's budget now.
+    pub fn available_bytes(&self) -> u64 {
+        self.link.available_permits() as u64 * UNIT
+    }
+}
+
+/// A stream's share of its link's budget.
+pub struct StreamBudget {
+    own: Arc<Semaphore>,
+    link: ReceiveBudget,
+}
+
+/// Room for one frame, given back when dropped (once its entries are durable, or refused).
+pub struct Held {
+    _own: OwnedSemaphorePermit,
+    _link: OwnedSemaphorePermit,
+    bytes: u64,
+    site: String,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        metrics::gauge!("meridian_geo_receive_held_bytes", "site" => self.site.clone())
+            .decrement(self.bytes as f64);
+    }
+}
+
+impl StreamBudget {
+    /// Waits for room for a frame of `len` bytes: the stream's share first (so a stream
+    /// waiting for its own share holds none of the link's), then the link's. A frame larger
+    /// than a share takes the whole share.
+    pub async fn hold(&self, len: usize) -> Held {
+        let units = u32::try_from((len as u64).div_ceil(UNIT)).unwrap_or(u32::MAX);
+        let mine = units.min(self.link.stream_units);
+        let own = match Arc::clone(&self.own).try_acquire_many_owned(mine) {
+            Ok(p) => p,
+            Err(_) => {
+                self.waited("stream");
+                Arc::clone(&self.own)
+                    .acquire_many_owned(mine)
+                    .await
+                    .expect("the stream's budget is never closed")
+            }
+        };
+        let theirs = units.min(self.link.link_units);
+        let link = match Arc::clone(&self.link.link).try_acquire_many_owned(theirs) {
+            Ok(p) => p,
+            Err(_) => {
+                self.waited("link");
+                Arc::clone(&self.link.link)
+                    .acquire_many_owned(theirs)
+                    .await
+                    .expect("the link's budget is never closed")
+            }
+        };
+        metrics::gauge!("meridian_geo_receive_held_bytes", "site" => self.link.site.clone())
+            .increment(len as f64);
+        Held {
+            _own: own,
+            _link: link,
+            bytes: len as u64,
+            site: self.link.site.clone(),
+        }
+    }
+
+    fn waited(&self, budget: &'static str) {
+        metrics::counter!(
+            "meridian_geo_receive_budget_waits_total",
+            "site" => self.link.site.clone(),
+            "budget" => budget
+        )
+        .increment(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn given_a_full_share_or_link_then_a_frame_waits_until_room_is_given_back() {
+        // 64 KiB for the link: 16 KiB a stream.
+        let budget = ReceiveBudget::new(64 * 1024, "west");
+        let a = budget.stream();
+        let first = a.hold(10 * 1024).await;
+        assert_eq!(budget.available_bytes(), 54 * 1024);
+        // The stream's share has 6 KiB left: an 8 KiB frame waits for the first.
+        let waiting = tokio::time::timeout(Duration::from_millis(50), a.hold(8 * 1024)).await;
+        assert!(waiting.is_err(), "over the stream's share");
+        drop(first);
+        let second = a.hold(8 * 1024).await;
+        assert_eq!(budget.available_bytes(), 56 * 1024);
+        // Other streams take the rest of the link, then wait.
+        let others: Vec<_> = (0..3).map(|_| budget.stream()).collect();
+        let mut held = Vec::new();
+        for s in &others {
+            held.push(s.hold(16 * 1024).await);
+        }
+        assert_eq!(budget.available_bytes(), 8 * 1024);
+        let fourth = budget.stream();
+        let w = tokio::time::timeout(Duration::from_millis(50), fourth.hold(9 * 1024)).await;
+        assert!(w.is_err(), "over the link's budget");
+        drop(second);
+        let _ok = fourth.hold(9 * 1024).await;
+        drop(held);
+        assert_eq!(budget.available_bytes(), 55 * 1024);
+    }
+
+    #[tokio::test]
+    async fn given_a_frame_larger_than_a_share_then_it_takes_the_share_and_still_fits() {
+        let budget = ReceiveBudget::new(64 * 1024, "west");
+        let s = budget.stream();
+        let big = s.hold(40 * 1024).await;
+        assert_eq!(budget.available_bytes(), 24 * 1024);
+        drop(big);
+        assert_eq!(budget.available_bytes(), 64 * 1024);
+    }
+}
