@@ -1320,6 +1320,56 @@ fn given_objects_made_at_one_site_then_every_site_they_name_converges_on_them() 
             run_admin(&args).unwrap().0 != 0
         });
     }
+
+    step("north leaves the tenant: refused while acme/g lists it, then taken everywhere");
+    let err = admin_refused(
+        &east.admin_url,
+        &[
+            "tenants",
+            "update",
+            "acme",
+            "--allowed-clusters",
+            "east,west",
+        ],
+        "FailedPrecondition",
+    );
+    assert!(err.contains("acme/g"), "{err}");
+    at(
+        east,
+        &[
+            "namespaces",
+            "set-clusters",
+            "acme/g",
+            "--clusters",
+            "east,west",
+        ],
+    );
+    for p in [west, north] {
+        wait_admin(
+            &p.admin_url,
+            &["namespaces", "get-clusters", "acme/g"],
+            "acme/g without north",
+            |o| !o.contains("north"),
+        );
+    }
+    at(
+        east,
+        &[
+            "tenants",
+            "update",
+            "acme",
+            "--allowed-clusters",
+            "east,west",
+        ],
+    );
+    for p in [west, north] {
+        wait_admin(
+            &p.admin_url,
+            &["tenants", "get", "acme"],
+            "acme without north",
+            |o| o.contains("west") && !o.contains("north"),
+        );
+    }
     for p in &mut procs {
         p.stop().unwrap();
     }

@@ -7,8 +7,8 @@
 //!  /admin/clusters/<c>, /admin/tenants/<t>, /admin/namespaces/<t>/<n>   records with "_v"
 //!  /admin/deleted/clusters/<c>, .../tenants/<t>, .../namespaces/<t>/<n>  tombstones
 //!
-//!  export_for(peer): every cluster record and tombstone; the tenants that allow the peer;
-//!                    the namespaces of those tenants; the tombstones that name the peer
+//!  export_for(peer): every cluster record and tombstone; every tenant; the namespaces of
+//!                    the tenants that allow the peer; the tombstones that name the peer
 //!  merge_from(peer): in order clusters, tenants, namespaces, tenants again (a tenant deleted
 //!                    after its namespaces); each copy merged, checked, written by CAS
 //! ```
@@ -303,16 +303,20 @@ impl TenancyStore {
                     .as_ref()
                     .is_some_and(|t| t.sites.iter().any(|s| s == peer))
         };
+        // Every tenant goes to every peer (as Pulsar's tenants are in a store every cluster
+        // shares): a peer takes a change only to a tenant that allows this site there, so a
+        // tenant that stops allowing the peer still reaches it, and it converges. Deleted
+        // ones only to the sites their tombstone names.
         let mut tenants = Vec::new();
         for (key, copy) in self.copies(TENANTS_PREFIX).await? {
-            if names_peer(&copy, Kind::Tenant) {
-                if copy.record.is_some() {
-                    tenants.push(
-                        key.strip_prefix(TENANTS_PREFIX)
-                            .expect("prefix")
-                            .to_string(),
-                    );
-                }
+            if names_peer(&copy, Kind::Tenant) && copy.record.is_some() {
+                tenants.push(
+                    key.strip_prefix(TENANTS_PREFIX)
+                        .expect("prefix")
+                        .to_string(),
+                );
+            }
+            if copy.record.is_some() || names_peer(&copy, Kind::Tenant) {
                 items.push(SyncItem { key, copy });
             }
         }

@@ -322,10 +322,38 @@ impl TenancyStore {
         check_name("tenant", name)?;
         self.check_tenant(t).await?;
         let key = format!("{TENANTS_PREFIX}{name}");
-        let (_, v) = self
+        let (old, v) = self
             .get::<TenantInfo>(&key)
             .await?
             .ok_or_else(|| AdminError::NotFound(format!("tenant {name} does not exist")))?;
+        // As Pulsar: a cluster a namespace of the tenant is replicated to stays allowed until
+        // the namespace no longer lists it (a namespace without the policy is this site's).
+        let removed: Vec<&String> = old
+            .allowed_clusters
+            .iter()
+            .filter(|c| !t.allowed_clusters.contains(c))
+            .collect();
+        if !removed.is_empty() {
+            for ns in self.namespaces(name).await? {
+                let (p, _) = match self.policies(&ns).await {
+                    Ok(p) => p,
+                    Err(AdminError::NotFound(_)) => continue,
+                    Err(e) => return Err(e),
+                };
+                let clusters = p.replication_clusters.unwrap_or_else(|| {
+                    [self.site.clone()]
+                        .into_iter()
+                        .filter(|s| !s.is_empty())
+                        .collect()
+                });
+                if let Some(c) = removed.iter().find(|c| clusters.contains(c)) {
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "cluster {c} is still used by namespace {ns} (its replication clusters are {}); remove it there first (namespaces set-clusters)",
+                        clusters.join(",")
+                    )));
+                }
+            }
+        }
         self.put(&key, t, v, &format!("tenant {name}")).await
     }
 

@@ -237,12 +237,60 @@ async fn given_a_peer_then_it_changes_only_what_it_takes_part_in() {
     east.t.delete_cluster("west", false).await.unwrap();
     sync(&east, "east", &west, "west").await;
     assert!(west.t.cluster("west").await.is_ok());
-    // Objects it does not take part in are not even sent.
-    assert!(!east
-        .t
-        .export_for("west")
+    // Every tenant is sent (a peer takes only what allows it, above), the namespaces of a
+    // tenant that does not allow the peer are not.
+    let ns = NamespacePolicies {
+        replication_clusters: Some(vec!["east".into()]),
+        ..Default::default()
+    };
+    east.t.create_namespace("other/ns", &ns).await.unwrap();
+    let sent = east.t.export_for("west").await.unwrap();
+    assert!(sent.iter().any(|i| i.key == "/admin/tenants/other"));
+    assert!(!sent.iter().any(|i| i.key == "/admin/namespaces/other/ns"));
+}
+
+#[tokio::test]
+async fn given_a_site_removed_from_a_tenant_then_refused_while_a_namespace_lists_it_and_the_removed_site_converges(
+) {
+    let (east, west) = (site("east").await, site("west").await);
+    east.t
+        .create_cluster("west", &cluster("west"))
         .await
-        .unwrap()
-        .iter()
-        .any(|i| i.key == "/admin/tenants/other"));
+        .unwrap();
+    west.t
+        .create_cluster("east", &cluster("east"))
+        .await
+        .unwrap();
+    let both = TenantInfo {
+        allowed_clusters: vec!["east".into(), "west".into()],
+        ..Default::default()
+    };
+    east.t.create_tenant("acme", &both).await.unwrap();
+    let g = NamespacePolicies {
+        replication_clusters: Some(vec!["east".into(), "west".into()]),
+        ..Default::default()
+    };
+    east.t.create_namespace("acme/g", &g).await.unwrap();
+    sync(&east, "east", &west, "west").await;
+    assert_eq!(west.t.tenant("acme").await.unwrap(), both);
+    let east_only = TenantInfo {
+        allowed_clusters: vec!["east".into()],
+        ..Default::default()
+    };
+    let err = east.t.update_tenant("acme", &east_only).await.unwrap_err();
+    assert!(
+        matches!(&err, AdminError::FailedPrecondition(m) if m.contains("acme/g") && m.contains("west")),
+        "{err:?}"
+    );
+    let g_east = NamespacePolicies {
+        replication_clusters: Some(vec!["east".into()]),
+        ..Default::default()
+    };
+    east.t
+        .update_policies("acme/g", &g_east, &[])
+        .await
+        .unwrap();
+    east.t.update_tenant("acme", &east_only).await.unwrap();
+    sync(&east, "east", &west, "west").await;
+    assert_eq!(west.t.tenant("acme").await.unwrap(), east_only);
 }
