@@ -26,9 +26,10 @@ pub struct GeoConfig {
     /// 65,536..=268,435,456, default 16,777,216.
     pub frame_bytes_max: u64,
     /// Bytes of a peer's replicated entries one link may hold at this site: read from its
-    /// streams and not yet durable, all its topics together (one topic at most a quarter).
-    /// A stream whose next frame does not fit waits, and its peer with it (QUIC's flow
-    /// control). Range 4 × `geo.frame_bytes_max`..=68,719,476,736, default 268,435,456.
+    /// streams and not yet durable, all its streams together (one stream at most an eighth;
+    /// streams' first frames have another eighth beside it). A stream whose next frame does
+    /// not fit waits, and its peer with it (QUIC's flow control). Range 8 ×
+    /// `geo.frame_bytes_max`..=68,719,476,736, default 268,435,456.
     pub receive_bytes_max: u64,
     /// A replicator with backlog and no progress for this long is STALLED and rebuilds its
     /// stream and connection. Range 1,000..=3,600,000, default 30,000.
@@ -113,9 +114,9 @@ impl GeoConfig {
             (
                 "geo.receive_bytes_max",
                 self.receive_bytes_max,
-                self.frame_bytes_max.saturating_mul(4),
+                self.frame_bytes_max.saturating_mul(8),
                 68_719_476_736,
-                " (at least 4 × geo.frame_bytes_max: a topic's share, a quarter, holds a frame)",
+                " (at least 8 × geo.frame_bytes_max: a stream's share, an eighth, holds a frame)",
             ),
             (
                 "geo.stall_after_ms",

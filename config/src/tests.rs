@@ -742,8 +742,8 @@ fn geo_settings_are_checked() {
             set("geo.listen", "localhost:7300"),
             set("geo.frame_bytes_max", "1024"),
             set("geo.stall_after_ms", "0"),
-            set("geo.receive_bytes_max", "33554432"),
-            set("geo.frame_bytes_max", "8388608").set("geo.receive_bytes_max", "33554432"),
+            set("geo.receive_bytes_max", "67108864"),
+            set("geo.frame_bytes_max", "8388608").set("geo.receive_bytes_max", "67108864"),
             set("geo.advertise", "nohost"),
             set("geo.listen", "127.0.0.1:7300")
                 .set("geo.cert_file", "e.crt")
@@ -765,10 +765,10 @@ fn geo_settings_are_checked() {
               error: geo.frame_bytes_max = 1024 is out of range; accepted 65536..=268435456
             set geo.stall_after_ms=0
               error: geo.stall_after_ms = 0 is out of range; accepted 1000..=3600000
-            set geo.receive_bytes_max=33554432
-              error: geo.receive_bytes_max = 33554432 is out of range; accepted 67108864..=68719476736 (at least 4 × geo.frame_bytes_max: a topic's share, a quarter, holds a frame)
-            set geo.frame_bytes_max=8388608 set geo.receive_bytes_max=33554432
-              ok: geo.frame_bytes_max = 8388608, geo.receive_bytes_max = 33554432
+            set geo.receive_bytes_max=67108864
+              error: geo.receive_bytes_max = 67108864 is out of range; accepted 134217728..=68719476736 (at least 8 × geo.frame_bytes_max: a stream's share, an eighth, holds a frame)
+            set geo.frame_bytes_max=8388608 set geo.receive_bytes_max=67108864
+              ok: geo.frame_bytes_max = 8388608, geo.receive_bytes_max = 67108864
             set geo.advertise=nohost
               error: geo.advertise = "nohost" is invalid: expected HOST:PORT, e.g. localhost:7101
             set geo.listen=127.0.0.1:7300 set geo.cert_file=e.crt set geo.key_file=e.key set geo.ca_file=ca.crt set broker.cluster_name=east set geo.frame_bytes_max=1048576

@@ -1,15 +1,19 @@
 //! What a peer's link may hold at this site: the bytes of frames read from its streams and not
-//! yet durable (`geo.receive_bytes_max`, all its topics together; one topic a quarter of it).
+//! yet durable (`geo.receive_bytes_max`, all its streams together; one stream an eighth of it),
+//! and beside it an eighth for streams' first frames (Open, Delete, Sync) until they are
+//! answered, so a new stream is never queued behind data.
 //!
 //! ```text
 //!  stream reader: length ─► StreamBudget::hold(len) ─► body ─► submit ─► durable ─► Held dropped
-//!                           (the topic's share, then the link's; waits while either is full,
+//!                           (the stream's share, then the link's; waits while either is full,
 //!                            and the peer waits with it through QUIC's flow control)
+//!  first frame:   length ─► StreamBudget::hold_first(len) ─► body ─► answered ─► Held dropped
 //! ```
 //!
 //! Whatever the backlog at the peer and however many streams it opens, what its frames hold
-//! here stays under the budget; a topic whose appends are slow holds at most its share, so
-//! the others go on.
+//! here stays under the budget and the first frames' eighth. A stream whose appends are slow
+//! holds at most its share: appends stuck in eight topics at once fill the link's budget, and
+//! the others then wait until those complete or fail.
 
 use std::sync::Arc;
 
@@ -18,13 +22,15 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 /// Counted in KiB (a semaphore's permits are `u32` a request).
 const UNIT: u64 = 1024;
 
-/// A topic stream's share of its link's budget.
-pub const STREAM_SHARE_DIVISOR: u64 = 4;
+/// A stream's share of its link's budget (and the first frames' budget beside it).
+pub const STREAM_SHARE_DIVISOR: u64 = 8;
 
 /// One peer connection's budget.
 #[derive(Clone)]
 pub struct ReceiveBudget {
     link: Arc<Semaphore>,
+    /// Streams' first frames, until answered.
+    first: Arc<Semaphore>,
     link_units: u32,
     stream_units: u32,
     site: String,
@@ -35,10 +41,12 @@ impl ReceiveBudget {
     pub fn new(bytes: u64, site: &str) -> ReceiveBudget {
         let link_units = u32::try_from((bytes / UNIT).max(1)).unwrap_or(u32::MAX);
         let link_units = link_units.min(Semaphore::MAX_PERMITS as u32);
+        let stream_units = (link_units / STREAM_SHARE_DIVISOR as u32).max(1);
         ReceiveBudget {
             link: Arc::new(Semaphore::new(link_units as usize)),
+            first: Arc::new(Semaphore::new(stream_units as usize)),
             link_units,
-            stream_units: (link_units / STREAM_SHARE_DIVISOR as u32).max(1),
+            stream_units,
             site: site.to_string(),
         }
     }
@@ -66,7 +74,7 @@ pub struct StreamBudget {
 /// Room for one frame, given back when dropped (once its entries are durable, or refused).
 pub struct Held {
     _own: OwnedSemaphorePermit,
-    _link: OwnedSemaphorePermit,
+    _link: Option<OwnedSemaphorePermit>,
     bytes: u64,
     site: String,
 }
@@ -106,6 +114,34 @@ impl StreamBudget {
                     .expect("the link's budget is never closed")
             }
         };
+        self.held(own, Some(link), len)
+    }
+
+    /// Waits for room for a stream's first frame of `len` bytes in the first frames' budget
+    /// (a frame larger than it takes all of it).
+    pub async fn hold_first(&self, len: usize) -> Held {
+        let units = u32::try_from((len as u64).div_ceil(UNIT)).unwrap_or(u32::MAX);
+        let mine = units.min(self.link.stream_units);
+        let first = &self.link.first;
+        let permit = match Arc::clone(first).try_acquire_many_owned(mine) {
+            Ok(p) => p,
+            Err(_) => {
+                self.waited("first");
+                Arc::clone(first)
+                    .acquire_many_owned(mine)
+                    .await
+                    .expect("the first frames' budget is never closed")
+            }
+        };
+        self.held(permit, None, len)
+    }
+
+    fn held(
+        &self,
+        own: OwnedSemaphorePermit,
+        link: Option<OwnedSemaphorePermit>,
+        len: usize,
+    ) -> Held {
         metrics::gauge!("meridian_geo_receive_held_bytes", "site" => self.link.site.clone())
             .increment(len as f64);
         Held {
@@ -131,42 +167,67 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    const K: usize = 1024;
+
+    async fn blocked(f: impl std::future::Future<Output = Held>) -> bool {
+        tokio::time::timeout(Duration::from_millis(50), f)
+            .await
+            .is_err()
+    }
+
     #[tokio::test]
     async fn given_a_full_share_or_link_then_a_frame_waits_until_room_is_given_back() {
-        // 64 KiB for the link: 16 KiB a stream.
-        let budget = ReceiveBudget::new(64 * 1024, "west");
+        // 128 KiB for the link: 16 KiB a stream.
+        let budget = ReceiveBudget::new(128 * 1024, "west");
         let a = budget.stream();
-        let first = a.hold(10 * 1024).await;
-        assert_eq!(budget.available_bytes(), 54 * 1024);
+        let first = a.hold(10 * K).await;
+        assert_eq!(budget.available_bytes(), 118 * 1024);
         // The stream's share has 6 KiB left: an 8 KiB frame waits for the first.
-        let waiting = tokio::time::timeout(Duration::from_millis(50), a.hold(8 * 1024)).await;
-        assert!(waiting.is_err(), "over the stream's share");
+        assert!(blocked(a.hold(8 * K)).await, "over the stream's share");
         drop(first);
-        let second = a.hold(8 * 1024).await;
-        assert_eq!(budget.available_bytes(), 56 * 1024);
+        let second = a.hold(8 * K).await;
+        assert_eq!(budget.available_bytes(), 120 * 1024);
         // Other streams take the rest of the link, then wait.
-        let others: Vec<_> = (0..3).map(|_| budget.stream()).collect();
+        let others: Vec<_> = (0..7).map(|_| budget.stream()).collect();
         let mut held = Vec::new();
         for s in &others {
-            held.push(s.hold(16 * 1024).await);
+            held.push(s.hold(16 * K).await);
         }
         assert_eq!(budget.available_bytes(), 8 * 1024);
-        let fourth = budget.stream();
-        let w = tokio::time::timeout(Duration::from_millis(50), fourth.hold(9 * 1024)).await;
-        assert!(w.is_err(), "over the link's budget");
+        let ninth = budget.stream();
+        assert!(blocked(ninth.hold(9 * K)).await, "over the link's budget");
+        // A new stream's first frame does not wait behind them.
+        let opening = budget.stream().hold_first(K).await;
         drop(second);
-        let _ok = fourth.hold(9 * 1024).await;
+        let _ok = ninth.hold(9 * K).await;
         drop(held);
-        assert_eq!(budget.available_bytes(), 55 * 1024);
+        drop(opening);
+        assert_eq!(budget.available_bytes(), 119 * 1024);
+    }
+
+    #[tokio::test]
+    async fn given_first_frames_then_they_have_a_budget_of_their_own() {
+        let budget = ReceiveBudget::new(128 * 1024, "west");
+        let a = budget.stream().hold_first(12 * K).await;
+        assert_eq!(
+            budget.available_bytes(),
+            128 * 1024,
+            "the link's is untouched"
+        );
+        assert!(blocked(budget.stream().hold_first(8 * K)).await);
+        drop(a);
+        let _b = budget.stream().hold_first(8 * K).await;
     }
 
     #[tokio::test]
     async fn given_a_frame_larger_than_a_share_then_it_takes_the_share_and_still_fits() {
-        let budget = ReceiveBudget::new(64 * 1024, "west");
+        let budget = ReceiveBudget::new(128 * 1024, "west");
         let s = budget.stream();
-        let big = s.hold(40 * 1024).await;
-        assert_eq!(budget.available_bytes(), 24 * 1024);
+        let big = s.hold(40 * K).await;
+        assert_eq!(budget.available_bytes(), 88 * 1024);
         drop(big);
-        assert_eq!(budget.available_bytes(), 64 * 1024);
+        assert_eq!(budget.available_bytes(), 128 * 1024);
+        let first = s.hold_first(40 * K).await;
+        drop(first);
     }
 }

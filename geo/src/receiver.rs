@@ -125,16 +125,22 @@ async fn refuse(send: &mut quinn::SendStream, r: Refusal) {
     let _ = send.finish();
 }
 
-/// Reads the next frame once the stream's budget has room for it.
+/// Reads the next frame once the stream's budget has room for it (the first frames' budget
+/// for a stream's `first`).
 async fn read_held(
     recv: &mut quinn::RecvStream,
     max: u64,
     budget: &StreamBudget,
+    first: bool,
 ) -> Result<Option<(Frame, Held)>, StreamError> {
     let Some(len) = read_frame_len(recv, max).await? else {
         return Ok(None);
     };
-    let held = budget.hold(len).await;
+    let held = if first {
+        budget.hold_first(len).await
+    } else {
+        budget.hold(len).await
+    };
     Ok(Some((read_frame_body(recv, len).await?, held)))
 }
 
@@ -152,11 +158,12 @@ pub async fn serve_stream(
     let budget = budget.stream();
     let first = match tokio::time::timeout(
         open_timeout,
-        read_held(&mut recv, frame_bytes_max, &budget),
+        read_held(&mut recv, frame_bytes_max, &budget, true),
     )
     .await
     {
-        Ok(Ok(Some((f, _held)))) => f,
+        // Its room is held until it is answered.
+        Ok(Ok(Some(f))) => f,
         Ok(Ok(None)) => return,
         Ok(Err(e)) => {
             warn!(origin, error = %e, "geo stream closed: a bad first frame");
@@ -170,6 +177,7 @@ pub async fn serve_stream(
             return;
         }
     };
+    let (first, first_held) = first;
     let (topic, partitions) = match first {
         Frame::Open { topic, partitions } => (topic, partitions),
         Frame::Delete {
@@ -225,6 +233,7 @@ pub async fn serve_stream(
             return;
         }
     };
+    drop(first_held);
     let opened = Frame::Opened {
         last,
         frame_bytes_max,
@@ -265,7 +274,7 @@ pub async fn serve_stream(
             let Ok(room) = read_tx.reserve().await else {
                 return;
             };
-            let r = read_held(&mut recv, frame_bytes_max, &budget).await;
+            let r = read_held(&mut recv, frame_bytes_max, &budget, false).await;
             let more = matches!(r, Ok(Some(_)));
             room.send(r);
             if !more {

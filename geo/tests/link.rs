@@ -343,7 +343,7 @@ impl ReplicaTopic for SlowTopic {
 async fn given_a_peer_that_floods_many_streams_then_what_its_frames_hold_stays_within_the_budget() {
     use std::sync::atomic::Ordering::SeqCst;
     let pki = Pki::new();
-    let budget = 256 * 1024;
+    let budget = 512 * 1024;
     let sink = Arc::new(SlowSink::default());
     let east = GeoLink::start(
         &GeoConfig {
@@ -360,7 +360,7 @@ async fn given_a_peer_that_floods_many_streams_then_what_its_frames_hold_stays_w
     let west = start(&pki, "west", &["east"]).await;
     let peer = west.dial(east.local_addr(), "east").await.unwrap();
     // 8 streams each send 20 frames of 15 entries of 4 KiB at once, never waiting for an
-    // acknowledgement: 9.8 MB wanted in flight against a budget of 256 KiB.
+    // acknowledgement: 9.8 MB wanted in flight against a budget of 512 KiB.
     let (streams, frames, per_frame) = (8u64, 20u64, 15u64);
     let mut tasks = Vec::new();
     for s in 0..streams {

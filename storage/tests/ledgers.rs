@@ -966,9 +966,16 @@ mod disk_full {
         }
         let (meta, _) = client.metadata(id).await.expect("metadata");
         assert_eq!(meta.state, LedgerState::Closed);
-        step("a writer's add is still refused");
-        let err = writer.add(payload(99)).await.expect_err("refused");
-        step(&format!("refused: {err}"));
+        step("it takes no other write: no ledger can be made on it");
+        let err = client
+            .create(1, 1, 1, BTreeMap::new())
+            .await
+            .err()
+            .expect("no writable bookie");
+        assert!(
+            matches!(err, LedgerError::NotEnoughBookies { available: 0, .. }),
+            "{err}"
+        );
         drop(core);
         for b in &mut bookies {
             b.stop(&store.client).await;
@@ -1022,6 +1029,18 @@ mod disk_full {
         let core = &bookies[0].running.as_ref().expect("running").core;
         let reason = core.read_only_reason().expect("read-only");
         assert!(reason.contains("journal"), "{reason}");
+        step("read-only after an error, it takes neither a fence nor a recovery add");
+        let other = LedgerClient::new(store.client.clone(), LedgerClientOptions::default());
+        let err = other
+            .open_recover(id)
+            .await
+            .err()
+            .expect("recovery is refused");
+        let why = err.to_string();
+        assert!(
+            why.contains("ReadOnly") || why.contains("could not rewrite"),
+            "{why}"
+        );
         step("the bookie still serves every acknowledged entry");
         let reader = client.open(id).await.expect("open");
         for e in 0..acked {

@@ -30,7 +30,7 @@ impl Iterator for Fields<'_> {
             return None;
         }
         let start = self.at;
-        match skip_field(self.bytes, &mut self.at, None) {
+        match skip_field(self.bytes, &mut self.at) {
             Ok(number) => Some(Ok((number, start..self.at))),
             Err(()) => {
                 self.failed = true;
@@ -72,14 +72,14 @@ fn varint(bytes: &[u8], at: &mut usize) -> Result<u64, ()> {
     Err(())
 }
 
-/// Skips one field from `at`, returning its number. Inside a group, `group` is the group's
-/// field number and its end-group key is accepted (and returned as that number).
-fn skip_field(bytes: &[u8], at: &mut usize, group: Option<u32>) -> Result<u32, ()> {
-    let key = varint(bytes, at)?;
-    let number = u32::try_from(key >> 3).map_err(|_| ())?;
-    if number == 0 {
-        return Err(());
-    }
+/// Groups nested deeper than this are refused (prost decodes 100 levels at most, so a field
+/// any decoder reads is never missed here).
+const GROUP_DEPTH_MAX: usize = 128;
+
+/// Skips one top-level field from `at`, returning its number: a group with everything up to
+/// its end-group key. Iterative (a message of nested groups costs no stack), and a group
+/// nested deeper than [`GROUP_DEPTH_MAX`] is malformed.
+fn skip_field(bytes: &[u8], at: &mut usize) -> Result<u32, ()> {
     let advance = |at: &mut usize, n: u64| -> Result<(), ()> {
         let end = at
             .checked_add(usize::try_from(n).map_err(|_| ())?)
@@ -90,35 +90,44 @@ fn skip_field(bytes: &[u8], at: &mut usize, group: Option<u32>) -> Result<u32, (
         *at = end;
         Ok(())
     };
-    match key & 7 {
-        0 => {
-            varint(bytes, at)?;
+    // The groups entered, innermost last.
+    let mut open: Vec<u32> = Vec::new();
+    let mut field = None;
+    loop {
+        let key = varint(bytes, at)?;
+        let number = u32::try_from(key >> 3).map_err(|_| ())?;
+        if number == 0 {
+            return Err(());
         }
-        1 => advance(at, 8)?,
-        2 => {
-            let len = varint(bytes, at)?;
-            advance(at, len)?;
-        }
-        3 => loop {
-            // A group: fields up to its end-group key (wire type 4, same number).
-            let inner_start = *at;
-            let inner = skip_field(bytes, at, Some(number))?;
-            // The key's first byte holds its wire type.
-            if inner == number && bytes[inner_start] & 7 == 4 {
-                break;
+        match key & 7 {
+            0 => {
+                varint(bytes, at)?;
             }
-        },
-        4 => {
-            return if group == Some(number) {
-                Ok(number)
-            } else {
-                Err(())
+            1 => advance(at, 8)?,
+            2 => {
+                let len = varint(bytes, at)?;
+                advance(at, len)?;
             }
+            3 => {
+                if open.len() >= GROUP_DEPTH_MAX {
+                    return Err(());
+                }
+                open.push(number);
+            }
+            // An end-group key closes the innermost group, of the same number.
+            4 => {
+                if open.pop() != Some(number) {
+                    return Err(());
+                }
+            }
+            5 => advance(at, 4)?,
+            _ => return Err(()),
         }
-        5 => advance(at, 4)?,
-        _ => return Err(()),
+        let top = *field.get_or_insert(number);
+        if open.is_empty() {
+            return Ok(top);
+        }
     }
-    Ok(number)
 }
 
 #[cfg(test)]
@@ -180,6 +189,38 @@ mod tests {
         let numbers: Vec<u32> = fields(&b).map(|f| f.unwrap().0).collect();
         assert_eq!(numbers, vec![7, 8, 9]);
         assert!(!has_field(&b, 1001));
+    }
+
+    #[test]
+    fn given_groups_nested_deeply_then_nothing_overflows_and_a_decodable_field_is_still_found() {
+        // A megabyte of start-group keys: malformed, and no stack is used for the depth.
+        let deep = vec![0x0bu8; 1 << 20];
+        assert!(!has_field(&deep, 1001));
+        assert!(fields(&deep).any(|f| f.is_err()));
+        // 100 nested groups (as deep as prost reads), closed, then field 1001.
+        let mut b = Vec::new();
+        for _ in 0..100 {
+            b.push(1 << 3 | 3);
+        }
+        for _ in 0..100 {
+            b.push(1 << 3 | 4);
+        }
+        prost::encoding::message::encode(
+            1001,
+            &MeridianOrigin {
+                site: "west".into(),
+                ledger_id: 1,
+                entry_id: 2,
+            },
+            &mut b,
+        );
+        assert!(has_field(&b, 1001));
+        let numbers: Vec<u32> = fields(&b).map(|f| f.unwrap().0).collect();
+        assert_eq!(numbers, vec![1, 1001]);
+        // Past the depth limit: malformed.
+        let mut b = vec![1 << 3 | 3; GROUP_DEPTH_MAX + 1];
+        b.extend(std::iter::repeat_n(1 << 3 | 4, GROUP_DEPTH_MAX + 1));
+        assert!(fields(&b).any(|f| f.is_err()));
     }
 
     #[test]
