@@ -967,6 +967,13 @@ mod disk_full {
         let (meta, _) = client.metadata(id).await.expect("metadata");
         assert_eq!(meta.state, LedgerState::Closed);
         step("it takes no other write: no ledger can be made on it");
+        for _ in 0..100 {
+            let infos = client.bookies().await.expect("bookies");
+            if infos.iter().all(|b| !b.writable) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
         let err = client
             .create(1, 1, 1, BTreeMap::new())
             .await
