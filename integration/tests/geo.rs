@@ -1321,6 +1321,26 @@ fn given_objects_made_at_one_site_then_every_site_they_name_converges_on_them() 
         });
     }
 
+    step("a topic's own policy set at west reaches east and north; its removal too");
+    at(west, &["topics", "set-message-ttl", t, "--ttl", "99"]);
+    for p in [east, north] {
+        wait_admin(
+            &p.admin_url,
+            &["--output", "json", "topics", "policies", t],
+            "the topic's policy",
+            |o| o.contains("\"message_ttl_seconds\": 99"),
+        );
+    }
+    at(east, &["topics", "remove-message-ttl", t]);
+    for p in [west, north] {
+        wait_admin(
+            &p.admin_url,
+            &["--output", "json", "topics", "policies", t],
+            "the topic's policy removed",
+            |o| !o.contains("message_ttl_seconds\": 99"),
+        );
+    }
+
     step("north leaves the tenant: refused while acme/g lists it, then taken everywhere");
     let err = admin_refused(
         &east.admin_url,

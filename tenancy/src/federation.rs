@@ -1,22 +1,28 @@
-//! Global objects between sites: cluster records, tenants and namespaces carry versions
+//! Global objects between sites: cluster records, tenants, namespaces and topics' own policies
+//! carry versions
 //! ([`crate::versions`]) in their records, deletions leave tombstones, and a peer's copies are
 //! merged into this site's field by field. No site coordinates another: each stays writable
 //! while cut off, and two sites that have exchanged their copies hold the same objects.
 //!
 //! ```text
-//!  /admin/clusters/<c>, /admin/tenants/<t>, /admin/namespaces/<t>/<n>   records with "_v"
-//!  /admin/deleted/clusters/<c>, .../tenants/<t>, .../namespaces/<t>/<n>  tombstones
+//!  /admin/clusters/<c>, /admin/tenants/<t>, /admin/namespaces/<t>/<n>,  records with "_v"
+//!    /admin/topic-policies/<t>/<n>/<topic> (a topic's own policies)
+//!  /admin/deleted/clusters/<c>, .../tenants/<t>, .../namespaces/<t>/<n>,  tombstones
+//!    .../topic-policies/<t>/<n>/<topic>
 //!
 //!  export_for(peer): every cluster record and tombstone; every tenant; the namespaces of
-//!                    the tenants that allow the peer; the tombstones that name the peer
-//!  merge_from(peer): in order clusters, tenants, namespaces, tenants again (a tenant deleted
-//!                    after its namespaces); each copy merged, checked, written by CAS
+//!                    the tenants that allow the peer; the topic policies of those namespaces
+//!                    replicated with the peer; the tombstones that name the peer
+//!  merge_from(peer): in order clusters, tenants, namespaces, topic policies, tenants again (a
+//!                    tenant deleted after its namespaces); each copy merged, checked, written
+//!                    by CAS
 //! ```
 //!
 //! What a peer may change here: the registry (never this site's own record away); a tenant
 //! that allows the peer (a new one must allow the peer and this site); a namespace of a tenant
 //! that allows the peer, listing the peer here or in the peer's copy (a new one must list the
-//! peer and this site). Anything else in a peer's copy is skipped and reported.
+//! peer and this site); a topic's policies in a namespace that lists the peer here. Anything else
+//! in a peer's copy is skipped and reported.
 
 use futures::future::BoxFuture;
 use meridian_metadata::pb;
@@ -25,6 +31,7 @@ use serde_json::Value;
 
 use crate::model::{
     check_name, split_namespace, CLUSTERS_PREFIX, NAMESPACES_PREFIX, TENANTS_PREFIX,
+    TOPIC_POLICIES_PREFIX,
 };
 use crate::store::{AdminError, TenancyStore};
 use crate::versions::{self, Copy, Tombstone, CLOCK};
@@ -52,6 +59,9 @@ enum Kind {
     Cluster,
     Tenant,
     Namespace,
+    /// A topic's own policies (`/admin/topic-policies/<tenant>/<namespace>/<topic>`), shared
+    /// with the sites of its namespace.
+    TopicPolicies,
 }
 
 fn kind_of(key: &str) -> Option<Kind> {
@@ -61,6 +71,9 @@ fn kind_of(key: &str) -> Option<Kind> {
         check_name("tenant", n).ok().map(|_| Kind::Tenant)
     } else if let Some(n) = key.strip_prefix(NAMESPACES_PREFIX) {
         split_namespace(n).ok().map(|_| Kind::Namespace)
+    } else if let Some(n) = key.strip_prefix(TOPIC_POLICIES_PREFIX) {
+        let (ns, topic) = n.rsplit_once('/')?;
+        (!topic.is_empty() && split_namespace(ns).is_ok()).then_some(Kind::TopicPolicies)
     } else {
         None
     }
@@ -90,6 +103,72 @@ pub trait NamespaceData: Send + Sync {
     fn delete_topics<'a>(&'a self, namespace: &'a str) -> BoxFuture<'a, Result<(), AdminError>>;
 }
 
+/// This site's global objects as read at one moment ([`TenancyStore::export`]).
+#[derive(Debug, Clone)]
+pub struct Exported {
+    clusters: Vec<(String, Copy)>,
+    tenants: Vec<(String, Copy)>,
+    namespaces: Vec<(String, Copy)>,
+    topic_policies: Vec<(String, Copy)>,
+}
+
+impl Exported {
+    /// What `peer` takes part in (see the module's picture).
+    pub fn for_peer(&self, peer: &str) -> Vec<SyncItem> {
+        let item = |key: &String, copy: &Copy| SyncItem {
+            key: key.clone(),
+            copy: copy.clone(),
+        };
+        let mut items: Vec<SyncItem> = self.clusters.iter().map(|(k, c)| item(k, c)).collect();
+        let names_peer = |c: &Copy, kind: Kind| {
+            sites_of(kind, c.record.as_ref()).iter().any(|s| s == peer)
+                || c.deleted
+                    .as_ref()
+                    .is_some_and(|t| t.sites.iter().any(|s| s == peer))
+        };
+        // Every tenant goes to every peer (as Pulsar's tenants are in a store every cluster
+        // shares): a peer takes a change only to a tenant that allows this site there, so a
+        // tenant that stops allowing the peer still reaches it, and it converges. Deleted
+        // ones only to the sites their tombstone names.
+        let mut tenants = Vec::new();
+        for (key, copy) in &self.tenants {
+            if names_peer(copy, Kind::Tenant) && copy.record.is_some() {
+                tenants.push(key.strip_prefix(TENANTS_PREFIX).expect("prefix"));
+            }
+            if copy.record.is_some() || names_peer(copy, Kind::Tenant) {
+                items.push(item(key, copy));
+            }
+        }
+        // Namespaces replicated with the peer: their topics' own policies go too.
+        let mut shared = Vec::new();
+        for (key, copy) in &self.namespaces {
+            let ns = key.strip_prefix(NAMESPACES_PREFIX).expect("prefix");
+            let tenant = ns.split('/').next().unwrap_or_default();
+            if tenants.contains(&tenant) || names_peer(copy, Kind::Namespace) {
+                items.push(item(key, copy));
+                if tenants.contains(&tenant)
+                    && copy.record.is_some()
+                    && names_peer(copy, Kind::Namespace)
+                {
+                    shared.push(ns);
+                }
+            }
+        }
+        for (key, copy) in &self.topic_policies {
+            let name = key.strip_prefix(TOPIC_POLICIES_PREFIX).expect("prefix");
+            if shared.contains(&namespace_of_topic(name))
+                || copy
+                    .deleted
+                    .as_ref()
+                    .is_some_and(|t| t.sites.iter().any(|s| s == peer))
+            {
+                items.push(item(key, copy));
+            }
+        }
+        items
+    }
+}
+
 fn strings(v: Option<&Value>, field: &str) -> Vec<String> {
     v.and_then(|v| v.get(field))
         .and_then(Value::as_array)
@@ -107,8 +186,14 @@ fn sites_of(kind: Kind, record: Option<&Value>) -> Vec<String> {
     match kind {
         Kind::Cluster => Vec::new(),
         Kind::Tenant => strings(record, "allowed_clusters"),
-        Kind::Namespace => strings(record, "replication_clusters"),
+        Kind::Namespace | Kind::TopicPolicies => strings(record, "replication_clusters"),
     }
+}
+
+/// The namespace (`tenant/namespace`) of a topic's policies, from the name under
+/// `/admin/topic-policies/` (the topic's own part has its `/` escaped).
+fn namespace_of_topic(name: &str) -> &str {
+    name.rsplit_once('/').map_or(name, |(ns, _)| ns)
 }
 
 fn damaged(key: &str, e: serde_json::Error) -> AdminError {
@@ -198,10 +283,25 @@ impl TenancyStore {
         let old = held.copy.record.as_ref();
         let floor = versions::floor(old, held.copy.deleted.as_ref());
         let at = CLOCK.tick(versions::wall_ms(), &self.site, floor.as_ref());
-        let tomb = Tombstone {
-            at,
-            sites: sites_of(kind, old),
-        };
+        let mut sites = sites_of(kind, old);
+        if kind == Kind::TopicPolicies {
+            // A topic's policies go to the sites of its namespace: so does their deletion.
+            let name = key
+                .strip_prefix(TOPIC_POLICIES_PREFIX)
+                .expect("a topic's policies");
+            let ns = namespace_of_topic(name);
+            let ns_record = self
+                .meta
+                .get(&format!("{NAMESPACES_PREFIX}{ns}"))
+                .await?
+                .map(|kv| serde_json::from_slice::<Value>(&kv.value))
+                .transpose()
+                .map_err(|e| damaged(ns, e))?;
+            sites.extend(strings(ns_record.as_ref(), "replication_clusters"));
+            sites.sort();
+            sites.dedup();
+        }
+        let tomb = Tombstone { at, sites };
         let mut next = held.copy.clone();
         next.record = None;
         next.deleted = Some(tomb);
@@ -293,41 +393,17 @@ impl TenancyStore {
 
     /// This site's global objects that `peer` takes part in (see the module's picture).
     pub async fn export_for(&self, peer: &str) -> Result<Vec<SyncItem>, AdminError> {
-        let mut items = Vec::new();
-        for (key, copy) in self.copies(CLUSTERS_PREFIX).await? {
-            items.push(SyncItem { key, copy });
-        }
-        let names_peer = |c: &Copy, kind: Kind| {
-            sites_of(kind, c.record.as_ref()).iter().any(|s| s == peer)
-                || c.deleted
-                    .as_ref()
-                    .is_some_and(|t| t.sites.iter().any(|s| s == peer))
-        };
-        // Every tenant goes to every peer (as Pulsar's tenants are in a store every cluster
-        // shares): a peer takes a change only to a tenant that allows this site there, so a
-        // tenant that stops allowing the peer still reaches it, and it converges. Deleted
-        // ones only to the sites their tombstone names.
-        let mut tenants = Vec::new();
-        for (key, copy) in self.copies(TENANTS_PREFIX).await? {
-            if names_peer(&copy, Kind::Tenant) && copy.record.is_some() {
-                tenants.push(
-                    key.strip_prefix(TENANTS_PREFIX)
-                        .expect("prefix")
-                        .to_string(),
-                );
-            }
-            if copy.record.is_some() || names_peer(&copy, Kind::Tenant) {
-                items.push(SyncItem { key, copy });
-            }
-        }
-        for (key, copy) in self.copies(NAMESPACES_PREFIX).await? {
-            let ns = key.strip_prefix(NAMESPACES_PREFIX).expect("prefix");
-            let tenant = ns.split('/').next().unwrap_or_default();
-            if tenants.iter().any(|t| t == tenant) || names_peer(&copy, Kind::Namespace) {
-                items.push(SyncItem { key, copy });
-            }
-        }
-        Ok(items)
+        Ok(self.export().await?.for_peer(peer))
+    }
+
+    /// This site's global objects, read once for any number of peers.
+    pub async fn export(&self) -> Result<Exported, AdminError> {
+        Ok(Exported {
+            clusters: self.copies(CLUSTERS_PREFIX).await?,
+            tenants: self.copies(TENANTS_PREFIX).await?,
+            namespaces: self.copies(NAMESPACES_PREFIX).await?,
+            topic_policies: self.copies(TOPIC_POLICIES_PREFIX).await?,
+        })
     }
 
     /// Merges `peer`'s copies into this site's (see the module's picture for what a peer may
@@ -466,6 +542,31 @@ impl TenancyStore {
                         ));
                     }
                 }
+                Kind::TopicPolicies => {
+                    // Its namespace here, of a tenant that allows the peer, lists the peer.
+                    let ns = namespace_of_topic(&name);
+                    let record = |key: String| async move {
+                        self.meta
+                            .get(&key)
+                            .await?
+                            .map(|kv| serde_json::from_slice::<Value>(&kv.value))
+                            .transpose()
+                            .map_err(|e| damaged(&key, e))
+                    };
+                    let tenant = ns.split('/').next().unwrap_or_default();
+                    let t = record(format!("{TENANTS_PREFIX}{tenant}")).await?;
+                    let n = record(format!("{NAMESPACES_PREFIX}{ns}")).await?;
+                    let lists = |r: Option<&Value>, field: &str| {
+                        strings(r, field).iter().any(|s| s == peer)
+                    };
+                    if !lists(t.as_ref(), "allowed_clusters")
+                        || !lists(n.as_ref(), "replication_clusters")
+                    {
+                        return denied(format!(
+                            "topic policies {name}: namespace {ns} is not replicated with site {peer} here"
+                        ));
+                    }
+                }
             }
             let mut next = versions::merge(&held.copy, &incoming);
             if next == held.copy {
@@ -498,6 +599,7 @@ impl TenancyStore {
                             "namespace {name}'s topics here were not deleted: {e}"
                         ))
                     })?,
+                    Kind::TopicPolicies => {}
                 }
             }
             if let Some(record) = &next.record {
@@ -512,7 +614,7 @@ impl TenancyStore {
                     Kind::Tenant => serde_json::from_value::<crate::model::TenantInfo>(plain)
                         .map(|_| ())
                         .map_err(|e| e.to_string()),
-                    Kind::Namespace => {
+                    Kind::Namespace | Kind::TopicPolicies => {
                         serde_json::from_value::<crate::model::NamespacePolicies>(plain)
                             .map(|_| ())
                             .map_err(|e| e.to_string())

@@ -506,6 +506,23 @@ impl TenancyStore {
         Ok(new)
     }
 
+    /// Deletes the record of a topic's own policies (the topic is being deleted) with its
+    /// tombstone, so an older copy from a peer site does not bring it back.
+    pub async fn delete_topic_policies_record(&self, key: &str) -> Result<(), AdminError> {
+        for _ in 0..5 {
+            let Some((_, v)) = self.get::<serde_json::Value>(key).await? else {
+                return Ok(());
+            };
+            match self.delete(key, v, &format!("topic policies {key}")).await {
+                Err(AdminError::FailedPrecondition(_)) => continue,
+                r => return r,
+            }
+        }
+        Err(AdminError::FailedPrecondition(format!(
+            "topic policies {key} kept changing while they were deleted"
+        )))
+    }
+
     /// Grants `actions` to `role` in a namespace (replacing its earlier grant), or with `None`
     /// revokes the role's grant. Returns the namespace's permissions.
     pub async fn set_permission(

@@ -294,3 +294,115 @@ async fn given_a_site_removed_from_a_tenant_then_refused_while_a_namespace_lists
     sync(&east, "east", &west, "west").await;
     assert_eq!(west.t.tenant("acme").await.unwrap(), east_only);
 }
+
+#[tokio::test]
+async fn given_a_topic_s_own_policies_then_they_go_to_its_namespace_s_sites_and_so_does_their_removal(
+) {
+    let (east, west) = (site("east").await, site("west").await);
+    east.t
+        .create_cluster("west", &cluster("west"))
+        .await
+        .unwrap();
+    west.t
+        .create_cluster("east", &cluster("east"))
+        .await
+        .unwrap();
+    let both = TenantInfo {
+        allowed_clusters: vec!["east".into(), "west".into()],
+        ..Default::default()
+    };
+    east.t.create_tenant("acme", &both).await.unwrap();
+    let clusters = |c: &[&str]| NamespacePolicies {
+        replication_clusters: Some(c.iter().map(|s| s.to_string()).collect()),
+        ..Default::default()
+    };
+    east.t
+        .create_namespace("acme/g", &clusters(&["east", "west"]))
+        .await
+        .unwrap();
+    east.t
+        .create_namespace("acme/local", &clusters(&["east"]))
+        .await
+        .unwrap();
+    sync(&east, "east", &west, "west").await;
+
+    let (orders, local) = ("persistent://acme/g/orders", "persistent://acme/local/x");
+    let ttl = |s: u32| NamespacePolicies {
+        message_ttl_seconds: Some(s),
+        ..Default::default()
+    };
+    east.t
+        .update_topic_policies(orders, &ttl(120), &[])
+        .await
+        .unwrap();
+    east.t
+        .update_topic_policies(local, &ttl(5), &[])
+        .await
+        .unwrap();
+    let sent = east.t.export_for("west").await.unwrap();
+    let key = |t: &str, n: &str, x: &str| meridian_tenancy::model::topic_policies_key(t, n, x);
+    assert!(sent.iter().any(|i| i.key == key("acme", "g", "orders")));
+    assert!(
+        !sent.iter().any(|i| i.key == key("acme", "local", "x")),
+        "a namespace of east alone keeps its topics' policies"
+    );
+    sync(&east, "east", &west, "west").await;
+    let (p, _) = west.t.topic_policies(orders).await.unwrap();
+    assert_eq!(p.message_ttl_seconds, Some(120));
+
+    // A field changed at west comes back to east beside east's.
+    let producers = NamespacePolicies {
+        max_producers_per_topic: Some(3),
+        ..Default::default()
+    };
+    west.t
+        .update_topic_policies(orders, &producers, &[])
+        .await
+        .unwrap();
+    sync(&west, "west", &east, "east").await;
+    let (p, _) = east.t.topic_policies(orders).await.unwrap();
+    assert_eq!(
+        (p.message_ttl_seconds, p.max_producers_per_topic),
+        (Some(120), Some(3))
+    );
+
+    // Removed at east (every field cleared: the record goes, with a tombstone), gone at
+    // west, and west's older copy does not bring it back.
+    let stale = west.t.export_for("east").await.unwrap();
+    let all = [
+        "message_ttl_seconds".to_string(),
+        "max_producers_per_topic".to_string(),
+    ];
+    east.t
+        .update_topic_policies(orders, &NamespacePolicies::default(), &all)
+        .await
+        .unwrap();
+    assert_eq!(east.t.topic_policies(orders).await.unwrap().1, 0);
+    sync(&east, "east", &west, "west").await;
+    assert_eq!(
+        west.t.topic_policies(orders).await.unwrap().1,
+        0,
+        "gone at west"
+    );
+    east.t.merge_from("west", stale, &east.data).await.unwrap();
+    assert_eq!(
+        east.t.topic_policies(orders).await.unwrap().1,
+        0,
+        "an older copy does not bring them back"
+    );
+    // The deleted topic's record, deleted by the broker, leaves a tombstone too.
+    east.t
+        .update_topic_policies(orders, &ttl(7), &[])
+        .await
+        .unwrap();
+    sync(&east, "east", &west, "west").await;
+    let stale = west.t.export_for("east").await.unwrap();
+    east.t
+        .delete_topic_policies_record(&key("acme", "g", "orders"))
+        .await
+        .unwrap();
+    east.t.merge_from("west", stale, &east.data).await.unwrap();
+    assert_eq!(east.t.topic_policies(orders).await.unwrap().1, 0);
+    sync(&east, "east", &west, "west").await;
+    assert_eq!(west.t.topic_policies(orders).await.unwrap().1, 0);
+}

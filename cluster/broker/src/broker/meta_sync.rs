@@ -2,8 +2,9 @@
 //! from the other sites (`meridian_tenancy::federation`, over `meridian_geo::metasync`).
 //!
 //! ```text
-//!  meta_sync_loop, every second:  for each other site in the registry (geo URL or route):
-//!     export_for(site) ─► JSON ─► changed since the last Synced, or 30 s old? ─► Sync ─► Synced
+//!  meta_sync_loop, every second:  export() (the store read once), then for each other site
+//!  in the registry (geo URL or route):
+//!     for_peer(site) ─► JSON ─► changed since the last Synced, or 30 s old? ─► Sync ─► Synced
 //!  a peer's Sync ─► merge_global: merge_from(peer) ─► a namespace deleted there: its topics
 //!     here go first (BrokerTopics::delete, forced) ─► Synced{changed, skipped}
 //! ```
@@ -106,6 +107,14 @@ impl Broker {
                     continue;
                 }
             };
+            // Read once a beat, whatever the number of sites.
+            let exported = match store.export().await {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::debug!(error = %e, "global objects: export failed");
+                    continue;
+                }
+            };
             let mut due = Vec::new();
             for site in sites {
                 if site == self.cfg.cluster_name
@@ -115,13 +124,7 @@ impl Broker {
                 {
                     continue;
                 }
-                let items = match store.export_for(&site).await {
-                    Ok(i) => i,
-                    Err(e) => {
-                        tracing::debug!(site, error = %e, "global objects: export failed");
-                        continue;
-                    }
-                };
+                let items = exported.for_peer(&site);
                 let doc = serde_json::to_vec(&items).expect("json");
                 let mut h = std::collections::hash_map::DefaultHasher::new();
                 doc.hash(&mut h);

@@ -338,9 +338,11 @@ impl Broker {
             }
             if name.partition().is_none() {
                 self.meta.delete(&Self::schema_key(name), None).await?;
-                self.meta
-                    .delete(&Self::topic_policies_key(name), None)
-                    .await?;
+                // With a tombstone: a peer site's older copy does not bring them back.
+                meridian_tenancy::TenancyStore::for_site(self.meta.clone(), &self.cfg.cluster_name)
+                    .delete_topic_policies_record(&Self::topic_policies_key(name))
+                    .await
+                    .map_err(|e| BrokerError::new(ServerError::MetadataError, e.to_string()))?;
             }
             Ok::<(), BrokerError>(())
         }
