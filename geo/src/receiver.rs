@@ -200,11 +200,15 @@ pub async fn serve_stream(
         Frame::Sync { doc } => {
             match sink.sync(origin, doc).await {
                 Ok((changed, skipped)) => {
-                    if changed > 0 || skipped > 0 {
+                    // Skipped ones come with every resend (a tenant that does not allow this
+                    // site): said at info only when something changed.
+                    if changed > 0 {
                         info!(
                             origin,
                             changed, skipped, "global objects merged from {origin}"
                         );
+                    } else if skipped > 0 {
+                        debug!(origin, skipped, "global objects from {origin}: none taken");
                     }
                     let _ = write_frame(&mut send, &Frame::Synced { changed, skipped }).await;
                     let _ = send.finish();

@@ -139,29 +139,28 @@ impl Exported {
                 items.push(item(key, copy));
             }
         }
-        // Namespaces replicated with the peer: their topics' own policies go too.
-        let mut shared = Vec::new();
+        // Namespaces whose record lists the peer: their topics' own policies go too.
+        let mut shared = std::collections::BTreeSet::new();
         for (key, copy) in &self.namespaces {
             let ns = key.strip_prefix(NAMESPACES_PREFIX).expect("prefix");
             let tenant = ns.split('/').next().unwrap_or_default();
             if tenants.contains(&tenant) || names_peer(copy, Kind::Namespace) {
                 items.push(item(key, copy));
-                if tenants.contains(&tenant)
-                    && copy.record.is_some()
-                    && names_peer(copy, Kind::Namespace)
-                {
-                    shared.push(ns);
+                let lists = sites_of(Kind::Namespace, copy.record.as_ref());
+                if tenants.contains(&tenant) && lists.iter().any(|s| s == peer) {
+                    shared.insert(ns);
                 }
             }
         }
+        // A topic's policies: the record to the sites of a shared namespace; a deletion only
+        // to the sites its tombstone names (one made here alone names none).
         for (key, copy) in &self.topic_policies {
             let name = key.strip_prefix(TOPIC_POLICIES_PREFIX).expect("prefix");
-            if shared.contains(&namespace_of_topic(name))
-                || copy
-                    .deleted
-                    .as_ref()
-                    .is_some_and(|t| t.sites.iter().any(|s| s == peer))
-            {
+            let to_peer = copy
+                .deleted
+                .as_ref()
+                .is_some_and(|t| t.sites.iter().any(|s| s == peer));
+            if (copy.record.is_some() && shared.contains(namespace_of_topic(name))) || to_peer {
                 items.push(item(key, copy));
             }
         }
@@ -267,12 +266,34 @@ impl TenancyStore {
     }
 
     /// Deletes a global object's record at `version`, leaving its tombstone in the same
-    /// transaction.
+    /// transaction; the tombstone names the sites the deletion goes to.
     pub(crate) async fn delete_global(
         &self,
         key: &str,
         version: u64,
         what: &str,
+    ) -> Result<(), AdminError> {
+        self.delete_copy(key, version, what, true).await
+    }
+
+    /// Deletes a global object's record here only (a topic's own policies as its topic is
+    /// deleted at this site): the tombstone names no site, so it goes nowhere, and keeps an
+    /// older copy from a peer from bringing the record back here.
+    pub(crate) async fn delete_here(
+        &self,
+        key: &str,
+        version: u64,
+        what: &str,
+    ) -> Result<(), AdminError> {
+        self.delete_copy(key, version, what, false).await
+    }
+
+    async fn delete_copy(
+        &self,
+        key: &str,
+        version: u64,
+        what: &str,
+        travels: bool,
     ) -> Result<(), AdminError> {
         let held = self.held(key).await?;
         let raced = || AdminError::FailedPrecondition(format!("{what} changed meanwhile; retry"));
@@ -284,7 +305,9 @@ impl TenancyStore {
         let floor = versions::floor(old, held.copy.deleted.as_ref());
         let at = CLOCK.tick(versions::wall_ms(), &self.site, floor.as_ref());
         let mut sites = sites_of(kind, old);
-        if kind == Kind::TopicPolicies {
+        if !travels {
+            sites.clear();
+        } else if kind == Kind::TopicPolicies {
             // A topic's policies go to the sites of its namespace: so does their deletion.
             let name = key
                 .strip_prefix(TOPIC_POLICIES_PREFIX)

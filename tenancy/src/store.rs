@@ -506,14 +506,18 @@ impl TenancyStore {
         Ok(new)
     }
 
-    /// Deletes the record of a topic's own policies (the topic is being deleted) with its
-    /// tombstone, so an older copy from a peer site does not bring it back.
+    /// Deletes the record of a topic's own policies here (the topic is being deleted here;
+    /// where it is deleted at every site, each site deletes its own) with a tombstone that
+    /// goes nowhere but keeps an older copy from a peer site from bringing it back.
     pub async fn delete_topic_policies_record(&self, key: &str) -> Result<(), AdminError> {
         for _ in 0..5 {
             let Some((_, v)) = self.get::<serde_json::Value>(key).await? else {
                 return Ok(());
             };
-            match self.delete(key, v, &format!("topic policies {key}")).await {
+            match self
+                .delete_here(key, v, &format!("topic policies {key}"))
+                .await
+            {
                 Err(AdminError::FailedPrecondition(_)) => continue,
                 r => return r,
             }
@@ -591,13 +595,14 @@ impl TenancyStore {
     }
 
     /// Topic policies left by topics deleted without the broker (none of a live topic: the
-    /// namespace had none): a namespace created again starts clean.
+    /// namespace had none): a namespace created again starts clean. Each leaves a tombstone
+    /// that goes nowhere, so a peer's older copy does not come back with the namespace.
     pub(crate) async fn clear_topic_policies(&self, ns: &str) -> Result<(), AdminError> {
         let prefix = format!("{TOPIC_POLICIES_PREFIX}{ns}/");
         loop {
             let page = self.meta.list(&prefix, "", 0).await?;
             for kv in &page.kvs {
-                self.meta.delete(&kv.key, None).await?;
+                self.delete_topic_policies_record(&kv.key).await?;
             }
             if !page.more {
                 return Ok(());

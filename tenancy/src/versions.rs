@@ -1,4 +1,5 @@
-//! Versions of global objects (cluster records, tenants, namespaces), sans-IO: how sites that
+//! Versions of global objects (cluster records, tenants, namespaces, topics' own policies),
+//! sans-IO: how sites that
 //! change them apart converge without a coordinator.
 //!
 //! ```text

@@ -390,7 +390,9 @@ async fn given_a_topic_s_own_policies_then_they_go_to_its_namespace_s_sites_and_
         0,
         "an older copy does not bring them back"
     );
-    // The deleted topic's record, deleted by the broker, leaves a tombstone too.
+    // A topic deleted here (each site deletes its own copy of a topic deleted everywhere;
+    // a site removed from a namespace deletes its data alone) leaves a tombstone that keeps
+    // older copies out here and goes nowhere.
     east.t
         .update_topic_policies(orders, &ttl(7), &[])
         .await
@@ -403,6 +405,18 @@ async fn given_a_topic_s_own_policies_then_they_go_to_its_namespace_s_sites_and_
         .unwrap();
     east.t.merge_from("west", stale, &east.data).await.unwrap();
     assert_eq!(east.t.topic_policies(orders).await.unwrap().1, 0);
+    assert!(!east
+        .t
+        .export_for("west")
+        .await
+        .unwrap()
+        .iter()
+        .any(|i| i.key == key("acme", "g", "orders")));
     sync(&east, "east", &west, "west").await;
-    assert_eq!(west.t.topic_policies(orders).await.unwrap().1, 0);
+    let (p, _) = west.t.topic_policies(orders).await.unwrap();
+    assert_eq!(
+        p.message_ttl_seconds,
+        Some(7),
+        "west's copy is its own to delete"
+    );
 }
