@@ -1,10 +1,12 @@
-//! The site's global objects (cluster records, tenants, namespaces) carried to and merged
+//! The site's global objects (cluster records, tenants, namespaces, topics' own policies)
+//! carried to and merged
 //! from the other sites (`meridian_tenancy::federation`, over `meridian_geo::metasync`).
 //!
 //! ```text
 //!  meta_sync_loop, every second:  export() (the store read once), then for each other site
 //!  in the registry (geo URL or route):
-//!     for_peer(site) ─► JSON ─► changed since the last Synced, or 30 s old? ─► Sync ─► Synced
+//!     for_peer(site) ─► JSON documents under geo.frame_bytes_max (in merge order) ─►
+//!     changed since the last Synced, or 30 s old? ─► a Sync for each, one after another
 //!  a peer's Sync ─► merge_global: merge_from(peer) ─► a namespace deleted there: its topics
 //!     here go first (BrokerTopics::delete, forced) ─► Synced{changed, skipped}
 //! ```
@@ -34,6 +36,37 @@ const BEAT: Duration = Duration::from_secs(1);
 const RESEND: Duration = Duration::from_secs(30);
 /// Longest one exchange may take.
 const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// A Sync frame's bytes beside its document (length, kind, the document's length).
+const FRAME_OVERHEAD: u64 = 64;
+
+/// `items` as JSON documents (arrays of them) of at most `max` bytes each, in order; the keys
+/// of items too large for a document alone are returned apart (not sent).
+fn documents(items: &[SyncItem], max: usize) -> (Vec<Vec<u8>>, Vec<String>) {
+    let mut docs = Vec::new();
+    let mut too_large = Vec::new();
+    let mut doc = b"[".to_vec();
+    for item in items {
+        let one = serde_json::to_vec(item).expect("json");
+        // `[` + the item + `]`: what a document of this item alone takes.
+        if one.len() + 2 > max {
+            too_large.push(item.key.clone());
+            continue;
+        }
+        if doc.len() > 1 && doc.len() + 1 + one.len() + 1 > max {
+            doc.push(b']');
+            docs.push(std::mem::replace(&mut doc, b"[".to_vec()));
+        }
+        if doc.len() > 1 {
+            doc.push(b',');
+        }
+        doc.extend_from_slice(&one);
+    }
+    doc.push(b']');
+    if doc.len() > 2 || docs.is_empty() {
+        docs.push(doc);
+    }
+    (docs, too_large)
+}
 
 /// The broker's part of a namespace deleted at another site: its topics here.
 struct SiteTopics(Arc<Broker>);
@@ -125,9 +158,18 @@ impl Broker {
                     continue;
                 }
                 let items = exported.for_peer(&site);
-                let doc = serde_json::to_vec(&items).expect("json");
+                // Documents the peer takes whole (each under its frame limit), in merge order.
+                let max = link.frame_bytes_max().saturating_sub(FRAME_OVERHEAD) as usize;
+                let (docs, too_large) = documents(&items, max);
+                for key in too_large {
+                    tracing::warn!(
+                        site,
+                        key,
+                        "a global object is larger than geo.frame_bytes_max; not sent to {site}"
+                    );
+                }
                 let mut h = std::collections::hash_map::DefaultHasher::new();
-                doc.hash(&mut h);
+                docs.hash(&mut h);
                 let digest = h.finish();
                 if sent
                     .get(&site)
@@ -135,29 +177,27 @@ impl Broker {
                 {
                     continue;
                 }
-                // What the peer would refuse from its length alone is not sent.
-                if doc.len() as u64 + 64 > link.frame_bytes_max() {
-                    tracing::warn!(
-                        site,
-                        bytes = doc.len(),
-                        "global objects for {site} are larger than geo.frame_bytes_max; not sent"
-                    );
-                    sent.insert(site, (digest, Instant::now()));
-                    continue;
-                }
-                due.push((site, digest, doc));
+                due.push((site, digest, docs));
             }
-            let results = futures::future::join_all(due.into_iter().map(|(site, digest, doc)| {
+            let results = futures::future::join_all(due.into_iter().map(|(site, digest, docs)| {
                 let link = Arc::clone(&link);
                 async move {
-                    let r = meridian_geo::metasync::send_sync(
-                        &link,
-                        &site,
-                        bytes::Bytes::from(doc),
-                        EXCHANGE_TIMEOUT,
-                    )
-                    .await;
-                    (site, digest, r)
+                    // One after another: a later document may need an earlier one's objects.
+                    let mut total = (0u32, 0u32);
+                    for doc in docs {
+                        match meridian_geo::metasync::send_sync(
+                            &link,
+                            &site,
+                            bytes::Bytes::from(doc),
+                            EXCHANGE_TIMEOUT,
+                        )
+                        .await
+                        {
+                            Ok((c, s)) => total = (total.0 + c, total.1 + s),
+                            Err(e) => return (site, digest, Err(e)),
+                        }
+                    }
+                    (site, digest, Ok(total))
                 }
             }))
             .await;
@@ -186,5 +226,55 @@ impl Broker {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::documents;
+    use meridian_tenancy::federation::SyncItem;
+
+    fn item(key: &str, bytes: usize) -> SyncItem {
+        serde_json::from_value(serde_json::json!({
+            "key": key,
+            "record": {"pad": "x".repeat(bytes)},
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn given_copies_larger_than_a_frame_then_they_go_in_documents_under_it_in_order() {
+        let items: Vec<SyncItem> = (0..50)
+            .map(|i| item(&format!("/admin/namespaces/acme/n{i:02}"), 100 + i * 7))
+            .collect();
+        let max = 1_000;
+        let (docs, too_large) = documents(&items, max);
+        assert!(too_large.is_empty());
+        assert!(docs.len() > 5, "{} documents", docs.len());
+        let mut back = Vec::new();
+        for d in &docs {
+            assert!(d.len() <= max, "{} bytes", d.len());
+            let part: Vec<SyncItem> = serde_json::from_slice(d).unwrap();
+            assert!(!part.is_empty());
+            back.extend(part);
+        }
+        assert_eq!(back, items, "every copy once, in order");
+
+        let mut with_big = items[..3].to_vec();
+        with_big.insert(1, item("/admin/namespaces/acme/big", 5_000));
+        let (docs, too_large) = documents(&with_big, max);
+        assert_eq!(too_large, vec!["/admin/namespaces/acme/big".to_string()]);
+        let back: Vec<SyncItem> = docs
+            .iter()
+            .flat_map(|d| serde_json::from_slice::<Vec<SyncItem>>(d).unwrap())
+            .collect();
+        assert_eq!(back, items[..3].to_vec());
+
+        let (docs, _) = documents(&[], max);
+        assert_eq!(
+            docs,
+            vec![b"[]".to_vec()],
+            "nothing to send is one empty document"
+        );
     }
 }
