@@ -161,13 +161,6 @@ impl Broker {
                 // Documents the peer takes whole (each under its frame limit), in merge order.
                 let max = link.frame_bytes_max().saturating_sub(FRAME_OVERHEAD) as usize;
                 let (docs, too_large) = documents(&items, max);
-                for key in too_large {
-                    tracing::warn!(
-                        site,
-                        key,
-                        "a global object is larger than geo.frame_bytes_max; not sent to {site}"
-                    );
-                }
                 let mut h = std::collections::hash_map::DefaultHasher::new();
                 docs.hash(&mut h);
                 let digest = h.finish();
@@ -176,6 +169,14 @@ impl Broker {
                     .is_some_and(|(d, at)| *d == digest && at.elapsed() < RESEND)
                 {
                     continue;
+                }
+                // Said when the copies are sent, not every beat.
+                for key in too_large {
+                    tracing::warn!(
+                        site,
+                        key,
+                        "a global object is larger than geo.frame_bytes_max; not sent to {site}"
+                    );
                 }
                 due.push((site, digest, docs));
             }
