@@ -86,54 +86,47 @@ impl Drop for Held {
     }
 }
 
+/// A frame's length in the budget's units.
+fn units_of(len: usize) -> u32 {
+    u32::try_from((len as u64).div_ceil(UNIT)).unwrap_or(u32::MAX)
+}
+
 impl StreamBudget {
     /// Waits for room for a frame of `len` bytes: the stream's share first (so a stream
     /// waiting for its own share holds none of the link's), then the link's. A frame larger
     /// than a share takes the whole share.
     pub async fn hold(&self, len: usize) -> Held {
-        let units = u32::try_from((len as u64).div_ceil(UNIT)).unwrap_or(u32::MAX);
-        let mine = units.min(self.link.stream_units);
-        let own = match Arc::clone(&self.own).try_acquire_many_owned(mine) {
-            Ok(p) => p,
-            Err(_) => {
-                self.waited("stream");
-                Arc::clone(&self.own)
-                    .acquire_many_owned(mine)
-                    .await
-                    .expect("the stream's budget is never closed")
-            }
-        };
-        let theirs = units.min(self.link.link_units);
-        let link = match Arc::clone(&self.link.link).try_acquire_many_owned(theirs) {
-            Ok(p) => p,
-            Err(_) => {
-                self.waited("link");
-                Arc::clone(&self.link.link)
-                    .acquire_many_owned(theirs)
-                    .await
-                    .expect("the link's budget is never closed")
-            }
-        };
+        let units = units_of(len);
+        let share = units.min(self.link.stream_units);
+        let own = self.take(&self.own, share, "stream").await;
+        let whole = units.min(self.link.link_units);
+        let link = self.take(&self.link.link, whole, "link").await;
         self.held(own, Some(link), len)
     }
 
     /// Waits for room for a stream's first frame of `len` bytes in the first frames' budget
     /// (a frame larger than it takes all of it).
     pub async fn hold_first(&self, len: usize) -> Held {
-        let units = u32::try_from((len as u64).div_ceil(UNIT)).unwrap_or(u32::MAX);
-        let mine = units.min(self.link.stream_units);
-        let first = &self.link.first;
-        let permit = match Arc::clone(first).try_acquire_many_owned(mine) {
-            Ok(p) => p,
-            Err(_) => {
-                self.waited("first");
-                Arc::clone(first)
-                    .acquire_many_owned(mine)
-                    .await
-                    .expect("the first frames' budget is never closed")
-            }
-        };
+        let share = units_of(len).min(self.link.stream_units);
+        let permit = self.take(&self.link.first, share, "first").await;
         self.held(permit, None, len)
+    }
+
+    /// `units` of `budget`, at once if they are free, else counted as a wait and awaited.
+    async fn take(
+        &self,
+        budget: &Arc<Semaphore>,
+        units: u32,
+        name: &'static str,
+    ) -> OwnedSemaphorePermit {
+        if let Ok(p) = Arc::clone(budget).try_acquire_many_owned(units) {
+            return p;
+        }
+        self.waited(name);
+        Arc::clone(budget)
+            .acquire_many_owned(units)
+            .await
+            .expect("a receive budget is never closed")
     }
 
     fn held(

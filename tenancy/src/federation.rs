@@ -313,13 +313,7 @@ impl TenancyStore {
                 .strip_prefix(TOPIC_POLICIES_PREFIX)
                 .expect("a topic's policies");
             let ns = namespace_of_topic(name);
-            let ns_record = self
-                .meta
-                .get(&format!("{NAMESPACES_PREFIX}{ns}"))
-                .await?
-                .map(|kv| serde_json::from_slice::<Value>(&kv.value))
-                .transpose()
-                .map_err(|e| damaged(ns, e))?;
+            let ns_record = self.record(&format!("{NAMESPACES_PREFIX}{ns}")).await?;
             sites.extend(strings(ns_record.as_ref(), "replication_clusters"));
             sites.sort();
             sites.dedup();
@@ -412,6 +406,11 @@ impl TenancyStore {
             out.entry(key).or_default().deleted = Some(t);
         }
         Ok(out.into_iter().collect())
+    }
+
+    /// A record as stored here, if there is one.
+    async fn record(&self, key: &str) -> Result<Option<Value>, AdminError> {
+        Ok(self.get::<Value>(key).await?.map(|(v, _)| v))
     }
 
     /// This site's global objects that `peer` takes part in (see the module's picture).
@@ -537,13 +536,7 @@ impl TenancyStore {
                 }
                 Kind::Namespace => {
                     let tenant = name.split('/').next().unwrap_or_default();
-                    let t = self
-                        .meta
-                        .get(&format!("{TENANTS_PREFIX}{tenant}"))
-                        .await?
-                        .map(|kv| serde_json::from_slice::<Value>(&kv.value))
-                        .transpose()
-                        .map_err(|e| damaged(tenant, e))?;
+                    let t = self.record(&format!("{TENANTS_PREFIX}{tenant}")).await?;
                     if !strings(t.as_ref(), "allowed_clusters")
                         .iter()
                         .any(|s| s == peer)
@@ -568,17 +561,9 @@ impl TenancyStore {
                 Kind::TopicPolicies => {
                     // Its namespace here, of a tenant that allows the peer, lists the peer.
                     let ns = namespace_of_topic(&name);
-                    let record = |key: String| async move {
-                        self.meta
-                            .get(&key)
-                            .await?
-                            .map(|kv| serde_json::from_slice::<Value>(&kv.value))
-                            .transpose()
-                            .map_err(|e| damaged(&key, e))
-                    };
                     let tenant = ns.split('/').next().unwrap_or_default();
-                    let t = record(format!("{TENANTS_PREFIX}{tenant}")).await?;
-                    let n = record(format!("{NAMESPACES_PREFIX}{ns}")).await?;
+                    let t = self.record(&format!("{TENANTS_PREFIX}{tenant}")).await?;
+                    let n = self.record(&format!("{NAMESPACES_PREFIX}{ns}")).await?;
                     let lists = |r: Option<&Value>, field: &str| {
                         strings(r, field).iter().any(|s| s == peer)
                     };

@@ -88,7 +88,10 @@ impl TenancyStore {
         }
     }
 
-    async fn get<T: DeserializeOwned>(&self, key: &str) -> Result<Option<(T, u64)>, AdminError> {
+    pub(crate) async fn get<T: DeserializeOwned>(
+        &self,
+        key: &str,
+    ) -> Result<Option<(T, u64)>, AdminError> {
         match self.meta.get(key).await? {
             Some(kv) => Ok(Some((decode(key, &kv.value)?, kv.mod_revision))),
             None => Ok(None),

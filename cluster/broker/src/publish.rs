@@ -227,8 +227,34 @@ async fn submit(
             ServerError::NotAllowedError,
             "message larger than broker.message_bytes_max",
         ))
+    } else if payload.claims_origin() {
+        Err(BrokerError::new(
+            ServerError::NotAllowedError,
+            "the message's metadata carries field 1001 (meridian_origin), which only geo-replication writes",
+        ))
     } else {
-        append(topic, handle, Entry::from_payload(payload), &r).await
+        let entry = Entry::from_payload(payload);
+        let appended = match &topic.dedup {
+            Some(d) => {
+                d.submit(&topic.ml, &handle.name, r.send.highest_sequence_id, entry)
+                    .await
+            }
+            None => topic
+                .ml
+                .append_queued(entry.into_bytes())
+                .await
+                .map(|pa| Submitted::Appended(pa, None))
+                .map_err(BrokerError::from),
+        };
+        appended.inspect_err(|e| {
+            if matches!(
+                e.code,
+                ServerError::PersistenceError | ServerError::ServiceNotReady
+            ) {
+                // The next send must not be stored ahead of this one.
+                handle.break_off();
+            }
+        })
     };
     PendingSend {
         sequence_id: r.send.sequence_id,
@@ -240,42 +266,6 @@ async fn submit(
         append,
         silent,
     }
-}
-
-/// Appends a checked SEND's entry (deduplicated where the topic says so).
-async fn append(
-    topic: &Topic,
-    handle: &ProducerHandle,
-    entry: Entry,
-    r: &SendRequest,
-) -> Result<Submitted, BrokerError> {
-    if entry.claims_origin() {
-        return Err(BrokerError::new(
-            ServerError::NotAllowedError,
-            "the message's metadata carries field 1001 (meridian_origin), which only geo-replication writes",
-        ));
-    }
-    let appended = match &topic.dedup {
-        Some(d) => {
-            d.submit(&topic.ml, &handle.name, r.send.highest_sequence_id, entry)
-                .await
-        }
-        None => topic
-            .ml
-            .append_queued(entry.into_bytes())
-            .await
-            .map(|pa| Submitted::Appended(pa, None))
-            .map_err(BrokerError::from),
-    };
-    appended.inspect_err(|e| {
-        if matches!(
-            e.code,
-            ServerError::PersistenceError | ServerError::ServiceNotReady
-        ) {
-            // The next send must not be stored ahead of this one.
-            handle.break_off();
-        }
-    })
 }
 
 pub(crate) struct PendingSend {

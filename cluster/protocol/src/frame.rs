@@ -43,6 +43,11 @@ impl Payload {
         self.body.slice(4..4 + self.metadata_len)
     }
 
+    /// Whether the metadata carries Meridian's origin ([`crate::Entry::claims_origin`]).
+    pub fn claims_origin(&self) -> bool {
+        crate::wire_fields::has_field(&self.metadata_bytes(), crate::entry::ORIGIN_FIELD)
+    }
+
     /// The application payload (for a batch: the items back to back).
     pub fn data(&self) -> Bytes {
         self.body.slice(4 + self.metadata_len..)
