@@ -559,7 +559,7 @@ pub async fn read_frame(
     max: u64,
 ) -> Result<Option<Frame>, StreamError> {
     match read_frame_len(recv, max).await? {
-        Some(len) => read_frame_body(recv, len).await.map(Some),
+        Some(len) => read_frame_body(recv, len, false).await.map(Some),
         None => Ok(None),
     }
 }
@@ -579,14 +579,18 @@ pub async fn read_frame_len(
 }
 
 /// Reads the body of a frame whose length [`read_frame_len`] read.
+///
+/// The bytes are copied once out of quinn's buffers as they come (holding its chunks would
+/// keep whole datagram buffers alive outside flow control), and the frame's entries are
+/// slices of that copy. With `budgeted` (the caller holds `len` in its receive budget) the
+/// buffer is allocated whole at once; otherwise it grows with the bytes that came, so an
+/// announced length alone allocates nothing.
 pub async fn read_frame_body(
     recv: &mut quinn::RecvStream,
     len: usize,
+    budgeted: bool,
 ) -> Result<Frame, StreamError> {
-    // Copied once out of quinn's buffers as the bytes come (holding its chunks would keep
-    // whole datagram buffers alive outside flow control), grown with them (nothing is
-    // allocated from the announced length alone); the frame's entries are slices of it.
-    let mut body = BytesMut::with_capacity(len.min(64 * 1024));
+    let mut body = BytesMut::with_capacity(if budgeted { len } else { len.min(64 * 1024) });
     while body.len() < len {
         match recv.read_chunk(len - body.len(), true).await {
             Ok(Some(c)) => body.extend_from_slice(&c.bytes),

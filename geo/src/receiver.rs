@@ -141,7 +141,7 @@ async fn read_held(
     } else {
         budget.hold(len).await
     };
-    Ok(Some((read_frame_body(recv, len).await?, held)))
+    Ok(Some((read_frame_body(recv, len, true).await?, held)))
 }
 
 /// Serves one topic stream of `origin` until it ends, breaks, or is refused. What its frames

@@ -74,7 +74,7 @@ impl Entry {
         let payload_crc = crc32c::crc32c(payload);
         let head_crc = crc32c::crc32c(&self.0[6..meta_end]);
         let stored = u32::from_be_bytes(self.0[2..6].try_into().expect("4 bytes"));
-        if crc32c::crc32c_combine(head_crc, payload_crc, payload.len()) != stored {
+        if crate::crc_combine::crc32c_combine(head_crc, payload_crc, payload.len()) != stored {
             return None;
         }
         let mut meta = self.metadata_bytes().to_vec();
@@ -87,7 +87,7 @@ impl Entry {
         b.put_slice(&meta);
         let head_crc = crc32c::crc32c(&b[6..]);
         b.put_slice(payload);
-        let crc = crc32c::crc32c_combine(head_crc, payload_crc, payload.len());
+        let crc = crate::crc_combine::crc32c_combine(head_crc, payload_crc, payload.len());
         b[2..6].copy_from_slice(&crc.to_be_bytes());
         Some(Entry(b.freeze()))
     }

@@ -16,6 +16,7 @@
 
 pub mod batch;
 pub mod cmd;
+pub mod crc_combine;
 pub mod entry;
 pub mod frame;
 pub mod wire_fields;

@@ -17,7 +17,9 @@
 //!
 //! `MERIDIAN_BIN=target/release/meridian MERIDIAN_ADMIN_BIN=target/release/meridian-admin
 //! cargo run --release -p meridian-integration --bin geo-bench -- [SECONDS] [LAG_RATE]
-//! [BACKLOG]` (defaults 20, 10000, 1000000).
+//! [BACKLOG]` (defaults 20, 10000, 1000000). `GEO_BENCH_PHASES=catchup,backlog` runs only
+//! those phases after 1 (`replicated` is 2 and 3); the sites' PIDs are printed, so a profiler
+//! can be attached to them.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -74,6 +76,8 @@ fn main() -> anyhow::Result<()> {
     let seconds = args.first().copied().unwrap_or(20).to_string();
     let lag_rate = args.get(1).copied().unwrap_or(10_000).to_string();
     let backlog = args.get(2).copied().unwrap_or(1_000_000);
+    let phases = std::env::var("GEO_BENCH_PHASES").unwrap_or_default();
+    let phase = |name: &str| phases.is_empty() || phases.split(',').any(|p| p == name);
 
     let (_root, sites, _) = mesh_with(&["a", "b"], &[], false);
     let (a, b) = (&sites[0], &sites[1]);
@@ -112,29 +116,33 @@ fn main() -> anyhow::Result<()> {
     };
 
     println!("geo-bench: two sites on loopback, mutual TLS on the link, 1 KiB messages batched");
+    println!("site A pid {:?}, site B pid {:?}", a.pid(), b.pid());
     let (mib, syncs) = disk(_root.path())?;
     println!(
         "disk: {mib:.0} MiB/s of 1 MiB writes with fdatasync, {syncs:.0} fdatasyncs/s of 4 KiB"
     );
     let local = run("local", "produce", &[], "persistent://acme/local/max")?;
     let consume_b = ["--consume-url", b.url.as_str()];
-    let repl = run("replicated", "e2e", &consume_b, "persistent://acme/g/max")?;
-    let (l, r) = (rate_of(&local, "produce"), rate_of(&repl, "consume"));
-    println!(
-        "replication throughput: {r:.0} msg/s delivered at B, {:.0}% of A's local maximum of {l:.0} msg/s",
-        100.0 * r / l.max(1.0)
-    );
-    // What A took beyond what B delivered is still being replicated: the lag is measured
-    // once that is done, not beside it.
-    let left = backlog_at(&a.admin_url, "persistent://acme/g/max").unwrap_or(0);
-    let (_, took) = drain(&a.admin_url, "persistent://acme/g/max", left)?;
-    println!(
-        "replicated: the {left} entries A still held for B were sent in {:.1} s",
-        took.as_secs_f64()
-    );
-    let mut extra = consume_b.to_vec();
-    extra.extend(["--rate", lag_rate.as_str()]);
-    run("lag", "e2e", &extra, "persistent://acme/g/lag")?;
+    let l = rate_of(&local, "produce");
+    if phase("replicated") {
+        let repl = run("replicated", "e2e", &consume_b, "persistent://acme/g/max")?;
+        let r = rate_of(&repl, "consume");
+        println!(
+            "replication throughput: {r:.0} msg/s delivered at B, {:.0}% of A's local maximum of {l:.0} msg/s",
+            100.0 * r / l.max(1.0)
+        );
+        // What A took beyond what B delivered is still being replicated: the lag is measured
+        // once that is done, not beside it.
+        let left = backlog_at(&a.admin_url, "persistent://acme/g/max").unwrap_or(0);
+        let (_, took) = drain(&a.admin_url, "persistent://acme/g/max", left)?;
+        println!(
+            "replicated: the {left} entries A still held for B were sent in {:.1} s",
+            took.as_secs_f64()
+        );
+        let mut extra = consume_b.to_vec();
+        extra.extend(["--rate", lag_rate.as_str()]);
+        run("lag", "e2e", &extra, "persistent://acme/g/lag")?;
+    }
 
     let bpid = b.pid().expect("running");
     let warm = |topic: &str| {
@@ -160,26 +168,31 @@ fn main() -> anyhow::Result<()> {
     };
 
     // Catch-up: B paused, A takes batched messages for SECONDS, B resumed.
-    let topic = "persistent://acme/g/catchup";
-    warm(topic)?;
-    signal(bpid, "-STOP")?;
-    run("catchup-fill", "produce", &[], topic)?;
-    let st = admin_json(&a.admin_url, &["topics", "stats", topic]);
-    let sent = st["msgs_in_total"].as_u64().unwrap_or(0) as f64;
-    let bytes = st["storage_bytes"].as_u64().unwrap_or(0) as f64;
-    let filled = backlog_at(&a.admin_url, topic).unwrap_or(0);
-    signal(bpid, "-CONT")?;
-    let (_, drained) = drain(&a.admin_url, topic, filled)?;
-    let secs = drained.as_secs_f64();
-    let rate = sent / secs;
-    println!(
+    if phase("catchup") {
+        let topic = "persistent://acme/g/catchup";
+        warm(topic)?;
+        signal(bpid, "-STOP")?;
+        run("catchup-fill", "produce", &[], topic)?;
+        let st = admin_json(&a.admin_url, &["topics", "stats", topic]);
+        let sent = st["msgs_in_total"].as_u64().unwrap_or(0) as f64;
+        let bytes = st["storage_bytes"].as_u64().unwrap_or(0) as f64;
+        let filled = backlog_at(&a.admin_url, topic).unwrap_or(0);
+        signal(bpid, "-CONT")?;
+        let (_, drained) = drain(&a.admin_url, topic, filled)?;
+        let secs = drained.as_secs_f64();
+        let rate = sent / secs;
+        println!(
         "catch-up: {sent:.0} batched messages ({filled} entries, {:.0} MiB) taken by B in {secs:.1} s = {rate:.0} msg/s, {:.1} MiB/s, {:.0}% of A's local maximum",
         bytes / 1048576.0,
         bytes / 1048576.0 / secs,
         100.0 * rate / l.max(1.0)
     );
+    }
 
     // Backlog: B paused, A takes BACKLOG one-message entries, B resumed.
+    if !phase("backlog") {
+        return Ok(());
+    }
     let topic = "persistent://acme/g/backlog";
     warm(topic)?;
     signal(bpid, "-STOP")?;
