@@ -19,7 +19,10 @@
 //! cargo run --release -p meridian-integration --bin geo-bench -- [SECONDS] [LAG_RATE]
 //! [BACKLOG]` (defaults 20, 10000, 1000000). `GEO_BENCH_PHASES=catchup,backlog` runs only
 //! those phases after 1 (`replicated` is 2 and 3); the sites' PIDs are printed, so a profiler
-//! can be attached to them.
+//! can be attached to them. `GEO_BENCH_PIN=1` gives each site a core of its own (A's threads
+//! on CPU 0, B's and the clients' on CPU 1, with `taskset`), as if each site had its own
+//! machine: A's local maximum is then what one core takes from a client elsewhere, and the
+//! replication figures what one core sends to another (the disk is still shared).
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -29,11 +32,14 @@ use meridian_integration::{admin_json, meridian_bin};
 
 /// Runs `meridian perf ARGS`, prints its summary lines, returns its output.
 fn perf(label: &str, args: &[&str]) -> anyhow::Result<String> {
-    let out = Command::new(meridian_bin())
-        .arg("perf")
-        .args(args)
-        .stdin(Stdio::null())
-        .output()?;
+    let mut cmd = if pinned() {
+        let mut c = Command::new("taskset");
+        c.args(["-c", "1"]).arg(meridian_bin());
+        c
+    } else {
+        Command::new(meridian_bin())
+    };
+    let out = cmd.arg("perf").args(args).stdin(Stdio::null()).output()?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     anyhow::ensure!(
         out.status.success(),
@@ -44,6 +50,22 @@ fn perf(label: &str, args: &[&str]) -> anyhow::Result<String> {
         println!("{label}: {line}");
     }
     Ok(text)
+}
+
+/// Whether each site runs on a core of its own (`GEO_BENCH_PIN=1`).
+fn pinned() -> bool {
+    std::env::var("GEO_BENCH_PIN").is_ok_and(|v| v == "1")
+}
+
+/// Moves every thread of process `pid` (and the threads it starts later) to `cpu`.
+fn pin(pid: u32, cpu: &str) -> anyhow::Result<()> {
+    let ok = Command::new("taskset")
+        .args(["-a", "-p", "-c", cpu, &pid.to_string()])
+        .stdout(Stdio::null())
+        .status()?
+        .success();
+    anyhow::ensure!(ok, "taskset of {pid} to CPU {cpu} failed");
+    Ok(())
 }
 
 /// The msg/s of the summary line of `label` (`summary produce: ... = N msg/s`).
@@ -117,6 +139,11 @@ fn main() -> anyhow::Result<()> {
 
     println!("geo-bench: two sites on loopback, mutual TLS on the link, 1 KiB messages batched");
     println!("site A pid {:?}, site B pid {:?}", a.pid(), b.pid());
+    if pinned() {
+        pin(a.pid().expect("running"), "0")?;
+        pin(b.pid().expect("running"), "1")?;
+        println!("pinned: site A on CPU 0; site B and the clients on CPU 1");
+    }
     let (mib, syncs) = disk(_root.path())?;
     println!(
         "disk: {mib:.0} MiB/s of 1 MiB writes with fdatasync, {syncs:.0} fdatasyncs/s of 4 KiB"
