@@ -583,8 +583,8 @@ pub async fn read_frame_len(
 /// The bytes are copied once out of quinn's buffers as they come (holding its chunks would
 /// keep whole datagram buffers alive outside flow control), and the frame's entries are
 /// slices of that copy. With `budgeted` (the caller holds `len` in its receive budget) the
-/// buffer is allocated whole at once; otherwise it grows with the bytes that came, so an
-/// announced length alone allocates nothing.
+/// buffer is allocated whole at once; otherwise it starts at 64 KiB at most and grows with
+/// the bytes that came, so an announced length alone allocates no more than that.
 pub async fn read_frame_body(
     recv: &mut quinn::RecvStream,
     len: usize,

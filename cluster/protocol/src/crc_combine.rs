@@ -6,8 +6,8 @@
 //! the CRC of A shifted by B's length (multiplied by x^(8·len(B)) modulo the polynomial)
 //! added to B's. `crc32c::crc32c_combine` builds that shift from 32×32 bit matrices squared
 //! once per bit of the length on every call, tens of microseconds for a large entry; here the
-//! powers x^(2^k) are constants made at compile time and a shift is one multiplication per
-//! set bit of the length.
+//! powers x^(2^k) are constants made at compile time and a shift is one multiplication (32
+//! bit steps) per set bit of the length.
 //!
 //! Polynomials are in the CRC's reflected form: bit 31 is the coefficient of x^0, bit 0 that
 //! of x^31.
@@ -33,12 +33,12 @@ const fn multiply(a: u32, mut b: u32) -> u32 {
     product
 }
 
-/// `POWERS[k]` is x^(2^k) modulo the polynomial.
-const POWERS: [u32; 64] = {
-    let mut t = [0u32; 64];
+/// `POWERS[k]` is x^(2^k) modulo the polynomial; bit `i` of a length in bytes is 2^(i+3) bits.
+const POWERS: [u32; 67] = {
+    let mut t = [0u32; 67];
     t[0] = ONE >> 1; // x^1
     let mut k = 1;
-    while k < 64 {
+    while k < 67 {
         t[k] = multiply(t[k - 1], t[k - 1]);
         k += 1;
     }
@@ -47,14 +47,15 @@ const POWERS: [u32; 64] = {
 
 /// x^(8·bytes) modulo the polynomial: the shift past `bytes` bytes.
 fn shift_for(bytes: usize) -> u32 {
-    let mut bits = (bytes as u64).wrapping_mul(8);
+    let mut rest = bytes as u64;
     let mut power = ONE;
-    let mut k = 0;
-    while bits != 0 {
-        if bits & 1 != 0 {
+    // One byte is x^8 = x^(2^3).
+    let mut k = 3;
+    while rest != 0 {
+        if rest & 1 != 0 {
             power = multiply(power, POWERS[k]);
         }
-        bits >>= 1;
+        rest >>= 1;
         k += 1;
     }
     power

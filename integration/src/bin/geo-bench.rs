@@ -20,9 +20,10 @@
 //! [BACKLOG]` (defaults 20, 10000, 1000000). `GEO_BENCH_PHASES=catchup,backlog` runs only
 //! those phases after 1 (`replicated` is 2 and 3); the sites' PIDs are printed, so a profiler
 //! can be attached to them. `GEO_BENCH_PIN=1` gives each site a core of its own (A's threads
-//! on CPU 0, B's and the clients' on CPU 1, with `taskset`), as if each site had its own
-//! machine: A's local maximum is then what one core takes from a client elsewhere, and the
-//! replication figures what one core sends to another (the disk is still shared).
+//! on CPU 0; B's, the clients' and geo-bench's on CPU 1, with `taskset`), as if each site had
+//! its own machine: A's local maximum is then what one core takes from a client elsewhere,
+//! and the catch-up what one core sends to another (the disk is still shared); in phases 2
+//! and 3 the clients share B's core.
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -32,14 +33,11 @@ use meridian_integration::{admin_json, meridian_bin};
 
 /// Runs `meridian perf ARGS`, prints its summary lines, returns its output.
 fn perf(label: &str, args: &[&str]) -> anyhow::Result<String> {
-    let mut cmd = if pinned() {
-        let mut c = Command::new("taskset");
-        c.args(["-c", "1"]).arg(meridian_bin());
-        c
-    } else {
-        Command::new(meridian_bin())
-    };
-    let out = cmd.arg("perf").args(args).stdin(Stdio::null()).output()?;
+    let out = Command::new(meridian_bin())
+        .arg("perf")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()?;
     let text = String::from_utf8_lossy(&out.stdout).to_string();
     anyhow::ensure!(
         out.status.success(),
@@ -98,8 +96,19 @@ fn main() -> anyhow::Result<()> {
     let seconds = args.first().copied().unwrap_or(20).to_string();
     let lag_rate = args.get(1).copied().unwrap_or(10_000).to_string();
     let backlog = args.get(2).copied().unwrap_or(1_000_000);
-    let phases = std::env::var("GEO_BENCH_PHASES").unwrap_or_default();
-    let phase = |name: &str| phases.is_empty() || phases.split(',').any(|p| p == name);
+    let phases: Vec<String> = std::env::var("GEO_BENCH_PHASES")
+        .unwrap_or_default()
+        .split(',')
+        .map(|p| p.trim().to_string())
+        .filter(|p| !p.is_empty())
+        .collect();
+    if let Some(bad) = phases
+        .iter()
+        .find(|p| !["replicated", "catchup", "backlog"].contains(&p.as_str()))
+    {
+        anyhow::bail!("GEO_BENCH_PHASES: {bad:?} is not replicated, catchup or backlog");
+    }
+    let phase = |name: &str| phases.is_empty() || phases.iter().any(|p| p == name);
 
     let (_root, sites, _) = mesh_with(&["a", "b"], &[], false);
     let (a, b) = (&sites[0], &sites[1]);
@@ -138,11 +147,14 @@ fn main() -> anyhow::Result<()> {
     };
 
     println!("geo-bench: two sites on loopback, mutual TLS on the link, 1 KiB messages batched");
-    println!("site A pid {:?}, site B pid {:?}", a.pid(), b.pid());
+    let (apid, bpid) = (a.pid().expect("running"), b.pid().expect("running"));
+    println!("site A pid {apid}, site B pid {bpid}");
     if pinned() {
-        pin(a.pid().expect("running"), "0")?;
-        pin(b.pid().expect("running"), "1")?;
-        println!("pinned: site A on CPU 0; site B and the clients on CPU 1");
+        pin(apid, "0")?;
+        pin(bpid, "1")?;
+        // This process too: the clients and admin calls it starts run beside B.
+        pin(std::process::id(), "1")?;
+        println!("pinned: site A on CPU 0; site B, the clients and geo-bench on CPU 1");
     }
     let (mib, syncs) = disk(_root.path())?;
     println!(
@@ -171,7 +183,6 @@ fn main() -> anyhow::Result<()> {
         run("lag", "e2e", &extra, "persistent://acme/g/lag")?;
     }
 
-    let bpid = b.pid().expect("running");
     let warm = |topic: &str| {
         // The topic and its replicator first, then the pause.
         perf(
