@@ -370,6 +370,19 @@ fn run_bin(bin: &Path, args: &[&str]) -> anyhow::Result<(i32, String, String)> {
     ))
 }
 
+/// Moves every thread of process `pid` (and the threads it starts later) to `cpu`, with
+/// `taskset`: for benchmarks that give each process a core of its own.
+pub fn pin_to_cpu(pid: Option<u32>, cpu: &str) -> anyhow::Result<()> {
+    let pid = pid.ok_or_else(|| anyhow::anyhow!("a process that is not running"))?;
+    let ok = Command::new("taskset")
+        .args(["-a", "-p", "-c", cpu, &pid.to_string()])
+        .stdout(Stdio::null())
+        .status()?
+        .success();
+    anyhow::ensure!(ok, "taskset of {pid} on cpu {cpu} failed");
+    Ok(())
+}
+
 /// SIGKILL and reap (nothing if the process is not running).
 fn kill9(child: Option<Child>) -> anyhow::Result<()> {
     if let Some(mut child) = child {

@@ -29,7 +29,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use meridian_integration::geo_sites::{admin_ok, mesh_with};
-use meridian_integration::{admin_json, meridian_bin};
+use meridian_integration::{admin_json, meridian_bin, pin_to_cpu};
 
 /// Runs `meridian perf ARGS`, prints its summary lines, returns its output.
 fn perf(label: &str, args: &[&str]) -> anyhow::Result<String> {
@@ -53,17 +53,6 @@ fn perf(label: &str, args: &[&str]) -> anyhow::Result<String> {
 /// Whether each site runs on a core of its own (`GEO_BENCH_PIN=1`).
 fn pinned() -> bool {
     std::env::var("GEO_BENCH_PIN").is_ok_and(|v| v == "1")
-}
-
-/// Moves every thread of process `pid` (and the threads it starts later) to `cpu`.
-fn pin(pid: u32, cpu: &str) -> anyhow::Result<()> {
-    let ok = Command::new("taskset")
-        .args(["-a", "-p", "-c", cpu, &pid.to_string()])
-        .stdout(Stdio::null())
-        .status()?
-        .success();
-    anyhow::ensure!(ok, "taskset of {pid} to CPU {cpu} failed");
-    Ok(())
 }
 
 /// The msg/s of the summary line of `label` (`summary produce: ... = N msg/s`).
@@ -150,10 +139,10 @@ fn main() -> anyhow::Result<()> {
     let (apid, bpid) = (a.pid().expect("running"), b.pid().expect("running"));
     println!("site A pid {apid}, site B pid {bpid}");
     if pinned() {
-        pin(apid, "0")?;
-        pin(bpid, "1")?;
+        pin_to_cpu(Some(apid), "0")?;
+        pin_to_cpu(Some(bpid), "1")?;
         // This process too: the clients and admin calls it starts run beside B.
-        pin(std::process::id(), "1")?;
+        pin_to_cpu(Some(std::process::id()), "1")?;
         println!("pinned: site A on CPU 0; site B, the clients and geo-bench on CPU 1");
     }
     let (mib, syncs) = disk(_root.path())?;

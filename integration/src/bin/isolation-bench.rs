@@ -50,17 +50,7 @@ fn pinned() -> bool {
     std::env::var("ISOLATION_BENCH_PIN").is_ok_and(|v| v == "1")
 }
 
-/// Every thread of `pid` on `cpu`.
-fn pin(pid: Option<u32>, cpu: &str) -> anyhow::Result<()> {
-    let pid = pid.ok_or_else(|| anyhow::anyhow!("a process that is not running"))?;
-    let ok = Command::new("taskset")
-        .args(["-a", "-p", "-c", cpu, &pid.to_string()])
-        .stdout(Stdio::null())
-        .status()?
-        .success();
-    anyhow::ensure!(ok, "taskset of {pid} on cpu {cpu} failed");
-    Ok(())
-}
+use meridian_integration::pin_to_cpu as pin;
 
 /// `ISOLATION_BENCH_LOGS=DIR` keeps every process's log and each `perf` run's output (with
 /// figures every second) there.
