@@ -420,3 +420,152 @@ async fn given_a_topic_s_own_policies_then_they_go_to_its_namespace_s_sites_and_
         "west's copy is its own to delete"
     );
 }
+
+#[tokio::test]
+async fn given_a_deletion_then_its_tombstones_go_once_every_site_took_them_and_are_not_handed_back()
+{
+    use meridian_tenancy::tombstone_gc::TombstoneCollector;
+    use std::time::{Duration, Instant};
+
+    let grace = Duration::from_millis(300);
+    let (east, west, north) = (site("east").await, site("west").await, site("north").await);
+    let t = |s: &Site| s.t.clone().with_tombstone_grace(grace);
+    for (s, others) in [
+        (&east, ["west", "north"]),
+        (&west, ["east", "north"]),
+        (&north, ["east", "west"]),
+    ] {
+        for o in others {
+            s.t.create_cluster(o, &cluster(o)).await.unwrap();
+        }
+    }
+    let all = vec!["east".to_string(), "north".into(), "west".into()];
+    east.t
+        .create_tenant(
+            "acme",
+            &TenantInfo {
+                admin_roles: vec![],
+                allowed_clusters: all.clone(),
+                storage_quota_bytes: None,
+            },
+        )
+        .await
+        .unwrap();
+    let g = NamespacePolicies {
+        replication_clusters: Some(all.clone()),
+        ..Default::default()
+    };
+    east.t.create_namespace("acme/g", &g).await.unwrap();
+    sync(&east, "east", &west, "west").await;
+    sync(&east, "east", &north, "north").await;
+    assert!(north.t.policies("acme/g").await.is_ok());
+    let key = "/admin/namespaces/acme/g".to_string();
+
+    // Deleted at east; west takes it, north is cut off.
+    east.t.delete_namespace("acme/g", &[], false).await.unwrap();
+    let mut c = TombstoneCollector::new(grace);
+    east_beat(&t(&east), &mut c, &[("west", &west)], grace).await;
+    assert!(west.t.policies("acme/g").await.is_err());
+    let start = Instant::now();
+    assert!(c.due(start).is_empty());
+    tokio::time::sleep(grace * 2).await;
+    assert!(
+        c.due(Instant::now() + grace * 10).is_empty(),
+        "north has not taken it: kept"
+    );
+    assert_eq!(c.waiting(), 1);
+
+    // North comes back with its copy from before: the deletion holds at east, and reaches
+    // north (older than the grace by now: north deletes its copy and keeps no tombstone).
+    let stale = north.t.export_for("east").await.unwrap();
+    let r = t(&east)
+        .merge_from("north", stale, &east.data)
+        .await
+        .unwrap();
+    assert!(!r.changed.contains(&key), "{r:?}");
+    assert!(east.t.policies("acme/g").await.is_err());
+    east_beat(
+        &t(&east),
+        &mut c,
+        &[("west", &west), ("north", &north)],
+        grace,
+    )
+    .await;
+    assert!(north.t.policies("acme/g").await.is_err());
+    assert!(
+        north.t.export().await.unwrap().tombstones().is_empty(),
+        "north keeps no tombstone older than the grace"
+    );
+    let covered = Instant::now();
+    assert!(c.due(covered).is_empty(), "the grace starts now");
+    let due = c.due(covered + grace);
+    assert_eq!(due.len(), 1);
+    assert_eq!(due[0].0, key);
+    assert!(t(&east)
+        .collect_tombstone(&due[0].0, &due[0].1)
+        .await
+        .unwrap());
+    c.collected(&key);
+    assert!(east.t.export().await.unwrap().tombstones().is_empty());
+
+    // West still holds its own and sends it: east does not keep it again, and nothing comes
+    // back to life.
+    let from_west = west.t.export_for("east").await.unwrap();
+    assert!(from_west
+        .iter()
+        .any(|i| i.key == key && i.copy.deleted.is_some()));
+    let r = t(&east)
+        .merge_from("west", from_west, &east.data)
+        .await
+        .unwrap();
+    assert!(!r.changed.contains(&key), "{r:?}");
+    assert!(
+        !r.skipped.iter().any(|(k, _)| *k == key),
+        "taken, not kept: {r:?}"
+    );
+    assert!(east.t.export().await.unwrap().tombstones().is_empty());
+    assert!(east.t.policies("acme/g").await.is_err());
+    // Its own collection goes as east's did.
+    let tomb = west
+        .t
+        .export()
+        .await
+        .unwrap()
+        .tombstones()
+        .into_iter()
+        .map(|(k, t)| (k.to_string(), t.clone()))
+        .next()
+        .unwrap();
+    assert!(t(&west).collect_tombstone(&tomb.0, &tomb.1).await.unwrap());
+    // One no longer there is not collected twice.
+    assert!(!t(&west).collect_tombstone(&tomb.0, &tomb.1).await.unwrap());
+}
+
+/// One beat of east's sync loop (as the broker runs it) toward the sites that answer: what
+/// each is sent, merged there, and what each took told to the collector.
+async fn east_beat(
+    east: &TenancyStore,
+    c: &mut meridian_tenancy::tombstone_gc::TombstoneCollector,
+    answering: &[(&str, &Site)],
+    grace: std::time::Duration,
+) {
+    let exported = east.export().await.unwrap();
+    let plans: Vec<(&str, Vec<_>)> = ["west", "north"]
+        .into_iter()
+        .map(|s| (s, exported.for_peer(s)))
+        .collect();
+    c.plan(
+        &exported.tombstones(),
+        plans.iter().map(|(s, i)| (*s, &i[..])),
+    );
+    for (name, peer) in answering {
+        let items = plans.iter().find(|p| p.0 == *name).unwrap().1.clone();
+        let store = peer.t.clone().with_tombstone_grace(grace);
+        let r = store
+            .merge_from("east", items.clone(), &peer.data)
+            .await
+            .unwrap();
+        let skipped: Vec<String> = r.skipped.into_iter().map(|(k, _)| k).collect();
+        c.took(name, &items, &skipped);
+    }
+}
