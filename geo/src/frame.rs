@@ -21,8 +21,7 @@
 //!  Deleted (9) =                                 the receiver deleted it
 //!  Sync   (10) = len: u32 | bytes                the sender's copies of the global objects
 //!                                                the receiver takes part in (JSON)
-//!  Synced (11) = changed: u32 | skipped: u32 | key: str * skipped
-//!                merged: how many objects changed here, and the keys of those not taken
+//!  Synced (11) = changed: u32 | skipped: u32     merged: how many changed here, not taken
 //! ```
 //!
 //! A frame longer than the limit (`geo.frame_bytes_max`) is refused from its length alone,
@@ -66,9 +65,8 @@ pub enum Frame {
     /// A stream's first frame: the sender's copies of the global objects (cluster records,
     /// tenants, namespaces) the receiver takes part in, as JSON the site's registry reads.
     Sync { doc: bytes::Bytes },
-    /// The receiver merged them: how many objects changed there, and the keys of those it did
-    /// not take (the sender holds a deletion until every site it goes to took it).
-    Synced { changed: u32, skipped: Vec<String> },
+    /// The receiver merged them: how many objects changed there, how many it did not take.
+    Synced { changed: u32, skipped: u32 },
 }
 
 /// A position in the origin site's log of a topic.
@@ -219,11 +217,7 @@ impl Frame {
             }
             Frame::Synced { changed, skipped } => {
                 out.put_u32(*changed);
-                // Keys of the Sync's document: as many as fit in the frame that carried it.
-                out.put_u32(skipped.len() as u32);
-                for key in skipped {
-                    put_str(out, key);
-                }
+                out.put_u32(*skipped);
             }
         }
         let len = (out.len() - start - LENGTH_BYTES) as u32;
@@ -376,20 +370,10 @@ impl Frame {
                 body.advance(len);
                 Frame::Sync { doc }
             }
-            11 => {
-                let changed = get_u32(&mut body, "changed")?;
-                let count = get_u32(&mut body, "skipped")? as usize;
-                // Each key takes at least its 2-byte length: a count the body cannot hold is
-                // refused before anything is allocated for it.
-                if count > body.remaining() / 2 {
-                    return Err(FrameError::Truncated("skipped keys"));
-                }
-                let mut skipped = Vec::with_capacity(count);
-                for _ in 0..count {
-                    skipped.push(get_str(&mut body, "skipped key")?);
-                }
-                Frame::Synced { changed, skipped }
-            }
+            11 => Frame::Synced {
+                changed: get_u32(&mut body, "changed")?,
+                skipped: get_u32(&mut body, "skipped")?,
+            },
             k => return Err(FrameError::UnknownKind(k)),
         };
         if !body.is_empty() {
@@ -537,11 +521,7 @@ mod tests {
             },
             Frame::Synced {
                 changed: 2,
-                skipped: vec!["/admin/tenants/acme".into()],
-            },
-            Frame::Synced {
-                changed: 0,
-                skipped: vec![],
+                skipped: 1,
             },
         ] {
             let bytes = encoded(&f);

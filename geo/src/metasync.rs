@@ -1,11 +1,11 @@
 //! The global objects (cluster records, tenants, namespaces) carried to another site: a
 //! stream of its own that begins with `Sync{doc}` (this site's copies of what the peer takes
-//! part in) and ends with the peer's `Synced{changed, skipped keys}` once it merged them.
+//! part in) and ends with the peer's `Synced{changed, skipped}` once it merged them.
 //!
 //! ```text
 //!  site east                            site west
 //!  Sync{east's copies} ─────────────►  ReplicaSink::sync: merge field by field (newer wins),
-//!                                        keep deletions ─► Synced{changed, skipped keys}
+//!                                        keep deletions ─► Synced{changed, skipped}
 //!  ◄───────────── Sync{west's copies}   (each site sends its own, on its own beat)
 //! ```
 //!
@@ -19,14 +19,13 @@ use crate::frame::Frame;
 use crate::link::GeoLink;
 use crate::request::RequestFailure;
 
-/// Sends `doc` to `remote`; how many objects it changed there, and the keys of those it did
-/// not take.
+/// Sends `doc` to `remote`; what it changed and did not take there.
 pub async fn send_sync(
     link: &GeoLink,
     remote: &str,
     doc: bytes::Bytes,
     timeout: Duration,
-) -> Result<(u32, Vec<String>), RequestFailure> {
+) -> Result<(u32, u32), RequestFailure> {
     match crate::request::request(link, remote, &Frame::Sync { doc }, timeout).await? {
         Frame::Synced { changed, skipped } => Ok((changed, skipped)),
         other => Err(RequestFailure::Failed(format!(

@@ -74,13 +74,12 @@ pub trait ReplicaSink: Send + Sync + 'static {
     }
 
     /// Site `origin`'s copies of the global objects it shares with this site (`doc`, see
-    /// [`crate::metasync`]): merge them; how many changed here and the keys of those not
-    /// taken.
+    /// [`crate::metasync`]): merge them; how many changed here and how many were not taken.
     fn sync<'a>(
         &'a self,
         origin: &'a str,
         doc: bytes::Bytes,
-    ) -> BoxFuture<'a, Result<(u32, Vec<String>), Refusal>> {
+    ) -> BoxFuture<'a, Result<(u32, u32), Refusal>> {
         let _ = (origin, doc);
         Box::pin(async {
             Err(Refusal::new(
@@ -206,16 +205,10 @@ pub async fn serve_stream(
                     if changed > 0 {
                         info!(
                             origin,
-                            changed,
-                            skipped = skipped.len(),
-                            "global objects merged from {origin}"
+                            changed, skipped, "global objects merged from {origin}"
                         );
-                    } else if !skipped.is_empty() {
-                        debug!(
-                            origin,
-                            skipped = skipped.len(),
-                            "global objects from {origin}: none taken"
-                        );
+                    } else if skipped > 0 {
+                        debug!(origin, skipped, "global objects from {origin}: none taken");
                     }
                     let _ = write_frame(&mut send, &Frame::Synced { changed, skipped }).await;
                     let _ = send.finish();

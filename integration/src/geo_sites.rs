@@ -142,12 +142,11 @@ pub fn sites(
     (root, procs)
 }
 
-/// Sites named `names` that know nothing of each other (the caller introduces them), each
-/// with `env` besides the defaults.
-pub fn unlinked(names: &[&str], env: &[(&str, &str)]) -> (tempfile::TempDir, Vec<StandaloneProc>) {
+/// Sites named `names` that know nothing of each other (the caller introduces them).
+pub fn unlinked(names: &[&str]) -> (tempfile::TempDir, Vec<StandaloneProc>) {
     let listens: Vec<String> = names
         .iter()
         .map(|_| format!("127.0.0.1:{}", crate::free_port()))
         .collect();
-    sites(names, &listens, &vec![Vec::new(); names.len()], env)
+    sites(names, &listens, &vec![Vec::new(); names.len()], &[])
 }

@@ -113,25 +113,6 @@ pub struct Exported {
 }
 
 impl Exported {
-    /// The tombstones that travel to other sites (a topic's policies deleted at this site
-    /// alone keep theirs here for good: the record lives on elsewhere), by object key.
-    pub fn tombstones(&self) -> Vec<(&str, &Tombstone)> {
-        [
-            &self.clusters,
-            &self.tenants,
-            &self.namespaces,
-            &self.topic_policies,
-        ]
-        .into_iter()
-        .flatten()
-        .filter_map(|(key, copy)| {
-            let t = copy.deleted.as_ref()?;
-            let local_only = kind_of(key) == Some(Kind::TopicPolicies) && t.sites.is_empty();
-            (!local_only).then_some((key.as_str(), t))
-        })
-        .collect()
-    }
-
     /// What `peer` takes part in (see the module's picture).
     pub fn for_peer(&self, peer: &str) -> Vec<SyncItem> {
         let item = |key: &String, copy: &Copy| SyncItem {
@@ -427,47 +408,6 @@ impl TenancyStore {
         Ok(out.into_iter().collect())
     }
 
-    /// Whether a tombstone is older than `geo.tombstone_grace_ms` by this site's clock.
-    fn past_grace(&self, t: &Tombstone) -> bool {
-        t.at.0.saturating_add(self.tombstone_grace_ms) < versions::wall_ms()
-    }
-
-    /// Removes a global object's tombstone `t` if it is still the one held here and older
-    /// than the grace (see [`crate::tombstone_gc`] for when every site took it); false if it
-    /// changed meanwhile or is not old enough.
-    pub async fn collect_tombstone(&self, key: &str, t: &Tombstone) -> Result<bool, AdminError> {
-        let Some(tkey) = tombstone_key(key) else {
-            return Ok(false);
-        };
-        if !self.past_grace(t) {
-            return Ok(false);
-        }
-        let Some(kv) = self.meta.get(&tkey).await? else {
-            return Ok(false);
-        };
-        let held: Tombstone = serde_json::from_slice(&kv.value).map_err(|e| damaged(&tkey, e))?;
-        if held != *t {
-            return Ok(false);
-        }
-        let resp = self
-            .meta
-            .txn(pb::TxnRequest {
-                conditions: vec![pb::Condition {
-                    key: tkey.clone(),
-                    expected_version: kv.mod_revision,
-                }],
-                success: vec![pb::Op {
-                    op: Some(pb::op::Op::Delete(pb::DeleteOp {
-                        key: tkey,
-                        prefix: false,
-                    })),
-                }],
-                failure: vec![],
-            })
-            .await?;
-        Ok(resp.succeeded)
-    }
-
     /// A record as stored here, if there is one.
     async fn record(&self, key: &str) -> Result<Option<Value>, AdminError> {
         Ok(self.get::<Value>(key).await?.map(|(v, _)| v))
@@ -637,14 +577,6 @@ impl TenancyStore {
                 }
             }
             let mut next = versions::merge(&held.copy, &incoming);
-            if held.copy.deleted.is_none()
-                && next.deleted.as_ref().is_some_and(|t| self.past_grace(t))
-            {
-                // A deletion this site took (or never needed) and collected: what it deletes
-                // here still goes, but its tombstone is not kept again, or sites would hand
-                // it back and forth for ever.
-                next.deleted = None;
-            }
             if next == held.copy {
                 return Ok(Some(false));
             }

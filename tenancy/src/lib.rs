@@ -14,7 +14,6 @@ pub mod model;
 pub mod service;
 pub mod site_tls;
 pub mod store;
-pub mod tombstone_gc;
 pub mod versions;
 
 pub mod pb {

@@ -63,9 +63,6 @@ pub struct TenancyStore {
     pub(crate) meta: MetadataClient,
     /// The site whose changes these are (the versions of global objects name it).
     pub(crate) site: String,
-    /// A global object's tombstone older than this that a peer sends is not kept here unless
-    /// this site holds one (see [`crate::federation`]'s collection of tombstones).
-    pub(crate) tombstone_grace_ms: u64,
 }
 
 fn decode<T: DeserializeOwned>(key: &str, value: &[u8]) -> Result<T, AdminError> {
@@ -88,15 +85,7 @@ impl TenancyStore {
         TenancyStore {
             meta,
             site: site.to_string(),
-            tombstone_grace_ms: 60_000,
         }
-    }
-
-    /// The same store, with `geo.tombstone_grace_ms` (default 60 s) for tombstones of global
-    /// objects.
-    pub fn with_tombstone_grace(mut self, grace: std::time::Duration) -> TenancyStore {
-        self.tombstone_grace_ms = grace.as_millis() as u64;
-        self
     }
 
     pub(crate) async fn get<T: DeserializeOwned>(

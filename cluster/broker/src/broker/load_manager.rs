@@ -226,18 +226,6 @@ impl Broker {
         }
     }
 
-    /// Whether this broker leads now (as the store says; it does not seek the leadership).
-    pub(super) async fn leads(&self) -> Result<bool, BrokerError> {
-        let Some(session) = self.ownership.session_id() else {
-            return Ok(false);
-        };
-        Ok(self
-            .meta
-            .get(LEADER_KEY)
-            .await?
-            .is_some_and(|kv| kv.session == session))
-    }
-
     /// The leading broker, if any.
     pub async fn leader(&self) -> Result<Option<BrokerInfo>, BrokerError> {
         Ok(match self.meta.get(LEADER_KEY).await? {

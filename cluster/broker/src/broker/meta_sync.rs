@@ -3,20 +3,16 @@
 //! from the other sites (`meridian_tenancy::federation`, over `meridian_geo::metasync`).
 //!
 //! ```text
-//!  meta_sync_loop, every second, at the load manager's leader:  export() (the store read
-//!  once), then for each other site in the registry (geo URL or route):
+//!  meta_sync_loop, every second:  export() (the store read once), then for each other site
+//!  in the registry (geo URL or route):
 //!     for_peer(site) ─► JSON documents under geo.frame_bytes_max (in merge order) ─►
 //!     changed since the last Synced, or 30 s old? ─► a Sync for each, one after another
-//!     ─► what each Synced says was taken ─► TombstoneCollector ─► tombstones every site
-//!        took, a grace ago: collected
 //!  a peer's Sync ─► merge_global: merge_from(peer) ─► a namespace deleted there: its topics
-//!     here go first (BrokerTopics::delete, forced) ─► Synced{changed, skipped keys}
+//!     here go first (BrokerTopics::delete, forced) ─► Synced{changed, skipped}
 //! ```
 //!
-//! Every broker of a site with a geo link runs the loop, and the one that leads the site's
-//! load manager sends (one reader of the store per site, whatever the number of brokers);
-//! any broker merges what a peer sends. Merges are idempotent compare-and-sets, so two brokers
-//! sending the same copies (a change of leader) change nothing twice.
+//! Every broker of a site with a geo link runs the loop; merges are idempotent compare-and-
+//! sets, so two brokers sending the same copies change nothing twice.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -29,7 +25,6 @@ use meridian_geo::receiver::Refusal;
 use meridian_geo::request::RequestFailure;
 use meridian_tenancy::federation::{NamespaceData, SyncItem};
 use meridian_tenancy::service::TopicOps;
-use meridian_tenancy::tombstone_gc::TombstoneCollector;
 use meridian_tenancy::{AdminError, TenancyStore};
 
 use super::Broker;
@@ -44,35 +39,30 @@ const EXCHANGE_TIMEOUT: Duration = Duration::from_secs(10);
 /// A Sync frame's bytes beside its document (length, kind, the document's length).
 const FRAME_OVERHEAD: u64 = 64;
 
-/// A JSON document of copies for a Sync, and the items it holds (indices into the list it
-/// was made from).
-type Document = (Vec<u8>, Vec<usize>);
-
 /// `items` as JSON documents (arrays of them) of at most `max` bytes each, in order; the keys
 /// of items too large for a document alone are returned apart (not sent).
-fn documents(items: &[SyncItem], max: usize) -> (Vec<Document>, Vec<String>) {
+fn documents(items: &[SyncItem], max: usize) -> (Vec<Vec<u8>>, Vec<String>) {
     let mut docs = Vec::new();
     let mut too_large = Vec::new();
-    let mut doc = (b"[".to_vec(), Vec::new());
-    for (i, item) in items.iter().enumerate() {
+    let mut doc = b"[".to_vec();
+    for item in items {
         let one = serde_json::to_vec(item).expect("json");
         // `[` + the item + `]`: what a document of this item alone takes.
         if one.len() + 2 > max {
             too_large.push(item.key.clone());
             continue;
         }
-        if doc.0.len() > 1 && doc.0.len() + 1 + one.len() + 1 > max {
-            doc.0.push(b']');
-            docs.push(std::mem::replace(&mut doc, (b"[".to_vec(), Vec::new())));
+        if doc.len() > 1 && doc.len() + 1 + one.len() + 1 > max {
+            doc.push(b']');
+            docs.push(std::mem::replace(&mut doc, b"[".to_vec()));
         }
-        if doc.0.len() > 1 {
-            doc.0.push(b',');
+        if doc.len() > 1 {
+            doc.push(b',');
         }
-        doc.0.extend_from_slice(&one);
-        doc.1.push(i);
+        doc.extend_from_slice(&one);
     }
-    doc.0.push(b']');
-    if doc.0.len() > 2 || docs.is_empty() {
+    doc.push(b']');
+    if doc.len() > 2 || docs.is_empty() {
         docs.push(doc);
     }
     (docs, too_large)
@@ -95,12 +85,7 @@ impl NamespaceData for SiteTopics {
 
 impl Broker {
     fn federation_store(&self) -> TenancyStore {
-        let grace = self
-            .geo
-            .get()
-            .map_or(Duration::from_secs(60), |l| l.tombstone_grace());
         TenancyStore::for_site(self.meta.clone(), &self.cfg.cluster_name)
-            .with_tombstone_grace(grace)
     }
 
     /// A peer's copies of the global objects it shares with this site, merged here.
@@ -108,7 +93,7 @@ impl Broker {
         self: &Arc<Self>,
         origin: &str,
         doc: &[u8],
-    ) -> Result<(u32, Vec<String>), Refusal> {
+    ) -> Result<(u32, u32), Refusal> {
         let items: Vec<SyncItem> = serde_json::from_slice(doc).map_err(|e| {
             Refusal::new(
                 RefusalCode::Protocol,
@@ -129,18 +114,17 @@ impl Broker {
         }
         metrics::counter!("meridian_geo_objects_merged_total")
             .increment(report.changed.len() as u64);
-        let skipped = report.skipped.into_iter().map(|(key, _)| key).collect();
-        Ok((report.changed.len() as u32, skipped))
+        Ok((report.changed.len() as u32, report.skipped.len() as u32))
     }
 
     /// Sends this site's copies to every other site of the registry when they changed (see
     /// the module's picture), until the broker closes.
     pub async fn meta_sync_loop(self: Arc<Self>) {
+        let store = self.federation_store();
         // Per site: the digest of the copies it last took, and when.
         let mut sent: HashMap<String, (u64, Instant)> = HashMap::new();
         // Per site that did not answer: how many times in a row, and not before when again.
         let mut failing: HashMap<String, (u32, Instant)> = HashMap::new();
-        let mut collector: Option<TombstoneCollector> = None;
         loop {
             tokio::time::sleep(BEAT).await;
             if self.is_closing() {
@@ -149,22 +133,6 @@ impl Broker {
             let Some(link) = self.geo.get().cloned() else {
                 continue;
             };
-            match self.leads().await {
-                Ok(true) => {}
-                Ok(false) => {
-                    // Another broker sends; what this one learnt is stale when it leads again.
-                    sent.clear();
-                    collector = None;
-                    continue;
-                }
-                Err(e) => {
-                    tracing::debug!(error = %e, "global objects: the leadership is not readable");
-                    continue;
-                }
-            }
-            let store = self.federation_store();
-            let collector =
-                collector.get_or_insert_with(|| TombstoneCollector::new(link.tombstone_grace()));
             let sites = match store.clusters().await {
                 Ok(s) => s,
                 Err(e) => {
@@ -180,33 +148,21 @@ impl Broker {
                     continue;
                 }
             };
-            let plans: Vec<(String, Vec<SyncItem>)> = sites
-                .into_iter()
-                .filter(|s| *s != self.cfg.cluster_name)
-                .map(|s| {
-                    let items = exported.for_peer(&s);
-                    (s, items)
-                })
-                .collect();
-            collector.plan(
-                &exported.tombstones(),
-                plans.iter().map(|(s, i)| (s.as_str(), &i[..])),
-            );
             let mut due = Vec::new();
-            for (site, items) in plans {
-                if failing
-                    .get(&site)
-                    .is_some_and(|(_, next)| Instant::now() < *next)
+            for site in sites {
+                if site == self.cfg.cluster_name
+                    || failing
+                        .get(&site)
+                        .is_some_and(|(_, next)| Instant::now() < *next)
                 {
                     continue;
                 }
+                let items = exported.for_peer(&site);
                 // Documents the peer takes whole (each under its frame limit), in merge order.
                 let max = link.frame_bytes_max().saturating_sub(FRAME_OVERHEAD) as usize;
                 let (docs, too_large) = documents(&items, max);
                 let mut h = std::collections::hash_map::DefaultHasher::new();
-                for (doc, _) in &docs {
-                    doc.hash(&mut h);
-                }
+                docs.hash(&mut h);
                 let digest = h.finish();
                 if sent
                     .get(&site)
@@ -222,47 +178,31 @@ impl Broker {
                         "a global object is larger than geo.frame_bytes_max; not sent to {site}"
                     );
                 }
-                due.push((site, digest, items, docs));
+                due.push((site, digest, docs));
             }
-            let results =
-                futures::future::join_all(due.into_iter().map(|(site, digest, items, docs)| {
-                    let link = Arc::clone(&link);
-                    async move {
-                        // One after another: a later document may need an earlier one's
-                        // objects.
-                        let mut total = (0u32, 0u32);
-                        let mut took = Vec::new();
-                        for (doc, held) in docs {
-                            match meridian_geo::metasync::send_sync(
-                                &link,
-                                &site,
-                                bytes::Bytes::from(doc),
-                                EXCHANGE_TIMEOUT,
-                            )
-                            .await
-                            {
-                                Ok((c, skipped)) => {
-                                    total = (total.0 + c, total.1 + skipped.len() as u32);
-                                    // What the collector asks about: the deletions.
-                                    let held: Vec<SyncItem> = held
-                                        .into_iter()
-                                        .map(|i| &items[i])
-                                        .filter(|i| i.copy.deleted.is_some())
-                                        .cloned()
-                                        .collect();
-                                    took.push((held, skipped));
-                                }
-                                Err(e) => return (site, digest, took, Err(e)),
-                            }
+            let results = futures::future::join_all(due.into_iter().map(|(site, digest, docs)| {
+                let link = Arc::clone(&link);
+                async move {
+                    // One after another: a later document may need an earlier one's objects.
+                    let mut total = (0u32, 0u32);
+                    for doc in docs {
+                        match meridian_geo::metasync::send_sync(
+                            &link,
+                            &site,
+                            bytes::Bytes::from(doc),
+                            EXCHANGE_TIMEOUT,
+                        )
+                        .await
+                        {
+                            Ok((c, s)) => total = (total.0 + c, total.1 + s),
+                            Err(e) => return (site, digest, Err(e)),
                         }
-                        (site, digest, took, Ok(total))
                     }
-                }))
-                .await;
-            for (site, digest, took, r) in results {
-                for (held, skipped) in &took {
-                    collector.took(&site, held, skipped);
+                    (site, digest, Ok(total))
                 }
+            }))
+            .await;
+            for (site, digest, r) in results {
                 match r {
                     Ok((changed, skipped)) => {
                         if changed > 0 {
@@ -286,19 +226,6 @@ impl Broker {
                     }
                 }
             }
-            for (key, t) in collector.due(Instant::now()) {
-                match store.collect_tombstone(&key, &t).await {
-                    Ok(true) => {
-                        tracing::info!(key, at = %t.at, "tombstone collected: every site it goes to took it");
-                        metrics::counter!("meridian_geo_tombstones_collected_total").increment(1);
-                        collector.collected(&key);
-                    }
-                    // Not old enough yet, or changed meanwhile (the next beat sees it).
-                    Ok(false) => {}
-                    Err(e) => tracing::debug!(key, error = %e, "tombstone not collected"),
-                }
-            }
-            metrics::gauge!("meridian_geo_tombstones_waiting").set(collector.waiting() as f64);
         }
     }
 }
@@ -326,12 +253,10 @@ mod tests {
         assert!(too_large.is_empty());
         assert!(docs.len() > 5, "{} documents", docs.len());
         let mut back = Vec::new();
-        for (d, held) in &docs {
+        for d in &docs {
             assert!(d.len() <= max, "{} bytes", d.len());
             let part: Vec<SyncItem> = serde_json::from_slice(d).unwrap();
             assert!(!part.is_empty());
-            let named: Vec<SyncItem> = held.iter().map(|i| items[*i].clone()).collect();
-            assert_eq!(part, named, "a document's indices name its items");
             back.extend(part);
         }
         assert_eq!(back, items, "every copy once, in order");
@@ -342,16 +267,14 @@ mod tests {
         assert_eq!(too_large, vec!["/admin/namespaces/acme/big".to_string()]);
         let back: Vec<SyncItem> = docs
             .iter()
-            .flat_map(|(d, _)| serde_json::from_slice::<Vec<SyncItem>>(d).unwrap())
+            .flat_map(|d| serde_json::from_slice::<Vec<SyncItem>>(d).unwrap())
             .collect();
         assert_eq!(back, items[..3].to_vec());
-        let held: Vec<usize> = docs.iter().flat_map(|(_, h)| h.clone()).collect();
-        assert_eq!(held, vec![0, 2, 3], "the one too large is in no document");
 
         let (docs, _) = documents(&[], max);
         assert_eq!(
             docs,
-            vec![(b"[]".to_vec(), vec![])],
+            vec![b"[]".to_vec()],
             "nothing to send is one empty document"
         );
     }

@@ -789,7 +789,7 @@ impl ReplicaSink for GeoSink {
         &'a self,
         origin: &'a str,
         doc: bytes::Bytes,
-    ) -> BoxFuture<'a, Result<(u32, Vec<String>), Refusal>> {
+    ) -> BoxFuture<'a, Result<(u32, u32), Refusal>> {
         Box::pin(async move {
             let broker = self
                 .0
