@@ -364,6 +364,13 @@ def timed_sends(a):
     c.close()
 
 
+def start_at(a):
+    """Waits for --at (seconds since the epoch), so that clients started apart measure the
+    same window."""
+    if a.at:
+        time.sleep(max(0.0, a.at - time.time()))
+
+
 def rate_produce(a):
     """Sends as fast as the client lets it for --seconds; prints the acknowledged rate over the
     window after the first second: {"rate": messages per second, "acked": n}."""
@@ -377,6 +384,7 @@ def rate_produce(a):
     p = c.create_producer(a.topic, **kw)
     acks = []
     lock = threading.Lock()
+    start_at(a)
 
     def done(res, _msg_id):
         if res == pulsar.Result.Ok:
@@ -400,6 +408,7 @@ def rate_consume(a):
     c = client(a.url)
     cons = c.subscribe(a.topic, a.sub, consumer_type=pulsar.ConsumerType.Shared,
                        initial_position=pulsar.InitialPosition.Earliest)
+    start_at(a)
     t0 = time.time()
     times = []
     while time.time() - t0 < a.seconds:
@@ -912,12 +921,14 @@ def main():
     p.add_argument("--seconds", type=float, default=6)
     p.add_argument("--size", type=int, default=100)
     p.add_argument("--batch", action="store_true")
+    p.add_argument("--at", type=float, default=0)
     p.set_defaults(fn=rate_produce)
     p = sub.add_parser("rate-consume")
     p.add_argument("url")
     p.add_argument("topic")
     p.add_argument("sub")
     p.add_argument("--seconds", type=float, default=6)
+    p.add_argument("--at", type=float, default=0)
     p.set_defaults(fn=rate_consume)
     p = sub.add_parser("batch-ack")
     p.add_argument("url")

@@ -2785,10 +2785,22 @@ fn backlog_quota_is_checked_on_the_write_path_not_only_on_the_policy_beat() {
 }
 
 /// Runs Python clients side by side; the sum of the rates they print.
+/// The rates of clients measured over one window: each starts at the same moment (`--at`,
+/// after all have connected), so none has the limit to itself while another connects.
 fn py_rates_together(dir: &std::path::Path, runs: &[(&str, Vec<&str>)]) -> f64 {
+    let at = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+        + 5.0;
+    let at = format!("{at:.3}");
     let mut clients: Vec<_> = runs
         .iter()
-        .map(|(name, args)| meridian_integration::PyClient::run(dir, name, args))
+        .map(|(name, args)| {
+            let mut args = args.clone();
+            args.extend_from_slice(&["--at", &at]);
+            meridian_integration::PyClient::run(dir, name, &args)
+        })
         .collect();
     clients
         .iter_mut()
@@ -2832,6 +2844,22 @@ fn namespace_wide_rate_limits_hold_all_its_topics_together() {
     assert_within_10_percent("two topics' producers together", total, 300.0);
     step("two topics' consumers share the namespace's dispatch total of 200 msg/s");
     a.ok(&["namespaces", "remove-publish-rate-total", "public/tot"]);
+    // A backlog that outlasts the measurement (the prefetch while the consumers wait for
+    // their start included): a consumer whose topic ran dry would count as a slow dispatch.
+    let mut fill: Vec<_> = [t1, t2]
+        .iter()
+        .enumerate()
+        .map(|(i, t)| {
+            meridian_integration::PyClient::run(
+                dir.path(),
+                &format!("fill{i}"),
+                &["produce", &s.url, t, "--count", "2000"],
+            )
+        })
+        .collect();
+    for f in &mut fill {
+        f.finish(std::time::Duration::from_secs(120)).unwrap();
+    }
     for t in [t1, t2] {
         a.ok(&[
             "topics",
