@@ -25,6 +25,16 @@ pub fn topic_policies_key(tenant: &str, namespace: &str, local: &str) -> String 
     )
 }
 
+/// The topic (`persistent://t/n/x`) whose own policies are at `key` ([`topic_policies_key`]).
+pub fn topic_of_policies_key(key: &str) -> Option<String> {
+    let rest = key.strip_prefix(TOPIC_POLICIES_PREFIX)?;
+    let (ns, local) = rest.rsplit_once('/')?;
+    Some(format!(
+        "persistent://{ns}/{}",
+        local.replace("%2F", "/").replace("%25", "%")
+    ))
+}
+
 /// Splits a topic name as clients write it (`persistent://t/n/x`, `t/n/x`, or `x` in
 /// `public/default`) into tenant, namespace and local name, checking them.
 pub fn split_topic(topic: &str) -> Result<(String, String, String), BadName> {

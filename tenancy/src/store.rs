@@ -356,6 +356,22 @@ impl TenancyStore {
                     )));
                 }
             }
+            // A topic's own replication clusters bind it as its namespace's do.
+            for kv in self
+                .meta
+                .list_all(&format!("{TOPIC_POLICIES_PREFIX}{name}/"))
+                .await?
+            {
+                let p: NamespacePolicies = decode(&kv.key, &kv.value)?;
+                let clusters = p.replication_clusters.unwrap_or_default();
+                if let Some(c) = removed.iter().find(|c| clusters.contains(c)) {
+                    let topic = topic_of_policies_key(&kv.key).unwrap_or(kv.key);
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "cluster {c} is still used by topic {topic} (its replication clusters are {}); remove it there first (topics set-replication-clusters)",
+                        clusters.join(",")
+                    )));
+                }
+            }
         }
         self.put(&key, t, v, &format!("tenant {name}")).await
     }

@@ -290,6 +290,18 @@ async fn given_a_site_removed_from_a_tenant_then_refused_while_a_namespace_lists
         .update_policies("acme/g", &g_east, &[])
         .await
         .unwrap();
+    // A topic of it replicated to west on its own binds the tenant as a namespace does.
+    let topic = "persistent://acme/g/a/b%c";
+    east.t.update_topic_policies(topic, &g, &[]).await.unwrap();
+    let err = east.t.update_tenant("acme", &east_only).await.unwrap_err();
+    assert!(
+        matches!(&err, AdminError::FailedPrecondition(m) if m.contains(topic) && m.contains("west")),
+        "{err:?}"
+    );
+    east.t
+        .update_topic_policies(topic, &g_east, &[])
+        .await
+        .unwrap();
     east.t.update_tenant("acme", &east_only).await.unwrap();
     sync(&east, "east", &west, "west").await;
     assert_eq!(west.t.tenant("acme").await.unwrap(), east_only);
