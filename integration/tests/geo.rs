@@ -812,6 +812,22 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
         east.log_text().contains("replicator redirected"),
         "east's replicators were sent to broker b"
     );
+    step("one broker of west reads and sends the site's copies: the load manager's leader");
+    let exports = |b: &BrokerProc| {
+        meridian_integration::metric_value(
+            &meridian_integration::http_get(&b.http, "/metrics"),
+            "meridian_geo_object_exports_total",
+        )
+    };
+    let before: Vec<f64> = brokers.iter().map(exports).collect();
+    std::thread::sleep(Duration::from_secs(4));
+    let after: Vec<f64> = brokers.iter().map(exports).collect();
+    let rose = (0..2).filter(|i| after[*i] > before[*i]).count();
+    assert_eq!(rose, 1, "exports before {before:?}, after {after:?}");
+    assert!(
+        after.iter().zip(&before).any(|(a, b)| a - b >= 2.0),
+        "the sender exports every second: before {before:?}, after {after:?}"
+    );
     for b in &mut brokers {
         b.stop().unwrap();
     }

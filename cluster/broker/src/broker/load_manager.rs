@@ -226,6 +226,16 @@ impl Broker {
         }
     }
 
+    /// Whether this broker leads now (as the store says; it does not seek the leadership),
+    /// and the leader, if any.
+    pub(super) async fn leadership(&self) -> Result<(bool, Option<BrokerInfo>), BrokerError> {
+        let Some(kv) = self.meta.get(LEADER_KEY).await? else {
+            return Ok((false, None));
+        };
+        let me = self.ownership.session_id() == Some(kv.session);
+        Ok((me, serde_json::from_slice(&kv.value).ok()))
+    }
+
     /// The leading broker, if any.
     pub async fn leader(&self) -> Result<Option<BrokerInfo>, BrokerError> {
         Ok(match self.meta.get(LEADER_KEY).await? {

@@ -3,7 +3,8 @@
 //! from the other sites (`meridian_tenancy::federation`, over `meridian_geo::metasync`).
 //!
 //! ```text
-//!  meta_sync_loop, every second:  export() (the store read once), then for each other site
+//!  meta_sync_loop, every second, at the broker that sends:  export() (the store read once),
+//!  then for each other site
 //!  in the registry (geo URL or route):
 //!     for_peer(site) ─► JSON documents under geo.frame_bytes_max (in merge order) ─►
 //!     changed since the last Synced, or 30 s old? ─► a Sync for each, one after another
@@ -11,8 +12,11 @@
 //!     here go first (BrokerTopics::delete, forced) ─► Synced{changed, skipped}
 //! ```
 //!
-//! Every broker of a site with a geo link runs the loop; merges are idempotent compare-and-
-//! sets, so two brokers sending the same copies change nothing twice.
+//! Every broker of a site with a geo link runs the loop; the one that leads the site's load
+//! manager sends, so the store is read once a beat per site whatever the number of brokers.
+//! While none leads, or the leader has no geo link, every broker with one sends: merges are
+//! idempotent compare-and-sets, so two brokers sending the same copies change nothing twice.
+//! Any broker merges what a peer sends.
 
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
@@ -133,6 +137,19 @@ impl Broker {
             let Some(link) = self.geo.get().cloned() else {
                 continue;
             };
+            let sends = match self.leadership().await {
+                Ok((true, _)) | Ok((false, None)) => true,
+                Ok((false, Some(leader))) => leader.geo_url.is_empty(),
+                Err(e) => {
+                    tracing::debug!(error = %e, "global objects: the leadership is not readable");
+                    continue;
+                }
+            };
+            if !sends {
+                // When this broker sends again, it sends everything anew.
+                sent.clear();
+                continue;
+            }
             let sites = match store.clusters().await {
                 Ok(s) => s,
                 Err(e) => {
@@ -141,6 +158,7 @@ impl Broker {
                 }
             };
             // Read once a beat, whatever the number of sites.
+            metrics::counter!("meridian_geo_object_exports_total").increment(1);
             let exported = match store.export().await {
                 Ok(e) => e,
                 Err(e) => {
