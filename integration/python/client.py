@@ -397,7 +397,7 @@ def rate_produce(a):
         p.send_async(payload, done)
     with lock:
         inside = [t for t in acks if t0 + 1 <= t <= t0 + a.seconds]
-    out({"rate": len(inside) / (a.seconds - 1), "acked": len(acks)})
+    out({"rate": len(inside) / (a.seconds - 1), "acked": len(acks), "start": t0})
     # Unsent messages are dropped with the client: the test has what it measured.
     c.close()
 
@@ -419,7 +419,7 @@ def rate_consume(a):
         times.append(time.time())
         cons.acknowledge(m)
     inside = [t for t in times if t0 + 1 <= t <= t0 + a.seconds]
-    out({"rate": len(inside) / (a.seconds - 1), "received": len(times)})
+    out({"rate": len(inside) / (a.seconds - 1), "received": len(times), "start": t0})
     c.close()
 
 

@@ -493,6 +493,65 @@ impl Drop for BookieProc {
     }
 }
 
+/// Starts `bookies` and waits until all are registered in the metadata store. A bookie that
+/// exits meanwhile (its port, picked free, taken by another process before it bound) is
+/// started again on new ports, twice at most; a failure shows each one's last log lines.
+pub async fn start_bookies(
+    bookies: &mut [BookieProc],
+    client: &MetadataClient,
+    timeout: Duration,
+) -> anyhow::Result<()> {
+    for b in bookies.iter_mut() {
+        b.start()?;
+    }
+    let deadline = Instant::now() + timeout;
+    let mut restarts = vec![0u32; bookies.len()];
+    loop {
+        for (i, b) in bookies.iter_mut().enumerate() {
+            let exited = b
+                .child
+                .as_mut()
+                .is_some_and(|c| c.try_wait().ok().flatten().is_some());
+            if exited && restarts[i] < 2 {
+                restarts[i] += 1;
+                eprintln!(
+                    "bookie {} exited before it registered; starting it on new ports: {}",
+                    b.addr,
+                    log_tail(&b.log, 3)
+                );
+                b.child = None;
+                b.addr = format!("127.0.0.1:{}", free_port());
+                b.http = format!("127.0.0.1:{}", free_port());
+                b.start()?;
+            }
+        }
+        if let Ok(page) = client.list("/bookies/available/", "", 0).await {
+            if page.kvs.len() == bookies.len() {
+                return Ok(());
+            }
+        }
+        if Instant::now() > deadline {
+            let logs: Vec<String> = bookies
+                .iter()
+                .map(|b| format!("{}: {}", b.addr, log_tail(&b.log, 3)))
+                .collect();
+            bail!(
+                "{} bookies not registered within {timeout:?}; their logs end:\n{}",
+                bookies.len(),
+                logs.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The last `n` lines of a log file (empty when it cannot be read).
+fn log_tail(path: &Path, n: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join(" | ")
+}
+
 /// Waits until `n` bookies are registered in the metadata store.
 pub async fn wait_for_bookies(
     client: &MetadataClient,

@@ -2802,16 +2802,23 @@ fn py_rates_together(dir: &std::path::Path, runs: &[(&str, Vec<&str>)]) -> f64 {
             meridian_integration::PyClient::run(dir, name, &args)
         })
         .collect();
-    clients
+    let (rates, starts): (Vec<f64>, Vec<f64>) = clients
         .iter_mut()
         .map(|c| {
             let lines = c.finish(std::time::Duration::from_secs(120)).unwrap();
             lines
                 .iter()
-                .find_map(|v| v["rate"].as_f64())
+                .find_map(|v| Some((v["rate"].as_f64()?, v["start"].as_f64()?)))
                 .unwrap_or_else(|| panic!("no rate: {lines:?}"))
         })
-        .sum()
+        .unzip();
+    let spread = starts.iter().cloned().fold(f64::MIN, f64::max)
+        - starts.iter().cloned().fold(f64::MAX, f64::min);
+    assert!(
+        spread < 0.5,
+        "the clients' windows began {spread:.2} s apart (one started late): {starts:?}"
+    );
+    rates.iter().sum()
 }
 
 #[test]
@@ -2858,7 +2865,11 @@ fn namespace_wide_rate_limits_hold_all_its_topics_together() {
         })
         .collect();
     for f in &mut fill {
-        f.finish(std::time::Duration::from_secs(120)).unwrap();
+        let lines = f.finish(std::time::Duration::from_secs(120)).unwrap();
+        assert!(
+            lines.iter().any(|v| v["done"].as_u64() == Some(2000)),
+            "the backlog was not filled: {lines:?}"
+        );
     }
     for t in [t1, t2] {
         a.ok(&[

@@ -822,8 +822,14 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
     let before: Vec<f64> = brokers.iter().map(exports).collect();
     std::thread::sleep(Duration::from_secs(4));
     let after: Vec<f64> = brokers.iter().map(exports).collect();
-    let rose = (0..2).filter(|i| after[*i] > before[*i]).count();
-    assert_eq!(rose, 1, "exports before {before:?}, after {after:?}");
+    let rose: Vec<usize> = (0..2).filter(|i| after[*i] > before[*i]).collect();
+    assert_eq!(rose.len(), 1, "exports before {before:?}, after {after:?}");
+    let leader = admin_json(&brokers[0].admin_url, &["brokers", "leader"]);
+    assert_eq!(
+        leader["service_url"].as_str(),
+        Some(brokers[rose[0]].url.as_str()),
+        "the sender leads the load manager"
+    );
     assert!(
         after.iter().zip(&before).any(|(a, b)| a - b >= 2.0),
         "the sender exports every second: before {before:?}, after {after:?}"

@@ -7,8 +7,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use meridian_integration::{
-    admin_json, host, run_admin, step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster,
-    PyClient,
+    admin_json, host, run_admin, step, BookieProc, BrokerProc, MetaCluster, PyClient,
 };
 use meridian_storage::ledger::{LedgerClient, LedgerClientOptions};
 
@@ -69,11 +68,10 @@ async fn given_isolation_policies_and_bookie_groups_then_each_namespace_stays_on
         .map(|(i, g)| {
             let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoint);
             b.env("MERIDIAN_BOOKIE_GROUP", g);
-            b.start().unwrap();
             b
         })
         .collect();
-    wait_for_bookies(&cluster.client(), groups.len(), Duration::from_secs(60))
+    meridian_integration::start_bookies(&mut bookies, &cluster.client(), Duration::from_secs(60))
         .await
         .unwrap();
     let in_group = |g: &str| -> BTreeSet<String> {

@@ -337,8 +337,9 @@ impl TenancyStore {
             .filter(|c| !t.allowed_clusters.contains(c))
             .collect();
         if !removed.is_empty() {
-            for ns in self.namespaces(name).await? {
-                let (p, _) = match self.policies(&ns).await {
+            let namespaces = self.namespaces(name).await?;
+            for ns in &namespaces {
+                let (p, _) = match self.policies(ns).await {
                     Ok(p) => p,
                     Err(AdminError::NotFound(_)) => continue,
                     Err(e) => return Err(e),
@@ -356,13 +357,21 @@ impl TenancyStore {
                     )));
                 }
             }
-            // A topic's own replication clusters bind it as its namespace's do.
-            for kv in self
-                .meta
-                .list_all(&format!("{TOPIC_POLICIES_PREFIX}{name}/"))
-                .await?
-            {
-                let p: NamespacePolicies = decode(&kv.key, &kv.value)?;
+            // A topic's own replication clusters bind it as its namespace's do (the topics
+            // of namespaces that exist: a deleted namespace's leftovers bind nothing).
+            let mut topic_records = Vec::new();
+            for ns in &namespaces {
+                topic_records.extend(
+                    self.meta
+                        .list_all(&format!("{TOPIC_POLICIES_PREFIX}{ns}/"))
+                        .await?,
+                );
+            }
+            for kv in topic_records {
+                let Ok(p) = decode::<NamespacePolicies>(&kv.key, &kv.value) else {
+                    tracing::warn!(key = %kv.key, "a topic's policies are not readable; not checked");
+                    continue;
+                };
                 let clusters = p.replication_clusters.unwrap_or_default();
                 if let Some(c) = removed.iter().find(|c| clusters.contains(c)) {
                     let topic = topic_of_policies_key(&kv.key).unwrap_or(kv.key);

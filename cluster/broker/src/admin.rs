@@ -121,7 +121,7 @@ fn show_position(p: Option<meridian_storage::managed_ledger::Position>) -> Strin
 /// The ranges shown of a cursor's acknowledged ranges (all are counted).
 const RANGES_SHOWN: usize = 100;
 
-/// How long `topics lookup` waits out a bundle in passing (unloading, changing hands).
+/// How long `topics lookup` waits out a bundle this broker is unloading.
 const LOOKUP_PATIENCE: Duration = Duration::from_secs(5);
 
 async fn internal_stats(t: &Arc<Topic>) -> Result<pb::TopicInternalStats, BrokerError> {
@@ -754,22 +754,28 @@ impl TopicOps for BrokerTopics {
             use crate::broker::ownership::Lookup;
             let name = self.name(&topic)?;
             let b = &self.0;
-            let bundle = b.ownership.bundle_of(&name).await.map_err(admin_error)?;
-            // A bundle being unloaded or changing hands answers ServiceNotReady for a moment;
-            // the stock clients look up again, and so does this call, for a bounded time, so
-            // that an operator sees the new owner rather than the passing state.
+            // A bundle this broker is unloading answers ServiceNotReady for a moment; the
+            // stock clients look up again, and so does this call, for a bounded time, so that
+            // an operator sees the new owner rather than the passing state. Other refusals
+            // (an isolation policy that allows no broker, ...) are answered at once.
+            let ns = name.namespace();
             let deadline = tokio::time::Instant::now() + LOOKUP_PATIENCE;
             let found = loop {
                 match b.lookup(&name, false).await {
                     Err(e)
                         if e.code == ServerError::ServiceNotReady
-                            && tokio::time::Instant::now() < deadline =>
+                            && tokio::time::Instant::now() < deadline
+                            && b.ownership
+                                .bundle_of(&name)
+                                .await
+                                .is_ok_and(|bundle| b.ownership.is_releasing(&ns, &bundle)) =>
                     {
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
                     r => break r.map_err(admin_error)?,
                 }
             };
+            let bundle = b.ownership.bundle_of(&name).await.map_err(admin_error)?;
             let (owner, to) = match found {
                 Lookup::Connect => (b.ownership.id(), b.ownership.me()),
                 Lookup::Redirect {

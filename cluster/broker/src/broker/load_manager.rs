@@ -236,6 +236,21 @@ impl Broker {
         Ok((me, serde_json::from_slice(&kv.value).ok()))
     }
 
+    /// Gives up the leadership if this broker holds it (a graceful shutdown: another broker
+    /// takes it at its next beat, and meanwhile sends the site's global objects).
+    pub(super) async fn step_down(&self) -> Result<(), BrokerError> {
+        let Some(session) = self.ownership.session_id() else {
+            return Ok(());
+        };
+        if let Some(kv) = self.meta.get(LEADER_KEY).await? {
+            if kv.session == session {
+                self.meta.delete(LEADER_KEY, Some(kv.mod_revision)).await?;
+                tracing::info!("this broker no longer leads the site's load manager");
+            }
+        }
+        Ok(())
+    }
+
     /// The leading broker, if any.
     pub async fn leader(&self) -> Result<Option<BrokerInfo>, BrokerError> {
         Ok(match self.meta.get(LEADER_KEY).await? {

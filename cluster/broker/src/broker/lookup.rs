@@ -312,6 +312,9 @@ impl Broker {
         if let Err(e) = self.ownership.deregister().await {
             tracing::warn!(error = %e, "leaving the broker list failed");
         }
+        if let Err(e) = self.step_down().await {
+            tracing::warn!(error = %e, "giving up the load manager's leadership failed");
+        }
         let owned = self.ownership.owned();
         let started = std::time::Instant::now();
         for (ns, b) in &owned {
