@@ -76,34 +76,11 @@ pub struct OriginPosition {
     pub entry: u64,
 }
 
-/// One entry on its way: on the wire `head ‖ bytes`, one entry. The sender may keep a small
-/// part apart (`head`, copied into the frame) from a large one it shares (`bytes`); a
-/// decoded entry is whole in `bytes`.
+/// One entry on its way, byte for byte as its origin stores it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplicatedEntry {
     pub at: OriginPosition,
-    pub head: bytes::Bytes,
     pub bytes: bytes::Bytes,
-}
-
-impl ReplicatedEntry {
-    /// An entry sent whole.
-    pub fn whole(at: OriginPosition, bytes: bytes::Bytes) -> ReplicatedEntry {
-        ReplicatedEntry {
-            at,
-            head: bytes::Bytes::new(),
-            bytes,
-        }
-    }
-
-    /// Its length on the wire.
-    pub fn len(&self) -> usize {
-        self.head.len() + self.bytes.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 /// Why a receiver refuses a topic's stream.
@@ -214,8 +191,7 @@ impl Frame {
                 for e in items {
                     out.put_u64(e.at.ledger);
                     out.put_u64(e.at.entry);
-                    out.put_u32(e.len() as u32);
-                    out.put_slice(&e.head);
+                    out.put_u32(e.bytes.len() as u32);
                     out.put_slice(&e.bytes);
                 }
             }
@@ -257,17 +233,16 @@ impl Frame {
             self.encode(&mut out);
             return vec![out.freeze()];
         };
-        let body: usize = items.iter().map(|e| 20 + e.len()).sum::<usize>() + 1 + 4;
+        let body: usize = items.iter().map(|e| 20 + e.bytes.len()).sum::<usize>() + 1 + 4;
         // Exactly what is copied: the pieces stay alive until the peer acknowledges them.
         let copied: usize = items
             .iter()
             .map(|e| {
-                20 + e.head.len()
-                    + if e.bytes.len() >= SHARED_ENTRY_BYTES {
-                        0
-                    } else {
-                        e.bytes.len()
-                    }
+                20 + if e.bytes.len() >= SHARED_ENTRY_BYTES {
+                    0
+                } else {
+                    e.bytes.len()
+                }
             })
             .sum::<usize>()
             + LENGTH_BYTES
@@ -281,8 +256,7 @@ impl Frame {
         for e in items {
             out.put_u64(e.at.ledger);
             out.put_u64(e.at.entry);
-            out.put_u32(e.len() as u32);
-            out.put_slice(&e.head);
+            out.put_u32(e.bytes.len() as u32);
             if e.bytes.len() >= SHARED_ENTRY_BYTES {
                 pieces.push(out.split().freeze());
                 pieces.push(e.bytes.clone());
@@ -360,7 +334,10 @@ impl Frame {
                         return Err(FrameError::Truncated("entry"));
                     }
                     let from = offset(body);
-                    items.push(ReplicatedEntry::whole(at, whole.slice(from..from + len)));
+                    items.push(ReplicatedEntry {
+                        at,
+                        bytes: whole.slice(from..from + len),
+                    });
                     body.advance(len);
                 }
                 Frame::Entries { items }
@@ -508,20 +485,20 @@ mod tests {
             Frame::Entries { items: vec![] },
             Frame::Entries {
                 items: vec![
-                    ReplicatedEntry::whole(
-                        OriginPosition {
+                    ReplicatedEntry {
+                        at: OriginPosition {
                             ledger: 5,
                             entry: 0,
                         },
-                        bytes::Bytes::from_static(b"one"),
-                    ),
-                    ReplicatedEntry::whole(
-                        OriginPosition {
+                        bytes: bytes::Bytes::from_static(b"one"),
+                    },
+                    ReplicatedEntry {
+                        at: OriginPosition {
                             ledger: 5,
                             entry: 1,
                         },
-                        bytes::Bytes::new(),
-                    ),
+                        bytes: bytes::Bytes::new(),
+                    },
                 ],
             },
             Frame::Ack {
@@ -558,29 +535,21 @@ mod tests {
 
     #[test]
     fn given_large_and_small_entries_then_the_pieces_share_the_large_ones_and_make_the_frame() {
-        let entry = |n: u64, len: usize| {
-            ReplicatedEntry::whole(
-                OriginPosition {
-                    ledger: 3,
-                    entry: n,
-                },
-                bytes::Bytes::from(vec![n as u8; len]),
-            )
+        let entry = |n: u64, len: usize| ReplicatedEntry {
+            at: OriginPosition {
+                ledger: 3,
+                entry: n,
+            },
+            bytes: bytes::Bytes::from(vec![n as u8; len]),
         };
-        let mut items = vec![
+        let items = vec![
             entry(0, 10),
             entry(1, SHARED_ENTRY_BYTES),
             entry(2, SHARED_ENTRY_BYTES + 1),
             entry(3, SHARED_ENTRY_BYTES - 1),
             entry(4, 100_000),
-            entry(5, 50_000),
         ];
-        // An entry in two parts: a small head copied, the rest shared.
-        items[5].head = bytes::Bytes::from_static(b"head of five");
-        let large: Vec<*const u8> = [1, 2, 4, 5]
-            .iter()
-            .map(|&i| items[i].bytes.as_ptr())
-            .collect();
+        let large: Vec<*const u8> = [1, 2, 4].iter().map(|&i| items[i].bytes.as_ptr()).collect();
         let f = Frame::Entries { items };
         let pieces = f.encode_pieces();
         let bytes = encoded(&f);
@@ -591,20 +560,8 @@ mod tests {
                 "a large entry was copied"
             );
         }
-        let (decoded, used) = Frame::decode(&bytes, 1 << 20).unwrap().unwrap();
-        assert_eq!(used, bytes.len());
-        let Frame::Entries { items: back } = decoded else {
-            panic!("entries")
-        };
-        let Frame::Entries { items: sent } = f else {
-            unreachable!()
-        };
-        for (b, s) in back.iter().zip(&sent) {
-            assert_eq!(b.at, s.at);
-            assert!(b.head.is_empty(), "decoded whole");
-            assert_eq!(b.bytes, [s.head.as_ref(), s.bytes.as_ref()].concat());
-        }
-        assert_eq!(back.len(), sent.len());
+        let decoded = Frame::decode(&bytes, 1 << 20).unwrap().unwrap();
+        assert_eq!(decoded, (f, bytes.len()));
     }
 
     #[test]

@@ -30,8 +30,6 @@ use crate::link::{read_frame, write_frame, GeoLink};
 #[derive(Debug, Clone)]
 pub struct SourceEntry {
     pub at: OriginPosition,
-    /// The entry as sent: `head ‖ bytes` (see [`ReplicatedEntry`]).
-    pub head: bytes::Bytes,
     pub bytes: bytes::Bytes,
     /// Produced at this site (sent); false for an entry that arrived by replication.
     pub send: bool,
@@ -357,14 +355,14 @@ async fn session(
             let mut frames = 0usize;
             let mut entries = 0u64;
             for e in batch.into_iter().filter(|e| e.send) {
-                let size = e.head.len() + e.bytes.len() + 20;
+                let size = e.bytes.len() + 20;
                 if size > remote_limit {
                     return Err((
                         format!(
                             "entry {}:{} of {} bytes is over {remote}'s frame limit of {remote_max} bytes (geo.frame_bytes_max there)",
                             e.at.ledger,
                             e.at.entry,
-                            e.head.len() + e.bytes.len()
+                            e.bytes.len()
                         ),
                         true,
                     ));
@@ -385,7 +383,6 @@ async fn session(
                 last_sent = Some(e.at);
                 frame.push(ReplicatedEntry {
                     at: e.at,
-                    head: e.head,
                     bytes: e.bytes,
                 });
             }

@@ -377,14 +377,12 @@ async fn given_a_peer_that_floods_many_streams_then_what_its_frames_hold_stays_w
             let writer = tokio::spawn(async move {
                 for f in 0..frames {
                     let items = (0..per_frame)
-                        .map(|i| {
-                            ReplicatedEntry::whole(
-                                OriginPosition {
-                                    ledger: 1,
-                                    entry: f * per_frame + i,
-                                },
-                                bytes::Bytes::from(vec![s as u8; 4096]),
-                            )
+                        .map(|i| ReplicatedEntry {
+                            at: OriginPosition {
+                                ledger: 1,
+                                entry: f * per_frame + i,
+                            },
+                            bytes: bytes::Bytes::from(vec![s as u8; 4096]),
                         })
                         .collect();
                     write_frame(&mut send, &Frame::Entries { items })

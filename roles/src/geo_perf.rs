@@ -118,7 +118,6 @@ impl ReplicaSource for Synthetic {
                         ledger: 1,
                         entry: self.next + i as u64,
                     },
-                    head: bytes::Bytes::new(),
                     bytes: self.payload.clone(),
                     send: true,
                 })

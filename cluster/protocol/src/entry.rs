@@ -73,55 +73,23 @@ impl Entry {
         let payload = &self.0[meta_end..];
         let payload_crc = crc32c::crc32c(payload);
         let head_crc = crc32c::crc32c(&self.0[6..meta_end]);
-        if crate::crc_combine::crc32c_combine(head_crc, payload_crc, payload.len()) != self.crc() {
+        let stored = u32::from_be_bytes(self.0[2..6].try_into().expect("4 bytes"));
+        if crate::crc_combine::crc32c_combine(head_crc, payload_crc, payload.len()) != stored {
             return None;
         }
-        let mut b = self.replicated_head(origin, payload.len(), payload_crc, payload.len());
-        b.put_slice(payload);
-        Some(Entry(b.freeze()))
-    }
-
-    /// [`Entry::replicated`] in two parts, as the sending site puts it on the link: the new
-    /// header and metadata (a copy of the metadata, with the origin), and the payload (shared,
-    /// not copied). The new checksum is derived from the stored one rather than computed over
-    /// the payload; the receiving site verifies the whole entry, so a payload damaged here
-    /// fails there.
-    pub fn replicated_parts(&self, origin: &MeridianOrigin) -> (Bytes, Bytes) {
-        let meta_end = HEADER + self.metadata_len();
-        let payload = self.0.slice(meta_end..);
-        let head_crc = crc32c::crc32c(&self.0[6..meta_end]);
-        let payload_crc = crate::crc_combine::crc32c_split(self.crc(), head_crc, payload.len());
-        let head = self.replicated_head(origin, payload.len(), payload_crc, 0);
-        (head.freeze(), payload)
-    }
-
-    /// The header and metadata of the entry as stored at a site it was replicated to (see
-    /// [`Entry::replicated`]), its checksum covering a payload of `payload_len` bytes whose
-    /// own checksum is `payload_crc`; with room for `reserve` more bytes.
-    fn replicated_head(
-        &self,
-        origin: &MeridianOrigin,
-        payload_len: usize,
-        payload_crc: u32,
-        reserve: usize,
-    ) -> BytesMut {
         let mut meta = self.metadata_bytes().to_vec();
         prost::encoding::string::encode(REPLICATED_FROM_FIELD, &origin.site, &mut meta);
         prost::encoding::message::encode(ORIGIN_FIELD, origin, &mut meta);
-        let mut b = BytesMut::with_capacity(HEADER + meta.len() + reserve);
+        let mut b = BytesMut::with_capacity(HEADER + meta.len() + payload.len());
         b.put_u16(MAGIC_CRC32C);
         b.put_u32(0);
         b.put_u32(meta.len() as u32);
         b.put_slice(&meta);
         let head_crc = crc32c::crc32c(&b[6..]);
-        let crc = crate::crc_combine::crc32c_combine(head_crc, payload_crc, payload_len);
+        b.put_slice(payload);
+        let crc = crate::crc_combine::crc32c_combine(head_crc, payload_crc, payload.len());
         b[2..6].copy_from_slice(&crc.to_be_bytes());
-        b
-    }
-
-    /// The stored checksum (of everything after it).
-    fn crc(&self) -> u32 {
-        u32::from_be_bytes(self.0[2..6].try_into().expect("4 bytes"))
+        Some(Entry(b.freeze()))
     }
 
     /// Where an entry that arrived by replication was first written; `None` for an entry
@@ -181,7 +149,8 @@ impl Entry {
     }
 
     pub fn verify(&self) -> bool {
-        self.crc() == crc32c::crc32c(&self.0[6..])
+        let crc = u32::from_be_bytes(self.0[2..6].try_into().expect("4 bytes"));
+        crc == crc32c::crc32c(&self.0[6..])
     }
 
     fn metadata_len(&self) -> usize {
@@ -276,45 +245,6 @@ mod tests {
             assert!(damaged.replicated(&origin).is_none(), "byte {at}");
         }
         assert!(original.replicated(&origin).is_some());
-    }
-
-    #[test]
-    fn given_an_entry_sent_in_parts_then_they_join_to_the_replicated_entry_and_damage_shows() {
-        let origin = MeridianOrigin {
-            site: "east".into(),
-            ledger_id: 8,
-            entry_id: 13,
-        };
-        let meta = MessageMetadata {
-            producer_name: "p".into(),
-            num_messages_in_batch: Some(3),
-            ..Default::default()
-        };
-        for len in [0usize, 1, 300, 70_000] {
-            let payload: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
-            let original = Entry::build(&meta.encode_to_vec(), &payload);
-            let (head, body) = original.replicated_parts(&origin);
-            assert_eq!(body, original.payload(), "the payload is shared as it is");
-            let joined = Entry::parse(Bytes::from([head.as_ref(), body.as_ref()].concat()))
-                .expect("an entry");
-            assert_eq!(
-                Some(&joined),
-                original.replicated(&origin).as_ref(),
-                "len {len}"
-            );
-            assert!(joined.verify());
-            if len > 0 {
-                // A payload damaged where it is stored: the derived checksum does not hold.
-                let mut b = original.as_bytes().to_vec();
-                let last = b.len() - 1;
-                b[last] ^= 0x40;
-                let damaged = Entry::parse(Bytes::from(b)).unwrap();
-                let (head, body) = damaged.replicated_parts(&origin);
-                let joined =
-                    Entry::parse(Bytes::from([head.as_ref(), body.as_ref()].concat())).unwrap();
-                assert!(!joined.verify(), "len {len}");
-            }
-        }
     }
 
     #[test]

@@ -28,14 +28,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use bytes::Bytes;
 use futures::future::BoxFuture;
 use meridian_geo::frame::{OriginPosition, RefusalCode};
 use meridian_geo::receiver::{Refusal, ReplicaSink, ReplicaTopic};
 use meridian_geo::replicator::{
     LinkState, ReplicaSource, ReplicatorOptions, ReplicatorStatus, SourceEntry,
 };
-use meridian_protocol::pb::MeridianOrigin;
 use meridian_protocol::Entry;
 use meridian_storage::cursor::{InitialPosition, ManagedCursor};
 use meridian_storage::managed_ledger::Position;
@@ -686,39 +684,19 @@ impl ReplicaSource for TopicSource {
                 bytes += got.iter().map(|(_, b)| b.len() as u64).sum::<u64>();
                 entries.extend(got);
             }
-            let site = &self.topic.cfg.cluster_name;
             Ok(entries
                 .into_iter()
                 .map(|(p, bytes)| {
-                    let at = OriginPosition {
-                        ledger: p.ledger_id,
-                        entry: p.entry_id,
-                    };
-                    let entry = Entry::parse(bytes.clone()).ok();
-                    let meta = entry.as_ref().and_then(|e| e.metadata().ok());
-                    let send = meta.is_some_and(|m| self.sends(&m));
-                    match entry.filter(|_| send) {
-                        // Sent as the receiving site stores it (marked with its origin), the
-                        // payload shared: the receiver checks and appends it without a copy.
-                        Some(e) => {
-                            let (head, bytes) = e.replicated_parts(&MeridianOrigin {
-                                site: site.clone(),
-                                ledger_id: p.ledger_id,
-                                entry_id: p.entry_id,
-                            });
-                            SourceEntry {
-                                at,
-                                head,
-                                bytes,
-                                send,
-                            }
-                        }
-                        None => SourceEntry {
-                            at,
-                            head: Bytes::new(),
-                            bytes,
-                            send,
+                    let meta = Entry::parse(bytes.clone())
+                        .ok()
+                        .and_then(|e| e.metadata().ok());
+                    SourceEntry {
+                        at: OriginPosition {
+                            ledger: p.ledger_id,
+                            entry: p.entry_id,
                         },
+                        bytes,
+                        send: meta.is_some_and(|m| self.sends(&m)),
                     }
                 })
                 .collect())

@@ -184,39 +184,6 @@ impl Incoming {
     }
 }
 
-/// A received entry of site `origin` as it is stored here, checked, and how many messages it
-/// counts for; else why it is refused.
-fn stored_form(origin: &str, item: &ReplicatedEntry) -> Result<(Entry, u64), String> {
-    let entry = Entry::parse(item.bytes.clone()).map_err(|e| e.to_string())?;
-    let meta = entry.metadata().map_err(|e| e.to_string())?;
-    let expected = MeridianOrigin {
-        site: origin.to_string(),
-        ledger_id: item.at.ledger,
-        entry_id: item.at.entry,
-    };
-    let stored =
-        match &meta.meridian_origin {
-            // Sent as it is to be stored here (`Entry::replicated_parts`): checked whole,
-            // appended as it came, without a copy.
-            Some(o) if *o == expected => {
-                if meta.replicated_from.as_deref() != Some(origin) || !entry.verify() {
-                    return Err("fails its checksum or names another origin cluster".into());
-                }
-                entry
-            }
-            Some(_) => return Err(
-                "names another origin (an entry that arrived there by replication is not sent on)"
-                    .into(),
-            ),
-            // Sent as its origin stores it: marked here.
-            None => entry
-                .replicated(&expected)
-                .ok_or_else(|| "fails its checksum".to_string())?,
-        };
-    let messages = u64::from(meridian_protocol::entry::message_count(&meta));
-    Ok((stored, messages))
-}
-
 impl Stream {
     /// The entries after `held`, checked and marked with their origin.
     fn check(
@@ -243,7 +210,19 @@ impl Stream {
                 return Err(bad("is not after the entry before it"));
             }
             before = Some(item.at);
-            let (stored, messages) = stored_form(&self.origin, &item).map_err(|e| bad(&e))?;
+            let entry = Entry::parse(item.bytes.clone()).map_err(|e| bad(&e.to_string()))?;
+            let meta = entry.metadata().map_err(|e| bad(&e.to_string()))?;
+            if meta.meridian_origin.is_some() {
+                return Err(bad("arrived there by replication and is not to be sent on"));
+            }
+            let stored = entry
+                .replicated(&MeridianOrigin {
+                    site: self.origin.clone(),
+                    ledger_id: item.at.ledger,
+                    entry_id: item.at.entry,
+                })
+                .ok_or_else(|| bad("fails its checksum"))?;
+            let messages = u64::from(meridian_protocol::entry::message_count(&meta));
             checked.push((stored, item.at, messages));
         }
         Ok(checked)
@@ -492,66 +471,4 @@ async fn record(
         }
     }
     Ok(origins.highest(origin))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use bytes::Bytes;
-    use meridian_protocol::pb::MessageMetadata;
-    use prost::Message as _;
-
-    #[test]
-    fn given_received_entries_then_each_form_is_checked_and_stored_as_the_origin_marks_it() {
-        let meta = MessageMetadata {
-            producer_name: "p".into(),
-            num_messages_in_batch: Some(4),
-            ..Default::default()
-        };
-        let original = Entry::build(&meta.encode_to_vec(), &[9u8; 20_000]);
-        let at = OriginPosition {
-            ledger: 7,
-            entry: 3,
-        };
-        let origin = MeridianOrigin {
-            site: "east".into(),
-            ledger_id: 7,
-            entry_id: 3,
-        };
-        let want = original.replicated(&origin).unwrap();
-        let sent = |head: &Bytes, body: &Bytes, at| {
-            ReplicatedEntry::whole(at, Bytes::from([head.as_ref(), body.as_ref()].concat()))
-        };
-        // As the sender marks it, and as its origin stores it: the same stored entry.
-        let (head, body) = original.replicated_parts(&origin);
-        let marked = sent(&head, &body, at);
-        assert_eq!(stored_form("east", &marked), Ok((want.clone(), 4)));
-        let plain = ReplicatedEntry::whole(at, original.as_bytes().clone());
-        assert_eq!(stored_form("east", &plain), Ok((want, 4)));
-        // Marked by another site, or at another position: not this stream's entry.
-        assert!(stored_form("west", &marked)
-            .unwrap_err()
-            .contains("another origin"));
-        let elsewhere = OriginPosition {
-            ledger: 7,
-            entry: 4,
-        };
-        assert!(stored_form("east", &sent(&head, &body, elsewhere))
-            .unwrap_err()
-            .contains("another origin"));
-        // A byte of the payload changed on the way, in either form.
-        let mut damaged = body.to_vec();
-        damaged[100] ^= 1;
-        let damaged = Bytes::from(damaged);
-        assert!(stored_form("east", &sent(&head, &damaged, at))
-            .unwrap_err()
-            .contains("checksum"));
-        let mut plain_damaged = original.as_bytes().to_vec();
-        let last = plain_damaged.len() - 1;
-        plain_damaged[last] ^= 1;
-        let plain_damaged = ReplicatedEntry::whole(at, Bytes::from(plain_damaged));
-        assert!(stored_form("east", &plain_damaged)
-            .unwrap_err()
-            .contains("checksum"));
-    }
 }
