@@ -253,10 +253,7 @@ impl Broker {
 
     /// The leading broker, if any.
     pub async fn leader(&self) -> Result<Option<BrokerInfo>, BrokerError> {
-        Ok(match self.meta.get(LEADER_KEY).await? {
-            Some(kv) => serde_json::from_slice(&kv.value).ok(),
-            None => None,
-        })
+        Ok(self.leadership().await?.1)
     }
 
     /// Removes shed destinations ([`ASSIGN_PREFIX`]) that no lookup follows any more (older
