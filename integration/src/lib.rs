@@ -525,10 +525,8 @@ pub async fn start_bookies(
                 b.start()?;
             }
         }
-        if let Ok(page) = client.list("/bookies/available/", "", 0).await {
-            if page.kvs.len() == bookies.len() {
-                return Ok(());
-            }
+        if registered_bookies(client).await == Some(bookies.len()) {
+            return Ok(());
         }
         if Instant::now() > deadline {
             let logs: Vec<String> = bookies
@@ -543,6 +541,12 @@ pub async fn start_bookies(
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// How many bookies are registered (none when the store does not answer).
+async fn registered_bookies(client: &MetadataClient) -> Option<usize> {
+    let page = client.list("/bookies/available/", "", 0).await.ok()?;
+    Some(page.kvs.len())
 }
 
 /// The last `n` lines of a log file (empty when it cannot be read).
@@ -560,10 +564,8 @@ pub async fn wait_for_bookies(
 ) -> anyhow::Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Ok(page) = client.list("/bookies/available/", "", 0).await {
-            if page.kvs.len() == n {
-                return Ok(());
-            }
+        if registered_bookies(client).await == Some(n) {
+            return Ok(());
         }
         if Instant::now() > deadline {
             bail!("{n} bookies not registered within {timeout:?}");
