@@ -186,13 +186,18 @@ impl BookieCore {
         let was = self.disk_full.load(Ordering::Relaxed);
         let full = disk_full_next(was, used_pct, max);
         if full {
-            if !self.disk_full.swap(true, Ordering::Relaxed) {
+            if !was {
                 let why =
                     format!("disk {used_pct}% used, above bookie.disk_usage_percent_max = {max}");
-                tracing::error!(reason = %why, "bookie is read-only until the disk frees up");
+                // The reason is in place before the flag that makes the bookie read-only: a
+                // reader that sees the flag then finds the reason (both under its lock).
+                let mut reason = self.read_only_reason.lock().expect("lock");
                 if !self.read_only.load(Ordering::Relaxed) {
-                    *self.read_only_reason.lock().expect("lock") = why;
+                    reason.clone_from(&why);
                 }
+                self.disk_full.store(true, Ordering::Relaxed);
+                drop(reason);
+                tracing::error!(reason = %why, "bookie is read-only until the disk frees up");
             }
         } else if was
             && self.disk_full.swap(false, Ordering::Relaxed)
@@ -206,10 +211,13 @@ impl BookieCore {
     }
 
     fn set_read_only(&self, why: String) {
-        if !self.read_only.swap(true, Ordering::Relaxed) {
+        let mut reason = self.read_only_reason.lock().expect("lock");
+        reason.clone_from(&why);
+        let was = self.read_only.swap(true, Ordering::Relaxed);
+        drop(reason);
+        if !was {
             tracing::error!(reason = %why, "bookie is read-only from now on");
         }
-        *self.read_only_reason.lock().expect("lock") = why;
     }
 
     /// Free bytes on the ledger directory's file system, and the used percentage of the fuller
