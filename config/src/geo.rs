@@ -51,8 +51,10 @@ pub struct GeoConfig {
     /// Default true.
     pub segmentation_offload: bool,
     /// Where this site dials a peer instead of the geo URL of its cluster record, as
-    /// `SITE=HOST:PORT` items (a private interconnect, a proxy); the registry, which every
-    /// site shares, stays as it is. Default empty.
+    /// `SITE=HOST:PORT` items (a private interconnect, a proxy), and instead of one broker's
+    /// geo URL (a site of many brokers sends a topic's stream to its owner) as
+    /// `HOST:PORT=HOST:PORT` items, the first being that broker's advertised geo address;
+    /// the registry, which every site shares, stays as it is. Default empty.
     pub routes: Vec<String>,
 }
 
@@ -83,20 +85,32 @@ impl GeoConfig {
         !self.listen.trim().is_empty()
     }
 
-    /// `geo.routes` as (site, `HOST:PORT`) pairs, each checked.
+    /// `geo.routes` as (what is dialed, `HOST:PORT`) pairs, each checked: a site's name, or
+    /// a broker's geo URL (`quic://HOST:PORT`, written `HOST:PORT`; a site's name on the link
+    /// has no `:`).
     pub fn route_map(&self) -> Result<Vec<(String, String)>, ConfigError> {
         self.routes
             .iter()
             .map(|r| {
                 let bad = |why: &str| invalid("geo.routes", r, why);
-                let (site, addr) = r
+                let (from, addr) = r
                     .split_once('=')
-                    .ok_or_else(|| bad("each route is SITE=HOST:PORT"))?;
-                if site.trim().is_empty() {
+                    .ok_or_else(|| bad("each route is SITE=HOST:PORT or HOST:PORT=HOST:PORT"))?;
+                let from = from.trim();
+                if from.is_empty() {
                     return Err(bad("each route is SITE=HOST:PORT; the site is empty"));
                 }
                 host_port(addr.trim()).map_err(|reason| invalid("geo.routes", r, reason))?;
-                Ok((site.trim().to_string(), addr.trim().to_string()))
+                let from = match from.strip_prefix("quic://").unwrap_or(from) {
+                    broker if broker.contains(':') => {
+                        host_port(broker).map_err(|reason| {
+                            invalid("geo.routes", r, &format!("the broker's address: {reason}"))
+                        })?;
+                        format!("quic://{broker}")
+                    }
+                    site => site.to_string(),
+                };
+                Ok((from, addr.trim().to_string()))
             })
             .collect()
     }

@@ -745,6 +745,13 @@ fn geo_settings_are_checked() {
             set("geo.receive_bytes_max", "67108864"),
             set("geo.frame_bytes_max", "8388608").set("geo.receive_bytes_max", "67108864"),
             set("geo.advertise", "nohost"),
+            set(
+                "geo.routes",
+                "west=10.1.0.7:7300,10.0.0.5:7300=10.1.0.8:7300,quic://b.west:7300=10.1.0.9:7300",
+            ),
+            set("geo.routes", "west"),
+            set("geo.routes", "10.0.0.5:x=10.1.0.8:7300"),
+            set("geo.routes", "west=10.1.0.7"),
             set("geo.listen", "127.0.0.1:7300")
                 .set("geo.cert_file", "e.crt")
                 .set("geo.key_file", "e.key")
@@ -771,8 +778,36 @@ fn geo_settings_are_checked() {
               ok: geo.frame_bytes_max = 8388608, geo.receive_bytes_max = 67108864
             set geo.advertise=nohost
               error: geo.advertise = "nohost" is invalid: expected HOST:PORT, e.g. localhost:7101
+            set geo.routes=west=10.1.0.7:7300,10.0.0.5:7300=10.1.0.8:7300,quic://b.west:7300=10.1.0.9:7300
+              ok: geo.routes = ["west=10.1.0.7:7300", "10.0.0.5:7300=10.1.0.8:7300", "quic://b.west:7300=10.1.0.9:7300"]
+            set geo.routes=west
+              error: geo.routes = "west" is invalid: each route is SITE=HOST:PORT or HOST:PORT=HOST:PORT
+            set geo.routes=10.0.0.5:x=10.1.0.8:7300
+              error: geo.routes = "10.0.0.5:x=10.1.0.8:7300" is invalid: the broker's address: the port must be an integer in 1..=65535
+            set geo.routes=west=10.1.0.7
+              error: geo.routes = "west=10.1.0.7" is invalid: expected HOST:PORT, e.g. localhost:7101
             set geo.listen=127.0.0.1:7300 set geo.cert_file=e.crt set geo.key_file=e.key set geo.ca_file=ca.crt set broker.cluster_name=east set geo.frame_bytes_max=1048576
               error: geo.frame_bytes_max = 1048576 is out of range; accepted 5308416..=268435456 (at least broker.message_bytes_max + 65536)
         "#]],
+    );
+}
+
+#[test]
+fn geo_routes_name_a_site_or_a_broker_s_geo_url() {
+    let c = GeoConfig {
+        routes: vec![
+            " west = 10.1.0.7:7300".into(),
+            "10.0.0.5:7300=10.1.0.8:7300".into(),
+            "quic://b.west:7300=10.1.0.9:7300".into(),
+        ],
+        ..GeoConfig::default()
+    };
+    assert_eq!(
+        c.route_map().unwrap(),
+        [
+            ("west".to_string(), "10.1.0.7:7300".to_string()),
+            ("quic://10.0.0.5:7300".into(), "10.1.0.8:7300".into()),
+            ("quic://b.west:7300".into(), "10.1.0.9:7300".into()),
+        ]
     );
 }

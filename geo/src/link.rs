@@ -102,7 +102,8 @@ pub struct LinkOptions {
     pub tombstone_grace: Duration,
     /// UDP segmentation offload (`geo.segmentation_offload`).
     pub segmentation_offload: bool,
-    /// Where a peer is dialed instead of its cluster record's geo URL (`geo.routes`).
+    /// Where a peer is dialed instead of its cluster record's geo URL, by site name, or
+    /// instead of one of its brokers' geo URLs, by that URL (`geo.routes`).
     pub routes: HashMap<String, String>,
 }
 
@@ -442,8 +443,9 @@ impl GeoLink {
     }
 
     /// A link to `site` at one of its brokers' geo URL (`quic://HOST:PORT`; a topic's stream
-    /// is served by the broker that owns the topic there): the one up, else a new one. The
-    /// certificate that answers must name `site`, as for [`GeoLink::peer`].
+    /// is served by the broker that owns the topic there), dialed where `geo.routes` sends
+    /// that URL if it does: the one up, else a new one. The certificate that answers must
+    /// name `site`, as for [`GeoLink::peer`].
     pub async fn peer_at(&self, site: &str, url: &str) -> Result<Peer, LinkError> {
         let slot = {
             let mut outbound = self.shared.outbound.lock().expect("outbound lock");
@@ -462,7 +464,10 @@ impl GeoLink {
                 return Ok(p.clone());
             }
         }
-        let peer = self.dial_url(site, url).await?;
+        let peer = match self.shared.opts.routes.get(url) {
+            Some(route) => self.dial_url(site, &format!("quic://{route}")).await?,
+            None => self.dial_url(site, url).await?,
+        };
         *slot = Some(peer.clone());
         Ok(peer)
     }

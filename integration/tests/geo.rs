@@ -671,6 +671,14 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
     step(
         "east: a standalone; west: one metadata node, a bookie, brokers a and b, each with a link",
     );
+    step("east dials west's record (a's link) and b's link each through a proxy (geo.routes)");
+    let west_listens: Vec<String> = (0..2)
+        .map(|_| format!("127.0.0.1:{}", meridian_integration::free_port()))
+        .collect();
+    let proxies: Vec<meridian_integration::udp_proxy::UdpProxy> = west_listens
+        .iter()
+        .map(|l| meridian_integration::udp_proxy::UdpProxy::start(l.parse().unwrap()))
+        .collect();
     let east_dir = root.join("east");
     std::fs::create_dir_all(&east_dir).unwrap();
     let mut east = StandaloneProc::new(&east_dir);
@@ -681,7 +689,14 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
             .map(String::as_str)
             .collect::<Vec<_>>(),
     )
-    .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
+    .env(
+        "MERIDIAN_GEO_ROUTES",
+        &format!(
+            "west={},{}={}",
+            proxies[0].addr, west_listens[1], proxies[1].addr
+        ),
+    );
     east.start().unwrap();
     let endpoints = cluster.endpoints().join(",");
     let mut bookie = BookieProc::new("bookie", &root, &endpoints);
@@ -691,15 +706,14 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
         .unwrap();
     let mut brokers = Vec::new();
     let mut geo_urls = Vec::new();
-    for n in ["a", "b"] {
-        let listen = format!("127.0.0.1:{}", meridian_integration::free_port());
+    for (n, listen) in ["a", "b"].into_iter().zip(&west_listens) {
         let mut b = BrokerProc::new(n, &root, &endpoints);
         b.env("MERIDIAN_BROKER_CLUSTER_NAME", "west")
             .env("MERIDIAN_BROKER_ENSEMBLE", "1")
             .env("MERIDIAN_BROKER_WRITE_QUORUM", "1")
             .env("MERIDIAN_BROKER_ACK_QUORUM", "1")
             .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
-            .env("MERIDIAN_GEO_LISTEN", &listen)
+            .env("MERIDIAN_GEO_LISTEN", listen)
             .env("MERIDIAN_GEO_CERT_FILE", &file("west.crt"))
             .env("MERIDIAN_GEO_KEY_FILE", &file("west.key"))
             .env("MERIDIAN_GEO_CA_FILE", &file("ca.crt"));
@@ -812,6 +826,13 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
         east.log_text().contains("replicator redirected"),
         "east's replicators were sent to broker b"
     );
+    for (p, n) in proxies.iter().zip(["a", "b"]) {
+        let forwarded = p
+            .counters
+            .forwarded
+            .load(std::sync::atomic::Ordering::Relaxed);
+        assert!(forwarded > 0, "east reached {n} through its route");
+    }
     step("one broker of west reads and sends the site's copies: the load manager's leader");
     let exports = |b: &BrokerProc| {
         meridian_integration::metric_value(
@@ -834,6 +855,85 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
         after.iter().zip(&before).any(|(a, b)| a - b >= 2.0),
         "the sender exports every second: before {before:?}, after {after:?}"
     );
+
+    step("broker c joins west without a geo link; acme/l, local to west, is spread over a, b, c");
+    let mut c = BrokerProc::new("c", &root, &endpoints);
+    c.env("MERIDIAN_BROKER_CLUSTER_NAME", "west")
+        .env("MERIDIAN_BROKER_ENSEMBLE", "1")
+        .env("MERIDIAN_BROKER_WRITE_QUORUM", "1")
+        .env("MERIDIAN_BROKER_ACK_QUORUM", "1")
+        .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    c.start().unwrap();
+    let c_id = meridian_integration::host(&c.url).to_string();
+    at(
+        &brokers[0].admin_url,
+        &["namespaces", "create", "acme/l", "--clusters", "west"],
+    );
+    let local: Vec<String> = (0..8)
+        .map(|i| format!("persistent://acme/l/spread-{i}"))
+        .collect();
+    let everywhere = format!("{service},{}", meridian_integration::host(&c.url));
+    let owner_of = |t: &str| {
+        admin_json(&brokers[0].admin_url, &["topics", "lookup", t])["owner"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    for (i, t) in local.iter().enumerate() {
+        produce(&root, &format!("l{i}"), &everywhere, t, 100, 50_000)
+            .finish(Duration::from_secs(60))
+            .unwrap();
+    }
+    let on_c = local.iter().filter(|t| owner_of(t) == c_id).count();
+    assert!(
+        on_c > 0,
+        "c, with the fewest bundles, was given some of acme/l"
+    );
+    step("acme/l becomes replicated with east: c lets its bundles go, and they go to a or b");
+    at(
+        &brokers[0].admin_url,
+        &[
+            "namespaces",
+            "set-clusters",
+            "acme/l",
+            "--clusters",
+            "east,west",
+        ],
+    );
+    wait_admin(
+        &east.admin_url,
+        &["namespaces", "get-clusters", "acme/l"],
+        "acme/l at east",
+        |out| out.contains("west"),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let owners: Vec<String> = local.iter().map(|t| owner_of(t)).collect();
+        if !owners.contains(&c_id) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "c still owns some of acme/l: {owners:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(c.log_text().contains("has no geo link"), "c said why");
+    for (i, t) in local.iter().enumerate() {
+        produce(&root, &format!("le{i}"), &east.url, t, 100, 60_000)
+            .finish(Duration::from_secs(60))
+            .unwrap();
+    }
+    for t in &local {
+        let got = read_until(&root, &service, t, 200, Duration::from_secs(60));
+        assert_exactly_once(
+            &got,
+            &[50_000..50_100, 60_000..60_100],
+            &format!("west {t}"),
+        );
+        assert_ne!(owner_of(t), c_id, "{t} stays off c");
+    }
+    c.stop().unwrap();
     for b in &mut brokers {
         b.stop().unwrap();
     }

@@ -160,6 +160,9 @@ impl Broker {
         if let Err(e) = self.release_disallowed().await {
             tracing::warn!(error = %e, "checking bundles against the isolation policies failed");
         }
+        if let Err(e) = self.release_unlinked().await {
+            tracing::warn!(error = %e, "checking replicated bundles against geo links failed");
+        }
         if self.cfg.load_balancer_enabled && self.cfg.bundle_split_enabled {
             if let Err(e) = self.split_large_bundles().await {
                 tracing::warn!(error = %e, "splitting bundles failed");
@@ -333,7 +336,10 @@ impl Broker {
                 let Some((ns, range)) = path.rsplit_once('/') else {
                     continue;
                 };
-                if recent || !self.ownership.allows(ns, &choice.to).await? {
+                if recent
+                    || !self.ownership.allows(ns, &choice.to).await?
+                    || !self.geo_link_allows(ns, &choice.to, &brokers).await?
+                {
                     continue;
                 }
                 let Some(b) = self.ownership.bundle_named_fresh(ns, range).await? else {
@@ -417,7 +423,9 @@ impl Broker {
                 continue;
             }
             let ns = k.rsplit_once('/').map_or("", |(ns, _)| ns);
-            if self.ownership.allows(ns, &to).await? {
+            if self.ownership.allows(ns, &to).await?
+                && self.geo_link_allows(ns, &to, &brokers).await?
+            {
                 pick = Some(k);
                 break;
             }

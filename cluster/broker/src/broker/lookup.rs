@@ -42,7 +42,8 @@ impl Broker {
                 authoritative: false,
             }),
             Owner::Nobody => {
-                let chosen = o.candidate(&ns, &b).await?;
+                let linked = self.replicated_elsewhere(&ns).await?;
+                let chosen = o.candidate(&ns, &b, linked).await?;
                 if !authoritative && chosen.id != o.id() {
                     tracing::debug!(topic = %name, bundle = %b.name(), to = %chosen.id, "unowned bundle placed on another broker");
                     return Ok(Lookup::Redirect {
@@ -133,7 +134,8 @@ impl Broker {
 
     /// The geo URL of the broker that owns `name`'s bundle, when that is another broker
     /// (None: this one, or nobody yet, and this one may take it). An owner without a geo link
-    /// is an error to retry later.
+    /// is an error to retry later: it lets the bundle go at its next load report when a broker
+    /// with a link may take it ([`Broker::release_unlinked`]), and placement prefers those.
     pub async fn geo_owner_elsewhere(
         &self,
         name: &TopicName,
@@ -145,7 +147,10 @@ impl Broker {
             Owner::Other(o) if !o.geo_url.is_empty() => Ok(Some(o.geo_url)),
             Owner::Other(o) => Err(BrokerError::new(
                 ServerError::ServiceNotReady,
-                format!("{name} is served by broker {}, which has no geo link", o.id),
+                format!(
+                    "{name} is served by broker {}, which has no geo link; it moves to a broker with one",
+                    o.id
+                ),
             )),
         }
     }

@@ -24,6 +24,7 @@ pub mod bundles;
 pub mod compaction;
 pub mod dedup;
 mod error;
+pub mod geo_placement;
 pub mod key_shared;
 pub mod load_manager;
 pub mod lookup;

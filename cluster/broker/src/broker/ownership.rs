@@ -893,11 +893,20 @@ impl Ownership {
 
     /// Where an unowned bundle should go: the broker with the fewest bundles (as last
     /// reported, plus those placed on it since), ties broken by a hash of the bundle and the
-    /// broker, so brokers asked at once mostly agree.
-    pub async fn candidate(&self, ns: &str, b: &Bundle) -> Result<BrokerInfo, BrokerError> {
+    /// broker, so brokers asked at once mostly agree. `linked`: only brokers with a geo link
+    /// if any has one (a namespace replicated with other sites).
+    pub async fn candidate(
+        &self,
+        ns: &str,
+        b: &Bundle,
+        linked: bool,
+    ) -> Result<BrokerInfo, BrokerError> {
         let registered = self.brokers().await?;
         let none_registered = registered.is_empty();
-        let brokers = self.allowed(ns, registered).await?;
+        let mut brokers = self.allowed(ns, registered).await?;
+        if linked {
+            brokers = super::geo_placement::linked_if_any(brokers);
+        }
         if let Some(kv) = self
             .meta
             .get(&format!("{ASSIGN_PREFIX}{ns}/{}", b.name()))
