@@ -324,7 +324,13 @@ impl Topic {
         }
     }
 
+    /// Saves are made under `repl_origins`' lock, and none once the topic stopped receiving
+    /// (closed or being deleted): the deletion of the record, under that lock too, is never
+    /// followed by a save that brings it back. A save skipped costs only replay time.
     async fn save_origins(&self, o: &mut Origins) {
+        if self.repl_closed.load(Ordering::Acquire) {
+            return;
+        }
         let key = self.origins_key();
         let value = serde_json::to_vec(&o.snap).expect("origins serialize");
         o.saved_at = Some(std::time::Instant::now());
@@ -432,6 +438,9 @@ impl Topic {
             .await?;
             cursor.delete().await?;
         }
+        // After any save in flight (made under this lock); none follows (`stop_replicators`
+        // closed the topic's receiving).
+        let _saves = self.repl_origins.lock().await;
         self.meta.delete(&self.origins_key(), None).await?;
         Ok(())
     }
