@@ -861,6 +861,18 @@ pub struct LedgerWriter {
     lac: Arc<std::sync::atomic::AtomicU64>,
 }
 
+/// A writer's last add confirmed ([`LedgerWriter::confirmed`]).
+#[derive(Clone)]
+pub struct Confirmed(Arc<std::sync::atomic::AtomicU64>);
+
+impl Confirmed {
+    /// The last entry known to be on an ack quorum, if any.
+    pub fn get(&self) -> Option<u64> {
+        let v = self.0.load(std::sync::atomic::Ordering::Relaxed);
+        (v != NONE).then_some(v)
+    }
+}
+
 impl LedgerWriter {
     fn spawn(client: LedgerClient, meta: LedgerMetadata, version: u64, q: Quorums) -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
@@ -902,8 +914,13 @@ impl LedgerWriter {
 
     /// The last entry known to be on an ack quorum, if any.
     pub fn last_add_confirmed(&self) -> Option<u64> {
-        let v = self.lac.load(std::sync::atomic::Ordering::Relaxed);
-        (v != NONE).then_some(v)
+        self.confirmed().get()
+    }
+
+    /// The writer's last add confirmed, readable after the writer is gone (closed, or its
+    /// close failed).
+    pub fn confirmed(&self) -> Confirmed {
+        Confirmed(Arc::clone(&self.lac))
     }
 
     /// Queues an add (waiting while the window is full) and returns where its outcome will

@@ -499,7 +499,19 @@ impl ManagedLedger {
                 }
             }
         };
-        let last = writer.close().await?;
+        let confirmed = writer.confirmed();
+        let last = match writer.close().await {
+            Ok(last) => last,
+            Err(e) => {
+                // Its own metadata could not be closed (a store error, no bookie left): as for
+                // a failed writer, the managed ledger records it closed at the last add
+                // confirmed (every acknowledged entry is at or before it, and no add is pending
+                // once a close is tried), so it is not left open behind the next ledger.
+                let last = confirmed.get();
+                tracing::warn!(name = %self.name, ledger = open.ledger_id, last_entry = ?last, error = %e, "closing the ledger failed; recorded closed at its last add confirmed");
+                last
+            }
+        };
         self.record_closed(st, open.ledger_id, last, open.bytes)
             .await?;
         Ok(())

@@ -338,6 +338,55 @@ mod managed {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_roll_over_whose_close_fails_then_the_ledger_is_recorded_closed_and_appends_go_on(
+    ) {
+        let (_tmp, store, _bookies, client) = setup(1).await;
+        let ml = ManagedLedger::open(
+            client.clone(),
+            "acme/orders/close-fails",
+            ManagedLedgerOptions {
+                ensemble: 1,
+                write_quorum: 1,
+                ack_quorum: 1,
+                rollover_entries_max: 3,
+                rollover_min_age_ms: 0,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("open");
+        for i in 0..3u64 {
+            ml.append(payload(i)).await.expect("append");
+        }
+        let first = ml.ledgers().await[0].ledger_id;
+        step("the open ledger's own metadata goes away: closing it at the roll-over fails");
+        assert!(store
+            .client
+            .delete(&meridian_storage::ledger::ledger_key(first), None)
+            .await
+            .expect("deleted"));
+        let p = ml.append(payload(3)).await.expect("the roll-over's append");
+        assert_ne!(p.ledger_id, first, "in the next ledger");
+        let ledgers = ml.ledgers().await;
+        assert_eq!(
+            ledgers[0].entries,
+            Some(3),
+            "recorded closed at its last add confirmed: {ledgers:?}"
+        );
+        assert_eq!(ledgers.len(), 2, "{ledgers:?}");
+        drop(ml);
+        step("opened again: only the last ledger is recovered, and the log is whole");
+        let ml = ManagedLedger::open(client.clone(), "acme/orders/close-fails", opts())
+            .await
+            .expect("open again");
+        let ledgers = ml.ledgers().await;
+        assert_eq!(ledgers[0].entries, Some(3), "{ledgers:?}");
+        assert_eq!(ledgers[1].entries, Some(1), "{ledgers:?}");
+        assert_eq!(ml.size().await.0, 4);
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_appends_in_flight_in_a_ledger_then_more_go_there_only_while_it_stays_open() {
         let (_tmp, store, mut bookies, client) = setup(1).await;
         let ml = ManagedLedger::open(
