@@ -1180,12 +1180,13 @@ impl WriterActor {
             }
             let mut p = self.pending.pop_front().expect("front");
             self.lac = p.entry;
+            // Before the reply: what was acknowledged is never past what `Confirmed` reads.
+            self.lac_shared
+                .store(self.lac, std::sync::atomic::Ordering::Relaxed);
             if let Some(reply) = p.reply.take() {
                 let _ = reply.send(Ok(p.entry));
             }
         }
-        self.lac_shared
-            .store(self.lac, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn fail(&mut self, why: String) {

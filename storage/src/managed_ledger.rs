@@ -502,11 +502,19 @@ impl ManagedLedger {
         let confirmed = writer.confirmed();
         let last = match writer.close().await {
             Ok(last) => last,
+            Err(LedgerError::Fenced(_)) => {
+                // Another owner is recovering the ledger: this one is done with the log.
+                st.fenced = true;
+                return Err(ManagedLedgerError::Fenced {
+                    name: self.name.clone(),
+                });
+            }
             Err(e) => {
-                // Its own metadata could not be closed (a store error, no bookie left): as for
-                // a failed writer, the managed ledger records it closed at the last add
-                // confirmed (every acknowledged entry is at or before it, and no add is pending
-                // once a close is tried), so it is not left open behind the next ledger.
+                // Its own metadata could not be closed (the writer failed with no bookie to
+                // go on with, a store error): as for a failed writer, the managed ledger
+                // records it closed at the last add confirmed (every acknowledged entry is at
+                // or before it, and no add is pending once a close is answered), so it is not
+                // left open behind the next ledger.
                 let last = confirmed.get();
                 tracing::warn!(name = %self.name, ledger = open.ledger_id, last_entry = ?last, error = %e, "closing the ledger failed; recorded closed at its last add confirmed");
                 last

@@ -340,7 +340,7 @@ mod managed {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_a_roll_over_whose_close_fails_then_the_ledger_is_recorded_closed_and_appends_go_on(
     ) {
-        let (_tmp, store, _bookies, client) = setup(1).await;
+        let (tmp, store, mut bookies, client) = setup(1).await;
         let ml = ManagedLedger::open(
             client.clone(),
             "acme/orders/close-fails",
@@ -355,34 +355,60 @@ mod managed {
         )
         .await
         .expect("open");
-        for i in 0..3u64 {
-            ml.append(payload(i)).await.expect("append");
+        let mut acked = Vec::new();
+        for i in 0..2u64 {
+            acked.push((ml.append(payload(i)).await.expect("append"), i));
         }
-        let first = ml.ledgers().await[0].ledger_id;
-        step("the open ledger's own metadata goes away: closing it at the roll-over fails");
-        assert!(store
-            .client
-            .delete(&meridian_storage::ledger::ledger_key(first), None)
-            .await
-            .expect("deleted"));
-        let p = ml.append(payload(3)).await.expect("the roll-over's append");
-        assert_ne!(p.ledger_id, first, "in the next ledger");
+        let first = acked[0].0.ledger_id;
+        step("the only bookie stops under a third append, whose failure nobody has seen yet");
+        let (first_dir, first_addr) = (bookies[0].dir.clone(), bookies[0].addr.clone());
+        bookies[0].stop(&store.client).await;
+        let unseen = ml.append_queued(payload(2)).await.expect("queued");
+        assert_eq!(unseen.ledger_id(), first);
+        // The writer gives up on its own (no bookie to replace the one gone).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        step("another bookie: the next append rolls over; closing the failed ledger fails");
+        bookies.push(start_bookie(&store.client, tmp.path().join("second"), None).await);
+        wait_for_bookies(&client, 1).await;
+        let mut next = None;
+        for _ in 0..50 {
+            match ml.append(payload(3)).await {
+                Ok(p) => {
+                    next = Some(p);
+                    break;
+                }
+                Err(e) => {
+                    println!("retrying: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+        let next = next.expect("appends go on");
+        assert_ne!(next.ledger_id, first, "in the next ledger");
+        assert!(unseen.wait().await.is_err(), "the third append failed");
         let ledgers = ml.ledgers().await;
         assert_eq!(
             ledgers[0].entries,
-            Some(3),
+            Some(2),
             "recorded closed at its last add confirmed: {ledgers:?}"
         );
         assert_eq!(ledgers.len(), 2, "{ledgers:?}");
+        step("the first bookie back: every acknowledged entry reads, also after opening again");
+        bookies[0] = start_bookie(&store.client, first_dir, Some(first_addr)).await;
         drop(ml);
-        step("opened again: only the last ledger is recovered, and the log is whole");
         let ml = ManagedLedger::open(client.clone(), "acme/orders/close-fails", opts())
             .await
             .expect("open again");
         let ledgers = ml.ledgers().await;
-        assert_eq!(ledgers[0].entries, Some(3), "{ledgers:?}");
-        assert_eq!(ledgers[1].entries, Some(1), "{ledgers:?}");
-        assert_eq!(ml.size().await.0, 4);
+        assert_eq!(ledgers[0].entries, Some(2), "{ledgers:?}");
+        assert_eq!(ml.size().await.0, 3);
+        for (p, i) in &acked {
+            assert_eq!(ml.read(*p).await.expect("read"), payload(*i));
+        }
+        assert_eq!(ml.read(next).await.expect("read"), payload(3));
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
         store.shutdown().await;
     }
 
