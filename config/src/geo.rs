@@ -101,8 +101,9 @@ impl GeoConfig {
                     return Err(bad("each route is SITE=HOST:PORT; the site is empty"));
                 }
                 host_port(addr.trim()).map_err(|reason| invalid("geo.routes", r, reason))?;
-                let from = match from.strip_prefix("quic://").unwrap_or(from) {
-                    broker if broker.contains(':') => {
+                let url = from.strip_prefix("quic://");
+                let from = match url.unwrap_or(from) {
+                    broker if broker.contains(':') || url.is_some() => {
                         host_port(broker).map_err(|reason| {
                             invalid("geo.routes", r, &format!("the broker's address: {reason}"))
                         })?;

@@ -751,6 +751,7 @@ fn geo_settings_are_checked() {
             ),
             set("geo.routes", "west"),
             set("geo.routes", "10.0.0.5:x=10.1.0.8:7300"),
+            set("geo.routes", "quic://west=10.1.0.8:7300"),
             set("geo.routes", "west=10.1.0.7"),
             set("geo.listen", "127.0.0.1:7300")
                 .set("geo.cert_file", "e.crt")
@@ -784,6 +785,8 @@ fn geo_settings_are_checked() {
               error: geo.routes = "west" is invalid: each route is SITE=HOST:PORT or HOST:PORT=HOST:PORT
             set geo.routes=10.0.0.5:x=10.1.0.8:7300
               error: geo.routes = "10.0.0.5:x=10.1.0.8:7300" is invalid: the broker's address: the port must be an integer in 1..=65535
+            set geo.routes=quic://west=10.1.0.8:7300
+              error: geo.routes = "quic://west=10.1.0.8:7300" is invalid: the broker's address: expected HOST:PORT, e.g. localhost:7101
             set geo.routes=west=10.1.0.7
               error: geo.routes = "west=10.1.0.7" is invalid: expected HOST:PORT, e.g. localhost:7101
             set geo.listen=127.0.0.1:7300 set geo.cert_file=e.crt set geo.key_file=e.key set geo.ca_file=ca.crt set broker.cluster_name=east set geo.frame_bytes_max=1048576

@@ -2,8 +2,10 @@
 //! link: other sites open a topic's stream at the broker that owns it, and a broker without a
 //! link cannot take it (the stream would be refused for as long as that broker owned it).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
+
+use meridian_protocol::pb::ServerError;
 
 use super::ownership::BrokerInfo;
 use super::{Broker, BrokerError};
@@ -31,17 +33,65 @@ impl Broker {
 
     /// Whether a bundle of `ns` may move to the broker `to` of `brokers` as far as geo links
     /// go: `to` has one, `ns` is not replicated with another site, or no broker has a link.
+    /// `known`: what a shedding round has read of namespaces so far.
     pub(super) async fn geo_link_allows(
         &self,
         ns: &str,
         to: &str,
         brokers: &[BrokerInfo],
+        known: &mut HashMap<String, bool>,
     ) -> Result<bool, BrokerError> {
         let linked = |id: &str| brokers.iter().any(|b| b.id == id && !b.geo_url.is_empty());
         if linked(to) || !brokers.iter().any(|b| !b.geo_url.is_empty()) {
             return Ok(true);
         }
-        Ok(!self.replicated_elsewhere(ns).await?)
+        if let Some(r) = known.get(ns) {
+            return Ok(!r);
+        }
+        let r = self.replicated_elsewhere(ns).await?;
+        known.insert(ns.to_string(), r);
+        Ok(!r)
+    }
+
+    /// Of the live brokers the isolation policies let own a bundle of `ns`, those with a geo
+    /// link, when `ns` is replicated with another site and this broker has none (else
+    /// empty): where its unowned bundles go instead of here.
+    async fn linked_instead(&self, ns: &str) -> Result<Vec<BrokerInfo>, BrokerError> {
+        if !self.ownership.me().geo_url.is_empty() {
+            return Ok(Vec::new());
+        }
+        let brokers = self.ownership.brokers().await?;
+        if !brokers.iter().any(|b| !b.geo_url.is_empty()) || !self.replicated_elsewhere(ns).await? {
+            return Ok(Vec::new());
+        }
+        // The policies judge the whole site, as placement does; then the linked ones.
+        Ok(self
+            .ownership
+            .allowed(ns, brokers)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|b| !b.geo_url.is_empty())
+            .collect())
+    }
+
+    /// Refuses (ServiceNotReady, so the client looks the topic up again) to take an unowned
+    /// bundle of `ns` at this broker, which has no geo link, when `ns` is replicated with
+    /// another site and a broker with one may take it: an admin call or a client that skipped
+    /// the lookup would otherwise place it here until the next beat lets it go.
+    pub(super) async fn refuse_unlinked_acquisition(&self, ns: &str) -> Result<(), BrokerError> {
+        let to = self.linked_instead(ns).await?;
+        if to.is_empty() {
+            return Ok(());
+        }
+        Err(BrokerError::new(
+            ServerError::ServiceNotReady,
+            format!(
+                "{ns} is replicated with other sites and broker {} has no geo link: its bundles go to a broker with one ({}); look the topic up again",
+                self.ownership.id(),
+                to.iter().map(|t| t.id.as_str()).collect::<Vec<_>>().join(", ")
+            ),
+        ))
     }
 
     /// Unloads the bundles this broker (which has no geo link) owns of namespaces replicated
@@ -58,15 +108,9 @@ impl Broker {
         }
         let brokers = self.ownership.brokers().await?;
         let me = self.ownership.id();
-        if !brokers.iter().any(|b| b.id == me) {
-            // Not registered right now (registering again): no judgement on a partial list.
-            return Ok(());
-        }
-        let linked: Vec<BrokerInfo> = brokers
-            .into_iter()
-            .filter(|b| !b.geo_url.is_empty())
-            .collect();
-        if linked.is_empty() {
+        if !brokers.iter().any(|b| b.id == me) || !brokers.iter().any(|b| !b.geo_url.is_empty()) {
+            // Not registered right now (registering again: no judgement on a partial list),
+            // or no broker with a link.
             return Ok(());
         }
         let Some(broker) = self.me.upgrade() else {
@@ -74,15 +118,21 @@ impl Broker {
         };
         let namespaces: BTreeSet<&str> = owned.iter().map(|(ns, _)| ns.as_str()).collect();
         for ns in namespaces {
-            if !self.replicated_elsewhere(ns).await? {
-                continue;
-            }
             // Only to brokers the isolation policies let own it (none: it stays here).
-            let to = match self.ownership.allowed(ns, linked.clone()).await {
+            let to = match self.linked_instead(ns).await {
                 Ok(to) if !to.is_empty() => to,
-                _ => continue,
+                Ok(_) => continue,
+                Err(e) => {
+                    tracing::warn!(namespace = %ns, error = %e, "checking a namespace's bundles against geo links failed");
+                    continue;
+                }
             };
             for (_, b) in owned.iter().filter(|(n, _)| n == ns) {
+                // Still owned here and not being given up already (the reads above took
+                // time: an admin's unload, or the session, may have taken it meanwhile).
+                if !self.ownership.try_start_release(ns, b) {
+                    continue;
+                }
                 let reason = format!(
                     "{ns} is replicated with other sites and {me} has no geo link: {} goes to a broker with one ({})",
                     b.name(),
@@ -91,9 +141,8 @@ impl Broker {
                 tracing::info!(%reason, rule = "geo_link", "load manager decision");
                 metrics::counter!("meridian_load_manager_decisions_total", "kind" => "release", "rule" => "geo_link")
                     .increment(1);
-                // As for the isolation policies: outside the beat's time limit, and out of
-                // `owned` at once.
-                self.ownership.start_release(ns, b);
+                // As for the isolation policies: outside the beat's time limit (the bundle
+                // left `owned` above).
                 let (broker, ns, b) = (Arc::clone(&broker), ns.to_string(), *b);
                 tokio::spawn(async move { broker.unload_bundle_here(&ns, &b).await });
             }

@@ -324,6 +324,8 @@ impl Broker {
             })
             .collect();
         let grace = Duration::from_millis(self.cfg.load_shed_grace_ms);
+        // Namespaces replicated with other sites, as read this round.
+        let mut replicated = std::collections::HashMap::new();
         if let Some(choice) = usage_shed_choice(&usage, threshold) {
             for path in &choice.candidates {
                 let recent = self
@@ -338,7 +340,9 @@ impl Broker {
                 };
                 if recent
                     || !self.ownership.allows(ns, &choice.to).await?
-                    || !self.geo_link_allows(ns, &choice.to, &brokers).await?
+                    || !self
+                        .geo_link_allows(ns, &choice.to, &brokers, &mut replicated)
+                        .await?
                 {
                     continue;
                 }
@@ -424,7 +428,9 @@ impl Broker {
             }
             let ns = k.rsplit_once('/').map_or("", |(ns, _)| ns);
             if self.ownership.allows(ns, &to).await?
-                && self.geo_link_allows(ns, &to, &brokers).await?
+                && self
+                    .geo_link_allows(ns, &to, &brokers, &mut replicated)
+                    .await?
             {
                 pick = Some(k);
                 break;

@@ -88,7 +88,11 @@ impl Broker {
         if o.owns(&ns, &b) {
             return held();
         }
-        let other = match o.owner(&ns, &b).await? {
+        let owner = o.owner(&ns, &b).await?;
+        if matches!(owner, Owner::Nobody) {
+            self.refuse_unlinked_acquisition(&ns).await?;
+        }
+        let other = match owner {
             Owner::Me => return held(),
             Owner::Nobody if !o.allows(&ns, &o.id()).await? => {
                 return Err(BrokerError::new(

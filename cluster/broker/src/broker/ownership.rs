@@ -509,7 +509,7 @@ impl Ownership {
     /// it on another broker.
     pub async fn release(&self, ns: &str, b: &Bundle) -> Result<(), BrokerError> {
         self.start_release(ns, b);
-        let r = self.meta.delete(&owner_key(ns, b), None).await;
+        let r = self.delete_own_key(ns, b).await;
         self.releasing
             .lock()
             .expect("releasing lock")
@@ -518,6 +518,38 @@ impl Ownership {
         tracing::info!(namespace = %ns, bundle = %b.name(), "bundle released");
         metrics::counter!("meridian_bundles_released_total").increment(1);
         Ok(())
+    }
+
+    /// Deletes a bundle's owner key if it is this session's: one written by another broker
+    /// after this one's session ended (and its key with it) stays.
+    async fn delete_own_key(&self, ns: &str, b: &Bundle) -> Result<(), BrokerError> {
+        let key = owner_key(ns, b);
+        let Some(kv) = self.meta.get(&key).await? else {
+            return Ok(());
+        };
+        if Some(kv.session) != self.session_id() {
+            return Ok(());
+        }
+        match self.meta.delete(&key, Some(kv.mod_revision)).await {
+            Ok(_) | Err(ClientError::Conflict { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// [`start_release`](Self::start_release) of a bundle this broker still owns and is not
+    /// already giving up; whether it was (a caller that read `owned` earlier may find the
+    /// bundle gone meanwhile: unloaded by an admin, or lost with the session).
+    pub fn try_start_release(&self, ns: &str, b: &Bundle) -> bool {
+        let mut releasing = self.releasing.lock().expect("releasing lock");
+        if releasing.contains(&(ns.to_string(), *b)) || !self.owns(ns, b) {
+            return false;
+        }
+        releasing.insert((ns.to_string(), *b));
+        let mut held = self.held.lock().expect("held lock");
+        if let Some(m) = held.as_mut().and_then(|h| h.owned.get_mut(ns)) {
+            m.remove(b);
+        }
+        true
     }
 
     /// A bundle is being given up (its topics are about to be unloaded): it no longer counts

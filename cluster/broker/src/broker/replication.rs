@@ -269,6 +269,10 @@ impl Topic {
             // progress, should it be cut short (the next load starts from there).
             let mut unsaved = 0u64;
             while let Some(start) = next {
+                if self.repl_closed.load(Ordering::Acquire) {
+                    // Closed or being deleted meanwhile: nothing more to load for.
+                    return Err(retry(format!("{} is closing", self.full_name)));
+                }
                 let batch = self
                     .ml
                     .read_range(start, 256)

@@ -565,6 +565,9 @@ impl Topic {
     /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
     pub async fn close(&self) {
         self.stop_replicators();
+        // A save of the origins in flight lands before the topic is given up (saves hold
+        // this lock; none follows): a later owner's deletion of the record is not undone.
+        drop(self.repl_origins.lock().await);
         self.compaction.stop();
         for sub in self.subscriptions().await {
             sub.close().await;
