@@ -1370,7 +1370,16 @@ impl WriterActor {
                         adopted += 1;
                         continue;
                     }
-                    return Err(LedgerError::Fenced(self.meta.id));
+                    // Fenced only if the ledger is no longer this writer's (recovered,
+                    // closed, gone); a read that failed is that failure, not a fencing.
+                    return Err(match self.client.metadata(self.meta.id).await {
+                        Ok((m, _)) if m.state == LedgerState::Open => LedgerError::Failed {
+                            ledger: self.meta.id,
+                            detail: "its metadata changed while closing".into(),
+                        },
+                        Err(e @ LedgerError::Metadata(_)) => e,
+                        _ => LedgerError::Fenced(self.meta.id),
+                    });
                 }
                 Err(e) => return Err(e),
             }
