@@ -490,6 +490,27 @@ impl BookieProc {
 impl Drop for BookieProc {
     fn drop(&mut self) {
         let _ = kill9(self.child.take());
+        show_warnings_if_panicking("bookie", &self.log_text());
+    }
+}
+
+/// A failing test shows the warnings and errors a process logged and what it said of
+/// ledgers (its directory goes with the test's), the last 120.
+fn show_warnings_if_panicking(what: &str, log: &str) {
+    if !std::thread::panicking() {
+        return;
+    }
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR ") || l.contains("ledger"))
+        .collect();
+    let tail = &lines[lines.len().saturating_sub(120)..];
+    eprintln!(
+        "--- {what} log, its last {} warnings, errors and ledger lines ---",
+        tail.len()
+    );
+    for l in tail {
+        eprintln!("{l}");
     }
 }
 
@@ -890,6 +911,7 @@ impl BrokerProc {
 impl Drop for BrokerProc {
     fn drop(&mut self) {
         let _ = kill9(self.child.take());
+        show_warnings_if_panicking("broker", &self.log_text());
     }
 }
 
