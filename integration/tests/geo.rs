@@ -933,6 +933,16 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
         );
         assert_ne!(owner_of(t), c_id, "{t} stays off c");
     }
+    step("a new replicated namespace: an admin call at c for it is served where it is placed");
+    at(
+        &brokers[0].admin_url,
+        &["namespaces", "create", "acme/m", "--clusters", "east,west"],
+    );
+    let fresh = "persistent://acme/m/made-at-c";
+    at(&c.admin_url, &["topics", "create", fresh]);
+    let st = admin_json(&c.admin_url, &["topics", "stats", fresh]);
+    assert!(st["msgs_in_total"].is_u64(), "{st}");
+    assert_ne!(owner_of(fresh), c_id, "{fresh} was not taken by c");
     c.stop().unwrap();
     for b in &mut brokers {
         b.stop().unwrap();

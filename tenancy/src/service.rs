@@ -934,6 +934,10 @@ impl Admin for AdminService {
     async fn create_topic(&self, r: Request<CreateTopicRequest>) -> Reply<Empty> {
         self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
             .await?;
+        // A non-partitioned topic is made by the broker that owns (or will own) its bundle.
+        if r.get_ref().partitions == 0 {
+            forward!(self, r, topic, create_topic);
+        }
         let c = r.into_inner();
         self.topics.create(c.topic, c.partitions).await?;
         ok(Empty {})

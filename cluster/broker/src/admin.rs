@@ -208,8 +208,18 @@ impl BrokerTopics {
         use crate::broker::ownership::Owner;
         let b = &self.0;
         let bundle = b.ownership.bundle_of(name).await.map_err(admin_error)?;
-        Ok(match b.ownership.owner(&name.namespace(), &bundle).await {
+        let ns = name.namespace();
+        Ok(match b.ownership.owner(&ns, &bundle).await {
             Ok(Owner::Other(o)) if !o.admin_url.is_empty() => Some(o.admin_url),
+            // Unowned, and not to be taken by this broker (no geo link for a replicated
+            // namespace): served where it will be placed.
+            Ok(Owner::Nobody) => b
+                .placed_instead(&ns, &bundle)
+                .await
+                .ok()
+                .flatten()
+                .map(|o| o.admin_url)
+                .filter(|u| !u.is_empty()),
             _ => None,
         })
     }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use meridian_protocol::pb::ServerError;
 
+use super::bundles::Bundle;
 use super::ownership::BrokerInfo;
 use super::{Broker, BrokerError};
 
@@ -53,15 +54,22 @@ impl Broker {
         Ok(!r)
     }
 
-    /// Of the live brokers the isolation policies let own a bundle of `ns`, those with a geo
-    /// link, when `ns` is replicated with another site and this broker has none (else
-    /// empty): where its unowned bundles go instead of here.
-    async fn linked_instead(&self, ns: &str) -> Result<Vec<BrokerInfo>, BrokerError> {
-        if !self.ownership.me().geo_url.is_empty() {
+    /// Of the live brokers (`brokers`, else read) the isolation policies let own a bundle of
+    /// `ns`, those with a geo link, when `ns` is replicated with another site and this broker
+    /// has none (else empty): where its unowned bundles go instead of here.
+    async fn linked_instead(
+        &self,
+        ns: &str,
+        brokers: Option<&[BrokerInfo]>,
+    ) -> Result<Vec<BrokerInfo>, BrokerError> {
+        if !self.ownership.me().geo_url.is_empty() || !self.replicated_elsewhere(ns).await? {
             return Ok(Vec::new());
         }
-        let brokers = self.ownership.brokers().await?;
-        if !brokers.iter().any(|b| !b.geo_url.is_empty()) || !self.replicated_elsewhere(ns).await? {
+        let brokers = match brokers {
+            Some(b) => b.to_vec(),
+            None => self.ownership.brokers().await?,
+        };
+        if !brokers.iter().any(|b| !b.geo_url.is_empty()) {
             return Ok(Vec::new());
         }
         // The policies judge the whole site, as placement does; then the linked ones.
@@ -80,7 +88,7 @@ impl Broker {
     /// another site and a broker with one may take it: an admin call or a client that skipped
     /// the lookup would otherwise place it here until the next beat lets it go.
     pub(super) async fn refuse_unlinked_acquisition(&self, ns: &str) -> Result<(), BrokerError> {
-        let to = self.linked_instead(ns).await?;
+        let to = self.linked_instead(ns, None).await?;
         if to.is_empty() {
             return Ok(());
         }
@@ -92,6 +100,21 @@ impl Broker {
                 to.iter().map(|t| t.id.as_str()).collect::<Vec<_>>().join(", ")
             ),
         ))
+    }
+
+    /// Where an unowned bundle `b` of `ns` goes instead of this broker, which has no geo
+    /// link, when `ns` is replicated with another site and a broker with one may take it:
+    /// an admin call is forwarded there, a stream sent there (Moved).
+    pub(crate) async fn placed_instead(
+        &self,
+        ns: &str,
+        b: &Bundle,
+    ) -> Result<Option<BrokerInfo>, BrokerError> {
+        if self.linked_instead(ns, None).await?.is_empty() {
+            return Ok(None);
+        }
+        let to = self.ownership.candidate(ns, b, true).await?;
+        Ok((to.id != self.ownership.id()).then_some(to))
     }
 
     /// Unloads the bundles this broker (which has no geo link) owns of namespaces replicated
@@ -119,7 +142,7 @@ impl Broker {
         let namespaces: BTreeSet<&str> = owned.iter().map(|(ns, _)| ns.as_str()).collect();
         for ns in namespaces {
             // Only to brokers the isolation policies let own it (none: it stays here).
-            let to = match self.linked_instead(ns).await {
+            let to = match self.linked_instead(ns, Some(&brokers)).await {
                 Ok(to) if !to.is_empty() => to,
                 Ok(_) => continue,
                 Err(e) => {

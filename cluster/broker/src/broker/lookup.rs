@@ -147,7 +147,14 @@ impl Broker {
         let ns = name.namespace();
         let b = self.ownership.bundle_of(name).await?;
         match self.ownership.owner(&ns, &b).await? {
-            Owner::Me | Owner::Nobody => Ok(None),
+            Owner::Me => Ok(None),
+            // Taken here, unless this broker (with a listener but no geo URL of its own) may
+            // not take it: then sent where it will be placed.
+            Owner::Nobody => Ok(self
+                .placed_instead(&ns, &b)
+                .await?
+                .map(|o| o.geo_url)
+                .filter(|u| !u.is_empty())),
             Owner::Other(o) if !o.geo_url.is_empty() => Ok(Some(o.geo_url)),
             Owner::Other(o) => Err(BrokerError::new(
                 ServerError::ServiceNotReady,
