@@ -162,17 +162,41 @@ async fn given_a_send_that_cannot_be_stored_then_no_later_send_of_its_producer_i
     assert!(err.message.contains("earlier send"), "{}", err.message);
 
     step("the client reconnects and sends 1 and 2 again (as often as it is refused, as clients do): the topic holds m0, m1, m2 in order");
+    resend_then_read_in_order(&mut c, "order-fault", &broker);
+}
+
+/// A producer of `topic` named "raw" (the name `send_frame` writes into each message, so
+/// deduplication applies to it).
+fn named_producer(topic: &str, producer_id: u64, request_id: u64) -> pb::BaseCommand {
+    let mut p = producer(topic, producer_id, request_id);
+    if let Some(x) = p.producer.as_mut() {
+        x.producer_name = Some("raw".into());
+    }
+    p
+}
+
+/// The client reconnects its producer and sends 1 and 2 again, as often as they are refused
+/// (as clients do); then the topic holds m0, m1 and m2, in order, once each.
+fn resend_then_read_in_order(c: &mut Raw, topic: &str, broker: &BrokerProc) {
     let mut pid = 1;
     let deadline = Instant::now() + Duration::from_secs(60);
     'resend: loop {
-        pid += 1;
-        c.send(&producer("order-fault", pid, 100 + pid));
-        wait_frame(&mut c, Duration::from_secs(10), |x| {
-            x.producer_success.is_some()
+        // As clients do: the producer the broker closed is closed here too, then made again.
+        c.send(&cmd(Type::CloseProducer, |x| {
+            x.close_producer = Some(pb::CommandCloseProducer {
+                producer_id: pid,
+                request_id: 200 + pid,
+            })
+        }));
+        wait_frame(c, Duration::from_secs(10), |x| {
+            x.success.is_some() || x.error.is_some()
         });
+        pid += 1;
+        c.send(&named_producer(topic, pid, 100 + pid));
+        wait_frame(c, Duration::from_secs(10), |x| x.producer_success.is_some());
         for (seq, body) in [(1, &b"m1"[..]), (2, &b"m2"[..])] {
             c.send_raw(&send_frame(pid, seq, body));
-            let f = wait_frame(&mut c, Duration::from_secs(30), |x| {
+            let f = wait_frame(c, Duration::from_secs(30), |x| {
                 x.send_receipt.is_some() || x.send_error.is_some()
             });
             if f.send_error.is_some() {
@@ -188,8 +212,8 @@ async fn given_a_send_that_cannot_be_stored_then_no_later_send_of_its_producer_i
         }
         break;
     }
-    c.send(&subscribe("order-fault", "check", 9, 4));
-    wait_frame(&mut c, Duration::from_secs(10), |x| x.success.is_some());
+    c.send(&subscribe(topic, "check", 9, 4));
+    wait_frame(c, Duration::from_secs(10), |x| x.success.is_some());
     c.send(&cmd(Type::Flow, |x| {
         x.flow = Some(pb::CommandFlow {
             consumer_id: 9,
@@ -212,4 +236,70 @@ async fn given_a_send_that_cannot_be_stored_then_no_later_send_of_its_producer_i
         matches!(c.recv(Duration::from_millis(700)), Got::Nothing),
         "more than the three"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_not_stored_before_it(
+) {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
+    bookie.start().unwrap();
+    let client = cluster.client();
+    wait_for_bookies(&client, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
+    // The receipt task learns of a failed send, then waits 5 s before it breaks the producer
+    // off: the window in which a later send could land in a new ledger ahead of it.
+    broker
+        .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
+        .env("MERIDIAN_TEST_FAILPOINTS", "publish:slow_break_off");
+    broker.start().unwrap();
+    let mut c = Raw::connected(&broker.url);
+    c.send(&named_producer("race-fault", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    c.send_raw(&send_frame(1, 0, b"m0"));
+    wait_frame(&mut c, Duration::from_secs(10), |x| {
+        x.send_receipt.is_some()
+    });
+
+    step("the only bookie dies under send 1; its ledger's writer gives up; the bookie comes back");
+    bookie.kill9().unwrap();
+    c.send_raw(&send_frame(1, 1, b"m1"));
+    wait_for_log(
+        "broker",
+        || broker.log_text(),
+        "ledger writer failed",
+        Duration::from_secs(30),
+    );
+    bookie.start().unwrap();
+    wait_for_bookies(&client, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    // Until the broker's ledger client counts it writable again (it polls): a new ledger
+    // could be made now, well inside the 5 s before the producer is broken off.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    step(
+        "send 2 before the producer is broken off: refused, not stored in a new ledger ahead of 1",
+    );
+    c.send_raw(&send_frame(1, 2, b"m2"));
+    let mut refused = Vec::new();
+    while refused.len() < 2 {
+        let f = wait_frame(&mut c, Duration::from_secs(30), |x| {
+            x.send_error.is_some() || x.send_receipt.is_some()
+        });
+        match (f.send_error, f.send_receipt) {
+            (Some(e), _) => refused.push(e.sequence_id),
+            (None, Some(r)) => panic!("send {} was stored: {r:?}", r.sequence_id),
+            _ => unreachable!("picked above"),
+        }
+    }
+    assert_eq!(refused, [1, 2]);
+
+    step(
+        "the client sends 1 and 2 again: with deduplication on, neither is dropped as a duplicate",
+    );
+    resend_then_read_in_order(&mut c, "race-fault", &broker);
 }

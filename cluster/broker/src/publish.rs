@@ -14,6 +14,10 @@
 //! sends are appended, and answered, in SEND order. Both queues are bounded
 //! (`broker.producer_pending_sends_max`): a client past that bound waits in the read loop,
 //! which is the backpressure it sees.
+//!
+//! A send goes to the ledger of its producer's sends in flight, or waits until they are
+//! answered ([`InFlight`]): it never lands in a later ledger while an earlier one of its
+//! producer may still fail there.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -69,10 +73,57 @@ pub(crate) struct Publisher {
     throttle: JoinHandle<()>,
     /// Sends in the throttle queue or its task, not yet submitted.
     throttled: Arc<AtomicUsize>,
+    in_flight: Arc<InFlight>,
 }
 
 /// The receipt task is gone: the client's connection has closed.
 pub(crate) struct ReceiptsGone;
+
+/// Where a producer's sends in flight (appended, not yet answered) went, and how many there
+/// are. A later send is appended only into that ledger; when it takes no more (its writer
+/// failed, it is due to roll over, or it closed), the send waits until those are answered.
+/// Otherwise a send could land in the next ledger while an earlier one fails in the last:
+/// the client's resend of the failed one would come after it, and, deduplicated, be dropped
+/// as already persisted (acknowledged, never stored).
+#[derive(Default)]
+pub(crate) struct InFlight {
+    /// (ledger, sends in flight there).
+    at: std::sync::Mutex<(u64, u64)>,
+    settled: tokio::sync::Notify,
+}
+
+impl InFlight {
+    fn ledger(&self) -> Option<u64> {
+        let (ledger, n) = *self.at.lock().expect("in-flight lock");
+        (n > 0).then_some(ledger)
+    }
+
+    fn appended(&self, ledger: u64) {
+        let mut at = self.at.lock().expect("in-flight lock");
+        *at = (ledger, at.1 + 1);
+    }
+
+    fn answered(&self) {
+        let mut at = self.at.lock().expect("in-flight lock");
+        at.1 = at.1.saturating_sub(1);
+        if at.1 == 0 {
+            self.settled.notify_waiters();
+        }
+    }
+
+    /// Until no send is in flight.
+    async fn settled(&self) {
+        loop {
+            let notified = self.settled.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.ledger().is_none() {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
 
 impl Publisher {
     pub fn start(
@@ -84,10 +135,12 @@ impl Publisher {
         tx: FrameSender,
     ) -> Publisher {
         let (receipts_tx, rx) = mpsc::channel(pending_sends_max);
+        let in_flight = Arc::new(InFlight::default());
         let receipts = tokio::spawn(receipt_loop(
             producer_id,
             Arc::clone(&topic),
             Arc::clone(&handle),
+            Arc::clone(&in_flight),
             rx,
             tx,
         ));
@@ -96,6 +149,7 @@ impl Publisher {
         let throttle = tokio::spawn(throttle_loop(
             Arc::clone(&topic),
             Arc::clone(&handle),
+            Arc::clone(&in_flight),
             message_bytes_max,
             throttle_rx,
             receipts_tx.clone(),
@@ -110,6 +164,7 @@ impl Publisher {
             throttle_tx,
             throttle,
             throttled,
+            in_flight,
         }
     }
 
@@ -127,7 +182,14 @@ impl Publisher {
         .max()
         .unwrap_or_default();
         if wait.is_zero() && self.throttled.load(Ordering::Acquire) == 0 {
-            let ps = submit(&self.topic, &self.handle, self.message_bytes_max, r).await;
+            let ps = submit(
+                &self.topic,
+                &self.handle,
+                &self.in_flight,
+                self.message_bytes_max,
+                r,
+            )
+            .await;
             return self.receipts_tx.send(ps).await.map_err(|_| ReceiptsGone);
         }
         if !wait.is_zero() {
@@ -157,6 +219,7 @@ impl Publisher {
 async fn throttle_loop(
     topic: Arc<Topic>,
     handle: Arc<ProducerHandle>,
+    in_flight: Arc<InFlight>,
     message_bytes_max: u64,
     mut rx: mpsc::Receiver<(SendRequest, Instant)>,
     receipts: mpsc::Sender<PendingSend>,
@@ -164,7 +227,7 @@ async fn throttle_loop(
 ) {
     while let Some((r, due)) = rx.recv().await {
         tokio::time::sleep_until(due.into()).await;
-        let ps = submit(&topic, &handle, message_bytes_max, r).await;
+        let ps = submit(&topic, &handle, &in_flight, message_bytes_max, r).await;
         let gone = receipts.send(ps).await.is_err();
         // Only after the append was submitted and its outcome queued: a later send that
         // sees no throttled one left is appended after this one.
@@ -179,6 +242,7 @@ async fn throttle_loop(
 async fn submit(
     topic: &Topic,
     handle: &ProducerHandle,
+    in_flight: &InFlight,
     message_bytes_max: u64,
     r: SendRequest,
 ) -> PendingSend {
@@ -234,18 +298,24 @@ async fn submit(
         ))
     } else {
         let entry = Entry::from_payload(payload);
-        let appended = match &topic.dedup {
-            Some(d) => {
-                d.submit(&topic.ml, &handle.name, r.send.highest_sequence_id, entry)
-                    .await
-            }
-            None => topic
-                .ml
-                .append_queued(entry.into_bytes())
-                .await
-                .map(|pa| Submitted::Appended(pa, None))
-                .map_err(BrokerError::from),
-        };
+        let highest = r.send.highest_sequence_id;
+        let mut appended = append(topic, &handle.name, highest, entry, in_flight.ledger()).await;
+        if let Ok(Submitted::NotThere(entry)) = appended {
+            // Their ledger takes no more: only once they are answered (a failure among them
+            // breaks the producer off) does the log move on for this producer.
+            in_flight.settled().await;
+            appended = if handle.is_broken() {
+                Err(BrokerError::new(
+                    ServerError::PersistenceError,
+                    "an earlier send of this producer could not be stored; it reconnects and sends again from that one, in order",
+                ))
+            } else {
+                append(topic, &handle.name, highest, entry, None).await
+            };
+        }
+        if let Ok(Submitted::Appended(pa, _)) = &appended {
+            in_flight.appended(pa.ledger_id());
+        }
         appended.inspect_err(|e| {
             if matches!(
                 e.code,
@@ -268,6 +338,32 @@ async fn submit(
     }
 }
 
+/// Appends `entry` (deduplicated where the topic says so), only into ledger `only_in` if
+/// given ([`Submitted::NotThere`] when it takes no more).
+async fn append(
+    topic: &Topic,
+    producer: &str,
+    highest: Option<u64>,
+    entry: Entry,
+    only_in: Option<u64>,
+) -> Result<Submitted, BrokerError> {
+    if let Some(d) = &topic.dedup {
+        return d.submit(&topic.ml, producer, highest, entry, only_in).await;
+    }
+    let pa = match only_in {
+        None => topic.ml.append_queued(entry.into_bytes()).await?,
+        Some(ledger) => match topic
+            .ml
+            .append_queued_in(entry.as_bytes().clone(), ledger)
+            .await?
+        {
+            Some(pa) => pa,
+            None => return Ok(Submitted::NotThere(entry)),
+        },
+    };
+    Ok(Submitted::Appended(pa, None))
+}
+
 pub(crate) struct PendingSend {
     sequence_id: u64,
     submitted: Instant,
@@ -285,6 +381,7 @@ pub(crate) async fn receipt_loop(
     producer_id: u64,
     topic: Arc<Topic>,
     handle: Arc<ProducerHandle>,
+    in_flight: Arc<InFlight>,
     mut rx: mpsc::Receiver<PendingSend>,
     tx: FrameSender,
 ) {
@@ -308,15 +405,26 @@ pub(crate) async fn receipt_loop(
             Ok(Submitted::Appended(pa, ticket)) => {
                 let r = pa.wait().await.map_err(BrokerError::from);
                 if r.is_err() {
+                    if crate::failpoint::hit("publish:slow_break_off") {
+                        tokio::time::sleep(Duration::from_secs(5)).await;
+                    }
                     // Later sends must wait for the client to send this one again.
                     handle.break_off();
                 }
                 if let (Some(d), Some(t)) = (&topic.dedup, ticket) {
                     d.record(t, r.as_ref().ok().copied()).await;
                 }
+                // After the producer was broken off and deduplication learnt the outcome: a
+                // send waiting for this one then sees both.
+                in_flight.answered();
                 r.map(Some)
             }
             Ok(Submitted::Duplicate) => Ok(None),
+            // Resolved in `submit`; never queued as such.
+            Ok(Submitted::NotThere(_)) => Err(BrokerError::new(
+                ServerError::PersistenceError,
+                "the send was not stored; it is sent again after reconnecting",
+            )),
             Err(e) => Err(e),
         };
         let reply = match outcome {

@@ -284,6 +284,9 @@ pub enum Submitted {
     Appended(PendingAppend, Option<Ticket>),
     /// Already persisted: answer with a receipt at (-1, -1).
     Duplicate,
+    /// Not appended: the ledger it had to go to takes no more (`only_in`); nothing was
+    /// recorded, and the entry comes back.
+    NotThere(Entry),
 }
 
 /// A topic's deduplication state.
@@ -417,12 +420,15 @@ impl Dedup {
 
     /// Checks a SEND and, unless it is a duplicate, appends it. The lock is held across the
     /// submission so that tickets follow the log's order.
+    /// `only_in`: append only into that ledger (where the producer's sends in flight went),
+    /// else [`Submitted::NotThere`].
     pub async fn submit(
         &self,
         ml: &Arc<ManagedLedger>,
         producer: &str,
         send_highest: Option<u64>,
         entry: Entry,
+        only_in: Option<u64>,
     ) -> Result<Submitted, BrokerError> {
         let mut g = self.inner.lock().await;
         let seq = entry_sequence(&entry);
@@ -443,7 +449,16 @@ impl Dedup {
                 ));
             }
         }
-        let pa = ml.append_queued(entry.into_bytes()).await?;
+        let pa = match only_in {
+            None => ml.append_queued(entry.into_bytes()).await?,
+            Some(ledger) => match ml
+                .append_queued_in(entry.as_bytes().clone(), ledger)
+                .await?
+            {
+                Some(pa) => pa,
+                None => return Ok(Submitted::NotThere(entry)),
+            },
+        };
         let id = g.next_ticket;
         g.next_ticket += 1;
         g.inflight.insert(id, TicketState::Pending);
