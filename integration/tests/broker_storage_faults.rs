@@ -250,7 +250,7 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
         .await
         .unwrap();
     let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
-    // The receipt task learns of a failed send, then waits 5 s before it breaks the producer
+    // The receipt task learns of a failed send, then waits 15 s before it breaks the producer
     // off: the window in which a later send could land in a new ledger ahead of it.
     broker
         .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
@@ -266,6 +266,19 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
 
     step("the only bookie dies under send 1; its ledger's writer gives up; the bookie comes back");
     bookie.kill9().unwrap();
+    // Its registration goes with its session: gone before it registers again.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while client
+        .list("/bookies/available/", "", 0)
+        .await
+        .map_or(true, |p| !p.kvs.is_empty())
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the killed bookie stayed registered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     c.send_raw(&send_frame(1, 1, b"m1"));
     wait_for_log(
         "broker",
@@ -278,7 +291,7 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
         .await
         .unwrap();
     // Until the broker's ledger client counts it writable again (it polls): a new ledger
-    // could be made now, well inside the 5 s before the producer is broken off.
+    // could be made now, well inside the 15 s before the producer is broken off.
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
     step(
@@ -297,6 +310,11 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
         }
     }
     assert_eq!(refused, [1, 2]);
+    let waited = meridian_integration::metric_value(
+        &meridian_integration::http_get(&broker.http, "/metrics"),
+        "meridian_publish_waits_for_in_flight_total",
+    );
+    assert_eq!(waited, 1.0, "send 2 waited for send 1's outcome");
 
     step(
         "the client sends 1 and 2 again: with deduplication on, neither is dropped as a duplicate",

@@ -90,6 +90,8 @@ pub(crate) struct InFlight {
     /// (ledger, sends in flight there).
     at: std::sync::Mutex<(u64, u64)>,
     settled: tokio::sync::Notify,
+    /// The receipt task ended: what is in flight is never answered here.
+    gone: std::sync::atomic::AtomicBool,
 }
 
 impl InFlight {
@@ -111,17 +113,31 @@ impl InFlight {
         }
     }
 
-    /// Until no send is in flight.
-    async fn settled(&self) {
+    /// Until no send is in flight (true), or the receipt task ended (false).
+    async fn settled(&self) -> bool {
         loop {
             let notified = self.settled.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
+            if self.gone.load(Ordering::Acquire) {
+                return false;
+            }
             if self.ledger().is_none() {
-                return;
+                return true;
             }
             notified.await;
         }
+    }
+}
+
+/// Held by the receipt task: however it ends (a panic included), a send waiting for the
+/// producer's sends in flight is let go.
+struct ReceiptsEnd(Arc<InFlight>);
+
+impl Drop for ReceiptsEnd {
+    fn drop(&mut self) {
+        self.0.gone.store(true, Ordering::Release);
+        self.0.settled.notify_waiters();
     }
 }
 
@@ -247,20 +263,86 @@ async fn submit(
     r: SendRequest,
 ) -> PendingSend {
     let submitted = Instant::now();
+    // Read before the checks: none in flight means any earlier failure has already broken
+    // the producer off (the receipt task breaks it off before it counts a send answered).
+    let only_in = in_flight.ledger();
     let mut silent = false;
-    let payload = &r.payload;
-    let append = if !handle.is_granted() {
-        Err(BrokerError::new(
+    let append = match refusal(topic, handle, message_bytes_max, &r.payload).await {
+        Some((e, quiet)) => {
+            silent = quiet;
+            Err(e)
+        }
+        None => {
+            let entry = Entry::from_payload(&r.payload);
+            let highest = r.send.highest_sequence_id;
+            let mut appended = append(topic, &handle.name, highest, entry, only_in).await;
+            if let Ok(Submitted::NotThere(entry)) = appended {
+                // Their ledger takes no more: only once they are answered (a failure among
+                // them breaks the producer off) does the log move on for this producer, and
+                // the send is checked again (it may have been fenced or closed meanwhile).
+                tracing::debug!(topic = %topic.name, producer = %handle.name, "a send waits for the producer's sends in flight before the log moves on");
+                metrics::counter!("meridian_publish_waits_for_in_flight_total").increment(1);
+                appended = if !in_flight.settled().await {
+                    Err(BrokerError::new(
+                        ServerError::PersistenceError,
+                        "the producer's earlier sends were not answered; it reconnects and sends again",
+                    ))
+                } else if let Some((e, quiet)) =
+                    refusal(topic, handle, message_bytes_max, &r.payload).await
+                {
+                    silent = quiet;
+                    Err(e)
+                } else {
+                    append(topic, &handle.name, highest, entry, None).await
+                };
+            }
+            if let Ok(Submitted::Appended(pa, _)) = &appended {
+                in_flight.appended(pa.ledger_id());
+            }
+            appended.inspect_err(|e| {
+                if matches!(
+                    e.code,
+                    ServerError::PersistenceError | ServerError::ServiceNotReady
+                ) {
+                    // The next send must not be stored ahead of this one.
+                    handle.break_off();
+                }
+            })
+        }
+    };
+    PendingSend {
+        sequence_id: r.send.sequence_id,
+        submitted,
+        highest_sequence_id: r.send.highest_sequence_id,
+        messages: r.messages,
+        bytes: r.bytes,
+        received: r.received,
+        append,
+        silent,
+    }
+}
+
+/// Why a SEND is refused before it is appended, if it is (and whether silently: its producer
+/// was closed by the broker and the client sends it again after reconnecting).
+async fn refusal(
+    topic: &Topic,
+    handle: &ProducerHandle,
+    message_bytes_max: u64,
+    payload: &Payload,
+) -> Option<(BrokerError, bool)> {
+    let mut silent = false;
+    let refused = if !handle.is_granted() {
+        BrokerError::new(
             ServerError::NotAllowedError,
             "this WaitForExclusive producer is still waiting for exclusive access; wait for its second PRODUCER_SUCCESS (producer_ready) before sending",
-        ))
+        )
     } else if handle.is_broken() {
-        Err(BrokerError::new(
+        BrokerError::new(
             ServerError::PersistenceError,
             "an earlier send of this producer could not be stored; it reconnects and sends again from that one, in order",
-        ))
+        )
     } else if handle.is_fenced() {
-        Err(if let Some(b) = topic.quota_breach() {
+        if let Some(b) = topic.quota_breach() {
             b.error()
         } else if topic.ml.is_terminated().await {
             BrokerError::new(
@@ -280,62 +362,23 @@ async fn submit(
                 ServerError::ProducerFenced,
                 "this producer was fenced by an exclusive producer",
             )
-        })
+        }
     } else if !payload.checksum_ok() {
-        Err(BrokerError::new(
-            ServerError::ChecksumError,
-            "message checksum mismatch",
-        ))
+        BrokerError::new(ServerError::ChecksumError, "message checksum mismatch")
     } else if payload.body.len() as u64 > message_bytes_max + 4096 {
-        Err(BrokerError::new(
+        BrokerError::new(
             ServerError::NotAllowedError,
             "message larger than broker.message_bytes_max",
-        ))
+        )
     } else if payload.claims_origin() {
-        Err(BrokerError::new(
+        BrokerError::new(
             ServerError::NotAllowedError,
             "the message's metadata carries field 1001 (meridian_origin), which only geo-replication writes",
-        ))
+        )
     } else {
-        let entry = Entry::from_payload(payload);
-        let highest = r.send.highest_sequence_id;
-        let mut appended = append(topic, &handle.name, highest, entry, in_flight.ledger()).await;
-        if let Ok(Submitted::NotThere(entry)) = appended {
-            // Their ledger takes no more: only once they are answered (a failure among them
-            // breaks the producer off) does the log move on for this producer.
-            in_flight.settled().await;
-            appended = if handle.is_broken() {
-                Err(BrokerError::new(
-                    ServerError::PersistenceError,
-                    "an earlier send of this producer could not be stored; it reconnects and sends again from that one, in order",
-                ))
-            } else {
-                append(topic, &handle.name, highest, entry, None).await
-            };
-        }
-        if let Ok(Submitted::Appended(pa, _)) = &appended {
-            in_flight.appended(pa.ledger_id());
-        }
-        appended.inspect_err(|e| {
-            if matches!(
-                e.code,
-                ServerError::PersistenceError | ServerError::ServiceNotReady
-            ) {
-                // The next send must not be stored ahead of this one.
-                handle.break_off();
-            }
-        })
+        return None;
     };
-    PendingSend {
-        sequence_id: r.send.sequence_id,
-        submitted,
-        highest_sequence_id: r.send.highest_sequence_id,
-        messages: r.messages,
-        bytes: r.bytes,
-        received: r.received,
-        append,
-        silent,
-    }
+    Some((refused, silent))
 }
 
 /// Appends `entry` (deduplicated where the topic says so), only into ledger `only_in` if
@@ -385,6 +428,7 @@ pub(crate) async fn receipt_loop(
     mut rx: mpsc::Receiver<PendingSend>,
     tx: FrameSender,
 ) {
+    let _end = ReceiptsEnd(Arc::clone(&in_flight));
     // Resolved once per producer, not per SEND (each macro call looks the metric up).
     let published = metrics::counter!("meridian_publish_messages_total");
     let published_bytes = metrics::counter!("meridian_publish_bytes_total");
@@ -406,7 +450,7 @@ pub(crate) async fn receipt_loop(
                 let r = pa.wait().await.map_err(BrokerError::from);
                 if r.is_err() {
                     if crate::failpoint::hit("publish:slow_break_off") {
-                        tokio::time::sleep(Duration::from_secs(5)).await;
+                        tokio::time::sleep(Duration::from_secs(15)).await;
                     }
                     // Later sends must wait for the client to send this one again.
                     handle.break_off();
