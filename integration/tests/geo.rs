@@ -943,6 +943,59 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
     let st = admin_json(&c.admin_url, &["topics", "stats", fresh]);
     assert!(st["msgs_in_total"].is_u64(), "{st}");
     assert_ne!(owner_of(fresh), c_id, "{fresh} was not taken by c");
+
+    step("acme/t is local at each site; one of its topics on c is replicated on its own: c lets it go");
+    at(
+        &brokers[0].admin_url,
+        &["namespaces", "create", "acme/t", "--clusters", "west"],
+    );
+    at(
+        &east.admin_url,
+        &["namespaces", "create", "acme/t", "--clusters", "east"],
+    );
+    let own: Vec<String> = (0..8)
+        .map(|i| format!("persistent://acme/t/own-{i}"))
+        .collect();
+    for (i, t) in own.iter().enumerate() {
+        produce(&root, &format!("t{i}"), &everywhere, t, 10, 70_000)
+            .finish(Duration::from_secs(60))
+            .unwrap();
+    }
+    let Some(single) = own.iter().find(|t| owner_of(t) == c_id).cloned() else {
+        panic!("c, with the fewest bundles, was given none of acme/t");
+    };
+    for site in [&brokers[0].admin_url, &east.admin_url] {
+        if site == &east.admin_url {
+            at(site, &["topics", "create", &single]);
+        }
+        at(
+            site,
+            &[
+                "topics",
+                "set-replication-clusters",
+                &single,
+                "--clusters",
+                "east,west",
+            ],
+        );
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while owner_of(&single) == c_id {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "c still owns {single}, replicated with east on its own"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    produce(&root, "te", &east.url, &single, 100, 80_000)
+        .finish(Duration::from_secs(60))
+        .unwrap();
+    let got = read_until(&root, &service, &single, 110, Duration::from_secs(60));
+    assert_exactly_once(
+        &got,
+        &[70_000..70_010, 80_000..80_100],
+        &format!("west {single}"),
+    );
     c.stop().unwrap();
     for b in &mut brokers {
         b.stop().unwrap();

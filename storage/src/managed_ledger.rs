@@ -584,7 +584,7 @@ impl ManagedLedger {
         self: &Arc<Self>,
         payload: Bytes,
     ) -> Result<PendingAppend, ManagedLedgerError> {
-        self.queue(payload, None)
+        self.queue_in(payload, None)
             .await
             .map(|p| p.expect("queued anywhere"))
     }
@@ -599,10 +599,12 @@ impl ManagedLedger {
         payload: Bytes,
         ledger: u64,
     ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
-        self.queue(payload, Some(ledger)).await
+        self.queue_in(payload, Some(ledger)).await
     }
 
-    async fn queue(
+    /// [`ManagedLedger::append_queued_in`] when `only_in` names a ledger, else
+    /// [`ManagedLedger::append_queued`] (always `Some`).
+    pub async fn queue_in(
         self: &Arc<Self>,
         payload: Bytes,
         only_in: Option<u64>,

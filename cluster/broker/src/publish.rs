@@ -28,7 +28,7 @@ use meridian_protocol::{cmd, Entry, Payload, ID_NONE};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::broker::dedup::Submitted;
+use crate::broker::dedup::{queue_entry, Submitted};
 use crate::broker::producers::ProducerHandle;
 use crate::broker::{BrokerError, Topic};
 use crate::connection::frame;
@@ -393,18 +393,10 @@ async fn append(
     if let Some(d) = &topic.dedup {
         return d.submit(&topic.ml, producer, highest, entry, only_in).await;
     }
-    let pa = match only_in {
-        None => topic.ml.append_queued(entry.into_bytes()).await?,
-        Some(ledger) => match topic
-            .ml
-            .append_queued_in(entry.as_bytes().clone(), ledger)
-            .await?
-        {
-            Some(pa) => pa,
-            None => return Ok(Submitted::NotThere(entry)),
-        },
-    };
-    Ok(Submitted::Appended(pa, None))
+    Ok(match queue_entry(&topic.ml, entry, only_in).await? {
+        Ok(pa) => Submitted::Appended(pa, None),
+        Err(entry) => Submitted::NotThere(entry),
+    })
 }
 
 pub(crate) struct PendingSend {

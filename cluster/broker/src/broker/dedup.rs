@@ -33,6 +33,21 @@ use serde::{Deserialize, Serialize};
 
 use super::BrokerError;
 
+/// Queues `entry` in `ml`, only into ledger `only_in` if given: the entry comes back
+/// (`Err`) when that ledger takes no more.
+pub(crate) async fn queue_entry(
+    ml: &Arc<ManagedLedger>,
+    entry: Entry,
+    only_in: Option<u64>,
+) -> Result<Result<PendingAppend, Entry>, BrokerError> {
+    Ok(
+        match ml.queue_in(entry.as_bytes().clone(), only_in).await? {
+            Some(pa) => Ok(pa),
+            None => Err(entry),
+        },
+    )
+}
+
 /// Where deduplication snapshots live, by managed-ledger name.
 pub const DEDUP_PREFIX: &str = "/topic-dedup/";
 
@@ -449,15 +464,9 @@ impl Dedup {
                 ));
             }
         }
-        let pa = match only_in {
-            None => ml.append_queued(entry.into_bytes()).await?,
-            Some(ledger) => match ml
-                .append_queued_in(entry.as_bytes().clone(), ledger)
-                .await?
-            {
-                Some(pa) => pa,
-                None => return Ok(Submitted::NotThere(entry)),
-            },
+        let pa = match queue_entry(ml, entry, only_in).await? {
+            Ok(pa) => pa,
+            Err(entry) => return Ok(Submitted::NotThere(entry)),
         };
         let id = g.next_ticket;
         g.next_ticket += 1;

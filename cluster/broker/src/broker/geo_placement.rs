@@ -9,7 +9,7 @@ use meridian_protocol::pb::ServerError;
 
 use super::bundles::Bundle;
 use super::ownership::BrokerInfo;
-use super::{Broker, BrokerError};
+use super::{Broker, BrokerError, NamespacePolicies};
 
 /// Of `brokers`, those with a geo link, when any has one (else all: a site without links
 /// places as it would without replication).
@@ -25,11 +25,22 @@ pub fn linked_if_any(brokers: Vec<BrokerInfo>) -> Vec<BrokerInfo> {
 }
 
 impl Broker {
-    /// Whether `ns` is replicated with another site (its replication clusters name one).
+    /// Whether `ns` is replicated with another site: its replication clusters name one, or
+    /// a topic's own replication clusters do (its bundle must sit where the stream can come).
     pub(super) async fn replicated_elsewhere(&self, ns: &str) -> Result<bool, BrokerError> {
-        let p = self.namespace_policies(ns).await?;
-        Ok(p.replication_clusters
-            .is_some_and(|c| c.iter().any(|c| *c != self.cfg.cluster_name)))
+        let elsewhere = |p: &NamespacePolicies| {
+            p.replication_clusters
+                .as_ref()
+                .is_some_and(|c| c.iter().any(|c| *c != self.cfg.cluster_name))
+        };
+        if elsewhere(&self.namespace_policies(ns).await?) {
+            return Ok(true);
+        }
+        Ok(self
+            .namespace_topic_policies(ns)
+            .await?
+            .values()
+            .any(elsewhere))
     }
 
     /// Whether a bundle of `ns` may move to the broker `to` of `brokers` as far as geo links
@@ -113,7 +124,7 @@ impl Broker {
         if self.linked_instead(ns, None).await?.is_empty() {
             return Ok(None);
         }
-        let to = self.ownership.candidate(ns, b, true).await?;
+        let to = self.ownership.candidate(ns, b, async { Ok(true) }).await?;
         Ok((to.id != self.ownership.id()).then_some(to))
     }
 

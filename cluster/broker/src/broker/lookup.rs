@@ -42,8 +42,7 @@ impl Broker {
                 authoritative: false,
             }),
             Owner::Nobody => {
-                let linked = self.replicated_elsewhere(&ns).await?;
-                let chosen = o.candidate(&ns, &b, linked).await?;
+                let chosen = o.candidate(&ns, &b, self.replicated_elsewhere(&ns)).await?;
                 if !authoritative && chosen.id != o.id() {
                     tracing::debug!(topic = %name, bundle = %b.name(), to = %chosen.id, "unowned bundle placed on another broker");
                     return Ok(Lookup::Redirect {

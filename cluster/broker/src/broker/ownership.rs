@@ -925,16 +925,18 @@ impl Ownership {
 
     /// Where an unowned bundle should go: the broker with the fewest bundles (as last
     /// reported, plus those placed on it since), ties broken by a hash of the bundle and the
-    /// broker, so brokers asked at once mostly agree. `linked`: only brokers with a geo link
-    /// if any has one (a namespace replicated with other sites).
+    /// broker, so brokers asked at once mostly agree. `linked` (awaited only when a broker
+    /// has a geo link): only brokers with a geo link if any of those allowed has one (a
+    /// namespace replicated with other sites).
     pub async fn candidate(
         &self,
         ns: &str,
         b: &Bundle,
-        linked: bool,
+        linked: impl std::future::Future<Output = Result<bool, BrokerError>>,
     ) -> Result<BrokerInfo, BrokerError> {
         let registered = self.brokers().await?;
         let none_registered = registered.is_empty();
+        let linked = registered.iter().any(|x| !x.geo_url.is_empty()) && linked.await?;
         let mut brokers = self.allowed(ns, registered).await?;
         if linked {
             brokers = super::geo_placement::linked_if_any(brokers);
