@@ -499,6 +499,180 @@ fn given_two_sites_then_what_each_produces_arrives_once_at_the_other_and_survive
     s.west.stop().unwrap();
 }
 
+/// What the stock Rust client shows of a message, beside its identity (site, `i`).
+type Seen = (
+    String,
+    u64,
+    Vec<(String, String)>,
+    Option<String>,
+    Option<u64>,
+    Vec<u8>,
+);
+
+/// Reads `topic` at `pulsar` from the earliest message until `want` arrived and then no more
+/// for a second: (site, `i`) and what the client shows of each, in log order.
+async fn rust_read(
+    pulsar: &pulsar::Pulsar<pulsar::TokioExecutor>,
+    topic: &str,
+    want: usize,
+) -> Vec<((String, u64), Seen)> {
+    use futures::TryStreamExt;
+    use pulsar::consumer::InitialPosition;
+    let mut consumer: pulsar::Consumer<Vec<u8>, pulsar::TokioExecutor> = pulsar
+        .consumer()
+        .with_topic(topic)
+        .with_subscription("rust-reader")
+        .with_subscription_type(pulsar::SubType::Exclusive)
+        .with_options(
+            pulsar::ConsumerOptions::default().with_initial_position(InitialPosition::Earliest),
+        )
+        .build()
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    loop {
+        let wait = if got.len() < want { 60 } else { 1 };
+        let msg = match tokio::time::timeout(Duration::from_secs(wait), consumer.try_next()).await {
+            Ok(m) => m.unwrap().expect("stream open"),
+            Err(_) if got.len() >= want => return got,
+            Err(_) => panic!("{topic}: {} of {want} within 60 s of the last", got.len()),
+        };
+        let md = msg.metadata();
+        let mut props: Vec<(String, String)> = md
+            .properties
+            .iter()
+            .map(|kv| (kv.key.clone(), kv.value.clone()))
+            .collect();
+        props.sort();
+        let prop = |k: &str| props.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+        let id = (
+            prop("site").expect("property site"),
+            prop("i").expect("property i").parse().unwrap(),
+        );
+        let seen = (
+            md.producer_name.clone(),
+            md.publish_time,
+            props.clone(),
+            md.partition_key.clone(),
+            md.event_time,
+            msg.payload.data.clone(),
+        );
+        consumer.ack(&msg).await.unwrap();
+        got.push((id, seen));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_the_stock_rust_client_at_both_sites_then_entries_arrive_byte_for_byte_and_replicate_to_holds(
+) {
+    use pulsar::{producer, ProducerOptions, Pulsar, TokioExecutor};
+    let s = tokio::task::block_in_place(two_sites);
+    let t = "persistent://acme/g/rust";
+    const N: u64 = 1_000;
+    let client = |url: String| async move {
+        Pulsar::<TokioExecutor>::builder(url, TokioExecutor)
+            .build()
+            .await
+            .unwrap()
+    };
+    let (east, west) = (
+        client(s.east.url.clone()).await,
+        client(s.west.url.clone()).await,
+    );
+
+    step("east sends 1,000 in batches of 50, west 1,000 unbatched (every tenth to west only)");
+    for (pulsar, site, batched) in [(&east, "east", true), (&west, "west", false)] {
+        let mut p = pulsar
+            .producer()
+            .with_topic(t)
+            .with_name(format!("rust-{site}"))
+            .with_options(ProducerOptions {
+                batch_size: batched.then_some(50),
+                block_queue_if_full: true,
+                ..Default::default()
+            })
+            .build()
+            .await
+            .unwrap();
+        let mut receipts = Vec::new();
+        for i in 0..N {
+            let local_only = !batched && i % 10 == 5;
+            let msg = producer::Message {
+                payload: format!("{site}-{i}").into_bytes(),
+                properties: std::collections::HashMap::from([
+                    ("i".to_string(), i.to_string()),
+                    ("site".to_string(), site.to_string()),
+                ]),
+                partition_key: Some(format!("k{}", i % 7)),
+                event_time: Some(1_700_000_000_000 + i),
+                replicate_to: if local_only {
+                    vec!["west".to_string()]
+                } else {
+                    Vec::new()
+                },
+                ..Default::default()
+            };
+            receipts.push(p.send_non_blocking(msg).await.unwrap());
+        }
+        if batched {
+            p.send_batch().await.unwrap();
+        }
+        for r in receipts {
+            r.await.unwrap();
+        }
+    }
+
+    step("each site holds its own and the other's, once, in each producer's order; none of west's local ones reached east");
+    let local_only = |(site, i): &(String, u64)| site == "west" && i % 10 == 5;
+    let at_west = rust_read(&west, t, 2 * N as usize).await;
+    let at_east = rust_read(&east, t, 2 * N as usize - (N / 10) as usize).await;
+    for (name, got) in [("west", &at_west), ("east", &at_east)] {
+        let ids: Vec<&(String, u64)> = got.iter().map(|(id, _)| id).collect();
+        let unique: std::collections::BTreeSet<_> = ids.iter().collect();
+        assert_eq!(unique.len(), ids.len(), "{name}: a message twice");
+        for site in ["east", "west"] {
+            let of: Vec<u64> = ids
+                .iter()
+                .filter(|(s, _)| s == site)
+                .map(|(_, i)| *i)
+                .collect();
+            assert!(
+                of.windows(2).all(|w| w[0] < w[1]),
+                "{name}: {site}'s order broken"
+            );
+            let expected = (0..N)
+                .filter(|i| name == "west" || !local_only(&(site.to_string(), *i)))
+                .count();
+            assert_eq!(of.len(), expected, "{name}: {site}'s messages");
+        }
+    }
+    assert!(
+        !at_east.iter().any(|(id, _)| local_only(id)),
+        "a west-only message reached east"
+    );
+
+    step(
+        "what the client shows of each message is the same at both sites (metadata byte for byte)",
+    );
+    let west_seen: std::collections::HashMap<_, _> = at_west.into_iter().collect();
+    for (id, seen) in &at_east {
+        let there = west_seen.get(id).expect("at west too");
+        assert_eq!(seen, there, "{id:?}: east and west differ");
+        assert_eq!(seen.0, format!("rust-{}", id.0), "{id:?}: producer name");
+        assert_eq!(seen.4, Some(1_700_000_000_000 + id.1), "{id:?}: event time");
+        assert_eq!(
+            seen.5,
+            format!("{}-{}", id.0, id.1).into_bytes(),
+            "{id:?}: payload"
+        );
+    }
+    let mut s = s;
+    tokio::task::block_in_place(|| {
+        s.east.stop().unwrap();
+        s.west.stop().unwrap();
+    });
+}
+
 #[test]
 fn given_a_topic_produced_to_here_then_its_origins_snapshot_follows_the_log_and_a_reload_loses_nothing(
 ) {
