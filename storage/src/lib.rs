@@ -12,6 +12,7 @@ pub mod bookie;
 pub mod client;
 pub mod compacted;
 pub mod cursor;
+pub mod failpoint;
 pub mod io_priority;
 pub mod journal;
 pub mod ledger;

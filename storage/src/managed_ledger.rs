@@ -150,6 +150,25 @@ pub enum ManagedLedgerError {
     Terminated { name: String },
 }
 
+impl ManagedLedgerError {
+    /// Whether a write of the log's record that failed with this was certainly not applied
+    /// (a version conflict, a store that did nothing, a refused request); `false` when it may
+    /// have been (the reply was lost).
+    fn write_not_applied(&self) -> bool {
+        matches!(
+            self,
+            ManagedLedgerError::Fenced { .. }
+                | ManagedLedgerError::Metadata(
+                    ClientError::Conflict { .. }
+                        | ClientError::Unavailable { .. }
+                        | ClientError::InvalidArgument(_)
+                        | ClientError::FailedPrecondition(_)
+                        | ClientError::PermissionDenied(_)
+                )
+        )
+    }
+}
+
 /// The property of a terminated log (it takes no more entries).
 pub const TERMINATED_PROPERTY: &str = "terminated";
 
@@ -458,7 +477,14 @@ impl ManagedLedger {
             created_ms: now_ms(),
             closed_ms: None,
         });
-        match self.cas(&meta, st.version).await {
+        let mut recorded = self.cas(&meta, st.version).await;
+        if recorded.is_ok()
+            && crate::failpoint::hit(&format!("managed_ledger:reply_lost:{}", self.name))
+        {
+            recorded =
+                Err(ClientError::Indeterminate("fail point: the reply was lost".into()).into());
+        }
+        match recorded {
             Ok(v) => {
                 st.version = v;
                 st.meta = meta;
@@ -466,7 +492,13 @@ impl ManagedLedger {
             Err(e) => {
                 st.fenced = true;
                 let _ = writer.close().await;
-                let _ = self.client.delete(ledger_id).await;
+                if e.write_not_applied() {
+                    let _ = self.client.delete(ledger_id).await;
+                } else {
+                    // The log may name it now: deleting it would leave a log that cannot be
+                    // opened (its last ledger missing). Empty, it costs a metadata record.
+                    tracing::warn!(name = %self.name, ledger = ledger_id, error = %e, "whether the new ledger was recorded is unknown; it is kept");
+                }
                 return Err(e);
             }
         }

@@ -413,6 +413,58 @@ mod managed {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_the_reply_to_recording_a_new_ledger_is_lost_then_it_is_kept_and_the_log_opens_again(
+    ) {
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        let name = "acme/orders/reply-lost";
+        let one_per_ledger = || ManagedLedgerOptions {
+            ensemble: 1,
+            write_quorum: 1,
+            ack_quorum: 1,
+            rollover_entries_max: 1,
+            rollover_min_age_ms: 0,
+            ..Default::default()
+        };
+        let ml = ManagedLedger::open(client.clone(), name, one_per_ledger())
+            .await
+            .expect("open");
+        let first = ml.append(payload(0)).await.expect("append");
+        step("the roll-over records the next ledger, and the store's reply is lost");
+        meridian_storage::failpoint::arm(&format!("managed_ledger:reply_lost:{name}"));
+        let err = ml.append(payload(1)).await.expect_err("outcome unknown");
+        assert!(err.to_string().contains("outcome unknown"), "{err}");
+        let ledgers = {
+            let kv = store
+                .client
+                .get(&meridian_storage::managed_ledger::managed_ledger_key(name))
+                .await
+                .unwrap()
+                .expect("the log's record");
+            serde_json::from_slice::<serde_json::Value>(&kv.value).unwrap()["ledgers"].clone()
+        };
+        let named = ledgers[1]["ledger_id"]
+            .as_u64()
+            .expect("the new ledger is named");
+        assert!(
+            client.metadata(named).await.is_ok(),
+            "ledger {named}, named by the log, was kept"
+        );
+        step("the log opens again (the new ledger recovered empty), reads and takes appends");
+        drop(ml);
+        let ml = ManagedLedger::open(client.clone(), name, one_per_ledger())
+            .await
+            .expect("open again");
+        assert_eq!(ml.read(first).await.expect("read"), payload(0));
+        let next = ml.append(payload(2)).await.expect("append after");
+        assert_eq!(ml.read(next).await.expect("read"), payload(2));
+        assert_eq!(ml.size().await.0, 2);
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_appends_in_flight_in_a_ledger_then_more_go_there_only_while_it_stays_open() {
         let (_tmp, store, mut bookies, client) = setup(1).await;
         let ml = ManagedLedger::open(
