@@ -321,3 +321,52 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
     );
     resend_then_read_in_order(&mut c, "race-fault", &broker);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_its_resend_is_deduplicated(
+) {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
+    bookie.start().unwrap();
+    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
+    // A throttled send, once appended, waits 3 s before it is handed to the receipt task.
+    broker
+        .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
+        .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
+        .env("MERIDIAN_TEST_FAILPOINTS", "publish:slow_hand_off");
+    broker.start().unwrap();
+    let mut c = Raw::connected(&broker.url);
+    c.send(&named_producer("throttled-close", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    c.send_raw(&send_frame(1, 0, b"m0"));
+    wait_frame(&mut c, Duration::from_secs(10), |x| {
+        x.send_receipt.is_some()
+    });
+
+    step("a publish rate of 1 msg/s: sends 1 and 2 at once, so at least one is throttled");
+    meridian_integration::geo_sites::admin_ok(&[
+        "--admin-url",
+        &broker.admin_url,
+        "namespaces",
+        "set-publish-rate",
+        "public/default",
+        "--msg-publish-rate",
+        "1",
+    ]);
+    std::thread::sleep(Duration::from_secs(1));
+    c.send_raw(&send_frame(1, 1, b"m1"));
+    c.send_raw(&send_frame(1, 2, b"m2"));
+    step("the producer closes while a throttled send, appended, is being handed on");
+    wait_for_log(
+        "broker",
+        || broker.log_text(),
+        "publish:slow_hand_off",
+        Duration::from_secs(30),
+    );
+    step("the client makes its producer again and resends 1 and 2: neither is refused for good, each is stored once");
+    resend_then_read_in_order(&mut c, "throttled-close", &broker);
+}

@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use meridian_protocol::pb::{self, ServerError};
 use meridian_protocol::{cmd, Entry, Payload, ID_NONE};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::broker::dedup::{queue_entry, Submitted};
@@ -71,6 +71,8 @@ pub(crate) struct Publisher {
     receipts: JoinHandle<()>,
     throttle_tx: mpsc::Sender<(SendRequest, Instant)>,
     throttle: JoinHandle<()>,
+    /// Tells the throttle task to stop between sends.
+    stop: watch::Sender<bool>,
     /// Sends in the throttle queue or its task, not yet submitted.
     throttled: Arc<AtomicUsize>,
     in_flight: Arc<InFlight>,
@@ -162,12 +164,13 @@ impl Publisher {
         ));
         let (throttle_tx, throttle_rx) = mpsc::channel(pending_sends_max);
         let throttled = Arc::new(AtomicUsize::new(0));
+        let (stop, stop_rx) = watch::channel(false);
         let throttle = tokio::spawn(throttle_loop(
             Arc::clone(&topic),
             Arc::clone(&handle),
             Arc::clone(&in_flight),
             message_bytes_max,
-            throttle_rx,
+            (throttle_rx, stop_rx),
             receipts_tx.clone(),
             Arc::clone(&throttled),
         ));
@@ -179,6 +182,7 @@ impl Publisher {
             receipts,
             throttle_tx,
             throttle,
+            stop,
             throttled,
             in_flight,
         }
@@ -222,8 +226,11 @@ impl Publisher {
 
     /// Closes the producer's path: sends still waiting for their turn are dropped
     /// (never appended, never acknowledged); those appended are awaited and answered.
+    /// A send the throttle task has begun to submit is submitted and handed on whole: cut
+    /// between its append and its hand-off, its deduplication ticket would stay pending
+    /// (its resends refused as still being written, the topic's snapshots held back).
     pub async fn close(self) {
-        self.throttle.abort();
+        let _ = self.stop.send(true);
         let _ = self.throttle.await;
         drop(self.receipts_tx);
         drop(self.throttle_tx);
@@ -231,19 +238,39 @@ impl Publisher {
     }
 }
 
-/// Sleeps until each throttled send is due, then submits it, in order.
+/// Sleeps until each throttled send is due, then submits it, in order. Stops (`stop`) only
+/// between sends: a send being submitted is handed on first.
 async fn throttle_loop(
     topic: Arc<Topic>,
     handle: Arc<ProducerHandle>,
     in_flight: Arc<InFlight>,
     message_bytes_max: u64,
-    mut rx: mpsc::Receiver<(SendRequest, Instant)>,
+    (mut rx, mut stop): (
+        mpsc::Receiver<(SendRequest, Instant)>,
+        watch::Receiver<bool>,
+    ),
     receipts: mpsc::Sender<PendingSend>,
     throttled: Arc<AtomicUsize>,
 ) {
-    while let Some((r, due)) = rx.recv().await {
-        tokio::time::sleep_until(due.into()).await;
+    loop {
+        // A closed `stop` (the publisher dropped) stops too.
+        let (r, due) = tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => return,
+            next = rx.recv() => match next {
+                Some(next) => next,
+                None => return,
+            },
+        };
+        tokio::select! {
+            biased;
+            _ = stop.wait_for(|s| *s) => return,
+            _ = tokio::time::sleep_until(due.into()) => {}
+        }
         let ps = submit(&topic, &handle, &in_flight, message_bytes_max, r).await;
+        if crate::failpoint::hit("publish:slow_hand_off") {
+            tokio::time::sleep(Duration::from_secs(3)).await;
+        }
         let gone = receipts.send(ps).await.is_err();
         // Only after the append was submitted and its outcome queued: a later send that
         // sees no throttled one left is appended after this one.
