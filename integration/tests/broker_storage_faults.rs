@@ -370,3 +370,103 @@ async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_it
     step("the client makes its producer again and resends 1 and 2: neither is refused for good, each is stored once");
     resend_then_read_in_order(&mut c, "throttled-close", &broker);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_a_new_producer_loads_it_again(
+) {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let endpoint = cluster.endpoints()[0].clone();
+    let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
+    bookie.start().unwrap();
+    let client = cluster.client();
+    wait_for_bookies(&client, 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+    let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
+    broker
+        .env("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "2")
+        .env("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0");
+    broker.start().unwrap();
+    let mut c = Raw::connected(&broker.url);
+    c.send(&producer("fenced-log", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    for (seq, body) in [(0, &b"m0"[..]), (1, &b"m1"[..])] {
+        c.send_raw(&send_frame(1, seq, body));
+        wait_frame(&mut c, Duration::from_secs(10), |x| {
+            x.send_receipt.is_some()
+        });
+    }
+
+    step("the log's record changes under the broker: its roll-over's compare-and-set fails, the log is fenced");
+    let page = client.list("/managed-ledgers/", "", 0).await.unwrap();
+    let kv = page
+        .kvs
+        .iter()
+        .find(|kv| kv.key.contains("fenced-log"))
+        .expect("the log's record");
+    client.put(&kv.key, kv.value.clone()).await.unwrap();
+    c.send_raw(&send_frame(1, 2, b"m2"));
+    let f = wait_frame(&mut c, Duration::from_secs(10), |x| {
+        x.send_error.is_some() || x.send_receipt.is_some()
+    });
+    assert!(f.send_error.is_some(), "refused: {f:?}");
+
+    step("the client makes its producer again: the topic is loaded again and takes m2");
+    let mut pid = 1;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        c.send(&cmd(Type::CloseProducer, |x| {
+            x.close_producer = Some(pb::CommandCloseProducer {
+                producer_id: pid,
+                request_id: 200 + pid,
+            })
+        }));
+        wait_frame(&mut c, Duration::from_secs(10), |x| {
+            x.success.is_some() || x.error.is_some()
+        });
+        pid += 1;
+        c.send(&producer("fenced-log", pid, 100 + pid));
+        let made = wait_frame(&mut c, Duration::from_secs(10), |x| {
+            x.producer_success.is_some() || x.error.is_some()
+        });
+        if made.producer_success.is_some() {
+            c.send_raw(&send_frame(pid, 2, b"m2"));
+            let f = wait_frame(&mut c, Duration::from_secs(10), |x| {
+                x.send_receipt.is_some() || x.send_error.is_some()
+            });
+            if f.send_receipt.is_some() {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still refused after 30 s\n{}",
+            broker.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(
+        broker.log_text().contains("unloading it to load it again"),
+        "the broker said why"
+    );
+    c.send(&subscribe("fenced-log", "check", 9, 4));
+    wait_frame(&mut c, Duration::from_secs(10), |x| x.success.is_some());
+    c.send(&cmd(Type::Flow, |x| {
+        x.flow = Some(pb::CommandFlow {
+            consumer_id: 9,
+            message_permits: 10,
+        })
+    }));
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while got.len() < 3 {
+        match c.recv(Duration::from_millis(500)) {
+            Got::Frame(f) if f.command.message.is_some() => {
+                got.push(f.payload.expect("payload").data().to_vec())
+            }
+            Got::Closed => panic!("connection closed"),
+            _ => assert!(Instant::now() < deadline, "received {got:?}"),
+        }
+    }
+    assert_eq!(got, vec![b"m0".to_vec(), b"m1".to_vec(), b"m2".to_vec()]);
+}

@@ -775,6 +775,13 @@ impl ManagedLedger {
     }
 
     /// Entries in the log (through the last confirmed one) and their bytes.
+    /// Whether this owner's log is fenced (another owner changed its record, or recording a
+    /// change of its own failed): it takes no more entries here until it is opened again.
+    /// `false` while its state is busy (an append or roll-over under way): ask again later.
+    pub fn is_fenced(&self) -> bool {
+        self.state.try_lock().is_ok_and(|st| st.fenced)
+    }
+
     pub async fn size(&self) -> (u64, u64) {
         let st = self.state.lock().await;
         let mut entries = 0;

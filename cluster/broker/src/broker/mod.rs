@@ -238,20 +238,50 @@ impl Broker {
             ));
         }
         let full = name.to_string();
-        let cell = {
-            let mut topics = self.topics.lock().expect("topics lock");
-            Arc::clone(topics.entry(full.clone()).or_default())
-        };
-        let loaded = cell
-            .get_or_try_init(|| async { self.load_topic(name, create, false).await })
-            .await;
-        match loaded {
-            Ok(topic) => Ok(Arc::clone(topic)),
-            Err(e) => {
-                self.forget_failed_load(&full, &cell);
-                Err(e)
+        loop {
+            let cell = {
+                let mut topics = self.topics.lock().expect("topics lock");
+                Arc::clone(topics.entry(full.clone()).or_default())
+            };
+            let loaded = cell
+                .get_or_try_init(|| async { self.load_topic(name, create, false).await })
+                .await;
+            let topic = match loaded {
+                Ok(topic) => Arc::clone(topic),
+                Err(e) => {
+                    self.forget_failed_load(&full, &cell);
+                    return Err(e);
+                }
+            };
+            if !topic.ml.is_fenced() {
+                return Ok(topic);
+            }
+            // Its log took no more entries here (a change of its record failed): loaded
+            // again, it re-reads the record (and, if another broker owns it now, the load
+            // is refused). Only the loaded instance is unloaded, once.
+            let keys = [full.clone()];
+            self.hold(&keys);
+            if self.forget_if_loaded(&topic) {
+                tracing::warn!(topic = %name, "the topic's log was fenced: unloading it to load it again");
+                self.finish_unload(topic, &keys).await;
+            } else {
+                self.release(&keys);
             }
         }
+    }
+
+    /// Forgets `t` if it is still the loaded instance of its name; whether it was.
+    fn forget_if_loaded(&self, t: &Arc<Topic>) -> bool {
+        let key = t.name.to_string();
+        let mut topics = self.topics.lock().expect("topics lock");
+        let loaded = topics
+            .get(&key)
+            .and_then(|c| c.get())
+            .is_some_and(|x| Arc::ptr_eq(x, t));
+        if loaded {
+            topics.remove(&key);
+        }
+        loaded
     }
 
     /// A load that failed leaves nothing behind: a client naming topics that do not exist
@@ -412,12 +442,17 @@ impl Broker {
         let keys = [t.name.to_string()];
         self.hold(&keys);
         self.forget_topic(&t.name);
+        self.finish_unload(t, &keys).await;
+    }
+
+    /// The rest of [`Broker::unload_loaded`], for a topic held (`keys`) and forgotten.
+    async fn finish_unload(&self, t: Arc<Topic>, keys: &[String]) {
         t.producers.fence_all();
         for s in t.subscriptions().await {
             s.disconnect_consumers().await;
         }
         t.close().await;
-        self.release(&keys);
+        self.release(keys);
         tracing::info!(topic = %t.name, "topic unloaded");
     }
 
