@@ -251,6 +251,8 @@ struct Inner {
     /// When each name last sent or attached (ms since the epoch; recovered names: when the
     /// topic loaded).
     last_active_ms: HashMap<String, u64>,
+    /// The ticket of each name's latest push (what `pushed` holds came with it).
+    last_push: HashMap<String, u64>,
 }
 
 impl Inner {
@@ -281,8 +283,29 @@ impl Inner {
             self.persisted.remove(n);
             self.pushed.remove(n);
             self.last_active_ms.remove(n);
+            self.last_push.remove(n);
         }
         idle
+    }
+
+    /// A checked send of `producer` up to `highest`, submitted as ticket `id`.
+    fn push(&mut self, producer: &str, id: u64, highest: i64) {
+        self.pushed.insert(producer.to_string(), highest);
+        self.last_push.insert(producer.to_string(), id);
+    }
+
+    /// Ticket `t` was not stored: what was pushed for its name falls back to what is durable,
+    /// unless a later push of the name is in flight (its own outcome settles it; lowered now,
+    /// a resend could be appended beside it, and stored twice if both land).
+    fn not_stored(&mut self, t: &Ticket) {
+        if self.last_push.get(&t.producer) != Some(&t.id) {
+            return;
+        }
+        self.last_push.remove(&t.producer);
+        match self.persisted.get(&t.producer).copied() {
+            Some(p) => self.pushed.insert(t.producer.clone(), p),
+            None => self.pushed.remove(&t.producer),
+        };
     }
 }
 
@@ -473,7 +496,7 @@ impl Dedup {
         g.inflight.insert(id, TicketState::Pending);
         let highest = checked.map(|s| {
             let h = s.highest.max(send_highest.map_or(-1, |h| h as i64));
-            g.pushed.insert(producer.to_string(), h);
+            g.push(producer, id, h);
             h
         });
         if highest.is_some() {
@@ -503,11 +526,7 @@ impl Dedup {
                     g.inflight.insert(ticket.id, TicketState::Done(pos));
                 }
                 None => {
-                    // Not stored: what was pushed for this name falls back to what is durable.
-                    match g.persisted.get(&ticket.producer).copied() {
-                        Some(p) => g.pushed.insert(ticket.producer, p),
-                        None => g.pushed.remove(&ticket.producer),
-                    };
+                    g.not_stored(&ticket);
                     g.inflight.insert(ticket.id, TicketState::Failed);
                 }
             }
@@ -634,6 +653,29 @@ mod tests {
         assert!(
             page_key("/topic-dedup/t/n/persistent/x", 7, 2)
                 < page_key("/topic-dedup/t/n/persistent/x", 7, 10)
+        );
+    }
+
+    #[test]
+    fn given_a_failed_send_with_a_later_push_in_flight_then_pushed_waits_for_the_later_one() {
+        let mut g = Inner::default();
+        g.persisted.insert("p".into(), 0);
+        g.push("p", 1, 1);
+        g.push("p", 2, 2);
+        let ticket = |id, highest| Ticket {
+            id,
+            producer: "p".into(),
+            highest,
+        };
+        g.not_stored(&ticket(1, 1));
+        assert_eq!(g.pushed["p"], 2, "send 2 is still in flight");
+        g.not_stored(&ticket(2, 2));
+        assert_eq!(g.pushed["p"], 0, "back to what is durable");
+        g.push("p", 3, 1);
+        g.not_stored(&ticket(2, 2));
+        assert_eq!(
+            g.pushed["p"], 1,
+            "a stale outcome leaves the new push alone"
         );
     }
 
