@@ -333,7 +333,7 @@ async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_it
         .await
         .unwrap();
     let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
-    // A throttled send, once appended, waits 3 s before it is handed to the receipt task.
+    // A throttled send, once appended, waits 8 s before it is handed to the receipt task.
     broker
         .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
         .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
@@ -360,12 +360,25 @@ async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_it
     std::thread::sleep(Duration::from_secs(1));
     c.send_raw(&send_frame(1, 1, b"m1"));
     c.send_raw(&send_frame(1, 2, b"m2"));
-    step("the producer closes while a throttled send, appended, is being handed on");
+    step("the producer closes while a throttled send, appended, is being handed on (8 s)");
     wait_for_log(
         "broker",
         || broker.log_text(),
         "publish:slow_hand_off",
         Duration::from_secs(30),
+    );
+    let held_from = Instant::now();
+    // The resends below are not throttled (nor held).
+    meridian_integration::geo_sites::admin_ok(&[
+        "--admin-url",
+        &broker.admin_url,
+        "namespaces",
+        "remove-publish-rate",
+        "public/default",
+    ]);
+    assert!(
+        held_from.elapsed() < Duration::from_secs(4),
+        "the close comes well inside the hold"
     );
     step("the client makes its producer again and resends 1 and 2: neither is refused for good, each is stored once");
     resend_then_read_in_order(&mut c, "throttled-close", &broker);

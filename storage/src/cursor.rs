@@ -423,12 +423,32 @@ impl ManagedCursor {
                 },
             )
             .await;
+        let put = match put {
+            Ok(_)
+                if crate::failpoint::hit(&format!(
+                    "cursor:reply_lost:{}/{}",
+                    self.ml.name(),
+                    self.name
+                )) =>
+            {
+                Err(ClientError::Indeterminate(
+                    "fail point: the reply was lost".into(),
+                ))
+            }
+            put => put,
+        };
         let version = match put {
             Ok(p) => p.version,
             Err(e) => {
                 let id = writer.id();
                 let _ = writer.close().await;
-                let _ = client.delete(id).await;
+                if e.write_not_applied() {
+                    let _ = client.delete(id).await;
+                } else {
+                    // The record may name it now: deleted, the cursor could not be opened
+                    // again. It holds a snapshot of the state and costs a ledger.
+                    tracing::warn!(cursor = %self.name, ledger = id, error = %e, "whether the new cursor ledger was recorded is unknown; it is kept");
+                }
                 return Err(match e {
                     ClientError::Conflict { .. } => CursorError::Fenced(self.name.clone()),
                     other => other.into(),

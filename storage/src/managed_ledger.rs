@@ -155,17 +155,11 @@ impl ManagedLedgerError {
     /// (a version conflict, a store that did nothing, a refused request); `false` when it may
     /// have been (the reply was lost).
     fn write_not_applied(&self) -> bool {
-        matches!(
-            self,
-            ManagedLedgerError::Fenced { .. }
-                | ManagedLedgerError::Metadata(
-                    ClientError::Conflict { .. }
-                        | ClientError::Unavailable { .. }
-                        | ClientError::InvalidArgument(_)
-                        | ClientError::FailedPrecondition(_)
-                        | ClientError::PermissionDenied(_)
-                )
-        )
+        match self {
+            ManagedLedgerError::Fenced { .. } => true,
+            ManagedLedgerError::Metadata(e) => e.write_not_applied(),
+            _ => false,
+        }
     }
 }
 
@@ -774,7 +768,6 @@ impl ManagedLedger {
         next_in(&ledgers, pos).filter(|p| *p <= last)
     }
 
-    /// Entries in the log (through the last confirmed one) and their bytes.
     /// Whether this owner's log is fenced (another owner changed its record, or recording a
     /// change of its own failed): it takes no more entries here until it is opened again.
     /// `false` while its state is busy (an append or roll-over under way): ask again later.
@@ -782,6 +775,7 @@ impl ManagedLedger {
         self.state.try_lock().is_ok_and(|st| st.fenced)
     }
 
+    /// Entries in the log (through the last confirmed one) and their bytes.
     pub async fn size(&self) -> (u64, u64) {
         let st = self.state.lock().await;
         let mut entries = 0;

@@ -781,6 +781,70 @@ mod cursors {
     use std::sync::Arc;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_the_reply_to_recording_a_new_cursor_ledger_is_lost_then_the_cursor_opens_again()
+    {
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        let ml = ManagedLedger::open(client.clone(), "acme/events/lost", Default::default())
+            .await
+            .expect("open");
+        let mut pos = Vec::new();
+        for i in 0..3u64 {
+            pos.push(ml.append(payload(i)).await.expect("append"));
+        }
+        let mut c = ManagedCursor::open(
+            client.clone(),
+            Arc::clone(&ml),
+            "sub-a",
+            InitialPosition::Earliest,
+        )
+        .await
+        .expect("cursor");
+        step("the first ack starts the cursor's ledger; the store's reply to recording it is lost");
+        meridian_storage::failpoint::arm("cursor:reply_lost:acme/events/lost/sub-a");
+        let err = c.ack(pos[0]).await.expect_err("outcome unknown");
+        assert!(err.to_string().contains("outcome unknown"), "{err}");
+        let kv = store
+            .client
+            .get("/managed-cursors/acme/events/lost/sub-a")
+            .await
+            .unwrap()
+            .expect("recorded");
+        let named = serde_json::from_slice::<serde_json::Value>(&kv.value).unwrap()
+            ["cursor_ledger"]
+            .as_u64()
+            .expect("the record names the new ledger");
+        assert!(
+            client.metadata(named).await.is_ok(),
+            "cursor ledger {named}, named by the record, was kept"
+        );
+        step("the cursor opens again, with the state the kept ledger holds, and goes on");
+        drop(c);
+        let mut c = ManagedCursor::open(
+            client.clone(),
+            Arc::clone(&ml),
+            "sub-a",
+            InitialPosition::Earliest,
+        )
+        .await
+        .expect("the cursor opens again");
+        c.ack(pos[1]).await.expect("ack");
+        drop(c);
+        let c = ManagedCursor::open(
+            client.clone(),
+            Arc::clone(&ml),
+            "sub-a",
+            InitialPosition::Earliest,
+        )
+        .await
+        .expect("and again");
+        assert_eq!(c.mark_delete(), Some(pos[1]));
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_acks_in_any_order_then_mark_delete_folds_and_state_survives_reopening() {
         let (_tmp, store, mut bookies, client) = setup(1).await;
         let opts = ManagedLedgerOptions {

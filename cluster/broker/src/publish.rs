@@ -269,7 +269,7 @@ async fn throttle_loop(
         }
         let ps = submit(&topic, &handle, &in_flight, message_bytes_max, r).await;
         if crate::failpoint::hit("publish:slow_hand_off") {
-            tokio::time::sleep(Duration::from_secs(3)).await;
+            tokio::time::sleep(Duration::from_secs(8)).await;
         }
         let gone = receipts.send(ps).await.is_err();
         // Only after the append was submitted and its outcome queued: a later send that

@@ -58,6 +58,22 @@ pub enum ClientError {
     Other(String),
 }
 
+impl ClientError {
+    /// Whether a write that failed with this was certainly not applied (a version conflict,
+    /// a store that did nothing, a refused request); `false` when it may have been (the reply
+    /// was lost, or the error says nothing of it).
+    pub fn write_not_applied(&self) -> bool {
+        matches!(
+            self,
+            ClientError::Conflict { .. }
+                | ClientError::Unavailable { .. }
+                | ClientError::InvalidArgument(_)
+                | ClientError::FailedPrecondition(_)
+                | ClientError::PermissionDenied(_)
+        )
+    }
+}
+
 /// Options of a put.
 #[derive(Clone, Debug, Default)]
 pub struct PutOptions {

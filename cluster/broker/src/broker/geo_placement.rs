@@ -73,14 +73,15 @@ impl Broker {
         ns: &str,
         brokers: Option<&[BrokerInfo]>,
     ) -> Result<Vec<BrokerInfo>, BrokerError> {
-        if !self.ownership.me().geo_url.is_empty() || !self.replicated_elsewhere(ns).await? {
+        if !self.ownership.me().geo_url.is_empty() {
             return Ok(Vec::new());
         }
         let brokers = match brokers {
             Some(b) => b.to_vec(),
             None => self.ownership.brokers().await?,
         };
-        if !brokers.iter().any(|b| !b.geo_url.is_empty()) {
+        // No broker with a link (a site without geo-replication): nothing more to read.
+        if !brokers.iter().any(|b| !b.geo_url.is_empty()) || !self.replicated_elsewhere(ns).await? {
             return Ok(Vec::new());
         }
         // The policies judge the whole site, as placement does; then the linked ones.

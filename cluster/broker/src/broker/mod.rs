@@ -238,6 +238,7 @@ impl Broker {
             ));
         }
         let full = name.to_string();
+        let mut reloaded = false;
         loop {
             let cell = {
                 let mut topics = self.topics.lock().expect("topics lock");
@@ -256,6 +257,13 @@ impl Broker {
             if !topic.ml.is_fenced() {
                 return Ok(topic);
             }
+            if reloaded {
+                return Err(BrokerError::new(
+                    ServerError::ServiceNotReady,
+                    format!("{full}: its log was fenced again once loaded; retry"),
+                ));
+            }
+            reloaded = true;
             // Its log took no more entries here (a change of its record failed): loaded
             // again, it re-reads the record (and, if another broker owns it now, the load
             // is refused). Only the loaded instance is unloaded, once.
@@ -441,8 +449,12 @@ impl Broker {
     async fn unload_loaded(&self, t: Arc<Topic>) {
         let keys = [t.name.to_string()];
         self.hold(&keys);
-        self.forget_topic(&t.name);
-        self.finish_unload(t, &keys).await;
+        // Unless another unload (of a fenced log) got there first: that one closes it.
+        if self.forget_if_loaded(&t) {
+            self.finish_unload(t, &keys).await;
+        } else {
+            self.release(&keys);
+        }
     }
 
     /// The rest of [`Broker::unload_loaded`], for a topic held (`keys`) and forgotten.
