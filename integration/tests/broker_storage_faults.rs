@@ -20,8 +20,8 @@ fn wait_for_log(what: &str, log: impl Fn() -> String, needle: &str, timeout: Dur
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn given_a_redelivery_read_fails_then_the_message_stays_pending_and_is_redelivered() {
+/// A metadata node, a bookie (registered) and a broker over them with `env`, started.
+async fn one_of_each(env: &[(&str, &str)]) -> (MetaCluster, BookieProc, BrokerProc) {
     let cluster = MetaCluster::start(1).await.expect("metadata node");
     let endpoint = cluster.endpoints()[0].clone();
     let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
@@ -30,11 +30,21 @@ async fn given_a_redelivery_read_fails_then_the_message_stays_pending_and_is_red
         .await
         .unwrap();
     let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
-    // No tail cache: a redelivery reads from the bookie.
-    broker
-        .env("MERIDIAN_BROKER_TAIL_CACHE_BYTES_MAX", "0")
-        .env("MERIDIAN_BROKER_TAIL_CACHE_TOTAL_BYTES_MAX", "0");
+    for (k, v) in env {
+        broker.env(k, v);
+    }
     broker.start().unwrap();
+    (cluster, bookie, broker)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_redelivery_read_fails_then_the_message_stays_pending_and_is_redelivered() {
+    // No tail cache: a redelivery reads from the bookie.
+    let (_cluster, mut bookie, broker) = one_of_each(&[
+        ("MERIDIAN_BROKER_TAIL_CACHE_BYTES_MAX", "0"),
+        ("MERIDIAN_BROKER_TAIL_CACHE_TOTAL_BYTES_MAX", "0"),
+    ])
+    .await;
 
     step("a Shared consumer receives one message and does not acknowledge it");
     let mut c = Raw::connected(&broker.url);
@@ -115,16 +125,8 @@ fn wait_frame(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_send_that_cannot_be_stored_then_no_later_send_of_its_producer_is_stored_before_it()
 {
-    let cluster = MetaCluster::start(1).await.expect("metadata node");
-    let endpoint = cluster.endpoints()[0].clone();
-    let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
-    bookie.start().unwrap();
+    let (cluster, mut bookie, broker) = one_of_each(&[]).await;
     let client = cluster.client();
-    wait_for_bookies(&client, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
-    let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
-    broker.start().unwrap();
     let mut c = Raw::connected(&broker.url);
     c.send(&producer("order-fault", 1, 1));
     assert!(c.expect().command.producer_success.is_some());
@@ -241,21 +243,14 @@ fn resend_then_read_in_order(c: &mut Raw, topic: &str, broker: &BrokerProc) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_not_stored_before_it(
 ) {
-    let cluster = MetaCluster::start(1).await.expect("metadata node");
-    let endpoint = cluster.endpoints()[0].clone();
-    let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
-    bookie.start().unwrap();
-    let client = cluster.client();
-    wait_for_bookies(&client, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
-    let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
     // The receipt task learns of a failed send, then waits 15 s before it breaks the producer
     // off: the window in which a later send could land in a new ledger ahead of it.
-    broker
-        .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
-        .env("MERIDIAN_TEST_FAILPOINTS", "publish:slow_break_off");
-    broker.start().unwrap();
+    let (cluster, mut bookie, broker) = one_of_each(&[
+        ("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true"),
+        ("MERIDIAN_TEST_FAILPOINTS", "publish:slow_break_off"),
+    ])
+    .await;
+    let client = cluster.client();
     let mut c = Raw::connected(&broker.url);
     c.send(&named_producer("race-fault", 1, 1));
     assert!(c.expect().command.producer_success.is_some());
@@ -325,20 +320,13 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_its_resend_is_deduplicated(
 ) {
-    let cluster = MetaCluster::start(1).await.expect("metadata node");
-    let endpoint = cluster.endpoints()[0].clone();
-    let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
-    bookie.start().unwrap();
-    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
-        .await
-        .unwrap();
-    let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
     // A throttled send, once appended, waits 8 s before it is handed to the receipt task.
-    broker
-        .env("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")
-        .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
-        .env("MERIDIAN_TEST_FAILPOINTS", "publish:slow_hand_off");
-    broker.start().unwrap();
+    let (_cluster, _bookie, broker) = one_of_each(&[
+        ("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true"),
+        ("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200"),
+        ("MERIDIAN_TEST_FAILPOINTS", "publish:slow_hand_off"),
+    ])
+    .await;
     let mut c = Raw::connected(&broker.url);
     c.send(&named_producer("throttled-close", 1, 1));
     assert!(c.expect().command.producer_success.is_some());
@@ -387,19 +375,12 @@ async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_a_new_producer_loads_it_again(
 ) {
-    let cluster = MetaCluster::start(1).await.expect("metadata node");
-    let endpoint = cluster.endpoints()[0].clone();
-    let mut bookie = BookieProc::new("bookie", cluster.root.path(), &endpoint);
-    bookie.start().unwrap();
+    let (cluster, _bookie, broker) = one_of_each(&[
+        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "2"),
+        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0"),
+    ])
+    .await;
     let client = cluster.client();
-    wait_for_bookies(&client, 1, Duration::from_secs(20))
-        .await
-        .unwrap();
-    let mut broker = BrokerProc::new("broker", cluster.root.path(), &endpoint);
-    broker
-        .env("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "2")
-        .env("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0");
-    broker.start().unwrap();
     let mut c = Raw::connected(&broker.url);
     c.send(&producer("fenced-log", 1, 1));
     assert!(c.expect().command.producer_success.is_some());
