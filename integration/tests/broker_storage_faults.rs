@@ -214,26 +214,7 @@ fn resend_then_read_in_order(c: &mut Raw, topic: &str, broker: &BrokerProc) {
         }
         break;
     }
-    c.send(&subscribe(topic, "check", 9, 4));
-    wait_frame(c, Duration::from_secs(10), |x| x.success.is_some());
-    c.send(&cmd(Type::Flow, |x| {
-        x.flow = Some(pb::CommandFlow {
-            consumer_id: 9,
-            message_permits: 10,
-        })
-    }));
-    let mut got = Vec::new();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while got.len() < 3 {
-        match c.recv(Duration::from_millis(500)) {
-            Got::Frame(f) if f.command.message.is_some() => {
-                got.push(f.payload.expect("payload").data().to_vec())
-            }
-            Got::Closed => panic!("connection closed"),
-            _ => assert!(Instant::now() < deadline, "received {got:?}"),
-        }
-    }
-    assert_eq!(got, vec![b"m0".to_vec(), b"m1".to_vec(), b"m2".to_vec()]);
+    read_m0_m1_m2(c, topic);
     assert!(
         matches!(c.recv(Duration::from_millis(700)), Got::Nothing),
         "more than the three"
@@ -443,8 +424,13 @@ async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_a_new_pr
         broker.log_text().contains("unloading it to load it again"),
         "the broker said why"
     );
-    c.send(&subscribe("fenced-log", "check", 9, 4));
-    wait_frame(&mut c, Duration::from_secs(10), |x| x.success.is_some());
+    read_m0_m1_m2(&mut c, "fenced-log");
+}
+
+/// Subscribes to `topic` from the earliest message: it holds m0, m1 and m2, in order.
+fn read_m0_m1_m2(c: &mut Raw, topic: &str) {
+    c.send(&subscribe(topic, "check", 9, 4));
+    wait_frame(c, Duration::from_secs(10), |x| x.success.is_some());
     c.send(&cmd(Type::Flow, |x| {
         x.flow = Some(pb::CommandFlow {
             consumer_id: 9,
