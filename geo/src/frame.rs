@@ -36,6 +36,9 @@ pub const PROTOCOL_VERSION: u16 = 1;
 /// Bytes of a frame's length prefix.
 pub const LENGTH_BYTES: usize = 4;
 
+/// The kind byte of an Entries frame (read apart: [`crate::inflow`]).
+pub(crate) const ENTRIES_KIND: u8 = 5;
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Frame {
     /// The dialer names itself (its certificate already did; they must agree).
@@ -149,7 +152,7 @@ impl Frame {
             Frame::Welcome { .. } => 2,
             Frame::Open { .. } => 3,
             Frame::Opened { .. } => 4,
-            Frame::Entries { .. } => 5,
+            Frame::Entries { .. } => ENTRIES_KIND,
             Frame::Ack { .. } => 6,
             Frame::Refused { .. } => 7,
             Frame::Delete { .. } => 8,
@@ -320,7 +323,7 @@ impl Frame {
                     frame_bytes_max: body.get_u64(),
                 }
             }
-            5 => {
+            ENTRIES_KIND => {
                 let count = get_u32(&mut body, "entry count")? as usize;
                 // Each entry takes at least 20 bytes: a count past that is a lie.
                 if count > body.remaining() / 20 {

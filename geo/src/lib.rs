@@ -7,6 +7,8 @@
 //! - [`link`]: the endpoint: accepting peers the registry knows, dialing, the hello, and
 //!   handing peers' topic streams to the receiver.
 //! - [`receiver`]: a topic stream's receiving end (append, acknowledge once durable).
+//! - [`inflow`]: a topic stream's frames read with each entry shaped into the site's form as
+//!   its bytes come.
 //! - [`budget`]: what a peer's link may hold here (frames read and not yet durable).
 //! - [`replicator`]: a topic's sending end per remote site (window, acknowledgements,
 //!   reconnects with back-off).
@@ -22,6 +24,7 @@ pub mod budget;
 pub mod deletion;
 pub mod frame;
 pub mod identity;
+pub mod inflow;
 pub mod link;
 pub mod metasync;
 pub mod receiver;

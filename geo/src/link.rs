@@ -601,21 +601,8 @@ pub async fn read_frame_body(
     len: usize,
     budgeted: bool,
 ) -> Result<Frame, StreamError> {
-    let mut body = BytesMut::with_capacity(if budgeted { len } else { len.min(64 * 1024) });
-    while body.len() < len {
-        match recv.read_chunk(len - body.len(), true).await {
-            Ok(Some(c)) => body.extend_from_slice(&c.bytes),
-            Ok(None) => {
-                return Err(StreamError::Stream(format!(
-                    "the stream ended {} bytes into a frame of {len}",
-                    body.len()
-                )))
-            }
-            Err(quinn::ReadError::ConnectionLost(c)) => return Err(StreamError::Connection(c)),
-            Err(e) => return Err(StreamError::Stream(e.to_string())),
-        }
-    }
-    Ok(Frame::decode_body(body.freeze())?)
+    let body = BytesMut::with_capacity(if budgeted { len } else { len.min(64 * 1024) });
+    crate::inflow::read_body(recv, len, body).await
 }
 
 /// Writes one frame.

@@ -19,6 +19,7 @@
 //! holds per (topic, origin site) is stored with the data, so a range sent again after a
 //! reconnect, a restart or a move of the topic is dropped, not appended twice.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
@@ -26,6 +27,7 @@ use tracing::{debug, info, warn};
 
 use crate::budget::{Held, ReceiveBudget, StreamBudget};
 use crate::frame::{Frame, OriginPosition, RefusalCode, ReplicatedEntry};
+use crate::inflow::{read_shaped, AsSent, EntryShaper, Shaped};
 use crate::link::{read_frame_body, read_frame_len, write_frame, StreamError};
 
 /// Why a stream is not served.
@@ -100,6 +102,12 @@ pub trait ReplicaTopic: Send + Sync {
     /// they are queued, with what completes once they are durable. Frames submitted one after
     /// another complete in that order, and none completes well after one before it failed.
     fn submit(&self, entries: Vec<ReplicatedEntry>) -> BoxFuture<'_, Result<Durable, Refusal>>;
+
+    /// What this topic's entries become as their bytes come off the stream; `submit` gets
+    /// them in that form. By default each is kept as sent.
+    fn shaper(&self) -> Arc<dyn EntryShaper> {
+        Arc::new(AsSent)
+    }
 }
 
 /// Frames of a stream queued at once, at most (the sender keeps fewer in flight).
@@ -125,23 +133,32 @@ async fn refuse(send: &mut quinn::SendStream, r: Refusal) {
     let _ = send.finish();
 }
 
-/// Reads the next frame once the stream's budget has room for it (the first frames' budget
-/// for a stream's `first`).
-async fn read_held(
+/// Reads a stream's first frame once the first frames' budget has room for it.
+async fn read_first(
     recv: &mut quinn::RecvStream,
     max: u64,
     budget: &StreamBudget,
-    first: bool,
 ) -> Result<Option<(Frame, Held)>, StreamError> {
     let Some(len) = read_frame_len(recv, max).await? else {
         return Ok(None);
     };
-    let held = if first {
-        budget.hold_first(len).await
-    } else {
-        budget.hold(len).await
-    };
+    let held = budget.hold_first(len).await;
     Ok(Some((read_frame_body(recv, len, true).await?, held)))
+}
+
+/// Reads the stream's next frame once its budget has room for it, its entries shaped into
+/// the topic's form as they come.
+async fn read_held(
+    recv: &mut quinn::RecvStream,
+    max: u64,
+    budget: &StreamBudget,
+    shaper: &dyn EntryShaper,
+) -> Result<Option<(Shaped, Held)>, StreamError> {
+    let Some(len) = read_frame_len(recv, max).await? else {
+        return Ok(None);
+    };
+    let held = budget.hold(len).await;
+    Ok(Some((read_shaped(recv, len, shaper).await?, held)))
 }
 
 /// Serves one topic stream of `origin` until it ends, breaks, or is refused. What its frames
@@ -158,7 +175,7 @@ pub async fn serve_stream(
     let budget = budget.stream();
     let first = match tokio::time::timeout(
         open_timeout,
-        read_held(&mut recv, frame_bytes_max, &budget, true),
+        read_first(&mut recv, frame_bytes_max, &budget),
     )
     .await
     {
@@ -273,12 +290,13 @@ pub async fn serve_stream(
     // checked and queued (a read is not cancel-safe): a frame is read only once there is
     // room for it.
     let (read_tx, mut read_rx) = tokio::sync::mpsc::channel(READ_AHEAD_FRAMES);
+    let shaper = target.shaper();
     let reader = tokio::spawn(async move {
         loop {
             let Ok(room) = read_tx.reserve().await else {
                 return;
             };
-            let r = read_held(&mut recv, frame_bytes_max, &budget, false).await;
+            let r = read_held(&mut recv, frame_bytes_max, &budget, &*shaper).await;
             let more = matches!(r, Ok(Some(_)));
             room.send(r);
             if !more {
@@ -299,7 +317,7 @@ pub async fn serve_stream(
             };
             let (frame, held) = frame;
             let (done, last): (Durable, bool) = match frame {
-                Frame::Entries { items } => match target.submit(items).await {
+                Shaped::Frame(Frame::Entries { items }) => match target.submit(items).await {
                     // The frame's room is given back once its entries are durable.
                     Ok(d) => (
                         Box::pin(async move {
@@ -311,7 +329,14 @@ pub async fn serve_stream(
                     ),
                     Err(r) => (Box::pin(async move { Err(r) }), true),
                 },
-                _ => {
+                Shaped::Refused { at, reason } => {
+                    let r = Refusal::new(
+                        RefusalCode::Protocol,
+                        format!("entry {}:{} of site {origin} {reason}", at.ledger, at.entry),
+                    );
+                    (Box::pin(async move { Err(r) }), true)
+                }
+                Shaped::Frame(_) => {
                     let r = Refusal::new(RefusalCode::Protocol, "expected Entries");
                     (Box::pin(async move { Err(r) }), true)
                 }

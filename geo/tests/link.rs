@@ -9,6 +9,7 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use meridian_config::GeoConfig;
 use meridian_geo::frame::{Frame, OriginPosition, ReplicatedEntry, PROTOCOL_VERSION};
+use meridian_geo::inflow::{EntryBuild, EntryShaper};
 use meridian_geo::link::{read_frame, write_frame};
 use meridian_geo::receiver::{Durable, Refusal, ReplicaSink, ReplicaTopic};
 use meridian_geo::{GeoLink, LinkError, SiteDirectory};
@@ -413,4 +414,121 @@ async fn given_a_peer_that_floods_many_streams_then_what_its_frames_hold_stays_w
         most > 0 && most <= budget,
         "at most {most} bytes held at once, budget {budget}"
     );
+}
+
+/// A site that refuses an entry whose first byte is 0xff as its bytes come (a shaper of its
+/// own), and makes the others durable at once.
+struct PickySite;
+struct PickyTopic;
+struct Picky;
+struct PickyEntry(Vec<u8>);
+
+impl ReplicaSink for PickySite {
+    fn open<'a>(
+        &'a self,
+        _origin: &'a str,
+        _topic: &'a str,
+        _partitions: u32,
+    ) -> BoxFuture<'a, Result<(Box<dyn ReplicaTopic>, Option<OriginPosition>), Refusal>> {
+        let t: Box<dyn ReplicaTopic> = Box::new(PickyTopic);
+        Box::pin(async move { Ok((t, None)) })
+    }
+}
+
+impl ReplicaTopic for PickyTopic {
+    fn submit(&self, entries: Vec<ReplicatedEntry>) -> BoxFuture<'_, Result<Durable, Refusal>> {
+        let last = entries.last().map(|e| e.at);
+        Box::pin(async move {
+            let d: Durable = Box::pin(async move { Ok(last) });
+            Ok(d)
+        })
+    }
+
+    fn shaper(&self) -> Arc<dyn EntryShaper> {
+        Arc::new(Picky)
+    }
+}
+
+impl EntryShaper for Picky {
+    fn begin(&self, _at: OriginPosition, _len: usize) -> Box<dyn EntryBuild> {
+        Box::new(PickyEntry(Vec::new()))
+    }
+}
+
+impl EntryBuild for PickyEntry {
+    fn push(&mut self, piece: &[u8]) -> Result<(), String> {
+        if self.0.is_empty() && piece.first() == Some(&0xff) {
+            return Err("begins with 0xff".into());
+        }
+        self.0.extend_from_slice(piece);
+        Ok(())
+    }
+
+    fn finish(self: Box<Self>) -> Result<bytes::Bytes, String> {
+        Ok(self.0.into())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_an_entry_its_site_refuses_as_it_arrives_then_the_frames_before_are_acknowledged_and_the_stream_says_why(
+) {
+    let pki = Pki::new();
+    let east = GeoLink::start(
+        &pki.config("east"),
+        "east",
+        registry(&["west"]),
+        Some(Arc::new(PickySite)),
+    )
+    .await
+    .unwrap();
+    let west = start(&pki, "west", &["east"]).await;
+    let peer = west.dial(east.local_addr(), "east").await.unwrap();
+    let (mut send, mut recv) = peer.conn.open_bi().await.unwrap();
+    let open = Frame::Open {
+        topic: "persistent://acme/g/t".into(),
+        partitions: 0,
+    };
+    write_frame(&mut send, &open).await.unwrap();
+    let opened = read_frame(&mut recv, 1 << 20).await.unwrap();
+    assert!(matches!(opened, Some(Frame::Opened { .. })), "{opened:?}");
+    // Three frames of three 40 KiB entries each (many packets each); the middle frame's
+    // middle entry is refused.
+    for f in 0..3u64 {
+        let items = (0..3u64)
+            .map(|i| {
+                let first = if (f, i) == (1, 1) { 0xff } else { 1 };
+                let mut bytes = vec![7u8; 40 * 1024];
+                bytes[0] = first;
+                ReplicatedEntry {
+                    at: OriginPosition {
+                        ledger: 1,
+                        entry: f * 3 + i,
+                    },
+                    bytes: bytes.into(),
+                }
+            })
+            .collect();
+        write_frame(&mut send, &Frame::Entries { items })
+            .await
+            .unwrap();
+    }
+    async fn read(
+        recv: &mut quinn::RecvStream,
+    ) -> Result<Result<Option<Frame>, meridian_geo::link::StreamError>, tokio::time::error::Elapsed>
+    {
+        tokio::time::timeout(Duration::from_secs(10), read_frame(recv, 1 << 20)).await
+    }
+    match read(&mut recv).await.unwrap().unwrap() {
+        Some(Frame::Ack { up_to }) => assert_eq!((up_to.ledger, up_to.entry), (1, 2)),
+        other => panic!("expected the first frame's Ack, got {other:?}"),
+    }
+    match read(&mut recv).await.unwrap().unwrap() {
+        Some(Frame::Refused { code, reason }) => {
+            assert_eq!(code, meridian_geo::frame::RefusalCode::Protocol);
+            assert_eq!(reason, "entry 1:4 of site west begins with 0xff");
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    // Nothing after the refusal: the stream ends.
+    assert!(matches!(read(&mut recv).await.unwrap(), Ok(None)));
 }

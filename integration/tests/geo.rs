@@ -7,6 +7,8 @@ use std::time::Duration;
 
 use futures::future::BoxFuture;
 use meridian_config::GeoConfig;
+use meridian_geo::frame::{Frame, OriginPosition, ReplicatedEntry};
+use meridian_geo::link::{read_frame, write_frame};
 use meridian_geo::{GeoLink, LinkError, SiteDirectory};
 use meridian_integration::geo_sites::{admin_ok, geo_flags, mesh_with};
 use meridian_integration::udp_proxy::Faults;
@@ -151,6 +153,120 @@ async fn given_a_site_with_a_geo_link_then_only_sites_in_its_registry_are_admitt
     assert_eq!(got["geo_url"], north_url.as_str());
     let peer = north.dial(addr, "east").await.unwrap();
     assert_eq!(peer.site, "east");
+
+    step("north's entries: a damaged one, or one that came to north by replication, is refused with the reason; what came before it is kept");
+    for args in [
+        &[
+            "tenants",
+            "create",
+            "acme",
+            "--allowed-clusters",
+            "east,north",
+        ][..],
+        &["namespaces", "create", "acme/g", "--clusters", "east,north"][..],
+    ] {
+        let mut all = vec!["--admin-url", east.admin_url.as_str()];
+        all.extend_from_slice(args);
+        admin_ok(&all);
+    }
+    let good = |seq: u64| {
+        let meta = meridian_protocol::pb::MessageMetadata {
+            producer_name: "north-p".into(),
+            sequence_id: seq,
+            publish_time: 1,
+            ..Default::default()
+        };
+        meridian_protocol::Entry::build(&prost::Message::encode_to_vec(&meta), &[9u8; 50_000])
+    };
+    let mut damaged = good(1).into_bytes().to_vec();
+    damaged[30_000] ^= 0x04;
+    let relayed = good(2)
+        .replicated(&meridian_protocol::pb::MeridianOrigin {
+            site: "west".into(),
+            ledger_id: 5,
+            entry_id: 6,
+        })
+        .unwrap();
+    for (bad, why) in [
+        (bytes::Bytes::from(damaged), "fails its checksum"),
+        (
+            relayed.into_bytes(),
+            "arrived there by replication and is not to be sent on",
+        ),
+    ] {
+        let (mut send, mut recv) = peer.conn.open_bi().await.unwrap();
+        let open = Frame::Open {
+            topic: "persistent://acme/g/checked".into(),
+            partitions: 0,
+        };
+        write_frame(&mut send, &open).await.unwrap();
+        let held = match read_frame(&mut recv, 1 << 20).await.unwrap() {
+            Some(Frame::Opened { last, .. }) => last,
+            other => panic!("expected Opened, got {other:?}"),
+        };
+        // The next entry after what east holds, then the bad one in a frame of its own.
+        let next = held.map_or(0, |p| p.entry + 1);
+        let at = |entry| OriginPosition { ledger: 1, entry };
+        let frames = [
+            vec![ReplicatedEntry {
+                at: at(next),
+                bytes: good(next).into_bytes(),
+            }],
+            vec![ReplicatedEntry {
+                at: at(next + 1),
+                bytes: bad,
+            }],
+        ];
+        for items in frames {
+            write_frame(&mut send, &Frame::Entries { items })
+                .await
+                .unwrap();
+        }
+        let wait = Duration::from_secs(30);
+        match tokio::time::timeout(wait, read_frame(&mut recv, 1 << 20))
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            Some(Frame::Ack { up_to }) => assert_eq!(up_to, at(next)),
+            other => panic!("expected an Ack of {next}, got {other:?}"),
+        }
+        match tokio::time::timeout(wait, read_frame(&mut recv, 1 << 20))
+            .await
+            .unwrap()
+            .unwrap()
+        {
+            Some(Frame::Refused { reason, .. }) => {
+                assert_eq!(reason, format!("entry 1:{} of site north {why}", next + 1))
+            }
+            other => panic!("expected Refused, got {other:?}"),
+        }
+    }
+    // East holds north's two good entries, and nothing of the bad ones.
+    let (mut send, mut recv) = peer.conn.open_bi().await.unwrap();
+    let open = Frame::Open {
+        topic: "persistent://acme/g/checked".into(),
+        partitions: 0,
+    };
+    write_frame(&mut send, &open).await.unwrap();
+    match read_frame(&mut recv, 1 << 20).await.unwrap() {
+        Some(Frame::Opened { last, .. }) => {
+            assert_eq!(
+                last,
+                Some(OriginPosition {
+                    ledger: 1,
+                    entry: 1
+                })
+            )
+        }
+        other => panic!("expected Opened, got {other:?}"),
+    }
+    let stats = admin_json(
+        &east.admin_url,
+        &["topics", "stats", "persistent://acme/g/checked"],
+    );
+    assert_eq!(stats["storage_entries"], 2, "{stats}");
+    drop((send, recv));
 
     step("after a restart the link is back, and north is still known");
     east.stop().unwrap();

@@ -12,9 +12,9 @@ use crate::frame::Payload;
 use crate::pb::{MeridianOrigin, MessageMetadata};
 use crate::MAGIC_CRC32C;
 
-const HEADER: usize = 2 + 4 + 4;
+pub(crate) const HEADER: usize = 2 + 4 + 4;
 /// `MessageMetadata.replicated_from`: the cluster stock clients read as a message's origin.
-const REPLICATED_FROM_FIELD: u32 = 5;
+pub(crate) const REPLICATED_FROM_FIELD: u32 = 5;
 /// `MessageMetadata.meridian_origin`: where an entry that arrived by replication was written.
 pub const ORIGIN_FIELD: u32 = 1001;
 
@@ -62,34 +62,16 @@ impl Entry {
         Entry::build(&meta, &self.payload())
     }
 
-    /// The entry as stored at a site it was replicated to: `replicated_from` (what stock
-    /// clients read as the message's origin cluster) and Meridian's origin (site and position,
-    /// field 1001, which stock clients skip) appended to the metadata bytes, nothing
-    /// re-encoded. `None` if this entry fails its checksum. The payload is read once for both
-    /// checksums: the original's is checked and the new one made from the metadata's and the
-    /// payload's.
+    /// The entry as stored at a site it was replicated to (see [`crate::replica_form`], which
+    /// makes it as a received entry's bytes arrive). `None` if this entry fails its checksum
+    /// or already names an origin.
     pub fn replicated(&self, origin: &MeridianOrigin) -> Option<Entry> {
-        let meta_end = HEADER + self.metadata_len();
-        let payload = &self.0[meta_end..];
-        let payload_crc = crc32c::crc32c(payload);
-        let head_crc = crc32c::crc32c(&self.0[6..meta_end]);
-        let stored = u32::from_be_bytes(self.0[2..6].try_into().expect("4 bytes"));
-        if crate::crc_combine::crc32c_combine(head_crc, payload_crc, payload.len()) != stored {
-            return None;
-        }
-        let mut meta = self.metadata_bytes().to_vec();
-        prost::encoding::string::encode(REPLICATED_FROM_FIELD, &origin.site, &mut meta);
-        prost::encoding::message::encode(ORIGIN_FIELD, origin, &mut meta);
-        let mut b = BytesMut::with_capacity(HEADER + meta.len() + payload.len());
-        b.put_u16(MAGIC_CRC32C);
-        b.put_u32(0);
-        b.put_u32(meta.len() as u32);
-        b.put_slice(&meta);
-        let head_crc = crc32c::crc32c(&b[6..]);
-        b.put_slice(payload);
-        let crc = crate::crc_combine::crc32c_combine(head_crc, payload_crc, payload.len());
-        b[2..6].copy_from_slice(&crc.to_be_bytes());
-        Some(Entry(b.freeze()))
+        crate::replica_form::replicated(&self.0, origin).ok()
+    }
+
+    /// Bytes [`crate::replica_form`] made whole and checked.
+    pub(crate) fn from_stored(bytes: Bytes) -> Entry {
+        Entry(bytes)
     }
 
     /// Where an entry that arrived by replication was first written; `None` for an entry

@@ -8,7 +8,8 @@
 //!
 //! Owns: frame encoding and decoding with a size limit ([`frame`]), the command types
 //! ([`pb`], generated from our own `proto/pulsar.proto`), stored entries (the checksummed tail
-//! of a payload frame, kept byte for byte: [`entry`]), batches read in place ([`batch`]), a
+//! of a payload frame, kept byte for byte: [`entry`]; a replicated one's stored form made as its
+//! bytes arrive: [`replica_form`]), batches read in place ([`batch`]), a
 //! message's top-level fields read without decoding it ([`wire_fields`]), and constructors for
 //! the commands a broker sends ([`cmd`]).
 //!
@@ -19,6 +20,7 @@ pub mod cmd;
 pub mod crc_combine;
 pub mod entry;
 pub mod frame;
+pub mod replica_form;
 pub mod wire_fields;
 
 /// Types generated from `proto/pulsar.proto` (field numbers as upstream Pulsar).
