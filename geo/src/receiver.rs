@@ -5,10 +5,13 @@
 //!  sender                        receiver (this site)
 //!  Open{topic, partitions} ───►  ReplicaSink::open: allowed? owned here? ─► Opened{last}
 //!                                                                   else ─► Refused{code, why}
-//!  Entries{..} ──────────────►  ReplicaTopic::submit (drops what it already holds, checks
-//!  Entries{..} ──────────────►    each entry, queues the appends) ─► in order, once durable
-//!  ...  (up to 16 frames queued)                                     ─► Ack{up_to}
+//!  Entries{..} ──────────────►  each entry shaped (the site's form, checked) as it is read,
+//!  Entries{..} ──────────────►    then ReplicaTopic::submit (drops what it already holds,
+//!  ...  (up to 16 frames queued)   queues the appends) ─► in order, once durable ─► Ack{up_to}
 //! ```
+//!
+//! Every entry is shaped, also one of a range sent again that the site already holds: one
+//! the shaper refuses ends the stream even then.
 //!
 //! The stream reads the next frame while the ones before it are being made durable, and
 //! acknowledges them in order as they are; a refusal from either ends the stream after the
@@ -297,7 +300,9 @@ pub async fn serve_stream(
                 return;
             };
             let r = read_held(&mut recv, frame_bytes_max, &budget, &*shaper).await;
-            let more = matches!(r, Ok(Some(_)));
+            // A frame stopped at a refused entry leaves the rest of its bytes unread: nothing
+            // after it on the stream can be read as a frame.
+            let more = matches!(r, Ok(Some((Shaped::Frame(_), _))));
             room.send(r);
             if !more {
                 return;

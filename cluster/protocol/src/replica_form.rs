@@ -28,10 +28,8 @@ pub struct ReplicaForm {
     origin: MeridianOrigin,
     /// The entry's length as sent.
     len: usize,
-    /// The head as sent (magic, checksum, metadata size, metadata), until it is whole.
+    /// The head as sent (magic, checksum, metadata size, metadata) while it is gathered.
     head: Vec<u8>,
-    /// Where the stored form is written (empty, its capacity reserved by the caller).
-    buf: Option<BytesMut>,
     /// The stored form once the head was whole: its head written, the payload coming.
     out: Option<Started>,
 }
@@ -39,6 +37,8 @@ pub struct ReplicaForm {
 #[derive(Debug)]
 struct Started {
     buf: BytesMut,
+    /// The sent head's length.
+    head_len: usize,
     /// The sent checksum, and the CRC of what it covers in the head.
     sent_crc: u32,
     sent_head_crc: u32,
@@ -51,27 +51,12 @@ struct Started {
 impl ReplicaForm {
     /// For an entry of `len` bytes (as sent) written at `origin`.
     pub fn new(origin: MeridianOrigin, len: usize) -> Self {
-        Self::with_buffer(origin, len, BytesMut::new())
-    }
-
-    /// The same, its stored form written into `buf` (empty): with a capacity of
-    /// [`stored_len_max`](Self::stored_len_max) it is not allocated again (a caller that
-    /// carves entries out of a larger buffer spares the allocator a fresh one for each).
-    pub fn with_buffer(origin: MeridianOrigin, len: usize, buf: BytesMut) -> Self {
         ReplicaForm {
             origin,
             len,
             head: Vec::with_capacity(HEADER + 128),
-            buf: Some(buf),
             out: None,
         }
-    }
-
-    /// The largest stored form of an entry of `len` bytes sent from `site`: the two fields
-    /// added (the site twice; a position of two varints of at most 10 bytes each; tags and
-    /// lengths) and nothing else.
-    pub fn stored_len_max(len: usize, site: &str) -> usize {
-        len + 2 * site.len() + 48
     }
 
     /// Takes the entry's next bytes.
@@ -89,7 +74,7 @@ impl ReplicaForm {
             return Ok(());
         }
         let s = self.out.as_mut().expect("started");
-        if s.payload_len + piece.len() > self.len - self.head.len() {
+        if s.payload_len + piece.len() > self.len - s.head_len {
             return Err(EntryError(format!(
                 "more than the {} bytes announced",
                 self.len
@@ -107,14 +92,14 @@ impl ReplicaForm {
     pub fn finish(self) -> Result<Entry, EntryError> {
         let Some(mut s) = self.out else {
             return Err(EntryError(format!(
-                "{} bytes is shorter than its header",
+                "ended {} bytes into its head",
                 self.head.len()
             )));
         };
-        if self.head.len() + s.payload_len != self.len {
+        if s.head_len + s.payload_len != self.len {
             return Err(EntryError(format!(
                 "{} of its {} bytes came",
-                self.head.len() + s.payload_len,
+                s.head_len + s.payload_len,
                 self.len
             )));
         }
@@ -149,12 +134,21 @@ impl ReplicaForm {
 
     /// The head is whole: check it, write the stored head.
     fn start(&mut self) -> Result<(), EntryError> {
-        let head = &self.head;
+        let head = std::mem::take(&mut self.head);
         if u16::from_be_bytes([head[0], head[1]]) != MAGIC_CRC32C {
             return Err(EntryError("no checksum magic".into()));
         }
         let meta_sent = &head[HEADER..];
-        if crate::wire_fields::has_field(meta_sent, ORIGIN_FIELD) {
+        // Whole fields only: metadata that ended inside a field could take the fields
+        // appended here into it (and so hide its origin).
+        let mut origin_named = false;
+        for field in crate::wire_fields::fields(meta_sent) {
+            match field {
+                Ok((number, _)) => origin_named |= number == ORIGIN_FIELD,
+                Err(()) => return Err(EntryError("has malformed metadata".into())),
+            }
+        }
+        if origin_named {
             return Err(EntryError(
                 "arrived there by replication and is not to be sent on".into(),
             ));
@@ -164,13 +158,13 @@ impl ReplicaForm {
         prost::encoding::string::encode(REPLICATED_FROM_FIELD, &self.origin.site, &mut meta);
         prost::encoding::message::encode(ORIGIN_FIELD, &self.origin, &mut meta);
         let payload_len = self.len - head.len();
-        let mut buf = self.buf.take().unwrap_or_default();
-        buf.reserve(HEADER + meta.len() + payload_len);
+        let mut buf = BytesMut::with_capacity(HEADER + meta.len() + payload_len);
         buf.put_u16(MAGIC_CRC32C);
         buf.put_u32(0);
         buf.put_u32(meta.len() as u32);
         buf.put_slice(&meta);
         self.out = Some(Started {
+            head_len: head.len(),
             sent_crc: u32::from_be_bytes(head[2..6].try_into().expect("4 bytes")),
             sent_head_crc: crc32c::crc32c(&head[6..]),
             stored_head_crc: crc32c::crc32c(&buf[6..]),
@@ -238,27 +232,6 @@ mod tests {
     }
 
     #[test]
-    fn given_a_buffer_of_the_largest_stored_length_then_the_stored_form_is_written_in_place() {
-        let e = sent(3000);
-        let site = "a-site-with-a-rather-long-name-to-count-twice";
-        let far = MeridianOrigin {
-            site: site.into(),
-            ledger_id: u64::MAX,
-            entry_id: u64::MAX,
-        };
-        let len = e.as_bytes().len();
-        let max = ReplicaForm::stored_len_max(len, site);
-        let buf = BytesMut::with_capacity(max);
-        let at = buf.as_ptr();
-        let mut f = ReplicaForm::with_buffer(far.clone(), len, buf);
-        f.push(e.as_bytes()).unwrap();
-        let got = f.finish().unwrap();
-        assert!(got.as_bytes().len() <= max);
-        assert_eq!(got.as_bytes().as_ptr(), at, "written where it was given");
-        assert_eq!(got, replicated(e.as_bytes(), &far).unwrap());
-    }
-
-    #[test]
     fn given_a_damaged_short_long_or_already_replicated_entry_then_no_stored_form_is_made() {
         let e = sent(5000);
         let bytes = e.as_bytes().to_vec();
@@ -279,6 +252,18 @@ mod tests {
         let mut b = bytes.clone();
         b[6..10].copy_from_slice(&u32::MAX.to_be_bytes());
         assert!(in_pieces(&b, 3).unwrap_err().0.contains("metadata size"));
+        // Metadata that ends inside a field (one whose length would take in the fields added
+        // here, hiding the origin in it) is refused.
+        let mut meta = MessageMetadata {
+            producer_name: "p".into(),
+            ..Default::default()
+        }
+        .encode_to_vec();
+        prost::encoding::encode_key(2000, prost::encoding::WireType::LengthDelimited, &mut meta);
+        prost::encoding::encode_varint(40, &mut meta);
+        let swallowing = Entry::build(&meta, &[1u8; 100]);
+        let err = in_pieces(swallowing.as_bytes(), 7).unwrap_err();
+        assert_eq!(err.0, "has malformed metadata");
         // An entry that came here by replication is not taken again.
         let stored = replicated(e.as_bytes(), &origin()).unwrap();
         let err = in_pieces(stored.as_bytes(), 100).unwrap_err();

@@ -216,6 +216,14 @@ impl Stream {
             before = Some(item.at);
             let stored = Entry::parse(item.bytes).map_err(|e| bad(&e.to_string()))?;
             let meta = stored.metadata().map_err(|e| bad(&e.to_string()))?;
+            let marked = MeridianOrigin {
+                site: self.origin.clone(),
+                ledger_id: item.at.ledger,
+                entry_id: item.at.entry,
+            };
+            if meta.meridian_origin.as_ref() != Some(&marked) {
+                return Err(bad("is not marked with its origin"));
+            }
             let messages = u64::from(meridian_protocol::entry::message_count(&meta));
             checked.push((stored, item.at, messages));
         }
@@ -360,32 +368,8 @@ impl Stream {
 /// A stream's entries made into their stored form as their bytes come: marked with the
 /// stream's origin site and their origin position, their checksum checked, an entry that
 /// already names an origin refused (see `meridian_protocol::replica_form`).
-///
-/// Each is written into a piece carved off a larger buffer of the stream's (as a connection's
-/// published entries are slices of its read buffer): a fresh allocation for each entry of
-/// 128 KiB or more cost a page fault per 4 KiB written (5% of a receiving site's CPU in a
-/// profile of a catch-up). A buffer is let go once every entry carved from it is.
 struct OriginShaper {
     site: String,
-    arena: std::sync::Mutex<bytes::BytesMut>,
-}
-
-/// Bytes a stream's entries are carved from at a time.
-const ARENA_BYTES: usize = 4 << 20;
-
-impl OriginShaper {
-    /// An empty buffer of `cap` bytes of capacity, carved off the arena.
-    fn carve(&self, cap: usize) -> bytes::BytesMut {
-        if cap > ARENA_BYTES / 4 {
-            return bytes::BytesMut::with_capacity(cap);
-        }
-        let mut arena = self.arena.lock().unwrap_or_else(|e| e.into_inner());
-        if arena.capacity() < cap {
-            *arena = bytes::BytesMut::with_capacity(ARENA_BYTES);
-        }
-        let rest = arena.split_off(cap);
-        std::mem::replace(&mut *arena, rest)
-    }
 }
 
 struct OriginBuild(ReplicaForm);
@@ -397,8 +381,7 @@ impl EntryShaper for OriginShaper {
             ledger_id: at.ledger,
             entry_id: at.entry,
         };
-        let buf = self.carve(ReplicaForm::stored_len_max(len, &self.site));
-        Box::new(OriginBuild(ReplicaForm::with_buffer(origin, len, buf)))
+        Box::new(OriginBuild(ReplicaForm::new(origin, len)))
     }
 }
 
@@ -416,7 +399,6 @@ impl ReplicaTopic for Incoming {
     fn shaper(&self) -> Arc<dyn EntryShaper> {
         Arc::new(OriginShaper {
             site: self.0.origin.clone(),
-            arena: std::sync::Mutex::new(bytes::BytesMut::new()),
         })
     }
 
