@@ -46,7 +46,14 @@ struct Started {
     stored_head_crc: u32,
     payload_crc: u32,
     payload_len: usize,
+    /// Payload bytes the CRC covers so far: it is taken over runs of [`CRC_RUN`] bytes once
+    /// they are in `buf` (still in cache), not piece by piece (a packet's worth each, where
+    /// the checksum's setup costs as much as the bytes).
+    crc_len: usize,
 }
+
+/// Payload bytes checksummed at a time.
+const CRC_RUN: usize = 32 * 1024;
 
 impl ReplicaForm {
     /// For an entry of `len` bytes (as sent) written at `origin`.
@@ -80,9 +87,11 @@ impl ReplicaForm {
                 self.len
             )));
         }
-        s.payload_crc = crc32c::crc32c_append(s.payload_crc, piece);
         s.payload_len += piece.len();
         s.buf.put_slice(piece);
+        if s.payload_len - s.crc_len >= CRC_RUN {
+            s.crc_rest();
+        }
         Ok(())
     }
 
@@ -96,6 +105,7 @@ impl ReplicaForm {
                 self.head.len()
             )));
         };
+        s.crc_rest();
         if s.head_len + s.payload_len != self.len {
             return Err(EntryError(format!(
                 "{} of its {} bytes came",
@@ -171,8 +181,19 @@ impl ReplicaForm {
             buf,
             payload_crc: 0,
             payload_len: 0,
+            crc_len: 0,
         });
         Ok(())
+    }
+}
+
+impl Started {
+    /// Extends the payload's CRC over what came since it was last taken.
+    fn crc_rest(&mut self) {
+        let end = self.buf.len();
+        let from = end - (self.payload_len - self.crc_len);
+        self.payload_crc = crc32c::crc32c_append(self.payload_crc, &self.buf[from..end]);
+        self.crc_len = self.payload_len;
     }
 }
 
