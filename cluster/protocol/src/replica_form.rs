@@ -4,8 +4,9 @@
 //! ```text
 //!  as sent:   [0x0e01][crc][metaSize][MessageMetadata            ][payload]
 //!  as stored: [0x0e01][crc'][metaSize'][MessageMetadata|from|origin][payload]
-//!             └── head: gathered first (a few dozen bytes) ──┘ └ each piece checksummed and
-//!                                                                copied once, as it comes ┘
+//!             └── head: gathered first (a few dozen bytes) ──┘ └ each piece copied once as
+//!                                                                it comes, checksummed in
+//!                                                                32 KiB runs once copied ┘
 //! ```
 //!
 //! `replicated_from` (what stock clients read as a message's origin cluster) and Meridian's
