@@ -787,18 +787,20 @@ mod cursors {
         let ml = ManagedLedger::open(client.clone(), "acme/events/lost", Default::default())
             .await
             .expect("open");
+        // The cursor under test, opened the same way each time.
+        let open_cursor = || {
+            ManagedCursor::open(
+                client.clone(),
+                Arc::clone(&ml),
+                "sub-a",
+                InitialPosition::Earliest,
+            )
+        };
         let mut pos = Vec::new();
         for i in 0..3u64 {
             pos.push(ml.append(payload(i)).await.expect("append"));
         }
-        let mut c = ManagedCursor::open(
-            client.clone(),
-            Arc::clone(&ml),
-            "sub-a",
-            InitialPosition::Earliest,
-        )
-        .await
-        .expect("cursor");
+        let mut c = open_cursor().await.expect("cursor");
         step("the first ack starts the cursor's ledger; the store's reply to recording it is lost");
         meridian_storage::failpoint::arm("cursor:reply_lost:acme/events/lost/sub-a");
         let err = c.ack(pos[0]).await.expect_err("outcome unknown");
@@ -819,24 +821,10 @@ mod cursors {
         );
         step("the cursor opens again, with the state the kept ledger holds, and goes on");
         drop(c);
-        let mut c = ManagedCursor::open(
-            client.clone(),
-            Arc::clone(&ml),
-            "sub-a",
-            InitialPosition::Earliest,
-        )
-        .await
-        .expect("the cursor opens again");
+        let mut c = open_cursor().await.expect("the cursor opens again");
         c.ack(pos[1]).await.expect("ack");
         drop(c);
-        let c = ManagedCursor::open(
-            client.clone(),
-            Arc::clone(&ml),
-            "sub-a",
-            InitialPosition::Earliest,
-        )
-        .await
-        .expect("and again");
+        let c = open_cursor().await.expect("and again");
         assert_eq!(c.mark_delete(), Some(pos[1]));
         for b in &mut bookies {
             b.stop(&store.client).await;
