@@ -825,6 +825,67 @@ impl LedgerReader {
             detail: problems.join("; "),
         })
     }
+
+    /// Reads entries `first..first + count` in order, as many as one request to one replica
+    /// gives (at least one; fewer than `count` when the fragment ends, a frame fills or that
+    /// replica lacks the next one): the payloads, each verified. One request carries many
+    /// entries only where every replica of the fragment holds every entry of it (ensemble
+    /// size = write quorum). A striped fragment is read entry by entry through
+    /// [`read`](Self::read), up to 64 at once; where the one request fails or brings nothing,
+    /// the first entry is read that way (with its speculative and fallback reads).
+    pub async fn read_range(&self, first: u64, count: u64) -> Result<Vec<Bytes>, LedgerError> {
+        let id = self.meta.id;
+        let q = self.meta.quorums()?;
+        let frag = self.meta.fragment_of(first);
+        let fragment_end = self
+            .meta
+            .fragments
+            .iter()
+            .map(|f| f.first_entry)
+            .filter(|&f| f > first)
+            .min()
+            .unwrap_or(u64::MAX);
+        let count = count.min(fragment_end - first);
+        if count > 1 && self.meta.ensemble_size == self.meta.write_quorum {
+            let Some(slot) = q.write_set(first).next() else {
+                return Ok(vec![self.read(first).await?]);
+            };
+            let request = Request::ReadRange {
+                ledger_id: id,
+                first_entry: first,
+                count_max: count.min(u32::MAX as u64) as u32,
+                bytes_max: self.client.opts.frame_bytes_max.saturating_sub(64) as u32,
+            };
+            if let Ok(Response::ReadRange {
+                status: Status::Ok,
+                entries,
+                ..
+            }) = self.client.pool.call(&frag.ensemble[slot], request).await
+            {
+                let mut payloads = Vec::with_capacity(entries.len());
+                for (entry, bytes) in (first..).zip(entries.iter().take(count as usize)) {
+                    match proto::open(bytes) {
+                        Ok(e) if e.ledger_id == id && e.entry_id == entry => {
+                            payloads.push(e.payload)
+                        }
+                        // Not served from this replica: the entry-by-entry read finds a good one.
+                        _ => break,
+                    }
+                }
+                if !payloads.is_empty() {
+                    return Ok(payloads);
+                }
+            }
+            return Ok(vec![self.read(first).await?]);
+        }
+        use futures::{StreamExt, TryStreamExt};
+        const READS_IN_FLIGHT: usize = 64;
+        futures::stream::iter(first..first + count.clamp(1, READS_IN_FLIGHT as u64))
+            .map(|entry| self.read(entry))
+            .buffered(READS_IN_FLIGHT)
+            .try_collect()
+            .await
+    }
 }
 
 /// Why an entry is still pending.

@@ -904,30 +904,111 @@ impl ManagedLedger {
         from: Position,
         max: usize,
     ) -> Result<Vec<(Position, Bytes)>, ManagedLedgerError> {
-        use futures::StreamExt;
-        // Positions first (from the ledger list, no I/O), then the reads in parallel: entries of
-        // a striped ledger sit on different bookies.
-        const READS_IN_FLIGHT: usize = 64;
+        use futures::{StreamExt, TryStreamExt};
+        // Positions first (from the ledger list, no I/O); those in the tail cache are taken
+        // from it, the others are read as runs of consecutive entries of one ledger, each
+        // about RUN_BYTES by the log's average entry size, several runs at once: small entries
+        // go many to a request, large ones (read from the disk one by one at the bookie) are
+        // still read several at once.
+        const RUN_BYTES: u64 = 256 << 10;
+        const RUNS_IN_FLIGHT: usize = 16;
         let Some(last) = self.last_confirmed() else {
             return Ok(Vec::new());
         };
+        let (entries, bytes) = self.size().await;
+        let run_max = (RUN_BYTES / (bytes / entries.max(1)).max(1)).max(1);
         let ledgers = self.ledgers().await;
-        let mut positions = Vec::new();
+        let mut pieces: Vec<Piece> = Vec::new();
+        let mut taken = 0;
         let mut pos = Some(from).filter(|p| *p <= last);
         while let Some(p) = pos {
-            if positions.len() >= max {
+            if taken >= max {
                 break;
             }
-            positions.push(p);
+            taken += 1;
+            let cached = self
+                .cache
+                .lock()
+                .expect("cache lock")
+                .entries
+                .get(&p)
+                .cloned();
+            match (cached, pieces.last_mut()) {
+                (Some(bytes), _) => pieces.push(Piece::Cached(p, bytes)),
+                (
+                    None,
+                    Some(Piece::Run {
+                        ledger,
+                        first,
+                        count,
+                    }),
+                ) if *ledger == p.ledger_id
+                    && *first + *count == p.entry_id
+                    && *count < run_max =>
+                {
+                    *count += 1
+                }
+                (None, _) => pieces.push(Piece::Run {
+                    ledger: p.ledger_id,
+                    first: p.entry_id,
+                    count: 1,
+                }),
+            }
             pos = next_in(&ledgers, p).filter(|n| *n <= last);
         }
-        futures::stream::iter(positions)
-            .map(|p| async move { self.read(p).await.map(|b| (p, b)) })
-            .buffered(READS_IN_FLIGHT)
-            .collect::<Vec<_>>()
-            .await
-            .into_iter()
-            .collect()
+        let read: Vec<Vec<(Position, Bytes)>> = futures::stream::iter(pieces)
+            .map(|piece| async move {
+                match piece {
+                    Piece::Cached(p, bytes) => Ok(vec![(p, bytes)]),
+                    Piece::Run {
+                        ledger,
+                        first,
+                        count,
+                    } => self.read_run(ledger, first, count).await,
+                }
+            })
+            .buffered(RUNS_IN_FLIGHT)
+            .try_collect()
+            .await?;
+        Ok(read.into_iter().flatten().collect())
+    }
+
+    /// Reads entries `first..first + count` of `ledger`, all of them, in order. Cached ledger
+    /// metadata may be stale (see [`read`](Self::read)): it is refreshed once and the read
+    /// retried.
+    async fn read_run(
+        &self,
+        ledger: u64,
+        first: u64,
+        count: u64,
+    ) -> Result<Vec<(Position, Bytes)>, ManagedLedgerError> {
+        let mut out = Vec::with_capacity(count as usize);
+        let end = first + count;
+        let mut next = first;
+        let mut refreshed = false;
+        while next < end {
+            let reader = self.reader(ledger, false).await?;
+            match reader.read_range(next, end - next).await {
+                Ok(payloads) => {
+                    for bytes in payloads {
+                        out.push((Position::new(ledger, next), bytes));
+                        next += 1;
+                    }
+                }
+                Err(_) if !refreshed => {
+                    refreshed = true;
+                    self.reader(ledger, true).await?;
+                }
+                Err(LedgerError::NoSuchEntry { .. }) => {
+                    return Err(ManagedLedgerError::NoEntry {
+                        name: self.name.clone(),
+                        position: Position::new(ledger, next),
+                    })
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(out)
     }
 
     /// Deletes the ledgers that end before `keep_from` (what no cursor needs) and that no
@@ -1053,6 +1134,13 @@ impl ManagedLedger {
         let mut st = self.state.lock().await;
         self.close_open(&mut st).await
     }
+}
+
+/// A part of a [`ManagedLedger::read_range`]: an entry found in the tail cache, or a run of
+/// consecutive entries of one ledger to read from the bookies.
+enum Piece {
+    Cached(Position, Bytes),
+    Run { ledger: u64, first: u64, count: u64 },
 }
 
 /// The position after `pos` in the chain `ledgers` (crossing into the next non-empty ledger); the

@@ -104,10 +104,84 @@ async fn writes_go_on_when_an_ensemble_bookie_fails(in_process: bool) {
         reader.read(3000).await,
         Err(LedgerError::NoSuchEntry { .. })
     ));
+    step("range reads of the striped ledger: entry by entry, at most 64 a call, the same bytes");
+    let mut next = 0u64;
+    while next < 3000 {
+        let got = reader.read_range(next, 3000 - next).await.expect("range");
+        assert!((1..=64).contains(&got.len()), "{} from {next}", got.len());
+        for bytes in got {
+            assert_eq!(bytes, entry(next), "entry {next}");
+            next += 1;
+        }
+    }
     for b in &mut bookies {
         if b.running.is_some() {
             b.stop(&store.client).await;
         }
+    }
+    store.shutdown().await;
+}
+
+/// E=Qw=2: every replica holds every entry, so a range read takes many entries with one
+/// request to one replica (the one the first entry's write set starts with); a replica that
+/// lost the ledger is passed over: its first entry is read from the other replica, and the
+/// next range starts there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_replicas_holding_every_entry_then_a_range_read_is_one_request_and_a_replica_without_the_ledger_is_passed_over(
+) {
+    let (_tmp, store, mut bookies, client) = setup(2).await;
+    step("E=2 Qw=2 Qa=2: 600 entries, closed");
+    let writer = client
+        .create(2, 2, 2, BTreeMap::new())
+        .await
+        .expect("create");
+    let id = writer.id();
+    let mut acks = Vec::new();
+    for i in 0..600u64 {
+        acks.push(writer.add_queued(payload(i)).await);
+    }
+    for (i, rx) in acks.into_iter().enumerate() {
+        assert_eq!(rx.await.expect("answer").expect("acknowledged"), i as u64);
+    }
+    assert_eq!(writer.close().await.expect("close"), Some(599));
+    let reader = client.open(id).await.expect("open");
+    step("one call brings all 600, in order");
+    let all = reader.read_range(0, 600).await.expect("range");
+    assert_eq!(all.len(), 600);
+    for (i, bytes) in all.iter().enumerate() {
+        assert_eq!(*bytes, payload(i as u64), "entry {i}");
+    }
+    step("a call from 590 for 10 brings those 10");
+    let tail = reader.read_range(590, 10).await.expect("range");
+    assert_eq!(tail, (590..600).map(payload).collect::<Vec<_>>());
+    step("the replica entry 0's range starts on loses the ledger");
+    let (meta, _) = client.metadata(id).await.expect("metadata");
+    let first = meta.fragments[0].ensemble[0].clone();
+    let conn = client.connection(&first).await.expect("connection");
+    let deleted = conn
+        .call(
+            meridian_storage::proto::Request::Delete { ledger_id: id },
+            Duration::from_secs(2),
+        )
+        .await
+        .expect("delete");
+    assert!(
+        matches!(
+            deleted,
+            meridian_storage::proto::Response::Delete {
+                status: meridian_storage::proto::Status::Ok,
+                ..
+            }
+        ),
+        "{deleted:?}"
+    );
+    step("entry 0 alone comes from the other replica; the range from 1 is one call there");
+    let head = reader.read_range(0, 600).await.expect("range");
+    assert_eq!(head, vec![payload(0)]);
+    let rest = reader.read_range(1, 599).await.expect("range");
+    assert_eq!(rest, (1..600).map(payload).collect::<Vec<_>>());
+    for b in &mut bookies {
+        b.stop(&store.client).await;
     }
     store.shutdown().await;
 }
