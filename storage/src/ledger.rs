@@ -827,13 +827,20 @@ impl LedgerReader {
     }
 
     /// Reads entries `first..first + count` in order, as many as one request to one replica
-    /// gives (at least one; fewer than `count` when the fragment ends, a frame fills or that
-    /// replica lacks the next one): the payloads, each verified. One request carries many
-    /// entries only where every replica of the fragment holds every entry of it (ensemble
-    /// size = write quorum). A striped fragment is read entry by entry through
-    /// [`read`](Self::read), up to 64 at once; where the one request fails or brings nothing,
-    /// the first entry is read that way (with its speculative and fallback reads).
+    /// gives (at least one; fewer than `count` when the fragment or the closed ledger ends, a
+    /// frame fills or that replica lacks the next one): the payloads, each verified. In an open
+    /// ledger the caller asks only for confirmed entries (a replica may hold later ones that
+    /// were never acknowledged).
+    ///
+    /// One request carries many entries only where every replica of the fragment holds every
+    /// entry of it (ensemble size = write quorum). It goes to the first replica of the first
+    /// entry's write set and, as [`read`](Self::read) does, also to the next one when the first
+    /// has not answered within the speculative delay or answered with nothing usable; the first
+    /// usable answer is taken. When none is, the first entry is read alone through `read`
+    /// (whose error says what each replica answered). A striped fragment is read entry by
+    /// entry through `read`: up to 64 entries a call, all at once.
     pub async fn read_range(&self, first: u64, count: u64) -> Result<Vec<Bytes>, LedgerError> {
+        use futures::{StreamExt, TryStreamExt};
         let id = self.meta.id;
         let q = self.meta.quorums()?;
         let frag = self.meta.fragment_of(first);
@@ -845,44 +852,78 @@ impl LedgerReader {
             .filter(|&f| f > first)
             .min()
             .unwrap_or(u64::MAX);
-        let count = count.min(fragment_end - first);
+        let mut count = count.min(fragment_end - first);
+        if let Some(last) = self.meta.last_entry {
+            count = count.min((last + 1).saturating_sub(first));
+        }
         if count > 1 && self.meta.ensemble_size == self.meta.write_quorum {
-            let Some(slot) = q.write_set(first).next() else {
-                return Ok(vec![self.read(first).await?]);
-            };
             let request = Request::ReadRange {
                 ledger_id: id,
                 first_entry: first,
                 count_max: count.min(u32::MAX as u64) as u32,
-                bytes_max: self.client.opts.frame_bytes_max.saturating_sub(64) as u32,
+                bytes_max: self
+                    .client
+                    .opts
+                    .frame_bytes_max
+                    .saturating_sub(64)
+                    .min(u32::MAX as usize) as u32,
             };
-            if let Ok(Response::ReadRange {
-                status: Status::Ok,
-                entries,
-                ..
-            }) = self.client.pool.call(&frag.ensemble[slot], request).await
-            {
+            let set: Vec<String> = q
+                .write_set(first)
+                .map(|i| frag.ensemble[i].clone())
+                .collect();
+            let start = |addr: String| {
+                let pool = Arc::clone(&self.client.pool);
+                let request = request.clone();
+                async move { pool.call(&addr, request).await }
+            };
+            // The verified prefix of an answer (empty: nothing usable).
+            let usable = |r: Result<Response, _>| -> Vec<Bytes> {
+                let Ok(Response::ReadRange {
+                    status: Status::Ok,
+                    entries,
+                    ..
+                }) = r
+                else {
+                    return Vec::new();
+                };
                 let mut payloads = Vec::with_capacity(entries.len());
                 for (entry, bytes) in (first..).zip(entries.iter().take(count as usize)) {
                     match proto::open(bytes) {
                         Ok(e) if e.ledger_id == id && e.entry_id == entry => {
                             payloads.push(e.payload)
                         }
-                        // Not served from this replica: the entry-by-entry read finds a good one.
+                        // Not served from this replica: another one, or the entry-by-entry
+                        // read, finds a good copy.
                         _ => break,
                     }
                 }
-                if !payloads.is_empty() {
-                    return Ok(payloads);
+                payloads
+            };
+            let mut tries = futures::stream::FuturesUnordered::new();
+            let mut asked = set.iter().cloned();
+            tries.extend(asked.next().map(start));
+            loop {
+                let timer = tokio::time::sleep(self.client.opts.speculative_read_delay);
+                tokio::select! {
+                    done = tries.next() => {
+                        let Some(r) = done else { break };
+                        let payloads = usable(r);
+                        if !payloads.is_empty() {
+                            return Ok(payloads);
+                        }
+                        tries.extend(asked.next().map(start));
+                    }
+                    _ = timer, if asked.len() > 0 => tries.extend(asked.next().map(start)),
                 }
             }
             return Ok(vec![self.read(first).await?]);
         }
-        use futures::{StreamExt, TryStreamExt};
-        const READS_IN_FLIGHT: usize = 64;
-        futures::stream::iter(first..first + count.clamp(1, READS_IN_FLIGHT as u64))
+        const READS_IN_FLIGHT: u64 = 64;
+        let last = first.saturating_add(count.clamp(1, READS_IN_FLIGHT) - 1);
+        futures::stream::iter(first..=last)
             .map(|entry| self.read(entry))
-            .buffered(READS_IN_FLIGHT)
+            .buffered(READS_IN_FLIGHT as usize)
             .try_collect()
             .await
     }

@@ -974,8 +974,8 @@ impl ManagedLedger {
     }
 
     /// Reads entries `first..first + count` of `ledger`, all of them, in order. Cached ledger
-    /// metadata may be stale (see [`read`](Self::read)): it is refreshed once and the read
-    /// retried.
+    /// metadata may be stale (see [`read`](Self::read)): after a failed read it is refreshed
+    /// and the read retried once (again after each read that made progress).
     async fn read_run(
         &self,
         ledger: u64,
@@ -983,26 +983,25 @@ impl ManagedLedger {
         count: u64,
     ) -> Result<Vec<(Position, Bytes)>, ManagedLedgerError> {
         let mut out = Vec::with_capacity(count as usize);
-        let end = first + count;
-        let mut next = first;
         let mut refreshed = false;
-        while next < end {
+        while (out.len() as u64) < count {
+            let next = first.saturating_add(out.len() as u64);
             let reader = self.reader(ledger, false).await?;
-            match reader.read_range(next, end - next).await {
+            match reader.read_range(next, count - out.len() as u64).await {
                 Ok(payloads) => {
-                    for bytes in payloads {
-                        out.push((Position::new(ledger, next), bytes));
-                        next += 1;
+                    refreshed = false;
+                    for (i, bytes) in payloads.into_iter().enumerate() {
+                        out.push((Position::new(ledger, next.saturating_add(i as u64)), bytes));
                     }
                 }
                 Err(_) if !refreshed => {
                     refreshed = true;
                     self.reader(ledger, true).await?;
                 }
-                Err(LedgerError::NoSuchEntry { .. }) => {
+                Err(LedgerError::NoSuchEntry { entry, .. }) => {
                     return Err(ManagedLedgerError::NoEntry {
                         name: self.name.clone(),
-                        position: Position::new(ledger, next),
+                        position: Position::new(ledger, entry),
                     })
                 }
                 Err(e) => return Err(e.into()),

@@ -124,10 +124,10 @@ async fn writes_go_on_when_an_ensemble_bookie_fails(in_process: bool) {
 
 /// E=Qw=2: every replica holds every entry, so a range read takes many entries with one
 /// request to one replica (the one the first entry's write set starts with); a replica that
-/// lost the ledger is passed over: its first entry is read from the other replica, and the
-/// next range starts there.
+/// lost the ledger, or that does not answer, is passed over: the other one is asked for the
+/// same range.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn given_replicas_holding_every_entry_then_a_range_read_is_one_request_and_a_replica_without_the_ledger_is_passed_over(
+async fn given_replicas_holding_every_entry_then_a_range_read_is_one_request_and_a_replica_without_the_ledger_or_not_answering_is_passed_over(
 ) {
     let (_tmp, store, mut bookies, client) = setup(2).await;
     step("E=2 Qw=2 Qa=2: 600 entries, closed");
@@ -151,8 +151,8 @@ async fn given_replicas_holding_every_entry_then_a_range_read_is_one_request_and
     for (i, bytes) in all.iter().enumerate() {
         assert_eq!(*bytes, payload(i as u64), "entry {i}");
     }
-    step("a call from 590 for 10 brings those 10");
-    let tail = reader.read_range(590, 10).await.expect("range");
+    step("a call from 590 for 100 brings the 10 the closed ledger holds");
+    let tail = reader.read_range(590, 100).await.expect("range");
     assert_eq!(tail, (590..600).map(payload).collect::<Vec<_>>());
     step("the replica entry 0's range starts on loses the ledger");
     let (meta, _) = client.metadata(id).await.expect("metadata");
@@ -175,13 +175,44 @@ async fn given_replicas_holding_every_entry_then_a_range_read_is_one_request_and
         ),
         "{deleted:?}"
     );
-    step("entry 0 alone comes from the other replica; the range from 1 is one call there");
-    let head = reader.read_range(0, 600).await.expect("range");
-    assert_eq!(head, vec![payload(0)]);
-    let rest = reader.read_range(1, 599).await.expect("range");
-    assert_eq!(rest, (1..600).map(payload).collect::<Vec<_>>());
-    for b in &mut bookies {
-        b.stop(&store.client).await;
+    step("the same call is answered by the other replica, all 600");
+    let again = reader.read_range(0, 600).await.expect("range");
+    assert_eq!(again, all);
+    step("that replica stops; in its place a listener that takes connections and never answers");
+    let at = bookies
+        .iter()
+        .position(|b| b.addr == first)
+        .expect("the replica");
+    bookies[at].stop(&store.client).await;
+    let hung = std::net::TcpListener::bind(&first).expect("bind the stopped bookie's address");
+    let _held = std::thread::spawn(move || {
+        // Holds what it accepts, reading nothing, until the test ends.
+        let mut conns = Vec::new();
+        while let Ok((c, _)) = hung.accept() {
+            conns.push(c);
+        }
+    });
+    step("a reader whose requests time out after 30 s: the other replica answers the range after the speculative delay, all 600");
+    let patient = LedgerClient::new(
+        store.client.clone(),
+        LedgerClientOptions {
+            request_timeout: Duration::from_secs(30),
+            ..Default::default()
+        },
+    );
+    let reader = patient.open(id).await.expect("open");
+    let asked = std::time::Instant::now();
+    let got = reader.read_range(0, 600).await.expect("range");
+    assert_eq!(got, all);
+    assert!(
+        asked.elapsed() < Duration::from_secs(10),
+        "answered after {:?}: the request to the silent replica was waited out",
+        asked.elapsed()
+    );
+    for (i, b) in bookies.iter_mut().enumerate() {
+        if i != at {
+            b.stop(&store.client).await;
+        }
     }
     store.shutdown().await;
 }
