@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use meridian_integration::raw::{cmd, producer, send_frame, subscribe, Got, Raw};
 use meridian_integration::{step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster};
+use meridian_metadata::MetadataClient;
 use meridian_protocol::pb::{self, base_command::Type};
 
 fn wait_for_log(what: &str, log: impl Fn() -> String, needle: &str, timeout: Duration) {
@@ -363,28 +364,7 @@ async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_a_new_pr
     .await;
     let client = cluster.client();
     let mut c = Raw::connected(&broker.url);
-    c.send(&producer("fenced-log", 1, 1));
-    assert!(c.expect().command.producer_success.is_some());
-    for (seq, body) in [(0, &b"m0"[..]), (1, &b"m1"[..])] {
-        c.send_raw(&send_frame(1, seq, body));
-        wait_frame(&mut c, Duration::from_secs(10), |x| {
-            x.send_receipt.is_some()
-        });
-    }
-
-    step("the log's record changes under the broker: its roll-over's compare-and-set fails, the log is fenced");
-    let page = client.list("/managed-ledgers/", "", 0).await.unwrap();
-    let kv = page
-        .kvs
-        .iter()
-        .find(|kv| kv.key.contains("fenced-log"))
-        .expect("the log's record");
-    client.put(&kv.key, kv.value.clone()).await.unwrap();
-    c.send_raw(&send_frame(1, 2, b"m2"));
-    let f = wait_frame(&mut c, Duration::from_secs(10), |x| {
-        x.send_error.is_some() || x.send_receipt.is_some()
-    });
-    assert!(f.send_error.is_some(), "refused: {f:?}");
+    fence_after_m0_m1(&client, &mut c, "fenced-log").await;
 
     step("the client makes its producer again: the topic is loaded again and takes m2");
     let mut pid = 1;
@@ -425,6 +405,70 @@ async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_a_new_pr
         "the broker said why"
     );
     read_m0_m1_m2(&mut c, "fenced-log");
+}
+
+/// A broker's own loads of a topic (deleting it here) also load again a topic whose log was
+/// fenced, instead of working on the fenced instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_deleting_it_loads_it_again_and_deletes_it(
+) {
+    let (cluster, _bookie, broker) = one_of_each(&[
+        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "2"),
+        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0"),
+    ])
+    .await;
+    let client = cluster.client();
+    let mut c = Raw::connected(&broker.url);
+    fence_after_m0_m1(&client, &mut c, "fenced-delete").await;
+    let log_records = || async {
+        let page = client.list("/managed-ledgers/", "", 0).await.unwrap();
+        page.kvs
+            .iter()
+            .filter(|kv| kv.key.contains("fenced-delete"))
+            .count()
+    };
+    assert_eq!(log_records().await, 1);
+
+    step("deleting the topic loads it again (its log was fenced) and deletes it, log and all");
+    meridian_integration::geo_sites::admin_ok(&[
+        "--admin-url",
+        &broker.admin_url,
+        "topics",
+        "delete",
+        "persistent://public/default/fenced-delete",
+        "--force",
+    ]);
+    assert_eq!(log_records().await, 0, "{}", broker.log_text());
+    assert!(
+        broker.log_text().contains("unloading it to load it again"),
+        "the broker said why"
+    );
+}
+
+/// Produces m0 and m1 to `topic` (producer 1 on `c`), then changes the topic's log record
+/// under the broker: the roll-over after m1 fails its compare-and-set, the log is fenced, and
+/// m2 is refused.
+async fn fence_after_m0_m1(client: &MetadataClient, c: &mut Raw, topic: &str) {
+    c.send(&producer(topic, 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    for (seq, body) in [(0, &b"m0"[..]), (1, &b"m1"[..])] {
+        c.send_raw(&send_frame(1, seq, body));
+        wait_frame(c, Duration::from_secs(10), |x| x.send_receipt.is_some());
+    }
+
+    step("the log's record changes under the broker: its roll-over's compare-and-set fails, the log is fenced");
+    let page = client.list("/managed-ledgers/", "", 0).await.unwrap();
+    let kv = page
+        .kvs
+        .iter()
+        .find(|kv| kv.key.contains(topic))
+        .expect("the log's record");
+    client.put(&kv.key, kv.value.clone()).await.unwrap();
+    c.send_raw(&send_frame(1, 2, b"m2"));
+    let f = wait_frame(c, Duration::from_secs(10), |x| {
+        x.send_error.is_some() || x.send_receipt.is_some()
+    });
+    assert!(f.send_error.is_some(), "refused: {f:?}");
 }
 
 /// Subscribes to `topic` from the earliest message: it holds m0, m1 and m2, in order.

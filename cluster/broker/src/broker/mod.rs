@@ -237,6 +237,18 @@ impl Broker {
                 "the broker is shutting down",
             ));
         }
+        self.topic_loaded(name, create, false).await
+    }
+
+    /// The loaded topic, loading it on first use (`for_broker`: created whatever
+    /// auto-creation says, see [`load_topic`](Self::load_topic)). A loaded topic whose log was
+    /// fenced is unloaded and loaded again, once.
+    async fn topic_loaded(
+        &self,
+        name: &TopicName,
+        create: bool,
+        for_broker: bool,
+    ) -> Result<Arc<Topic>, BrokerError> {
         let full = name.to_string();
         let mut reloaded = false;
         loop {
@@ -245,7 +257,7 @@ impl Broker {
                 Arc::clone(topics.entry(full.clone()).or_default())
             };
             let loaded = cell
-                .get_or_try_init(|| async { self.load_topic(name, create, false).await })
+                .get_or_try_init(|| async { self.load_topic(name, create, for_broker).await })
                 .await;
             let topic = match loaded {
                 Ok(topic) => Arc::clone(topic),
@@ -312,20 +324,7 @@ impl Broker {
     /// A topic the broker itself needs (a dead-letter topic): created in its (existing)
     /// namespace whatever `broker.allow_auto_topic_creation` says.
     pub async fn topic_for_broker(&self, name: &TopicName) -> Result<Arc<Topic>, BrokerError> {
-        let cell = {
-            let mut topics = self.topics.lock().expect("topics lock");
-            Arc::clone(topics.entry(name.to_string()).or_default())
-        };
-        let loaded = cell
-            .get_or_try_init(|| async { self.load_topic(name, true, true).await })
-            .await;
-        match loaded {
-            Ok(topic) => Ok(Arc::clone(topic)),
-            Err(e) => {
-                self.forget_failed_load(&name.to_string(), &cell);
-                Err(e)
-            }
-        }
+        self.topic_loaded(name, true, true).await
     }
 
     /// Deletes a topic (a partitioned topic: all its partitions and its record), its
