@@ -357,14 +357,7 @@ async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_it
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_a_new_producer_loads_it_again(
 ) {
-    let (cluster, _bookie, broker) = one_of_each(&[
-        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "2"),
-        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0"),
-    ])
-    .await;
-    let client = cluster.client();
-    let mut c = Raw::connected(&broker.url);
-    fence_after_m0_m1(&client, &mut c, "fenced-log").await;
+    let (_cluster, _bookie, broker, _client, mut c) = fenced_after_m0_m1("fenced-log").await;
 
     step("the client makes its producer again: the topic is loaded again and takes m2");
     let mut pid = 1;
@@ -412,14 +405,7 @@ async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_a_new_pr
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_deleting_it_loads_it_again_and_deletes_it(
 ) {
-    let (cluster, _bookie, broker) = one_of_each(&[
-        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "2"),
-        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0"),
-    ])
-    .await;
-    let client = cluster.client();
-    let mut c = Raw::connected(&broker.url);
-    fence_after_m0_m1(&client, &mut c, "fenced-delete").await;
+    let (_cluster, _bookie, broker, client, _c) = fenced_after_m0_m1("fenced-delete").await;
     let log_records = || async {
         let page = client.list("/managed-ledgers/", "", 0).await.unwrap();
         page.kvs
@@ -445,10 +431,26 @@ async fn given_a_topic_s_log_fenced_while_its_broker_still_owns_it_then_deleting
     );
 }
 
-/// Produces m0 and m1 to `topic` (producer 1 on `c`), then changes the topic's log record
-/// under the broker: the roll-over after m1 fails its compare-and-set, the log is fenced, and
-/// m2 is refused.
-async fn fence_after_m0_m1(client: &MetadataClient, c: &mut Raw, topic: &str) {
+/// A site of one of each role (a roll-over every 2 entries) where producer 1 on the returned
+/// connection sent m0 and m1 to `topic`; then the topic's log record is changed under the
+/// broker: the roll-over after m1 fails its compare-and-set, the log is fenced, and m2 is
+/// refused.
+async fn fenced_after_m0_m1(
+    topic: &str,
+) -> (MetaCluster, BookieProc, BrokerProc, MetadataClient, Raw) {
+    let (cluster, bookie, broker) = one_of_each(&[
+        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_ENTRIES_MAX", "2"),
+        ("MERIDIAN_BROKER_LEDGER_ROLLOVER_MIN_AGE_MS", "0"),
+    ])
+    .await;
+    let client = cluster.client();
+    let mut c = Raw::connected(&broker.url);
+    fence(&client, &mut c, topic).await;
+    (cluster, bookie, broker, client, c)
+}
+
+/// The steps of [`fenced_after_m0_m1`] on its connection.
+async fn fence(client: &MetadataClient, c: &mut Raw, topic: &str) {
     c.send(&producer(topic, 1, 1));
     assert!(c.expect().command.producer_success.is_some());
     for (seq, body) in [(0, &b"m0"[..]), (1, &b"m1"[..])] {
