@@ -49,6 +49,20 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
     wr.flush().await
 }
 
+/// Removes request `id`'s waiter, if still there, when dropped.
+struct Forget {
+    pending: Pending,
+    id: Option<u64>,
+}
+
+impl Drop for Forget {
+    fn drop(&mut self) {
+        if let Some(id) = self.id {
+            self.pending.lock().expect("pending lock").remove(&id);
+        }
+    }
+}
+
 /// Hands the response to request `id` to whoever waits for it (nobody, if it already failed).
 fn answer(pending: &Pending, id: u64, response: Response) {
     let waiter = pending.lock().expect("pending lock").remove(&id);
@@ -320,6 +334,11 @@ impl BookieConn {
         &self.addr
     }
 
+    /// Requests sent and not yet answered (nor given up by their caller).
+    pub fn requests_waiting(&self) -> usize {
+        self.pending.lock().expect("pending lock").len()
+    }
+
     pub fn is_broken(&self) -> bool {
         self.broken.load(Ordering::Relaxed)
     }
@@ -327,9 +346,13 @@ impl BookieConn {
     /// Sends `request`; `on_response` runs (on the connection's reader task) with the answer,
     /// or with an error if the connection fails first. Requests sent in order leave in order.
     pub fn send_with(&self, request: Request, on_response: OnResponse) {
-        let Some(id) = self.register(on_response) else {
-            return;
-        };
+        self.send_registered(request, on_response);
+    }
+
+    /// [`send_with`](Self::send_with), returning the request's id (`None`: the connection is
+    /// broken and `on_response` has failed).
+    fn send_registered(&self, request: Request, on_response: OnResponse) -> Option<u64> {
+        let id = self.register(on_response)?;
         let sent = match &self.sink {
             Sink::Wire(tx) => {
                 let frame = Frame::Request { id, request };
@@ -343,6 +366,7 @@ impl BookieConn {
         if !sent {
             self.closed(id);
         }
+        Some(id)
     }
 
     /// Sends an add of `sealed` (the ledger writer's path): the payload goes to the socket from
@@ -418,14 +442,21 @@ impl BookieConn {
     ) -> impl std::future::Future<Output = Result<Response, BookieClientError>> + Send + 'static
     {
         let (tx, rx) = oneshot::channel();
-        self.send_with(
+        let id = self.send_registered(
             request,
             Box::new(move |r| {
                 let _ = tx.send(r);
             }),
         );
+        // Whoever stops waiting (a deadline, a speculative read answered by another replica)
+        // leaves no waiter behind: a bookie that never answers would otherwise grow the map.
+        let forget = Forget {
+            pending: Arc::clone(&self.pending),
+            id,
+        };
         let addr = self.addr.clone();
         async move {
+            let _forget = forget;
             rx.await.unwrap_or_else(|_| {
                 Err(BookieClientError::Unreachable {
                     addr,

@@ -853,8 +853,16 @@ impl LedgerReader {
             .min()
             .unwrap_or(u64::MAX);
         let mut count = count.min(fragment_end - first);
-        if let Some(last) = self.meta.last_entry {
-            count = count.min((last + 1).saturating_sub(first));
+        if self.meta.state == LedgerState::Closed {
+            // Nothing past the close is served, whatever a replica holds.
+            let end = self.meta.last_entry.map_or(0, |l| l.saturating_add(1));
+            if first >= end {
+                return Err(LedgerError::NoSuchEntry {
+                    ledger: id,
+                    entry: first,
+                });
+            }
+            count = count.min(end - first);
         }
         if count > 1 && self.meta.ensemble_size == self.meta.write_quorum {
             let request = Request::ReadRange {

@@ -209,6 +209,17 @@ async fn given_replicas_holding_every_entry_then_a_range_read_is_one_request_and
         "answered after {:?}: the request to the silent replica was waited out",
         asked.elapsed()
     );
+    let silent = patient.connection(&first).await.expect("connection");
+    assert_eq!(
+        silent.requests_waiting(),
+        0,
+        "the request to the silent replica was given up, not left waiting"
+    );
+    step("past the closed ledger's end nothing is read");
+    assert!(matches!(
+        reader.read_range(600, 10).await,
+        Err(LedgerError::NoSuchEntry { entry: 600, .. })
+    ));
     for (i, b) in bookies.iter_mut().enumerate() {
         if i != at {
             b.stop(&store.client).await;
