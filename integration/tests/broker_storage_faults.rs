@@ -496,3 +496,83 @@ fn read_m0_m1_m2(c: &mut Raw, topic: &str) {
     }
     assert_eq!(got, vec![b"m0".to_vec(), b"m1".to_vec(), b"m2".to_vec()]);
 }
+
+/// An unload that hangs (its bookie frozen) and whose admin caller goes away does not leave
+/// the topic held: once the bookie is back, the topic is served again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_an_unload_cancelled_midway_then_the_topic_is_served_again() {
+    let (cluster, bookie, broker) = one_of_each(&[]).await;
+    let topic = "cancelled-unload";
+    let mut c = Raw::connected(&broker.url);
+    c.send(&producer(topic, 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+    c.send_raw(&send_frame(1, 0, b"m0"));
+    wait_frame(&mut c, Duration::from_secs(10), |x| {
+        x.send_receipt.is_some()
+    });
+
+    step("the bookie freezes; an unload starts, hangs, and its caller goes away");
+    let signal = |sig: &str| {
+        let pid = bookie.pid().expect("the bookie runs").to_string();
+        assert!(std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+            .success());
+    };
+    signal("-STOP");
+    // A send the frozen bookie holds: closing the topic's log waits for it.
+    c.send_raw(&send_frame(1, 1, b"m1"));
+    std::thread::sleep(Duration::from_millis(300));
+    let mut unload = std::process::Command::new(meridian_integration::admin_bin())
+        .args([
+            "--admin-url",
+            &broker.admin_url,
+            "topics",
+            "unload",
+            &format!("persistent://public/default/{topic}"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    let still_running = unload.try_wait().unwrap().is_none();
+    unload.kill().unwrap();
+    unload.wait().unwrap();
+    signal("-CONT");
+    assert!(
+        still_running,
+        "the unload did not hang: the test shows nothing"
+    );
+    // Frozen, the bookie's session expired: it registers again.
+    wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
+        .await
+        .unwrap();
+
+    step("the topic is served again: a new producer is made and its message stored");
+    let mut c = Raw::connected(&broker.url);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut pid = 10;
+    loop {
+        pid += 1;
+        c.send(&producer(topic, pid, pid));
+        let made = wait_frame(&mut c, Duration::from_secs(40), |x| {
+            x.producer_success.is_some() || x.error.is_some()
+        });
+        if made.producer_success.is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still refused after 30 s: {made:?}\n{}",
+            broker.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    c.send_raw(&send_frame(pid, 2, b"m2"));
+    let f = wait_frame(&mut c, Duration::from_secs(40), |x| {
+        x.send_receipt.is_some() || x.send_error.is_some()
+    });
+    assert!(f.send_receipt.is_some(), "{f:?}");
+}

@@ -189,7 +189,6 @@ struct State {
     meta: ManagedLedgerMetadata,
     version: u64,
     open: Option<Open>,
-    fenced: bool,
     /// The open ledger's writer failed (no writable bookie to replace a failed one): the next
     /// append abandons it and starts a new ledger.
     broken: Option<u64>,
@@ -271,7 +270,7 @@ impl PendingAppend {
         let entry_id = match self.outcome.await {
             Ok(Ok(e)) => e,
             Ok(Err(LedgerError::Fenced(_))) => {
-                ml.state.lock().await.fenced = true;
+                ml.fence();
                 return Err(ManagedLedgerError::Fenced {
                     name: ml.name.clone(),
                 });
@@ -315,6 +314,9 @@ pub struct ManagedLedger {
     /// The bookie affinity groups new ledgers (and its cursors' ledgers) stay in:
     /// `primary[,secondary]` ([`crate::ledger::BOOKIE_AFFINITY_PROPERTY`]).
     affinity: Mutex<Option<String>>,
+    /// Another owner changed the log's record, or recording a change of it failed: this
+    /// owner takes no more entries (an atomic, so it is read without waiting for appends).
+    fenced: std::sync::atomic::AtomicBool,
 }
 
 impl ManagedLedger {
@@ -363,7 +365,6 @@ impl ManagedLedger {
                 meta: ManagedLedgerMetadata::default(),
                 version: 0,
                 open: None,
-                fenced: false,
                 broken: None,
             }),
             cache: Mutex::new(TailCache {
@@ -374,6 +375,7 @@ impl ManagedLedger {
             readers: tokio::sync::Mutex::default(),
             last_confirmed: Mutex::new(None),
             affinity: Mutex::new(affinity),
+            fenced: Default::default(),
         });
         // Record the recovery (or create the log) before the first new ledger.
         version = ml.cas(&meta, version).await?;
@@ -484,7 +486,7 @@ impl ManagedLedger {
                 st.meta = meta;
             }
             Err(e) => {
-                st.fenced = true;
+                self.fence();
                 let _ = writer.close().await;
                 if e.write_not_applied() {
                     let _ = self.client.delete(ledger_id).await;
@@ -530,7 +532,7 @@ impl ManagedLedger {
             Ok(last) => last,
             Err(LedgerError::Fenced(_)) => {
                 // Another owner is recovering the ledger: this one is done with the log.
-                st.fenced = true;
+                self.fence();
                 return Err(ManagedLedgerError::Fenced {
                     name: self.name.clone(),
                 });
@@ -568,7 +570,7 @@ impl ManagedLedger {
         st.version = self
             .cas(&meta, st.version)
             .await
-            .inspect_err(|_| st.fenced = true)?;
+            .inspect_err(|_| self.fence())?;
         st.meta = meta;
         // A reader cached while it was open has its old metadata.
         self.readers.lock().await.remove(&ledger_id);
@@ -637,7 +639,7 @@ impl ManagedLedger {
     ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
         let (writer, ledger_id) = {
             let mut st = self.state.lock().await;
-            if st.fenced {
+            if self.is_fenced() {
                 return Err(ManagedLedgerError::Fenced {
                     name: self.name.clone(),
                 });
@@ -716,7 +718,7 @@ impl ManagedLedger {
             st.version = self
                 .cas(&meta, st.version)
                 .await
-                .inspect_err(|_| st.fenced = true)?;
+                .inspect_err(|_| self.fence())?;
             st.meta = meta;
         }
         // What was submitted before is on its way; closing the open ledger waits for it.
@@ -770,9 +772,14 @@ impl ManagedLedger {
 
     /// Whether this owner's log is fenced (another owner changed its record, or recording a
     /// change of its own failed): it takes no more entries here until it is opened again.
-    /// `false` while its state is busy (an append or roll-over under way): ask again later.
     pub fn is_fenced(&self) -> bool {
-        self.state.try_lock().is_ok_and(|st| st.fenced)
+        self.fenced.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Marks this owner's log fenced: it takes no more entries or record changes.
+    fn fence(&self) {
+        self.fenced
+            .store(true, std::sync::atomic::Ordering::Release);
     }
 
     /// Entries in the log (through the last confirmed one) and their bytes.
@@ -1064,7 +1071,7 @@ impl ManagedLedger {
         st.version = self
             .cas(&meta, st.version)
             .await
-            .inspect_err(|_| st.fenced = true)?;
+            .inspect_err(|_| self.fence())?;
         st.meta = meta;
         drop(st);
         for id in &doomed {
@@ -1099,14 +1106,14 @@ impl ManagedLedger {
         {
             Ok(_) => {}
             Err(ClientError::Conflict { .. }) => {
-                st.fenced = true;
+                self.fence();
                 return Err(ManagedLedgerError::Fenced {
                     name: self.name.clone(),
                 });
             }
             Err(e) => return Err(e.into()),
         }
-        st.fenced = true;
+        self.fence();
         let ids: Vec<u64> = st.meta.ledgers.iter().map(|l| l.ledger_id).collect();
         st.meta.ledgers.clear();
         drop(st);

@@ -285,12 +285,14 @@ impl Broker {
     pub async fn unload_all(&self) {
         use futures::StreamExt;
         let topics = self.loaded_topics();
-        let keys: Vec<String> = topics.iter().map(|t| t.name.to_string()).collect();
         // First every topic stops serving (nothing here waits for the metadata store, which
         // may be what is unreachable) ...
-        self.hold(&keys);
+        let held = self.hold(topics.iter().map(|t| t.name.to_string()).collect());
+        let topics: Vec<_> = topics
+            .into_iter()
+            .filter(|t| self.forget_if_loaded(t))
+            .collect();
         for t in &topics {
-            self.forget_topic(&t.name);
             t.producers.fence_all();
         }
         let limit = Duration::from_millis(self.cfg.session_ttl_ms / 4);
@@ -313,7 +315,7 @@ impl Broker {
                 }
             })
             .await;
-        self.release(&keys);
+        drop(held);
     }
 
     /// Graceful shutdown's first step (SIGTERM): the broker leaves the placement list, then

@@ -279,13 +279,10 @@ impl Broker {
             // Its log took no more entries here (a change of its record failed): loaded
             // again, it re-reads the record (and, if another broker owns it now, the load
             // is refused). Only the loaded instance is unloaded, once.
-            let keys = [full.clone()];
-            self.hold(&keys);
+            let held = self.hold(vec![full.clone()]);
             if self.forget_if_loaded(&topic) {
                 tracing::warn!(topic = %name, "the topic's log was fenced: unloading it to load it again");
-                self.finish_unload(topic, &keys).await;
-            } else {
-                self.release(&keys);
+                self.finish_unload(topic, held).await;
             }
         }
     }
@@ -362,11 +359,18 @@ impl Broker {
         // Every partition is held (loads answer ServiceNotReady) until the whole topic is
         // gone: a client that comes back early must not re-create a deleted partition while
         // its partitioned topic still exists.
-        let keys: Vec<String> = parts.iter().map(ToString::to_string).collect();
-        self.hold(&keys);
+        let held = self.hold(parts.iter().map(ToString::to_string).collect());
         let r = async {
             for t in &topics {
-                self.forget_topic(&t.name);
+                // A topic loaded again since it was checked (its log fenced, then reloaded)
+                // stops serving before its log is deleted under it.
+                if let Some(other) = self.take_loaded(&t.name).filter(|o| !Arc::ptr_eq(o, t)) {
+                    other.producers.fence_all();
+                    for s in other.subscriptions().await {
+                        s.disconnect_consumers().await;
+                    }
+                    other.close().await;
+                }
                 t.delete().await?;
             }
             if partitioned {
@@ -385,7 +389,7 @@ impl Broker {
             Ok::<(), BrokerError>(())
         }
         .await;
-        self.release(&keys);
+        drop(held);
         r?;
         Ok(out)
     }
@@ -403,25 +407,18 @@ impl Broker {
         }
     }
 
-    /// Holds topics (being unloaded or deleted): loading them answers ServiceNotReady, which
-    /// clients retry. Holds nest: two operations on one topic release it only when both
-    /// are done.
-    fn hold(&self, keys: &[String]) {
+    /// Holds topics (being unloaded or deleted) until the returned guard is dropped: loading
+    /// them answers ServiceNotReady, which clients retry. Holds nest: two operations on one
+    /// topic release it only when both are done. An operation cancelled midway (an admin
+    /// call whose caller went away) releases its hold as one that finished does.
+    fn hold(&self, keys: Vec<String>) -> Held<'_> {
         let mut u = self.unloading.lock().expect("unloading lock");
-        for k in keys {
+        for k in &keys {
             *u.entry(k.clone()).or_default() += 1;
         }
-    }
-
-    fn release(&self, keys: &[String]) {
-        let mut u = self.unloading.lock().expect("unloading lock");
-        for k in keys {
-            if let Some(n) = u.get_mut(k) {
-                *n -= 1;
-                if *n == 0 {
-                    u.remove(k);
-                }
-            }
+        Held {
+            unloading: &self.unloading,
+            keys,
         }
     }
 
@@ -446,33 +443,32 @@ impl Broker {
     /// Unloads a loaded topic: it stops serving at once (producers fenced, consumers closed,
     /// the topic forgotten), then its cursors are persisted and its log closed.
     async fn unload_loaded(&self, t: Arc<Topic>) {
-        let keys = [t.name.to_string()];
-        self.hold(&keys);
+        let held = self.hold(vec![t.name.to_string()]);
         // Unless another unload (of a fenced log) got there first: that one closes it.
         if self.forget_if_loaded(&t) {
-            self.finish_unload(t, &keys).await;
-        } else {
-            self.release(&keys);
+            self.finish_unload(t, held).await;
         }
     }
 
-    /// The rest of [`Broker::unload_loaded`], for a topic held (`keys`) and forgotten.
-    async fn finish_unload(&self, t: Arc<Topic>, keys: &[String]) {
+    /// The rest of [`Broker::unload_loaded`], for a topic held and forgotten.
+    async fn finish_unload(&self, t: Arc<Topic>, held: Held<'_>) {
         t.producers.fence_all();
         for s in t.subscriptions().await {
             s.disconnect_consumers().await;
         }
         t.close().await;
-        self.release(keys);
+        drop(held);
         tracing::info!(topic = %t.name, "topic unloaded");
     }
 
-    /// Drops a topic from the loaded ones (after deleting or unloading it).
-    fn forget_topic(&self, name: &TopicName) {
+    /// Drops a topic from the loaded ones (to delete or unload it): the instance that was
+    /// loaded, if one was.
+    fn take_loaded(&self, name: &TopicName) -> Option<Arc<Topic>> {
         self.topics
             .lock()
             .expect("topics lock")
-            .remove(&name.to_string());
+            .remove(&name.to_string())
+            .and_then(|c| c.get().cloned())
     }
 
     /// Whether a (non-partitioned) topic or partition has a log.
@@ -721,4 +717,24 @@ pub(crate) fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// A hold on topics (see [`Broker::hold`]), released when dropped.
+struct Held<'a> {
+    unloading: &'a Mutex<HashMap<String, usize>>,
+    keys: Vec<String>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let mut u = self.unloading.lock().expect("unloading lock");
+        for k in &self.keys {
+            if let Some(n) = u.get_mut(k) {
+                *n -= 1;
+                if *n == 0 {
+                    u.remove(k);
+                }
+            }
+        }
+    }
 }
