@@ -482,9 +482,13 @@ impl BookieConn {
     }
 }
 
+/// A bookie's connection in a [`BookiePool`]: (re)made under its own lock, so a bookie that
+/// is slow to connect holds up only requests to it.
+type ConnSlot = Arc<tokio::sync::Mutex<Option<Arc<BookieConn>>>>;
+
 /// Connections by bookie address, made on first use and remade when broken.
 pub struct BookiePool {
-    conns: tokio::sync::Mutex<HashMap<String, Arc<BookieConn>>>,
+    conns: Mutex<HashMap<String, ConnSlot>>,
     pub connect_timeout: Duration,
     pub request_timeout: Duration,
     pub frame_bytes_max: usize,
@@ -500,7 +504,7 @@ impl BookiePool {
         tls: Option<Arc<SiteTls>>,
     ) -> Arc<Self> {
         Arc::new(Self {
-            conns: tokio::sync::Mutex::default(),
+            conns: Mutex::default(),
             connect_timeout,
             request_timeout,
             frame_bytes_max,
@@ -509,11 +513,16 @@ impl BookiePool {
     }
 
     pub async fn get(&self, addr: &str) -> Result<Arc<BookieConn>, BookieClientError> {
-        let mut conns = self.conns.lock().await;
-        if let Some(c) = conns.get(addr) {
-            if !c.is_broken() {
-                return Ok(Arc::clone(c));
-            }
+        let slot = Arc::clone(
+            self.conns
+                .lock()
+                .expect("bookie pool lock")
+                .entry(addr.to_string())
+                .or_default(),
+        );
+        let mut conn = slot.lock().await;
+        if let Some(c) = conn.as_ref().filter(|c| !c.is_broken()) {
+            return Ok(Arc::clone(c));
         }
         let c = match local_bookie(addr).and_then(|connect| connect()) {
             Some(link) => BookieConn::local(addr, link),
@@ -527,7 +536,7 @@ impl BookiePool {
                 .await?
             }
         };
-        conns.insert(addr.to_string(), Arc::clone(&c));
+        *conn = Some(Arc::clone(&c));
         Ok(c)
     }
 
@@ -535,5 +544,50 @@ impl BookiePool {
     pub async fn call(&self, addr: &str, request: Request) -> Result<Response, BookieClientError> {
         let c = self.get(addr).await?;
         c.call(request, self.request_timeout).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bookie whose connect hangs (its listener's accept queue full: the kernel drops the
+    /// SYNs) holds up only requests to it, not connections to other bookies.
+    #[tokio::test]
+    async fn a_bookie_slow_to_connect_holds_up_only_itself() {
+        let full = tokio::net::TcpSocket::new_v4().unwrap();
+        full.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let full = full.listen(0).unwrap();
+        let full_addr = full.local_addr().unwrap().to_string();
+        let _queued = TcpStream::connect(&full_addr).await.unwrap();
+        let live = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let live_addr = live.local_addr().unwrap().to_string();
+
+        let pool = BookiePool::new(
+            Duration::from_secs(5),
+            Duration::from_secs(5),
+            1 << 20,
+            None,
+        );
+        let hanging = tokio::spawn({
+            let pool = Arc::clone(&pool);
+            async move { pool.get(&full_addr).await.map(|_| ()) }
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert!(
+            !hanging.is_finished(),
+            "the full listener's connect should hang"
+        );
+        let started = std::time::Instant::now();
+        pool.get(&live_addr).await.unwrap();
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a connection to another bookie waited {:?}",
+            started.elapsed()
+        );
+        assert!(matches!(
+            hanging.await.unwrap(),
+            Err(BookieClientError::Unreachable { .. })
+        ));
     }
 }
