@@ -322,6 +322,13 @@ pub struct BookieConfig {
     /// on this machine's disk a 4 KiB write and fdatasync took 0.11-0.14 ms against
     /// 0.15-0.20 ms growing the file. Default `true`.
     pub journal_prefill: bool,
+    /// Write each entry once: journal files stay where they are as the entries' store (the
+    /// index points into them; garbage collection removes them, or copies what is still live
+    /// out of mostly dead ones into entry logs), instead of copying every entry from the
+    /// journal into an entry log. Halves what a shared journal and ledger disk writes.
+    /// `false`: BookKeeper's way, for a journal on a small disk of its own. A bookie that ran
+    /// with `true` must not be opened by a Meridian older than this setting. Default `true`.
+    pub single_write: bool,
     /// Records queued for the journal before writers wait. Range 1..=1000000, default 100000.
     pub journal_queue_records_max: u64,
     /// Entries held in memory between the journal and entry logs, bytes; adds wait while it
@@ -389,6 +396,7 @@ impl Default for BookieConfig {
             journal_file_bytes_max: 512 << 20,
             journal_preallocate_bytes: 16 << 20,
             journal_prefill: true,
+            single_write: true,
             journal_queue_records_max: 100_000,
             write_cache_bytes_max: 256 << 20,
             read_cache_bytes_max: 64 << 20,

@@ -92,6 +92,7 @@ fn main() {
         queue_records_max: a.window.max(1),
         fsync: true,
         prefill: true,
+        drop_synced_pages: false,
     })
     .expect("journal");
     let in_flight = Arc::new((Mutex::new(0usize), Condvar::new()));

@@ -398,14 +398,27 @@ async fn given_bookies_restarted_then_entries_survive_and_deleted_ledger_space_i
             payload(i)
         );
     }
-    step("delete the 4 MiB ledger; garbage collection removes its entry logs");
+    step("delete the 4 MiB ledger; garbage collection removes (or compacts) the files holding it");
+    // Entry logs and the journal files kept as the store (`bookie.single_write`).
     let size = |dir: &Path| -> u64 {
-        std::fs::read_dir(dir.join("ledgers/entrylogs"))
+        let mut files: Vec<_> = std::fs::read_dir(dir.join("ledgers/entrylogs"))
             .expect("entry logs")
+            .collect();
+        files.extend(
+            std::fs::read_dir(dir.join("journal"))
+                .expect("journal")
+                .filter(|e| {
+                    let name = e.as_ref().expect("entry").file_name();
+                    name.to_string_lossy().starts_with("journal-0")
+                }),
+        );
+        files
+            .into_iter()
             .map(|e| e.expect("entry").metadata().expect("stat").len())
             .sum()
     };
-    // Let the flusher move everything to entry logs first.
+    // Let the flusher index everything first (the checkpoint passes the files of before the
+    // restart).
     tokio::time::sleep(Duration::from_millis(600)).await;
     let before: u64 = restarted.iter().map(|b| size(&b.dir)).sum();
     client.delete(doomed_id).await.expect("delete");
@@ -423,7 +436,7 @@ async fn given_bookies_restarted_then_entries_survive_and_deleted_ledger_space_i
     }
     assert!(
         before - after.min(before) > 6 << 20,
-        "entry logs {before} -> {after} bytes"
+        "entry logs and journal files {before} -> {after} bytes"
     );
     step("the other ledger is intact after collection and compaction");
     for i in 0..500u64 {
@@ -1358,6 +1371,30 @@ mod disk_full {
     }
 }
 
+/// Entry `i` of ledger `w` (0, 1, 2) of [`write_three_interleaved`]: 16 KiB.
+fn interleaved_blob(w: usize, i: u64) -> Bytes {
+    Bytes::from(vec![(w as u8) * 50 + (i % 50) as u8; 16 << 10])
+}
+
+/// Three ledgers (E1 Qw1), 150 entries each written in turn, closed: their ids.
+async fn write_three_interleaved(client: &LedgerClient) -> Vec<u64> {
+    let writers = [
+        client.create(1, 1, 1, BTreeMap::new()).await.expect("a"),
+        client.create(1, 1, 1, BTreeMap::new()).await.expect("b"),
+        client.create(1, 1, 1, BTreeMap::new()).await.expect("c"),
+    ];
+    for i in 0..150u64 {
+        for (w, writer) in writers.iter().enumerate() {
+            writer.add(interleaved_blob(w, i)).await.expect("add");
+        }
+    }
+    let ids: Vec<u64> = writers.iter().map(|w| w.id()).collect();
+    for w in writers {
+        w.close().await.expect("close");
+    }
+    ids
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_entry_logs_mostly_dead_then_compaction_moves_live_entries_and_frees_space() {
     let (tmp, store, mut bookies, client) = setup(0).await;
@@ -1366,26 +1403,15 @@ async fn given_entry_logs_mostly_dead_then_compaction_moves_live_entries_and_fre
     // ledger; with large flushes a log could be mostly one ledger and stay live).
     let b = start_bookie_with(&store.client, tmp.path().join("compaction"), None, |o| {
         o.storage.write_cache_bytes_max = 96 << 10;
+        // Entries copied into entry logs (BookKeeper's way); the journal-as-store case is
+        // the next test.
+        o.storage.single_write = false;
     })
     .await;
     bookies.push(b);
     wait_for_bookies(&client, 1).await;
     step("three ledgers written interleaved, so every entry log holds all three");
-    let writers = [
-        client.create(1, 1, 1, BTreeMap::new()).await.expect("a"),
-        client.create(1, 1, 1, BTreeMap::new()).await.expect("b"),
-        client.create(1, 1, 1, BTreeMap::new()).await.expect("c"),
-    ];
-    let blob = |w: usize, i: u64| Bytes::from(vec![(w as u8) * 50 + (i % 50) as u8; 16 << 10]);
-    for i in 0..150u64 {
-        for (w, writer) in writers.iter().enumerate() {
-            writer.add(blob(w, i)).await.expect("add");
-        }
-    }
-    let ids: Vec<u64> = writers.iter().map(|w| w.id()).collect();
-    for w in writers {
-        w.close().await.expect("close");
-    }
+    let ids = write_three_interleaved(&client).await;
     let logs_dir = bookies[0].dir.join("ledgers/entrylogs");
     // (file name, bytes) of every entry log; names sort by log id, the last is being written.
     let logs = || -> Vec<(String, u64)> {
@@ -1441,8 +1467,100 @@ async fn given_entry_logs_mostly_dead_then_compaction_moves_live_entries_and_fre
     step("the live ledger reads back from its new location");
     let reader = client.open(ids[2]).await.expect("open");
     for i in 0..150u64 {
-        assert_eq!(reader.read(i).await.expect("read"), blob(2, i), "entry {i}");
+        assert_eq!(
+            reader.read(i).await.expect("read"),
+            interleaved_blob(2, i),
+            "entry {i}"
+        );
     }
+    for b in &mut bookies {
+        b.stop(&store.client).await;
+    }
+    store.shutdown().await;
+}
+
+/// `bookie.single_write`: entries stay in the journal files (nothing is copied into entry
+/// logs); deleting most of what a journal file holds makes garbage collection move the rest
+/// into an entry log and remove the file; everything live reads back, before and after a
+/// restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_single_write_then_entries_stay_in_journal_files_until_compaction_moves_the_live_ones(
+) {
+    let (tmp, store, mut bookies, client) = setup(0).await;
+    let dir = tmp.path().join("single");
+    let b = start_bookie_with(&store.client, dir.clone(), None, |o| {
+        o.journal.file_bytes_max = 1 << 20;
+        o.journal.preallocate_bytes = 256 << 10;
+        assert!(o.storage.single_write, "the default");
+    })
+    .await;
+    bookies.push(b);
+    wait_for_bookies(&client, 1).await;
+    step("three ledgers written interleaved across about seven 1 MiB journal files");
+    let ids = write_three_interleaved(&client).await;
+    let sum = |sub: &str, prefix: &str| -> (usize, u64) {
+        let files: Vec<u64> = std::fs::read_dir(dir.join(sub))
+            .expect("dir")
+            .map(|e| e.expect("entry"))
+            .filter(|e| e.file_name().to_string_lossy().starts_with(prefix))
+            .map(|e| e.metadata().expect("stat").len())
+            .collect();
+        (files.len(), files.iter().sum())
+    };
+    // Flushes index the entries where the journal wrote them.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let (journal_files, journal_before) = sum("journal", "journal-0");
+    let (_, logs_before) = sum("ledgers/entrylogs", "entrylog-");
+    assert!(journal_files >= 5, "{journal_files} journal files");
+    assert!(
+        journal_before >= 3 * 150 * (16 << 10),
+        "journal files hold {journal_before} bytes"
+    );
+    assert!(
+        logs_before < 64 << 10,
+        "nothing is copied into entry logs: they hold {logs_before} bytes"
+    );
+    step("delete two of the ledgers: each journal file is one third live");
+    client.delete(ids[0]).await.expect("delete a");
+    client.delete(ids[1]).await.expect("delete b");
+    // The files before the current one are compacted (the current one may still be written).
+    let must_free = journal_before / 2;
+    let mut after = journal_before;
+    for _ in 0..100 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        after = sum("journal", "journal-0").1;
+        if journal_before.saturating_sub(after) >= must_free {
+            break;
+        }
+    }
+    assert!(
+        journal_before.saturating_sub(after) >= must_free,
+        "journal files {journal_before} -> {after} bytes, expected at least {must_free} freed"
+    );
+    let (_, logs_after) = sum("ledgers/entrylogs", "entrylog-");
+    assert!(
+        logs_after >= 100 * (16 << 10),
+        "the live ledger's entries moved into entry logs: {logs_after} bytes"
+    );
+    step(&format!(
+        "journal files {journal_before} -> {after} bytes, entry logs {logs_before} -> {logs_after}"
+    ));
+    step("the live ledger reads back, and again after a restart");
+    let check = |reader: meridian_storage::ledger::LedgerReader| async move {
+        for i in 0..150u64 {
+            assert_eq!(
+                reader.read(i).await.expect("read"),
+                interleaved_blob(2, i),
+                "entry {i}"
+            );
+        }
+    };
+    check(client.open(ids[2]).await.expect("open")).await;
+    let addr = bookies[0].addr.clone();
+    bookies[0].stop(&store.client).await;
+    bookies[0] = start_bookie(&store.client, dir.clone(), Some(addr)).await;
+    wait_for_bookies(&client, 1).await;
+    check(client.open(ids[2]).await.expect("open")).await;
     for b in &mut bookies {
         b.stop(&store.client).await;
     }

@@ -9,13 +9,23 @@
 //!                  entry log (append, fdatasync) ──► index + ledger states + checkpoint S
 //!                                                    (one synced RocksDB write)
 //!                         then journal files < S are removed
-//!  reads: write cache → the batch being flushed → read cache → index + entry log
+//!  reads: write cache → the batch being flushed → read cache → index + entry log (or journal file)
 //! ```
 //!
 //! Entry logs are `entrylog-<id as 16 hex digits>.log` holding `len: u32 BE | envelope`
 //! records; an index location points at the envelope. A process always starts a new entry log.
 //! Space comes back when every ledger with entries in a log is deleted (the log is removed)
 //! or when a log is mostly dead (its live entries are copied to the current log first).
+//!
+//! Single write (`bookie.single_write`, the default): an entry's envelope is already on disk,
+//! fsynced, where the journal wrote it, so a flush writes no entry log: it indexes each entry at
+//! its place in its journal file (log id [`JOURNAL_LOG_BIT`] | file sequence) and counts the
+//! file's bytes per ledger as an entry log's. Journal files the index points into are kept past
+//! the checkpoint (they are not replayed again: replay starts at the checkpoint) and collected
+//! like entry logs once the checkpoint has passed them: removed when every ledger in them is
+//! deleted, or their live entries copied into the current entry log when they are mostly dead.
+//! Entry logs then hold only what compaction moved. Each byte reaches the disk once instead of
+//! twice, and the journal's fdatasyncs no longer queue behind entry-log writes.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::{self, File, OpenOptions};
@@ -49,6 +59,12 @@ pub struct StorageOptions {
     /// A non-current entry log whose live bytes fall below this fraction is compacted.
     pub compaction_live_ratio_min: f64,
     pub fsync: bool,
+    /// The journal's directory (set by the bookie when it opens storage): journal files the
+    /// index points into (see `single_write`) are read and collected there.
+    pub journal_dir: Option<PathBuf>,
+    /// `bookie.single_write`: journal files stay where they are as the entries' store (the
+    /// index points into them; module docs) instead of entries being copied into entry logs.
+    pub single_write: bool,
 }
 
 /// What a bookie knows of one ledger. Survives restarts (RocksDB, rebuilt from the journal for
@@ -116,6 +132,15 @@ fn corrupt_page(ledger_id: u64, first_entry: u64) -> impl FnOnce(index::PageErro
 
 fn log_name(id: u64) -> String {
     format!("entrylog-{id:016x}.log")
+}
+
+/// Index locations in journal files kept as the entry store carry this bit in their log id
+/// (the rest is the journal file's sequence); entry logs' ids never reach it.
+pub const JOURNAL_LOG_BIT: u64 = 1 << 63;
+
+/// The log id of journal file `seq` (see [`JOURNAL_LOG_BIT`]).
+pub fn journal_log(seq: u64) -> u64 {
+    JOURNAL_LOG_BIT | seq
 }
 
 fn parse_log_name(name: &str) -> Option<u64> {
@@ -258,11 +283,18 @@ pub(crate) struct Held {
     /// copied behind it; `None` when `body` is the whole envelope.
     head: Option<[u8; proto::ENVELOPE_HEADER_BYTES]>,
     body: Bytes,
+    /// Where the envelope already lies on disk, durably (in a journal file kept as a store):
+    /// a flush indexes it there instead of writing it again.
+    stored: Option<Location>,
 }
 
 impl Held {
     fn whole(body: Bytes) -> Self {
-        Self { head: None, body }
+        Self {
+            head: None,
+            body,
+            stored: None,
+        }
     }
 
     fn head(&self) -> &[u8] {
@@ -341,6 +373,7 @@ impl WriteCache {
             return Held {
                 head: head.copied(),
                 body: body.clone(),
+                stored: None,
             };
         }
         let head = head.map_or(&[][..], |h| &h[..]);
@@ -565,7 +598,10 @@ impl LedgerStorage {
     }
 
     /// An add is durable in the journal: make it readable. Also used by journal replay. The
-    /// envelope is `(head, body)`: its header apart from its payload, or (`None`) all in `body`.
+    /// envelope is `(head, body)`: its header apart from its payload, or (`None`) all in `body`;
+    /// `journaled` is where the journal wrote it (file, offset of the envelope), which a flush
+    /// indexes when journal files are the store.
+    #[allow(clippy::too_many_arguments)]
     pub fn add_durable(
         &self,
         ledger_id: u64,
@@ -573,6 +609,7 @@ impl LedgerStorage {
         lac: u64,
         master_key: &[u8],
         (head, body): (Option<&[u8; proto::ENVELOPE_HEADER_BYTES]>, &Bytes),
+        journaled: Option<(u64, u64)>,
         reserved: bool,
     ) {
         if reserved {
@@ -590,7 +627,16 @@ impl LedgerStorage {
             state.note_entry(entry_id, lac);
         }
         let mut cache = self.cache.lock().expect("cache lock");
-        let envelope = cache.keep(head, body);
+        let mut envelope = cache.keep(head, body);
+        if let (true, Some(_), Some((file, offset))) =
+            (self.opts.single_write, &self.opts.journal_dir, journaled)
+        {
+            envelope.stored = Some(Location {
+                log: journal_log(file),
+                offset,
+                len: envelope.len() as u32,
+            });
+        }
         cache.bytes += envelope.len();
         if let Some(old) = cache.entries.insert((ledger_id, entry_id), envelope) {
             cache.bytes -= old.len();
@@ -724,7 +770,7 @@ impl LedgerStorage {
         if let Some(f) = readers.get(&log) {
             return Ok(Arc::clone(f));
         }
-        let path = self.logs_dir.join(log_name(log));
+        let path = self.log_path(log);
         let direct = OpenOptions::new()
             .read(true)
             .custom_flags(rustix::fs::OFlags::DIRECT.bits() as i32)
@@ -739,9 +785,28 @@ impl LedgerStorage {
         Ok(f)
     }
 
+    /// The file of a log id: an entry log, or a journal file kept as the store.
+    fn log_path(&self, log: u64) -> PathBuf {
+        match &self.opts.journal_dir {
+            Some(dir) if log & JOURNAL_LOG_BIT != 0 => {
+                crate::journal::file_path(dir, log & !JOURNAL_LOG_BIT)
+            }
+            _ => self.logs_dir.join(log_name(log)),
+        }
+    }
+
+    /// Whether the index points into journal file `seq` (kept as the store: not to be
+    /// removed or recycled when the checkpoint passes it).
+    pub fn stores_in_journal_file(&self, seq: u64) -> bool {
+        self.usage
+            .lock()
+            .expect("usage lock")
+            .contains_key(&journal_log(seq))
+    }
+
     fn read_at(&self, loc: Location) -> Result<Bytes, StorageError> {
         let f = self.reader(loc.log)?;
-        let at = |e| io_at(&self.logs_dir.join(log_name(loc.log)))(e);
+        let at = |e| io_at(&self.log_path(loc.log))(e);
         let file = match &f.1 {
             Some(direct) if loc.len as usize >= DIRECT_READ_BYTES_MIN => direct,
             _ => {
@@ -898,24 +963,33 @@ impl LedgerStorage {
         let mut page: Option<(u64, [u8; 16])> = None;
         let mut records: Vec<(u16, Location)> = Vec::new();
         let mut run: Option<(u64, u64, u64)> = None;
+        // Whether anything went to the entry log (which then needs its fsync).
+        let mut wrote = false;
         for ((ledger_id, entry_id), value) in entries {
             if deleted.contains(ledger_id) {
                 continue;
             }
-            if writer.position() > self.opts.entry_log_bytes_max {
-                writer.finish(self.opts.fsync)?;
-                let next = writer.id + 1;
-                let stage = std::mem::take(&mut writer.stage);
-                *writer = EntryLogWriter::create(&self.logs_dir, next, Some(stage))?;
-            }
-            let offset = writer.position() + 4;
-            writer.push(&(value.len() as u32).to_be_bytes())?;
-            writer.push(value.head())?;
-            writer.push(&value.body)?;
-            let loc = Location {
-                log: writer.id,
-                offset,
-                len: value.len() as u32,
+            let loc = match value.stored {
+                // Already on disk where the journal wrote it: indexed there.
+                Some(loc) => loc,
+                None => {
+                    wrote = true;
+                    if writer.position() > self.opts.entry_log_bytes_max {
+                        writer.finish(self.opts.fsync)?;
+                        let next = writer.id + 1;
+                        let stage = std::mem::take(&mut writer.stage);
+                        *writer = EntryLogWriter::create(&self.logs_dir, next, Some(stage))?;
+                    }
+                    let offset = writer.position() + 4;
+                    writer.push(&(value.len() as u32).to_be_bytes())?;
+                    writer.push(value.head())?;
+                    writer.push(&value.body)?;
+                    Location {
+                        log: writer.id,
+                        offset,
+                        len: value.len() as u32,
+                    }
+                }
             };
             let key = index::page_key(*ledger_id, *entry_id);
             if page.is_none_or(|(_, k)| k != key) {
@@ -928,14 +1002,12 @@ impl LedgerStorage {
             records.push((index::slot(*entry_id), loc));
             let bytes = value.len() as u64 + 4;
             match &mut run {
-                Some((log, ledger, sum)) if *log == writer.id && ledger == ledger_id => {
-                    *sum += bytes
-                }
+                Some((log, ledger, sum)) if *log == loc.log && ledger == ledger_id => *sum += bytes,
                 _ => {
                     if let Some((log, ledger, sum)) = run {
                         *touched.entry(log).or_default().entry(ledger).or_default() += sum;
                     }
-                    run = Some((writer.id, *ledger_id, bytes));
+                    run = Some((loc.log, *ledger_id, bytes));
                 }
             }
         }
@@ -945,7 +1017,9 @@ impl LedgerStorage {
         if let Some((log, ledger, sum)) = run {
             *touched.entry(log).or_default().entry(ledger).or_default() += sum;
         }
-        writer.finish(self.opts.fsync)?;
+        if wrote {
+            writer.finish(self.opts.fsync)?;
+        }
         // The index may only point at bytes that are on disk.
         {
             let mut usage = self.usage.lock().expect("usage lock");
@@ -995,12 +1069,20 @@ impl LedgerStorage {
             .filter(|(_, s)| s.deleted)
             .map(|(id, _)| *id)
             .collect();
+        // A journal file from the checkpoint on may still be written to, and its records are
+        // replayed after a restart: only older ones are collected.
+        let checkpoint = self
+            .flushed_checkpoint
+            .load(std::sync::atomic::Ordering::Relaxed);
         let candidates: Vec<(u64, LogUsage)> = self
             .usage
             .lock()
             .expect("usage lock")
             .iter()
-            .filter(|(id, _)| **id != current)
+            .filter(|(id, _)| {
+                **id != current
+                    && (**id & JOURNAL_LOG_BIT == 0 || **id & !JOURNAL_LOG_BIT < checkpoint)
+            })
             .map(|(id, u)| (*id, u.clone()))
             .collect();
         let mut freed = 0;
@@ -1017,7 +1099,7 @@ impl LedgerStorage {
             if live > 0 {
                 self.compact_log(&mut writer, log, &u, &deleted)?;
             }
-            let path = self.logs_dir.join(log_name(log));
+            let path = self.log_path(log);
             let size = fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
             let mut batch = WriteBatch::default();
             batch.delete_cf(cf(&self.db, CF_LOGS), log.to_be_bytes());
@@ -1029,7 +1111,7 @@ impl LedgerStorage {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) => return Err(io_at(&path)(e)),
             }
-            tracing::info!(log, live, total, "entry log collected");
+            tracing::info!(path = %path.display(), live, total, "entry log collected");
         }
         Ok(freed)
     }
@@ -1238,6 +1320,8 @@ mod tests {
             entry_log_bytes_max: 1 << 30,
             compaction_live_ratio_min: 0.5,
             fsync: true,
+            journal_dir: None,
+            single_write: false,
         })
         .expect("open")
         .0
@@ -1329,9 +1413,17 @@ mod tests {
                 match e.get(..H) {
                     Some(h) if i % 2 == 0 => {
                         let h: &[u8; H] = h.try_into().expect("header bytes");
-                        s.add_durable(9, i as u64, NONE, b"key", (Some(h), &e.slice(H..)), false)
+                        s.add_durable(
+                            9,
+                            i as u64,
+                            NONE,
+                            b"key",
+                            (Some(h), &e.slice(H..)),
+                            None,
+                            false,
+                        )
                     }
-                    _ => s.add_durable(9, i as u64, NONE, b"key", (None, e), false),
+                    _ => s.add_durable(9, i as u64, NONE, b"key", (None, e), None, false),
                 }
             }
             s.flush().expect("flush");
@@ -1386,7 +1478,7 @@ mod tests {
             // Flush edges inside pages (256 ids each): 100, 300, 700.
             for part in [0..100, 100..300, 300..700, 700..1_000] {
                 for id in ids.iter().filter(|id| part.contains(*id)) {
-                    s.add_durable(4, *id, NONE, b"key", (None, &entry(4, *id, 1)), false);
+                    s.add_durable(4, *id, NONE, b"key", (None, &entry(4, *id, 1)), None, false);
                 }
                 // Another ledger's entries interleaved in the same flushes.
                 s.add_durable(
@@ -1395,12 +1487,13 @@ mod tests {
                     NONE,
                     b"key",
                     (None, &entry(5, part.start, 1)),
+                    None,
                     false,
                 );
                 s.flush().expect("flush");
             }
             // Written again (as a recovery would): the new location wins.
-            s.add_durable(4, 301, NONE, b"key", (None, &entry(4, 301, 2)), false);
+            s.add_durable(4, 301, NONE, b"key", (None, &entry(4, 301, 2)), None, false);
             s.flush().expect("flush");
             assert_eq!(pages_of(&s, 4), 4, "1,000 ids make 4 pages");
         }
@@ -1433,7 +1526,7 @@ mod tests {
         {
             let s = open(dir.path());
             for id in &ids {
-                s.add_durable(8, *id, NONE, b"key", (None, &entry(8, *id, 1)), false);
+                s.add_durable(8, *id, NONE, b"key", (None, &entry(8, *id, 1)), None, false);
             }
             s.flush().expect("flush");
             // Rewrite the index as older bookies kept it: a key per entry, no pages.
@@ -1474,7 +1567,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let s = open(dir.path());
         for id in 0..10 {
-            s.add_durable(3, id, NONE, b"key", (None, &entry(3, id, 1)), false);
+            s.add_durable(3, id, NONE, b"key", (None, &entry(3, id, 1)), None, false);
         }
         s.flush().expect("flush");
         // Tear the page's last record (as a bad disk might).
@@ -1488,7 +1581,7 @@ mod tests {
             "a damaged page is not read"
         );
         for id in 10..20 {
-            s.add_durable(3, id, NONE, b"key", (None, &entry(3, id, 1)), false);
+            s.add_durable(3, id, NONE, b"key", (None, &entry(3, id, 1)), None, false);
         }
         s.flush().expect("a flush over a damaged page");
         for id in (0..9).chain(10..20) {

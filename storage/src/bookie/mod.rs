@@ -5,7 +5,8 @@
 //!        ▲                       Read:  ledger storage (blocking pool)             │
 //!        │                       Fence: mark fenced ─► journal fence record ───────┤
 //!        └──── writer task ◄──── responses (one write per burst) ◄─────────────────┘
-//!  flusher thread: ledger_storage.flush ─► remove checkpointed journal files; GC
+//!  flusher thread: ledger_storage.flush ─► remove checkpointed journal files (those the
+//!                  index does not point into: with single write, journal files are the store); GC
 //! ```
 //!
 //! An add is answered only after the journal's fsync covered it. A damaged frame closes that
@@ -58,6 +59,7 @@ impl BookieOptions {
                 file_bytes_max: c.journal_file_bytes_max,
                 preallocate_bytes: c.journal_preallocate_bytes,
                 prefill: c.journal_prefill,
+                drop_synced_pages: c.single_write,
                 queue_records_max: c.journal_queue_records_max as usize,
                 fsync: c.fsync,
             },
@@ -68,6 +70,9 @@ impl BookieOptions {
                 entry_log_bytes_max: c.entry_log_bytes_max,
                 compaction_live_ratio_min: c.compaction_live_percent_min as f64 / 100.0,
                 fsync: c.fsync,
+                // The journal's, set when storage opens.
+                journal_dir: None,
+                single_write: c.single_write,
             },
             flush_interval_ms: c.flush_interval_ms,
             gc_interval_ms: c.gc_interval_ms,
@@ -410,18 +415,20 @@ type Opened = (
 );
 
 fn open_storage(opts: &BookieOptions) -> Result<Opened, BookieError> {
-    let (storage, checkpoint, index_closed) = LedgerStorage::open(opts.storage.clone())?;
+    let mut storage_opts = opts.storage.clone();
+    storage_opts.journal_dir = Some(opts.journal.dir.clone());
+    let (storage, checkpoint, index_closed) = LedgerStorage::open(storage_opts)?;
     meridian_metadata::durable_dir::create_dir_all_synced(&opts.journal.dir)?;
     let j = &opts.journal;
     for (seq, path) in journal::list_files(&j.dir)? {
-        if seq < checkpoint {
+        if seq < checkpoint && !storage.stores_in_journal_file(seq) {
             journal::retire(&j.dir, &path, j.file_bytes_max, j.prefill)?;
         }
     }
     let mut replayed = 0u64;
-    let report = journal::replay(&opts.journal.dir, |pos, r| {
+    let report = journal::replay(&opts.journal.dir, checkpoint, |pos, r| {
         replayed += 1;
-        apply_record(&storage, r);
+        apply_record(&storage, pos, r);
         storage.note_applied(pos.file);
     })?;
     tracing::info!(
@@ -431,6 +438,9 @@ fn open_storage(opts: &BookieOptions) -> Result<Opened, BookieError> {
         "journal replayed"
     );
     let (journal, thread) = Journal::start(opts.journal.clone())?;
+    // Every record of the files before the new one is applied now: the next flush's
+    // checkpoint passes them (journal files kept as the store are collected only then).
+    storage.note_applied(journal.first_file());
     Ok((storage, journal, thread, index_closed))
 }
 
@@ -451,7 +461,7 @@ fn split_record_data(data: &[u8]) -> Option<(&[u8], &[u8])> {
     Some((&data[1..1 + n], &data[1 + n..]))
 }
 
-fn apply_record(storage: &LedgerStorage, r: Record) {
+fn apply_record(storage: &LedgerStorage, pos: journal::Position, r: Record) {
     let Some((key, rest)) = split_record_data(&r.data) else {
         tracing::error!(
             ledger_id = r.ledger_id,
@@ -463,6 +473,7 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
     match r.kind {
         RecordKind::Add => {
             let envelope = Bytes::copy_from_slice(rest);
+            let at = journal::data_offset(pos) + (r.data.len() - rest.len()) as u64;
             match proto::open(&envelope) {
                 Ok(e) => storage.add_durable(
                     r.ledger_id,
@@ -470,6 +481,7 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
                     e.lac,
                     key,
                     (None, &envelope),
+                    Some((pos.file, at)),
                     false,
                 ),
                 Err(err) => {
@@ -484,7 +496,8 @@ fn apply_record(storage: &LedgerStorage, r: Record) {
     }
 }
 
-/// Moves the write cache to entry logs, then removes the journal files the checkpoint covers.
+/// Moves the write cache to entry logs (or, with single write, indexes it where the journal
+/// wrote it), then removes the journal files the checkpoint covers that hold no indexed entry.
 /// The journal keeps writing meanwhile (no roll: a new file costs the journal thread a stall).
 fn flush_once(core: &BookieCore) {
     let started = std::time::Instant::now();
@@ -495,7 +508,7 @@ fn flush_once(core: &BookieCore) {
             let j = &core.opts.journal;
             if let Ok(files) = journal::list_files(&j.dir) {
                 for (s, path) in files {
-                    if s < checkpoint {
+                    if s < checkpoint && !core.storage.stores_in_journal_file(s) {
                         if let Err(e) = journal::retire(&j.dir, &path, j.file_bytes_max, j.prefill)
                         {
                             tracing::warn!(path = %path.display(), error = %e, "removing a checkpointed journal file failed");
@@ -520,7 +533,10 @@ fn prepare_spare(
     class: &mut crate::io_priority::FlusherClass,
 ) {
     let j = &core.opts.journal;
+    // Journal files kept as the store are not recycled, and zeroing every next file ahead
+    // would write each byte twice again.
     if !j.prefill
+        || core.opts.storage.single_write
         || std::time::Instant::now() < *not_before
         || core.is_read_only()
         || core
@@ -951,6 +967,11 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
                     lac,
                     &master_key,
                     (Some(&header), &payload),
+                    // The envelope follows the key in the record's data.
+                    Some((
+                        pos.file,
+                        journal::data_offset(pos) + 1 + master_key.len() as u64,
+                    )),
                     true,
                 );
                 storage.note_applied(pos.file);

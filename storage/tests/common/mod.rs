@@ -35,6 +35,8 @@ pub fn bookie_opts(dir: &Path) -> BookieOptions {
             queue_records_max: 10_000,
             fsync: true,
             prefill: true,
+            // As with `bookie.single_write` (the default).
+            drop_synced_pages: true,
         },
         storage: StorageOptions {
             ledger_dir: dir.join("ledgers"),
@@ -43,6 +45,9 @@ pub fn bookie_opts(dir: &Path) -> BookieOptions {
             entry_log_bytes_max: 1 << 20,
             compaction_live_ratio_min: 0.5,
             fsync: true,
+            journal_dir: None,
+            // As `bookie.single_write` (the default): journal files are the store.
+            single_write: true,
         },
         flush_interval_ms: 200,
         gc_interval_ms: 200,
