@@ -326,8 +326,10 @@ pub struct BookieConfig {
     /// index points into them; garbage collection removes them, or copies what is still live
     /// out of mostly dead ones into entry logs), instead of copying every entry from the
     /// journal into an entry log. Halves what a shared journal and ledger disk writes.
-    /// `false`: BookKeeper's way, for a journal on a small disk of its own. A bookie that ran
-    /// with `true` must not be opened by a Meridian older than this setting. Default `true`.
+    /// `false`: BookKeeper's way. It does not apply where `journal_dir` and `ledger_dir` are
+    /// on different file systems (a journal disk of its own is sized for a journal). An older
+    /// Meridian opening such a bookie finds no checkpoint it knows and replays every journal
+    /// file into its entry logs (slow, nothing lost). Default `true`.
     pub single_write: bool,
     /// Records queued for the journal before writers wait. Range 1..=1000000, default 100000.
     pub journal_queue_records_max: u64,

@@ -579,6 +579,7 @@ pub struct FileReplay {
 pub fn replay(
     dir: &Path,
     from: u64,
+    keep_whole: impl Fn(u64) -> bool,
     mut apply: impl FnMut(Position, Record),
 ) -> Result<Vec<FileReplay>, JournalError> {
     meridian_metadata::durable_dir::create_dir_all_synced(dir).map_err(io_at(dir))?;
@@ -590,7 +591,17 @@ pub fn replay(
             fs::remove_file(&path).map_err(io_at(&path))?;
             continue;
         };
-        if let Some(damage) = &decoded.damage {
+        if let Some(damage) = decoded.damage.as_ref().filter(|_| keep_whole(seq)) {
+            // The index points into this file (a bookie's entry store): what follows the bad
+            // record may be indexed entries, which reads check one by one. Left as it is: a
+            // new process writes into a new file anyway.
+            tracing::error!(
+                path = %path.display(),
+                offset = decoded.end,
+                ?damage,
+                "journal records end before the file does in a file that holds indexed entries; replayed up to there, the file left whole"
+            );
+        } else if let Some(damage) = &decoded.damage {
             // Expected after a crash (a write no fsync covered), and in a recycled file (an
             // older file's bytes follow the records); corruption otherwise.
             tracing::info!(
@@ -1018,20 +1029,10 @@ fn sync_thread(
             }
             None => Ok(()),
         };
-        if result.is_ok() && drop_synced_pages {
-            // Every record that starts before the last one answered here was written before
-            // this fdatasync began: the whole pages before that record are durable.
-            let end = waiters.iter().map(|(p, _)| p.offset).max().unwrap_or(0) / 4096 * 4096;
-            let from = match &dropped {
-                Some((f, to)) if Arc::ptr_eq(f, &file) => *to,
-                _ => 0,
-            };
-            if let Some(len) = std::num::NonZeroU64::new(end.saturating_sub(from)) {
-                // Advice only: a failure changes nothing but the cache.
-                let _ = rustix::fs::fadvise(&*file, from, Some(len), rustix::fs::Advice::DontNeed);
-                dropped = Some((Arc::clone(&file), end));
-            }
-        }
+        // Every record that starts before the last one answered here was written before
+        // this fdatasync began: the whole pages before that record are durable.
+        let end = waiters.iter().map(|(p, _)| p.offset).max().unwrap_or(0) / 4096 * 4096;
+        let synced = result.is_ok();
         if let Err(why) = &result {
             tracing::error!(error = %why, "journal fdatasync failed; the journal is read-only from now on");
             failure
@@ -1047,6 +1048,18 @@ fn sync_thread(
                 });
             }
         }));
+        // After the answers are on their way: this only frees memory.
+        if synced && drop_synced_pages {
+            let from = match &dropped {
+                Some((f, to)) if Arc::ptr_eq(f, &file) => *to,
+                _ => 0,
+            };
+            if let Some(len) = std::num::NonZeroU64::new(end.saturating_sub(from)) {
+                // Advice only: a failure changes nothing but the cache.
+                let _ = rustix::fs::fadvise(&*file, from, Some(len), rustix::fs::Advice::DontNeed);
+                dropped = Some((Arc::clone(&file), end));
+            }
+        }
     }
 }
 
@@ -1279,7 +1292,7 @@ mod tests {
 
     fn read_back(dir: &Path) -> (Vec<(Position, Record)>, Vec<FileReplay>) {
         let mut out = Vec::new();
-        let report = replay(dir, 0, |p, r| out.push((p, r))).expect("replay");
+        let report = replay(dir, 0, |_| false, |p, r| out.push((p, r))).expect("replay");
         (out, report)
     }
 
@@ -1749,7 +1762,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join(file_name(3));
         fs::write(&path, b"this is not a journal file at all").expect("write");
-        let err = replay(dir.path(), 0, |_, _| {}).expect_err("bad header");
+        let err = replay(dir.path(), 0, |_| false, |_, _| {}).expect_err("bad header");
         assert!(
             err.to_string().contains("journal-0000000000000003.log"),
             "{err}"

@@ -47,7 +47,12 @@ const CF_LEGACY_INDEX: &str = "index";
 const CF_LEDGERS: &str = "ledgers";
 const CF_LOGS: &str = "logs";
 const CF_META: &str = "meta";
-const KEY_CHECKPOINT: &str = "journal_checkpoint";
+/// Where bookies before single write kept the checkpoint (read once, then removed).
+const KEY_CHECKPOINT_LEGACY: &str = "journal_checkpoint";
+/// The checkpoint, under a key older bookies do not know: one opening these files again finds
+/// no checkpoint and replays every journal file (copying what journal files hold into its
+/// entry logs) instead of removing the journal files the index points into.
+const KEY_CHECKPOINT: &str = "journal_checkpoint_v2";
 
 /// Settings of a bookie's ledger storage (`bookie.*` in the configuration).
 #[derive(Debug, Clone)]
@@ -1049,6 +1054,7 @@ impl LedgerStorage {
             KEY_CHECKPOINT,
             checkpoint.to_be_bytes(),
         );
+        batch.delete_cf(cf(&self.db, CF_META), KEY_CHECKPOINT_LEGACY);
         let result = self.write_synced(batch);
         if result.is_err() {
             self.dirty.lock().expect("dirty lock").extend(fenced);
@@ -1144,10 +1150,19 @@ impl LedgerStorage {
                 };
                 for (slot, loc) in index::records(&v).map_err(corrupt_page(*ledger, first))? {
                     if loc.log == log {
-                        moved.insert(
-                            (*ledger, first + slot as u64),
-                            Held::whole(self.read_at(loc)?),
-                        );
+                        let entry_id = first + slot as u64;
+                        let bytes = self.read_at(loc)?;
+                        // The log is removed after this: what moves must be the entry, whole.
+                        match proto::open(&bytes) {
+                            Ok(e) if e.ledger_id == *ledger && e.entry_id == entry_id => {}
+                            other => {
+                                return Err(StorageError::Corrupt(format!(
+                                    "entry {entry_id} of ledger {ledger} in log {log:#x} does not verify ({:?}); the log is kept",
+                                    other.map(|e| (e.ledger_id, e.entry_id))
+                                )))
+                            }
+                        }
+                        moved.insert((*ledger, entry_id), Held::whole(bytes));
                     }
                 }
             }
@@ -1297,7 +1312,11 @@ fn migrate_legacy_index(db: &DB, fsync: bool) -> Result<u64, StorageError> {
 }
 
 fn read_checkpoint(db: &DB) -> Result<u64, StorageError> {
-    match db.get_cf(cf(db, CF_META), KEY_CHECKPOINT)? {
+    let at = match db.get_cf(cf(db, CF_META), KEY_CHECKPOINT)? {
+        Some(v) => Some(v),
+        None => db.get_cf(cf(db, CF_META), KEY_CHECKPOINT_LEGACY)?,
+    };
+    match at {
         Some(v) => Ok(u64::from_be_bytes(
             v.as_slice()
                 .try_into()
@@ -1559,6 +1578,32 @@ mod tests {
                 Err(e) => assert!(id % 3 == 2 && e == Status::NoSuchEntry, "entry {id}: {e:?}"),
             }
         }
+    }
+
+    #[test]
+    fn given_a_checkpoint_of_an_older_bookie_then_it_is_read_and_moved_to_a_key_older_bookies_do_not_know(
+    ) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let s = open(dir.path());
+            s.db.put_cf(
+                cf(&s.db, CF_META),
+                KEY_CHECKPOINT_LEGACY,
+                7u64.to_be_bytes(),
+            )
+            .expect("put");
+        }
+        let s = open(dir.path());
+        assert_eq!(read_checkpoint(&s.db).expect("read"), 7);
+        s.note_applied(9);
+        s.add_durable(3, 0, NONE, b"key", (None, &entry(3, 0, 1)), None, false);
+        assert_eq!(s.flush().expect("flush"), 9);
+        assert!(s
+            .db
+            .get_cf(cf(&s.db, CF_META), KEY_CHECKPOINT_LEGACY)
+            .expect("get")
+            .is_none());
+        assert_eq!(read_checkpoint(&s.db).expect("read"), 9);
     }
 
     #[test]

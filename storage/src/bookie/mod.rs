@@ -371,6 +371,9 @@ pub async fn start_with_tls(
     listener: TcpListener,
 ) -> Result<RunningBookie, BookieError> {
     let addr = listener.local_addr()?;
+    let mut opts = opts;
+    opts.storage.single_write = single_write_applies(&opts)?;
+    opts.journal.drop_synced_pages = opts.storage.single_write;
     let o = opts.clone();
     let (storage, journal, journal_thread, index_closed) =
         tokio::task::spawn_blocking(move || open_storage(&o))
@@ -414,6 +417,28 @@ type Opened = (
     meridian_metadata::store::DbClosed,
 );
 
+/// Whether `bookie.single_write` applies: not where the journal and the ledgers are on
+/// different file systems. A journal on a disk of its own (BookKeeper's advice) is sized
+/// for a journal; as the entries' store it would fill up.
+fn single_write_applies(opts: &BookieOptions) -> std::io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    if !opts.storage.single_write {
+        return Ok(false);
+    }
+    let (j, l) = (&opts.journal.dir, &opts.storage.ledger_dir);
+    meridian_metadata::durable_dir::create_dir_all_synced(j)?;
+    meridian_metadata::durable_dir::create_dir_all_synced(l)?;
+    if std::fs::metadata(j)?.dev() != std::fs::metadata(l)?.dev() {
+        tracing::warn!(
+            journal = %j.display(),
+            ledgers = %l.display(),
+            "bookie.single_write does not apply: the journal and the ledgers are on different file systems; entries are copied into entry logs"
+        );
+        return Ok(false);
+    }
+    Ok(true)
+}
+
 fn open_storage(opts: &BookieOptions) -> Result<Opened, BookieError> {
     let mut storage_opts = opts.storage.clone();
     storage_opts.journal_dir = Some(opts.journal.dir.clone());
@@ -426,7 +451,8 @@ fn open_storage(opts: &BookieOptions) -> Result<Opened, BookieError> {
         }
     }
     let mut replayed = 0u64;
-    let report = journal::replay(&opts.journal.dir, checkpoint, |pos, r| {
+    let stored_in = |seq| storage.stores_in_journal_file(seq);
+    let report = journal::replay(&opts.journal.dir, checkpoint, stored_in, |pos, r| {
         replayed += 1;
         apply_record(&storage, pos, r);
         storage.note_applied(pos.file);
