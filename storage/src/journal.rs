@@ -594,12 +594,12 @@ pub fn replay(
         if let Some(damage) = decoded.damage.as_ref().filter(|_| keep_whole(seq)) {
             // The index points into this file (a bookie's entry store): what follows the bad
             // record may be indexed entries, which reads check one by one. Left as it is: a
-            // new process writes into a new file anyway.
-            tracing::error!(
+            // new process writes into a new file anyway. After a crash this is the torn tail.
+            tracing::info!(
                 path = %path.display(),
                 offset = decoded.end,
                 ?damage,
-                "journal records end before the file does in a file that holds indexed entries; replayed up to there, the file left whole"
+                "journal records end before the file does (a torn tail, or damage); the file holds indexed entries, so it is replayed up to there and left whole"
             );
         } else if let Some(damage) = &decoded.damage {
             // Expected after a crash (a write no fsync covered), and in a recycled file (an
@@ -1640,6 +1640,30 @@ mod tests {
         let (all, report) = read_back(dir.path());
         assert_eq!(all.len(), 20);
         assert_eq!(report.len(), 2);
+    }
+
+    #[test]
+    fn given_a_damaged_file_that_holds_indexed_entries_when_replayed_then_it_is_left_whole() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let records: Vec<Record> = (0..20).map(|i| rec(1, i, 100)).collect();
+        write_all(opts(dir.path()), &records);
+        let (seq, path) = list_files(dir.path()).expect("list").pop().expect("a file");
+        let mut bytes = fs::read(&path).expect("read");
+        let end = read_back(dir.path()).1[0].end as usize;
+        // A damaged record in the middle: what follows it stays on disk for the index.
+        bytes[end / 2] ^= 0xff;
+        fs::write(&path, &bytes).expect("write");
+        let mut got = 0;
+        let report = replay(dir.path(), 0, |s| s == seq, |_, _| got += 1).expect("replay");
+        assert!(got < 20 && report[0].damage.is_some(), "{got} {report:?}");
+        assert_eq!(fs::metadata(&path).expect("stat").len(), bytes.len() as u64);
+        // Without indexed entries in it, the same file is truncated at the damage.
+        replay(dir.path(), 0, |_| false, |_, _| {}).expect("replay");
+        assert_eq!(fs::metadata(&path).expect("stat").len(), report[0].end);
+        // Files before `from` are not read at all.
+        let mut later = 0;
+        replay(dir.path(), seq + 1, |_| false, |_, _| later += 1).expect("replay");
+        assert_eq!(later, 0);
     }
 
     #[test]
