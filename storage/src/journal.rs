@@ -845,6 +845,9 @@ struct Writer {
     /// Bytes reserved on disk.
     allocated: u64,
     preallocate_bytes: u64,
+    /// Reservations stop here (the file rotates about there): a file kept as a bookie's
+    /// store must not hold reserved blocks it never uses.
+    file_bytes_max: u64,
 }
 
 impl Writer {
@@ -869,6 +872,7 @@ impl Writer {
             len: FILE_HEADER_BYTES,
             allocated: 0,
             preallocate_bytes: opts.preallocate_bytes,
+            file_bytes_max: opts.file_bytes_max,
         };
         w.reserve(0)?;
         w.file.sync_all().map_err(io_at(&w.path))?;
@@ -903,6 +907,7 @@ impl Writer {
             // Appends below this overwrite blocks that hold data already.
             allocated: size,
             preallocate_bytes: opts.preallocate_bytes,
+            file_bytes_max: opts.file_bytes_max,
         }))
     }
 
@@ -914,7 +919,7 @@ impl Writer {
             return Ok(());
         }
         let step = self.preallocate_bytes;
-        let target = need.div_ceil(step) * step;
+        let target = (need.div_ceil(step) * step).min(self.file_bytes_max.max(need));
         rustix::fs::fallocate(
             &self.file,
             rustix::fs::FallocateFlags::KEEP_SIZE,
@@ -1664,6 +1669,30 @@ mod tests {
         let mut later = 0;
         replay(dir.path(), seq + 1, |_| false, |_, _| later += 1).expect("replay");
         assert_eq!(later, 0);
+    }
+
+    #[test]
+    fn given_steps_larger_than_a_file_then_no_file_reserves_more_than_it_may_hold() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().expect("tempdir");
+        let o = JournalOptions {
+            file_bytes_max: 1 << 20,
+            preallocate_bytes: 4 << 20,
+            ..opts(dir.path())
+        };
+        let records: Vec<Record> = (0..300).map(|i| rec(1, i, 10_000)).collect();
+        write_all(o, &records);
+        let files = list_files(dir.path()).expect("list");
+        assert!(files.len() >= 2, "{files:?}");
+        for (_, path) in files {
+            let allocated = fs::metadata(&path).expect("stat").blocks() * 512;
+            // A file ends at most one batch past the limit; blocks round up to 4 KiB.
+            assert!(
+                allocated <= (1 << 20) + (64 << 10),
+                "{}: {allocated} bytes allocated",
+                path.display()
+            );
+        }
     }
 
     #[test]
