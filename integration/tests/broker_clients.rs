@@ -75,6 +75,14 @@ fn python_client_10k_batched_and_unbatched_in_order_then_sigterm_exits_0() {
         "meridian_publish_latency_seconds",
         "meridian_storage_write_latency_seconds",
         "meridian_connections",
+        // Where a publish's time goes in the standalone's bookie (`meridian perf --stats-http`).
+        "meridian_bookie_add_seconds_count",
+        "meridian_bookie_add_reserve_seconds_count",
+        "meridian_journal_queue_seconds_count",
+        "meridian_journal_write_seconds_count",
+        "meridian_journal_sync_wait_seconds_count",
+        "meridian_journal_sync_seconds_count",
+        "meridian_journal_completion_seconds_count",
     ] {
         assert!(metrics.contains(name), "{name} missing from /metrics");
     }

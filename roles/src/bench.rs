@@ -1,7 +1,6 @@
 //! `meridian meta bench`: acknowledged puts and linearizable gets from concurrent clients, with
 //! latency percentiles, and an optional probe of the disk's raw fsync rate to compare against.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -140,21 +139,7 @@ async fn phase(
 
 /// Raw fsync rate of one writer: 4 KiB appended and `fdatasync`ed, for two seconds.
 fn fsync_probe(dir: &std::path::Path) -> anyhow::Result<f64> {
-    std::fs::create_dir_all(dir)?;
-    let path = dir.join(format!("meridian-fsync-probe-{}", std::process::id()));
-    let mut f = std::fs::File::create(&path)?;
-    let block = vec![0u8; 4096];
-    let started = Instant::now();
-    let mut n = 0u64;
-    while started.elapsed() < Duration::from_secs(2) {
-        f.write_all(&block)?;
-        f.sync_data()?;
-        n += 1;
-    }
-    let rate = n as f64 / started.elapsed().as_secs_f64();
-    drop(f);
-    std::fs::remove_file(&path)?;
-    Ok(rate)
+    Ok(crate::disk_probe::sync_latency(dir, 2.0)?.len() as f64 / 2.0)
 }
 
 pub async fn run(

@@ -9,7 +9,8 @@
 //! - `meridian broker`: run a broker against a metadata store and bookies.
 //! - `meridian autorecovery`: bookie autorecovery alone (auditor and replication worker).
 //! - `meridian site up`: a whole site of separate processes on loopback.
-//! - `meridian perf ledger|produce|consume|e2e|admin`: benchmarks against running servers.
+//! - `meridian perf ledger|produce|consume|e2e|admin|geo|disk`: benchmarks against running servers
+//!   and the disk.
 //! - `meridian config print --role ROLE`: show the effective configuration.
 //!
 //! This crate only wires roles together; each role's logic lives in its own crate (the broker
@@ -20,10 +21,12 @@ mod admin_perf;
 mod bench;
 mod bookie_http;
 mod broker_role;
+mod disk_probe;
 mod geo_perf;
 mod meta;
 mod pulsar_perf;
 mod site_up;
+mod stage_metrics;
 mod standalone;
 mod storage_cmds;
 

@@ -25,6 +25,9 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
+use crate::disk_probe::percentiles;
+use crate::stage_metrics::Snapshot;
+
 #[derive(clap::Args, Clone, Debug)]
 pub struct CommonArgs {
     /// Broker service URL.
@@ -56,7 +59,9 @@ pub struct CommonArgs {
     #[arg(long)]
     broker_pid: Option<u32>,
     /// The broker's HTTP address (`HOST:PORT`): its `/stats` of the topics is printed at the end
-    /// (backlog, unacknowledged and delayed entries per subscription).
+    /// (backlog, unacknowledged and delayed entries per subscription), and where publishes'
+    /// time went after the warm-up (`stage` lines: the broker's and its bookie's latency
+    /// histograms of `/metrics`, per stage).
     #[arg(long)]
     stats_http: Option<String>,
 }
@@ -356,21 +361,6 @@ fn record(r: &Mutex<Recorder>, us: u64) {
     let _ = r.total.record(us);
 }
 
-fn percentiles(h: &Histogram<u64>) -> String {
-    if h.is_empty() {
-        return "no samples".into();
-    }
-    let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
-    format!(
-        "p50 {:.3} p95 {:.3} p99 {:.3} p99.9 {:.3} max {:.3} ms",
-        ms(0.5),
-        ms(0.95),
-        ms(0.99),
-        ms(0.999),
-        h.max() as f64 / 1000.0
-    )
-}
-
 #[derive(Default)]
 struct Counters {
     msgs: AtomicU64,
@@ -392,37 +382,6 @@ fn topic_names(c: &CommonArgs) -> Vec<String> {
     } else {
         (0..c.topics).map(|i| format!("{}-{i}", c.topic)).collect()
     }
-}
-
-/// 4 KiB writes with fdatasync after each, in a thread, until `stop`.
-fn fsync_probe(dir: String, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<Histogram<u64>> {
-    std::thread::spawn(move || {
-        use std::io::Write;
-        let mut h = Histogram::new_with_bounds(1, 60_000_000, 3).expect("bounds");
-        let path =
-            std::path::Path::new(&dir).join(format!("meridian-perf-fsync-{}", std::process::id()));
-        let Ok(mut f) = std::fs::File::create(&path) else {
-            eprintln!("perf: cannot create {}", path.display());
-            return h;
-        };
-        let block = [0x5au8; 4096];
-        let mut written = 0u64;
-        while !stop.load(Ordering::Relaxed) {
-            let t = Instant::now();
-            if f.write_all(&block).and_then(|()| f.sync_data()).is_err() {
-                break;
-            }
-            let _ = h.record((t.elapsed().as_micros() as u64).max(1));
-            written += 4096;
-            if written >= 64 << 20 {
-                let _ = f.set_len(0);
-                written = 0;
-            }
-            std::thread::sleep(Duration::from_millis(2));
-        }
-        let _ = std::fs::remove_file(&path);
-        h
-    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -944,6 +903,31 @@ async fn print_broker_stats(c: &CommonArgs) {
     }
 }
 
+/// `/metrics` once the warm-up is over (`None` without `--stats-http`).
+fn stages_after_warmup(c: &CommonArgs) -> tokio::task::JoinHandle<Option<Snapshot>> {
+    let addr = c.stats_http.clone();
+    let warmup = Duration::from_secs(c.warmup_seconds);
+    tokio::spawn(async move {
+        tokio::time::sleep(warmup).await;
+        Some(Snapshot::parse(&http_get(&addr?, "/metrics").await.ok()?))
+    })
+}
+
+/// Prints where publishes' time went since `before` was taken.
+async fn print_stages(c: &CommonArgs, before: tokio::task::JoinHandle<Option<Snapshot>>) {
+    let (Some(addr), Ok(Some(before))) = (&c.stats_http, before.await) else {
+        return;
+    };
+    match http_get(addr, "/metrics").await {
+        Ok(page) => {
+            for line in Snapshot::parse(&page).report_since(&before) {
+                println!("stage {line}");
+            }
+        }
+        Err(e) => println!("stage latencies: {e:#}"),
+    }
+}
+
 async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await?;
@@ -953,18 +937,6 @@ async fn http_get(addr: &str, path: &str) -> anyhow::Result<String> {
     s.read_to_string(&mut out).await?;
     let body = out.split_once("\r\n\r\n").map_or(out.as_str(), |(_, b)| b);
     Ok(body.trim().to_string())
-}
-
-fn print_probe(probe: Option<std::thread::JoinHandle<Histogram<u64>>>) {
-    if let Some(p) = probe {
-        if let Ok(h) = p.join() {
-            println!(
-                "summary disk 4 KiB write+fdatasync ({} samples): {}",
-                h.len(),
-                percentiles(&h)
-            );
-        }
-    }
 }
 
 /// One consumer per topic; returns once every one has subscribed and granted its permits.
@@ -1015,10 +987,11 @@ pub async fn produce(a: ProduceArgs) -> anyhow::Result<()> {
         .common
         .fsync_probe_dir
         .clone()
-        .map(|d| fsync_probe(d, Arc::clone(&stop)));
+        .map(|d| crate::disk_probe::background_latency(d, Arc::clone(&stop)));
     let counters = Arc::new(Counters::default());
     let latency = Arc::new(Recorder::new());
     print_broker_memory(&a.common, "at the start");
+    let stages = stages_after_warmup(&a.common);
     let start = Instant::now();
     let tasks = spawn_producers(&a, &stop, &counters, &latency);
     let reporter = tokio::spawn(report_loop(
@@ -1038,8 +1011,9 @@ pub async fn produce(a: ProduceArgs) -> anyhow::Result<()> {
     let _ = timer.await;
     let _ = reporter.await;
     summary("produce", &counters, secs, Some(("publish", &latency)));
-    print_probe(probe);
+    crate::disk_probe::print_background(probe);
     print_broker_memory(&a.common, "at the end");
+    print_stages(&a.common, stages).await;
     print_broker_stats(&a.common).await;
     r
 }
@@ -1050,7 +1024,7 @@ pub async fn consume(a: ConsumeArgs) -> anyhow::Result<()> {
         .common
         .fsync_probe_dir
         .clone()
-        .map(|d| fsync_probe(d, Arc::clone(&stop)));
+        .map(|d| crate::disk_probe::background_latency(d, Arc::clone(&stop)));
     let counters = Arc::new(Counters::default());
     print_broker_memory(&a.common, "at the start");
     let tasks = spawn_consumers(
@@ -1084,7 +1058,7 @@ pub async fn consume(a: ConsumeArgs) -> anyhow::Result<()> {
     let _ = timer.await;
     let _ = reporter.await;
     summary("consume", &counters, secs, None);
-    print_probe(probe);
+    crate::disk_probe::print_background(probe);
     print_broker_memory(&a.common, "at the end");
     print_broker_stats(&a.common).await;
     r
@@ -1097,7 +1071,7 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
         .common
         .fsync_probe_dir
         .clone()
-        .map(|d| fsync_probe(d, Arc::clone(&stop)));
+        .map(|d| crate::disk_probe::background_latency(d, Arc::clone(&stop)));
     let consumed = Arc::new(Counters::default());
     let e2e_latency = Arc::new(Recorder::new());
     print_broker_memory(&p.common, "at the start");
@@ -1120,6 +1094,7 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
     .await;
     let produced = Arc::new(Counters::default());
     let publish = Arc::new(Recorder::new());
+    let stages = stages_after_warmup(&p.common);
     let start = Instant::now();
     let producers = spawn_producers(p, &stop, &produced, &publish);
     let reporter = tokio::spawn(report_loop(
@@ -1160,8 +1135,9 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
         secs,
         Some(("end-to-end", &e2e_latency)),
     );
-    print_probe(probe);
+    crate::disk_probe::print_background(probe);
     print_broker_memory(&p.common, "at the end");
+    print_stages(&p.common, stages).await;
     print_broker_stats(&p.common).await;
     r
 }

@@ -376,6 +376,9 @@ enum PerfCommand {
     Admin(crate::admin_perf::AdminPerfArgs),
     /// The geo link alone (`--link-only`): MiB/s over 1 and 100 streams, GSO on and off.
     Geo(crate::geo_perf::GeoPerfArgs),
+    /// The disk's own limits: 1 MiB writes each fdatasynced (MB/s) and 4 KiB writes each
+    /// fdatasynced (rate and latency percentiles).
+    Disk(crate::disk_probe::DiskArgs),
 }
 
 #[derive(clap::Args)]
@@ -445,6 +448,11 @@ pub async fn run_perf(args: PerfArgs, cfg: Config) -> anyhow::Result<ExitCode> {
             return crate::admin_perf::run(a).await.map(|()| ExitCode::SUCCESS)
         }
         PerfCommand::Geo(a) => return crate::geo_perf::run(a).await.map(|()| ExitCode::SUCCESS),
+        PerfCommand::Disk(a) => {
+            return tokio::task::spawn_blocking(move || crate::disk_probe::run(a))
+                .await?
+                .map(|()| ExitCode::SUCCESS)
+        }
     };
     let tls = crate::tls_of(&cfg, None)?;
     let meta = MetadataClient::with_tls(&cfg.client, tls.clone()).context("client.endpoints")?;

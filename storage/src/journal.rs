@@ -544,23 +544,27 @@ pub fn prepare_spare(dir: &Path, file_bytes_max: u64, budget: u64) -> Result<boo
     Ok(true)
 }
 
-/// Disposes of a journal file that a checkpoint no longer needs: it becomes the spare when there
-/// is none and it holds at least half of `file_bytes_max` (with `prefill`), else it is removed.
+/// Disposes of a journal file that no longer holds anything needed (the checkpoint passed it,
+/// and no index entry points into it): it becomes the spare when there is none and it holds at
+/// least half of `file_bytes_max` (with `prefill`), else it is removed. Returns whether it
+/// became the spare.
 pub fn retire(
     dir: &Path,
     path: &Path,
     file_bytes_max: u64,
     prefill: bool,
-) -> Result<(), JournalError> {
+) -> Result<bool, JournalError> {
     let len = fs::metadata(path).map_err(io_at(path))?.len();
     if prefill && !spare_ready(dir) && len >= file_bytes_max / 2 {
         // A half-made zero-filled spare is not needed any more.
         let _ = fs::remove_file(dir.join(SPARE_TMP_NAME));
         // No directory fsync: after a crash the old name may come back, and a journal file
-        // older than the checkpoint is removed at start-up.
-        return fs::rename(path, dir.join(SPARE_NAME)).map_err(io_at(path));
+        // older than the checkpoint that no index entry points into is retired at start-up.
+        return fs::rename(path, dir.join(SPARE_NAME))
+            .map(|()| true)
+            .map_err(io_at(path));
     }
-    fs::remove_file(path).map_err(io_at(path))
+    fs::remove_file(path).map(|()| false).map_err(io_at(path))
 }
 
 /// What replay did to one file.
@@ -661,7 +665,8 @@ type Completion = Box<dyn FnOnce() + Send>;
 const COMPLETIONS_QUEUED_MAX: usize = 64;
 
 enum Op {
-    Append(Record, Done),
+    /// A record, its callback, and when it was queued.
+    Append(Record, Done, Instant),
     /// Roll to a new file now; answers with the sequence number of the new file.
     Roll(RollDone),
     /// Flush what is queued before this, then end the thread.
@@ -802,7 +807,8 @@ impl Journal {
     /// Queues `record`; `done` runs on the completion thread once it is fsynced (or failed), after
     /// the callbacks of every record queued before it. Blocks while the queue is full.
     pub fn append(&self, record: Record, done: Done) {
-        if let Err(mpsc::SendError(Op::Append(_, done))) = self.tx.send(Op::Append(record, done)) {
+        let op = Op::Append(record, done, Instant::now());
+        if let Err(mpsc::SendError(Op::Append(_, done, _))) = self.tx.send(op) {
             done(Err(JournalError::Stopped));
         }
     }
@@ -811,10 +817,10 @@ impl Journal {
     /// Every file older than the answer is complete once `done` runs.
     /// [`append`](Self::append) without waiting: gives the record back when the queue is full.
     pub fn try_append(&self, record: Record, done: Done) -> Result<(), (Record, Done)> {
-        match self.tx.try_send(Op::Append(record, done)) {
+        match self.tx.try_send(Op::Append(record, done, Instant::now())) {
             Ok(()) => Ok(()),
-            Err(mpsc::TrySendError::Full(Op::Append(r, d))) => Err((r, d)),
-            Err(mpsc::TrySendError::Disconnected(Op::Append(_, d))) => {
+            Err(mpsc::TrySendError::Full(Op::Append(r, d, _))) => Err((r, d)),
+            Err(mpsc::TrySendError::Disconnected(Op::Append(_, d, _))) => {
                 d(Err(JournalError::Stopped));
                 Ok(())
             }
@@ -950,6 +956,8 @@ enum SyncJob {
         file: Arc<File>,
         path: PathBuf,
         waiters: Vec<(Position, Done)>,
+        /// When its write into the page cache returned.
+        written: Instant,
     },
     /// Callbacks that run after those of every batch before them (a roll's answer, appends
     /// refused after a failure).
@@ -978,6 +986,8 @@ fn sync_thread(
         }
     };
     let sync_latency = metrics::histogram!("meridian_journal_sync_seconds");
+    let sync_wait = metrics::histogram!("meridian_journal_sync_wait_seconds");
+    let completion_wait = metrics::histogram!("meridian_journal_completion_seconds");
     let mut next: Option<SyncJob> = None;
     // With `drop_synced_pages`: the file whose synced pages are dropped, and up to where.
     let mut dropped: Option<(Arc<File>, u64)> = None;
@@ -989,7 +999,7 @@ fn sync_thread(
                 Err(_) => return,
             },
         };
-        let (file, path, mut waiters) = match job {
+        let (file, path, mut waiters, written) = match job {
             SyncJob::Then(job) => {
                 complete(job);
                 continue;
@@ -998,7 +1008,8 @@ fn sync_thread(
                 file,
                 path,
                 waiters,
-            } => (file, path, waiters),
+                written,
+            } => (file, path, waiters, written),
         };
         while let Ok(more) = rx.try_recv() {
             match more {
@@ -1013,6 +1024,8 @@ fn sync_thread(
                 }
             }
         }
+        // How long the oldest batch this fdatasync covers waited for it (behind the one before).
+        sync_wait.record(written.elapsed().as_secs_f64());
         let failed = failure.lock().expect("failure lock").clone();
         let result = match failed {
             Some(why) => Err(why),
@@ -1045,7 +1058,11 @@ fn sync_thread(
                 .expect("failure lock")
                 .get_or_insert_with(|| why.clone());
         }
+        let synced_at = Instant::now();
+        let completion_wait = completion_wait.clone();
         complete(Box::new(move || {
+            // Behind the callbacks of earlier batches on the completion thread.
+            completion_wait.record(synced_at.elapsed().as_secs_f64());
             for (pos, done) in waiters {
                 done(match &result {
                     Ok(()) => Ok(pos),
@@ -1088,6 +1105,7 @@ fn run(
     let mut batch = Batch::with_capacity(opts.batch_bytes_max.min(4 << 20) + 4096);
     let mut waiting: Vec<(Position, Done)> = Vec::new();
     let mut pending_op: Option<Op> = None;
+    let queue_latency = metrics::histogram!("meridian_journal_queue_seconds");
     let write_latency = metrics::histogram!("meridian_journal_write_seconds");
     let batch_records = metrics::histogram!("meridian_journal_batch_records");
     loop {
@@ -1106,6 +1124,8 @@ fn run(
         let mut roll = None;
         let mut stopping = false;
         let mut op = Some(first);
+        // The batch's oldest record: how long it waited before its batch was written.
+        let mut oldest = Instant::now();
         // Collect one batch.
         while let Some(next) = op.take() {
             match next {
@@ -1117,7 +1137,7 @@ fn run(
                     stopping = true;
                     break;
                 }
-                Op::Append(record, done) => {
+                Op::Append(record, done, queued) => {
                     let record_len = encoded_len(&record);
                     let len = record_len - RECORD_HEADER_BYTES;
                     if let Some(why) = &failed {
@@ -1133,7 +1153,7 @@ fn run(
                             && writer.len + batch.len as u64 > FILE_HEADER_BYTES
                         {
                             // This record starts the next file: flush this batch first.
-                            pending_op = Some(Op::Append(record, done));
+                            pending_op = Some(Op::Append(record, done, queued));
                             roll_after_flush(&mut roll);
                             break;
                         }
@@ -1143,6 +1163,7 @@ fn run(
                         };
                         batch.push(writer.seq, &record);
                         waiting.push((pos, done));
+                        oldest = oldest.min(queued);
                     }
                 }
             }
@@ -1169,8 +1190,10 @@ fn run(
         }
         if !batch.is_empty() {
             let write_started = Instant::now();
+            queue_latency.record(write_started.duration_since(oldest).as_secs_f64());
             let result = writer.write_batch(&batch);
-            write_latency.record(write_started.elapsed().as_secs_f64());
+            let written = Instant::now();
+            write_latency.record(written.duration_since(write_started).as_secs_f64());
             batch_records.record(waiting.len() as f64);
             stats.flushes.fetch_add(1, Ordering::Relaxed);
             stats
@@ -1186,6 +1209,7 @@ fn run(
                         file: Arc::clone(&writer.file),
                         path: writer.path.clone(),
                         waiters: answered,
+                        written,
                     };
                     if let Err(mpsc::SendError(SyncJob::Written { waiters, .. })) = syncs.send(job)
                     {

@@ -1481,8 +1481,8 @@ async fn given_entry_logs_mostly_dead_then_compaction_moves_live_entries_and_fre
 
 /// `bookie.single_write`: entries stay in the journal files (nothing is copied into entry
 /// logs); deleting most of what a journal file holds makes garbage collection move the rest
-/// into an entry log and remove the file; everything live reads back, before and after a
-/// restart.
+/// into an entry log and retire the file (the first one becomes the journal's spare, which the
+/// next file is made from); everything live reads back, before and after a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_single_write_then_entries_stay_in_journal_files_until_compaction_moves_the_live_ones(
 ) {
@@ -1545,24 +1545,40 @@ async fn given_single_write_then_entries_stay_in_journal_files_until_compaction_
     step(&format!(
         "journal files {journal_before} -> {after} bytes, entry logs {logs_before} -> {logs_after}"
     ));
-    step("the live ledger reads back, and again after a restart");
-    let check = |reader: meridian_storage::ledger::LedgerReader| async move {
-        for i in 0..150u64 {
+    let spare = dir.join("journal/journal-spare.log");
+    let spare_len = std::fs::metadata(&spare).map_or(0, |m| m.len());
+    assert!(
+        spare_len >= 512 << 10,
+        "a collected journal file is kept as the spare: {spare_len} bytes"
+    );
+    step("a fourth ledger fills the current journal file: the next one is the spare");
+    let fourth = client.create(1, 1, 1, BTreeMap::new()).await.expect("d");
+    for i in 0..100u64 {
+        fourth.add(interleaved_blob(3, i)).await.expect("add");
+    }
+    let fourth_id = fourth.id();
+    fourth.close().await.expect("close");
+    assert!(!spare.exists(), "the journal took the spare");
+    step("the live ledgers read back, and again after a restart");
+    let check = |reader: meridian_storage::ledger::LedgerReader, w: usize, n: u64| async move {
+        for i in 0..n {
             assert_eq!(
                 reader.read(i).await.expect("read"),
-                interleaved_blob(2, i),
-                "entry {i}"
+                interleaved_blob(w, i),
+                "entry {i} of ledger {w}"
             );
         }
     };
-    check(client.open(ids[2]).await.expect("open")).await;
+    check(client.open(ids[2]).await.expect("open"), 2, 150).await;
+    check(client.open(fourth_id).await.expect("open"), 3, 100).await;
     let addr = bookies[0].addr.clone();
     bookies[0].stop(&store.client).await;
     bookies[0] = start_bookie(&store.client, dir.clone(), Some(addr)).await;
     wait_for_bookies(&client, 1).await;
     // After a flush: read through the index, not from what replay put in the write cache.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    check(client.open(ids[2]).await.expect("open")).await;
+    check(client.open(ids[2]).await.expect("open"), 2, 150).await;
+    check(client.open(fourth_id).await.expect("open"), 3, 100).await;
     for b in &mut bookies {
         b.stop(&store.client).await;
     }

@@ -67,6 +67,11 @@ pub struct StorageOptions {
     /// The journal's directory (set by the bookie when it opens storage): journal files the
     /// index points into (see `single_write`) are read and collected there.
     pub journal_dir: Option<PathBuf>,
+    /// The journal's `file_bytes_max` when it takes spares (`journal_prefill`; set with
+    /// `journal_dir`): a journal file collected here becomes the spare when there is none, so
+    /// that the next file overwrites blocks already written (no extents to convert at each
+    /// fdatasync) instead of growing a new one.
+    pub journal_spare_bytes: Option<u64>,
     /// `bookie.single_write`: journal files stay where they are as the entries' store (the
     /// index points into them; module docs) instead of entries being copied into entry logs.
     pub single_write: bool,
@@ -1112,12 +1117,27 @@ impl LedgerStorage {
             self.write_synced(batch)?;
             self.usage.lock().expect("usage lock").remove(&log);
             self.readers.lock().expect("readers lock").remove(&log);
-            match fs::remove_file(&path) {
-                Ok(()) => freed += size,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            // A read that looked the index up before the repoint and opens the file after this
+            // fails or does not verify, and is tried again from the index (`read_checked`).
+            let disposed = match (&self.opts.journal_dir, self.opts.journal_spare_bytes) {
+                (Some(dir), Some(file_bytes_max)) if log & JOURNAL_LOG_BIT != 0 => {
+                    crate::journal::retire(dir, &path, file_bytes_max, true).map_err(|e| match e {
+                        crate::journal::JournalError::Io { source, .. } => source,
+                        other => std::io::Error::other(other.to_string()),
+                    })
+                }
+                _ => fs::remove_file(&path).map(|()| false),
+            };
+            let spare = match disposed {
+                Ok(spare) => spare,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
                 Err(e) => return Err(io_at(&path)(e)),
+            };
+            // Kept as the journal's spare, its blocks stay allocated.
+            if !spare {
+                freed += size;
             }
-            tracing::info!(path = %path.display(), live, total, "entry log collected");
+            tracing::info!(path = %path.display(), live, total, spare, "entry log collected");
         }
         Ok(freed)
     }
@@ -1340,6 +1360,7 @@ mod tests {
             compaction_live_ratio_min: 0.5,
             fsync: true,
             journal_dir: None,
+            journal_spare_bytes: None,
             single_write: false,
         })
         .expect("open")

@@ -18,7 +18,7 @@ pub mod ledger_storage;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use meridian_metadata::tls::{SiteTls, BOOKIE_READ_ROLES, BOOKIE_WRITE_ROLES};
@@ -72,6 +72,7 @@ impl BookieOptions {
                 fsync: c.fsync,
                 // The journal's, set when storage opens.
                 journal_dir: None,
+                journal_spare_bytes: None,
                 single_write: c.single_write,
             },
             flush_interval_ms: c.flush_interval_ms,
@@ -116,6 +117,10 @@ pub struct BookieCore {
     /// that names it is never taken for one that moved away).
     moved_away: std::sync::Mutex<std::collections::BTreeSet<u64>>,
     opts: BookieOptions,
+    /// `meridian_bookie_add_seconds`: an add from its request to its answer.
+    add_latency: metrics::Histogram,
+    /// `meridian_bookie_add_reserve_seconds`: an add's wait for room in the write cache.
+    reserve_wait: metrics::Histogram,
 }
 
 /// Whether a bookie is read-only for a full disk after a usage reading: past `max` it turns
@@ -389,6 +394,8 @@ pub async fn start_with_tls(
         decommissioned: std::sync::Mutex::default(),
         moved_away: std::sync::Mutex::default(),
         opts,
+        add_latency: metrics::histogram!("meridian_bookie_add_seconds"),
+        reserve_wait: metrics::histogram!("meridian_bookie_add_reserve_seconds"),
     });
     let (stop, stop_rx) = watch::channel(false);
     let flusher = {
@@ -442,6 +449,7 @@ fn single_write_applies(opts: &BookieOptions) -> std::io::Result<bool> {
 fn open_storage(opts: &BookieOptions) -> Result<Opened, BookieError> {
     let mut storage_opts = opts.storage.clone();
     storage_opts.journal_dir = Some(opts.journal.dir.clone());
+    storage_opts.journal_spare_bytes = opts.journal.prefill.then_some(opts.journal.file_bytes_max);
     let (storage, checkpoint, index_closed) = LedgerStorage::open(storage_opts)?;
     meridian_metadata::durable_dir::create_dir_all_synced(&opts.journal.dir)?;
     let j = &opts.journal;
@@ -559,8 +567,8 @@ fn prepare_spare(
     class: &mut crate::io_priority::FlusherClass,
 ) {
     let j = &core.opts.journal;
-    // Journal files kept as the store are not recycled, and zeroing every next file ahead
-    // would write each byte twice again.
+    // Zeroing every next file ahead would write each byte twice again: with single write the
+    // spares are the journal files garbage collection retires.
     if !j.prefill
         || core.opts.storage.single_write
         || std::time::Instant::now() < *not_before
@@ -929,6 +937,7 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
         header,
         payload,
     } = add;
+    let started = Instant::now();
     let reply = move |status| add_response(ledger_id, entry_id, status);
     if core.is_read_only() && !(flags & proto::ADD_RECOVERY != 0 && core.takes_recovery_adds_only())
     {
@@ -965,7 +974,9 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
     // Counted in the write cache from now on; waits while it is full (the flusher is behind)
     // until a flush makes room.
     let reserved = entry_len;
+    let reserving = Instant::now();
     core.storage.reserve(reserved).await;
+    core.reserve_wait.record(reserving.elapsed().as_secs_f64());
     // The record holds the key and the envelope's header; the payload follows them in the
     // record from its own buffer (the journal file has the envelope in one piece).
     let mut data = key_record_data(&master_key);
@@ -979,6 +990,7 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
     };
     let storage = Arc::clone(&core.storage);
     let core2 = Arc::clone(core);
+    let add_latency = core.add_latency.clone();
     journal_append(
         &core.journal,
         record,
@@ -1002,6 +1014,7 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
                 );
                 storage.note_applied(pos.file);
                 send(&tx, id, reply(Status::Ok));
+                add_latency.record(started.elapsed().as_secs_f64());
             }
             Err(e @ journal::JournalError::TooLarge { .. }) => {
                 storage.release(reserved);
@@ -1212,18 +1225,29 @@ fn journal_append(journal: &Journal, record: Record, done: journal::Done) {
 }
 
 /// Reads an entry and verifies its checksum: a damaged entry is reported, never served.
+/// Garbage collection may move an entry between the index lookup and the read (its old file
+/// then removed, or recycled as the journal's spare and written over): a read that fails or
+/// does not verify is tried once more from a fresh lookup.
 fn read_checked(storage: &LedgerStorage, ledger_id: u64, entry_id: u64) -> Result<Bytes, Status> {
-    let entry = storage.read(ledger_id, entry_id)?;
-    match proto::open(&entry) {
-        Ok(e) if e.ledger_id == ledger_id && e.entry_id == entry_id => Ok(entry),
-        Ok(_) | Err(_) => {
-            tracing::error!(
-                ledger_id,
-                entry_id,
-                "stored entry does not verify; not served"
-            );
-            Err(Status::BadChecksum)
+    let once = || {
+        let entry = storage.read(ledger_id, entry_id)?;
+        match proto::open(&entry) {
+            Ok(e) if e.ledger_id == ledger_id && e.entry_id == entry_id => Ok(entry),
+            Ok(_) | Err(_) => Err(Status::BadChecksum),
         }
+    };
+    match once() {
+        Err(s @ (Status::NoSuchEntry | Status::NoSuchLedger)) => Err(s),
+        Err(_) => once().inspect_err(|s| {
+            if *s == Status::BadChecksum {
+                tracing::error!(
+                    ledger_id,
+                    entry_id,
+                    "stored entry does not verify; not served"
+                );
+            }
+        }),
+        ok => ok,
     }
 }
 

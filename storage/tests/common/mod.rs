@@ -46,6 +46,7 @@ pub fn bookie_opts(dir: &Path) -> BookieOptions {
             compaction_live_ratio_min: 0.5,
             fsync: true,
             journal_dir: None,
+            journal_spare_bytes: None,
             // As `bookie.single_write` (the default): journal files are the store.
             single_write: true,
         },
