@@ -1,6 +1,9 @@
 //! Where a publish's time goes: the broker's and the bookie's own latency histograms, read
 //! from `/metrics` before and after a `meridian perf` run, as the difference of the two. A
-//! quantile is the upper bound of the bucket it falls in (Prometheus keeps no more).
+//! quantile is the upper bound of the bucket it falls in (Prometheus keeps no more). The
+//! stages are not all counted alike: per SEND and per add, but per journal batch (the oldest
+//! record of it) and per fdatasync (the oldest batch it covers), so their means do not add up.
+//! A broker without a bookie of its own (`meridian broker`) has only the broker's stages.
 
 use std::collections::HashMap;
 
@@ -32,12 +35,12 @@ pub const STAGES: &[(&str, &str)] = &[
     ),
     (
         "meridian_journal_sync_wait_seconds",
-        "journal: a batch written until the fdatasync covering it starts",
+        "journal: the oldest batch an fdatasync covers, written until the fdatasync starts",
     ),
     ("meridian_journal_sync_seconds", "journal: one fdatasync"),
     (
         "meridian_journal_completion_seconds",
-        "journal: fdatasync returned until its batch's callbacks run",
+        "journal: fdatasync returned until the callbacks of the batches it covers start",
     ),
 ];
 
@@ -132,11 +135,12 @@ impl Snapshot {
                 }
             };
             lines.push(format!(
-                "{name}: {n:.0} samples, mean {:.3} ms, p50 {} p99 {} p99.9 {} ms ({what})",
+                "{name}: {n:.0} samples, mean {:.3} ms, p50 {} p99 {} p99.9 {} max {} ms ({what})",
                 mean * 1000.0,
                 q(0.5),
                 q(0.99),
                 q(0.999),
+                q(1.0),
             ));
         }
         lines
@@ -169,7 +173,7 @@ mod tests {
         assert_eq!(lines.len(), 1, "{lines:?}");
         assert!(
             lines[0].starts_with(
-                "meridian_journal_sync_seconds: 100 samples, mean 1.000 ms, p50 <=1.000 p99 <=2.000 p99.9 >2 ms"
+                "meridian_journal_sync_seconds: 100 samples, mean 1.000 ms, p50 <=1.000 p99 <=2.000 p99.9 >2 max >2 ms"
             ),
             "{}",
             lines[0]

@@ -416,8 +416,9 @@ pub struct JournalOptions {
     pub prefill: bool,
     /// Drop what an fdatasync made durable from the page cache (`posix_fadvise` DONTNEED):
     /// a bookie whose journal files are its store (`bookie.single_write`) writes each byte into
-    /// new page-cache pages, never into a recycled file's cached ones, and taking fresh pages
-    /// for every write cost it about 45% of its maximum publish rate.
+    /// pages not in the cache (its journal files are recycled only once garbage collection
+    /// retires them, long after their pages were written), and taking fresh pages for every
+    /// write cost it about 45% of its maximum publish rate.
     pub drop_synced_pages: bool,
 }
 

@@ -7,9 +7,11 @@
 //! batches in flight) measures what a broker can take; this measures what such a client gets.
 //!
 //! Without `--rate`, each producer keeps up to `--window` messages handed to the crate and not
-//! yet acknowledged. With `--rate`, messages are handed over at evenly spaced times (tokio's
-//! timer: in 1 ms steps) and publish latency runs from a message's slot in that schedule to its
+//! yet acknowledged, until the end. With `--rate`, messages are handed over at evenly spaced
+//! times from when the producer is ready (tokio's timer: in 1 ms steps), every one whose slot
+//! falls in the run however late, and publish latency runs from a message's slot to its
 //! receipt, so a client held up by a slow broker counts the wait (no coordinated omission).
+//! With `--batch 1` the crate does not batch and its sends are pipelined.
 //!
 //! `pulsar-crate-perf --url pulsar://127.0.0.1:6650 [--topic T] [--producers N] [--seconds S]
 //! [--warmup-seconds W] [--size BYTES] [--batch N] [--batch-delay-ms MS] [--rate MSG_PER_S]
@@ -19,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use futures::stream::FuturesUnordered;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use hdrhistogram::Histogram;
 use pulsar::{producer, ProducerOptions, Pulsar, TokioExecutor};
 
@@ -84,6 +86,8 @@ async fn produce(
     let measure_from = start + Duration::from_secs(a.warmup_seconds);
     let end = measure_from + Duration::from_secs(a.seconds);
     let per_producer = a.rate as f64 / a.producers as f64;
+    // The schedule starts once the producer is ready.
+    let begun = Instant::now();
     let payload = vec![0x5au8; a.size as usize];
     let mut latency = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
     let mut acked = 0u64;
@@ -96,15 +100,23 @@ async fn produce(
         }
     };
     loop {
-        let now = Instant::now();
-        if now >= end {
-            break;
+        // Receipts are timed when polled: take every one that has come before going on.
+        while let Some(Some((sent_at, done, r))) = inflight.next().now_or_never() {
+            let r: Result<_, pulsar::Error> = r;
+            r.map_err(|e| anyhow::anyhow!("receipt: {e}"))?;
+            count(sent_at, done);
         }
+        let now = Instant::now();
         let due = if per_producer > 0.0 {
-            start + Duration::from_secs_f64(sent as f64 / per_producer)
+            begun + Duration::from_secs_f64(sent as f64 / per_producer)
         } else {
             now
         };
+        // At a rate, every message whose slot is in the run is sent, late as it may be (its
+        // latency counts the wait); as fast as it goes, sending stops at the end.
+        if due >= end {
+            break;
+        }
         if (inflight.len() as u64) < a.window && due <= now {
             let msg = producer::Message {
                 payload: payload.clone(),
@@ -127,7 +139,7 @@ async fn produce(
                 count(sent_at, done);
             }
             _ = tokio::time::sleep_until(due.into()), if due > now => {}
-            _ = tokio::time::sleep_until(end.into()) => {}
+            else => {}
         }
     }
     // Sends of the measured interval still waiting: their receipts count, late as they are.

@@ -22,8 +22,10 @@
 //! its place in its journal file (log id [`JOURNAL_LOG_BIT`] | file sequence) and counts the
 //! file's bytes per ledger as an entry log's. Journal files the index points into are kept past
 //! the checkpoint (they are not replayed again: replay starts at the checkpoint) and collected
-//! like entry logs once the checkpoint has passed them: removed when every ledger in them is
-//! deleted, or their live entries copied into the current entry log when they are mostly dead.
+//! like entry logs once the checkpoint has passed them: retired when every ledger in them is
+//! deleted, or their live entries copied into the current entry log first when they are mostly
+//! dead. A retired journal file becomes the journal's spare when there is none (and it holds at
+//! least half of a journal file), else it is removed.
 //! Entry logs then hold only what compaction moved. Each byte reaches the disk once instead of
 //! twice, and the journal's fdatasyncs no longer queue behind entry-log writes.
 
@@ -463,6 +465,14 @@ impl ReadCache {
         }
     }
 
+    /// Forgets one entry (its key stays in `order` until evicted; evicting it then finds
+    /// nothing).
+    fn remove(&mut self, key: (u64, u64)) {
+        if let Some(v) = self.entries.remove(&key) {
+            self.bytes -= v.len();
+        }
+    }
+
     fn remove_ledger(&mut self, ledger_id: u64) {
         self.entries.retain(|(l, _), v| {
             if *l == ledger_id {
@@ -770,6 +780,15 @@ impl LedgerStorage {
             self.opts.read_cache_bytes_max,
         );
         Ok(value)
+    }
+
+    /// Forgets what the read cache holds of an entry: a read of it that did not verify (the
+    /// bytes of a file written over after garbage collection moved the entry, or damage).
+    pub fn forget_read(&self, ledger_id: u64, entry_id: u64) {
+        self.read_cache
+            .lock()
+            .expect("read cache lock")
+            .remove((ledger_id, entry_id));
     }
 
     /// An entry log opened for reads, buffered and (where the file system allows it) with
@@ -1133,6 +1152,10 @@ impl LedgerStorage {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
                 Err(e) => return Err(io_at(&path)(e)),
             };
+            // A read between the first removal and the retirement may have opened the file
+            // again by its name: its descriptor would keep the spare (and the journal file made
+            // of it) open for good.
+            self.readers.lock().expect("readers lock").remove(&log);
             // Kept as the journal's spare, its blocks stay allocated.
             if !spare {
                 freed += size;
