@@ -46,7 +46,7 @@ pub fn mesh_with(
 ) -> (tempfile::TempDir, Vec<StandaloneProc>, Proxies) {
     let listens: Vec<String> = names
         .iter()
-        .map(|_| format!("127.0.0.1:{}", crate::free_port()))
+        .map(|_| format!("127.0.0.1:{}", crate::free_udp_port()))
         .collect();
     let mut proxies = Vec::new();
     let mut routes: Vec<Vec<String>> = vec![Vec::new(); names.len()];
@@ -146,7 +146,7 @@ pub fn sites(
 pub fn unlinked(names: &[&str]) -> (tempfile::TempDir, Vec<StandaloneProc>) {
     let listens: Vec<String> = names
         .iter()
-        .map(|_| format!("127.0.0.1:{}", crate::free_port()))
+        .map(|_| format!("127.0.0.1:{}", crate::free_udp_port()))
         .collect();
     sites(names, &listens, &vec![Vec::new(); names.len()], &[])
 }

@@ -59,6 +59,15 @@ pub fn free_port() -> u16 {
         .expect("bind 127.0.0.1:0")
 }
 
+/// A UDP port free on 127.0.0.1 now (a geo link's QUIC listener). A port free for TCP may be
+/// held by a UDP socket (another test's QUIC endpoint): a geo listener on it failed to bind.
+pub fn free_udp_port() -> u16 {
+    std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|s| s.local_addr())
+        .map(|a| a.port())
+        .expect("bind udp 127.0.0.1:0")
+}
+
 /// Prints a step of a test, so a failure reads like a story.
 pub fn step(msg: impl AsRef<str>) {
     eprintln!("[step] {}", msg.as_ref());

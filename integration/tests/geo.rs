@@ -83,7 +83,7 @@ async fn given_a_site_with_a_geo_link_then_only_sites_in_its_registry_are_admitt
 
     step("east starts with its link; its own cluster record carries the geo URL");
     let mut east = StandaloneProc::new(&root.path().join("east"));
-    let east_listen = format!("127.0.0.1:{}", meridian_integration::free_port());
+    let east_listen = format!("127.0.0.1:{}", meridian_integration::free_udp_port());
     east.args(
         &geo_flags("east", &pki, &east_listen)
             .iter()
@@ -963,7 +963,7 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
     );
     step("east dials west's record (a's link) and b's link each through a proxy (geo.routes)");
     let west_listens: Vec<String> = (0..2)
-        .map(|_| format!("127.0.0.1:{}", meridian_integration::free_port()))
+        .map(|_| format!("127.0.0.1:{}", meridian_integration::free_udp_port()))
         .collect();
     let proxies: Vec<meridian_integration::udp_proxy::UdpProxy> = west_listens
         .iter()
@@ -972,7 +972,7 @@ async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_o
     let east_dir = root.join("east");
     std::fs::create_dir_all(&east_dir).unwrap();
     let mut east = StandaloneProc::new(&east_dir);
-    let east_listen = format!("127.0.0.1:{}", meridian_integration::free_port());
+    let east_listen = format!("127.0.0.1:{}", meridian_integration::free_udp_port());
     east.args(
         &geo_flags("east", &pki, &east_listen)
             .iter()
