@@ -304,6 +304,31 @@ pub fn run_cli(args: &[&str]) -> anyhow::Result<(i32, String, String)> {
     run_bin(&meridian_bin(), args)
 }
 
+/// Publishes `n` unbatched messages of 1 KiB to `topic` at `url` with `meridian perf produce`,
+/// and waits for every receipt.
+pub fn perf_produce(url: &str, topic: &str, n: u64) {
+    let (code, out, err) = run_cli(&[
+        "perf",
+        "produce",
+        "--url",
+        url,
+        "--topic",
+        topic,
+        "--seconds",
+        "0",
+        "--messages",
+        &n.to_string(),
+        "--size",
+        "1024",
+        "--batch-max-messages",
+        "1",
+        "--report-every",
+        "600",
+    ])
+    .expect("meridian perf runs");
+    assert_eq!(code, 0, "perf produce: {out}\n{err}");
+}
+
 /// `meridian ledger recover LEDGER`: closes the ledger from this process and returns its last
 /// entry id (panics, with the tool's output, if it fails).
 pub fn recover_ledger(endpoint: &str, ledger: &str) -> u64 {

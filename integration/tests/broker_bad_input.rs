@@ -557,30 +557,6 @@ fn a_message_claiming_a_replicated_origin_is_refused_and_takes_no_entry() {
     assert_eq!(r.message_id.expect("position").entry_id, 0);
 }
 
-/// Publishes `n` unbatched messages of 1 KiB with `meridian perf produce`.
-fn produce(url: &str, topic: &str, n: u64) {
-    let (code, out, err) = meridian_integration::run_cli(&[
-        "perf",
-        "produce",
-        "--url",
-        url,
-        "--topic",
-        topic,
-        "--seconds",
-        "0",
-        "--messages",
-        &n.to_string(),
-        "--size",
-        "1024",
-        "--batch-max-messages",
-        "1",
-        "--report-every",
-        "600",
-    ])
-    .unwrap();
-    assert_eq!(code, 0, "perf produce: {out}\n{err}");
-}
-
 #[test]
 fn a_consumer_that_stops_reading_stalls_only_itself_not_the_subscription() {
     let dir = tempfile::tempdir().unwrap();
@@ -615,7 +591,7 @@ fn a_consumer_that_stops_reading_stalls_only_itself_not_the_subscription() {
         let got = drain(&mut b, Duration::from_secs(3));
         (b, got)
     });
-    produce(&s.url, topic, 40_000);
+    meridian_integration::perf_produce(&s.url, topic, 40_000);
     let (mut b, mut got_b) = reader.join().unwrap();
     eprintln!("B received {} of the first 40,000", got_b.len());
     assert!(
@@ -644,7 +620,7 @@ fn a_consumer_that_stops_reading_stalls_only_itself_not_the_subscription() {
         let got = drain(&mut b, Duration::from_secs(3));
         (b, got)
     });
-    produce(&s.url, topic, 2_000);
+    meridian_integration::perf_produce(&s.url, topic, 2_000);
     let (_b, more) = reader.join().unwrap();
     assert_eq!(more.len(), 2_000, "B received {} of 2,000", more.len());
     got_b.extend(more);

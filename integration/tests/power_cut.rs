@@ -240,20 +240,18 @@ fn given_standalone_on_powercut_fs_when_power_is_cut_under_load_then_every_ackno
         let topic = format!("power-{cut}");
         let receipts = rng.gen_range(200..4000);
         let batch = rng.gen_bool(0.5);
-        let mut args = vec!["produce", &s.url, &topic, "--count", "1000000"];
+        let url = s.url.clone();
+        let mut args = vec![
+            "produce",
+            url.as_str(),
+            topic.as_str(),
+            "--count",
+            "1000000",
+        ];
         if batch {
             args.push("--batch");
         }
-        let mut p = PyClient::run(dir.path(), &format!("p{cut}"), &args);
-        p.wait_for("receipts", T, |l| {
-            l.iter().filter(|v| v.get("acked").is_some()).count() >= receipts
-        })
-        .unwrap();
-        std::thread::sleep(Duration::from_millis(rng.gen_range(0..300)));
-        s.kill9().unwrap();
-        let report = cut_now(&fs, &mut rng, cut);
-        p.kill9();
-        let acked: BTreeSet<u64> = p.ints("acked").into_iter().collect();
+        let (acked, report) = produce_then_cut(&dir, &mut s, &fs, &mut rng, cut, &args, receipts);
         step(format!(
             "cut {cut}: {} acknowledged on {topic} (batch {batch}); {report}",
             acked.len()
@@ -293,26 +291,7 @@ fn given_journal_files_recycled_by_gc_when_power_is_cut_under_load_then_every_ac
     for cut in 0..cuts() {
         s.start().expect("standalone starts");
         let scratch = format!("persistent://public/default/scratch-{cut}");
-        let (code, out, err) = meridian_integration::run_cli(&[
-            "perf",
-            "produce",
-            "--url",
-            &s.url,
-            "--topic",
-            &scratch,
-            "--seconds",
-            "0",
-            "--messages",
-            "4000",
-            "--size",
-            "1024",
-            "--batch-max-messages",
-            "1",
-            "--report-every",
-            "600",
-        ])
-        .unwrap();
-        assert_eq!(code, 0, "{out}{err}");
+        meridian_integration::perf_produce(&s.url, &scratch, 4000);
         let (code, out, err) = meridian_integration::run_admin(&[
             "--admin-url",
             &s.admin_url,
@@ -332,20 +311,15 @@ fn given_journal_files_recycled_by_gc_when_power_is_cut_under_load_then_every_ac
         }
         let topic = format!("recycled-{cut}");
         let receipts = rng.gen_range(2000..6000);
-        let mut p = PyClient::run(
-            dir.path(),
-            &format!("p{cut}"),
-            &["produce", &s.url, &topic, "--count", "1000000"],
-        );
-        p.wait_for("receipts", T, |l| {
-            l.iter().filter(|v| v.get("acked").is_some()).count() >= receipts
-        })
-        .unwrap();
-        std::thread::sleep(Duration::from_millis(rng.gen_range(0..300)));
-        s.kill9().unwrap();
-        let report = cut_now(&fs, &mut rng, cut);
-        p.kill9();
-        let acked: BTreeSet<u64> = p.ints("acked").into_iter().collect();
+        let url = s.url.clone();
+        let args = [
+            "produce",
+            url.as_str(),
+            topic.as_str(),
+            "--count",
+            "1000000",
+        ];
+        let (acked, report) = produce_then_cut(&dir, &mut s, &fs, &mut rng, cut, &args, receipts);
         step(format!(
             "cut {cut}: {} acknowledged on {topic} after a spare was {}; {report}",
             acked.len(),
@@ -368,6 +342,30 @@ fn given_journal_files_recycled_by_gc_when_power_is_cut_under_load_then_every_ac
         check_topic(&dir, &s, &format!("final{i}"), topic, acked);
     }
     assert_eq!(s.stop().unwrap(), 0, "{}", s.log_text());
+}
+
+/// Runs the Python client with `args` until `receipts` sends are acknowledged, kills the
+/// standalone at a random moment soon after and cuts the power: what was acknowledged, and
+/// what the cut did.
+fn produce_then_cut(
+    dir: &tempfile::TempDir,
+    s: &mut StandaloneProc,
+    fs: &PowerCutFs,
+    rng: &mut rand::rngs::StdRng,
+    cut: usize,
+    args: &[&str],
+    receipts: usize,
+) -> (BTreeSet<u64>, String) {
+    let mut p = PyClient::run(dir.path(), &format!("p{cut}"), args);
+    p.wait_for("receipts", T, |l| {
+        l.iter().filter(|v| v.get("acked").is_some()).count() >= receipts
+    })
+    .unwrap();
+    std::thread::sleep(Duration::from_millis(rng.gen_range(0..300)));
+    s.kill9().unwrap();
+    let report = cut_now(fs, rng, cut);
+    p.kill9();
+    (p.ints("acked").into_iter().collect(), report)
 }
 
 fn check_topic(
