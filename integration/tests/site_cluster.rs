@@ -1391,15 +1391,16 @@ const FULL_SITE_RACKS: [&str; 3] = ["/r1", "/r1", "/r2"];
 async fn full_site(cluster: &MetaCluster) -> (Vec<BookieProc>, Vec<BrokerProc>) {
     let endpoints = cluster.endpoints().join(",");
     let root = cluster.root.path();
-    let bookies: Vec<BookieProc> = (0..3)
+    let mut bookies: Vec<BookieProc> = (0..3)
         .map(|i| {
             let mut b = BookieProc::new(&format!("bookie{i}"), root, &endpoints);
             b.env("MERIDIAN_BOOKIE_RACK", FULL_SITE_RACKS[i]);
-            b.start().unwrap();
             b
         })
         .collect();
-    wait_for_bookies(&cluster.client(), 3, Duration::from_secs(30))
+    // Restarted on new ports if one exits before it registers (a port picked free, taken
+    // before it bound); a failure shows their logs.
+    meridian_integration::start_bookies(&mut bookies, &cluster.client(), Duration::from_secs(30))
         .await
         .unwrap();
     let brokers = ["a", "b"]
