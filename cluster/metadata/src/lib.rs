@@ -20,6 +20,7 @@
 //! ```
 
 pub mod client;
+pub mod db_threads;
 pub mod durable_dir;
 pub mod embedded;
 pub mod model;

@@ -243,71 +243,30 @@ pub struct LogStore {
     syncer: Option<std::sync::mpsc::Sender<LogFlushed<TypeConfig>>>,
 }
 
-/// Threads that call into RocksDB, registered by [`spawn_db_thread`]. RocksDB keeps state per
-/// thread and releases it when the thread ends; if that happens while the process is already
-/// running `exit`'s static destructors (which tear RocksDB's globals down), the thread crashes:
-/// segfaults of `metadata-wal-sync` (in libstdc++) and `bookie-flusher` (in librocksdb) were
-/// seen at process exit. A process joins them with [`join_db_threads`] before it returns.
-static DB_THREADS: std::sync::Mutex<Vec<std::thread::JoinHandle<()>>> =
-    std::sync::Mutex::new(Vec::new());
-
-/// Spawns a named thread that uses RocksDB and registers it for [`join_db_threads`].
-pub fn spawn_db_thread<F>(name: &str, f: F) -> std::io::Result<()>
-where
-    F: FnOnce() + Send + 'static,
-{
-    let handle = std::thread::Builder::new().name(name.into()).spawn(f)?;
-    let mut threads = DB_THREADS.lock().unwrap_or_else(|e| e.into_inner());
-    // Threads of stores closed earlier in a long process (tests, restarts) are let go.
-    threads.retain(|t| !t.is_finished());
-    threads.push(handle);
-    Ok(())
-}
-
-/// Joins `thread` if it ends before `deadline`; returns whether it did. `join` (not only
-/// `is_finished`) so that its thread-exit work is over too.
-pub fn join_until(thread: std::thread::JoinHandle<()>, deadline: std::time::Instant) -> bool {
-    while !thread.is_finished() && std::time::Instant::now() < deadline {
-        std::thread::sleep(std::time::Duration::from_millis(2));
-    }
-    if !thread.is_finished() {
-        tracing::warn!(thread = ?thread.thread().name(), "a thread that used RocksDB is still running");
-        return false;
-    }
-    let _ = thread.join();
-    true
-}
-
-/// Waits up to `timeout` for every registered RocksDB thread to end (each ends once its store
-/// is closed), and joins those that did; returns whether all did. Call it after the stores are
-/// shut down, before the process exits.
-pub fn join_db_threads(timeout: std::time::Duration) -> bool {
-    let deadline = std::time::Instant::now() + timeout;
-    let threads = std::mem::take(&mut *DB_THREADS.lock().unwrap_or_else(|e| e.into_inner()));
-    let mut all = true;
-    for t in threads {
-        // Every one gets its chance, also after one that did not end.
-        all &= join_until(t, deadline);
-    }
-    all
-}
+pub use crate::db_threads::{join_db_threads, join_until, spawn_db_thread};
 
 /// Group commit of the Raft log. `append` writes entries to RocksDB (readable at once, as
 /// openraft requires) and queues its completion callback here; this thread takes every queued
 /// callback, fsyncs the write-ahead log once (`flush_wal(sync = true)` persists every write made
 /// before it), and only then reports those entries persisted. openraft counts an entry toward the
 /// commit quorum only after that report, so an acknowledged write is fsynced on a quorum.
-fn wal_syncer(db: Arc<Db>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>) {
+///
+/// It holds the database only while it syncs: the store's owners close it where they drop it,
+/// not this thread after them (a test's `main` may be exiting by then).
+fn wal_syncer(db: std::sync::Weak<Db>, rx: std::sync::mpsc::Receiver<LogFlushed<TypeConfig>>) {
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         batch.extend(rx.try_iter());
-        let r = db.flush_wal(true);
+        let r = match db.upgrade() {
+            Some(db) => db.flush_wal(true).map_err(|e| e.to_string()),
+            None => Err("the store is closed".to_string()),
+        };
         match r {
             Ok(()) => batch.into_iter().for_each(|cb| cb.log_io_completed(Ok(()))),
             Err(e) => {
                 tracing::error!(error = %e, "fsync of the metadata log failed");
                 for cb in batch {
-                    cb.log_io_completed(Err(std::io::Error::other(e.to_string())));
+                    cb.log_io_completed(Err(std::io::Error::other(e.clone())));
                 }
             }
         }
@@ -318,7 +277,7 @@ impl LogStore {
     pub fn new(db: Arc<Db>, options: StoreOptions) -> Self {
         let syncer = options.fsync.then(|| {
             let (syncer, rx) = std::sync::mpsc::channel();
-            let sync_db = Arc::clone(&db);
+            let sync_db = Arc::downgrade(&db);
             spawn_db_thread("metadata-wal-sync", move || wal_syncer(sync_db, rx))
                 .expect("spawning the WAL sync thread");
             syncer
@@ -877,27 +836,6 @@ impl RaftStateMachine<TypeConfig> for StateMachineStore {
 mod tests {
     use super::*;
     use openraft::CommittedLeaderId;
-
-    #[test]
-    fn given_threads_when_joined_until_a_deadline_then_only_the_ended_ones_count() {
-        use std::time::{Duration, Instant};
-        let ends = std::thread::spawn(|| std::thread::sleep(Duration::from_millis(20)));
-        assert!(join_until(ends, Instant::now() + Duration::from_secs(10)));
-        let (release, wait) = std::sync::mpsc::channel::<()>();
-        let stuck = std::thread::spawn(move || {
-            let _ = wait.recv();
-        });
-        let started = Instant::now();
-        assert!(
-            !join_until(stuck, Instant::now() + Duration::from_millis(50)),
-            "a thread still running is reported, not waited for"
-        );
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "gave up at the deadline"
-        );
-        drop(release);
-    }
 
     #[tokio::test]
     async fn given_a_purge_then_the_log_state_reads_the_purge_point_back() {
