@@ -137,7 +137,8 @@ impl GeoTls {
                 .map_err(|e| ("geo.ca_file", format!("not a usable CA certificate: {e}")))?;
         }
         let roots = Arc::new(roots);
-        let provider = Arc::new(link_provider());
+        // AES-128-GCM first, as between a site's roles.
+        let provider = Arc::new(meridian_metadata::tls::aes_128_first_provider());
         // The certificate must verify against the CA we were given: a site certificate from
         // another federation would be refused by every peer, so refuse it here first.
         let parsed =
@@ -298,34 +299,5 @@ impl ServerCertVerifier for SiteVerifier {
         self.provider
             .signature_verification_algorithms
             .supported_schemes()
-    }
-}
-
-/// ring's suites with AES-128-GCM first (ring puts AES-256-GCM first): every replicated byte
-/// is sealed at one site and opened at the other, and AES-128 does 10 rounds to AES-256's 14.
-/// Both ends prefer it, so a link negotiates it.
-fn link_provider() -> CryptoProvider {
-    let mut p = rustls::crypto::ring::default_provider();
-    p.cipher_suites
-        .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
-    p
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_link_prefers_aes_128_gcm() {
-        let p = link_provider();
-        assert_eq!(
-            p.cipher_suites[0].suite(),
-            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256
-        );
-        // Nothing was dropped: ring's suites, reordered.
-        assert_eq!(
-            p.cipher_suites.len(),
-            rustls::crypto::ring::default_provider().cipher_suites.len()
-        );
     }
 }

@@ -381,7 +381,7 @@ impl SiteTls {
                 .map_err(|e| ("tls.ca_file", format!("not a usable CA certificate: {e}")))?;
         }
         let roots = Arc::new(roots);
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let provider = Arc::new(aes_128_first_provider());
         let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(
             Arc::clone(&roots),
             Arc::clone(&provider),
@@ -552,6 +552,17 @@ pub fn refusal<T>(request: &tonic::Request<T>, no_cert: bool, reason: String) ->
     }
 }
 
+/// ring's suites with AES-128-GCM first (ring puts AES-256-GCM first), for connections whose
+/// both ends are Meridian's (between roles, the geo link): each byte is sealed at one end and
+/// opened at the other, and AES-128 does 10 rounds to AES-256's 14. Both ends prefer it, so
+/// they negotiate it; nothing is dropped, so a peer that offers only AES-256 still connects.
+pub fn aes_128_first_provider() -> rustls::crypto::CryptoProvider {
+    let mut p = rustls::crypto::ring::default_provider();
+    p.cipher_suites
+        .sort_by_key(|s| s.suite() != rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    p
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -601,8 +612,9 @@ mod tests {
         }
     }
 
-    /// Serves one TLS handshake with `server`'s acceptor; returns the client's outcome.
-    async fn handshake(server: &SiteTls, client: &SiteTls) -> Result<(), String> {
+    /// Serves one TLS handshake with `server`'s acceptor; returns the client's outcome (the
+    /// suite negotiated).
+    async fn handshake(server: &SiteTls, client: &SiteTls) -> Result<rustls::CipherSuite, String> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let acceptor = server.acceptor();
@@ -623,7 +635,8 @@ mod tests {
         use tokio::io::AsyncReadExt;
         let mut b = [0u8; 1];
         s.read_exact(&mut b).await.map_err(|e| e.to_string())?;
-        Ok(())
+        let suite = s.get_ref().1.negotiated_cipher_suite();
+        suite.map(|s| s.suite()).ok_or_else(|| "no suite".into())
     }
 
     #[tokio::test]
@@ -633,8 +646,12 @@ mod tests {
         let broker = east.cert("east", ProcessRole::Broker, "b1");
         let broker2 = east.cert("east", ProcessRole::Broker, "b2");
         let node = east.cert("east", ProcessRole::Metadata, "1");
-        // A bookie client (a broker) takes a bookie, not a broker posing as one.
-        handshake(&bookie, &broker).await.unwrap();
+        // A bookie client (a broker) takes a bookie, not a broker posing as one; both ends
+        // prefer AES-128-GCM.
+        assert_eq!(
+            handshake(&bookie, &broker).await.unwrap(),
+            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256
+        );
         let err = handshake(&broker2, &broker).await.unwrap_err();
         assert!(err.contains("expected a bookie"), "{err}");
         // A certificate of the right role from another CA is refused by webpki first.
@@ -667,6 +684,19 @@ mod tests {
         let err = verify(&broker, &bookie).unwrap_err();
         assert!(err.contains("expected a metadata"), "{err}");
         assert!(verify(&broker, &broker2).is_err());
+    }
+
+    #[test]
+    fn given_the_provider_then_aes_128_gcm_comes_first_and_nothing_is_dropped() {
+        let p = aes_128_first_provider();
+        assert_eq!(
+            p.cipher_suites[0].suite(),
+            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256
+        );
+        assert_eq!(
+            p.cipher_suites.len(),
+            rustls::crypto::ring::default_provider().cipher_suites.len()
+        );
     }
 
     #[test]
