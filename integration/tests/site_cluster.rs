@@ -976,11 +976,10 @@ async fn given_bookies_in_two_racks_then_every_ensemble_spans_both() {
         .map(|(i, r)| {
             let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoint);
             b.env("MERIDIAN_BOOKIE_RACK", r);
-            b.start().unwrap();
             b
         })
         .collect();
-    wait_for_bookies(&cluster.client(), racks.len(), Duration::from_secs(20))
+    meridian_integration::start_bookies(&mut bookies, &cluster.client(), Duration::from_secs(30))
         .await
         .unwrap();
     let rack_of: BTreeMap<String, &str> = bookies
