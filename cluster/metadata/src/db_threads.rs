@@ -7,7 +7,8 @@
 //! `test result: ok` (its `main` returned while the thread of the store its test had just
 //! dropped was still ending). So a thread started here never ends: when its job returns it
 //! waits for the next one, and `exit` stops it where it waits, without running RocksDB's
-//! per-thread destructors. There are never more of them than jobs running at once.
+//! per-thread destructors. There are never more of them than jobs running at once. (The
+//! bookie's flusher thread is not one of them: `RunningBookie` joins it when it stops.)
 //!
 //! A process still calls [`join_db_threads`] before it returns, so that the jobs (and the
 //! stores they hold) are over before `exit`.
@@ -38,8 +39,8 @@ fn pool() -> MutexGuard<'static, Pool> {
     POOL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Runs `f` on a thread that may use RocksDB: an idle one, or a new one named `name` (a
-/// thread keeps the name of the job it was started for).
+/// Runs `f` on a thread that may use RocksDB: the idle one that went idle last, or a new one
+/// named `name` (a thread keeps the name of the job it was started for).
 pub fn spawn_db_thread<F>(name: &str, f: F) -> std::io::Result<()>
 where
     F: FnOnce() + Send + 'static,

@@ -257,10 +257,19 @@ fn wal_syncer(db: std::sync::Weak<Db>, rx: std::sync::mpsc::Receiver<LogFlushed<
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
         batch.extend(rx.try_iter());
-        let r = match db.upgrade() {
-            Some(db) => db.flush_wal(true).map_err(|e| e.to_string()),
-            None => Err("the store is closed".to_string()),
+        let Some(open) = db.upgrade() else {
+            // Every `LogStore` is gone, and Raft with them: nobody hears these answers.
+            tracing::debug!(
+                appends = batch.len(),
+                "the metadata log is closed; appends left unsynced"
+            );
+            for cb in batch {
+                cb.log_io_completed(Err(std::io::Error::other("the metadata log is closed")));
+            }
+            continue;
         };
+        let r = open.flush_wal(true).map_err(|e| e.to_string());
+        drop(open);
         match r {
             Ok(()) => batch.into_iter().for_each(|cb| cb.log_io_completed(Ok(()))),
             Err(e) => {
