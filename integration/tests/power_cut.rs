@@ -230,10 +230,9 @@ fn cut_now(fs: &PowerCutFs, rng: &mut impl Rng, n: usize) -> String {
 fn given_standalone_on_powercut_fs_when_power_is_cut_under_load_then_every_acknowledged_message_survives(
 ) {
     let dir = tempfile::tempdir().unwrap();
-    let Some(fs) = mount(&dir) else { return };
-    let mut rng = rng("standalone");
-    let mut s = StandaloneProc::new(dir.path());
-    s.data_dir = fs.mountpoint.join("standalone");
+    let Some((fs, mut rng, mut s)) = standalone_on_powercut_fs(&dir, "standalone") else {
+        return;
+    };
     let mut topics: Vec<(String, BTreeSet<u64>)> = Vec::new();
     for cut in 0..cuts() {
         s.start().expect("standalone starts");
@@ -279,10 +278,9 @@ fn given_standalone_on_powercut_fs_when_power_is_cut_under_load_then_every_ackno
 fn given_journal_files_recycled_by_gc_when_power_is_cut_under_load_then_every_acknowledged_message_survives(
 ) {
     let dir = tempfile::tempdir().unwrap();
-    let Some(fs) = mount(&dir) else { return };
-    let mut rng = rng("recycled");
-    let mut s = StandaloneProc::new(dir.path());
-    s.data_dir = fs.mountpoint.join("standalone");
+    let Some((fs, mut rng, mut s)) = standalone_on_powercut_fs(&dir, "recycled") else {
+        return;
+    };
     s.env("MERIDIAN_BOOKIE_JOURNAL_FILE_BYTES_MAX", "1048576")
         .env("MERIDIAN_BOOKIE_GC_INTERVAL_MS", "200");
     let spare = s.data_dir.join("bookie/journal/journal-spare.log");
@@ -342,6 +340,18 @@ fn given_journal_files_recycled_by_gc_when_power_is_cut_under_load_then_every_ac
         check_topic(&dir, &s, &format!("final{i}"), topic, acked);
     }
     assert_eq!(s.stop().unwrap(), 0, "{}", s.log_text());
+}
+
+/// The power-loss file system mounted in `dir`, the seeded generator of `test`, and a
+/// standalone (not started) whose data directory is on that file system; `None` without FUSE.
+fn standalone_on_powercut_fs(
+    dir: &tempfile::TempDir,
+    test: &str,
+) -> Option<(PowerCutFs, rand::rngs::StdRng, StandaloneProc)> {
+    let fs = mount(dir)?;
+    let mut s = StandaloneProc::new(dir.path());
+    s.data_dir = fs.mountpoint.join("standalone");
+    Some((fs, rng(test), s))
 }
 
 /// Runs the Python client with `args` until `receipts` sends are acknowledged, kills the
