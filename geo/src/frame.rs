@@ -22,6 +22,9 @@
 //!  Sync   (10) = len: u32 | bytes                the sender's copies of the global objects
 //!                                                the receiver takes part in (JSON)
 //!  Synced (11) = changed: u32 | skipped: u32     merged: how many changed here, not taken
+//!  SubSync   (12) = topic: str | len: u32 | bytes  the acknowledgements of the sender's
+//!                   replicated subscriptions of a topic (a document the site reads)
+//!  SubSynced (13) = len: u32 | bytes              what the receiver applied and holds
 //! ```
 //!
 //! A frame longer than the limit (`geo.frame_bytes_max`) is refused from its length alone,
@@ -70,6 +73,11 @@ pub enum Frame {
     Sync { doc: bytes::Bytes },
     /// The receiver merged them: how many objects changed there, how many it did not take.
     Synced { changed: u32, skipped: u32 },
+    /// A stream's first frame: the acknowledgement state of the sender's replicated
+    /// subscriptions of `topic` (a document the site reads), sent to the topic's owner.
+    SubSync { topic: String, doc: bytes::Bytes },
+    /// The receiver applied it: what it applied and what it holds for entries to come.
+    SubSynced { doc: bytes::Bytes },
 }
 
 /// A position in the origin site's log of a topic.
@@ -159,6 +167,8 @@ impl Frame {
             Frame::Deleted => 9,
             Frame::Sync { .. } => 10,
             Frame::Synced { .. } => 11,
+            Frame::SubSync { .. } => 12,
+            Frame::SubSynced { .. } => 13,
         }
     }
 
@@ -214,7 +224,12 @@ impl Frame {
                 out.put_u64(*deleted_at_ms);
             }
             Frame::Deleted => {}
-            Frame::Sync { doc } => {
+            Frame::Sync { doc } | Frame::SubSynced { doc } => {
+                out.put_u32(doc.len() as u32);
+                out.put_slice(doc);
+            }
+            Frame::SubSync { topic, doc } => {
+                put_str(out, topic);
                 out.put_u32(doc.len() as u32);
                 out.put_slice(doc);
             }
@@ -363,15 +378,20 @@ impl Frame {
                 }
             }
             9 => Frame::Deleted,
-            10 => {
-                let len = get_u32(&mut body, "document length")? as usize;
-                if body.remaining() < len {
-                    return Err(FrameError::Truncated("document"));
+            10 | 13 => {
+                let doc = get_doc(&whole, &mut body)?;
+                if kind == 10 {
+                    Frame::Sync { doc }
+                } else {
+                    Frame::SubSynced { doc }
                 }
-                let from = offset(body);
-                let doc = whole.slice(from..from + len);
-                body.advance(len);
-                Frame::Sync { doc }
+            }
+            12 => {
+                let topic = get_str(&mut body, "topic")?;
+                Frame::SubSync {
+                    topic,
+                    doc: get_doc(&whole, &mut body)?,
+                }
             }
             11 => Frame::Synced {
                 changed: get_u32(&mut body, "changed")?,
@@ -426,6 +446,17 @@ fn get_u32(buf: &mut &[u8], what: &'static str) -> Result<u32, FrameError> {
         return Err(FrameError::Truncated(what));
     }
     Ok(buf.get_u32())
+}
+
+/// A document (`len: u32 | bytes`) as a slice of `whole`, which `buf` is the rest of.
+fn get_doc(whole: &bytes::Bytes, buf: &mut &[u8]) -> Result<bytes::Bytes, FrameError> {
+    let len = get_u32(buf, "document length")? as usize;
+    if buf.remaining() < len {
+        return Err(FrameError::Truncated("document"));
+    }
+    let from = whole.len() - buf.len();
+    buf.advance(len);
+    Ok(whole.slice(from..from + len))
 }
 
 fn get_position(buf: &mut &[u8]) -> Result<OriginPosition, FrameError> {
@@ -525,6 +556,17 @@ mod tests {
             Frame::Synced {
                 changed: 2,
                 skipped: 1,
+            },
+            Frame::SubSync {
+                topic: "persistent://acme/g/orders-partition-1".into(),
+                doc: bytes::Bytes::from_static(br#"{"subs":[]}"#),
+            },
+            Frame::SubSync {
+                topic: String::new(),
+                doc: bytes::Bytes::new(),
+            },
+            Frame::SubSynced {
+                doc: bytes::Bytes::from_static(br#"{"applied":[]}"#),
             },
         ] {
             let bytes = encoded(&f);

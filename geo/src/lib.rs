@@ -16,6 +16,8 @@
 //! - [`deletion`]: a global topic's deletion carried to another site.
 //! - [`metasync`]: the global objects (registry, tenants, namespaces) carried to another
 //!   site and merged there.
+//! - [`subsync`]: replicated subscriptions' acknowledgements carried to a topic's owner at
+//!   another site.
 //!
 //! It knows nothing of how a broker dispatches: what it needs from the site (the registry
 //! today) comes through small traits the broker implements.
@@ -30,6 +32,7 @@ pub mod metasync;
 pub mod receiver;
 pub mod replicator;
 pub mod request;
+pub mod subsync;
 pub mod tls;
 
 pub use link::{GeoLink, LinkError, Peer, SiteDirectory};

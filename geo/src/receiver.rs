@@ -78,6 +78,23 @@ pub trait ReplicaSink: Send + Sync + 'static {
         })
     }
 
+    /// Site `origin`'s acknowledgements of its replicated subscriptions of `topic` (`doc`):
+    /// apply them where the topic is owned here; the answer's document.
+    fn sub_sync<'a>(
+        &'a self,
+        origin: &'a str,
+        topic: &'a str,
+        doc: bytes::Bytes,
+    ) -> BoxFuture<'a, Result<bytes::Bytes, Refusal>> {
+        let _ = (origin, topic, doc);
+        Box::pin(async {
+            Err(Refusal::new(
+                RefusalCode::NotAllowed,
+                "this site takes no replicated subscriptions",
+            ))
+        })
+    }
+
     /// Site `origin`'s copies of the global objects it shares with this site (`doc`, see
     /// [`crate::metasync`]): merge them; how many changed here and how many were not taken.
     fn sync<'a>(
@@ -240,10 +257,27 @@ pub async fn serve_stream(
             }
             return;
         }
+        Frame::SubSync { topic, doc } => {
+            match sink.sub_sync(origin, &topic, doc).await {
+                Ok(doc) => {
+                    let _ = write_frame(&mut send, &Frame::SubSynced { doc }).await;
+                    let _ = send.finish();
+                }
+                Err(r) => {
+                    if r.code == RefusalCode::Moved {
+                        debug!(origin, topic, owner = %r.reason, "subscription sync: the topic is served elsewhere");
+                    } else {
+                        warn!(origin, topic, reason = %r.reason, "subscription sync refused");
+                    }
+                    refuse(&mut send, r).await;
+                }
+            }
+            return;
+        }
         _ => {
             let r = Refusal::new(
                 RefusalCode::Protocol,
-                "a stream begins with Open, Delete or Sync",
+                "a stream begins with Open, Delete, Sync or SubSync",
             );
             refuse(&mut send, r).await;
             return;

@@ -22,9 +22,38 @@ pub async fn request(
     frame: &Frame,
     timeout: Duration,
 ) -> Result<Frame, RequestFailure> {
+    match request_at(link, remote, None, frame, timeout).await? {
+        Answer::Frame(f) => Ok(f),
+        Answer::Moved(url) => Err(RequestFailure::Refused(format!(
+            "refused by {remote}: served by {url}"
+        ))),
+    }
+}
+
+/// What a question to one broker got.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Answer {
+    Frame(Frame),
+    /// Another broker of the site serves it: its geo URL.
+    Moved(String),
+}
+
+/// Sends `frame` to `remote` (at its geo URL, or at broker `at` of it) on a new stream; the
+/// answer, or where the site says to ask instead.
+pub async fn request_at(
+    link: &GeoLink,
+    remote: &str,
+    at: Option<&str>,
+    frame: &Frame,
+    timeout: Duration,
+) -> Result<Answer, RequestFailure> {
     let failed = RequestFailure::Failed;
     let work = async {
-        let peer = link.peer(remote).await.map_err(|e| failed(e.to_string()))?;
+        let peer = match at {
+            Some(url) => link.peer_at(remote, url).await,
+            None => link.peer(remote).await,
+        }
+        .map_err(|e| failed(e.to_string()))?;
         let (mut send, mut recv) = peer
             .conn
             .open_bi()
@@ -35,6 +64,10 @@ pub async fn request(
             .map_err(|e| failed(e.to_string()))?;
         let _ = send.finish();
         match read_frame(&mut recv, link.frame_bytes_max()).await {
+            Ok(Some(Frame::Refused {
+                code: RefusalCode::Moved,
+                reason,
+            })) => Ok(Answer::Moved(reason)),
             Ok(Some(Frame::Refused { code, reason })) => {
                 let why = format!("refused by {remote}: {reason}");
                 Err(if code == RefusalCode::Retry {
@@ -43,7 +76,7 @@ pub async fn request(
                     RequestFailure::Refused(why)
                 })
             }
-            Ok(Some(answer)) => Ok(answer),
+            Ok(Some(answer)) => Ok(Answer::Frame(answer)),
             Ok(None) => Err(failed(format!("{remote} ended the stream"))),
             Err(e) => Err(failed(e.to_string())),
         }

@@ -464,6 +464,48 @@ def batch_ack(a):
     c.close()
 
 
+def repl_sub(a):
+    """A replicated subscription (Exclusive, batch-index acks). `ack`: receive `count`
+    messages, acknowledge messages 0..cumulative-1 cumulatively, then `individual` more of
+    the rest one by one in a shuffled order (most inside batches: batch-index acks), and
+    print what was acknowledged. `drain`: print what the subscription delivers until it is
+    idle for `idle_ms`, acknowledging nothing."""
+    import random
+    c = client(a.url)
+    cons = c.subscribe(a.topic, a.sub, consumer_type=pulsar.ConsumerType.Exclusive,
+                       initial_position=pulsar.InitialPosition.Earliest,
+                       batch_index_ack_enabled=True,
+                       replicate_subscription_state_enabled=True)
+    out({"subscribed": a.sub})
+    got = {}
+    while True:
+        if a.mode == "ack" and len(got) >= a.count:
+            break
+        try:
+            m = cons.receive(timeout_millis=a.idle_ms)
+        except pulsar.Timeout:
+            break
+        i = int(m.properties()["i"])
+        if a.mode == "drain":
+            out({"i": i})
+        got[i] = m
+    if a.mode == "ack":
+        acked = list(range(a.cumulative))
+        if a.cumulative:
+            cons.acknowledge_cumulative(got[a.cumulative - 1])
+        rest = sorted(i for i in got if i >= a.cumulative)
+        rng = random.Random(a.seed)
+        pick = rng.sample(rest, a.individual)
+        for i in pick:
+            cons.acknowledge(got[i])
+        acked += pick
+        out({"received": len(got), "acked": sorted(acked)})
+    else:
+        out({"done": len(got)})
+    cons.close()
+    c.close()
+
+
 def ks_consume(a):
     """A Key_Shared consumer: prints {"i", "key", "t", "r", "c"} per message (t: wall clock,
     taken before the ack), acks each (unless --close-after K: the K-th is left unacked and the
@@ -889,6 +931,17 @@ def main():
     p.add_argument("--count", type=int, default=1 << 62)
     p.add_argument("--inclusive", action="store_true")
     p.set_defaults(fn=read)
+    p = sub.add_parser("repl-sub")
+    p.add_argument("mode", choices=["ack", "drain"])
+    p.add_argument("url")
+    p.add_argument("topic")
+    p.add_argument("sub")
+    p.add_argument("--count", type=int, default=0)
+    p.add_argument("--cumulative", type=int, default=0)
+    p.add_argument("--individual", type=int, default=0)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--idle-ms", type=int, default=5000)
+    p.set_defaults(fn=repl_sub)
     p = sub.add_parser("ks-consume")
     p.add_argument("url")
     p.add_argument("topic")

@@ -668,6 +668,14 @@ impl ManagedCursor {
         }
     }
 
+    /// Every partly acknowledged batch entry with what is left of it (bit i = message i).
+    pub fn batch_acks(&self) -> Vec<(Position, Vec<u64>)> {
+        self.batch_acks
+            .iter()
+            .map(|(p, w)| (*p, w.clone()))
+            .collect()
+    }
+
     /// What is left unacknowledged of a partly acknowledged batch entry (bit i = message i).
     pub fn batch_ack_set(&self, pos: Position) -> Option<&[u64]> {
         self.batch_acks.get(&pos).map(Vec::as_slice)

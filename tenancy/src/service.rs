@@ -143,6 +143,16 @@ pub trait TopicOps: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<u64, AdminError>>;
     fn expire(&self, r: ExpireRequest) -> BoxFuture<'_, Result<u64, AdminError>>;
     fn reset_cursor(&self, r: ResetCursorRequest) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// Makes a subscription replicated, or not.
+    fn set_replicated_subscription(
+        &self,
+        r: ReplicatedSubscriptionRequest,
+    ) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// Whether a subscription is replicated.
+    fn replicated_subscription(
+        &self,
+        r: SubscriptionRequest,
+    ) -> BoxFuture<'_, Result<bool, AdminError>>;
 }
 
 pub struct AdminService {
@@ -1306,6 +1316,44 @@ impl Admin for AdminService {
         forward!(self, r, topic, reset_cursor);
         self.topics.reset_cursor(r.into_inner()).await?;
         ok(Empty {})
+    }
+
+    async fn set_replicated_subscription_status(
+        &self,
+        r: Request<ReplicatedSubscriptionRequest>,
+    ) -> Reply<Empty> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
+        forward!(
+            self,
+            r,
+            topic,
+            set_replicated_subscription_status,
+            |_: Vec<Empty>| Empty {}
+        );
+        self.topics
+            .set_replicated_subscription(r.into_inner())
+            .await?;
+        ok(Empty {})
+    }
+
+    async fn get_replicated_subscription_status(
+        &self,
+        r: Request<SubscriptionRequest>,
+    ) -> Reply<ReplicatedSubscriptionStatus> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
+        forward!(
+            self,
+            r,
+            topic,
+            get_replicated_subscription_status,
+            |all: Vec<ReplicatedSubscriptionStatus>| ReplicatedSubscriptionStatus {
+                enabled: !all.is_empty() && all.iter().all(|s| s.enabled)
+            }
+        );
+        let enabled = self.topics.replicated_subscription(r.into_inner()).await?;
+        ok(ReplicatedSubscriptionStatus { enabled })
     }
 }
 

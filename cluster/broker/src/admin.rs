@@ -85,6 +85,18 @@ fn to_pb(s: TopicStats, terminated: bool, t: &Topic) -> pb::TopicStats {
                 unacked_entries: x.unacked_entries as u64,
                 delayed_entries: x.delayed_entries as u64,
                 properties: x.properties.into_iter().collect(),
+                replicated: x.replicated,
+                sync: x
+                    .sync
+                    .into_iter()
+                    .map(|y| pb::SubscriptionSync {
+                        remote: y.remote,
+                        pending_acks: y.pending_acks,
+                        pending_ms: y.pending_ms,
+                        held: y.held,
+                        error: y.error.unwrap_or_default(),
+                    })
+                    .collect(),
             })
             .collect(),
     }
@@ -222,6 +234,27 @@ impl BrokerTopics {
                 .filter(|u| !u.is_empty()),
             _ => None,
         })
+    }
+
+    /// The topic, or each partition of a partitioned topic (all served here), loaded.
+    async fn served_topics(
+        &self,
+        topic: &str,
+    ) -> Result<Vec<Arc<crate::broker::Topic>>, AdminError> {
+        let name = self.name(topic)?;
+        let b = &self.0;
+        let names = match name.partition() {
+            None => match b.partitions_of(&name).await.map_err(admin_error)? {
+                Some((n, _)) => (0..n).map(|i| name.partition_name(i)).collect(),
+                None => vec![name],
+            },
+            Some(_) => vec![name],
+        };
+        let mut out = Vec::with_capacity(names.len());
+        for n in names {
+            out.push(b.topic(&n, false).await.map_err(admin_error)?);
+        }
+        Ok(out)
     }
 
     /// A subscription an admin call may move (skip, clear, expire, reset): not compaction's,
@@ -1051,6 +1084,49 @@ impl TopicOps for BrokerTopics {
             sub.expire_before(cutoff, r.dry_run)
                 .await
                 .map_err(admin_error)
+        }
+        .boxed()
+    }
+
+    fn set_replicated_subscription(
+        &self,
+        r: pb::ReplicatedSubscriptionRequest,
+    ) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            for t in self.served_topics(&r.topic).await? {
+                if r.enabled {
+                    // The subscription must exist (NotFound otherwise).
+                    t.subscription_for_admin(&r.subscription)
+                        .await
+                        .map_err(admin_error)?;
+                    t.enable_replicated(&r.subscription)
+                        .await
+                        .map_err(admin_error)?;
+                } else {
+                    t.forget_replicated(&r.subscription).await;
+                }
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn replicated_subscription(
+        &self,
+        r: pb::SubscriptionRequest,
+    ) -> BoxFuture<'_, Result<bool, AdminError>> {
+        async move {
+            let mut all = true;
+            for t in self.served_topics(&r.topic).await? {
+                t.subscription_for_admin(&r.subscription)
+                    .await
+                    .map_err(admin_error)?;
+                all &= t
+                    .is_replicated_subscription(&r.subscription)
+                    .await
+                    .map_err(admin_error)?;
+            }
+            Ok(all)
         }
         .boxed()
     }

@@ -982,6 +982,7 @@ impl Conn {
                 .map(|kv| (kv.key.clone(), kv.value.clone()))
                 .collect(),
             read_compacted: s.read_compacted.unwrap_or(false),
+            replicated: durable && s.replicate_subscription_state.unwrap_or(false),
         };
         let sink = ConsumerSink {
             connection_id: self.id,

@@ -1009,7 +1009,7 @@ enum Topics {
     Subs(Subs),
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 struct SubArgs {
     topic: String,
     /// The subscription.
@@ -2464,7 +2464,13 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                         "consumers": x.consumers, "msg_rate_out": x.msg_rate_out,
                         "msgs_out_total": x.msgs_out_total, "backlog_entries": x.backlog_entries,
                         "backlog_bytes": x.backlog_bytes, "unacked_entries": x.unacked_entries,
-                        "delayed_entries": x.delayed_entries, "properties": x.properties})
+                        "delayed_entries": x.delayed_entries, "properties": x.properties,
+                        "replicated": x.replicated,
+                        "sync": x.sync.iter().map(|y| json!({"remote": y.remote,
+                            "pending_acks": y.pending_acks, "pending_ms": y.pending_ms,
+                            "held": y.held,
+                            "error": (!y.error.is_empty()).then_some(&y.error)}))
+                            .collect::<Vec<_>>()})
                 })
                 .collect();
             let v = json!({"topic": s.topic, "msg_rate_in": s.msg_rate_in,
@@ -2521,6 +2527,20 @@ async fn topics(c: &mut Client, cmd: Topics, out: Output) -> anyhow::Result<()> 
                         x.unacked_entries,
                         x.delayed_entries
                     ));
+                    for y in &x.sync {
+                        t.push_str(&format!(
+                            "\n  replicated to {}: {} acknowledgements pending ({} ms), {} held there{}",
+                            y.remote,
+                            y.pending_acks,
+                            y.pending_ms,
+                            y.held,
+                            if y.error.is_empty() {
+                                String::new()
+                            } else {
+                                format!(", last send failed: {}", y.error)
+                            }
+                        ));
+                    }
                 }
                 t
             });
@@ -2704,6 +2724,21 @@ enum SubsSame {
         time: Option<String>,
         #[arg(long, short = 'm')]
         message_id: Option<String>,
+    },
+    /// Replicates the subscription's acknowledgements to the topic's other sites
+    /// (--enable), exactly, or stops (--disable).
+    SetReplicatedSubscriptionStatus {
+        #[command(flatten)]
+        s: SubArgs,
+        #[arg(long, conflicts_with = "disable", required_unless_present = "disable")]
+        enable: bool,
+        #[arg(long)]
+        disable: bool,
+    },
+    /// Whether the subscription's acknowledgements are replicated.
+    GetReplicatedSubscriptionStatus {
+        #[command(flatten)]
+        s: SubArgs,
     },
 }
 
@@ -3064,6 +3099,30 @@ async fn subscriptions(c: &mut Client, cmd: Subs, out: Output) -> anyhow::Result
             })
             .await?;
             done(out, what);
+        }
+        Subs::Same(SubsSame::SetReplicatedSubscriptionStatus { s, enable, .. }) => {
+            let what = format!(
+                "subscription {} of {} is {} replicated",
+                s.subscription,
+                s.topic,
+                if enable { "now" } else { "no longer" }
+            );
+            c.set_replicated_subscription_status(ReplicatedSubscriptionRequest {
+                topic: s.topic,
+                subscription: s.subscription,
+                enabled: enable,
+            })
+            .await?;
+            done(out, what);
+        }
+        Subs::Same(SubsSame::GetReplicatedSubscriptionStatus { s }) => {
+            let r = c
+                .get_replicated_subscription_status(req(s.clone(), false))
+                .await?
+                .into_inner();
+            let v =
+                json!({"topic": s.topic, "subscription": s.subscription, "replicated": r.enabled});
+            print(out, &v, || r.enabled.to_string());
         }
     }
     Ok(())

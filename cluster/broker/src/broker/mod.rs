@@ -623,6 +623,7 @@ impl Broker {
             repl_inbound: Default::default(),
             replicators: Mutex::default(),
             repl_closed: AtomicBool::new(false),
+            repl_subs: Default::default(),
         });
         topic.set_policies(policies_kept).await;
         // A load that fails from here on closes the topic (its replicators have started).

@@ -44,6 +44,8 @@ use super::{Broker, NamespacePolicies, Topic};
 use crate::topic_name::TopicName;
 
 pub(super) mod inbound;
+pub(super) mod sub_state;
+pub(super) mod subs;
 
 /// Replicators' cursors are named so: `meridian.repl.<remote site>`.
 pub const REPL_CURSOR_PREFIX: &str = "meridian.repl.";
@@ -372,6 +374,9 @@ impl Topic {
                 .map_or(0, |(n, _)| n),
             _ => 0,
         };
+        if !want.is_empty() {
+            self.ensure_sub_sync_if_any().await;
+        }
         let mut reps = self.replicators.lock().expect("replicators lock");
         // A topic closed meanwhile (unloaded, deleted) starts nothing more.
         if self.repl_closed.load(Ordering::Acquire) {
@@ -446,6 +451,7 @@ impl Topic {
         // closed the topic's receiving).
         let _saves = self.repl_origins.lock().await;
         self.meta.delete(&self.origins_key(), None).await?;
+        self.delete_replicated_subs().await?;
         Ok(())
     }
 
@@ -809,6 +815,29 @@ impl ReplicaSink for GeoSink {
                 .upgrade()
                 .ok_or_else(|| refusal(RefusalCode::Retry, "the broker is shutting down"))?;
             broker.merge_global(origin, &doc).await
+        })
+    }
+
+    fn sub_sync<'a>(
+        &'a self,
+        origin: &'a str,
+        topic: &'a str,
+        doc: bytes::Bytes,
+    ) -> BoxFuture<'a, Result<bytes::Bytes, Refusal>> {
+        Box::pin(async move {
+            let broker = self
+                .0
+                .upgrade()
+                .ok_or_else(|| refusal(RefusalCode::Retry, "the broker is shutting down"))?;
+            let name = TopicName::parse(topic)
+                .map_err(|e| refusal(RefusalCode::Protocol, e.to_string()))?;
+            let retry = |e: super::BrokerError| refusal(RefusalCode::Retry, e.to_string());
+            broker.check_replicated_with(&name, origin).await?;
+            if let Some(url) = broker.geo_owner_elsewhere(&name).await.map_err(retry)? {
+                return Err(refusal(RefusalCode::Moved, url));
+            }
+            let t = broker.topic(&name, true).await.map_err(retry)?;
+            t.take_sub_sync(origin, &doc).await
         })
     }
 

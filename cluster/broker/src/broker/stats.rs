@@ -103,6 +103,13 @@ impl Topic {
             s.msg_rate_out = r.subs.get(&s.name).map_or(0.0, |(_, rate)| *rate);
         }
         subscriptions.sort_by(|a, b| a.name.cmp(&b.name));
+        let mut synced = self.replicated_sub_stats().await;
+        for s in &mut subscriptions {
+            if let Some(sync) = synced.remove(&s.name) {
+                s.replicated = true;
+                s.sync = sync;
+            }
+        }
         TopicStats {
             topic: self.full_name.clone(),
             msg_rate_in: r.per_sec[0],

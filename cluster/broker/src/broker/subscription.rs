@@ -22,7 +22,7 @@
 //! count messages: a batch entry costs its number of messages.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -85,6 +85,9 @@ pub struct SubscribeRequest {
     pub properties: std::collections::BTreeMap<String, String>,
     /// Read the topic's compacted view up to its horizon (Exclusive and Failover only).
     pub read_compacted: bool,
+    /// The client asked for the subscription's acknowledgements to be replicated to the
+    /// other sites of the topic (`replicate_subscription_state`).
+    pub replicated: bool,
 }
 
 /// Where a consumer's frames go: its connection's writer, with the client's consumer id.
@@ -321,6 +324,11 @@ pub struct Subscription {
     pub msgs_out: std::sync::atomic::AtomicU64,
     /// The subscription dispatch rate policy.
     pub limiter: super::rate::PolicyLimiter,
+    /// Counts changes of the acknowledgement state (a replicated subscription's is sent to
+    /// the other sites when it moved).
+    pub(super) ack_version: AtomicU64,
+    /// Message ids acknowledged (by consumers here or applied from other sites).
+    pub(super) acks_total: AtomicU64,
 }
 
 /// A subscription's figures, as the stats and the admin API show them.
@@ -339,6 +347,11 @@ pub struct SubscriptionStats {
     pub delayed_entries: usize,
     /// The subscription's properties (given by the client that created it).
     pub properties: std::collections::BTreeMap<String, String>,
+    /// Its acknowledgements are replicated to the topic's other sites.
+    pub replicated: bool,
+    /// Per remote site, what of them is not confirmed there yet.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub sync: Vec<super::replication::subs::SubSyncStats>,
 }
 
 /// A subscription's cursor, for `topics stats-internal`.
@@ -479,6 +492,8 @@ impl Subscription {
             stop,
             msgs_out: std::sync::atomic::AtomicU64::new(0),
             limiter: super::rate::PolicyLimiter::default(),
+            ack_version: AtomicU64::new(0),
+            acks_total: AtomicU64::new(0),
         });
         sub.limiter.update(
             sub.topic
@@ -525,7 +540,74 @@ impl Subscription {
         st.cursor.ack_cumulative(pos).await?;
         st.forget_through(pos);
         st.cursor.flush().await?;
+        self.ack_version.fetch_add(1, Ordering::AcqRel);
         Ok(())
+    }
+
+    /// The acknowledgement state: mark-delete position, ranges acknowledged beyond it, and
+    /// batches partly acknowledged (bit i set: message i still unacknowledged).
+    #[allow(clippy::type_complexity)]
+    pub(super) async fn ack_state(
+        &self,
+    ) -> (
+        Option<Position>,
+        Vec<(Position, Position)>,
+        Vec<(Position, Vec<u64>)>,
+    ) {
+        let st = self.state.lock().await;
+        (
+            st.cursor.mark_delete(),
+            st.cursor.acknowledged_ranges(),
+            st.cursor.batch_acks(),
+        )
+    }
+
+    /// Applies acknowledgements made at another site (a replicated subscription's): entries
+    /// acknowledged whole, and batches partly (bit i set: message i still unacknowledged).
+    /// Returns how many entries this acknowledged or changed.
+    pub(super) async fn apply_remote(
+        &self,
+        whole: &[Position],
+        partial: &[(Position, Vec<u64>)],
+    ) -> Result<u64, BrokerError> {
+        let mut st = self.state.lock().await;
+        let mut changed = 0u64;
+        let mut done = Vec::new();
+        for p in whole {
+            if !st.cursor.is_acknowledged(*p) {
+                st.cursor.ack(*p).await?;
+                done.push(*p);
+            }
+        }
+        for (p, bits) in partial {
+            if st.cursor.is_acknowledged(*p) {
+                continue;
+            }
+            let before = st.cursor.batch_ack_set(*p).map(<[u64]>::to_vec);
+            if st.cursor.ack_batch_index(*p, bits).await? {
+                done.push(*p);
+            } else if st.cursor.batch_ack_set(*p).map(<[u64]>::to_vec) != before {
+                changed += 1;
+            }
+        }
+        for p in &done {
+            st.unpend(*p);
+            st.redeliver.remove(p);
+            st.redelivery_counts.remove(p);
+            st.masks.remove(p);
+        }
+        changed += done.len() as u64;
+        if changed > 0 {
+            // Durable before the sending site is told they are applied.
+            st.cursor.flush().await?;
+        }
+        drop(st);
+        if changed > 0 {
+            self.ack_version.fetch_add(1, Ordering::AcqRel);
+            self.acks_total.fetch_add(changed, Ordering::Relaxed);
+            self.wake.notify_one();
+        }
+        Ok(changed)
     }
 
     /// The last message id as this subscription's consumers see the topic: for a compacted
@@ -840,6 +922,9 @@ impl Subscription {
                 st.masks.remove(&pos);
             }
         }
+        self.ack_version.fetch_add(1, Ordering::AcqRel);
+        self.acks_total
+            .fetch_add(ids.len() as u64, Ordering::Relaxed);
         let unblocked = blocked_count(&st) < blocked_before;
         if unblocked || self.topic.terminated.load(Ordering::Acquire) {
             // A consumer (or the subscription) back under its unacknowledged limit may be
@@ -1179,6 +1264,7 @@ impl Subscription {
         self.closed.store(true, Ordering::Relaxed);
         let _ = self.stop.send(true);
         self.topic.drop_subscription(&self.name, self).await;
+        self.topic.forget_replicated(&self.name).await;
         close_consumers(sinks).await;
         Ok(())
     }
@@ -1208,6 +1294,8 @@ impl Subscription {
             unacked_entries: st.pending.len(),
             delayed_entries: st.delayed.len(),
             properties: st.cursor.properties().clone(),
+            replicated: false,
+            sync: Vec::new(),
         }
     }
 

@@ -72,6 +72,8 @@ pub struct Topic {
     pub(super) repl_inbound: super::replication::inbound::Inbound,
     /// Replicators to other sites, by remote site.
     pub(super) replicators: Mutex<HashMap<String, super::replication::Replicator>>,
+    /// Replicated subscriptions: their acknowledgements to and from other sites.
+    pub(super) repl_subs: super::replication::subs::ReplSubs,
     /// Closed: no replicator starts, no replicated entry is taken.
     pub(super) repl_closed: AtomicBool,
 }
@@ -157,8 +159,23 @@ impl Topic {
         });
     }
 
-    /// Attaches a consumer, creating the subscription (and its durable cursor) if needed.
+    /// Attaches a consumer, creating the subscription (and its durable cursor) if needed; a
+    /// consumer that asks for its acknowledgements to be replicated makes the subscription a
+    /// replicated one.
     pub async fn subscribe(
+        self: &Arc<Self>,
+        req: SubscribeRequest,
+        sink: ConsumerSink,
+    ) -> Result<Arc<Subscription>, BrokerError> {
+        let replicated = req.replicated && req.durable;
+        let sub = self.attach(req, sink).await?;
+        if replicated {
+            self.enable_replicated(sub.name()).await?;
+        }
+        Ok(sub)
+    }
+
+    async fn attach(
         self: &Arc<Self>,
         req: SubscribeRequest,
         sink: ConsumerSink,
@@ -273,6 +290,7 @@ impl Topic {
             key_shared: None,
             properties: Default::default(),
             read_compacted: false,
+            replicated: false,
         };
         let sub = Subscription::open(
             Arc::clone(self),

@@ -1,0 +1,779 @@
+//! Replicated subscriptions: a subscription's acknowledgements carried to the topic's other
+//! sites and applied there, exactly (the model is `sub_state.rs`).
+//!
+//! ```text
+//!  /repl-subs/<log>/<subscription>   the subscription is replicated; what its sender knows:
+//!                                    the mark-delete position it read entries through, and
+//!                                    per other origin the highest origin position up to it
+//!
+//!  each topic with one, at its owner, every 50 ms (sub_sync_loop):
+//!    send: a subscription whose acknowledgements changed since a remote last confirmed
+//!      them (or every 10 s, every second while the remote holds some): its state, built
+//!      from the cursor (each entry's origin read from its metadata; entries past the
+//!      mark-delete position cached), to each site the topic replicates to, at the broker
+//!      that owns the topic there (SubSync, following Moved)
+//!    apply (on SubSync, and again while some of a remote's state waits for entries): the
+//!      states merged per sending site; entries after the mark-delete position read in
+//!      order, each acknowledged as far as a state covers it (its origin and position, and
+//!      only if the sender held it); what a state says of entries not here yet is held
+//! ```
+//!
+//! Consumers at several sites at once get the union of their acknowledgements.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use meridian_geo::frame::RefusalCode;
+use meridian_geo::receiver::Refusal;
+use meridian_geo::GeoLink;
+use meridian_protocol::pb::ServerError;
+use meridian_protocol::Entry;
+use meridian_storage::managed_ledger::Position;
+use serde::{Deserialize, Serialize};
+
+use super::sub_state::{held_by, AckState, Builder, Cover, OPos};
+use super::{Topic, REPL_CURSOR_PREFIX};
+use crate::broker::{BrokerError, Subscription};
+
+/// Where replicated subscriptions are recorded: `<prefix><log>/<escaped subscription>`.
+pub const REPL_SUBS_PREFIX: &str = "/repl-subs/";
+
+/// How often a topic's replicated subscriptions are looked at.
+const SYNC_INTERVAL: Duration = Duration::from_millis(50);
+/// A state is sent again this often even when nothing changed (a remote that restarted
+/// forgets what it held).
+const RESEND: Duration = Duration::from_secs(10);
+/// ... and this often while the remote holds some of it for entries still to come.
+const RESEND_HELD: Duration = Duration::from_secs(1);
+/// After a failed send.
+const RETRY: Duration = Duration::from_secs(1);
+/// A SubSync's deadline.
+const SEND_TIMEOUT: Duration = Duration::from_secs(5);
+/// Entries read per apply at most (the rest at the next).
+const APPLY_SCAN_MAX: usize = 200_000;
+/// Entries read at once.
+const READ_CHUNK: usize = 1024;
+/// The record of what the sender knows is written at most this often.
+const TRACK_SAVE_INTERVAL: Duration = Duration::from_secs(1);
+
+/// What a sender knows of its mark-delete position, kept in the subscription's record.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct Track {
+    /// Entries were read through this position.
+    md: Option<Position>,
+    /// Per origin other than this site, the highest origin position at or before `md`.
+    through: BTreeMap<String, OPos>,
+}
+
+/// A SubSync's document.
+#[derive(Debug, Serialize, Deserialize)]
+struct SyncDoc {
+    subs: Vec<SubDoc>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SubDoc {
+    name: String,
+    state: AckState,
+}
+
+/// A SubSynced's document.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct SyncedDoc {
+    subs: Vec<SubAnswer>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct SubAnswer {
+    name: String,
+    /// Entries acknowledged (or batches changed) by applying it.
+    applied: u64,
+    /// (origin site) parts of the state that speak of entries not here yet.
+    held: u64,
+}
+
+/// What goes to one remote in a round: the states, and (subscription, `ack_version`,
+/// `acks_total`) of each when it was built.
+type Outgoing = (Vec<SubDoc>, Vec<(String, u64, u64)>);
+
+/// A topic's replicated subscriptions.
+#[derive(Default)]
+pub struct ReplSubs {
+    state: tokio::sync::Mutex<State>,
+    running: AtomicBool,
+}
+
+#[derive(Default)]
+struct State {
+    loaded: bool,
+    subs: BTreeMap<String, SubRepl>,
+}
+
+#[derive(Default)]
+struct SubRepl {
+    track: Track,
+    saved: Option<(Track, Instant)>,
+    remotes: BTreeMap<String, RemoteSync>,
+    /// What each other site said, merged.
+    incoming: BTreeMap<String, AckState>,
+    /// Parts of `incoming` waiting for entries, at the last apply.
+    held: u64,
+    /// The log's end at the last apply.
+    applied_to: Option<Position>,
+    /// Origins of entries after the mark-delete position, as read.
+    origins: BTreeMap<Position, EntryOrigin>,
+}
+
+#[derive(Debug, Clone)]
+struct EntryOrigin {
+    /// `None`: produced here.
+    site: Option<String>,
+    at: OPos,
+    replicate_to: Vec<String>,
+}
+
+/// One remote site's side of a replicated subscription, as its sender sees it.
+#[derive(Debug, Default, Clone)]
+struct RemoteSync {
+    /// The subscription's `ack_version` the remote confirmed last.
+    confirmed: u64,
+    /// Its `acks_total` then.
+    confirmed_acks: u64,
+    /// Since when some change has not been confirmed.
+    pending_since: Option<Instant>,
+    held: u64,
+    /// The broker of the remote site that answered last.
+    at: Option<String>,
+    next: Option<Instant>,
+    error: Option<String>,
+}
+
+/// A replicated subscription's sync with one remote, for stats.
+#[derive(Debug, Clone, Serialize)]
+pub struct SubSyncStats {
+    pub remote: String,
+    /// Acknowledgements here the remote has not confirmed yet.
+    pub pending_acks: u64,
+    /// How long the oldest of them has waited, ms.
+    pub pending_ms: u64,
+    /// Parts of this site's state the remote holds for entries it does not have yet.
+    pub held: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+fn entry_origin(pos: Position, bytes: &bytes::Bytes) -> EntryOrigin {
+    let meta = Entry::parse(bytes.clone())
+        .ok()
+        .and_then(|e| e.metadata().ok());
+    match meta {
+        Some(m) => match m.meridian_origin {
+            Some(o) => EntryOrigin {
+                site: Some(o.site),
+                at: (o.ledger_id, o.entry_id),
+                replicate_to: m.replicate_to,
+            },
+            None => EntryOrigin {
+                site: None,
+                at: (pos.ledger_id, pos.entry_id),
+                replicate_to: m.replicate_to,
+            },
+        },
+        // Not a message (never the case for a topic's entries): taken as this site's own.
+        None => EntryOrigin {
+            site: None,
+            at: (pos.ledger_id, pos.entry_id),
+            replicate_to: Vec::new(),
+        },
+    }
+}
+
+fn opos(p: Position) -> OPos {
+    (p.ledger_id, p.entry_id)
+}
+
+impl Topic {
+    fn repl_subs_key(&self, sub: &str) -> String {
+        format!(
+            "{REPL_SUBS_PREFIX}{}/{}",
+            self.ml.name(),
+            crate::topic_name::escape(sub)
+        )
+    }
+
+    /// Makes `sub` a replicated subscription (recorded; its acknowledgements go to the
+    /// topic's other sites from now on).
+    pub async fn enable_replicated(self: &Arc<Self>, sub: &str) -> Result<(), BrokerError> {
+        let mut st = self.repl_subs.state.lock().await;
+        self.load_replicated(&mut st).await?;
+        if !st.subs.contains_key(sub) {
+            let mut r = SubRepl::default();
+            self.save_track(sub, &mut r, true).await?;
+            tracing::info!(topic = %self.full_name, subscription = sub, "the subscription is replicated");
+            st.subs.insert(sub.to_string(), r);
+        }
+        drop(st);
+        self.ensure_sub_sync();
+        Ok(())
+    }
+
+    /// Whether `sub` is a replicated subscription.
+    pub async fn is_replicated_subscription(&self, sub: &str) -> Result<bool, BrokerError> {
+        let mut st = self.repl_subs.state.lock().await;
+        self.load_replicated(&mut st).await?;
+        Ok(st.subs.contains_key(sub))
+    }
+
+    /// Forgets a subscription that was deleted or is no longer replicated (its record too).
+    pub async fn forget_replicated(&self, sub: &str) {
+        let mut st = self.repl_subs.state.lock().await;
+        let known = st.subs.remove(sub).is_some();
+        if known || !st.loaded {
+            if let Err(e) = self.meta.delete(&self.repl_subs_key(sub), None).await {
+                tracing::warn!(topic = %self.full_name, subscription = sub, error = %e, "deleting the replicated subscription's record failed");
+            }
+        }
+    }
+
+    /// Deletes every replicated subscription's record (the topic is deleted).
+    pub(in crate::broker) async fn delete_replicated_subs(&self) -> Result<(), BrokerError> {
+        let mut st = self.repl_subs.state.lock().await;
+        st.subs.clear();
+        let prefix = format!("{REPL_SUBS_PREFIX}{}/", self.ml.name());
+        loop {
+            let page = self.meta.children(&prefix, "", 0).await?;
+            for c in &page.children {
+                self.meta.delete(&format!("{prefix}{c}"), None).await?;
+            }
+            if !page.more {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Reads the records of the topic's replicated subscriptions once.
+    async fn load_replicated(&self, st: &mut State) -> Result<(), BrokerError> {
+        if st.loaded {
+            return Ok(());
+        }
+        let prefix = format!("{REPL_SUBS_PREFIX}{}/", self.ml.name());
+        let mut after = String::new();
+        loop {
+            let page = self.meta.children(&prefix, &after, 0).await?;
+            for c in &page.children {
+                let name = crate::topic_name::unescape(c);
+                let track: Track = match self.meta.get(&format!("{prefix}{c}")).await? {
+                    Some(kv) => serde_json::from_slice(&kv.value).unwrap_or_default(),
+                    None => continue,
+                };
+                st.subs.entry(name).or_insert_with(|| SubRepl {
+                    saved: Some((track.clone(), Instant::now())),
+                    track,
+                    ..SubRepl::default()
+                });
+            }
+            match page.children.last() {
+                Some(last) if page.more => after = last.clone(),
+                _ => break,
+            }
+        }
+        st.loaded = true;
+        Ok(())
+    }
+
+    async fn save_track(&self, sub: &str, r: &mut SubRepl, now: bool) -> Result<(), BrokerError> {
+        if let Some((saved, at)) = &r.saved {
+            if *saved == r.track || (!now && at.elapsed() < TRACK_SAVE_INTERVAL) {
+                return Ok(());
+            }
+        }
+        let value = serde_json::to_vec(&r.track).expect("track serializes");
+        self.meta.put(&self.repl_subs_key(sub), value).await?;
+        r.saved = Some((r.track.clone(), Instant::now()));
+        Ok(())
+    }
+
+    /// Starts the topic's sync loop unless it runs.
+    pub(in crate::broker) fn ensure_sub_sync(self: &Arc<Self>) {
+        if self.repl_closed.load(Ordering::Acquire) {
+            return;
+        }
+        if !self.repl_subs.running.swap(true, Ordering::AcqRel) {
+            tokio::spawn(sub_sync_loop(Arc::clone(self)));
+        }
+    }
+
+    /// The open subscription `name`, opened (without consumers) if it is durable and not;
+    /// `Ok(None)` when it does not exist (any more).
+    async fn replicated_handle(
+        self: &Arc<Self>,
+        name: &str,
+    ) -> Result<Option<Arc<Subscription>>, BrokerError> {
+        match self.subscription_for_admin(name).await {
+            Ok(s) => Ok(Some(s)),
+            Err(e) if e.code == ServerError::SubscriptionNotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Starts the sync loop of a topic that replicates and has replicated subscriptions
+    /// (the policy beat calls it; the loop ends when there are none).
+    pub(in crate::broker) async fn ensure_sub_sync_if_any(self: &Arc<Self>) {
+        if self.repl_subs.running.load(Ordering::Acquire) {
+            return;
+        }
+        let any = {
+            let mut st = self.repl_subs.state.lock().await;
+            if let Err(e) = self.load_replicated(&mut st).await {
+                tracing::debug!(topic = %self.full_name, error = %e, "reading the replicated subscriptions");
+            }
+            !st.subs.is_empty()
+        };
+        if any {
+            self.ensure_sub_sync();
+        }
+    }
+
+    /// Origins of the entries from `from` on (`count` of them), read where not cached.
+    async fn read_origins(
+        &self,
+        cache: &mut BTreeMap<Position, EntryOrigin>,
+        from: Position,
+        count: usize,
+    ) -> Result<Vec<(Position, EntryOrigin)>, BrokerError> {
+        let mut out = Vec::with_capacity(count.min(READ_CHUNK));
+        let mut next = Some(from);
+        while let Some(p) = next {
+            if out.len() >= count {
+                break;
+            }
+            if let Some(o) = cache.get(&p) {
+                out.push((p, o.clone()));
+                next = self.ml.next_position(p).await;
+                continue;
+            }
+            let want = (count - out.len()).min(READ_CHUNK);
+            let read = self.ml.read_range(p, want).await?;
+            let Some(last) = read.last().map(|r| r.0) else {
+                break;
+            };
+            for (q, bytes) in &read {
+                let o = entry_origin(*q, bytes);
+                cache.insert(*q, o.clone());
+                out.push((*q, o));
+            }
+            next = self.ml.next_position(last).await;
+        }
+        Ok(out)
+    }
+
+    /// The subscription's acknowledgements as every site reads them.
+    async fn local_state(
+        &self,
+        sub: &Subscription,
+        r: &mut SubRepl,
+    ) -> Result<AckState, BrokerError> {
+        let own = self.cfg.cluster_name.clone();
+        let (md, ranges, batches) = sub.ack_state().await;
+        // The highest origin of each other site up to the mark-delete position: from the
+        // entries between the last one read and it.
+        if md > r.track.md {
+            let mut next = match r.track.md {
+                Some(p) => self.ml.next_position(p).await,
+                None => self.ml.first_position().await,
+            };
+            while let Some(p) = next.filter(|p| Some(*p) <= md) {
+                let got = self.read_origins(&mut r.origins, p, READ_CHUNK).await?;
+                let Some(last) = got.last().map(|g| g.0) else {
+                    break;
+                };
+                for (q, o) in got {
+                    if Some(q) > md {
+                        break;
+                    }
+                    if let Some(site) = o.site {
+                        let t = r.track.through.entry(site).or_insert(o.at);
+                        *t = (*t).max(o.at);
+                    }
+                }
+                next = self.ml.next_position(last).await;
+            }
+            r.track.md = md;
+        }
+        if let Some(md) = md {
+            r.origins = r
+                .origins
+                .split_off(&Position::new(md.ledger_id, md.entry_id + 1));
+        }
+        let mut b = Builder::new(&own, md.map(opos), &r.track.through);
+        for (lo, hi) in ranges {
+            let n = (hi.entry_id - lo.entry_id + 1) as usize;
+            for (_, o) in self.read_origins(&mut r.origins, lo, n).await? {
+                b.acked(o.site.as_deref().unwrap_or(&own), o.at);
+            }
+        }
+        for (p, bits) in batches {
+            if let Some((_, o)) = self.read_origins(&mut r.origins, p, 1).await?.pop() {
+                b.partial(o.site.as_deref().unwrap_or(&own), o.at, bits);
+            }
+        }
+        Ok(b.finish())
+    }
+
+    /// Applies what the other sites said to the subscription: entries after its mark-delete
+    /// position read in order and acknowledged as far as a state covers them. Returns the
+    /// entries it acknowledged or changed; `r.held` is what waits for entries to come.
+    async fn apply_incoming(
+        &self,
+        sub: &Subscription,
+        r: &mut SubRepl,
+    ) -> Result<u64, BrokerError> {
+        let own = self.cfg.cluster_name.clone();
+        let (md, _, _) = sub.ack_state().await;
+        r.applied_to = self.ml.last_confirmed();
+        // (sending site, origin site, the furthest entry the state speaks of)
+        let mut open: Vec<(String, String, OPos)> = r
+            .incoming
+            .iter()
+            .flat_map(|(from, s)| {
+                s.origins
+                    .iter()
+                    .filter_map(|(o, a)| Some((from.clone(), o.clone(), a.reach()?)))
+            })
+            .collect();
+        let mut whole = Vec::new();
+        let mut partial = Vec::new();
+        let mut next = match md {
+            Some(p) => self.ml.next_position(p).await,
+            None => self.ml.first_position().await,
+        };
+        let mut scanned = 0;
+        while let Some(p) = next {
+            if open.is_empty() || scanned >= APPLY_SCAN_MAX {
+                break;
+            }
+            let got = self.read_origins(&mut r.origins, p, READ_CHUNK).await?;
+            let Some(last) = got.last().map(|g| g.0) else {
+                break;
+            };
+            scanned += got.len();
+            for (q, o) in got {
+                let site = o.site.as_deref().unwrap_or(&own);
+                let mut bits: Option<Vec<u64>> = None;
+                let mut is_whole = false;
+                for (from, state) in &r.incoming {
+                    if !held_by(from, site, &o.replicate_to) {
+                        continue;
+                    }
+                    match state.origin(site).map(|a| a.cover(o.at)) {
+                        Some(Cover::Whole) => is_whole = true,
+                        Some(Cover::Partial(b)) => {
+                            bits = Some(match bits {
+                                None => b.to_vec(),
+                                Some(mut mine) => {
+                                    for (i, w) in mine.iter_mut().enumerate() {
+                                        *w &= b.get(i).copied().unwrap_or(0);
+                                    }
+                                    mine
+                                }
+                            })
+                        }
+                        _ => {}
+                    }
+                }
+                if is_whole {
+                    whole.push(q);
+                } else if let Some(b) = bits {
+                    partial.push((q, b));
+                }
+                // The furthest entry a state speaks of is here: nothing of it waits.
+                open.retain(|(_, origin, reach)| !(origin == site && o.at >= *reach));
+            }
+            next = self.ml.next_position(last).await;
+        }
+        r.held = open.len() as u64;
+        if let Some(md) = md {
+            r.origins = r
+                .origins
+                .split_off(&Position::new(md.ledger_id, md.entry_id + 1));
+        }
+        sub.apply_remote(&whole, &partial).await
+    }
+
+    /// Site `origin`'s SubSync for this topic: merged and applied; the answer's document.
+    pub(in crate::broker) async fn take_sub_sync(
+        self: &Arc<Self>,
+        origin: &str,
+        doc: &[u8],
+    ) -> Result<bytes::Bytes, Refusal> {
+        let doc: SyncDoc = serde_json::from_slice(doc).map_err(|e| {
+            Refusal::new(
+                RefusalCode::Protocol,
+                format!("subscription sync document: {e}"),
+            )
+        })?;
+        let retry = |e: BrokerError| Refusal::new(RefusalCode::Retry, e.to_string());
+        let mut answer = SyncedDoc::default();
+        for s in doc.subs {
+            if s.name.is_empty()
+                || s.name.starts_with(REPL_CURSOR_PREFIX)
+                || s.name == super::super::compaction::COMPACTION_SUBSCRIPTION
+            {
+                return Err(Refusal::new(
+                    RefusalCode::Protocol,
+                    format!("{:?} is not a subscription name", s.name),
+                ));
+            }
+            // The subscription exists here from now on, and is replicated too (so what its
+            // consumers here acknowledge goes back).
+            self.create_subscription(&s.name).await.map_err(retry)?;
+            self.enable_replicated(&s.name).await.map_err(retry)?;
+            let Some(sub) = self.replicated_handle(&s.name).await.map_err(retry)? else {
+                return Err(Refusal::new(
+                    RefusalCode::Retry,
+                    format!("subscription {} is not open", s.name),
+                ));
+            };
+            let mut st = self.repl_subs.state.lock().await;
+            let Some(r) = st.subs.get_mut(&s.name) else {
+                return Err(Refusal::new(
+                    RefusalCode::Retry,
+                    format!("subscription {} was deleted meanwhile", s.name),
+                ));
+            };
+            r.incoming
+                .entry(origin.to_string())
+                .or_default()
+                .merge(&s.state);
+            let applied = self.apply_incoming(&sub, r).await.map_err(retry)?;
+            answer.subs.push(SubAnswer {
+                name: s.name,
+                applied,
+                held: r.held,
+            });
+        }
+        Ok(serde_json::to_vec(&answer)
+            .expect("answer serializes")
+            .into())
+    }
+
+    /// Each replicated subscription's sync with each remote, for `topics stats`.
+    pub(in crate::broker) async fn replicated_sub_stats(
+        &self,
+    ) -> BTreeMap<String, Vec<SubSyncStats>> {
+        let st = self.repl_subs.state.lock().await;
+        let subs = self.subscriptions.lock().await.clone();
+        let mut out = BTreeMap::new();
+        for (name, r) in &st.subs {
+            let acks = subs
+                .get(name)
+                .map_or(0, |s| s.acks_total.load(Ordering::Relaxed));
+            let list = r
+                .remotes
+                .iter()
+                .map(|(remote, rs)| SubSyncStats {
+                    remote: remote.clone(),
+                    pending_acks: acks.saturating_sub(rs.confirmed_acks),
+                    pending_ms: rs
+                        .pending_since
+                        .map_or(0, |t| t.elapsed().as_millis() as u64),
+                    held: rs.held,
+                    error: rs.error.clone(),
+                })
+                .collect();
+            out.insert(name.clone(), list);
+        }
+        out
+    }
+
+    /// One round of the sync loop: held states applied again where entries came, and
+    /// states that changed sent.
+    async fn sync_round(self: &Arc<Self>, link: &Arc<GeoLink>) -> Result<(), BrokerError> {
+        let remotes: Vec<String> = self
+            .replicators
+            .lock()
+            .expect("replicators lock")
+            .keys()
+            .cloned()
+            .collect();
+        let now = Instant::now();
+        let mut sending: BTreeMap<String, Outgoing> = BTreeMap::new();
+        {
+            let mut st = self.repl_subs.state.lock().await;
+            self.load_replicated(&mut st).await?;
+            if st.subs.is_empty() {
+                return Err(BrokerError::new(
+                    ServerError::SubscriptionNotFound,
+                    "no replicated subscription",
+                ));
+            }
+            let names: Vec<String> = st.subs.keys().cloned().collect();
+            for name in names {
+                let sub = match self.replicated_handle(&name).await {
+                    Ok(Some(s)) => s,
+                    Ok(None) => {
+                        // Deleted without this broker seeing it (by another owner).
+                        st.subs.remove(&name);
+                        self.meta.delete(&self.repl_subs_key(&name), None).await?;
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::debug!(topic = %self.full_name, subscription = %name, error = %e, "replicated subscription not open");
+                        continue;
+                    }
+                };
+                let r = st.subs.get_mut(&name).expect("listed");
+                if r.held > 0 && self.ml.last_confirmed() != r.applied_to {
+                    self.apply_incoming(&sub, r).await?;
+                }
+                let version = sub.ack_version.load(Ordering::Acquire);
+                let acks = sub.acks_total.load(Ordering::Relaxed);
+                r.remotes.retain(|k, _| remotes.contains(k));
+                let due: Vec<String> = remotes
+                    .iter()
+                    .filter(|remote| {
+                        let rs = r.remotes.entry((*remote).clone()).or_default();
+                        if rs.confirmed < version && rs.pending_since.is_none() {
+                            rs.pending_since = Some(now);
+                        }
+                        let waited = rs.next.is_none_or(|t| now >= t);
+                        (rs.confirmed < version && rs.error.is_none()) || waited
+                    })
+                    .cloned()
+                    .collect();
+                if due.is_empty() {
+                    continue;
+                }
+                let state = self.local_state(&sub, r).await?;
+                if let Err(e) = self.save_track(&name, r, false).await {
+                    tracing::debug!(topic = %self.full_name, subscription = %name, error = %e, "saving a replicated subscription's record");
+                }
+                for remote in due {
+                    let e = sending.entry(remote).or_default();
+                    e.0.push(SubDoc {
+                        name: name.clone(),
+                        state: state.clone(),
+                    });
+                    e.1.push((name.clone(), version, acks));
+                }
+            }
+        }
+        if sending.is_empty() {
+            return Ok(());
+        }
+        let ats: BTreeMap<String, Option<String>> = {
+            let st = self.repl_subs.state.lock().await;
+            sending
+                .keys()
+                .map(|remote| {
+                    let at = st
+                        .subs
+                        .values()
+                        .find_map(|r| r.remotes.get(remote).and_then(|rs| rs.at.clone()));
+                    (remote.clone(), at)
+                })
+                .collect()
+        };
+        let sends = sending.into_iter().map(|(remote, (subs, sent))| {
+            let at = ats.get(&remote).cloned().flatten();
+            let doc = serde_json::to_vec(&SyncDoc { subs }).expect("sync doc serializes");
+            let link = Arc::clone(link);
+            let topic = self.full_name.clone();
+            async move {
+                let res = meridian_geo::subsync::send_sub_sync(
+                    &link,
+                    &remote,
+                    at,
+                    &topic,
+                    doc.into(),
+                    SEND_TIMEOUT,
+                )
+                .await;
+                (remote, sent, res)
+            }
+        });
+        let results = futures::future::join_all(sends).await;
+        let mut st = self.repl_subs.state.lock().await;
+        let now = Instant::now();
+        for (remote, sent, res) in results {
+            let answer = match &res {
+                Ok((doc, _)) => serde_json::from_slice::<SyncedDoc>(doc).ok(),
+                Err(_) => None,
+            };
+            for (name, version, acks) in sent {
+                let Some(rs) = st
+                    .subs
+                    .get_mut(&name)
+                    .and_then(|r| r.remotes.get_mut(&remote))
+                else {
+                    continue;
+                };
+                match (&res, &answer) {
+                    (Ok((_, at)), Some(a)) => {
+                        let held = a.subs.iter().find(|s| s.name == name).map_or(0, |s| s.held);
+                        rs.confirmed = rs.confirmed.max(version);
+                        rs.confirmed_acks = rs.confirmed_acks.max(acks);
+                        rs.held = held;
+                        rs.at = at.clone();
+                        rs.error = None;
+                        let current = self
+                            .subscriptions
+                            .lock()
+                            .await
+                            .get(&name)
+                            .map_or(version, |s| s.ack_version.load(Ordering::Acquire));
+                        if current <= version {
+                            rs.pending_since = None;
+                        }
+                        rs.next = Some(now + if held > 0 { RESEND_HELD } else { RESEND });
+                    }
+                    (Ok(_), None) => {
+                        rs.error = Some(format!(
+                            "{remote} answered a document this site cannot read"
+                        ));
+                        rs.next = Some(now + RETRY);
+                    }
+                    (Err(e), _) => {
+                        if rs.error.is_none() {
+                            tracing::info!(topic = %self.full_name, subscription = %name, remote, error = ?e, "replicated subscription: sending its acknowledgements failed; retrying");
+                        }
+                        rs.error = Some(format!("{e:?}"));
+                        rs.next = Some(now + RETRY);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A topic's replicated subscriptions looked at every [`SYNC_INTERVAL`] until the topic
+/// closes.
+async fn sub_sync_loop(topic: Arc<Topic>) {
+    let mut tick = tokio::time::interval(SYNC_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if topic.repl_closed.load(Ordering::Acquire) {
+            break;
+        }
+        let Some(link) = topic
+            .broker
+            .upgrade()
+            .and_then(|b| b.geo.get().map(Arc::clone))
+        else {
+            continue;
+        };
+        match topic.sync_round(&link).await {
+            Ok(()) => {}
+            // None left: the loop ends (started again by the next one).
+            Err(e) if e.code == ServerError::SubscriptionNotFound => break,
+            Err(e) => {
+                tracing::debug!(topic = %topic.full_name, error = %e, "replicated subscriptions: a sync round failed")
+            }
+        }
+    }
+    topic.repl_subs.running.store(false, Ordering::Release);
+}
