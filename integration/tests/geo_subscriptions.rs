@@ -156,6 +156,12 @@ fn given_acknowledgements_at_one_site_then_the_subscription_moves_to_the_other_e
     assert_eq!(acked.len(), 5_000);
     let s = wait_synced(east, t, "s1", "west");
     step(format!("east's stats of the subscription: {s}"));
+    let page = meridian_integration::http_get(&east.http, "/metrics");
+    let confirmed = meridian_integration::metric_value(
+        &page,
+        "meridian_replicated_subscription_sync_seconds_count{remote=\"west\"}",
+    );
+    assert!(confirmed > 0.0, "no confirmed states in /metrics:\n{page}");
 
     step("at west the same subscription delivers exactly the 5,000 east did not acknowledge");
     let got = drain_at(&dir, &west.url, t, "s1");

@@ -43,6 +43,16 @@ pub fn metrics_handle() -> PrometheusHandle {
                         &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 1024.0],
                     )
                 })
+                .and_then(|b| {
+                    // Acknowledgements confirmed by another site: tens of milliseconds.
+                    b.set_buckets_for_metric(
+                        Matcher::Prefix("meridian_replicated_subscription_sync".to_string()),
+                        &[
+                            0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0,
+                            2.0, 5.0, 10.0,
+                        ],
+                    )
+                })
                 .expect("static buckets")
                 // Gauges are set at least every stats interval (5 s; a tenant's storage every
                 // policy refresh) while their topic, subscription or tenant exists; one not

@@ -13,7 +13,10 @@
 //!    for the machine meanwhile), beside 1;
 //! 5. backlog: B paused while A takes `BACKLOG` unbatched messages (one entry each), then
 //!    resumed: the time until A's replicator sends again and until its backlog is 0, and the
-//!    drain rate in entries per second.
+//!    drain rate in entries per second;
+//! 6. subsync: a replicated subscription (Shared, so each message is acknowledged by id) at A
+//!    consuming `LAG_RATE` unbatched messages per second: the time from an acknowledgement at
+//!    A until B confirmed it applied, from A's `meridian_replicated_subscription_sync_seconds`.
 //!
 //! `MERIDIAN_BIN=target/release/meridian MERIDIAN_ADMIN_BIN=target/release/meridian-admin
 //! cargo run --release -p meridian-integration --bin geo-bench -- [SECONDS] [LAG_RATE]
@@ -93,9 +96,9 @@ fn main() -> anyhow::Result<()> {
         .collect();
     if let Some(bad) = phases
         .iter()
-        .find(|p| !["replicated", "catchup", "backlog"].contains(&p.as_str()))
+        .find(|p| !["replicated", "catchup", "backlog", "subsync"].contains(&p.as_str()))
     {
-        anyhow::bail!("GEO_BENCH_PHASES: {bad:?} is not replicated, catchup or backlog");
+        anyhow::bail!("GEO_BENCH_PHASES: {bad:?} is not replicated, catchup, backlog or subsync");
     }
     let phase = |name: &str| phases.is_empty() || phases.iter().any(|p| p == name);
 
@@ -194,6 +197,10 @@ fn main() -> anyhow::Result<()> {
         )
     };
 
+    if phase("subsync") {
+        subsync(a, &seconds, &lag_rate)?;
+    }
+
     // Catch-up: B paused, A takes batched messages for SECONDS, B resumed.
     if phase("catchup") {
         let topic = "persistent://acme/g/catchup";
@@ -254,6 +261,105 @@ fn main() -> anyhow::Result<()> {
         filled as f64 / drained.as_secs_f64()
     );
     Ok(())
+}
+
+/// Phase 6: a replicated subscription's acknowledgements at `rate` per second, and how long
+/// each took to be applied at the other site (A's histogram: from the acknowledgement to the
+/// confirmation of the state that carried it).
+fn subsync(
+    a: &meridian_integration::StandaloneProc,
+    seconds: &str,
+    rate: &str,
+) -> anyhow::Result<()> {
+    let topic = "persistent://acme/g/acks";
+    let admin = |args: &[&str]| {
+        let mut all = vec!["--admin-url", a.admin_url.as_str()];
+        all.extend_from_slice(args);
+        admin_ok(&all)
+    };
+    admin(&["topics", "create", topic]);
+    admin(&["topics", "create-subscription", topic, "-s", "acks"]);
+    admin(&[
+        "topics",
+        "set-replicated-subscription-status",
+        topic,
+        "-s",
+        "acks",
+        "--enable",
+    ]);
+    let before = sync_buckets(&a.http);
+    let out = perf(
+        "subsync",
+        &[
+            "e2e",
+            "--url",
+            &a.url,
+            "--topic",
+            topic,
+            "--subscription",
+            "acks",
+            "--subscription-type",
+            "shared",
+            "--rate",
+            rate,
+            "--batch-max-messages",
+            "1",
+            "--size",
+            "1024",
+            "--seconds",
+            seconds,
+            "--report-every",
+            "60",
+        ],
+    )?;
+    // Let the last states be confirmed.
+    std::thread::sleep(Duration::from_secs(2));
+    let after = sync_buckets(&a.http);
+    let d: Vec<(f64, f64)> = after
+        .iter()
+        .map(|(le, n)| {
+            (
+                *le,
+                n - before.iter().find(|b| b.0 == *le).map_or(0.0, |b| b.1),
+            )
+        })
+        .collect();
+    let total = d.last().map_or(0.0, |x| x.1);
+    let q = |p: f64| {
+        d.iter()
+            .find(|(_, n)| *n >= p * total)
+            .map_or(f64::INFINITY, |(le, _)| *le)
+    };
+    println!(
+        "subsync: {:.0} msg/s consumed at A, each acknowledged (Shared); {total:.0} states confirmed by B; acknowledgement to confirmation p50 <= {:.0} ms, p99 <= {:.0} ms (histogram bounds)",
+        rate_of(&out, "consume"),
+        q(0.5) * 1000.0,
+        q(0.99) * 1000.0
+    );
+    Ok(())
+}
+
+/// A's `meridian_replicated_subscription_sync_seconds` buckets toward B: (le, count),
+/// cumulative, ascending.
+fn sync_buckets(http: &str) -> Vec<(f64, f64)> {
+    let page = meridian_integration::http_get(http, "/metrics");
+    let mut v: Vec<(f64, f64)> = page
+        .lines()
+        .filter(|l| l.starts_with("meridian_replicated_subscription_sync_seconds_bucket{"))
+        .filter(|l| l.contains("remote=\"b\""))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            let n: f64 = l.rsplit(' ').next()?.parse().ok()?;
+            Some((le, n))
+        })
+        .collect();
+    v.sort_by(|x, y| x.0.total_cmp(&y.0));
+    v
 }
 
 /// The disk's own limits where the sites keep their data, as fio would measure them: MiB/s

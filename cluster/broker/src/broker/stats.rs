@@ -187,6 +187,24 @@ impl Broker {
                     )
                     .set(backlog.entries as f64);
                 }
+                for (sub, remotes) in topic.replicated_sub_stats().await {
+                    for y in remotes {
+                        let labels = [
+                            ("topic", topic.full_name.clone()),
+                            ("subscription", sub.clone()),
+                            ("remote", y.remote),
+                        ];
+                        metrics::gauge!("meridian_replicated_subscription_pending_acks", &labels)
+                            .set(y.pending_acks as f64);
+                        metrics::gauge!(
+                            "meridian_replicated_subscription_pending_seconds",
+                            &labels
+                        )
+                        .set(y.pending_ms as f64 / 1000.0);
+                        metrics::gauge!("meridian_replicated_subscription_held", &labels)
+                            .set(y.held as f64);
+                    }
+                }
             }
             for ((namespace, remote), backlog) in ns_backlog {
                 metrics::gauge!(

@@ -329,7 +329,15 @@ pub struct Subscription {
     pub(super) ack_version: AtomicU64,
     /// Message ids acknowledged (by consumers here or applied from other sites).
     pub(super) acks_total: AtomicU64,
+    /// When recent `ack_version`s were reached (a version stands for the next ones within
+    /// [`ACK_TIME_RESOLUTION`]): how long a replicated acknowledgement took to be confirmed.
+    ack_times: std::sync::Mutex<std::collections::VecDeque<(u64, std::time::Instant)>>,
 }
+
+/// `ack_times` keeps a version per this interval at most ...
+const ACK_TIME_RESOLUTION: Duration = Duration::from_millis(1);
+/// ... and this many.
+const ACK_TIMES_MAX: usize = 4096;
 
 /// A subscription's figures, as the stats and the admin API show them.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -494,6 +502,7 @@ impl Subscription {
             limiter: super::rate::PolicyLimiter::default(),
             ack_version: AtomicU64::new(0),
             acks_total: AtomicU64::new(0),
+            ack_times: Default::default(),
         });
         sub.limiter.update(
             sub.topic
@@ -540,8 +549,33 @@ impl Subscription {
         st.cursor.ack_cumulative(pos).await?;
         st.forget_through(pos);
         st.cursor.flush().await?;
-        self.ack_version.fetch_add(1, Ordering::AcqRel);
+        self.acks_changed();
         Ok(())
+    }
+
+    /// The acknowledgement state changed.
+    fn acks_changed(&self) {
+        let v = self.ack_version.fetch_add(1, Ordering::AcqRel) + 1;
+        let now = std::time::Instant::now();
+        let mut times = self.ack_times.lock().expect("ack times lock");
+        if times
+            .back()
+            .is_none_or(|(_, t)| now.duration_since(*t) >= ACK_TIME_RESOLUTION)
+        {
+            if times.len() >= ACK_TIMES_MAX {
+                times.pop_front();
+            }
+            times.push_back((v, now));
+        }
+    }
+
+    /// When the first change after version `after` was made (to the resolution kept; the
+    /// oldest kept when it is older than that).
+    pub(super) fn changed_after(&self, after: u64) -> Option<std::time::Instant> {
+        let times = self.ack_times.lock().expect("ack times lock");
+        // The entry that stands for `after + 1`: the last at or before it.
+        let i = times.partition_point(|(v, _)| *v <= after + 1);
+        times.get(i.saturating_sub(1)).map(|(_, t)| *t)
     }
 
     /// The acknowledgement state: mark-delete position, ranges acknowledged beyond it, and
@@ -603,7 +637,7 @@ impl Subscription {
         }
         drop(st);
         if changed > 0 {
-            self.ack_version.fetch_add(1, Ordering::AcqRel);
+            self.acks_changed();
             self.acks_total.fetch_add(changed, Ordering::Relaxed);
             self.wake.notify_one();
         }
@@ -922,7 +956,7 @@ impl Subscription {
                 st.masks.remove(&pos);
             }
         }
-        self.ack_version.fetch_add(1, Ordering::AcqRel);
+        self.acks_changed();
         self.acks_total
             .fetch_add(ids.len() as u64, Ordering::Relaxed);
         let unblocked = blocked_count(&st) < blocked_before;

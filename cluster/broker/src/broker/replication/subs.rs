@@ -141,8 +141,6 @@ struct RemoteSync {
     confirmed: u64,
     /// Its `acks_total` then.
     confirmed_acks: u64,
-    /// Since when some change has not been confirmed.
-    pending_since: Option<Instant>,
     held: u64,
     /// The broker of the remote site that answered last.
     at: Option<String>,
@@ -567,17 +565,18 @@ impl Topic {
         let subs = self.subscriptions.lock().await.clone();
         let mut out = BTreeMap::new();
         for (name, r) in &st.subs {
-            let acks = subs
-                .get(name)
-                .map_or(0, |s| s.acks_total.load(Ordering::Relaxed));
+            let sub = subs.get(name);
+            let acks = sub.map_or(0, |s| s.acks_total.load(Ordering::Relaxed));
+            let version = sub.map_or(0, |s| s.ack_version.load(Ordering::Acquire));
             let list = r
                 .remotes
                 .iter()
                 .map(|(remote, rs)| SubSyncStats {
                     remote: remote.clone(),
                     pending_acks: acks.saturating_sub(rs.confirmed_acks),
-                    pending_ms: rs
-                        .pending_since
+                    pending_ms: sub
+                        .filter(|_| rs.confirmed < version)
+                        .and_then(|s| s.changed_after(rs.confirmed))
                         .map_or(0, |t| t.elapsed().as_millis() as u64),
                     held: rs.held,
                     error: rs.error.clone(),
@@ -635,9 +634,6 @@ impl Topic {
                     .iter()
                     .filter(|remote| {
                         let rs = r.remotes.entry((*remote).clone()).or_default();
-                        if rs.confirmed < version && rs.pending_since.is_none() {
-                            rs.pending_since = Some(now);
-                        }
                         let waited = rs.next.is_none_or(|t| now >= t);
                         (rs.confirmed < version && rs.error.is_none()) || waited
                     })
@@ -696,6 +692,7 @@ impl Topic {
         });
         let results = futures::future::join_all(sends).await;
         let mut st = self.repl_subs.state.lock().await;
+        let subs = self.subscriptions.lock().await.clone();
         let now = Instant::now();
         for (remote, sent, res) in results {
             let answer = match &res {
@@ -713,20 +710,22 @@ impl Topic {
                 match (&res, &answer) {
                     (Ok((_, at)), Some(a)) => {
                         let held = a.subs.iter().find(|s| s.name == name).map_or(0, |s| s.held);
+                        if version > rs.confirmed {
+                            // From the oldest acknowledgement newly confirmed to its confirmation.
+                            let first = subs.get(&name).and_then(|s| s.changed_after(rs.confirmed));
+                            if let Some(t) = first {
+                                metrics::histogram!(
+                                    "meridian_replicated_subscription_sync_seconds",
+                                    "remote" => remote.clone()
+                                )
+                                .record(now.duration_since(t).as_secs_f64());
+                            }
+                        }
                         rs.confirmed = rs.confirmed.max(version);
                         rs.confirmed_acks = rs.confirmed_acks.max(acks);
                         rs.held = held;
                         rs.at = at.clone();
                         rs.error = None;
-                        let current = self
-                            .subscriptions
-                            .lock()
-                            .await
-                            .get(&name)
-                            .map_or(version, |s| s.ack_version.load(Ordering::Acquire));
-                        if current <= version {
-                            rs.pending_since = None;
-                        }
                         rs.next = Some(now + if held > 0 { RESEND_HELD } else { RESEND });
                     }
                     (Ok(_), None) => {
