@@ -47,6 +47,10 @@ pub struct GeoConfig {
     /// after every site confirmed the deletion (until then it always does); after it, the
     /// topic may be created again. Range 1,000..=604,800,000, default 60,000.
     pub tombstone_grace_ms: u64,
+    /// How often a topic's replicated subscriptions are looked at: a changed acknowledgement
+    /// state is sent to the other sites at most this long after the change. Range
+    /// 10..=60,000, default 50.
+    pub subscription_sync_interval_ms: u64,
     /// UDP segmentation offload (GSO) for the link's datagrams, where the kernel has it.
     /// Default true.
     pub segmentation_offload: bool,
@@ -73,6 +77,7 @@ impl Default for GeoConfig {
             idle_timeout_ms: 5_000,
             handshake_timeout_ms: 10_000,
             tombstone_grace_ms: 60_000,
+            subscription_sync_interval_ms: 50,
             segmentation_offload: true,
             routes: Vec::new(),
         }
@@ -166,6 +171,13 @@ impl GeoConfig {
                 self.tombstone_grace_ms,
                 1_000,
                 604_800_000,
+                "",
+            ),
+            (
+                "geo.subscription_sync_interval_ms",
+                self.subscription_sync_interval_ms,
+                10,
+                60_000,
                 "",
             ),
         ])?;

@@ -100,6 +100,8 @@ pub struct LinkOptions {
     pub cert_reload_interval: Duration,
     /// How long a settled deletion's tombstone still refuses the topic's streams.
     pub tombstone_grace: Duration,
+    /// How often replicated subscriptions are looked at (`geo.subscription_sync_interval_ms`).
+    pub subscription_sync_interval: Duration,
     /// UDP segmentation offload (`geo.segmentation_offload`).
     pub segmentation_offload: bool,
     /// Where a peer is dialed instead of its cluster record's geo URL, by site name, or
@@ -117,6 +119,7 @@ impl From<&GeoConfig> for LinkOptions {
             handshake_timeout: Duration::from_millis(c.handshake_timeout_ms),
             cert_reload_interval: Duration::from_millis(c.cert_reload_interval_ms),
             tombstone_grace: Duration::from_millis(c.tombstone_grace_ms),
+            subscription_sync_interval: Duration::from_millis(c.subscription_sync_interval_ms),
             segmentation_offload: c.segmentation_offload,
             // Checked with the rest of the configuration.
             routes: c.route_map().unwrap_or_default().into_iter().collect(),
@@ -399,6 +402,11 @@ impl GeoLink {
     /// (`geo.tombstone_grace_ms`).
     pub fn tombstone_grace(&self) -> Duration {
         self.shared.opts.tombstone_grace
+    }
+
+    /// How often replicated subscriptions are looked at (`geo.subscription_sync_interval_ms`).
+    pub fn subscription_sync_interval(&self) -> Duration {
+        self.shared.opts.subscription_sync_interval
     }
 
     /// A link to `site` for replicators: the one up, else a new one dialed at the geo URL of

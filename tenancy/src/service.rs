@@ -153,6 +153,11 @@ pub trait TopicOps: Send + Sync + 'static {
         &self,
         r: SubscriptionRequest,
     ) -> BoxFuture<'_, Result<bool, AdminError>>;
+    /// What `remote` would lose if this site were lost now: the topic's (each partition's).
+    fn geo_exposure(
+        &self,
+        r: GeoExposureRequest,
+    ) -> BoxFuture<'_, Result<Vec<GeoExposure>, AdminError>>;
 }
 
 pub struct AdminService {
@@ -1354,6 +1359,37 @@ impl Admin for AdminService {
         );
         let enabled = self.topics.replicated_subscription(r.into_inner()).await?;
         ok(ReplicatedSubscriptionStatus { enabled })
+    }
+
+    async fn geo_exposure(&self, r: Request<GeoExposureRequest>) -> Reply<GeoExposureList> {
+        self.tenant_admin(role_of(&r).as_ref(), tenant_of_topic(&r.get_ref().topic))
+            .await?;
+        forward!(self, r, topic, geo_exposure, |all: Vec<GeoExposureList>| {
+            GeoExposureList {
+                topics: all.into_iter().flat_map(|l| l.topics).collect(),
+            }
+        });
+        ok(GeoExposureList {
+            topics: self.topics.geo_exposure(r.into_inner()).await?,
+        })
+    }
+
+    async fn put_drill_report(&self, r: Request<DrillReport>) -> Reply<Empty> {
+        self.superuser(role_of(&r).as_ref())?;
+        self.store.put_drill_report(r.get_ref()).await?;
+        ok(Empty {})
+    }
+
+    async fn list_drill_reports(&self, r: Request<Empty>) -> Reply<DrillReports> {
+        self.superuser(role_of(&r).as_ref())?;
+        ok(DrillReports {
+            reports: self.store.drill_reports().await?,
+        })
+    }
+
+    async fn get_drill_report(&self, r: Request<Name>) -> Reply<DrillReport> {
+        self.superuser(role_of(&r).as_ref())?;
+        ok(self.store.drill_report(&r.get_ref().name).await?)
     }
 }
 

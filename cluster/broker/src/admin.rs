@@ -1111,6 +1111,51 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn geo_exposure(
+        &self,
+        r: pb::GeoExposureRequest,
+    ) -> BoxFuture<'_, Result<Vec<pb::GeoExposure>, AdminError>> {
+        async move {
+            let link = self.0.geo.get().cloned().ok_or_else(|| {
+                AdminError::FailedPrecondition(format!(
+                    "site {} has no geo link (geo.listen)",
+                    self.0.cfg.cluster_name
+                ))
+            })?;
+            if r.remote == self.0.cfg.cluster_name {
+                return Err(AdminError::Invalid(format!(
+                    "{} is this site; name another",
+                    r.remote
+                )));
+            }
+            let mut out = Vec::new();
+            for t in self.served_topics(&r.topic).await? {
+                let e = t.exposure(&link, &r.remote).await;
+                out.push(pb::GeoExposure {
+                    topic: e.topic,
+                    remote: e.remote,
+                    entries: e.entries,
+                    messages: e.messages,
+                    bytes: e.bytes,
+                    oldest_ms: e.oldest_ms,
+                    remote_holds: e.remote_holds.map(|p| p.to_string()).unwrap_or_default(),
+                    subscriptions: e
+                        .subscriptions
+                        .into_iter()
+                        .map(|(name, n)| pb::SubscriptionExposure {
+                            name,
+                            entries: n.map_or(0, |x| x.0),
+                            messages: n.map_or(0, |x| x.1),
+                        })
+                        .collect(),
+                    error: e.error.unwrap_or_default(),
+                });
+            }
+            Ok(out)
+        }
+        .boxed()
+    }
+
     fn replicated_subscription(
         &self,
         r: pb::SubscriptionRequest,

@@ -105,6 +105,14 @@ enum Group {
 }
 
 #[derive(Subcommand)]
+enum Drills {
+    /// Every report kept here, oldest first.
+    List,
+    /// One report, whole.
+    Show { id: String },
+}
+
+#[derive(Subcommand)]
 enum Geo {
     /// A new federation CA, shared by every site of the federation: `ca.crt` (give it to
     /// every site as geo.ca_file) and `ca.key` (keep it where certificates are made; readable
@@ -120,6 +128,32 @@ enum Geo {
     /// Every replicated topic (of NAMESPACE, or of every namespace) with its replicators:
     /// state, backlog, age of the oldest unreplicated entry; the oldest lag first.
     Status { namespace: Option<String> },
+    /// A failover drill from site FROM to site TO over a namespace's topics (or some
+    /// topics). With --dry-run it measures what TO would lose if FROM were lost now and
+    /// changes nothing: per topic the entries, messages and bytes durable at FROM and not
+    /// held at TO and the age of the oldest (RPO), and per replicated subscription the
+    /// messages TO would deliver again that FROM's consumers acknowledged. The report is
+    /// kept at the site the admin URL names (`geo drills list | show ID`).
+    Drill {
+        #[arg(long)]
+        from: String,
+        #[arg(long)]
+        to: String,
+        #[arg(long, conflicts_with = "topics", required_unless_present = "topics")]
+        namespace: Option<String>,
+        /// Topics, comma-separated (instead of a namespace's).
+        #[arg(long, value_delimiter = ',')]
+        topics: Vec<String>,
+        /// How long the cut lasts before the restore.
+        #[arg(long, default_value = "30s")]
+        hold: String,
+        /// Measure the exposure only; change nothing.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// Failover drills' reports kept at this site.
+    #[command(subcommand)]
+    Drills(Drills),
     /// A site's certificate, signed by the federation CA, naming the site
     /// (`meridian://site/NAME`): `NAME.crt` and `NAME.key` (geo.cert_file, geo.key_file).
     CreateSiteCert {
@@ -1157,7 +1191,9 @@ fn write_crt_pair(
 fn geo(cmd: Geo) -> anyhow::Result<()> {
     use meridian_tenancy::geo_pki;
     match cmd {
-        Geo::Status { .. } => anyhow::bail!("geo status is answered by the admin API"),
+        Geo::Status { .. } | Geo::Drill { .. } | Geo::Drills(_) => {
+            anyhow::bail!("geo status and drills are answered by the admin API")
+        }
         Geo::CreateCa { out_dir, days } => {
             let ca = geo_pki::create_ca(days).map_err(anyhow::Error::msg)?;
             let (cert, key) = write_crt_pair(&out_dir, "ca", &ca)?;
@@ -1263,21 +1299,78 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     let cli = match cli.group {
         Group::Tokens(cmd) => return tokens(cmd),
         Group::SiteTls(cmd) => return site_tls(cmd),
-        Group::Geo(cmd) if !matches!(cmd, Geo::Status { .. }) => return geo(cmd),
+        Group::Geo(cmd)
+            if !matches!(cmd, Geo::Status { .. } | Geo::Drill { .. } | Geo::Drills(_)) =>
+        {
+            return geo(cmd)
+        }
         _ => cli,
     };
-    let mut endpoint = Channel::from_shared(cli.admin_url.clone())
-        .with_context(|| format!("--admin-url {:?} is not a URL", cli.admin_url))?;
-    if cli.admin_url.starts_with("https://") {
+    let conn = Conn {
+        token: cli.token.clone(),
+        tls_trust_cert_path: cli.tls_trust_cert_path.clone(),
+        tls_cert_file: cli.tls_cert_file.clone(),
+        tls_key_file: cli.tls_key_file.clone(),
+    };
+    let mut c = connect(&conn, &cli.admin_url).await?;
+    let out = cli.output;
+    match cli.group {
+        Group::Clusters(cmd) => clusters(&mut c, cmd, out).await,
+        Group::Tenants(cmd) => tenants(&mut c, cmd, out).await,
+        Group::Namespaces(cmd) => namespaces(&mut c, cmd, out).await,
+        Group::Topics(cmd) => topics(&mut c, cmd, out).await,
+        Group::Brokers(cmd) => brokers(&mut c, cmd, out).await,
+        Group::Bookies(cmd) => bookies(&mut c, cmd, out).await,
+        Group::NsIsolationPolicy(cmd) => ns_isolation(&mut c, cmd, out).await,
+        Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
+        Group::Tokens(cmd) => tokens(cmd),
+        Group::SiteTls(cmd) => site_tls(cmd),
+        Group::Geo(Geo::Status { namespace }) => geo_status(&mut c, namespace, out).await,
+        Group::Geo(Geo::Drill {
+            from,
+            to,
+            namespace,
+            topics,
+            hold,
+            dry_run,
+        }) => {
+            let d = DrillArgs {
+                from,
+                to,
+                namespace,
+                topics,
+                hold,
+                dry_run,
+            };
+            geo_drill(&mut c, &conn, d, out).await
+        }
+        Group::Geo(Geo::Drills(cmd)) => geo_drills(&mut c, cmd, out).await,
+        Group::Geo(cmd) => geo(cmd),
+    }
+}
+
+/// How to reach an admin API: the caller's credentials.
+struct Conn {
+    token: Option<String>,
+    tls_trust_cert_path: Option<String>,
+    tls_cert_file: Option<String>,
+    tls_key_file: Option<String>,
+}
+
+/// A client of the admin API at `url`.
+async fn connect(conn: &Conn, url: &str) -> anyhow::Result<Client> {
+    let mut endpoint = Channel::from_shared(url.to_string())
+        .with_context(|| format!("admin URL {url:?} is not a URL"))?;
+    if url.starts_with("https://") {
         let read = |p: &str, flag: &str| std::fs::read(p).with_context(|| format!("{flag} {p}"));
         let mut tls = tonic::transport::ClientTlsConfig::new();
-        if let Some(ca) = &cli.tls_trust_cert_path {
+        if let Some(ca) = &conn.tls_trust_cert_path {
             tls = tls.ca_certificate(tonic::transport::Certificate::from_pem(read(
                 ca,
                 "--tls-trust-cert-path",
             )?));
         }
-        if let (Some(c), Some(k)) = (&cli.tls_cert_file, &cli.tls_key_file) {
+        if let (Some(c), Some(k)) = (&conn.tls_cert_file, &conn.tls_key_file) {
             tls = tls.identity(tonic::transport::Identity::from_pem(
                 read(c, "--tls-cert-file")?,
                 read(k, "--tls-key-file")?,
@@ -1292,8 +1385,8 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         .timeout(std::time::Duration::from_secs(60))
         .connect()
         .await
-        .with_context(|| format!("cannot reach the admin API at {}", cli.admin_url))?;
-    let auth = match &cli.token {
+        .with_context(|| format!("cannot reach the admin API at {url}"))?;
+    let auth = match &conn.token {
         Some(t) => Some(
             format!("Bearer {t}")
                 .parse()
@@ -1301,22 +1394,132 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let mut c: Client = AdminClient::with_interceptor(channel, Auth(auth));
-    let out = cli.output;
-    match cli.group {
-        Group::Clusters(cmd) => clusters(&mut c, cmd, out).await,
-        Group::Tenants(cmd) => tenants(&mut c, cmd, out).await,
-        Group::Namespaces(cmd) => namespaces(&mut c, cmd, out).await,
-        Group::Topics(cmd) => topics(&mut c, cmd, out).await,
-        Group::Brokers(cmd) => brokers(&mut c, cmd, out).await,
-        Group::Bookies(cmd) => bookies(&mut c, cmd, out).await,
-        Group::NsIsolationPolicy(cmd) => ns_isolation(&mut c, cmd, out).await,
-        Group::Subscriptions(cmd) => subscriptions(&mut c, cmd.into(), out).await,
-        Group::Tokens(cmd) => tokens(cmd),
-        Group::SiteTls(cmd) => site_tls(cmd),
-        Group::Geo(Geo::Status { namespace }) => geo_status(&mut c, namespace, out).await,
-        Group::Geo(cmd) => geo(cmd),
+    Ok(AdminClient::with_interceptor(channel, Auth(auth)))
+}
+
+struct DrillArgs {
+    from: String,
+    to: String,
+    namespace: Option<String>,
+    topics: Vec<String>,
+    hold: String,
+    dry_run: bool,
+}
+
+/// `geo drill`: the exposure measured at FROM (its admin API, from its cluster record),
+/// the report kept here and printed.
+async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> anyhow::Result<()> {
+    use meridian_tenancy::drills::{Drill, SubExposure, TopicExposure};
+    parse_duration_s(&d.hold).context("--hold")?;
+    if !d.dry_run {
+        anyhow::bail!(
+            "a drill that cuts {} is not built yet; `--dry-run` measures what {} would lose if {} were lost now",
+            d.from,
+            d.to,
+            d.from
+        );
     }
+    anyhow::ensure!(d.from != d.to, "--from and --to name the same site");
+    let from = c
+        .get_cluster(Name {
+            name: d.from.clone(),
+        })
+        .await
+        .with_context(|| format!("site {}", d.from))?
+        .into_inner();
+    c.get_cluster(Name { name: d.to.clone() })
+        .await
+        .with_context(|| format!("site {}", d.to))?;
+    let mut at_from = connect(conn, &from.admin_url).await?;
+    let topics: Vec<String> = match &d.namespace {
+        Some(ns) => at_from
+            .list_topics(Name { name: ns.clone() })
+            .await?
+            .into_inner()
+            .topics
+            .into_iter()
+            .map(|t| t.name)
+            .collect(),
+        None => d.topics.clone(),
+    };
+    let started_ms = now_ms();
+    let mut measured = Vec::new();
+    for t in &topics {
+        let l = at_from
+            .geo_exposure(GeoExposureRequest {
+                topic: t.clone(),
+                remote: d.to.clone(),
+            })
+            .await
+            .with_context(|| format!("measuring {t} at {}", d.from))?
+            .into_inner();
+        for e in l.topics {
+            measured.push(TopicExposure {
+                topic: e.topic,
+                entries: e.entries,
+                messages: e.messages,
+                bytes: e.bytes,
+                oldest_ms: e.oldest_ms,
+                remote_holds: e.remote_holds,
+                subscriptions: e
+                    .subscriptions
+                    .into_iter()
+                    .map(|s| SubExposure {
+                        name: s.name,
+                        entries: s.entries,
+                        messages: s.messages,
+                    })
+                    .collect(),
+                error: (!e.error.is_empty()).then_some(e.error),
+            });
+        }
+    }
+    let report = Drill::dry_run(
+        &d.from,
+        &d.to,
+        d.namespace.as_deref(),
+        started_ms,
+        now_ms(),
+        measured,
+    );
+    c.put_drill_report(report.to_pb()).await?;
+    print(out, &report.json(), || report.table());
+    Ok(())
+}
+
+/// `geo drills list | show ID`.
+async fn geo_drills(c: &mut Client, cmd: Drills, out: Output) -> anyhow::Result<()> {
+    match cmd {
+        Drills::List => {
+            let l = c.list_drill_reports(Empty {}).await?.into_inner().reports;
+            let v: Vec<Value> = l
+                .iter()
+                .map(|r| json!({"id": r.id, "started_ms": r.started_ms, "summary": r.summary}))
+                .collect();
+            print(out, &json!(v), || {
+                l.iter()
+                    .map(|r| format!("{}  {}", r.id, r.summary))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            });
+        }
+        Drills::Show { id } => {
+            let r = c.get_drill_report(Name { name: id }).await?.into_inner();
+            let v: Value = serde_json::from_str(&r.json)?;
+            let report = meridian_tenancy::drills::Drill::from_json(&v);
+            print(out, &v, || match &report {
+                Some(rep) => rep.table(),
+                None => r.summary.clone(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn replication_json(r: &ReplicationStats) -> Value {

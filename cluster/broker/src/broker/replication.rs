@@ -43,6 +43,7 @@ use tokio::sync::watch;
 use super::{Broker, NamespacePolicies, Topic};
 use crate::topic_name::TopicName;
 
+pub(super) mod exposure;
 pub(super) mod inbound;
 pub(super) mod sub_state;
 pub(super) mod subs;

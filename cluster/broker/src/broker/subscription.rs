@@ -596,6 +596,30 @@ impl Subscription {
         )
     }
 
+    /// Messages of the entry at `pos` (`messages` of them) not acknowledged here, or of those
+    /// that `other_unacked` (a batch's bits: set = unacknowledged there) says are
+    /// acknowledged elsewhere, those not acknowledged here.
+    pub(super) async fn unacked_messages(
+        &self,
+        pos: Position,
+        messages: u64,
+        other_unacked: Option<&[u64]>,
+    ) -> u64 {
+        let st = self.state.lock().await;
+        if st.cursor.is_acknowledged(pos) {
+            return 0;
+        }
+        let mine = st.cursor.batch_ack_set(pos);
+        (0..messages)
+            .filter(|i| {
+                let (w, b) = ((i / 64) as usize, i % 64);
+                let here = mine.is_none_or(|m| m.get(w).is_some_and(|x| x >> b & 1 == 1));
+                let there = other_unacked.is_none_or(|o| o.get(w).is_none_or(|x| x >> b & 1 == 0));
+                here && there
+            })
+            .count() as u64
+    }
+
     /// Applies acknowledgements made at another site (a replicated subscription's): entries
     /// acknowledged whole, and batches partly (bit i set: message i still unacknowledged).
     /// Returns how many entries this acknowledged or changed.

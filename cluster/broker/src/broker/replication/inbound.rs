@@ -113,6 +113,15 @@ impl Topic {
         Ok((held, *e))
     }
 
+    /// The highest origin position durably held from `origin` (nothing else changes).
+    pub(in crate::broker) async fn held_origin(
+        &self,
+        origin: &str,
+    ) -> Result<Option<OriginPosition>, Refusal> {
+        let mut g = self.repl_origins.lock().await;
+        Ok(self.origins(&mut g).await?.highest(origin))
+    }
+
     /// The policy beat's: writes the origins snapshot if it changed since it was last
     /// written (a burst's last frames, which the 250 ms spacing skipped). With every frame
     /// queued so far completed and recorded (the receiving order held, so none starts), no

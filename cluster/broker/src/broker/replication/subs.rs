@@ -40,7 +40,8 @@ use crate::broker::{BrokerError, Subscription};
 /// Where replicated subscriptions are recorded: `<prefix><log>/<escaped subscription>`.
 pub const REPL_SUBS_PREFIX: &str = "/repl-subs/";
 
-/// How often a topic's replicated subscriptions are looked at.
+/// How often a topic's replicated subscriptions are looked at, without a link yet (else
+/// `geo.subscription_sync_interval_ms`).
 const SYNC_INTERVAL: Duration = Duration::from_millis(50);
 /// A state is sent again this often even when nothing changed (a remote that restarted
 /// forgets what it held).
@@ -69,29 +70,54 @@ struct Track {
 
 /// A SubSync's document.
 #[derive(Debug, Serialize, Deserialize)]
-struct SyncDoc {
+pub(super) struct SyncDoc {
     subs: Vec<SubDoc>,
+    /// A drill's measure: nothing is applied; the answer says what would be, and what the
+    /// receiver holds of the sender's entries.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    measure: bool,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-struct SubDoc {
+pub(super) struct SubDoc {
     name: String,
     state: AckState,
 }
 
+impl SyncDoc {
+    /// A drill's measure of these states.
+    pub(super) fn measuring(subs: Vec<SubDoc>) -> SyncDoc {
+        SyncDoc {
+            subs,
+            measure: true,
+        }
+    }
+}
+
 /// A SubSynced's document.
 #[derive(Debug, Default, Serialize, Deserialize)]
-struct SyncedDoc {
-    subs: Vec<SubAnswer>,
+pub(super) struct SyncedDoc {
+    pub(super) subs: Vec<SubAnswer>,
+    /// (measure) The highest of the sender's own entries the receiver holds durably.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) holds: Option<OPos>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
-struct SubAnswer {
-    name: String,
+pub(super) struct SubAnswer {
+    pub(super) name: String,
     /// Entries acknowledged (or batches changed) by applying it.
     applied: u64,
     /// (origin site) parts of the state that speak of entries not here yet.
     held: u64,
+    /// (measure) Entries here the state acknowledges and this site has not, and messages.
+    #[serde(default)]
+    pub(super) entries: u64,
+    #[serde(default)]
+    pub(super) messages: u64,
+    /// (measure) The subscription does not exist here.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) missing: bool,
 }
 
 /// What goes to one remote in a round: the states, and (subscription, `ack_version`,
@@ -132,6 +158,19 @@ struct EntryOrigin {
     site: Option<String>,
     at: OPos,
     replicate_to: Vec<String>,
+    /// Messages in the entry (a batch's count).
+    messages: u64,
+}
+
+/// What states acknowledge of a subscription's entries after its mark-delete position.
+#[derive(Debug, Default)]
+struct Covered {
+    /// Entries acknowledged whole, with their messages.
+    whole: Vec<(Position, u64)>,
+    /// Batches partly: bit i set = message i still unacknowledged.
+    partial: Vec<(Position, Vec<u64>)>,
+    /// (sender, origin) parts that speak of entries not here yet.
+    held: u64,
 }
 
 /// One remote site's side of a replicated subscription, as its sender sees it.
@@ -167,23 +206,29 @@ fn entry_origin(pos: Position, bytes: &bytes::Bytes) -> EntryOrigin {
         .ok()
         .and_then(|e| e.metadata().ok());
     match meta {
-        Some(m) => match m.meridian_origin {
-            Some(o) => EntryOrigin {
-                site: Some(o.site),
-                at: (o.ledger_id, o.entry_id),
-                replicate_to: m.replicate_to,
-            },
-            None => EntryOrigin {
-                site: None,
-                at: (pos.ledger_id, pos.entry_id),
-                replicate_to: m.replicate_to,
-            },
-        },
+        Some(m) => {
+            let messages = meridian_protocol::entry::message_count(&m) as u64;
+            match m.meridian_origin {
+                Some(o) => EntryOrigin {
+                    site: Some(o.site),
+                    at: (o.ledger_id, o.entry_id),
+                    replicate_to: m.replicate_to,
+                    messages,
+                },
+                None => EntryOrigin {
+                    site: None,
+                    at: (pos.ledger_id, pos.entry_id),
+                    replicate_to: m.replicate_to,
+                    messages,
+                },
+            }
+        }
         // Not a message (never the case for a topic's entries): taken as this site's own.
         None => EntryOrigin {
             site: None,
             at: (pos.ledger_id, pos.entry_id),
             replicate_to: Vec::new(),
+            messages: 1,
         },
     }
 }
@@ -420,20 +465,19 @@ impl Topic {
         Ok(b.finish())
     }
 
-    /// Applies what the other sites said to the subscription: entries after its mark-delete
-    /// position read in order and acknowledged as far as a state covers them. Returns the
-    /// entries it acknowledged or changed; `r.held` is what waits for entries to come.
-    async fn apply_incoming(
+    /// What `incoming` (per sending site, its state) acknowledges of the entries after the
+    /// subscription's mark-delete position, read in order: entries whole, batches partly;
+    /// and how many (sender, origin) parts speak of entries not here yet.
+    async fn scan_incoming(
         &self,
         sub: &Subscription,
-        r: &mut SubRepl,
-    ) -> Result<u64, BrokerError> {
+        incoming: &BTreeMap<String, AckState>,
+        cache: &mut BTreeMap<Position, EntryOrigin>,
+    ) -> Result<Covered, BrokerError> {
         let own = self.cfg.cluster_name.clone();
         let (md, _, _) = sub.ack_state().await;
-        r.applied_to = self.ml.last_confirmed();
         // (sending site, origin site, the furthest entry the state speaks of)
-        let mut open: Vec<(String, String, OPos)> = r
-            .incoming
+        let mut open: Vec<(String, String, OPos)> = incoming
             .iter()
             .flat_map(|(from, s)| {
                 s.origins
@@ -441,8 +485,7 @@ impl Topic {
                     .filter_map(|(o, a)| Some((from.clone(), o.clone(), a.reach()?)))
             })
             .collect();
-        let mut whole = Vec::new();
-        let mut partial = Vec::new();
+        let mut out = Covered::default();
         let mut next = match md {
             Some(p) => self.ml.next_position(p).await,
             None => self.ml.first_position().await,
@@ -452,7 +495,7 @@ impl Topic {
             if open.is_empty() || scanned >= APPLY_SCAN_MAX {
                 break;
             }
-            let got = self.read_origins(&mut r.origins, p, READ_CHUNK).await?;
+            let got = self.read_origins(cache, p, READ_CHUNK).await?;
             let Some(last) = got.last().map(|g| g.0) else {
                 break;
             };
@@ -461,7 +504,7 @@ impl Topic {
                 let site = o.site.as_deref().unwrap_or(&own);
                 let mut bits: Option<Vec<u64>> = None;
                 let mut is_whole = false;
-                for (from, state) in &r.incoming {
+                for (from, state) in incoming {
                     if !held_by(from, site, &o.replicate_to) {
                         continue;
                     }
@@ -482,22 +525,69 @@ impl Topic {
                     }
                 }
                 if is_whole {
-                    whole.push(q);
+                    out.whole.push((q, o.messages));
                 } else if let Some(b) = bits {
-                    partial.push((q, b));
+                    out.partial.push((q, b));
                 }
                 // The furthest entry a state speaks of is here: nothing of it waits.
                 open.retain(|(_, origin, reach)| !(origin == site && o.at >= *reach));
             }
             next = self.ml.next_position(last).await;
         }
-        r.held = open.len() as u64;
+        out.held = open.len() as u64;
         if let Some(md) = md {
-            r.origins = r
-                .origins
-                .split_off(&Position::new(md.ledger_id, md.entry_id + 1));
+            *cache = cache.split_off(&Position::new(md.ledger_id, md.entry_id + 1));
         }
-        sub.apply_remote(&whole, &partial).await
+        Ok(out)
+    }
+
+    /// Applies what the other sites said to the subscription. Returns the entries it
+    /// acknowledged or changed; `r.held` is what waits for entries to come.
+    async fn apply_incoming(
+        &self,
+        sub: &Subscription,
+        r: &mut SubRepl,
+    ) -> Result<u64, BrokerError> {
+        r.applied_to = self.ml.last_confirmed();
+        let c = self.scan_incoming(sub, &r.incoming, &mut r.origins).await?;
+        r.held = c.held;
+        let whole: Vec<Position> = c.whole.iter().map(|w| w.0).collect();
+        sub.apply_remote(&whole, &c.partial).await
+    }
+
+    /// What applying `state` from `origin` (beside what is held already) would acknowledge
+    /// here that is not: entries and messages. Changes nothing.
+    async fn measure_incoming(
+        &self,
+        sub: &Subscription,
+        r: &mut SubRepl,
+        origin: &str,
+        state: &AckState,
+    ) -> Result<(u64, u64), BrokerError> {
+        let mut incoming = r.incoming.clone();
+        incoming.entry(origin.to_string()).or_default().merge(state);
+        let c = self.scan_incoming(sub, &incoming, &mut r.origins).await?;
+        let (mut entries, mut messages) = (0, 0);
+        for (p, n) in c.whole {
+            let left = sub.unacked_messages(p, n, None).await;
+            if left > 0 {
+                entries += 1;
+                messages += left;
+            }
+        }
+        for (p, bits) in c.partial {
+            let n = self
+                .read_origins(&mut r.origins, p, 1)
+                .await?
+                .first()
+                .map_or(0, |o| o.1.messages);
+            let left = sub.unacked_messages(p, n, Some(&bits)).await;
+            if left > 0 {
+                entries += 1;
+                messages += left;
+            }
+        }
+        Ok((entries, messages))
     }
 
     /// Site `origin`'s SubSync for this topic: merged and applied; the answer's document.
@@ -523,6 +613,12 @@ impl Topic {
                     RefusalCode::Protocol,
                     format!("{:?} is not a subscription name", s.name),
                 ));
+            }
+            if doc.measure {
+                answer
+                    .subs
+                    .push(self.measure_one(origin, s).await.map_err(retry)?);
+                continue;
             }
             // The subscription exists here from now on, and is replicated too (so what its
             // consumers here acknowledge goes back).
@@ -550,11 +646,74 @@ impl Topic {
                 name: s.name,
                 applied,
                 held: r.held,
+                entries: 0,
+                messages: 0,
+                missing: false,
             });
+        }
+        if doc.measure {
+            answer.holds = self.held_origin(origin).await?.map(|p| (p.ledger, p.entry));
         }
         Ok(serde_json::to_vec(&answer)
             .expect("answer serializes")
             .into())
+    }
+
+    /// Every replicated subscription's state as it is now (for a drill's measure).
+    pub(super) async fn replicated_states(self: &Arc<Self>) -> Result<Vec<SubDoc>, BrokerError> {
+        let mut st = self.repl_subs.state.lock().await;
+        self.load_replicated(&mut st).await?;
+        let names: Vec<String> = st.subs.keys().cloned().collect();
+        let mut out = Vec::new();
+        for name in names {
+            let Some(sub) = self.replicated_handle(&name).await? else {
+                continue;
+            };
+            let r = st.subs.get_mut(&name).expect("listed");
+            out.push(SubDoc {
+                state: self.local_state(&sub, r).await?,
+                name,
+            });
+        }
+        Ok(out)
+    }
+
+    /// A drill's measure of one subscription's state from `origin`: what applying it would
+    /// acknowledge here (nothing is applied, nothing created).
+    async fn measure_one(
+        self: &Arc<Self>,
+        origin: &str,
+        s: SubDoc,
+    ) -> Result<SubAnswer, BrokerError> {
+        let mut answer = SubAnswer {
+            name: s.name.clone(),
+            applied: 0,
+            held: 0,
+            entries: 0,
+            messages: 0,
+            missing: false,
+        };
+        let exists = self.durable_subscriptions().await?.contains(&s.name)
+            || self.subscriptions.lock().await.contains_key(&s.name);
+        let Some(sub) = exists
+            .then_some(())
+            .map(|_| self.replicated_handle(&s.name))
+        else {
+            answer.missing = true;
+            return Ok(answer);
+        };
+        let Some(sub) = sub.await? else {
+            answer.missing = true;
+            return Ok(answer);
+        };
+        let mut st = self.repl_subs.state.lock().await;
+        self.load_replicated(&mut st).await?;
+        let mut scratch = SubRepl::default();
+        let r = st.subs.get_mut(&s.name).unwrap_or(&mut scratch);
+        let (entries, messages) = self.measure_incoming(&sub, r, origin, &s.state).await?;
+        answer.entries = entries;
+        answer.messages = messages;
+        Ok(answer)
     }
 
     /// Each replicated subscription's sync with each remote, for `topics stats`.
@@ -674,7 +833,11 @@ impl Topic {
         };
         let sends = sending.into_iter().map(|(remote, (subs, sent))| {
             let at = ats.get(&remote).cloned().flatten();
-            let doc = serde_json::to_vec(&SyncDoc { subs }).expect("sync doc serializes");
+            let doc = serde_json::to_vec(&SyncDoc {
+                subs,
+                measure: false,
+            })
+            .expect("sync doc serializes");
             let link = Arc::clone(link);
             let topic = self.full_name.clone();
             async move {
@@ -748,10 +911,15 @@ impl Topic {
     }
 }
 
-/// A topic's replicated subscriptions looked at every [`SYNC_INTERVAL`] until the topic
-/// closes.
+/// A topic's replicated subscriptions looked at every `geo.subscription_sync_interval_ms`
+/// until the topic closes.
 async fn sub_sync_loop(topic: Arc<Topic>) {
-    let mut tick = tokio::time::interval(SYNC_INTERVAL);
+    let every = topic
+        .broker
+        .upgrade()
+        .and_then(|b| b.geo.get().map(|l| l.subscription_sync_interval()))
+        .unwrap_or(SYNC_INTERVAL);
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
