@@ -169,3 +169,141 @@ fn given_a_dry_run_drill_then_its_rpo_and_redelivery_equal_what_the_test_counts_
         "{table}"
     );
 }
+
+/// Reads all of `topic` at `url`: the `i` of each message, in log order.
+fn read_all(dir: &std::path::Path, url: &str, topic: &str) -> Vec<u64> {
+    let mut r = PyClient::run(dir, "reader", &["read", url, topic]);
+    r.finish(Duration::from_secs(120)).unwrap();
+    r.ints("i")
+}
+
+#[test]
+fn given_a_drill_with_producers_running_then_clients_move_and_back_and_its_rpo_is_what_west_lacked()
+{
+    let (root, procs, proxies) = mesh_with(
+        &["east", "west"],
+        &[("MERIDIAN_GEO_SUBSCRIPTION_SYNC_INTERVAL_MS", "60000")],
+        true,
+    );
+    let (east, west) = (&procs[0], &procs[1]);
+    let dir = root.path().to_path_buf();
+    let t = "persistent://acme/g/live";
+
+    step("east takes 1,000; a replicated subscription there acknowledges 400 of them");
+    produce(&dir, &east.url, t, 1_000, 0);
+    wait_count(&dir, &west.url, t, 1_000);
+    let mut c = PyClient::run(
+        &dir,
+        "acker",
+        &[
+            "repl-sub",
+            "ack",
+            &east.url,
+            t,
+            "s1",
+            "--count",
+            "1000",
+            "--cumulative",
+            "200",
+            "--individual",
+            "200",
+        ],
+    );
+    c.finish(Duration::from_secs(120)).unwrap();
+
+    step("east's link to west is slow (400 ms each way, through the proxy): replication lags");
+    let (_, _, to_west) = proxies
+        .iter()
+        .find(|(from, to, _)| *from == 0 && *to == 1)
+        .expect("east's proxy toward west");
+    to_west.set(meridian_integration::udp_proxy::Faults {
+        delay_ms: 400,
+        ..Default::default()
+    });
+    step("a producer sends 12,000 to east at about 2,000 msg/s; the drill cuts east 2 s in, holds 15 s");
+    let mut p = PyClient::run(
+        &dir,
+        "live-producer",
+        &[
+            "produce",
+            &east.url,
+            t,
+            "--count",
+            "12000",
+            "--start",
+            "1000",
+            "--batch",
+            "--pause-every",
+            "20",
+            "--pause-ms",
+            "10",
+        ],
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    let west_admin = west.admin_url.clone();
+    let drill = std::thread::spawn(move || {
+        meridian_integration::run_admin(&[
+            "--admin-url",
+            &west_admin,
+            "--output",
+            "json",
+            "geo",
+            "drill",
+            "--from",
+            "east",
+            "--to",
+            "west",
+            "--namespace",
+            "acme/g",
+            "--hold",
+            "15s",
+        ])
+        .unwrap()
+    });
+    p.finish(Duration::from_secs(120)).unwrap();
+    let acked = p.ints("acked");
+    assert_eq!(
+        acked.len(),
+        12_000,
+        "every send acknowledged (east, then west)"
+    );
+    assert!(
+        p.lines().iter().all(|l| l.get("failed").is_none()),
+        "no send failed"
+    );
+    step("during the hold, west has what it took and what came from east before the cut");
+    let at_hold = read_all(&dir, &west.url, t);
+    let (code, out, err) = drill.join().unwrap();
+    assert_eq!(code, 0, "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    step(format!("report: {report}"));
+    assert_eq!(report["kind"], "drill");
+    assert_eq!(report["errors"], 0, "{report}");
+    let phases = &report["phases"];
+    assert!(phases["rto_ms"].as_u64().unwrap() > 0, "{report}");
+    assert!(phases["hold_ms"].as_u64().unwrap() >= 15_000, "{report}");
+
+    step("after the restore both sites hold every message exactly once");
+    let mut at_west = read_all(&dir, &west.url, t);
+    let mut at_east = read_all(&dir, &east.url, t);
+    let n_west = at_west.len();
+    at_west.sort_unstable();
+    at_east.sort_unstable();
+    let all: Vec<u64> = (0..13_000).collect();
+    assert_eq!(at_east, all, "east");
+    assert_eq!(at_west, all, "west");
+
+    step("the report's RPO is what reached west from east only after the restore");
+    let rpo_test = (n_west - at_hold.len()) as u64;
+    assert!(rpo_test > 0, "the slow link left nothing behind: {report}");
+    assert_eq!(report["rpo"]["messages"], rpo_test, "{report}");
+    assert!(report["rpo"]["seconds"].as_f64().unwrap() > 0.0, "{report}");
+    step(format!(
+        "RPO {rpo_test} messages; redelivery {}",
+        report["redelivered_messages"]
+    ));
+    assert_eq!(report["redelivered_messages"], 400, "{report}");
+    let id = report["id"].as_str().unwrap();
+    let shown = json_at(west, &["geo", "drills", "show", id]);
+    assert_eq!(shown, report);
+}

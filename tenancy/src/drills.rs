@@ -99,7 +99,11 @@ pub struct TopicExposure {
     pub entries: u64,
     pub messages: u64,
     pub bytes: u64,
+    /// How long before the measure (a drill's: the cut) the oldest of them was published.
     pub oldest_ms: u64,
+    /// When it was published, ms since the epoch (0: none).
+    #[serde(default)]
+    pub oldest_publish_ms: u64,
     /// The last of the first site's own entries the other holds (`ledger:entry`; empty: none).
     pub remote_holds: String,
     pub subscriptions: Vec<SubExposure>,
@@ -115,6 +119,24 @@ pub struct Rpo {
     pub bytes: u64,
     /// The age of the oldest entry that would be lost, seconds.
     pub seconds: f64,
+}
+
+/// A drill's phases, each timed (ms).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Phases {
+    /// From the start until the cut was in place at the first site.
+    pub cut_ms: u64,
+    /// From the cut until the measure was stable (what was in flight had landed).
+    pub measured_ms: u64,
+    /// RTO: from the cut until every topic was served at the other site.
+    pub rto_ms: u64,
+    /// From the cut until the restore began.
+    pub hold_ms: u64,
+    /// From the restore until the first site served again and the clients were sent back.
+    pub restore_ms: u64,
+    /// From the restore until neither site had anything of the namespace left to replicate
+    /// to the other.
+    pub caught_up_ms: u64,
 }
 
 /// A drill's report.
@@ -134,6 +156,9 @@ pub struct Drill {
     pub redelivered_messages: u64,
     /// Topics that could not be measured.
     pub errors: u64,
+    /// A drill that cut (not a dry run): its phases.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phases: Option<Phases>,
     pub topics: Vec<TopicExposure>,
 }
 
@@ -172,8 +197,28 @@ impl Drill {
             rpo,
             redelivered_messages,
             errors,
+            phases: None,
             topics,
         }
+    }
+
+    /// A drill that cut at `cut_ms` (ms since the epoch): its measure after the cut (ages
+    /// counted to the cut), and its phases.
+    pub fn cut(
+        from: &str,
+        to: &str,
+        namespace: &str,
+        (started_ms, cut_ms, finished_ms): (u64, u64, u64),
+        mut topics: Vec<TopicExposure>,
+        phases: Phases,
+    ) -> Drill {
+        for t in topics.iter_mut().filter(|t| t.entries > 0) {
+            t.oldest_ms = cut_ms.saturating_sub(t.oldest_publish_ms);
+        }
+        let mut d = Drill::dry_run(from, to, Some(namespace), started_ms, finished_ms, topics);
+        d.kind = "drill".into();
+        d.phases = Some(phases);
+        d
     }
 
     pub fn from_json(v: &serde_json::Value) -> Option<Drill> {
@@ -209,11 +254,20 @@ impl Drill {
 
     /// The report for people.
     pub fn table(&self) -> String {
+        let phases = match &self.phases {
+            None => format!(
+                "measured in {} ms",
+                self.finished_ms.saturating_sub(self.started_ms)
+            ),
+            Some(p) => format!(
+                "cut in {} ms, measured {} ms after it; RTO {} ms (every topic served at {}); held {} ms; restored in {} ms, caught up {} ms after the restore",
+                p.cut_ms, p.measured_ms, p.rto_ms, self.to, p.hold_ms, p.restore_ms, p.caught_up_ms
+            ),
+        };
         let mut t = format!(
-            "{} {}\nmeasured in {} ms\n\n{:<50} {:>9} {:>9} {:>12} {:>9}\n",
+            "{} {}\n{phases}\n\n{:<50} {:>9} {:>9} {:>12} {:>9}\n",
             self.id,
             self.summary(),
-            self.finished_ms.saturating_sub(self.started_ms),
             "topic",
             "entries",
             "messages",
@@ -277,6 +331,7 @@ mod tests {
             messages: entries * 10,
             bytes: entries * 1000,
             oldest_ms,
+            oldest_publish_ms: 0,
             remote_holds: "3:7".into(),
             subscriptions: vec![SubExposure {
                 name: "s".into(),
@@ -317,6 +372,28 @@ mod tests {
             "{}",
             d.summary()
         );
+    }
+
+    #[test]
+    fn given_a_drill_that_cut_then_its_phases_are_in_the_report() {
+        let d = Drill::cut(
+            "east",
+            "west",
+            "t/n",
+            (0, 5, 9),
+            vec![TopicExposure {
+                oldest_publish_ms: 2,
+                ..exposure("persistent://t/n/a", 1, 10, 0)
+            }],
+            Phases {
+                rto_ms: 850,
+                ..Phases::default()
+            },
+        );
+        assert_eq!(d.kind, "drill");
+        assert_eq!(d.rpo.seconds, 0.003, "counted to the cut");
+        assert!(d.table().contains("RTO 850 ms"), "{}", d.table());
+        assert_eq!(Drill::from_json(&d.json()), Some(d));
     }
 
     #[test]

@@ -153,6 +153,10 @@ pub trait TopicOps: Send + Sync + 'static {
         &self,
         r: SubscriptionRequest,
     ) -> BoxFuture<'_, Result<bool, AdminError>>;
+    /// A failover drill's cut of a namespace over to another site, or its end.
+    fn geo_cut(&self, r: GeoCutRequest) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// Whether the topic (each partition) is served here now.
+    fn probe(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>>;
     /// What `remote` would lose if this site were lost now: the topic's (each partition's).
     fn geo_exposure(
         &self,
@@ -1372,6 +1376,22 @@ impl Admin for AdminService {
         ok(GeoExposureList {
             topics: self.topics.geo_exposure(r.into_inner()).await?,
         })
+    }
+
+    async fn geo_cut(&self, r: Request<GeoCutRequest>) -> Reply<Empty> {
+        let (tenant, _) = crate::model::split_namespace(&r.get_ref().namespace)
+            .map_err(|e| Status::invalid_argument(e.0))?;
+        self.tenant_admin(role_of(&r).as_ref(), tenant).await?;
+        self.topics.geo_cut(r.into_inner()).await?;
+        ok(Empty {})
+    }
+
+    async fn probe_topic(&self, r: Request<Name>) -> Reply<Empty> {
+        self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
+            .await?;
+        forward!(self, r, name, probe_topic, |_: Vec<Empty>| Empty {});
+        self.topics.probe(r.into_inner().name).await?;
+        ok(Empty {})
     }
 
     async fn put_drill_report(&self, r: Request<DrillReport>) -> Reply<Empty> {

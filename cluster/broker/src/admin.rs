@@ -1111,6 +1111,43 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn geo_cut(&self, r: pb::GeoCutRequest) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            let b = &self.0;
+            if r.cut {
+                b.cut_namespace(&r.namespace, &r.to)
+                    .await
+                    .map_err(admin_error)?;
+            } else {
+                let mut topics = Vec::new();
+                for t in &r.topics {
+                    topics.push(self.name(t)?);
+                }
+                b.restore_namespace(&r.namespace, &topics)
+                    .await
+                    .map_err(admin_error)?;
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+
+    fn probe(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            for t in self.served_topics(&topic).await? {
+                self.0.refuse_if_cut(&t.name).map_err(admin_error)?;
+                if t.ml.is_terminated().await {
+                    return Err(AdminError::FailedPrecondition(format!(
+                        "{} is terminated",
+                        t.name
+                    )));
+                }
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+
     fn geo_exposure(
         &self,
         r: pb::GeoExposureRequest,
@@ -1138,6 +1175,7 @@ impl TopicOps for BrokerTopics {
                     messages: e.messages,
                     bytes: e.bytes,
                     oldest_ms: e.oldest_ms,
+                    oldest_publish_ms: e.oldest_publish_ms,
                     remote_holds: e.remote_holds.map(|p| p.to_string()).unwrap_or_default(),
                     subscriptions: e
                         .subscriptions

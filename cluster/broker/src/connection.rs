@@ -782,6 +782,7 @@ impl Conn {
         self.broker
             .authorize(self.role.as_deref(), &name.namespace(), Some("produce"))
             .await?;
+        self.broker.refuse_if_cut(&name)?;
         let topic = self.broker.topic(&name, true).await?;
         if let Some(sub) = p
             .initial_subscription_name
@@ -903,6 +904,7 @@ impl Conn {
         self.broker
             .authorize(self.role.as_deref(), &name.namespace(), Some("consume"))
             .await?;
+        self.broker.refuse_if_cut(&name)?;
         if s.subscription.is_empty() {
             return Err(BrokerError::new(
                 ServerError::NotAllowedError,

@@ -1406,52 +1406,22 @@ struct DrillArgs {
     dry_run: bool,
 }
 
-/// `geo drill`: the exposure measured at FROM (its admin API, from its cluster record),
-/// the report kept here and printed.
-async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> anyhow::Result<()> {
-    use meridian_tenancy::drills::{Drill, SubExposure, TopicExposure};
-    parse_duration_s(&d.hold).context("--hold")?;
-    if !d.dry_run {
-        anyhow::bail!(
-            "a drill that cuts {} is not built yet; `--dry-run` measures what {} would lose if {} were lost now",
-            d.from,
-            d.to,
-            d.from
-        );
-    }
-    anyhow::ensure!(d.from != d.to, "--from and --to name the same site");
-    let from = c
-        .get_cluster(Name {
-            name: d.from.clone(),
-        })
-        .await
-        .with_context(|| format!("site {}", d.from))?
-        .into_inner();
-    c.get_cluster(Name { name: d.to.clone() })
-        .await
-        .with_context(|| format!("site {}", d.to))?;
-    let mut at_from = connect(conn, &from.admin_url).await?;
-    let topics: Vec<String> = match &d.namespace {
-        Some(ns) => at_from
-            .list_topics(Name { name: ns.clone() })
-            .await?
-            .into_inner()
-            .topics
-            .into_iter()
-            .map(|t| t.name)
-            .collect(),
-        None => d.topics.clone(),
-    };
-    let started_ms = now_ms();
+/// Each topic's exposure, measured at FROM (its admin API).
+async fn measure_exposure(
+    at_from: &mut Client,
+    topics: &[String],
+    to: &str,
+) -> anyhow::Result<Vec<meridian_tenancy::drills::TopicExposure>> {
+    use meridian_tenancy::drills::{SubExposure, TopicExposure};
     let mut measured = Vec::new();
-    for t in &topics {
+    for t in topics {
         let l = at_from
             .geo_exposure(GeoExposureRequest {
                 topic: t.clone(),
-                remote: d.to.clone(),
+                remote: to.to_string(),
             })
             .await
-            .with_context(|| format!("measuring {t} at {}", d.from))?
+            .with_context(|| format!("measuring {t}"))?
             .into_inner();
         for e in l.topics {
             measured.push(TopicExposure {
@@ -1460,6 +1430,7 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
                 messages: e.messages,
                 bytes: e.bytes,
                 oldest_ms: e.oldest_ms,
+                oldest_publish_ms: e.oldest_publish_ms,
                 remote_holds: e.remote_holds,
                 subscriptions: e
                     .subscriptions
@@ -1474,13 +1445,192 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
             });
         }
     }
-    let report = Drill::dry_run(
+    Ok(measured)
+}
+
+/// Whether every replicated topic of `ns` at the site of `c` has nothing left for `remote`.
+async fn nothing_to_replicate(c: &mut Client, ns: &str, remote: &str) -> anyhow::Result<bool> {
+    let l = c
+        .get_namespace_topic_stats(Name {
+            name: ns.to_string(),
+        })
+        .await?
+        .into_inner();
+    Ok(l.topics.iter().all(|t| {
+        t.replication
+            .iter()
+            .filter(|r| r.remote == remote)
+            .all(|r| r.backlog_entries == 0 && r.state == "connected")
+    }))
+}
+
+/// `geo drill`: at FROM (its admin API, from its cluster record) the exposure measured; with
+/// a cut, the namespace cut over to TO, measured, TO probed until it serves every topic, held,
+/// restored, and caught up; the report kept here and printed.
+async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> anyhow::Result<()> {
+    use meridian_tenancy::drills::{Drill, Phases};
+    use std::time::{Duration, Instant};
+    let hold = Duration::from_secs(parse_duration_s(&d.hold).context("--hold")?);
+    anyhow::ensure!(d.from != d.to, "--from and --to name the same site");
+    let from = c
+        .get_cluster(Name {
+            name: d.from.clone(),
+        })
+        .await
+        .with_context(|| format!("site {}", d.from))?
+        .into_inner();
+    let to = c
+        .get_cluster(Name { name: d.to.clone() })
+        .await
+        .with_context(|| format!("site {}", d.to))?
+        .into_inner();
+    let mut at_from = connect(conn, &from.admin_url).await?;
+    let topics: Vec<String> = match &d.namespace {
+        Some(ns) => at_from
+            .list_topics(Name { name: ns.clone() })
+            .await?
+            .into_inner()
+            .topics
+            .into_iter()
+            .map(|t| t.name)
+            .collect(),
+        None => d.topics.clone(),
+    };
+    let started_ms = now_ms();
+    if d.dry_run {
+        let measured = measure_exposure(&mut at_from, &topics, &d.to).await?;
+        let report = Drill::dry_run(
+            &d.from,
+            &d.to,
+            d.namespace.as_deref(),
+            started_ms,
+            now_ms(),
+            measured,
+        );
+        c.put_drill_report(report.to_pb()).await?;
+        print(out, &report.json(), || report.table());
+        return Ok(());
+    }
+    let Some(ns) = d.namespace.clone() else {
+        anyhow::bail!("a drill that cuts takes --namespace (a namespace is cut over whole)");
+    };
+    let mut at_to = connect(conn, &to.admin_url).await?;
+    let start = Instant::now();
+    let mut phases = Phases::default();
+    // Cut: FROM's clients of the namespace go to TO, nothing of it goes there from FROM.
+    at_from
+        .geo_cut(GeoCutRequest {
+            namespace: ns.clone(),
+            to: d.to.clone(),
+            cut: true,
+            topics: Vec::new(),
+        })
+        .await
+        .with_context(|| format!("cutting {ns} at {}", d.from))?;
+    let cut = Instant::now();
+    let cut_ms = now_ms();
+    phases.cut_ms = start.elapsed().as_millis() as u64;
+    // What TO lacks, measured until two measures agree (frames in flight at the cut land);
+    // meanwhile TO is probed until it serves every topic (the RTO).
+    let measuring = async {
+        let mut measured = measure_exposure(&mut at_from, &topics, &d.to).await?;
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let again = measure_exposure(&mut at_from, &topics, &d.to).await?;
+            // Ages grow with time; the counts are what settles.
+            let counts = |m: &[meridian_tenancy::drills::TopicExposure]| -> Vec<_> {
+                m.iter()
+                    .map(|t| {
+                        (
+                            t.topic.clone(),
+                            t.entries,
+                            t.messages,
+                            t.bytes,
+                            t.subscriptions.clone(),
+                        )
+                    })
+                    .collect()
+            };
+            let same = counts(&again) == counts(&measured);
+            measured = again;
+            if same {
+                break;
+            }
+        }
+        anyhow::Ok((measured, cut.elapsed()))
+    };
+    let probing = async {
+        let deadline = cut + Duration::from_secs(120);
+        loop {
+            let mut all = true;
+            for t in &topics {
+                if at_to.probe_topic(Name { name: t.clone() }).await.is_err() {
+                    all = false;
+                    break;
+                }
+            }
+            if all {
+                return anyhow::Ok(cut.elapsed());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "{} did not serve every topic of {ns} within 120 s of the cut (the cut stays: restore with another drill or by hand)",
+                d.to
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let (m, rto) = tokio::join!(measuring, probing);
+    let (measured, measured_after) = m?;
+    phases.measured_ms = measured_after.as_millis() as u64;
+    phases.rto_ms = rto?.as_millis() as u64;
+    if let Some(left) = hold.checked_sub(cut.elapsed()) {
+        tokio::time::sleep(left).await;
+    }
+    phases.hold_ms = cut.elapsed().as_millis() as u64;
+    // Restore: FROM serves and replicates again; TO's clients of the namespace reconnect
+    // (those of FROM's service URL are served at FROM again).
+    let restore = Instant::now();
+    at_from
+        .geo_cut(GeoCutRequest {
+            namespace: ns.clone(),
+            to: d.to.clone(),
+            cut: false,
+            topics: topics.clone(),
+        })
+        .await
+        .with_context(|| format!("restoring {ns} at {}", d.from))?;
+    at_to
+        .unload_namespace(UnloadNamespaceRequest {
+            namespace: ns.clone(),
+            bundle: String::new(),
+        })
+        .await
+        .with_context(|| format!("sending {ns}'s clients back from {}", d.to))?;
+    phases.restore_ms = restore.elapsed().as_millis() as u64;
+    let deadline = restore + Duration::from_secs(600);
+    loop {
+        if nothing_to_replicate(&mut at_from, &ns, &d.to).await?
+            && nothing_to_replicate(&mut at_to, &ns, &d.from).await?
+        {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{ns} did not catch up between {} and {} within 10 minutes of the restore",
+            d.from,
+            d.to
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    phases.caught_up_ms = restore.elapsed().as_millis() as u64;
+    let report = Drill::cut(
         &d.from,
         &d.to,
-        d.namespace.as_deref(),
-        started_ms,
-        now_ms(),
+        &ns,
+        (started_ms, cut_ms, now_ms()),
         measured,
+        phases,
     );
     c.put_drill_report(report.to_pb()).await?;
     print(out, &report.json(), || report.table());

@@ -22,6 +22,13 @@ impl Broker {
     ) -> Result<Lookup, BrokerError> {
         let ns = name.namespace();
         self.require_namespace(&ns).await?;
+        // Cut over to another site by a failover drill: served there.
+        if let Some(to) = self.cut_redirect(&ns) {
+            return Ok(Lookup::Redirect {
+                to,
+                authoritative: false,
+            });
+        }
         let o = &self.ownership;
         let mut b = o.bundle_of(name).await?;
         let mut owner = o.owner(&ns, &b).await?;

@@ -23,6 +23,7 @@ pub mod bundle_split;
 pub mod bundles;
 pub mod compaction;
 pub mod dedup;
+pub mod drill;
 mod error;
 pub mod geo_placement;
 pub mod key_shared;
@@ -109,6 +110,8 @@ pub struct Broker {
     pub auth: Option<Arc<meridian_tenancy::auth::Authenticator>>,
     /// The link to other sites, once started (`geo.listen`).
     pub geo: std::sync::OnceLock<Arc<meridian_geo::GeoLink>>,
+    /// Namespaces cut over to another site by a failover drill.
+    pub(crate) cuts: drill::Cuts,
 }
 
 impl Broker {
@@ -171,6 +174,7 @@ impl Broker {
             service_url,
             service_url_tls: std::sync::OnceLock::new(),
             geo: std::sync::OnceLock::new(),
+            cuts: Default::default(),
             producer_names: AtomicU64::new(0),
             run_id,
             closing: AtomicBool::new(false),

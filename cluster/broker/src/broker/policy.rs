@@ -113,6 +113,7 @@ impl Broker {
             if self.is_closing() {
                 return;
             }
+            self.refresh_drill_cuts().await;
             let mut by_ns: HashMap<String, Vec<Arc<Topic>>> = HashMap::new();
             for t in self.loaded_topics() {
                 by_ns.entry(t.name.namespace()).or_default().push(t);

@@ -359,6 +359,8 @@ impl Topic {
             return;
         };
         let local = &self.cfg.cluster_name;
+        // A failover drill's cut holds replication to the site it cut over to.
+        let held = broker.drill_cut(&self.name.namespace()).map(|c| c.to);
         let want: BTreeSet<String> = p
             .replication_clusters
             .iter()
@@ -384,6 +386,11 @@ impl Topic {
             return;
         }
         reps.retain(|remote, r| {
+            if held.as_deref() == Some(remote.as_str()) && want.contains(remote) {
+                tracing::info!(topic = %self.full_name, remote, "replication to {remote} held by a failover drill's cut (its cursor is kept)");
+                let _ = r.stop.send(true);
+                return false;
+            }
             let keep = want.contains(remote);
             if !keep {
                 tracing::info!(topic = %self.full_name, remote, "replication to {remote} stops (no longer in the replication clusters); its cursor is deleted");
@@ -394,7 +401,7 @@ impl Topic {
             keep
         });
         for remote in want {
-            if reps.contains_key(&remote) {
+            if reps.contains_key(&remote) || held.as_deref() == Some(remote.as_str()) {
                 continue;
             }
             let r = Replicator {

@@ -34,6 +34,8 @@ pub struct Exposure {
     pub bytes: u64,
     /// How long ago the oldest of them was published, ms.
     pub oldest_ms: u64,
+    /// When it was published, ms since the epoch.
+    pub oldest_publish_ms: u64,
     /// The last of this site's own entries the remote holds.
     pub remote_holds: Option<Position>,
     /// Per replicated subscription: (name, entries, messages) the remote would deliver again
@@ -132,6 +134,7 @@ impl Topic {
                 }
                 if out.entries == 0 {
                     out.oldest_ms = now.saturating_sub(m.publish_time);
+                    out.oldest_publish_ms = m.publish_time;
                 }
                 out.entries += 1;
                 out.messages += meridian_protocol::entry::message_count(&m) as u64;
