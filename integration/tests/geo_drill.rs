@@ -307,3 +307,99 @@ fn given_a_drill_with_producers_running_then_clients_move_and_back_and_its_rpo_i
     let shown = json_at(west, &["geo", "drills", "show", id]);
     assert_eq!(shown, report);
 }
+
+#[test]
+fn given_a_max_replication_lag_then_producers_wait_while_the_link_is_cut_and_go_on_when_it_heals() {
+    let (root, procs, proxies) = mesh_with(&["east", "west"], &[], true);
+    let (east, west) = (&procs[0], &procs[1]);
+    let dir = root.path().to_path_buf();
+    let t = "persistent://acme/g/rpo";
+
+    step("east's namespace may fall at most 2 s behind any remote; producers wait past it");
+    admin_at(
+        east,
+        &[
+            "namespaces",
+            "set-max-replication-lag",
+            "acme/g",
+            "--time",
+            "2s",
+            "--policy",
+            "producer_request_hold",
+        ],
+    );
+    let lag = json_at(east, &["namespaces", "get-max-replication-lag", "acme/g"]);
+    assert_eq!(lag["time_seconds"], 2, "{lag}");
+    assert_eq!(lag["policy"], "producer_request_hold", "{lag}");
+    produce(&dir, &east.url, t, 10, 0);
+    wait_count(&dir, &west.url, t, 10);
+
+    step("a producer sends one message every 50 ms; the link from east to west is cut");
+    let mut p = PyClient::run(
+        &dir,
+        "held-producer",
+        &[
+            "produce",
+            &east.url,
+            t,
+            "--count",
+            "400",
+            "--start",
+            "10",
+            "--sync",
+            "--pause-every",
+            "1",
+            "--pause-ms",
+            "50",
+        ],
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let (_, _, to_west) = proxies
+        .iter()
+        .find(|(from, to, _)| *from == 0 && *to == 1)
+        .expect("east's proxy toward west");
+    to_west.partition(true);
+
+    step("past 2 s of lag, east's stats name the remote and the producer's sends stop");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let detail = loop {
+        let s = json_at(east, &["topics", "stats", t]);
+        if let Some(d) = s["backlog_quota_exceeded"].as_str() {
+            break d.to_string();
+        }
+        assert!(Instant::now() < deadline, "no breach shown: {s}");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert!(
+        detail.contains("replication to west") && detail.contains("max replication lag 2 s"),
+        "{detail}"
+    );
+    std::thread::sleep(Duration::from_secs(1));
+    let held_at = p.ints("acked").len();
+    std::thread::sleep(Duration::from_secs(3));
+    let still = p.ints("acked").len();
+    assert_eq!(
+        held_at, still,
+        "sends went on while the lag was past the limit"
+    );
+    assert!(still < 400, "the producer finished while held");
+
+    step("the link heals: the lag falls back within, the producer goes on and finishes");
+    to_west.partition(false);
+    p.finish(Duration::from_secs(120)).unwrap();
+    assert_eq!(p.ints("acked").len(), 400);
+    assert!(
+        p.lines().iter().all(|l| l.get("failed").is_none()),
+        "a held send failed"
+    );
+    wait_count(&dir, &west.url, t, 410);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = json_at(east, &["topics", "stats", t]);
+        if s["backlog_quota_exceeded"].is_null() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the breach stayed: {s}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}

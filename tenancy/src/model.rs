@@ -162,6 +162,11 @@ pub struct NamespacePolicies {
     /// no bound (nothing unreplicated is ever dropped).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replication_backlog_quota: Option<BacklogQuota>,
+    /// The recovery-point policy: how far behind any remote site a topic's replication may
+    /// fall (the age of its oldest unreplicated entry, and/or how many entries), and what
+    /// happens then (policy one of [`MAX_REPLICATION_LAG_POLICIES`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_replication_lag: Option<MaxReplicationLag>,
     /// Roles granted `produce` and/or `consume` in the namespace (with authentication on).
     #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub permissions: std::collections::BTreeMap<String, Vec<String>>,
@@ -237,6 +242,21 @@ pub struct BacklogQuota {
     pub policy: String,
 }
 
+/// The recovery-point policy's limits (0: that limit is not set).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct MaxReplicationLag {
+    pub time_seconds: u64,
+    pub entries: u64,
+    /// One of [`MAX_REPLICATION_LAG_POLICIES`].
+    pub policy: String,
+}
+
+/// What a passed recovery-point policy does: counted and logged only (`alert`), or producers
+/// at the lagging site wait (`producer_request_hold`) or are refused (`producer_exception`).
+pub const MAX_REPLICATION_LAG_POLICIES: &[&str] =
+    &["alert", "producer_request_hold", "producer_exception"];
+
 /// What a passed backlog quota does (Pulsar's names).
 pub const BACKLOG_QUOTA_POLICIES: &[&str] = &[
     "producer_request_hold",
@@ -282,6 +302,7 @@ pub const POLICY_FIELDS: &[&str] = &[
     "bookie_affinity_group",
     "replication_clusters",
     "replication_backlog_quota",
+    "max_replication_lag",
 ];
 
 impl NamespacePolicies {
@@ -364,6 +385,20 @@ impl NamespacePolicies {
             }
             if q.limit_size_bytes == 0 && q.limit_time_seconds == 0 {
                 return Err(format!("a {what} needs a size limit, a time limit or both"));
+            }
+        }
+        if let Some(l) = &self.max_replication_lag {
+            if !MAX_REPLICATION_LAG_POLICIES.contains(&l.policy.as_str()) {
+                return Err(format!(
+                    "max replication lag policy {:?} is not one of {}",
+                    l.policy,
+                    MAX_REPLICATION_LAG_POLICIES.join(", ")
+                ));
+            }
+            if l.time_seconds == 0 && l.entries == 0 {
+                return Err(
+                    "a max replication lag needs a time limit, an entries limit or both".into(),
+                );
             }
         }
         for (name, r) in [
@@ -501,6 +536,9 @@ impl NamespacePolicies {
         if set.replication_backlog_quota.is_some() {
             p.replication_backlog_quota = set.replication_backlog_quota.clone();
         }
+        if set.max_replication_lag.is_some() {
+            p.max_replication_lag = set.max_replication_lag.clone();
+        }
     }
 
     /// Applies `set` (its present fields) and then removes the fields named in `clear`.
@@ -527,6 +565,7 @@ impl NamespacePolicies {
                 "bookie_affinity_group" => p.bookie_affinity_group = None,
                 "replication_clusters" => p.replication_clusters = None,
                 "replication_backlog_quota" => p.replication_backlog_quota = None,
+                "max_replication_lag" => p.max_replication_lag = None,
                 other => {
                     return Err(format!(
                         "unknown policy {other:?}; policies are {}",
@@ -594,6 +633,34 @@ mod tests {
         assert_eq!(split_namespace("acme/orders").unwrap(), ("acme", "orders"));
         assert!(split_namespace("acme").is_err());
         assert!(split_namespace("acme/or/ders").is_err());
+    }
+
+    #[test]
+    fn given_a_max_replication_lag_then_its_policy_and_a_limit_are_required() {
+        let l = |policy: &str, secs: u64, entries: u64| NamespacePolicies {
+            max_replication_lag: Some(MaxReplicationLag {
+                time_seconds: secs,
+                entries,
+                policy: policy.into(),
+            }),
+            ..Default::default()
+        };
+        let err = l("drop_oldest", 5, 0).validate().unwrap_err();
+        assert!(
+            err.contains("alert, producer_request_hold, producer_exception"),
+            "{err}"
+        );
+        let err = l("alert", 0, 0).validate().unwrap_err();
+        assert!(err.contains("time limit"), "{err}");
+        assert!(l("producer_request_hold", 5, 0).validate().is_ok());
+        assert!(l("alert", 0, 100).validate().is_ok());
+        let cleared = l("alert", 5, 0)
+            .updated(
+                &NamespacePolicies::default(),
+                &["max_replication_lag".to_string()],
+            )
+            .unwrap();
+        assert!(cleared.max_replication_lag.is_none());
     }
 
     #[test]

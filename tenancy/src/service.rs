@@ -357,6 +357,13 @@ fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
         max_subscriptions_per_topic: p.max_subscriptions_per_topic,
         backlog_quota: p.backlog_quota.map(quota_from),
         replication_backlog_quota: p.replication_backlog_quota.map(quota_from),
+        max_replication_lag: p
+            .max_replication_lag
+            .map(|l| crate::model::MaxReplicationLag {
+                time_seconds: l.time_seconds,
+                entries: l.entries,
+                policy: l.policy,
+            }),
         retention: p.retention.map(|r| crate::model::Retention {
             time_minutes: r.time_minutes,
             size_mb: r.size_mb,
@@ -419,6 +426,14 @@ fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
         max_subscriptions_per_topic: p.max_subscriptions_per_topic,
         backlog_quota: p.backlog_quota.as_ref().map(quota_to),
         replication_backlog_quota: p.replication_backlog_quota.as_ref().map(quota_to),
+        max_replication_lag: p
+            .max_replication_lag
+            .as_ref()
+            .map(|l| crate::pb::MaxReplicationLag {
+                time_seconds: l.time_seconds,
+                entries: l.entries,
+                policy: l.policy.clone(),
+            }),
         retention: p.retention.as_ref().map(|r| crate::pb::Retention {
             time_minutes: r.time_minutes,
             size_mb: r.size_mb,

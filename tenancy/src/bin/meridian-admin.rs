@@ -648,6 +648,31 @@ enum PolicyCmd {
         #[arg(value_name = "TARGET")]
         namespace: String,
     },
+    /// The recovery-point policy: how far behind any remote site a topic's replication may
+    /// fall, as the age of its oldest unreplicated entry (--time) and/or entries (--entries);
+    /// past it, by --policy: logged and counted (alert), producers here wait
+    /// (producer_request_hold) or are refused (producer_exception) with the remote and its lag
+    /// named, until it is back within.
+    SetMaxReplicationLag {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+        /// Seconds, or with s, m, h, d, e.g. 5s.
+        #[arg(long)]
+        time: Option<String>,
+        #[arg(long)]
+        entries: Option<u64>,
+        /// alert, producer_request_hold or producer_exception.
+        #[arg(long, default_value = "alert")]
+        policy: String,
+    },
+    GetMaxReplicationLag {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
+    RemoveMaxReplicationLag {
+        #[arg(value_name = "TARGET")]
+        namespace: String,
+    },
     GetMessageTtl {
         #[arg(value_name = "TARGET")]
         namespace: String,
@@ -2218,7 +2243,12 @@ fn policies_json(p: &NamespacePolicies) -> Value {
         "bookie_affinity_group": p.bookie_affinity_group.as_ref().map(|g| json!({"primary": g.primary, "secondary": g.secondary})),
         "replication_clusters": p.replication_clusters.as_ref().map(|c| &c.names),
         "replication_backlog_quota": p.replication_backlog_quota.as_ref().map(quota_json),
+        "max_replication_lag": p.max_replication_lag.as_ref().map(lag_json),
     })
+}
+
+fn lag_json(l: &MaxReplicationLag) -> Value {
+    json!({"time_seconds": l.time_seconds, "entries": l.entries, "policy": l.policy})
 }
 
 fn show<T: ToString>(v: &Option<T>) -> String {
@@ -2552,6 +2582,39 @@ async fn policy(c: &mut Client, cmd: PolicyCmd, out: Output, topic: bool) -> any
             namespace,
             NamespacePolicies::default(),
             vec!["replication_backlog_quota"],
+        ),
+        PolicyCmd::SetMaxReplicationLag {
+            namespace,
+            time,
+            entries,
+            policy,
+        } => update(
+            namespace,
+            NamespacePolicies {
+                max_replication_lag: Some(MaxReplicationLag {
+                    time_seconds: time
+                        .as_deref()
+                        .map(parse_duration_s)
+                        .transpose()?
+                        .unwrap_or(0),
+                    entries: entries.unwrap_or(0),
+                    policy,
+                }),
+                ..Default::default()
+            },
+            vec![],
+        ),
+        PolicyCmd::GetMaxReplicationLag { namespace } => {
+            let n = get_policies(c, namespace, topic).await?;
+            let l = n.policies.unwrap_or_default().max_replication_lag;
+            let v = l.as_ref().map_or(Value::Null, lag_json);
+            print(out, &v, || v.to_string());
+            return Ok(());
+        }
+        PolicyCmd::RemoveMaxReplicationLag { namespace } => update(
+            namespace,
+            NamespacePolicies::default(),
+            vec!["max_replication_lag"],
         ),
         PolicyCmd::SetRetention {
             namespace,

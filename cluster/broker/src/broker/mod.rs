@@ -38,6 +38,7 @@ mod quota;
 pub mod rate;
 mod repl_quota;
 pub mod replication;
+mod rpo_policy;
 pub mod schema;
 mod stats;
 pub mod subscription;
@@ -612,6 +613,7 @@ impl Broker {
             quota_breach: Mutex::new(None),
             storage_breach: Mutex::new(None),
             repl_breach: Mutex::new(None),
+            rpo_breach: Mutex::new(None),
             quota_headroom: AtomicI64::new(i64::MAX),
             publish_limiter: rate::PolicyLimiter::default(),
             dispatch_limiter: rate::PolicyLimiter::default(),

@@ -156,6 +156,8 @@ impl Broker {
                     }
                     t.check_replication_quota(p.replication_backlog_quota.as_ref())
                         .await;
+                    t.check_replication_lag(p.max_replication_lag.as_ref())
+                        .await;
                     if ttl_ms == 0 && p.backlog_quota.is_none() && p.retention.is_none() {
                         continue;
                     }

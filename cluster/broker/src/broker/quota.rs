@@ -40,6 +40,7 @@ impl Topic {
             .expect("quota lock")
             .clone()
             .or_else(|| self.repl_breach.lock().expect("quota lock").clone())
+            .or_else(|| self.rpo_breach.lock().expect("quota lock").clone())
             .or_else(|| self.storage_breach.lock().expect("quota lock").clone())
     }
 

@@ -51,6 +51,9 @@ pub struct Topic {
     pub(super) storage_breach: Mutex<Option<QuotaBreach>>,
     /// Set while a replication backlog quota with a producer policy is passed.
     pub(super) repl_breach: Mutex<Option<QuotaBreach>>,
+    /// Set while the recovery-point policy (max replication lag) with a producer policy is
+    /// passed.
+    pub(super) rpo_breach: Mutex<Option<QuotaBreach>>,
     /// Bytes that may be appended before the backlog quota's size limit may be passed (the
     /// limit less the largest backlog at the last check; `i64::MAX` without a size limit).
     /// The append that uses it up asks for a check at once: the quota is checked on the
