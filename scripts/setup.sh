@@ -11,6 +11,7 @@
 #                         (integration/src/powercut; /dev/fuse must exist)
 #   python3, python3-venv the stock Python Pulsar client (pulsar-client, from PyPI, in a venv
 #                         under the cache folder) that the real-client tests drive
+#   chromium              headless, for the test of the console page (/console)
 set -euo pipefail
 
 meridian_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -20,6 +21,7 @@ command -v clang >/dev/null 2>&1 || missing+=(clang)
 command -v protoc >/dev/null 2>&1 || missing+=(protobuf-compiler)
 command -v python3 >/dev/null 2>&1 || missing+=(python3)
 command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 python3 -c "import ensurepip, venv" >/dev/null 2>&1 || missing+=(python3-venv)
 for pkg in libclang-dev librocksdb-dev libsnappy-dev; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -303,6 +303,22 @@ impl GeoLink {
     }
 
     /// Peers connected to this endpoint now.
+    /// Sites with a connection up, either way (for status pages).
+    pub fn linked_sites(&self) -> std::collections::BTreeSet<String> {
+        let mut out: std::collections::BTreeSet<String> =
+            self.inbound().into_iter().map(|p| p.site).collect();
+        let outbound = self.shared.outbound.lock().expect("outbound lock");
+        for (key, slot) in outbound.iter() {
+            let up = slot
+                .try_lock()
+                .is_ok_and(|p| p.as_ref().is_some_and(|p| p.conn.close_reason().is_none()));
+            if up {
+                out.insert(key.split(' ').next().unwrap_or(key).to_string());
+            }
+        }
+        out
+    }
+
     pub fn inbound(&self) -> Vec<InboundPeer> {
         let mut v: Vec<_> = self
             .shared

@@ -403,3 +403,97 @@ fn given_a_max_replication_lag_then_producers_wait_while_the_link_is_cut_and_go_
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+#[test]
+fn given_a_failover_after_kill_9_of_east_then_west_serves_and_failback_converges_once() {
+    let (root, mut procs, proxies) = mesh_with(&["east", "west"], &[], true);
+    let dir = root.path().to_path_buf();
+    let t = "persistent://acme/g/orders";
+
+    step("a failover is refused while east answers");
+    let west_admin = procs[1].admin_url.clone();
+    let failover = |extra: &[&str]| {
+        let mut args = vec![
+            "--admin-url",
+            west_admin.as_str(),
+            "--output",
+            "json",
+            "geo",
+            "failover",
+            "--from",
+            "east",
+            "--to",
+            "west",
+            "--namespace",
+            "acme/g",
+        ];
+        args.extend_from_slice(extra);
+        meridian_integration::run_admin(&args).unwrap()
+    };
+    let (code, out, err) = failover(&[]);
+    assert_ne!(code, 0, "{out}");
+    assert!(err.contains("east answers"), "{err}");
+
+    step("east's link to west is slow (400 ms each way); east takes 2,000 and is killed (kill -9) at once");
+    let (_, _, to_west) = proxies
+        .iter()
+        .find(|(from, to, _)| *from == 0 && *to == 1)
+        .expect("east's proxy toward west");
+    to_west.set(meridian_integration::udp_proxy::Faults {
+        delay_ms: 400,
+        ..Default::default()
+    });
+    produce(&dir, &procs[0].url, t, 2_000, 0);
+    procs[0].kill9().unwrap();
+
+    step("geo failover at west: west serves the namespace");
+    let (code, out, err) = failover(&[]);
+    assert_eq!(code, 0, "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    step(format!("failover report: {report}"));
+    assert_eq!(report["kind"], "failover");
+    assert!(report["phases"]["rto_ms"].as_u64().is_some(), "{report}");
+
+    step("a producer with both sites in its service URL (east first) is served at west");
+    let both = format!(
+        "pulsar://{},{}",
+        procs[0].url.trim_start_matches("pulsar://"),
+        procs[1].url.trim_start_matches("pulsar://")
+    );
+    produce(&dir, &both, t, 1_000, 2_000);
+    let at_west_before = read_all(&dir, &procs[1].url, t);
+
+    step("east returns; geo failback: what west lacked of east's is measured and replicated");
+    procs[0].start().unwrap();
+    let (code, out, err) = meridian_integration::run_admin(&[
+        "--admin-url",
+        &west_admin,
+        "--output",
+        "json",
+        "geo",
+        "failback",
+        "--from",
+        "east",
+        "--to",
+        "west",
+        "--namespace",
+        "acme/g",
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    step(format!("failback report: {report}"));
+    assert_eq!(report["kind"], "failback");
+
+    step("both sites hold all 3,000 exactly once; the failback's RPO is what west lacked");
+    let mut at_west = read_all(&dir, &procs[1].url, t);
+    let mut at_east = read_all(&dir, &procs[0].url, t);
+    let lacked = (at_west.len() - at_west_before.len()) as u64;
+    at_west.sort_unstable();
+    at_east.sort_unstable();
+    let all: Vec<u64> = (0..3_000).collect();
+    assert_eq!(at_east, all, "east");
+    assert_eq!(at_west, all, "west");
+    assert_eq!(report["rpo"]["messages"], lacked, "{report}");
+    assert!(lacked > 0, "the slow link left nothing behind: {report}");
+}

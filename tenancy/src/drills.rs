@@ -159,6 +159,9 @@ pub struct Drill {
     /// A drill that cut (not a dry run): its phases.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phases: Option<Phases>,
+    /// What the figures mean where it is not plain (a failover, a failback).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
     pub topics: Vec<TopicExposure>,
 }
 
@@ -198,6 +201,7 @@ impl Drill {
             redelivered_messages,
             errors,
             phases: None,
+            note: None,
             topics,
         }
     }
@@ -231,6 +235,18 @@ impl Drill {
 
     /// One line: what, where, and the recovery point.
     pub fn summary(&self) -> String {
+        if self.kind == "failover" {
+            return format!(
+                "failover from {} to {}{}: served at {} {} ms after it began",
+                self.from,
+                self.to,
+                self.namespace
+                    .as_ref()
+                    .map_or_else(String::new, |n| format!(" ({n})")),
+                self.to,
+                self.phases.as_ref().map_or(0, |p| p.rto_ms)
+            );
+        }
         format!(
             "{} from {} to {}{}: RPO {} entries, {} messages, {} bytes, {:.1} s; {} messages delivered again{}",
             self.kind,
@@ -259,10 +275,18 @@ impl Drill {
                 "measured in {} ms",
                 self.finished_ms.saturating_sub(self.started_ms)
             ),
+            Some(p) if self.kind != "drill" => format!(
+                "RTO {} ms; restored in {} ms, caught up {} ms after the restore",
+                p.rto_ms, p.restore_ms, p.caught_up_ms
+            ),
             Some(p) => format!(
                 "cut in {} ms, measured {} ms after it; RTO {} ms (every topic served at {}); held {} ms; restored in {} ms, caught up {} ms after the restore",
                 p.cut_ms, p.measured_ms, p.rto_ms, self.to, p.hold_ms, p.restore_ms, p.caught_up_ms
             ),
+        };
+        let phases = match &self.note {
+            Some(n) => format!("{phases}\n{n}"),
+            None => phases,
         };
         let mut t = format!(
             "{} {}\n{phases}\n\n{:<50} {:>9} {:>9} {:>12} {:>9}\n",

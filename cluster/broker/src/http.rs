@@ -181,6 +181,37 @@ async fn stats(
         .into_response()
 }
 
+/// The console's page (it reads `/console/data`).
+async fn console_page(
+    State(c): State<Ctx>,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
+    if let Some(refused) = superuser_only(&c, &headers) {
+        return refused;
+    }
+    (
+        [("content-type", "text/html; charset=utf-8")],
+        crate::console::PAGE,
+    )
+        .into_response()
+}
+
+/// What the console shows, as JSON; superusers only with authentication on.
+async fn console_data(
+    State(c): State<Ctx>,
+    headers: axum::http::HeaderMap,
+) -> axum::response::Response {
+    if let Some(refused) = superuser_only(&c, &headers) {
+        return refused;
+    }
+    let d = crate::console::data(&c.broker).await;
+    (
+        [("content-type", "application/json")],
+        serde_json::to_string(&d).expect("serializable"),
+    )
+        .into_response()
+}
+
 pub struct RunningHttp {
     pub addr: SocketAddr,
     stop: watch::Sender<bool>,
@@ -196,6 +227,8 @@ pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<Runn
         .route("/metrics", get(metrics_page))
         .route("/health", get(health))
         .route("/stats", get(stats))
+        .route("/console", get(console_page))
+        .route("/console/data", get(console_data))
         .with_state(ctx);
     serve_router(app, listener)
 }

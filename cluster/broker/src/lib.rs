@@ -12,6 +12,7 @@
 pub mod admin;
 pub mod broker;
 pub mod connection;
+pub mod console;
 pub mod failpoint;
 pub mod frame_queue;
 pub mod geo;

@@ -151,6 +151,31 @@ enum Geo {
         #[arg(long)]
         dry_run: bool,
     },
+    /// A real loss of site FROM: site TO serves NS, probed until it does (the RTO). Refused
+    /// while FROM's admin API answers, unless --force (then FROM's clients of NS are cut over
+    /// to TO, as a drill's cut). Clients with both sites in a multi-host service URL
+    /// (`pulsar://east:6650,west:6650`) go to TO by themselves. The report is kept here.
+    Failover {
+        #[arg(long)]
+        from: String,
+        #[arg(long)]
+        to: String,
+        #[arg(long)]
+        namespace: String,
+        #[arg(long)]
+        force: bool,
+    },
+    /// After a failover from FROM to TO, with FROM back: what TO lacked of FROM's is measured
+    /// (the failover's real RPO; it is replicated now), FROM serves NS again (a --force cut
+    /// ends, its topics are loaded), TO's clients of NS are sent back, and both catch up.
+    Failback {
+        #[arg(long)]
+        from: String,
+        #[arg(long)]
+        to: String,
+        #[arg(long)]
+        namespace: String,
+    },
     /// Failover drills' reports kept at this site.
     #[command(subcommand)]
     Drills(Drills),
@@ -1216,7 +1241,11 @@ fn write_crt_pair(
 fn geo(cmd: Geo) -> anyhow::Result<()> {
     use meridian_tenancy::geo_pki;
     match cmd {
-        Geo::Status { .. } | Geo::Drill { .. } | Geo::Drills(_) => {
+        Geo::Status { .. }
+        | Geo::Drill { .. }
+        | Geo::Drills(_)
+        | Geo::Failover { .. }
+        | Geo::Failback { .. } => {
             anyhow::bail!("geo status and drills are answered by the admin API")
         }
         Geo::CreateCa { out_dir, days } => {
@@ -1325,7 +1354,14 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Group::Tokens(cmd) => return tokens(cmd),
         Group::SiteTls(cmd) => return site_tls(cmd),
         Group::Geo(cmd)
-            if !matches!(cmd, Geo::Status { .. } | Geo::Drill { .. } | Geo::Drills(_)) =>
+            if !matches!(
+                cmd,
+                Geo::Status { .. }
+                    | Geo::Drill { .. }
+                    | Geo::Drills(_)
+                    | Geo::Failover { .. }
+                    | Geo::Failback { .. }
+            ) =>
         {
             return geo(cmd)
         }
@@ -1370,6 +1406,17 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             geo_drill(&mut c, &conn, d, out).await
         }
         Group::Geo(Geo::Drills(cmd)) => geo_drills(&mut c, cmd, out).await,
+        Group::Geo(Geo::Failover {
+            from,
+            to,
+            namespace,
+            force,
+        }) => geo_failover(&mut c, &conn, from, to, namespace, force, out).await,
+        Group::Geo(Geo::Failback {
+            from,
+            to,
+            namespace,
+        }) => geo_failback(&mut c, &conn, from, to, namespace, out).await,
         Group::Geo(cmd) => geo(cmd),
     }
 }
@@ -1657,6 +1704,215 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
         measured,
         phases,
     );
+    c.put_drill_report(report.to_pb()).await?;
+    print(out, &report.json(), || report.table());
+    Ok(())
+}
+
+/// Whether `site`'s admin API answers within a few seconds.
+async fn answers(conn: &Conn, url: &str, site: &str) -> Option<Client> {
+    let probe = async {
+        let mut c = connect(conn, url).await.ok()?;
+        c.get_cluster(Name {
+            name: site.to_string(),
+        })
+        .await
+        .ok()?;
+        Some(c)
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), probe)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Probes `topics` at the site of `at` until each is served; the time it took.
+async fn until_served(
+    at: &mut Client,
+    topics: &[String],
+    site: &str,
+    limit: std::time::Duration,
+) -> anyhow::Result<std::time::Duration> {
+    let start = std::time::Instant::now();
+    loop {
+        let mut all = true;
+        for t in topics {
+            if at.probe_topic(Name { name: t.clone() }).await.is_err() {
+                all = false;
+                break;
+            }
+        }
+        if all {
+            return Ok(start.elapsed());
+        }
+        anyhow::ensure!(
+            start.elapsed() < limit,
+            "{site} did not serve every topic within {limit:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// `geo failover`: TO takes NS after FROM was lost (refused while FROM answers, unless
+/// --force, which cuts FROM over to TO); the report kept here.
+async fn geo_failover(
+    c: &mut Client,
+    conn: &Conn,
+    from: String,
+    to: String,
+    ns: String,
+    force: bool,
+    out: Output,
+) -> anyhow::Result<()> {
+    use meridian_tenancy::drills::{Drill, Phases};
+    anyhow::ensure!(from != to, "--from and --to name the same site");
+    let from_rec = c
+        .get_cluster(Name { name: from.clone() })
+        .await
+        .with_context(|| format!("site {from}"))?
+        .into_inner();
+    let to_rec = c
+        .get_cluster(Name { name: to.clone() })
+        .await
+        .with_context(|| format!("site {to}"))?
+        .into_inner();
+    let started_ms = now_ms();
+    let start = std::time::Instant::now();
+    let reachable = answers(conn, &from_rec.admin_url, &from).await;
+    if reachable.is_some() && !force {
+        anyhow::bail!(
+            "site {from} answers at {}: a failover is for a site that is lost (rehearse one with `geo drill`, or pass --force to cut {from} over to {to} anyway)",
+            from_rec.admin_url
+        );
+    }
+    let mut at_to = connect(conn, &to_rec.admin_url).await?;
+    let topics: Vec<String> = at_to
+        .list_topics(Name { name: ns.clone() })
+        .await?
+        .into_inner()
+        .topics
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let mut phases = Phases::default();
+    let note = if let Some(mut at_from) = reachable {
+        at_from
+            .geo_cut(GeoCutRequest {
+                namespace: ns.clone(),
+                to: to.clone(),
+                cut: true,
+                topics: Vec::new(),
+            })
+            .await
+            .with_context(|| format!("cutting {ns} at {from}"))?;
+        phases.cut_ms = start.elapsed().as_millis() as u64;
+        format!("{from} answered (--force): its clients of {ns} were cut over to {to}")
+    } else {
+        format!(
+            "{from} did not answer: what it held that {to} lacks is known when it returns (`geo failback` measures it)"
+        )
+    };
+    phases.rto_ms = until_served(
+        &mut at_to,
+        &topics,
+        &to,
+        std::time::Duration::from_secs(120),
+    )
+    .await?
+    .as_millis() as u64
+        + phases.cut_ms;
+    let mut report = Drill::dry_run(&from, &to, Some(&ns), started_ms, now_ms(), Vec::new());
+    report.kind = "failover".into();
+    report.id = format!("failover-{started_ms}");
+    report.phases = Some(phases);
+    report.note = Some(note);
+    c.put_drill_report(report.to_pb()).await?;
+    print(out, &report.json(), || report.table());
+    Ok(())
+}
+
+/// `geo failback`: FROM (back) serves NS again after a failover to TO: what TO lacked of
+/// FROM's measured, the cut at FROM (if any) ended and its topics loaded, TO's clients of NS
+/// sent back, and both caught up; the report kept here.
+async fn geo_failback(
+    c: &mut Client,
+    conn: &Conn,
+    from: String,
+    to: String,
+    ns: String,
+    out: Output,
+) -> anyhow::Result<()> {
+    use meridian_tenancy::drills::{Drill, Phases};
+    use std::time::{Duration, Instant};
+    anyhow::ensure!(from != to, "--from and --to name the same site");
+    let from_rec = c
+        .get_cluster(Name { name: from.clone() })
+        .await
+        .with_context(|| format!("site {from}"))?
+        .into_inner();
+    let to_rec = c
+        .get_cluster(Name { name: to.clone() })
+        .await
+        .with_context(|| format!("site {to}"))?
+        .into_inner();
+    let Some(mut at_from) = answers(conn, &from_rec.admin_url, &from).await else {
+        anyhow::bail!(
+            "site {from} does not answer at {}: it must be back before a failback",
+            from_rec.admin_url
+        );
+    };
+    let mut at_to = connect(conn, &to_rec.admin_url).await?;
+    let topics: Vec<String> = at_from
+        .list_topics(Name { name: ns.clone() })
+        .await?
+        .into_inner()
+        .topics
+        .into_iter()
+        .map(|t| t.name)
+        .collect();
+    let started_ms = now_ms();
+    let mut phases = Phases::default();
+    // What FROM held that TO lacks (it goes there now): the failover's actual loss window.
+    let measured = measure_exposure(&mut at_from, &topics, &to).await?;
+    let restore = Instant::now();
+    at_from
+        .geo_cut(GeoCutRequest {
+            namespace: ns.clone(),
+            to: to.clone(),
+            cut: false,
+            topics: topics.clone(),
+        })
+        .await
+        .with_context(|| format!("restoring {ns} at {from}"))?;
+    at_to
+        .unload_namespace(UnloadNamespaceRequest {
+            namespace: ns.clone(),
+            bundle: String::new(),
+        })
+        .await
+        .with_context(|| format!("sending {ns}'s clients back from {to}"))?;
+    phases.restore_ms = restore.elapsed().as_millis() as u64;
+    let deadline = restore + Duration::from_secs(600);
+    loop {
+        if nothing_to_replicate(&mut at_from, &ns, &to).await?
+            && nothing_to_replicate(&mut at_to, &ns, &from).await?
+        {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{ns} did not catch up between {from} and {to} within 10 minutes"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    phases.caught_up_ms = restore.elapsed().as_millis() as u64;
+    let mut report = Drill::dry_run(&from, &to, Some(&ns), started_ms, now_ms(), measured);
+    report.kind = "failback".into();
+    report.id = format!("failback-{started_ms}");
+    report.phases = Some(phases);
+    report.note = Some(format!(
+        "the RPO is what {from} held that {to} lacked when {from} came back; it is at {to} now"
+    ));
     c.put_drill_report(report.to_pb()).await?;
     print(out, &report.json(), || report.table());
     Ok(())

@@ -717,9 +717,7 @@ impl Topic {
     }
 
     /// Each replicated subscription's sync with each remote, for `topics stats`.
-    pub(in crate::broker) async fn replicated_sub_stats(
-        &self,
-    ) -> BTreeMap<String, Vec<SubSyncStats>> {
+    pub(crate) async fn replicated_sub_stats(&self) -> BTreeMap<String, Vec<SubSyncStats>> {
         let st = self.repl_subs.state.lock().await;
         let subs = self.subscriptions.lock().await.clone();
         let mut out = BTreeMap::new();
