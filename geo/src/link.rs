@@ -302,7 +302,6 @@ impl GeoLink {
         self.shared.tls.read().expect("tls lock").serial.clone()
     }
 
-    /// Peers connected to this endpoint now.
     /// Sites with a connection up, either way (for status pages).
     pub fn linked_sites(&self) -> std::collections::BTreeSet<String> {
         let mut out: std::collections::BTreeSet<String> =
@@ -319,6 +318,7 @@ impl GeoLink {
         out
     }
 
+    /// Peers connected to this endpoint now.
     pub fn inbound(&self) -> Vec<InboundPeer> {
         let mut v: Vec<_> = self
             .shared

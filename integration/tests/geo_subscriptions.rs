@@ -156,6 +156,10 @@ fn given_acknowledgements_at_one_site_then_the_subscription_moves_to_the_other_e
     assert_eq!(acked.len(), 5_000);
     let s = wait_synced(east, t, "s1", "west");
     step(format!("east's stats of the subscription: {s}"));
+    assert_eq!(
+        s["sync"][0]["held"], 0,
+        "west has every entry the state speaks of: nothing held there: {s}"
+    );
     let page = meridian_integration::http_get(&east.http, "/metrics");
     let confirmed = meridian_integration::metric_value(
         &page,
@@ -174,6 +178,28 @@ fn given_acknowledgements_at_one_site_then_the_subscription_moves_to_the_other_e
     let all_acked: Vec<u64> = acked.iter().chain(&acked_west).copied().collect();
     let got = drain_at(&dir, &east.url, t, "s1");
     assert_eq!(sorted(got), unacked(0..N, &all_acked));
+
+    step("east deletes s1; what west sends of it afterwards does not bring it back at east");
+    meridian_integration::geo_sites::admin_ok(&[
+        "--admin-url",
+        &east.admin_url,
+        "topics",
+        "unsubscribe",
+        t,
+        "-s",
+        "s1",
+    ]);
+    let more = ack_at(&dir, &west.url, t, "s1", 4_000, 0, 100);
+    assert_eq!(more.len(), 100);
+    wait_synced(west, t, "s1", "east");
+    let subs = meridian_integration::geo_sites::admin_ok(&[
+        "--admin-url",
+        &east.admin_url,
+        "topics",
+        "subscriptions",
+        t,
+    ]);
+    assert!(!subs.contains("s1"), "s1 came back at east: {subs}");
 }
 
 #[test]

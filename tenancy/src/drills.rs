@@ -7,6 +7,9 @@ use crate::store::{AdminError, TenancyStore};
 /// Where drill reports are kept.
 pub const DRILLS_PREFIX: &str = "/geo-drills/";
 
+/// Reports kept at a site: the latest.
+pub const REPORTS_KEPT: usize = 100;
+
 /// A report id: letters, digits, `-` and `_`, 1 to 64 of them.
 fn check_id(id: &str) -> Result<(), AdminError> {
     let ok = !id.is_empty()
@@ -37,6 +40,14 @@ impl TenancyStore {
             .put(&format!("{DRILLS_PREFIX}{}", r.id), value)
             .await
             .map_err(|e| AdminError::Unavailable(e.to_string()))?;
+        // The latest REPORTS_KEPT are kept.
+        let all = self.drill_reports().await?;
+        for old in all.iter().take(all.len().saturating_sub(REPORTS_KEPT)) {
+            self.meta
+                .delete(&format!("{DRILLS_PREFIX}{}", old.id), None)
+                .await
+                .map_err(|e| AdminError::Unavailable(e.to_string()))?;
+        }
         Ok(())
     }
 

@@ -16,7 +16,10 @@
 //!    drain rate in entries per second;
 //! 6. subsync: a replicated subscription (Shared, so each message is acknowledged by id) at A
 //!    consuming `LAG_RATE` unbatched messages per second: the time from an acknowledgement at
-//!    A until B confirmed it applied, from A's `meridian_replicated_subscription_sync_seconds`.
+//!    A until B confirmed it applied, from A's `meridian_replicated_subscription_sync_seconds`;
+//! 7. drill: `geo drill --from a --to b` over 100 replicated topics (20,000 messages among
+//!    them first): its RTO, and the publish p99 at A of a namespace the drill does not touch
+//!    (`LAG_RATE` unbatched msg/s for `SECONDS`) before and during the drill.
 //!
 //! `MERIDIAN_BIN=target/release/meridian MERIDIAN_ADMIN_BIN=target/release/meridian-admin
 //! cargo run --release -p meridian-integration --bin geo-bench -- [SECONDS] [LAG_RATE]
@@ -96,9 +99,11 @@ fn main() -> anyhow::Result<()> {
         .collect();
     if let Some(bad) = phases
         .iter()
-        .find(|p| !["replicated", "catchup", "backlog", "subsync"].contains(&p.as_str()))
+        .find(|p| !["replicated", "catchup", "backlog", "subsync", "drill"].contains(&p.as_str()))
     {
-        anyhow::bail!("GEO_BENCH_PHASES: {bad:?} is not replicated, catchup, backlog or subsync");
+        anyhow::bail!(
+            "GEO_BENCH_PHASES: {bad:?} is not replicated, catchup, backlog, subsync or drill"
+        );
     }
     let phase = |name: &str| phases.is_empty() || phases.iter().any(|p| p == name);
 
@@ -199,6 +204,9 @@ fn main() -> anyhow::Result<()> {
 
     if phase("subsync") {
         subsync(a, &seconds, &lag_rate)?;
+    }
+    if phase("drill") {
+        drill(a, b, seconds.parse().unwrap_or(20), &lag_rate)?;
     }
 
     // Catch-up: B paused, A takes batched messages for SECONDS, B resumed.
@@ -335,6 +343,121 @@ fn subsync(
         rate_of(&out, "consume"),
         q(0.5) * 1000.0,
         q(0.99) * 1000.0
+    );
+    Ok(())
+}
+
+/// Phase 7: a drill over 100 topics (`acme/g/drill-0` .. `-99`, each with messages at both
+/// sites): its RTO, and the publish latency at A of a namespace the drill does not touch
+/// (`acme/local`, `RATE` msg/s unbatched), before the drill and during it, in the same run.
+fn drill(
+    a: &meridian_integration::StandaloneProc,
+    b: &meridian_integration::StandaloneProc,
+    seconds: u64,
+    rate: &str,
+) -> anyhow::Result<()> {
+    let topics = "persistent://acme/g/drill";
+    perf(
+        "drill-fill",
+        &[
+            "produce",
+            "--url",
+            &a.url,
+            "--topic",
+            topics,
+            "--topics",
+            "100",
+            "--messages",
+            "20000",
+            "--seconds",
+            "0",
+            "--report-every",
+            "60",
+        ],
+    )?;
+    // Every topic's replicator has sent what it had.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let l = admin_json(&a.admin_url, &["topics", "list", "acme/g"]);
+        let n = l.as_array().map_or(0, |v| v.len());
+        let all_sent = (0..100)
+            .all(|i| backlog_at(&a.admin_url, &format!("{topics}-{i}")).is_some_and(|x| x == 0));
+        if n >= 100 && all_sent {
+            break;
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the drill's topics did not replicate"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let secs = seconds.to_string();
+    let latency = |label: &str| {
+        perf(
+            label,
+            &[
+                "produce",
+                "--url",
+                &a.url,
+                "--topic",
+                "persistent://acme/local/beside-drill",
+                "--rate",
+                rate,
+                "--batch-max-messages",
+                "1",
+                "--size",
+                "1024",
+                "--seconds",
+                &secs,
+                "--report-every",
+                "60",
+            ],
+        )
+    };
+    let before = latency("drill-before")?;
+    let b_admin = b.admin_url.clone();
+    let hold = format!("{}s", seconds.saturating_sub(4).max(1));
+    let drill = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        meridian_integration::run_admin(&[
+            "--admin-url",
+            &b_admin,
+            "--output",
+            "json",
+            "geo",
+            "drill",
+            "--from",
+            "a",
+            "--to",
+            "b",
+            "--namespace",
+            "acme/g",
+            "--hold",
+            &hold,
+        ])
+    });
+    let during = latency("drill-during")?;
+    let (code, out, err) = drill
+        .join()
+        .map_err(|_| anyhow::anyhow!("the drill's thread panicked"))??;
+    anyhow::ensure!(code == 0, "geo drill: {out}{err}");
+    let report: serde_json::Value = serde_json::from_str(&out)?;
+    let p99 = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("summary produce publish latency"))
+            .and_then(|l| l.split(" p99 ").nth(1))
+            .and_then(|x| x.split_whitespace().next())
+            .unwrap_or("?")
+            .to_string()
+    };
+    println!(
+        "drill over {} topics: RTO {} ms (every topic served at B), measured {} ms after the cut, caught up {} ms after the restore; publish p99 at A of acme/local at {rate} msg/s: {} ms before, {} ms during the drill",
+        report["topics"].as_array().map_or(0, |t| t.len()),
+        report["phases"]["rto_ms"],
+        report["phases"]["measured_ms"],
+        report["phases"]["caught_up_ms"],
+        p99(&before),
+        p99(&during)
     );
     Ok(())
 }

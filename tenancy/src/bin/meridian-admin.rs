@@ -1521,19 +1521,45 @@ async fn measure_exposure(
 }
 
 /// Whether every replicated topic of `ns` at the site of `c` has nothing left for `remote`.
-async fn nothing_to_replicate(c: &mut Client, ns: &str, remote: &str) -> anyhow::Result<bool> {
+/// Whether each of `topics` (partitions named one by one) is loaded at the broker of `c` with
+/// its replicator to `remote` connected and nothing left to send there (topics another broker
+/// of that site serves are not seen: they count as not caught up).
+async fn nothing_to_replicate(
+    c: &mut Client,
+    ns: &str,
+    remote: &str,
+    topics: &[String],
+) -> anyhow::Result<bool> {
     let l = c
         .get_namespace_topic_stats(Name {
             name: ns.to_string(),
         })
         .await?
         .into_inner();
-    Ok(l.topics.iter().all(|t| {
-        t.replication
-            .iter()
-            .filter(|r| r.remote == remote)
-            .all(|r| r.backlog_entries == 0 && r.state == "connected")
+    Ok(topics.iter().all(|name| {
+        l.topics.iter().any(|t| {
+            &t.topic == name
+                && t.replication
+                    .iter()
+                    .any(|r| r.remote == remote && r.backlog_entries == 0 && r.state == "connected")
+        })
     }))
+}
+
+/// A namespace's topics as listed, each partition of a partitioned one named.
+fn each_partition(topics: &[Topic]) -> Vec<String> {
+    topics
+        .iter()
+        .flat_map(|t| {
+            if t.partitions == 0 {
+                vec![t.name.clone()]
+            } else {
+                (0..t.partitions)
+                    .map(|i| format!("{}-partition-{i}", t.name))
+                    .collect()
+            }
+        })
+        .collect()
 }
 
 /// `geo drill`: at FROM (its admin API, from its cluster record) the exposure measured; with
@@ -1557,15 +1583,18 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
         .with_context(|| format!("site {}", d.to))?
         .into_inner();
     let mut at_from = connect(conn, &from.admin_url).await?;
+    let listed: Vec<Topic> = match &d.namespace {
+        Some(ns) => {
+            at_from
+                .list_topics(Name { name: ns.clone() })
+                .await?
+                .into_inner()
+                .topics
+        }
+        None => Vec::new(),
+    };
     let topics: Vec<String> = match &d.namespace {
-        Some(ns) => at_from
-            .list_topics(Name { name: ns.clone() })
-            .await?
-            .into_inner()
-            .topics
-            .into_iter()
-            .map(|t| t.name)
-            .collect(),
+        Some(_) => listed.iter().map(|t| t.name.clone()).collect(),
         None => d.topics.clone(),
     };
     let started_ms = now_ms();
@@ -1653,9 +1682,29 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
         }
     };
     let (m, rto) = tokio::join!(measuring, probing);
-    let (measured, measured_after) = m?;
+    let (measured, measured_after, rto) = match (m, rto) {
+        (Ok((m, after)), Ok(rto)) => (m, after, rto),
+        (Err(e), _) | (_, Err(e)) => {
+            // The cut is not left in place by a drill that failed.
+            let ended = at_from
+                .geo_cut(GeoCutRequest {
+                    namespace: ns.clone(),
+                    to: d.to.clone(),
+                    cut: false,
+                    topics: topics.clone(),
+                })
+                .await;
+            return Err(e.context(match ended {
+                Ok(_) => format!("the drill failed; {ns}'s cut at {} was ended", d.from),
+                Err(r) => format!(
+                    "the drill failed and ending {ns}'s cut at {} failed too ({r}): it stays",
+                    d.from
+                ),
+            }));
+        }
+    };
     phases.measured_ms = measured_after.as_millis() as u64;
-    phases.rto_ms = rto?.as_millis() as u64;
+    phases.rto_ms = rto.as_millis() as u64;
     if let Some(left) = hold.checked_sub(cut.elapsed()) {
         tokio::time::sleep(left).await;
     }
@@ -1682,8 +1731,9 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
     phases.restore_ms = restore.elapsed().as_millis() as u64;
     let deadline = restore + Duration::from_secs(600);
     loop {
-        if nothing_to_replicate(&mut at_from, &ns, &d.to).await?
-            && nothing_to_replicate(&mut at_to, &ns, &d.from).await?
+        let expected = each_partition(&listed);
+        if nothing_to_replicate(&mut at_from, &ns, &d.to, &expected).await?
+            && nothing_to_replicate(&mut at_to, &ns, &d.from, &expected).await?
         {
             break;
         }
@@ -1862,14 +1912,13 @@ async fn geo_failback(
         );
     };
     let mut at_to = connect(conn, &to_rec.admin_url).await?;
-    let topics: Vec<String> = at_from
+    let listed = at_from
         .list_topics(Name { name: ns.clone() })
         .await?
         .into_inner()
-        .topics
-        .into_iter()
-        .map(|t| t.name)
-        .collect();
+        .topics;
+    let topics: Vec<String> = listed.iter().map(|t| t.name.clone()).collect();
+    let expected = each_partition(&listed);
     let started_ms = now_ms();
     let mut phases = Phases::default();
     // What FROM held that TO lacks (it goes there now): the failover's actual loss window.
@@ -1894,8 +1943,8 @@ async fn geo_failback(
     phases.restore_ms = restore.elapsed().as_millis() as u64;
     let deadline = restore + Duration::from_secs(600);
     loop {
-        if nothing_to_replicate(&mut at_from, &ns, &to).await?
-            && nothing_to_replicate(&mut at_to, &ns, &from).await?
+        if nothing_to_replicate(&mut at_from, &ns, &to, &expected).await?
+            && nothing_to_replicate(&mut at_to, &ns, &from, &expected).await?
         {
             break;
         }

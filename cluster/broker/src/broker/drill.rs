@@ -43,7 +43,12 @@ pub struct Cut {
 
 /// The cuts this broker knows of, by namespace.
 #[derive(Debug, Default)]
-pub struct Cuts(std::sync::RwLock<HashMap<String, Cut>>);
+pub struct Cuts {
+    known: std::sync::RwLock<HashMap<String, Cut>>,
+    /// Held by each change and each re-read: a re-read that began before a cut or a restore
+    /// never replaces what it did.
+    gate: tokio::sync::Mutex<()>,
+}
 
 fn cut_key(ns: &str) -> String {
     format!("{DRILL_CUTS_PREFIX}{}", ns.replace('/', "~"))
@@ -52,7 +57,7 @@ fn cut_key(ns: &str) -> String {
 impl Broker {
     /// The namespace's cut, if it has one.
     pub fn drill_cut(&self, ns: &str) -> Option<Cut> {
-        self.cuts.0.read().expect("cuts lock").get(ns).cloned()
+        self.cuts.known.read().expect("cuts lock").get(ns).cloned()
     }
 
     /// Refused while the topic's namespace is cut over to another site (clients look the
@@ -84,6 +89,7 @@ impl Broker {
     /// has its topics here unloaded (their clients go to the other site); one whose cut ended
     /// has its replicators started again by the same beat.
     pub(super) async fn refresh_drill_cuts(&self) {
+        let _gate = self.cuts.gate.lock().await;
         let cuts = match self.read_cuts().await {
             Ok(c) => c,
             Err(e) => {
@@ -91,7 +97,10 @@ impl Broker {
                 return;
             }
         };
-        let old = std::mem::replace(&mut *self.cuts.0.write().expect("cuts lock"), cuts.clone());
+        let old = std::mem::replace(
+            &mut *self.cuts.known.write().expect("cuts lock"),
+            cuts.clone(),
+        );
         for ns in cuts.keys().filter(|ns| !old.contains_key(*ns)) {
             let loaded: Vec<_> = self
                 .loaded_topics()
@@ -148,12 +157,14 @@ impl Broker {
             since_ms: now_ms(),
         };
         let value = serde_json::to_vec(&cut).expect("cut serializes");
+        let gate = self.cuts.gate.lock().await;
         self.meta.put(&cut_key(ns), value).await?;
         self.cuts
-            .0
+            .known
             .write()
             .expect("cuts lock")
             .insert(ns.to_string(), cut.clone());
+        drop(gate);
         let loaded: Vec<_> = self
             .loaded_topics()
             .into_iter()
@@ -178,8 +189,11 @@ impl Broker {
         ns: &str,
         topics: &[TopicName],
     ) -> Result<(), BrokerError> {
-        self.meta.delete(&cut_key(ns), None).await?;
-        self.cuts.0.write().expect("cuts lock").remove(ns);
+        {
+            let _gate = self.cuts.gate.lock().await;
+            self.meta.delete(&cut_key(ns), None).await?;
+            self.cuts.known.write().expect("cuts lock").remove(ns);
+        }
         tracing::info!(namespace = ns, "failover drill: the namespace's cut ends");
         for name in topics {
             let parts = self.topic_parts(name).await?;

@@ -170,12 +170,12 @@ impl Topic {
         req: SubscribeRequest,
         sink: ConsumerSink,
     ) -> Result<Arc<Subscription>, BrokerError> {
-        let replicated = req.replicated && req.durable;
-        let sub = self.attach(req, sink).await?;
-        if replicated {
-            self.enable_replicated(sub.name()).await?;
+        // Recorded first: a consumer is never left attached to a subscription whose
+        // replication could not be recorded.
+        if req.replicated && req.durable {
+            self.enable_replicated(&req.subscription).await?;
         }
-        Ok(sub)
+        self.attach(req, sink).await
     }
 
     async fn attach(

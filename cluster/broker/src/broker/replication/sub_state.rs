@@ -100,7 +100,7 @@ impl OriginAcks {
             // What `through` covers is left out.
             let lo = match through {
                 Some(t) if hi <= t => continue,
-                Some(t) if lo <= t => (t.0, t.1 + 1),
+                Some(t) if lo <= t => (t.0, t.1.saturating_add(1)),
                 _ => lo,
             };
             match out.last_mut() {
@@ -180,7 +180,32 @@ pub struct AckState {
     pub origins: BTreeMap<String, OriginAcks>,
 }
 
+/// Words of one batch's bit set at most (a batch of at most 64 × this many messages).
+const BATCH_WORDS_MAX: usize = 1024;
+
 impl AckState {
+    /// Refuses what no site sends: a range across ledgers or backwards, a batch's bit set
+    /// over [`BATCH_WORDS_MAX`] words.
+    pub fn check(&self) -> Result<(), String> {
+        for (site, a) in &self.origins {
+            for (lo, hi) in &a.ranges {
+                if lo.0 != hi.0 || lo.1 > hi.1 {
+                    return Err(format!(
+                        "origin {site}: range {}:{}..{}:{} is not within one ledger, in order",
+                        lo.0, lo.1, hi.0, hi.1
+                    ));
+                }
+            }
+            if let Some((p, _)) = a.batches.iter().find(|(_, w)| w.len() > BATCH_WORDS_MAX) {
+                return Err(format!(
+                    "origin {site}: batch {}:{} has over {BATCH_WORDS_MAX} words",
+                    p.0, p.1
+                ));
+            }
+        }
+        Ok(())
+    }
+
     pub fn origin(&self, site: &str) -> Option<&OriginAcks> {
         self.origins.get(site)
     }
@@ -370,6 +395,30 @@ mod tests {
         );
         let json = serde_json::to_string(&s).unwrap();
         assert_eq!(serde_json::from_str::<AckState>(&json).unwrap(), s);
+    }
+
+    #[test]
+    fn given_a_peer_s_state_then_ranges_across_ledgers_or_backwards_are_refused() {
+        let mut s = AckState::default();
+        s.origins.insert(
+            "west".into(),
+            OriginAcks {
+                through: Some((3, u64::MAX)),
+                ranges: vec![((3, 5), (3, 9))],
+                batches: vec![],
+            },
+        );
+        assert!(s.check().is_ok());
+        // Merging it cannot overflow past `through`'s last entry.
+        let mut m = AckState::default();
+        m.merge(&s);
+        s.origins.get_mut("west").unwrap().ranges = vec![((3, 5), (4, 1))];
+        assert!(s.check().unwrap_err().contains("within one ledger"));
+        s.origins.get_mut("west").unwrap().ranges = vec![((3, 9), (3, 5))];
+        assert!(s.check().is_err());
+        s.origins.get_mut("west").unwrap().ranges = vec![];
+        s.origins.get_mut("west").unwrap().batches = vec![((3, 1), vec![1; 1025])];
+        assert!(s.check().unwrap_err().contains("words"));
     }
 
     #[test]

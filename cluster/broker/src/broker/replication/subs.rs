@@ -66,6 +66,10 @@ struct Track {
     md: Option<Position>,
     /// Per origin other than this site, the highest origin position at or before `md`.
     through: BTreeMap<String, OPos>,
+    /// The subscription was deleted here or made not replicated: what other sites send of
+    /// it is not taken (so they do not bring it back) until it is made replicated again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    disabled: bool,
 }
 
 /// A SubSync's document.
@@ -118,6 +122,9 @@ pub(super) struct SubAnswer {
     /// (measure) The subscription does not exist here.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub(super) missing: bool,
+    /// The subscription was deleted here or made not replicated: nothing taken.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub(super) ignored: bool,
 }
 
 /// What goes to one remote in a round: the states, and (subscription, `ack_version`,
@@ -135,6 +142,8 @@ pub struct ReplSubs {
 struct State {
     loaded: bool,
     subs: BTreeMap<String, SubRepl>,
+    /// Subscriptions deleted here or made not replicated (their records say so).
+    disabled: std::collections::BTreeSet<String>,
 }
 
 #[derive(Default)]
@@ -148,6 +157,8 @@ struct SubRepl {
     held: u64,
     /// The log's end at the last apply.
     applied_to: Option<Position>,
+    /// Where the next apply's scan goes on (one cut short by [`APPLY_SCAN_MAX`]).
+    scan_from: Option<Position>,
     /// Origins of entries after the mark-delete position, as read.
     origins: BTreeMap<Position, EntryOrigin>,
 }
@@ -171,6 +182,8 @@ struct Covered {
     partial: Vec<(Position, Vec<u64>)>,
     /// (sender, origin) parts that speak of entries not here yet.
     held: u64,
+    /// Where a scan cut short stopped.
+    stopped_at: Option<Position>,
 }
 
 /// One remote site's side of a replicated subscription, as its sender sees it.
@@ -255,6 +268,7 @@ impl Topic {
             let mut r = SubRepl::default();
             self.save_track(sub, &mut r, true).await?;
             tracing::info!(topic = %self.full_name, subscription = sub, "the subscription is replicated");
+            st.disabled.remove(sub);
             st.subs.insert(sub.to_string(), r);
         }
         drop(st);
@@ -272,18 +286,33 @@ impl Topic {
     /// Forgets a subscription that was deleted or is no longer replicated (its record too).
     pub async fn forget_replicated(&self, sub: &str) {
         let mut st = self.repl_subs.state.lock().await;
-        let known = st.subs.remove(sub).is_some();
-        if known || !st.loaded {
-            if let Err(e) = self.meta.delete(&self.repl_subs_key(sub), None).await {
-                tracing::warn!(topic = %self.full_name, subscription = sub, error = %e, "deleting the replicated subscription's record failed");
-            }
+        if let Err(e) = self.load_replicated(&mut st).await {
+            tracing::warn!(topic = %self.full_name, subscription = sub, error = %e, "reading the replicated subscriptions failed");
         }
+        if st.subs.remove(sub).is_some() {
+            self.disable_record(&mut st, sub).await;
+        }
+    }
+
+    /// Records that `sub` is no longer replicated here (what other sites send of it is not
+    /// taken).
+    async fn disable_record(&self, st: &mut State, sub: &str) {
+        let value = serde_json::to_vec(&Track {
+            disabled: true,
+            ..Track::default()
+        })
+        .expect("track serializes");
+        if let Err(e) = self.meta.put(&self.repl_subs_key(sub), value).await {
+            tracing::warn!(topic = %self.full_name, subscription = sub, error = %e, "recording that the subscription is no longer replicated failed");
+        }
+        st.disabled.insert(sub.to_string());
     }
 
     /// Deletes every replicated subscription's record (the topic is deleted).
     pub(in crate::broker) async fn delete_replicated_subs(&self) -> Result<(), BrokerError> {
         let mut st = self.repl_subs.state.lock().await;
         st.subs.clear();
+        st.disabled.clear();
         let prefix = format!("{REPL_SUBS_PREFIX}{}/", self.ml.name());
         loop {
             let page = self.meta.children(&prefix, "", 0).await?;
@@ -311,6 +340,10 @@ impl Topic {
                     Some(kv) => serde_json::from_slice(&kv.value).unwrap_or_default(),
                     None => continue,
                 };
+                if track.disabled {
+                    st.disabled.insert(name);
+                    continue;
+                }
                 st.subs.entry(name).or_insert_with(|| SubRepl {
                     saved: Some((track.clone(), Instant::now())),
                     track,
@@ -412,16 +445,13 @@ impl Topic {
         Ok(out)
     }
 
-    /// The subscription's acknowledgements as every site reads them.
-    async fn local_state(
+    /// Moves `r.track` to mark-delete position `md`: the highest origin of each other site up
+    /// to it, from the entries between the last one read and it.
+    async fn advance_track(
         &self,
-        sub: &Subscription,
         r: &mut SubRepl,
-    ) -> Result<AckState, BrokerError> {
-        let own = self.cfg.cluster_name.clone();
-        let (md, ranges, batches) = sub.ack_state().await;
-        // The highest origin of each other site up to the mark-delete position: from the
-        // entries between the last one read and it.
+        md: Option<Position>,
+    ) -> Result<(), BrokerError> {
         if md > r.track.md {
             let mut next = match r.track.md {
                 Some(p) => self.ml.next_position(p).await,
@@ -450,6 +480,18 @@ impl Topic {
                 .origins
                 .split_off(&Position::new(md.ledger_id, md.entry_id + 1));
         }
+        Ok(())
+    }
+
+    /// The subscription's acknowledgements as every site reads them.
+    async fn local_state(
+        &self,
+        sub: &Subscription,
+        r: &mut SubRepl,
+    ) -> Result<AckState, BrokerError> {
+        let own = self.cfg.cluster_name.clone();
+        let (md, ranges, batches) = sub.ack_state().await;
+        self.advance_track(r, md).await?;
         let mut b = Builder::new(&own, md.map(opos), &r.track.through);
         for (lo, hi) in ranges {
             let n = (hi.entry_id - lo.entry_id + 1) as usize;
@@ -466,36 +508,56 @@ impl Topic {
     }
 
     /// What `incoming` (per sending site, its state) acknowledges of the entries after the
-    /// subscription's mark-delete position, read in order: entries whole, batches partly;
-    /// and how many (sender, origin) parts speak of entries not here yet.
+    /// subscription's mark-delete position, read in order from `from` (`None`: right after
+    /// the mark-delete position): entries whole, batches partly; how many (sender, origin)
+    /// parts speak of entries not here yet; and where a scan cut short by
+    /// [`APPLY_SCAN_MAX`] stopped.
     async fn scan_incoming(
         &self,
         sub: &Subscription,
         incoming: &BTreeMap<String, AckState>,
-        cache: &mut BTreeMap<Position, EntryOrigin>,
+        r: &mut SubRepl,
+        from: Option<Position>,
     ) -> Result<Covered, BrokerError> {
         let own = self.cfg.cluster_name.clone();
         let (md, _, _) = sub.ack_state().await;
-        // (sending site, origin site, the furthest entry the state speaks of)
-        let mut open: Vec<(String, String, OPos)> = incoming
+        self.advance_track(r, md).await?;
+        // (sending site, origin site, the furthest entry the state speaks of), less those
+        // whose furthest entry is at or before the mark-delete position (acknowledged here).
+        let done_through = |origin: &str| -> Option<OPos> {
+            if origin == own {
+                md.map(opos)
+            } else {
+                r.track.through.get(origin).copied()
+            }
+        };
+        let parts: Vec<(String, String, OPos)> = incoming
             .iter()
             .flat_map(|(from, s)| {
                 s.origins
                     .iter()
                     .filter_map(|(o, a)| Some((from.clone(), o.clone(), a.reach()?)))
             })
+            .filter(|(_, o, reach)| done_through(o).is_none_or(|d| *reach > d))
             .collect();
+        let mut open = parts.clone();
         let mut out = Covered::default();
-        let mut next = match md {
-            Some(p) => self.ml.next_position(p).await,
-            None => self.ml.first_position().await,
+        let mut next = match (from, md) {
+            (Some(f), Some(m)) if f > m => Some(f),
+            (Some(f), None) => Some(f),
+            (_, Some(p)) => self.ml.next_position(p).await,
+            (_, None) => self.ml.first_position().await,
         };
         let mut scanned = 0;
         while let Some(p) = next {
-            if open.is_empty() || scanned >= APPLY_SCAN_MAX {
+            if open.is_empty() {
                 break;
             }
-            let got = self.read_origins(cache, p, READ_CHUNK).await?;
+            if scanned >= APPLY_SCAN_MAX {
+                out.stopped_at = Some(p);
+                break;
+            }
+            let got = self.read_origins(&mut r.origins, p, READ_CHUNK).await?;
             let Some(last) = got.last().map(|g| g.0) else {
                 break;
             };
@@ -529,15 +591,29 @@ impl Topic {
                 } else if let Some(b) = bits {
                     out.partial.push((q, b));
                 }
-                // The furthest entry a state speaks of is here: nothing of it waits.
+                // The furthest entry a state speaks of is here: the scan need not go on for it.
                 open.retain(|(_, origin, reach)| !(origin == site && o.at >= *reach));
             }
             next = self.ml.next_position(last).await;
         }
-        out.held = open.len() as u64;
-        if let Some(md) = md {
-            *cache = cache.split_off(&Position::new(md.ledger_id, md.entry_id + 1));
+        // Held: what speaks of entries this site does not have (yet), by what it holds of
+        // each origin, not by how far the scan went.
+        let last_here = self.ml.last_confirmed().map(opos);
+        let mut held = 0;
+        for (_, origin, reach) in &parts {
+            let have = if *origin == own {
+                last_here
+            } else {
+                self.held_origin(origin)
+                    .await
+                    .map_err(|e| BrokerError::new(ServerError::ServiceNotReady, e.reason))?
+                    .map(|p| (p.ledger, p.entry))
+            };
+            if have.is_none_or(|h| *reach > h) {
+                held += 1;
+            }
         }
+        out.held = held;
         Ok(out)
     }
 
@@ -549,8 +625,14 @@ impl Topic {
         r: &mut SubRepl,
     ) -> Result<u64, BrokerError> {
         r.applied_to = self.ml.last_confirmed();
-        let c = self.scan_incoming(sub, &r.incoming, &mut r.origins).await?;
+        let incoming = std::mem::take(&mut r.incoming);
+        let from = r.scan_from.take();
+        let c = self.scan_incoming(sub, &incoming, r, from).await;
+        r.incoming = incoming;
+        let c = c?;
         r.held = c.held;
+        // Cut short: the next apply goes on from there (and then starts over).
+        r.scan_from = c.stopped_at;
         let whole: Vec<Position> = c.whole.iter().map(|w| w.0).collect();
         sub.apply_remote(&whole, &c.partial).await
     }
@@ -566,7 +648,7 @@ impl Topic {
     ) -> Result<(u64, u64), BrokerError> {
         let mut incoming = r.incoming.clone();
         incoming.entry(origin.to_string()).or_default().merge(state);
-        let c = self.scan_incoming(sub, &incoming, &mut r.origins).await?;
+        let c = self.scan_incoming(sub, &incoming, r, None).await?;
         let (mut entries, mut messages) = (0, 0);
         for (p, n) in c.whole {
             let left = sub.unacked_messages(p, n, None).await;
@@ -615,9 +697,38 @@ impl Topic {
                 ));
             }
             if doc.measure {
+                s.state.check().map_err(|e| {
+                    Refusal::new(
+                        RefusalCode::Protocol,
+                        format!("subscription {}: {e}", s.name),
+                    )
+                })?;
                 answer
                     .subs
                     .push(self.measure_one(origin, s).await.map_err(retry)?);
+                continue;
+            }
+            s.state.check().map_err(|e| {
+                Refusal::new(
+                    RefusalCode::Protocol,
+                    format!("subscription {}: {e}", s.name),
+                )
+            })?;
+            let disabled = {
+                let mut st = self.repl_subs.state.lock().await;
+                self.load_replicated(&mut st).await.map_err(retry)?;
+                st.disabled.contains(&s.name)
+            };
+            if disabled {
+                answer.subs.push(SubAnswer {
+                    name: s.name,
+                    applied: 0,
+                    held: 0,
+                    entries: 0,
+                    messages: 0,
+                    missing: false,
+                    ignored: true,
+                });
                 continue;
             }
             // The subscription exists here from now on, and is replicated too (so what its
@@ -649,6 +760,7 @@ impl Topic {
                 entries: 0,
                 messages: 0,
                 missing: false,
+                ignored: false,
             });
         }
         if doc.measure {
@@ -692,6 +804,7 @@ impl Topic {
             entries: 0,
             messages: 0,
             missing: false,
+            ignored: false,
         };
         let exists = self.durable_subscriptions().await?.contains(&s.name)
             || self.subscriptions.lock().await.contains_key(&s.name);
@@ -772,7 +885,7 @@ impl Topic {
                     Ok(None) => {
                         // Deleted without this broker seeing it (by another owner).
                         st.subs.remove(&name);
-                        self.meta.delete(&self.repl_subs_key(&name), None).await?;
+                        self.disable_record(&mut st, &name).await;
                         continue;
                     }
                     Err(e) => {
@@ -781,7 +894,8 @@ impl Topic {
                     }
                 };
                 let r = st.subs.get_mut(&name).expect("listed");
-                if r.held > 0 && self.ml.last_confirmed() != r.applied_to {
+                if (r.held > 0 && self.ml.last_confirmed() != r.applied_to) || r.scan_from.is_some()
+                {
                     self.apply_incoming(&sub, r).await?;
                 }
                 let version = sub.ack_version.load(Ordering::Acquire);
