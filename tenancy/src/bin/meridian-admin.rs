@@ -1521,29 +1521,37 @@ async fn measure_exposure(
 }
 
 /// Whether every replicated topic of `ns` at the site of `c` has nothing left for `remote`.
-/// Whether each of `topics` (partitions named one by one) is loaded at the broker of `c` with
-/// its replicator to `remote` connected and nothing left to send there (topics another broker
-/// of that site serves are not seen: they count as not caught up).
-async fn nothing_to_replicate(
+/// `None` when each of `topics` (partitions named one by one) is loaded at the broker of `c`
+/// with its replicator to `remote` connected and nothing left to send there (topics another
+/// broker of that site serves are not seen: they count as not caught up); else why not, for
+/// the first that is not.
+async fn not_caught_up(
     c: &mut Client,
     ns: &str,
     remote: &str,
     topics: &[String],
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Option<String>> {
     let l = c
         .get_namespace_topic_stats(Name {
             name: ns.to_string(),
         })
         .await?
         .into_inner();
-    Ok(topics.iter().all(|name| {
-        l.topics.iter().any(|t| {
-            &t.topic == name
-                && t.replication
-                    .iter()
-                    .any(|r| r.remote == remote && r.backlog_entries == 0 && r.state == "connected")
-        })
-    }))
+    for name in topics {
+        let Some(t) = l.topics.iter().find(|t| &t.topic == name) else {
+            return Ok(Some(format!("{name} is not loaded")));
+        };
+        let Some(r) = t.replication.iter().find(|r| r.remote == remote) else {
+            return Ok(Some(format!("{name} has no replicator to {remote}")));
+        };
+        if r.backlog_entries > 0 || r.state != "connected" {
+            return Ok(Some(format!(
+                "{name} to {remote}: {}, {} entries left",
+                r.state, r.backlog_entries
+            )));
+        }
+    }
+    Ok(None)
 }
 
 /// A namespace's topics as listed, each partition of a partitioned one named.
@@ -1728,18 +1736,30 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
         })
         .await
         .with_context(|| format!("sending {ns}'s clients back from {}", d.to))?;
+    // ... and TO loads the topics again, so that its replicators send back what it took.
+    at_to
+        .geo_cut(GeoCutRequest {
+            namespace: ns.clone(),
+            to: d.from.clone(),
+            cut: false,
+            topics: topics.clone(),
+        })
+        .await
+        .with_context(|| format!("loading {ns}'s topics at {} again", d.to))?;
     phases.restore_ms = restore.elapsed().as_millis() as u64;
     let deadline = restore + Duration::from_secs(600);
+    let expected = each_partition(&listed);
     loop {
-        let expected = each_partition(&listed);
-        if nothing_to_replicate(&mut at_from, &ns, &d.to, &expected).await?
-            && nothing_to_replicate(&mut at_to, &ns, &d.from, &expected).await?
-        {
-            break;
-        }
+        let why = match not_caught_up(&mut at_from, &ns, &d.to, &expected).await? {
+            Some(w) => Some(format!("at {}: {w}", d.from)),
+            None => not_caught_up(&mut at_to, &ns, &d.from, &expected)
+                .await?
+                .map(|w| format!("at {}: {w}", d.to)),
+        };
+        let Some(why) = why else { break };
         anyhow::ensure!(
             Instant::now() < deadline,
-            "{ns} did not catch up between {} and {} within 10 minutes of the restore",
+            "{ns} did not catch up between {} and {} within 10 minutes of the restore ({why})",
             d.from,
             d.to
         );
@@ -1940,17 +1960,29 @@ async fn geo_failback(
         })
         .await
         .with_context(|| format!("sending {ns}'s clients back from {to}"))?;
+    // ... and TO loads the topics again, so that its replicators send back what it took.
+    at_to
+        .geo_cut(GeoCutRequest {
+            namespace: ns.clone(),
+            to: from.clone(),
+            cut: false,
+            topics: topics.clone(),
+        })
+        .await
+        .with_context(|| format!("loading {ns}'s topics at {to} again"))?;
     phases.restore_ms = restore.elapsed().as_millis() as u64;
     let deadline = restore + Duration::from_secs(600);
     loop {
-        if nothing_to_replicate(&mut at_from, &ns, &to, &expected).await?
-            && nothing_to_replicate(&mut at_to, &ns, &from, &expected).await?
-        {
-            break;
-        }
+        let why = match not_caught_up(&mut at_from, &ns, &to, &expected).await? {
+            Some(w) => Some(format!("at {from}: {w}")),
+            None => not_caught_up(&mut at_to, &ns, &from, &expected)
+                .await?
+                .map(|w| format!("at {to}: {w}")),
+        };
+        let Some(why) = why else { break };
         anyhow::ensure!(
             Instant::now() < deadline,
-            "{ns} did not catch up between {from} and {to} within 10 minutes"
+            "{ns} did not catch up between {from} and {to} within 10 minutes ({why})"
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
