@@ -5,8 +5,10 @@
 
 use std::path::Path;
 
-use crate::udp_proxy::UdpProxy;
-use crate::{run_admin, StandaloneProc};
+use std::time::{Duration, Instant};
+
+use crate::udp_proxy::{Faults, UdpProxy};
+use crate::{run_admin, PyClient, StandaloneProc};
 
 /// `meridian-admin ARGS`, which must succeed: its output.
 pub fn admin_ok(args: &[&str]) -> String {
@@ -149,4 +151,62 @@ pub fn unlinked(names: &[&str]) -> (tempfile::TempDir, Vec<StandaloneProc>) {
         .map(|_| format!("127.0.0.1:{}", crate::free_udp_port()))
         .collect();
     sites(names, &listens, &vec![Vec::new(); names.len()], &[])
+}
+
+/// `meridian-admin --admin-url SITE ARGS`, which must succeed: its output.
+pub fn admin_at(site: &StandaloneProc, args: &[&str]) -> String {
+    let mut all = vec!["--admin-url", site.admin_url.as_str()];
+    all.extend_from_slice(args);
+    admin_ok(&all)
+}
+
+/// Reads `topic` at `url` with the stock client until it holds `want` messages (2 minutes
+/// at most).
+pub fn wait_messages(dir: &Path, url: &str, topic: &str, want: usize) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let n = read_all(dir, url, topic).len();
+        if n >= want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{url}: {n} of {want} messages");
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Every message of `topic` at `url` (a stock-client reader from the earliest): the `i` of
+/// each, in log order.
+pub fn read_all(dir: &Path, url: &str, topic: &str) -> Vec<u64> {
+    let mut r = PyClient::run(dir, "reader", &["read", url, topic]);
+    r.finish(Duration::from_secs(120))
+        .map(|_| r.ints("i"))
+        .unwrap_or_default()
+}
+
+/// A batched stock-client producer of `count` messages numbered from `start`: every one
+/// acknowledged.
+pub fn produce_acked(dir: &Path, url: &str, topic: &str, count: u64, start: u64) {
+    let (c, s) = (count.to_string(), start.to_string());
+    let mut p = PyClient::run(
+        dir,
+        "producer",
+        &[
+            "produce", url, topic, "--count", &c, "--batch", "--start", &s,
+        ],
+    );
+    p.finish(Duration::from_secs(120)).unwrap();
+    assert_eq!(p.ints("acked").len() as u64, count);
+}
+
+/// Delays every datagram of site `from`'s link toward site `to` by `delay_ms` (each way),
+/// through the proxy [`mesh_with`] put there.
+pub fn slow_link(proxies: &Proxies, from: usize, to: usize, delay_ms: u64) {
+    let (_, _, p) = proxies
+        .iter()
+        .find(|(f, t, _)| *f == from && *t == to)
+        .expect("a proxy between the two sites");
+    p.set(Faults {
+        delay_ms,
+        ..Faults::default()
+    });
 }

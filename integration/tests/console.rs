@@ -4,7 +4,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use meridian_integration::geo_sites::{admin_ok, mesh_with};
+use meridian_integration::geo_sites::{admin_ok, mesh_with, slow_link};
 use meridian_integration::{step, PyClient};
 
 /// Chromium, headless, as this machine runs it (no sandbox as root, no background traffic).
@@ -36,14 +36,7 @@ fn given_two_sites_then_the_console_renders_the_sites_a_topic_s_lag_and_a_drill(
     let t = "persistent://acme/g/console";
 
     step("east's link to west is slow; east takes 2,000 messages and a replicated subscription acknowledges 500");
-    let (_, _, to_west) = proxies
-        .iter()
-        .find(|(from, to, _)| *from == 0 && *to == 1)
-        .expect("east's proxy toward west");
-    to_west.set(meridian_integration::udp_proxy::Faults {
-        delay_ms: 300,
-        ..Default::default()
-    });
+    slow_link(&proxies, 0, 1, 300);
     let mut p = PyClient::run(
         &dir,
         "producer",

@@ -3,47 +3,13 @@
 
 use std::time::{Duration, Instant};
 
-use meridian_integration::geo_sites::{admin_ok, mesh_with};
+use meridian_integration::geo_sites::{
+    admin_at, mesh_with, produce_acked as produce, read_all, slow_link, wait_messages as wait_count,
+};
 use meridian_integration::{admin_json, step, PyClient, StandaloneProc};
-
-fn admin_at(site: &StandaloneProc, args: &[&str]) -> String {
-    let mut all = vec!["--admin-url", site.admin_url.as_str()];
-    all.extend_from_slice(args);
-    admin_ok(&all)
-}
 
 fn json_at(site: &StandaloneProc, args: &[&str]) -> serde_json::Value {
     admin_json(&site.admin_url, args)
-}
-
-/// Reads `topic` at `url` until it holds `want` messages.
-fn wait_count(dir: &std::path::Path, url: &str, topic: &str, want: usize) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let mut r = PyClient::run(dir, "reader", &["read", url, topic]);
-        let n = r
-            .finish(Duration::from_secs(120))
-            .map(|_| r.ints("i").len())
-            .unwrap_or(0);
-        if n >= want {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{url}: {n} of {want} messages");
-        std::thread::sleep(Duration::from_millis(500));
-    }
-}
-
-fn produce(dir: &std::path::Path, url: &str, topic: &str, count: u64, start: u64) {
-    let (c, s) = (count.to_string(), start.to_string());
-    let mut p = PyClient::run(
-        dir,
-        "producer",
-        &[
-            "produce", url, topic, "--count", &c, "--batch", "--start", &s,
-        ],
-    );
-    p.finish(Duration::from_secs(120)).unwrap();
-    assert_eq!(p.ints("acked").len() as u64, count);
 }
 
 #[test]
@@ -170,13 +136,6 @@ fn given_a_dry_run_drill_then_its_rpo_and_redelivery_equal_what_the_test_counts_
     );
 }
 
-/// Reads all of `topic` at `url`: the `i` of each message, in log order.
-fn read_all(dir: &std::path::Path, url: &str, topic: &str) -> Vec<u64> {
-    let mut r = PyClient::run(dir, "reader", &["read", url, topic]);
-    r.finish(Duration::from_secs(120)).unwrap();
-    r.ints("i")
-}
-
 #[test]
 fn given_a_drill_with_producers_running_then_clients_move_and_back_and_its_rpo_is_what_west_lacked()
 {
@@ -212,14 +171,7 @@ fn given_a_drill_with_producers_running_then_clients_move_and_back_and_its_rpo_i
     c.finish(Duration::from_secs(120)).unwrap();
 
     step("east's link to west is slow (400 ms each way, through the proxy): replication lags");
-    let (_, _, to_west) = proxies
-        .iter()
-        .find(|(from, to, _)| *from == 0 && *to == 1)
-        .expect("east's proxy toward west");
-    to_west.set(meridian_integration::udp_proxy::Faults {
-        delay_ms: 400,
-        ..Default::default()
-    });
+    slow_link(&proxies, 0, 1, 400);
     step("a producer sends 12,000 to east at about 2,000 msg/s; the drill cuts east 2 s in, holds 15 s");
     let mut p = PyClient::run(
         &dir,
@@ -435,14 +387,7 @@ fn given_a_failover_after_kill_9_of_east_then_west_serves_and_failback_converges
     assert!(err.contains("east answers"), "{err}");
 
     step("east's link to west is slow (400 ms each way); east takes 2,000 and is killed (kill -9) at once");
-    let (_, _, to_west) = proxies
-        .iter()
-        .find(|(from, to, _)| *from == 0 && *to == 1)
-        .expect("east's proxy toward west");
-    to_west.set(meridian_integration::udp_proxy::Faults {
-        delay_ms: 400,
-        ..Default::default()
-    });
+    slow_link(&proxies, 0, 1, 400);
     produce(&dir, &procs[0].url, t, 2_000, 0);
     procs[0].kill9().unwrap();
 

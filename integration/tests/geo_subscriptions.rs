@@ -3,25 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use meridian_integration::geo_sites::mesh_with;
+use meridian_integration::geo_sites::{
+    mesh_with, produce_acked as produce, wait_messages as wait_count,
+};
 use meridian_integration::{admin_json, step, PyClient, StandaloneProc};
-
-/// Reads `topic` at `url` until it holds `want` messages.
-fn wait_count(dir: &std::path::Path, url: &str, topic: &str, want: usize) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let mut r = PyClient::run(dir, "reader", &["read", url, topic]);
-        let n = r
-            .finish(Duration::from_secs(120))
-            .map(|_| r.ints("i").len())
-            .unwrap_or(0);
-        if n >= want {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{url}: {n} of {want} messages");
-        std::thread::sleep(Duration::from_millis(500));
-    }
-}
 
 /// The subscription's stats at a site (`None`: it has no such subscription).
 fn sub_stats(site: &StandaloneProc, topic: &str, sub: &str) -> Option<serde_json::Value> {
@@ -56,19 +41,6 @@ fn wait_synced(site: &StandaloneProc, topic: &str, sub: &str, remote: &str) -> s
         );
         std::thread::sleep(Duration::from_millis(200));
     }
-}
-
-fn produce(dir: &std::path::Path, url: &str, topic: &str, count: u64, start: u64) {
-    let (count, start) = (count.to_string(), start.to_string());
-    let mut p = PyClient::run(
-        dir,
-        "producer",
-        &[
-            "produce", url, topic, "--count", &count, "--batch", "--start", &start,
-        ],
-    );
-    p.finish(Duration::from_secs(120)).unwrap();
-    assert_eq!(p.ints("acked").len() as u64, count.parse::<u64>().unwrap());
 }
 
 /// `repl-sub ack`: the messages it acknowledged.

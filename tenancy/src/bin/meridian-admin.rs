@@ -1478,6 +1478,77 @@ struct DrillArgs {
     dry_run: bool,
 }
 
+/// The cluster records of two sites (their admin URLs), which must differ.
+async fn site_records(c: &mut Client, from: &str, to: &str) -> anyhow::Result<(Cluster, Cluster)> {
+    anyhow::ensure!(from != to, "--from and --to name the same site");
+    let mut get = async |name: &str| {
+        c.get_cluster(Name {
+            name: name.to_string(),
+        })
+        .await
+        .map(|r| r.into_inner())
+        .with_context(|| format!("site {name}"))
+    };
+    let a = get(from).await?;
+    let b = get(to).await?;
+    Ok((a, b))
+}
+
+/// The end of a cut: FROM serves NS again and loads its topics (its replicators send what TO
+/// lacks), TO unloads NS (its clients of FROM's service URL go back) and loads the topics
+/// again (its replicators send back what it took); then until neither has anything of NS
+/// left to replicate to the other (10 minutes at most). The time to the restore, and to the
+/// catch-up.
+async fn restore_and_catch_up(
+    at_from: &mut Client,
+    at_to: &mut Client,
+    (ns, from, to): (&str, &str, &str),
+    listed: &[Topic],
+) -> anyhow::Result<(std::time::Duration, std::time::Duration)> {
+    use std::time::{Duration, Instant};
+    let topics: Vec<String> = listed.iter().map(|t| t.name.clone()).collect();
+    let restore = Instant::now();
+    let end_cut = |to: &str| GeoCutRequest {
+        namespace: ns.to_string(),
+        to: to.to_string(),
+        cut: false,
+        topics: topics.clone(),
+    };
+    at_from
+        .geo_cut(end_cut(to))
+        .await
+        .with_context(|| format!("restoring {ns} at {from}"))?;
+    at_to
+        .unload_namespace(UnloadNamespaceRequest {
+            namespace: ns.to_string(),
+            bundle: String::new(),
+        })
+        .await
+        .with_context(|| format!("sending {ns}'s clients back from {to}"))?;
+    at_to
+        .geo_cut(end_cut(from))
+        .await
+        .with_context(|| format!("loading {ns}'s topics at {to} again"))?;
+    let restored = restore.elapsed();
+    let deadline = restore + Duration::from_secs(600);
+    let expected = each_partition(listed);
+    loop {
+        let why = match not_caught_up(at_from, ns, to, &expected).await? {
+            Some(w) => Some(format!("at {from}: {w}")),
+            None => not_caught_up(at_to, ns, from, &expected)
+                .await?
+                .map(|w| format!("at {to}: {w}")),
+        };
+        let Some(why) = why else { break };
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "{ns} did not catch up between {from} and {to} within 10 minutes of the restore ({why})"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Ok((restored, restore.elapsed()))
+}
+
 /// Each topic's exposure, measured at FROM (its admin API).
 async fn measure_exposure(
     at_from: &mut Client,
@@ -1577,19 +1648,7 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
     use meridian_tenancy::drills::{Drill, Phases};
     use std::time::{Duration, Instant};
     let hold = Duration::from_secs(parse_duration_s(&d.hold).context("--hold")?);
-    anyhow::ensure!(d.from != d.to, "--from and --to name the same site");
-    let from = c
-        .get_cluster(Name {
-            name: d.from.clone(),
-        })
-        .await
-        .with_context(|| format!("site {}", d.from))?
-        .into_inner();
-    let to = c
-        .get_cluster(Name { name: d.to.clone() })
-        .await
-        .with_context(|| format!("site {}", d.to))?
-        .into_inner();
+    let (from, to) = site_records(c, &d.from, &d.to).await?;
     let mut at_from = connect(conn, &from.admin_url).await?;
     let listed: Vec<Topic> = match &d.namespace {
         Some(ns) => {
@@ -1719,53 +1778,10 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
     phases.hold_ms = cut.elapsed().as_millis() as u64;
     // Restore: FROM serves and replicates again; TO's clients of the namespace reconnect
     // (those of FROM's service URL are served at FROM again).
-    let restore = Instant::now();
-    at_from
-        .geo_cut(GeoCutRequest {
-            namespace: ns.clone(),
-            to: d.to.clone(),
-            cut: false,
-            topics: topics.clone(),
-        })
-        .await
-        .with_context(|| format!("restoring {ns} at {}", d.from))?;
-    at_to
-        .unload_namespace(UnloadNamespaceRequest {
-            namespace: ns.clone(),
-            bundle: String::new(),
-        })
-        .await
-        .with_context(|| format!("sending {ns}'s clients back from {}", d.to))?;
-    // ... and TO loads the topics again, so that its replicators send back what it took.
-    at_to
-        .geo_cut(GeoCutRequest {
-            namespace: ns.clone(),
-            to: d.from.clone(),
-            cut: false,
-            topics: topics.clone(),
-        })
-        .await
-        .with_context(|| format!("loading {ns}'s topics at {} again", d.to))?;
-    phases.restore_ms = restore.elapsed().as_millis() as u64;
-    let deadline = restore + Duration::from_secs(600);
-    let expected = each_partition(&listed);
-    loop {
-        let why = match not_caught_up(&mut at_from, &ns, &d.to, &expected).await? {
-            Some(w) => Some(format!("at {}: {w}", d.from)),
-            None => not_caught_up(&mut at_to, &ns, &d.from, &expected)
-                .await?
-                .map(|w| format!("at {}: {w}", d.to)),
-        };
-        let Some(why) = why else { break };
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{ns} did not catch up between {} and {} within 10 minutes of the restore ({why})",
-            d.from,
-            d.to
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    phases.caught_up_ms = restore.elapsed().as_millis() as u64;
+    let (restored, caught_up) =
+        restore_and_catch_up(&mut at_from, &mut at_to, (&ns, &d.from, &d.to), &listed).await?;
+    phases.restore_ms = restored.as_millis() as u64;
+    phases.caught_up_ms = caught_up.as_millis() as u64;
     let report = Drill::cut(
         &d.from,
         &d.to,
@@ -1835,17 +1851,7 @@ async fn geo_failover(
     out: Output,
 ) -> anyhow::Result<()> {
     use meridian_tenancy::drills::{Drill, Phases};
-    anyhow::ensure!(from != to, "--from and --to name the same site");
-    let from_rec = c
-        .get_cluster(Name { name: from.clone() })
-        .await
-        .with_context(|| format!("site {from}"))?
-        .into_inner();
-    let to_rec = c
-        .get_cluster(Name { name: to.clone() })
-        .await
-        .with_context(|| format!("site {to}"))?
-        .into_inner();
+    let (from_rec, to_rec) = site_records(c, &from, &to).await?;
     let started_ms = now_ms();
     let start = std::time::Instant::now();
     let reachable = answers(conn, &from_rec.admin_url, &from).await;
@@ -1913,18 +1919,7 @@ async fn geo_failback(
     out: Output,
 ) -> anyhow::Result<()> {
     use meridian_tenancy::drills::{Drill, Phases};
-    use std::time::{Duration, Instant};
-    anyhow::ensure!(from != to, "--from and --to name the same site");
-    let from_rec = c
-        .get_cluster(Name { name: from.clone() })
-        .await
-        .with_context(|| format!("site {from}"))?
-        .into_inner();
-    let to_rec = c
-        .get_cluster(Name { name: to.clone() })
-        .await
-        .with_context(|| format!("site {to}"))?
-        .into_inner();
+    let (from_rec, to_rec) = site_records(c, &from, &to).await?;
     let Some(mut at_from) = answers(conn, &from_rec.admin_url, &from).await else {
         anyhow::bail!(
             "site {from} does not answer at {}: it must be back before a failback",
@@ -1938,55 +1933,14 @@ async fn geo_failback(
         .into_inner()
         .topics;
     let topics: Vec<String> = listed.iter().map(|t| t.name.clone()).collect();
-    let expected = each_partition(&listed);
     let started_ms = now_ms();
     let mut phases = Phases::default();
     // What FROM held that TO lacks (it goes there now): the failover's actual loss window.
     let measured = measure_exposure(&mut at_from, &topics, &to).await?;
-    let restore = Instant::now();
-    at_from
-        .geo_cut(GeoCutRequest {
-            namespace: ns.clone(),
-            to: to.clone(),
-            cut: false,
-            topics: topics.clone(),
-        })
-        .await
-        .with_context(|| format!("restoring {ns} at {from}"))?;
-    at_to
-        .unload_namespace(UnloadNamespaceRequest {
-            namespace: ns.clone(),
-            bundle: String::new(),
-        })
-        .await
-        .with_context(|| format!("sending {ns}'s clients back from {to}"))?;
-    // ... and TO loads the topics again, so that its replicators send back what it took.
-    at_to
-        .geo_cut(GeoCutRequest {
-            namespace: ns.clone(),
-            to: from.clone(),
-            cut: false,
-            topics: topics.clone(),
-        })
-        .await
-        .with_context(|| format!("loading {ns}'s topics at {to} again"))?;
-    phases.restore_ms = restore.elapsed().as_millis() as u64;
-    let deadline = restore + Duration::from_secs(600);
-    loop {
-        let why = match not_caught_up(&mut at_from, &ns, &to, &expected).await? {
-            Some(w) => Some(format!("at {from}: {w}")),
-            None => not_caught_up(&mut at_to, &ns, &from, &expected)
-                .await?
-                .map(|w| format!("at {to}: {w}")),
-        };
-        let Some(why) = why else { break };
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "{ns} did not catch up between {from} and {to} within 10 minutes ({why})"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    phases.caught_up_ms = restore.elapsed().as_millis() as u64;
+    let (restored, caught_up) =
+        restore_and_catch_up(&mut at_from, &mut at_to, (&ns, &from, &to), &listed).await?;
+    phases.restore_ms = restored.as_millis() as u64;
+    phases.caught_up_ms = caught_up.as_millis() as u64;
     let mut report = Drill::dry_run(&from, &to, Some(&ns), started_ms, now_ms(), measured);
     report.kind = "failback".into();
     report.id = format!("failback-{started_ms}");

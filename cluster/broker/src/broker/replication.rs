@@ -811,6 +811,24 @@ impl Broker {
     }
 }
 
+impl GeoSink {
+    /// The broker, and `topic` if site `origin` replicates it with this site.
+    async fn replicated_topic(
+        &self,
+        origin: &str,
+        topic: &str,
+    ) -> Result<(Arc<Broker>, TopicName), Refusal> {
+        let broker = self
+            .0
+            .upgrade()
+            .ok_or_else(|| refusal(RefusalCode::Retry, "the broker is shutting down"))?;
+        let name =
+            TopicName::parse(topic).map_err(|e| refusal(RefusalCode::Protocol, e.to_string()))?;
+        broker.check_replicated_with(&name, origin).await?;
+        Ok((broker, name))
+    }
+}
+
 impl ReplicaSink for GeoSink {
     fn sync<'a>(
         &'a self,
@@ -833,14 +851,8 @@ impl ReplicaSink for GeoSink {
         doc: bytes::Bytes,
     ) -> BoxFuture<'a, Result<bytes::Bytes, Refusal>> {
         Box::pin(async move {
-            let broker = self
-                .0
-                .upgrade()
-                .ok_or_else(|| refusal(RefusalCode::Retry, "the broker is shutting down"))?;
-            let name = TopicName::parse(topic)
-                .map_err(|e| refusal(RefusalCode::Protocol, e.to_string()))?;
+            let (broker, name) = self.replicated_topic(origin, topic).await?;
             let retry = |e: super::BrokerError| refusal(RefusalCode::Retry, e.to_string());
-            broker.check_replicated_with(&name, origin).await?;
             if let Some(url) = broker.geo_owner_elsewhere(&name).await.map_err(retry)? {
                 return Err(refusal(RefusalCode::Moved, url));
             }
@@ -871,14 +883,8 @@ impl ReplicaSink for GeoSink {
         partitions: u32,
     ) -> BoxFuture<'a, Result<(Box<dyn ReplicaTopic>, Option<OriginPosition>), Refusal>> {
         Box::pin(async move {
-            let broker = self
-                .0
-                .upgrade()
-                .ok_or_else(|| refusal(RefusalCode::Retry, "the broker is shutting down"))?;
-            let name = TopicName::parse(topic)
-                .map_err(|e| refusal(RefusalCode::Protocol, e.to_string()))?;
+            let (broker, name) = self.replicated_topic(origin, topic).await?;
             let retry = |e: super::BrokerError| refusal(RefusalCode::Retry, e.to_string());
-            broker.check_replicated_with(&name, origin).await?;
             if let Some(link) = broker.geo.get() {
                 let grace = link.tombstone_grace();
                 if let Some(t) = broker.live_tombstone(&name, grace).await.map_err(retry)? {
