@@ -147,6 +147,13 @@ fn given_a_drill_with_producers_running_then_clients_move_and_back_and_its_rpo_i
     let (east, west) = (&procs[0], &procs[1]);
     let dir = root.path().to_path_buf();
     let t = "persistent://acme/g/live";
+    step("deduplication on at both sites: a producer name is one producer across them");
+    for site in [east, west] {
+        admin_at(
+            site,
+            &["namespaces", "set-deduplication", "acme/g", "--enable"],
+        );
+    }
 
     step("east takes 1,000; a replicated subscription there acknowledges 400 of them");
     produce(&dir, &east.url, t, 1_000, 0);
@@ -235,25 +242,18 @@ fn given_a_drill_with_producers_running_then_clients_move_and_back_and_its_rpo_i
     assert!(phases["rto_ms"].as_u64().unwrap() > 0, "{report}");
     assert!(phases["hold_ms"].as_u64().unwrap() >= 15_000, "{report}");
 
-    step("after the restore both sites hold every message, the same ones");
+    step("after the restore both sites hold every message exactly once");
+    // Sends east stored but had not acknowledged when the cut unloaded its topic were sent
+    // again by the client to west: each site keeps one copy (deduplication by the
+    // producer's ids, whichever site stored them first).
     let mut at_west = read_all(&dir, &west.url, t);
     let mut at_east = read_all(&dir, &east.url, t);
     let n_west = at_west.len();
     at_west.sort_unstable();
     at_east.sort_unstable();
-    assert_eq!(at_east, at_west, "the sites differ");
-    let mut once = at_east.clone();
-    once.dedup();
     let all: Vec<u64> = (0..13_000).collect();
-    assert_eq!(once, all, "a message is missing");
-    // Sends east stored but had not acknowledged when the cut unloaded its topic are sent
-    // again by the client to west: both copies are kept (no deduplication across sites),
-    // at most the producer's pending window (2,000).
-    let twice = at_east.len() - once.len();
-    assert!(twice <= 2_000, "{twice} messages twice");
-    step(format!(
-        "{twice} messages in flight at the cut are at both sites twice"
-    ));
+    assert_eq!(at_east, all, "east");
+    assert_eq!(at_west, all, "west");
 
     step("the report's RPO is what reached west from east only after the restore");
     let rpo_test = (n_west - at_hold.len()) as u64;
@@ -268,6 +268,88 @@ fn given_a_drill_with_producers_running_then_clients_move_and_back_and_its_rpo_i
     let id = report["id"].as_str().unwrap();
     let shown = json_at(west, &["geo", "drills", "show", id]);
     assert_eq!(shown, report);
+}
+
+#[test]
+fn given_a_producer_whose_sends_were_stored_at_both_sites_then_each_site_keeps_one_copy() {
+    let (root, procs, proxies) = mesh_with(&["east", "west"], &[], true);
+    let (east, west) = (&procs[0], &procs[1]);
+    let dir = root.path().to_path_buf();
+    let t = "persistent://acme/g/moved";
+    for site in [east, west] {
+        admin_at(
+            site,
+            &["namespaces", "set-deduplication", "acme/g", "--enable"],
+        );
+    }
+    // One message each way first: the topic exists and replicates at both sites.
+    produce(&dir, &east.url, t, 1, 1_000);
+    wait_count(&dir, &west.url, t, 1);
+    let send = |url: &str, start: u64, count: u64| -> Vec<u64> {
+        let (s, c) = (start.to_string(), count.to_string());
+        let mut p = PyClient::run(
+            &dir,
+            "named-producer",
+            &[
+                "produce", url, t, "--name", "p-moved", "--seq", "--start", &s, "--count", &c,
+            ],
+        );
+        p.finish(Duration::from_secs(120)).unwrap();
+        p.ints("acked")
+    };
+
+    step("the sites are cut apart: east stores 0..99 of producer p-moved; the producer moves to west and sends 50..149 there (its sends east had stored, again, and new ones)");
+    for (_, _, p) in &proxies {
+        p.partition(true);
+    }
+    assert_eq!(send(&east.url, 0, 100).len(), 100);
+    assert_eq!(send(&west.url, 50, 100).len(), 100);
+
+    step("healed: each site takes the other's, but what it holds by the producer's ids");
+    for (_, _, p) in &proxies {
+        p.partition(false);
+    }
+    let all: Vec<u64> = (0..150).chain([1_000]).collect();
+    for site in [east, west] {
+        wait_count(&dir, &site.url, t, all.len());
+    }
+    // Anything twice would come with the rest: the replication backlog is empty at both.
+    for site in [east, west] {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let st = json_at(site, &["topics", "stats", t]);
+            let caught_up = st["replication"].as_array().is_some_and(|r| {
+                !r.is_empty()
+                    && r.iter()
+                        .all(|r| r["state"] == "connected" && r["backlog_entries"] == 0)
+            });
+            if caught_up {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replication did not catch up: {st}"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    for site in [east, west] {
+        let mut got = read_all(&dir, &site.url, t);
+        got.sort_unstable();
+        assert_eq!(got, all, "{}", site.url);
+        let page = meridian_integration::http_get(&site.http, "/metrics");
+        let dropped = meridian_integration::metric_value(
+            &page,
+            "meridian_replication_duplicates_dropped_total",
+        );
+        assert_eq!(dropped, 50.0, "the 50 held already, at {}", site.url);
+    }
+
+    step("the producer moves back to east and sends 100..149 again: east holds them (from west) and keeps none twice");
+    assert_eq!(send(&east.url, 100, 50).len(), 50);
+    let mut got = read_all(&dir, &east.url, t);
+    got.sort_unstable();
+    assert_eq!(got, all);
 }
 
 #[test]

@@ -1775,6 +1775,25 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
     if let Some(left) = hold.checked_sub(cut.elapsed()) {
         tokio::time::sleep(left).await;
     }
+    // Once more at the hold's end: sends that were in flight at the cut and that their
+    // clients sent again to TO meanwhile are held there (deduplicated by their producers'
+    // ids) and not lost. The subscriptions' figures stay those of the cut.
+    let mut measured = measured;
+    if let Ok(late) = measure_exposure(&mut at_from, &topics, &d.to).await {
+        for t in measured.iter_mut() {
+            if let Some(l) = late
+                .iter()
+                .find(|l| l.topic == t.topic && l.error.is_none())
+            {
+                t.entries = l.entries;
+                t.messages = l.messages;
+                t.bytes = l.bytes;
+                t.oldest_ms = l.oldest_ms;
+                t.oldest_publish_ms = l.oldest_publish_ms;
+                t.remote_holds = l.remote_holds.clone();
+            }
+        }
+    }
     phases.hold_ms = cut.elapsed().as_millis() as u64;
     // Restore: FROM serves and replicates again; TO's clients of the namespace reconnect
     // (those of FROM's service URL are served at FROM again).

@@ -333,19 +333,25 @@ impl Topic {
 
     /// Saves are made under `repl_origins`' lock, and none once the topic stopped receiving
     /// (closed or being deleted): the deletion of the record, under that lock too, is never
-    /// followed by a save that brings it back. A save skipped costs only replay time.
-    async fn save_origins(&self, o: &mut Origins) {
+    /// followed by a save that brings it back. A save skipped costs only replay time (but
+    /// see `inbound::record`: entries held already, not appended, are only in the snapshot).
+    /// Whether it was saved.
+    async fn save_origins(&self, o: &mut Origins) -> bool {
         if self.repl_closed.load(Ordering::Acquire) {
-            return;
+            return false;
         }
         let key = self.origins_key();
         let value = serde_json::to_vec(&o.snap).expect("origins serialize");
         o.saved_at = Some(std::time::Instant::now());
         match self.meta.put(&key, value).await {
-            Ok(_) => o.dirty = false,
+            Ok(_) => {
+                o.dirty = false;
+                true
+            }
             // The next load replays from the older snapshot: nothing is lost, only time.
             Err(e) => {
-                tracing::warn!(topic = %self.full_name, error = %e, "saving the replication origins failed")
+                tracing::warn!(topic = %self.full_name, error = %e, "saving the replication origins failed");
+                false
             }
         }
     }

@@ -8,9 +8,14 @@
 //!                          per subscription: entries and messages there that this site
 //!                          acknowledged and the remote has not}
 //!  then this site's own entries after `holds` that go to the remote (its `replicate_to`):
-//!  entries, messages, bytes, and the age of the oldest (the data the remote would lack)
+//!  entries, messages, bytes, and the age of the oldest (the data the remote would lack),
+//!  but those the remote holds by their producers' ids:
+//!            ── SubSync{measure, ids: per producer, ranges of those entries' ids} ──►
+//!            ◄── SubSynced{held_ids: the parts held there (sent again there by a producer
+//!                          that moved, deduplicated)}
 //! ```
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use meridian_geo::GeoLink;
@@ -18,6 +23,7 @@ use meridian_storage::managed_ledger::Position;
 
 use super::subs::{SubDoc, SyncDoc, SyncedDoc};
 use super::Topic;
+use crate::broker::dedup::{self, HeldIds};
 use crate::broker::BrokerError;
 
 /// The answer's deadline.
@@ -70,19 +76,7 @@ impl Topic {
             .replicated_states()
             .await
             .map_err(|e| format!("stating the replicated subscriptions: {e}"))?;
-        let doc = serde_json::to_vec(&SyncDoc::measuring(subs)).expect("doc serializes");
-        let (answer, _) = meridian_geo::subsync::send_sub_sync(
-            link,
-            remote,
-            None,
-            &self.full_name,
-            doc.into(),
-            MEASURE_TIMEOUT,
-        )
-        .await
-        .map_err(|e| format!("asking {remote}: {e:?}"))?;
-        let answer: SyncedDoc = serde_json::from_slice(&answer)
-            .map_err(|e| format!("{remote}'s answer cannot be read: {e}"))?;
+        let answer = ask(link, remote, &self.full_name, SyncDoc::measuring(subs)).await?;
         out.remote_holds = answer.holds.map(|(l, e)| Position::new(l, e));
         out.subscriptions = answer
             .subs
@@ -94,24 +88,63 @@ impl Topic {
                 )
             })
             .collect();
-        self.count_after(out.remote_holds, remote, out)
+        let own = self
+            .own_after(out.remote_holds, remote)
             .await
-            .map_err(|e| format!("reading the log: {e}"))
+            .map_err(|e| format!("reading the log: {e}"))?;
+        // Sends stored here and, sent again by their producer, at the remote too (after a
+        // move, deduplicated there by their ids) are not lost with this site.
+        let held = if own.asked.is_empty() {
+            BTreeMap::new()
+        } else {
+            let asked = own
+                .asked
+                .iter()
+                .map(|(name, h)| (name.clone(), h.ranges().to_vec()))
+                .collect();
+            let answer = ask(link, remote, &self.full_name, SyncDoc::asking_ids(asked)).await?;
+            answer
+                .held_ids
+                .into_iter()
+                .map(|(name, ranges)| {
+                    let mut h = HeldIds::default();
+                    for (lo, hi) in ranges {
+                        h.insert(lo, hi);
+                    }
+                    (name, h)
+                })
+                .collect()
+        };
+        let now = super::super::now_ms();
+        for e in &own.entries {
+            let there = e.ids.as_ref().is_some_and(|(name, first, highest)| {
+                held.get(&**name)
+                    .is_some_and(|h| h.covers(*first, *highest))
+            });
+            if there {
+                continue;
+            }
+            if out.entries == 0 {
+                out.oldest_ms = now.saturating_sub(e.publish_time);
+                out.oldest_publish_ms = e.publish_time;
+            }
+            out.entries += 1;
+            out.messages += e.messages;
+            out.bytes += e.bytes;
+        }
+        Ok(())
     }
 
-    /// This site's own entries after `after` that go to `remote`: counted into `out`.
-    async fn count_after(
-        &self,
-        after: Option<Position>,
-        remote: &str,
-        out: &mut Exposure,
-    ) -> Result<(), BrokerError> {
+    /// This site's own entries after `after` that go to `remote`, and the ids of their
+    /// producers (ranges per name).
+    async fn own_after(&self, after: Option<Position>, remote: &str) -> Result<Own, BrokerError> {
+        let mut own = Own::default();
         let mut next = match after {
             Some(p) if self.ml.contains(p).await => self.ml.next_position(p).await,
             // Before the log's first entry (trimmed there), or nothing held yet.
             _ => self.ml.first_position().await,
         };
-        let now = super::super::now_ms();
+        let mut names: HashMap<String, Arc<str>> = HashMap::new();
         while let Some(p) = next {
             let got = self.ml.read_range(p, 1024).await?;
             let Some(last) = got.last().map(|g| g.0) else {
@@ -121,10 +154,10 @@ impl Topic {
                 if after.is_some_and(|a| *q <= a) {
                     continue;
                 }
-                let Some(m) = meridian_protocol::Entry::parse(bytes.clone())
-                    .ok()
-                    .and_then(|e| e.metadata().ok())
-                else {
+                let Ok(entry) = meridian_protocol::Entry::parse(bytes.clone()) else {
+                    continue;
+                };
+                let Ok(m) = entry.metadata() else {
                     continue;
                 };
                 let goes = m.meridian_origin.is_none()
@@ -132,16 +165,64 @@ impl Topic {
                 if !goes {
                     continue;
                 }
-                if out.entries == 0 {
-                    out.oldest_ms = now.saturating_sub(m.publish_time);
-                    out.oldest_publish_ms = m.publish_time;
-                }
-                out.entries += 1;
-                out.messages += meridian_protocol::entry::message_count(&m) as u64;
-                out.bytes += bytes.len() as u64;
+                let ids = dedup::entry_sequence(&entry)
+                    .filter(|s| !s.partial_chunk)
+                    .map(|s| {
+                        own.asked
+                            .entry(s.producer.clone())
+                            .or_default()
+                            .insert(s.first, s.highest);
+                        let name = names
+                            .entry(s.producer)
+                            .or_insert_with_key(|k| Arc::from(k.as_str()))
+                            .clone();
+                        (name, s.first, s.highest)
+                    });
+                own.entries.push(OwnEntry {
+                    ids,
+                    messages: meridian_protocol::entry::message_count(&m) as u64,
+                    bytes: bytes.len() as u64,
+                    publish_time: m.publish_time,
+                });
             }
             next = self.ml.next_position(last).await;
         }
-        Ok(())
+        Ok(own)
     }
+}
+
+/// This site's own entries that a remote lacks by position.
+#[derive(Default)]
+struct Own {
+    entries: Vec<OwnEntry>,
+    /// Their producers' ids, to ask the remote about.
+    asked: BTreeMap<String, HeldIds>,
+}
+
+struct OwnEntry {
+    ids: Option<(Arc<str>, i64, i64)>,
+    messages: u64,
+    bytes: u64,
+    publish_time: u64,
+}
+
+/// Sends a drill's measuring document to the topic's owner at `remote`; its answer.
+async fn ask(
+    link: &Arc<GeoLink>,
+    remote: &str,
+    topic: &str,
+    doc: SyncDoc,
+) -> Result<SyncedDoc, String> {
+    let doc = serde_json::to_vec(&doc).expect("doc serializes");
+    let (answer, _) = meridian_geo::subsync::send_sub_sync(
+        link,
+        remote,
+        None,
+        topic,
+        doc.into(),
+        MEASURE_TIMEOUT,
+    )
+    .await
+    .map_err(|e| format!("asking {remote}: {e:?}"))?;
+    serde_json::from_slice(&answer).map_err(|e| format!("{remote}'s answer cannot be read: {e}"))
 }

@@ -15,6 +15,11 @@
 //! origins are observed in log order, so the snapshot's position never passes an entry whose
 //! origin is not in it. A stream opened while another's frames are in flight waits for them
 //! before it says what it holds.
+//!
+//! On a deduplicating topic each entry is checked by its producer's ids first (under the
+//! deduplication lock, which is also held while it is queued, so tickets follow the log):
+//! one whose ids are all held here already is not appended but its origin position is
+//! recorded as held (a producer that moved here resent it: see `dedup::held`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Weak};
@@ -28,6 +33,8 @@ use meridian_protocol::replica_form::ReplicaForm;
 use meridian_protocol::Entry;
 use meridian_storage::managed_ledger::{ManagedLedgerError, PendingAppend, Position};
 use tokio::sync::{mpsc, oneshot, watch};
+
+use crate::broker::dedup::{self, EntrySequence, ReplicaCheck, ReplicaGuard, Ticket};
 
 use super::{append_refusal, refusal, Topic, ORIGINS_ADVANCE_EVERY, ORIGINS_SAVE_EVERY};
 
@@ -60,10 +67,12 @@ impl Default for Inbound {
     }
 }
 
-/// One entry of a frame: its append, or its outcome when it was waited for already.
+/// One entry of a frame: its append, or its outcome when it was waited for already, or
+/// not appended because the topic holds its producer's ids already.
 enum Step {
     Queued(PendingAppend),
     Landed(Result<Position, ManagedLedgerError>),
+    Held,
 }
 
 struct Appended {
@@ -71,7 +80,13 @@ struct Appended {
     at: OriginPosition,
     messages: u64,
     bytes: u64,
+    /// Its place in the topic's deduplication (recorded once it landed or failed).
+    ticket: Option<Ticket>,
 }
+
+/// A checked entry of a frame: the entry, its origin position, its messages, and its
+/// producer's ids where the topic deduplicates.
+type Checked = (Entry, OriginPosition, u64, Option<EntrySequence>);
 
 /// A frame for the completer.
 struct Job {
@@ -203,7 +218,8 @@ impl Stream {
         &self,
         entries: Vec<ReplicatedEntry>,
         held: Option<OriginPosition>,
-    ) -> Result<Vec<(Entry, OriginPosition, u64)>, Refusal> {
+    ) -> Result<Vec<Checked>, Refusal> {
+        let dedup = self.topic.dedup.is_some();
         let mut checked = Vec::new();
         let mut before = held;
         for item in entries {
@@ -234,7 +250,11 @@ impl Stream {
                 return Err(bad("is not marked with its origin"));
             }
             let messages = u64::from(meridian_protocol::entry::message_count(&meta));
-            checked.push((stored, item.at, messages));
+            let seq = dedup
+                .then(|| dedup::entry_sequence(&stored))
+                .flatten()
+                .filter(|s| !s.partial_chunk);
+            checked.push((stored, item.at, messages, seq));
         }
         Ok(checked)
     }
@@ -285,10 +305,30 @@ impl Stream {
         }
         let mut appended: Vec<Appended> = Vec::with_capacity(checked.len());
         let mut stopped = None;
-        for (stored, at, messages) in checked {
+        for (stored, at, messages, seq) in checked {
             let bytes = stored.as_bytes().len() as u64;
             let payload = stored.into_bytes();
             let in_flight = *inbound.done.borrow() < order.queued || !appended.is_empty();
+            let held = |step| Appended {
+                step,
+                at,
+                messages,
+                bytes,
+                ticket: None,
+            };
+            let mut guard = replica_guard(t, &seq).await;
+            match replica_check(&guard, &seq) {
+                ReplicaCheck::Held => {
+                    appended.push(held(Step::Held));
+                    *high = Some(at);
+                    continue;
+                }
+                ReplicaCheck::Busy(why) => {
+                    stopped = Some(refusal(RefusalCode::Retry, why));
+                    break;
+                }
+                ReplicaCheck::Fresh => {}
+            }
             let mut queued = match order.ledger.filter(|_| in_flight) {
                 Some(l) => t.ml.append_queued_in(payload.clone(), l).await,
                 None => Ok(None),
@@ -296,6 +336,8 @@ impl Stream {
             if matches!(queued, Ok(None)) {
                 // The log may move on (a roll-over, a failed ledger, nothing in flight): only
                 // once everything queued before has landed, and none of this stream failed.
+                // The completer records what landed under the deduplication lock: let it go.
+                drop(guard.take());
                 inbound.drained(&order).await;
                 let mut failed = false;
                 for a in &mut appended {
@@ -315,16 +357,30 @@ impl Stream {
                     stopped = Some(failed_before());
                     break;
                 }
+                // Checked again: a send here may have stored the ids meanwhile.
+                guard = replica_guard(t, &seq).await;
+                match replica_check(&guard, &seq) {
+                    ReplicaCheck::Held => {
+                        appended.push(held(Step::Held));
+                        *high = Some(at);
+                        continue;
+                    }
+                    ReplicaCheck::Busy(why) => {
+                        stopped = Some(refusal(RefusalCode::Retry, why));
+                        break;
+                    }
+                    ReplicaCheck::Fresh => {}
+                }
                 queued = t.ml.append_queued(payload).await.map(Some);
             }
             match queued {
                 Ok(Some(p)) => {
                     order.ledger = Some(p.ledger_id());
+                    let ticket = guard.as_mut().zip(seq).map(|(g, s)| g.ticket(s));
+                    drop(guard);
                     appended.push(Appended {
-                        step: Step::Queued(p),
-                        at,
-                        messages,
-                        bytes,
+                        ticket,
+                        ..held(Step::Queued(p))
                     });
                     *high = Some(at);
                 }
@@ -371,6 +427,21 @@ impl Stream {
                 .unwrap_or_else(|_| Err(refusal(RefusalCode::Retry, "the topic is closing")))
         });
         Ok(durable)
+    }
+}
+
+/// The topic's deduplication state, held, when it deduplicates and `seq` has ids to check.
+async fn replica_guard<'a>(t: &'a Topic, seq: &Option<EntrySequence>) -> Option<ReplicaGuard<'a>> {
+    match (&t.dedup, seq) {
+        (Some(d), Some(_)) => Some(d.replica().await),
+        _ => None,
+    }
+}
+
+fn replica_check(guard: &Option<ReplicaGuard<'_>>, seq: &Option<EntrySequence>) -> ReplicaCheck {
+    match (guard, seq) {
+        (Some(g), Some(s)) => g.check(s),
+        _ => ReplicaCheck::Fresh,
     }
 }
 
@@ -437,14 +508,25 @@ async fn complete(topic: Weak<Topic>, mut jobs: mpsc::UnboundedReceiver<Job>) {
         let mut landed = Vec::with_capacity(job.entries.len());
         for a in job.entries {
             let r = match a.step {
-                Step::Queued(p) => p.wait().await,
-                Step::Landed(r) => r,
+                Step::Queued(p) => Some(p.wait().await),
+                Step::Landed(r) => Some(r),
+                Step::Held => None,
             };
+            if let Some(ticket) = a.ticket {
+                let t = topic.upgrade();
+                if let Some(d) = t.as_ref().and_then(|t| t.dedup.as_ref()) {
+                    let pos = r.as_ref().and_then(|r| r.as_ref().ok()).copied();
+                    d.record(ticket, pos).await;
+                }
+            }
             match r {
-                Ok(pos) => landed.push((pos, a.at, a.messages, a.bytes, failure.is_none())),
-                Err(e) => {
+                Some(Ok(pos)) => {
+                    landed.push((Some(pos), a.at, a.messages, a.bytes, failure.is_none()))
+                }
+                Some(Err(e)) => {
                     failure.get_or_insert(append_refusal(e));
                 }
+                None => landed.push((None, a.at, a.messages, a.bytes, failure.is_none())),
             }
         }
         let failure = failure.or(job.stopped);
@@ -484,38 +566,64 @@ impl Drop for CompleterGuard {
     }
 }
 
+/// A frame's entry for [`record`]: where it landed (`None`: held already, not appended),
+/// its origin position, messages, bytes, and whether it came before any failure.
+type Landed = (Option<Position>, OriginPosition, u64, u64, bool);
+
 /// Records a frame's landed entries (those before any failure) in the topic's origins: the
-/// highest origin position held from `origin` now.
+/// highest origin position held from `origin` now. When the frame's last is one held already
+/// (not appended, so no replay of the log finds it), the origins are saved before the frame
+/// is answered, or it is refused: the sender must not learn it is held before that is durable.
 async fn record(
     t: &Topic,
     origin: &str,
-    landed: &[(Position, OriginPosition, u64, u64, bool)],
+    landed: &[Landed],
 ) -> Result<Option<OriginPosition>, Refusal> {
     let mut g = t.repl_origins.lock().await;
     let origins = t.origins(&mut g).await?;
     let mut last_local = None;
+    let mut last_is_held = false;
     for &(pos, at, messages, bytes, before_failure) in landed {
+        let Some(pos) = pos else {
+            if before_failure {
+                origins.observe(origin, at);
+                origins.dirty = true;
+                last_is_held = true;
+                metrics::counter!("meridian_replication_duplicates_dropped_total")
+                    .increment(messages);
+            }
+            continue;
+        };
         t.on_appended(pos, messages, bytes);
         // Durable after an earlier one failed (none should: see the module's comment) is
         // not recorded: the highest position held must not pass an entry that is missing.
         if before_failure {
             origins.observe(origin, at);
             last_local = Some(pos);
+            last_is_held = false;
         } else {
             // Its origin is not recorded: the snapshot must not be moved past it by the
             // beat (the next load's replay finds it).
             origins.hole = true;
         }
     }
+    let mut due = false;
     if let Some(p) = last_local {
         origins.through(p);
         origins.dirty = true;
-        if origins
+        due = origins
             .saved_at
-            .is_none_or(|s| s.elapsed() >= ORIGINS_SAVE_EVERY)
-        {
-            t.save_origins(origins).await;
+            .is_none_or(|s| s.elapsed() >= ORIGINS_SAVE_EVERY);
+    }
+    if last_is_held {
+        if !t.save_origins(origins).await {
+            return Err(refusal(
+                RefusalCode::Retry,
+                "entries held here already could not be recorded as received",
+            ));
         }
+    } else if due {
+        t.save_origins(origins).await;
     }
     Ok(origins.highest(origin))
 }

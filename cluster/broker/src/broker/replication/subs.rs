@@ -80,6 +80,11 @@ pub(super) struct SyncDoc {
     /// receiver holds of the sender's entries.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     measure: bool,
+    /// (measure) Per producer name, ranges of sequence ids of the sender's entries the
+    /// receiver does not hold by position: which of them does it hold by its producers' ids
+    /// (sends stored at both sites, deduplicated)?
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    ids: BTreeMap<String, Vec<(i64, i64)>>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -94,6 +99,16 @@ impl SyncDoc {
         SyncDoc {
             subs,
             measure: true,
+            ids: BTreeMap::new(),
+        }
+    }
+
+    /// A drill's question: which of these ids does the receiver hold?
+    pub(super) fn asking_ids(ids: BTreeMap<String, Vec<(i64, i64)>>) -> SyncDoc {
+        SyncDoc {
+            subs: Vec::new(),
+            measure: true,
+            ids,
         }
     }
 }
@@ -105,6 +120,9 @@ pub(super) struct SyncedDoc {
     /// (measure) The highest of the sender's own entries the receiver holds durably.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) holds: Option<OPos>,
+    /// (measure) Of the ids asked about, the ranges held here (deduplicating topics only).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(super) held_ids: BTreeMap<String, Vec<(i64, i64)>>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -765,6 +783,9 @@ impl Topic {
         }
         if doc.measure {
             answer.holds = self.held_origin(origin).await?.map(|p| (p.ledger, p.entry));
+            if let Some(d) = &self.dedup {
+                answer.held_ids = d.held_within(&doc.ids).await;
+            }
         }
         Ok(serde_json::to_vec(&answer)
             .expect("answer serializes")
@@ -948,6 +969,7 @@ impl Topic {
             let doc = serde_json::to_vec(&SyncDoc {
                 subs,
                 measure: false,
+                ids: BTreeMap::new(),
             })
             .expect("sync doc serializes");
             let link = Arc::clone(link);

@@ -18,6 +18,12 @@
 //! The snapshot's position S is one up to which *every* entry has been recorded, although
 //! producers' receipt tasks record out of order; replaying from S is therefore enough, and
 //! replaying an entry twice is harmless (a maximum).
+//!
+//! A producer name is one producer across the sites of a replicated topic (as Pulsar's
+//! deduplication reads a replicated message's original producer name): entries that came by
+//! geo-replication count as held under their producer's name, and are themselves checked
+//! before they are appended, by the ranges of ids held ([`held`]), so that a producer's
+//! sends that were in flight when it moved to another site are stored once at every site.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,6 +38,9 @@ use meridian_storage::managed_ledger::{ManagedLedger, PendingAppend, Position};
 use serde::{Deserialize, Serialize};
 
 use super::BrokerError;
+
+pub mod held;
+pub use held::HeldIds;
 
 /// Queues `entry` in `ml`, only into ledger `only_in` if given: the entry comes back
 /// (`Err`) when that ledger takes no more.
@@ -105,7 +114,7 @@ struct Snapshot {
     /// Every entry up to here is in `producers` (absent: none recorded yet).
     ledger_id: Option<u64>,
     entry_id: Option<u64>,
-    producers: HashMap<String, i64>,
+    producers: HashMap<String, NameState>,
     /// A map too large for one metadata value is in `pages` values
     /// `<key>/<generation>/<i>`, written before this head; the head names its generation,
     /// so a snapshot cut short leaves the previous one whole. Absent in small snapshots
@@ -114,6 +123,24 @@ struct Snapshot {
     pages: u32,
     #[serde(default, skip_serializing_if = "is_zero_u64")]
     generation: u64,
+}
+
+/// A name's state in a snapshot: its highest persisted id, with the ranges of ids held
+/// (a bare number: a snapshot from before ranges were kept).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+enum NameState {
+    Full { seq: i64, held: HeldIds },
+    Seq(i64),
+}
+
+impl NameState {
+    fn split(self) -> (i64, HeldIds) {
+        match self {
+            NameState::Full { seq, held } => (seq, held),
+            NameState::Seq(seq) => (seq, HeldIds::through(seq)),
+        }
+    }
 }
 
 fn is_zero(n: &u32) -> bool {
@@ -131,15 +158,18 @@ const SNAPSHOT_PAGE_BYTES: usize = 256 << 10;
 fn encode_snapshot(
     recorded_upto: Option<Position>,
     persisted: &HashMap<String, i64>,
+    held: &HashMap<String, HeldIds>,
     generation: u64,
 ) -> (Bytes, Vec<Bytes>) {
     let mut pages: Vec<Bytes> = Vec::new();
-    let mut page: HashMap<&str, i64> = HashMap::new();
+    let mut page: HashMap<&str, NameState> = HashMap::new();
     let mut page_bytes = 0;
-    let mut total = 0;
     for (name, seq) in persisted {
-        let n = name.len() + 24;
-        total += n;
+        let held = held
+            .get(name)
+            .cloned()
+            .unwrap_or_else(|| HeldIds::through(*seq));
+        let n = name.len() + 40 + 44 * held.ranges().len();
         if page_bytes + n > SNAPSHOT_PAGE_BYTES && !page.is_empty() {
             pages.push(Bytes::from(
                 serde_json::to_vec(&page).expect("page serialises"),
@@ -147,10 +177,10 @@ fn encode_snapshot(
             page.clear();
             page_bytes = 0;
         }
-        page.insert(name, *seq);
+        page.insert(name, NameState::Full { seq: *seq, held });
         page_bytes += n;
     }
-    let paged = total > SNAPSHOT_PAGE_BYTES;
+    let paged = !pages.is_empty();
     if paged && !page.is_empty() {
         pages.push(Bytes::from(
             serde_json::to_vec(&page).expect("page serialises"),
@@ -162,13 +192,13 @@ fn encode_snapshot(
         producers: if paged {
             HashMap::new()
         } else {
-            persisted.clone()
+            page.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
         },
-        pages: if paged { pages.len() as u32 } else { 0 },
+        pages: pages.len() as u32,
         generation: if paged { generation } else { 0 },
     };
     let head = Bytes::from(serde_json::to_vec(&head).expect("snapshot serialises"));
-    (head, if paged { pages } else { Vec::new() })
+    (head, pages)
 }
 
 /// A snapshot ready to write.
@@ -253,6 +283,8 @@ struct Inner {
     last_active_ms: HashMap<String, u64>,
     /// The ticket of each name's latest push (what `pushed` holds came with it).
     last_push: HashMap<String, u64>,
+    /// The ids held of each name, stored here or replicated here (durable).
+    held: HashMap<String, HeldIds>,
 }
 
 impl Inner {
@@ -284,6 +316,7 @@ impl Inner {
             self.pushed.remove(n);
             self.last_active_ms.remove(n);
             self.last_push.remove(n);
+            self.held.remove(n);
         }
         idle
     }
@@ -292,6 +325,36 @@ impl Inner {
     fn push(&mut self, producer: &str, id: u64, highest: i64) {
         self.pushed.insert(producer.to_string(), highest);
         self.last_push.insert(producer.to_string(), id);
+    }
+
+    /// Ids `first..=highest` of `producer` are durable here.
+    fn persist(&mut self, producer: &str, first: i64, highest: i64) {
+        let v = self.persisted.entry(producer.to_string()).or_insert(-1);
+        *v = (*v).max(highest);
+        self.held
+            .entry(producer.to_string())
+            .or_default()
+            .insert(first, highest);
+    }
+
+    /// What to do with a replicated entry of `s.producer`.
+    fn check_replica(&self, s: &EntrySequence) -> ReplicaCheck {
+        if self
+            .held
+            .get(&s.producer)
+            .is_some_and(|h| h.covers(s.first, s.highest))
+        {
+            return ReplicaCheck::Held;
+        }
+        let persisted = self.persisted.get(&s.producer).copied().unwrap_or(-1);
+        let pushed = self.pushed.get(&s.producer).copied().unwrap_or(-1);
+        if pushed > persisted && s.highest > persisted && s.first <= pushed {
+            return ReplicaCheck::Busy(format!(
+                "sequence ids {}..={} of {} are being written here; send them again later",
+                s.first, s.highest, s.producer
+            ));
+        }
+        ReplicaCheck::Fresh
     }
 
     /// Ticket `t` was not stored: what was pushed for its name falls back to what is durable,
@@ -314,7 +377,49 @@ impl Inner {
 pub struct Ticket {
     id: u64,
     producer: String,
+    first: i64,
     highest: i64,
+}
+
+/// What to do with an entry that came by geo-replication, by its producer's ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReplicaCheck {
+    /// Every id is held here already (stored here by the producer, or replicated before):
+    /// not appended.
+    Held,
+    /// Some ids are in a send of the producer here whose outcome is not known yet: try later.
+    Busy(String),
+    /// Append it.
+    Fresh,
+}
+
+/// The deduplication state held while a replicated entry is checked and queued, so that
+/// tickets follow the log's order.
+pub struct ReplicaGuard<'a>(tokio::sync::MutexGuard<'a, Inner>);
+
+impl ReplicaGuard<'_> {
+    pub fn check(&self, s: &EntrySequence) -> ReplicaCheck {
+        self.0.check_replica(s)
+    }
+
+    /// The entry of `s` was queued: its ticket (the log's next). A local send of the same
+    /// ids meanwhile waits for its outcome.
+    pub fn ticket(&mut self, s: EntrySequence) -> Ticket {
+        let g = &mut self.0;
+        let id = g.next_ticket;
+        g.next_ticket += 1;
+        g.inflight.insert(id, TicketState::Pending);
+        if g.pushed.get(&s.producer).is_none_or(|&p| p < s.highest) {
+            g.push(&s.producer, id, s.highest);
+        }
+        g.last_active_ms.insert(s.producer.clone(), super::now_ms());
+        Ticket {
+            id,
+            producer: s.producer,
+            first: s.first,
+            highest: s.highest,
+        }
+    }
 }
 
 /// The outcome of submitting a SEND to a deduplicating topic.
@@ -368,7 +473,7 @@ impl Dedup {
                         format!("deduplication snapshot {key} lacks its page {pk}"),
                     ));
                 };
-                let page: HashMap<String, i64> =
+                let page: HashMap<String, NameState> =
                     serde_json::from_slice(&kv.value).map_err(|e| {
                         BrokerError::new(
                             ServerError::MetadataError,
@@ -377,7 +482,11 @@ impl Dedup {
                     })?;
                 s.producers.extend(page);
             }
-            inner.persisted = s.producers;
+            for (name, state) in s.producers {
+                let (seq, held) = state.split();
+                inner.persisted.insert(name.clone(), seq);
+                inner.held.insert(name, held);
+            }
             if let (Some(l), Some(e)) = (s.ledger_id, s.entry_id) {
                 let at = Position::new(l, e);
                 inner.recorded_upto = Some(at);
@@ -395,14 +504,9 @@ impl Dedup {
                 let Ok(entry) = Entry::parse(bytes) else {
                     continue;
                 };
-                // An entry that arrived by geo-replication carries its origin's producer name
-                // and sequence ids, which are not this site's producers'.
-                if entry.origin().ok().flatten().is_some() {
-                    continue;
-                }
+                // Replicated entries too: a producer name is one producer across sites.
                 if let Some(seq) = entry_sequence(&entry).filter(|s| !s.partial_chunk) {
-                    let v = inner.persisted.entry(seq.producer).or_insert(-1);
-                    *v = (*v).max(seq.highest);
+                    inner.persist(&seq.producer, seq.first, seq.highest);
                 }
             }
             from = ml.next_position(last).await;
@@ -419,6 +523,34 @@ impl Dedup {
             snapshotting: Arc::new(AtomicBool::new(false)),
             generation: Arc::new(std::sync::atomic::AtomicU64::new(generation)),
         })
+    }
+
+    /// Of the ranges of ids asked about per producer name, those held here (a drill's
+    /// measure: sends stored at both sites are not lost with either).
+    pub async fn held_within(
+        &self,
+        asked: &BTreeMap<String, Vec<(i64, i64)>>,
+    ) -> BTreeMap<String, Vec<(i64, i64)>> {
+        let g = self.inner.lock().await;
+        let mut out = BTreeMap::new();
+        for (name, ranges) in asked {
+            let Some(held) = g.held.get(name) else {
+                continue;
+            };
+            let parts: Vec<(i64, i64)> = ranges
+                .iter()
+                .flat_map(|&(lo, hi)| held.within(lo, hi))
+                .collect();
+            if !parts.is_empty() {
+                out.insert(name.clone(), parts);
+            }
+        }
+        out
+    }
+
+    /// Holds the state while a replicated entry is checked and queued ([`ReplicaGuard`]).
+    pub async fn replica(&self) -> ReplicaGuard<'_> {
+        ReplicaGuard(self.inner.lock().await)
     }
 
     /// The highest persisted sequence id of `producer`, -1 if none (PRODUCER_SUCCESS). A
@@ -494,6 +626,7 @@ impl Dedup {
         let id = g.next_ticket;
         g.next_ticket += 1;
         g.inflight.insert(id, TicketState::Pending);
+        let first = checked.as_ref().map_or(i64::MIN, |s| s.first);
         let highest = checked.map(|s| {
             let h = s.highest.max(send_highest.map_or(-1, |h| h as i64));
             g.push(producer, id, h);
@@ -508,6 +641,7 @@ impl Dedup {
             Some(Ticket {
                 id,
                 producer: producer.to_string(),
+                first,
                 highest: highest.unwrap_or(i64::MIN),
             }),
         ))
@@ -520,8 +654,7 @@ impl Dedup {
             match outcome {
                 Some(pos) => {
                     if ticket.highest != i64::MIN {
-                        let v = g.persisted.entry(ticket.producer).or_insert(-1);
-                        *v = (*v).max(ticket.highest);
+                        g.persist(&ticket.producer, ticket.first, ticket.highest);
                     }
                     g.inflight.insert(ticket.id, TicketState::Done(pos));
                 }
@@ -566,7 +699,7 @@ impl Dedup {
     /// The snapshot of `g`, as the next generation (taken under the snapshotting flag).
     fn snapshot_of(&self, g: &Inner) -> EncodedSnapshot {
         let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
-        let (head, pages) = encode_snapshot(g.recorded_upto, &g.persisted, generation);
+        let (head, pages) = encode_snapshot(g.recorded_upto, &g.persisted, &g.held, generation);
         EncodedSnapshot {
             head,
             pages,
@@ -630,14 +763,27 @@ mod tests {
     #[test]
     fn given_a_map_past_one_page_then_it_is_split_in_pages_that_hold_it_whole() {
         let small: HashMap<String, i64> = (0..10).map(|i| (format!("p{i}"), i)).collect();
-        let (head, pages) = encode_snapshot(Some(Position::new(3, 4)), &small, 7);
+        let mut held = HashMap::new();
+        held.insert("p3".to_string(), HeldIds::default());
+        held.get_mut("p3").unwrap().insert(1, 1);
+        held.get_mut("p3").unwrap().insert(3, 3);
+        let (head, pages) = encode_snapshot(Some(Position::new(3, 4)), &small, &held, 7);
         assert!(pages.is_empty());
         let h: Snapshot = serde_json::from_slice(&head).unwrap();
-        assert_eq!((h.pages, h.generation, h.producers), (0, 0, small));
+        assert_eq!((h.pages, h.generation), (0, 0));
+        let back: HashMap<String, (i64, HeldIds)> = h
+            .producers
+            .into_iter()
+            .map(|(k, v)| (k, v.split()))
+            .collect();
+        assert_eq!(back.len(), 10);
+        assert_eq!(back["p3"].0, 3);
+        assert_eq!(back["p3"].1.ranges(), &[(1, 1), (3, 3)]);
+        assert_eq!(back["p7"], (7, HeldIds::through(7)));
         let big: HashMap<String, i64> = (0..20_000)
             .map(|i| (format!("producer-with-a-long-name-{i:040}"), i))
             .collect();
-        let (head, pages) = encode_snapshot(Some(Position::new(3, 4)), &big, 7);
+        let (head, pages) = encode_snapshot(Some(Position::new(3, 4)), &big, &HashMap::new(), 7);
         let h: Snapshot = serde_json::from_slice(&head).unwrap();
         assert!(h.producers.is_empty());
         assert_eq!(h.generation, 7);
@@ -646,8 +792,8 @@ mod tests {
         let mut back = HashMap::new();
         for p in &pages {
             assert!(p.len() < 1 << 20, "a page of {} bytes", p.len());
-            let m: HashMap<String, i64> = serde_json::from_slice(p).unwrap();
-            back.extend(m);
+            let m: HashMap<String, NameState> = serde_json::from_slice(p).unwrap();
+            back.extend(m.into_iter().map(|(k, v)| (k, v.split().0)));
         }
         assert_eq!(back, big);
         assert!(
@@ -665,6 +811,7 @@ mod tests {
         let ticket = |id, highest| Ticket {
             id,
             producer: "p".into(),
+            first: highest,
             highest,
         };
         g.not_stored(&ticket(1, 1));
@@ -677,6 +824,64 @@ mod tests {
             g.pushed["p"], 1,
             "a stale outcome leaves the new push alone"
         );
+    }
+
+    #[test]
+    fn given_a_snapshot_from_before_ranges_then_its_names_hold_everything_up_to_their_highest() {
+        let old = br#"{"ledger_id":3,"entry_id":4,"producers":{"p":41}}"#;
+        let h: Snapshot = serde_json::from_slice(old).unwrap();
+        let (seq, held) = h.producers["p"].clone().split();
+        assert_eq!(seq, 41);
+        assert!(held.covers(0, 41) && !held.covers(42, 42));
+        let page: HashMap<String, NameState> = serde_json::from_slice(br#"{"q":5}"#).unwrap();
+        assert_eq!(page["q"], NameState::Seq(5));
+    }
+
+    fn seq(first: i64, highest: i64) -> EntrySequence {
+        EntrySequence {
+            producer: "p".into(),
+            first,
+            highest,
+            partial_chunk: false,
+        }
+    }
+
+    #[test]
+    fn given_a_producer_that_moved_sites_then_replicated_entries_are_checked_by_the_ids_held() {
+        let mut g = Inner::default();
+        // 0..=99 came by replication; the producer moved here and resent from 101.
+        g.persist("p", 0, 99);
+        g.persist("p", 101, 180);
+        assert_eq!(g.check_replica(&seq(100, 100)), ReplicaCheck::Fresh);
+        assert_eq!(g.check_replica(&seq(101, 120)), ReplicaCheck::Held);
+        assert_eq!(g.check_replica(&seq(50, 50)), ReplicaCheck::Held);
+        assert_eq!(g.check_replica(&seq(181, 190)), ReplicaCheck::Fresh);
+        // A send of 181..=190 in flight here: the replicated copy waits for its outcome.
+        g.pushed.insert("p".into(), 190);
+        assert!(matches!(
+            g.check_replica(&seq(185, 185)),
+            ReplicaCheck::Busy(_)
+        ));
+        assert_eq!(g.check_replica(&seq(100, 100)), ReplicaCheck::Fresh);
+        let other = EntrySequence {
+            producer: "q".into(),
+            ..seq(101, 120)
+        };
+        assert_eq!(g.check_replica(&other), ReplicaCheck::Fresh);
+    }
+
+    #[tokio::test]
+    async fn given_a_replicated_entry_below_the_highest_then_its_ticket_leaves_pushed_alone() {
+        let g = tokio::sync::Mutex::new(Inner::default());
+        let mut guard = ReplicaGuard(g.lock().await);
+        guard.0.persist("p", 101, 180);
+        guard.0.pushed.insert("p".into(), 180);
+        let t = guard.ticket(seq(100, 100));
+        assert_eq!(guard.0.pushed["p"], 180);
+        assert_eq!((t.first, t.highest), (100, 100));
+        guard.0.persist(&t.producer, t.first, t.highest);
+        assert_eq!(guard.0.held["p"].ranges(), &[(100, 180)]);
+        assert_eq!(guard.0.persisted["p"], 180);
     }
 
     #[test]
