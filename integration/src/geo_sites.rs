@@ -3,12 +3,12 @@
 //! others (optionally through [`UdpProxy`]s the caller controls), tenant `acme` and namespace
 //! `acme/g` replicated between all of them.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use std::time::{Duration, Instant};
 
 use crate::udp_proxy::{Faults, UdpProxy};
-use crate::{run_admin, PyClient, StandaloneProc};
+use crate::{run_admin, BookieProc, BrokerProc, MetaCluster, PyClient, StandaloneProc};
 
 /// `meridian-admin ARGS`, which must succeed: its output.
 pub fn admin_ok(args: &[&str]) -> String {
@@ -209,4 +209,196 @@ pub fn slow_link(proxies: &Proxies, from: usize, to: usize, delay_ms: u64) {
         delay_ms,
         ..Faults::default()
     });
+}
+
+/// Runs `meridian-admin --admin-url URL ARGS` until it succeeds with an output `ok` accepts
+/// (30 s at most); that output.
+pub fn wait_admin(url: &str, args: &[&str], what: &str, ok: impl Fn(&str) -> bool) -> String {
+    let mut all = vec!["--admin-url", url];
+    all.extend_from_slice(args);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (code, out, err) = run_admin(&all).unwrap();
+        if code == 0 && ok(&out) {
+            return out;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: meridian-admin {args:?}: {out}{err}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Site east, a standalone, and site west of two brokers (`a`, `b`, each with a geo link)
+/// over one metadata node and one bookie; east dials west's links through `proxies` (a's,
+/// b's); the sites know each other, tenant `acme` and namespace `acme/g` replicated between
+/// them.
+pub struct TwoBrokerWest {
+    pub cluster: MetaCluster,
+    pub root: PathBuf,
+    /// The metadata endpoints (for more brokers at west).
+    pub endpoints: String,
+    pub east: StandaloneProc,
+    pub bookie: BookieProc,
+    pub brokers: Vec<BrokerProc>,
+    pub proxies: Vec<UdpProxy>,
+}
+
+impl TwoBrokerWest {
+    /// West's service URL naming both brokers.
+    pub fn west_service(&self) -> String {
+        format!(
+            "pulsar://{},{}",
+            crate::host(&self.brokers[0].url),
+            crate::host(&self.brokers[1].url)
+        )
+    }
+}
+
+/// Starts [`TwoBrokerWest`], west's brokers with `MERIDIAN_*` settings `west_env` (east's
+/// policy beat every 200 ms).
+pub async fn east_and_west_of_two_brokers(west_env: &[(&str, &str)]) -> TwoBrokerWest {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
+    let root = cluster.root.path().to_path_buf();
+    let pki = root.join("pki");
+    let d = pki.display().to_string();
+    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
+    for s in ["east", "west"] {
+        admin_ok(&[
+            "geo",
+            "create-site-cert",
+            s,
+            "--ca-dir",
+            &d,
+            "--out-dir",
+            &d,
+        ]);
+    }
+    let file = |f: &str| pki.join(f).display().to_string();
+    crate::step(
+        "east: a standalone; west: one metadata node, a bookie, brokers a and b, each with a link",
+    );
+    crate::step(
+        "east dials west's record (a's link) and b's link each through a proxy (geo.routes)",
+    );
+    let west_listens: Vec<String> = (0..2)
+        .map(|_| format!("127.0.0.1:{}", crate::free_udp_port()))
+        .collect();
+    let proxies: Vec<UdpProxy> = west_listens
+        .iter()
+        .map(|l| UdpProxy::start(l.parse().unwrap()))
+        .collect();
+    let east_dir = root.join("east");
+    std::fs::create_dir_all(&east_dir).unwrap();
+    let mut east = StandaloneProc::new(&east_dir);
+    let east_listen = format!("127.0.0.1:{}", crate::free_udp_port());
+    east.args(
+        &geo_flags("east", &pki, &east_listen)
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    )
+    .env(
+        "MERIDIAN_GEO_ROUTES",
+        &format!(
+            "west={},{}={}",
+            proxies[0].addr, west_listens[1], proxies[1].addr
+        ),
+    );
+    east.env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200");
+    east.start().unwrap();
+    let endpoints = cluster.endpoints().join(",");
+    let mut bookie = BookieProc::new("bookie", &root, &endpoints);
+    bookie.start().unwrap();
+    crate::wait_for_bookies(&cluster.client(), 1, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut brokers = Vec::new();
+    let mut geo_urls = Vec::new();
+    for (n, listen) in ["a", "b"].into_iter().zip(&west_listens) {
+        let mut b = BrokerProc::new(n, &root, &endpoints);
+        b.env("MERIDIAN_BROKER_CLUSTER_NAME", "west")
+            .env("MERIDIAN_BROKER_ENSEMBLE", "1")
+            .env("MERIDIAN_BROKER_WRITE_QUORUM", "1")
+            .env("MERIDIAN_BROKER_ACK_QUORUM", "1")
+            .env("MERIDIAN_GEO_LISTEN", listen)
+            .env("MERIDIAN_GEO_CERT_FILE", &file("west.crt"))
+            .env("MERIDIAN_GEO_KEY_FILE", &file("west.key"))
+            .env("MERIDIAN_GEO_CA_FILE", &file("ca.crt"));
+        for (k, v) in west_env {
+            b.env(k, v);
+        }
+        b.start().unwrap();
+        geo_urls.push(format!("quic://{listen}"));
+        brokers.push(b);
+    }
+    crate::step(
+        "the sites introduced (east knows west at broker a's link); acme/g made at east alone",
+    );
+    let at = |url: &str, args: &[&str]| {
+        let mut all = vec!["--admin-url", url];
+        all.extend_from_slice(args);
+        admin_ok(&all)
+    };
+    let east_geo = east.geo_url.clone().unwrap();
+    at(
+        &east.admin_url,
+        &[
+            "clusters",
+            "create",
+            "west",
+            "--broker-url",
+            &brokers[0].url,
+            "--url",
+            &brokers[0].admin_url,
+            "--geo-url",
+            &geo_urls[0],
+        ],
+    );
+    at(
+        &brokers[0].admin_url,
+        &[
+            "clusters",
+            "create",
+            "east",
+            "--broker-url",
+            &east.url,
+            "--url",
+            &east.admin_url,
+            "--geo-url",
+            &east_geo,
+        ],
+    );
+    at(
+        &east.admin_url,
+        &[
+            "tenants",
+            "create",
+            "acme",
+            "--allowed-clusters",
+            "east,west",
+        ],
+    );
+    at(
+        &east.admin_url,
+        &["namespaces", "create", "acme/g", "--clusters", "east,west"],
+    );
+    for b in &brokers {
+        wait_admin(
+            &b.admin_url,
+            &["namespaces", "policies", "acme/g"],
+            "acme/g at west",
+            |_| true,
+        );
+    }
+    TwoBrokerWest {
+        cluster,
+        root,
+        endpoints,
+        east,
+        bookie,
+        brokers,
+        proxies,
+    }
 }

@@ -10,7 +10,7 @@ use meridian_config::GeoConfig;
 use meridian_geo::frame::{Frame, OriginPosition, ReplicatedEntry};
 use meridian_geo::link::{read_frame, write_frame};
 use meridian_geo::{GeoLink, LinkError, SiteDirectory};
-use meridian_integration::geo_sites::{admin_ok, geo_flags, mesh_with};
+use meridian_integration::geo_sites::{admin_ok, geo_flags, mesh_with, wait_admin};
 use meridian_integration::udp_proxy::Faults;
 use meridian_integration::{admin_json, run_admin, step, StandaloneProc};
 
@@ -940,134 +940,23 @@ fn given_two_sites_active_active_then_a_hundred_thousand_from_each_arrive_once_i
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_site_of_two_brokers_then_each_topic_s_stream_is_served_by_its_owner() {
-    use meridian_integration::{BookieProc, BrokerProc, MetaCluster};
-    let cluster = MetaCluster::start(1).await.expect("metadata node");
-    let root = cluster.root.path().to_path_buf();
-    let pki = root.join("pki");
-    let d = pki.display().to_string();
-    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
-    for s in ["east", "west"] {
-        admin_ok(&[
-            "geo",
-            "create-site-cert",
-            s,
-            "--ca-dir",
-            &d,
-            "--out-dir",
-            &d,
-        ]);
-    }
-    let file = |f: &str| pki.join(f).display().to_string();
-    step(
-        "east: a standalone; west: one metadata node, a bookie, brokers a and b, each with a link",
-    );
-    step("east dials west's record (a's link) and b's link each through a proxy (geo.routes)");
-    let west_listens: Vec<String> = (0..2)
-        .map(|_| format!("127.0.0.1:{}", meridian_integration::free_udp_port()))
-        .collect();
-    let proxies: Vec<meridian_integration::udp_proxy::UdpProxy> = west_listens
-        .iter()
-        .map(|l| meridian_integration::udp_proxy::UdpProxy::start(l.parse().unwrap()))
-        .collect();
-    let east_dir = root.join("east");
-    std::fs::create_dir_all(&east_dir).unwrap();
-    let mut east = StandaloneProc::new(&east_dir);
-    let east_listen = format!("127.0.0.1:{}", meridian_integration::free_udp_port());
-    east.args(
-        &geo_flags("east", &pki, &east_listen)
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    )
-    .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
-    .env(
-        "MERIDIAN_GEO_ROUTES",
-        &format!(
-            "west={},{}={}",
-            proxies[0].addr, west_listens[1], proxies[1].addr
-        ),
-    );
-    east.start().unwrap();
-    let endpoints = cluster.endpoints().join(",");
-    let mut bookie = BookieProc::new("bookie", &root, &endpoints);
-    bookie.start().unwrap();
-    meridian_integration::wait_for_bookies(&cluster.client(), 1, Duration::from_secs(30))
-        .await
-        .unwrap();
-    let mut brokers = Vec::new();
-    let mut geo_urls = Vec::new();
-    for (n, listen) in ["a", "b"].into_iter().zip(&west_listens) {
-        let mut b = BrokerProc::new(n, &root, &endpoints);
-        b.env("MERIDIAN_BROKER_CLUSTER_NAME", "west")
-            .env("MERIDIAN_BROKER_ENSEMBLE", "1")
-            .env("MERIDIAN_BROKER_WRITE_QUORUM", "1")
-            .env("MERIDIAN_BROKER_ACK_QUORUM", "1")
-            .env("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")
-            .env("MERIDIAN_GEO_LISTEN", listen)
-            .env("MERIDIAN_GEO_CERT_FILE", &file("west.crt"))
-            .env("MERIDIAN_GEO_KEY_FILE", &file("west.key"))
-            .env("MERIDIAN_GEO_CA_FILE", &file("ca.crt"));
-        b.start().unwrap();
-        geo_urls.push(format!("quic://{listen}"));
-        brokers.push(b);
-    }
-    step("the sites introduced (east knows west at broker a's link); acme/g made at east alone");
+    use meridian_integration::geo_sites::{east_and_west_of_two_brokers, TwoBrokerWest};
+    use meridian_integration::BrokerProc;
+    let TwoBrokerWest {
+        cluster: _cluster,
+        root,
+        endpoints,
+        mut east,
+        mut bookie,
+        mut brokers,
+        proxies,
+    } = east_and_west_of_two_brokers(&[("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "200")])
+        .await;
     let at = |url: &str, args: &[&str]| {
         let mut all = vec!["--admin-url", url];
         all.extend_from_slice(args);
         admin_ok(&all)
     };
-    let east_geo = east.geo_url.clone().unwrap();
-    at(
-        &east.admin_url,
-        &[
-            "clusters",
-            "create",
-            "west",
-            "--broker-url",
-            &brokers[0].url,
-            "--url",
-            &brokers[0].admin_url,
-            "--geo-url",
-            &geo_urls[0],
-        ],
-    );
-    at(
-        &brokers[0].admin_url,
-        &[
-            "clusters",
-            "create",
-            "east",
-            "--broker-url",
-            &east.url,
-            "--url",
-            &east.admin_url,
-            "--geo-url",
-            &east_geo,
-        ],
-    );
-    at(
-        &east.admin_url,
-        &[
-            "tenants",
-            "create",
-            "acme",
-            "--allowed-clusters",
-            "east,west",
-        ],
-    );
-    at(
-        &east.admin_url,
-        &["namespaces", "create", "acme/g", "--clusters", "east,west"],
-    );
-    for b in &brokers {
-        wait_admin(
-            &b.admin_url,
-            &["namespaces", "policies", "acme/g"],
-            "acme/g at west",
-            |_| true,
-        );
-    }
     step("west's clients spread 8 topics over both brokers; then each site produces to each");
     let topics: Vec<String> = (0..8)
         .map(|i| format!("persistent://acme/g/owned-{i}"))
@@ -1635,22 +1524,6 @@ fn given_a_partition_and_a_lossy_link_then_every_message_arrives_once_and_the_la
 
 /// Waits (30 s at most) until `meridian-admin --admin-url URL ARGS` succeeds and `ok` holds of
 /// its output; the output.
-fn wait_admin(url: &str, args: &[&str], what: &str, ok: impl Fn(&str) -> bool) -> String {
-    let mut all = vec!["--admin-url", url];
-    all.extend_from_slice(args);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let (code, out, err) = run_admin(&all).unwrap();
-        if code == 0 && ok(&out) {
-            return out;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{what}: meridian-admin {args:?}: {out}{err}"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
-}
 
 #[test]
 fn given_objects_made_at_one_site_then_every_site_they_name_converges_on_them() {

@@ -534,3 +534,127 @@ fn given_a_failover_after_kill_9_of_east_then_west_serves_and_failback_converges
     assert_eq!(report["rpo"]["messages"], lacked, "{report}");
     assert!(lacked > 0, "the slow link left nothing behind: {report}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_site_of_two_brokers_then_a_drill_cuts_both_at_once_and_each_message_is_kept_once()
+{
+    use meridian_integration::geo_sites::{east_and_west_of_two_brokers, TwoBrokerWest};
+    // West's policy beat is a minute: only the cut's watch can tell the broker not asked.
+    let s: TwoBrokerWest =
+        east_and_west_of_two_brokers(&[("MERIDIAN_BROKER_POLICY_REFRESH_INTERVAL_MS", "60000")])
+            .await;
+    let dir = s.root.clone();
+    let service = s.west_service();
+    let (a, b) = (&s.brokers[0], &s.brokers[1]);
+    for url in [&s.east.admin_url, &a.admin_url] {
+        meridian_integration::geo_sites::admin_ok(&[
+            "--admin-url",
+            url,
+            "namespaces",
+            "set-deduplication",
+            "acme/g",
+            "--enable",
+        ]);
+    }
+    step("west's clients spread 6 topics over a and b");
+    let topics: Vec<String> = (0..6)
+        .map(|i| format!("persistent://acme/g/cut-{i}"))
+        .collect();
+    for t in &topics {
+        produce(&dir, &service, t, 10, 0);
+    }
+    let owner = |t: &str| {
+        admin_json(&a.admin_url, &["topics", "lookup", t])["owner"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    let on = |broker: &meridian_integration::BrokerProc| {
+        let id = meridian_integration::host(&broker.url);
+        topics
+            .iter()
+            .find(|t| owner(t) == id)
+            .cloned()
+            .unwrap_or_else(|| panic!("no topic on {id}"))
+    };
+    let chosen = [on(a), on(b)];
+
+    step("a producer on each of a's and b's topics (3,000 each, about 1,000 msg/s, west's two-broker URL); a drill at a cuts west over to east 1 s in, holds 3 s");
+    let producers: Vec<PyClient> = chosen
+        .iter()
+        .map(|t| {
+            PyClient::run(
+                &dir,
+                "cut-producer",
+                &[
+                    "produce",
+                    &service,
+                    t,
+                    "--count",
+                    "3000",
+                    "--start",
+                    "10",
+                    "--batch",
+                    "--pause-every",
+                    "20",
+                    "--pause-ms",
+                    "20",
+                ],
+            )
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let (code, out, err) = meridian_integration::run_admin(&[
+        "--admin-url",
+        &a.admin_url,
+        "--output",
+        "json",
+        "geo",
+        "drill",
+        "--from",
+        "west",
+        "--to",
+        "east",
+        "--namespace",
+        "acme/g",
+        "--hold",
+        "3s",
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(&out).unwrap();
+    step(format!("report: {report}"));
+    assert_eq!(report["errors"], 0, "{report}");
+    for mut p in producers {
+        p.finish(Duration::from_secs(120)).unwrap();
+        assert_eq!(p.ints("acked").len(), 3_000, "every send acknowledged");
+        assert!(p.lines().iter().all(|l| l.get("failed").is_none()));
+    }
+    step("broker b, not asked, applied the cut and its end at once (its policy beat is a minute)");
+    let log = b.log_text();
+    assert!(
+        log.contains("cut over to east (seen here)"),
+        "b never saw the cut"
+    );
+    assert!(
+        log.contains("cut ended (seen here)"),
+        "b never saw the cut end"
+    );
+
+    step("both sites hold every message of both topics exactly once");
+    let all: Vec<u64> = (0..3_010).collect();
+    for t in &chosen {
+        for url in [&s.east.url, &service] {
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let got = loop {
+                let mut got = read_all(&dir, url, t);
+                got.sort_unstable();
+                if got.len() >= all.len() || Instant::now() > deadline {
+                    break got;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            };
+            assert_eq!(got, all, "{t} at {url}");
+        }
+    }
+}

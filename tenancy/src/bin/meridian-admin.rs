@@ -1592,10 +1592,10 @@ async fn measure_exposure(
 }
 
 /// Whether every replicated topic of `ns` at the site of `c` has nothing left for `remote`.
-/// `None` when each of `topics` (partitions named one by one) is loaded at the broker of `c`
-/// with its replicator to `remote` connected and nothing left to send there (topics another
-/// broker of that site serves are not seen: they count as not caught up); else why not, for
-/// the first that is not.
+/// `None` when each of `topics` (partitions named one by one) is loaded with its replicator
+/// to `remote` connected and nothing left to send there; else why not, for the first that is
+/// not. Those the broker of `c` serves come in one answer; those another broker of that site
+/// serves are asked about one by one (the call goes to their owner, which loads them).
 async fn not_caught_up(
     c: &mut Client,
     ns: &str,
@@ -1609,8 +1609,16 @@ async fn not_caught_up(
         .await?
         .into_inner();
     for name in topics {
-        let Some(t) = l.topics.iter().find(|t| &t.topic == name) else {
-            return Ok(Some(format!("{name} is not loaded")));
+        let owned;
+        let t = match l.topics.iter().find(|t| &t.topic == name) {
+            Some(t) => t,
+            None => match c.get_topic_stats(Name { name: name.clone() }).await {
+                Ok(s) => {
+                    owned = s.into_inner();
+                    &owned
+                }
+                Err(e) => return Ok(Some(format!("{name}: {}", e.message()))),
+            },
         };
         let Some(r) = t.replication.iter().find(|r| r.remote == remote) else {
             return Ok(Some(format!("{name} has no replicator to {remote}")));

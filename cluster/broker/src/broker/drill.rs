@@ -85,9 +85,43 @@ impl Broker {
         })
     }
 
-    /// Re-reads the cuts (the policy beat's): a namespace cut at another broker of this site
-    /// has its topics here unloaded (their clients go to the other site); one whose cut ended
-    /// has its replicators started again by the same beat.
+    /// Follows the cuts' records as they change (a watch on `/geo-drill-cuts/`), so every
+    /// broker of the site applies a cut made at another within milliseconds, not at its next
+    /// policy beat (which re-reads them too, should the watch be down). Ends with the broker.
+    pub(super) async fn watch_drill_cuts(broker: std::sync::Weak<Broker>) {
+        loop {
+            let meta = match broker.upgrade() {
+                Some(b) if !b.is_closing() => b.meta.clone(),
+                _ => return,
+            };
+            match meta.watch(DRILL_CUTS_PREFIX, true, 0).await {
+                Ok(mut w) => {
+                    // What changed before the watch began is read now.
+                    if let Some(b) = broker.upgrade() {
+                        b.refresh_drill_cuts().await;
+                    }
+                    while let Some(events) = w.next().await {
+                        let Some(b) = broker.upgrade().filter(|b| !b.is_closing()) else {
+                            return;
+                        };
+                        if let Err(e) = events {
+                            tracing::debug!(error = %e, "the watch of drills' cuts broke; watching again");
+                            break;
+                        }
+                        b.refresh_drill_cuts().await;
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "watching drills' cuts failed; trying again")
+                }
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    }
+
+    /// Re-reads the cuts (the watch's and the policy beat's): a namespace cut at another
+    /// broker of this site has its topics here unloaded (their clients go to the other site);
+    /// one whose cut ended has the replicators of its topics loaded here started again.
     pub(super) async fn refresh_drill_cuts(&self) {
         let _gate = self.cuts.gate.lock().await;
         let cuts = match self.read_cuts().await {
@@ -101,12 +135,27 @@ impl Broker {
             &mut *self.cuts.known.write().expect("cuts lock"),
             cuts.clone(),
         );
-        for ns in cuts.keys().filter(|ns| !old.contains_key(*ns)) {
+        for ended in old.keys().filter(|ns| !cuts.contains_key(*ns)) {
+            tracing::info!(namespace = %ended, "failover drill: the namespace's cut ended (seen here)");
+            for t in self.loaded_topics() {
+                if t.name.namespace() == *ended {
+                    t.reconcile_replicators(&t.policies()).await;
+                }
+            }
+        }
+        for (ns, cut) in cuts.iter().filter(|(ns, _)| !old.contains_key(*ns)) {
             let loaded: Vec<_> = self
                 .loaded_topics()
                 .into_iter()
                 .filter(|t| t.name.namespace() == *ns)
                 .collect();
+            tracing::info!(
+                namespace = %ns,
+                to = %cut.to,
+                topics = loaded.len(),
+                "failover drill: the namespace is cut over to {} (seen here)",
+                cut.to
+            );
             for t in loaded {
                 if let Err(e) = self.unload_topic(&t.name).await {
                     tracing::warn!(topic = %t.name, error = %e, "unloading a cut namespace's topic failed");

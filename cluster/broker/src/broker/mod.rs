@@ -576,6 +576,9 @@ impl Broker {
                     self.meta.clone(),
                     &ml,
                     self.cfg.deduplication_snapshot_entries,
+                    // Across sites only where the namespace's own (global) record says so:
+                    // a site's broker default is not known to the others.
+                    policies.deduplication_enabled == Some(true),
                 )
                 .await?,
             ))

@@ -96,6 +96,7 @@ impl Broker {
     /// off applies when a topic is next loaded) and applies message TTLs: on every durable
     /// subscription, what was published more than the TTL ago is acknowledged.
     pub async fn policy_loop(self: Arc<Self>) {
+        tokio::spawn(Broker::watch_drill_cuts(Arc::downgrade(&self)));
         let every = Duration::from_millis(self.cfg.policy_refresh_interval_ms);
         let expired = metrics::counter!("meridian_ttl_expired_entries_total");
         let mut next_beat = tokio::time::Instant::now() + every;

@@ -32,6 +32,23 @@ impl HeldIds {
         HeldIds(vec![(i64::MIN, highest)])
     }
 
+    /// Ranges as given (a peer's answer), joined where they touch, none dropped.
+    pub fn exact(ranges: impl IntoIterator<Item = (i64, i64)>) -> Self {
+        let mut v: Vec<(i64, i64)> = ranges
+            .into_iter()
+            .map(|(a, b)| (a.min(b), a.max(b)))
+            .collect();
+        v.sort_unstable();
+        let mut out: Vec<(i64, i64)> = Vec::with_capacity(v.len());
+        for (lo, hi) in v {
+            match out.last_mut() {
+                Some(last) if lo <= last.1.saturating_add(1) => last.1 = last.1.max(hi),
+                _ => out.push((lo, hi)),
+            }
+        }
+        HeldIds(out)
+    }
+
     /// Adds `first..=highest`.
     pub fn insert(&mut self, first: i64, highest: i64) {
         let (lo, hi) = (first.min(highest), first.max(highest));
@@ -59,6 +76,7 @@ impl HeldIds {
 
     /// The parts of `lo..=hi` that are held.
     pub fn within(&self, lo: i64, hi: i64) -> impl Iterator<Item = (i64, i64)> + '_ {
+        let (lo, hi) = (lo.min(hi), lo.max(hi));
         let i = self.0.partition_point(|&(_, h)| h < lo);
         self.0[i..]
             .iter()
@@ -102,6 +120,7 @@ mod tests {
         assert!(!h.covers(181, 181));
         let parts: Vec<_> = h.within(90, 110).collect();
         assert_eq!(parts, [(90, 99), (101, 110)]);
+        assert_eq!(h.within(110, 90).collect::<Vec<_>>(), parts);
         assert_eq!(h.within(181, 200).count(), 0);
         h.insert(100, 100);
         assert_eq!(h.ranges(), &[(0, 180)]);
@@ -117,6 +136,19 @@ mod tests {
         assert!(h.covers(0, 30), "the oldest gaps count as held");
         assert!(!h.covers(175, 175), "recent gaps stay open");
         assert!(h.covers(180, 180));
+    }
+
+    #[test]
+    fn given_many_ranges_from_a_peer_then_exact_keeps_each() {
+        let many: Vec<(i64, i64)> = (0..40).map(|i| (i * 10, i * 10)).collect();
+        let h = HeldIds::exact(many.iter().rev().copied().chain([(21, 20)]));
+        assert_eq!(
+            h.ranges().len(),
+            40,
+            "(21, 20) joined with 20, none dropped"
+        );
+        assert!(!h.covers(5, 5));
+        assert!(h.covers(20, 21));
     }
 
     #[test]

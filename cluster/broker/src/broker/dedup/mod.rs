@@ -114,7 +114,11 @@ struct Snapshot {
     /// Every entry up to here is in `producers` (absent: none recorded yet).
     ledger_id: Option<u64>,
     entry_id: Option<u64>,
-    producers: HashMap<String, NameState>,
+    /// Per name its highest id (a plain number, as brokers before ranges read it).
+    producers: HashMap<String, i64>,
+    /// Per name the ranges of ids held (absent: everything up to its highest).
+    #[serde(default, skip_serializing_if = "HashMap::is_empty")]
+    held: HashMap<String, HeldIds>,
     /// A map too large for one metadata value is in `pages` values
     /// `<key>/<generation>/<i>`, written before this head; the head names its generation,
     /// so a snapshot cut short leaves the previous one whole. Absent in small snapshots
@@ -186,14 +190,25 @@ fn encode_snapshot(
             serde_json::to_vec(&page).expect("page serialises"),
         ));
     }
+    let (producers, held) = if paged {
+        (HashMap::new(), HashMap::new())
+    } else {
+        let mut producers = HashMap::with_capacity(page.len());
+        let mut held = HashMap::new();
+        for (name, state) in page {
+            let (seq, ids) = state.split();
+            producers.insert(name.to_string(), seq);
+            if ids != HeldIds::through(seq) {
+                held.insert(name.to_string(), ids);
+            }
+        }
+        (producers, held)
+    };
     let head = Snapshot {
         ledger_id: recorded_upto.map(|p| p.ledger_id),
         entry_id: recorded_upto.map(|p| p.entry_id),
-        producers: if paged {
-            HashMap::new()
-        } else {
-            page.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
-        },
+        producers,
+        held,
         pages: pages.len() as u32,
         generation: if paged { generation } else { 0 },
     };
@@ -285,6 +300,9 @@ struct Inner {
     last_push: HashMap<String, u64>,
     /// The ids held of each name, stored here or replicated here (durable).
     held: HashMap<String, HeldIds>,
+    /// Replicated entries queued and not yet recorded, by ticket: (name, first, highest).
+    /// Their ids may be below `pushed`, which then does not show them.
+    replicas_in_flight: HashMap<u64, (String, i64, i64)>,
 }
 
 impl Inner {
@@ -337,7 +355,9 @@ impl Inner {
             .insert(first, highest);
     }
 
-    /// What to do with a replicated entry of `s.producer`.
+    /// What to do with a replicated entry of `s.producer`. A chunk other than its message's
+    /// last is held when its message is (all its chunks share the id); else appended, not
+    /// tracked (the last chunk is).
     fn check_replica(&self, s: &EntrySequence) -> ReplicaCheck {
         if self
             .held
@@ -345,6 +365,18 @@ impl Inner {
             .is_some_and(|h| h.covers(s.first, s.highest))
         {
             return ReplicaCheck::Held;
+        }
+        if s.partial_chunk {
+            return ReplicaCheck::Fresh;
+        }
+        let overlaps = |&(ref name, first, highest): &(String, i64, i64)| {
+            *name == s.producer && first <= s.highest && s.first <= highest
+        };
+        if let Some((_, first, highest)) = self.replicas_in_flight.values().find(|r| overlaps(r)) {
+            return ReplicaCheck::Busy(format!(
+                "sequence ids {first}..={highest} of {} are being written here from another site; send them again later",
+                s.producer
+            ));
         }
         let persisted = self.persisted.get(&s.producer).copied().unwrap_or(-1);
         let pushed = self.pushed.get(&s.producer).copied().unwrap_or(-1);
@@ -402,23 +434,29 @@ impl ReplicaGuard<'_> {
         self.0.check_replica(s)
     }
 
-    /// The entry of `s` was queued: its ticket (the log's next). A local send of the same
-    /// ids meanwhile waits for its outcome.
-    pub fn ticket(&mut self, s: EntrySequence) -> Ticket {
+    /// The entry of `s` was queued: its ticket (the log's next); `None` for a chunk other
+    /// than its message's last (not tracked). A local send of the same ids, or a replicated
+    /// entry of them from another site, meanwhile waits for its outcome.
+    pub fn ticket(&mut self, s: EntrySequence) -> Option<Ticket> {
+        if s.partial_chunk {
+            return None;
+        }
         let g = &mut self.0;
         let id = g.next_ticket;
         g.next_ticket += 1;
         g.inflight.insert(id, TicketState::Pending);
+        g.replicas_in_flight
+            .insert(id, (s.producer.clone(), s.first, s.highest));
         if g.pushed.get(&s.producer).is_none_or(|&p| p < s.highest) {
             g.push(&s.producer, id, s.highest);
         }
         g.last_active_ms.insert(s.producer.clone(), super::now_ms());
-        Ticket {
+        Some(Ticket {
             id,
             producer: s.producer,
             first: s.first,
             highest: s.highest,
-        }
+        })
     }
 }
 
@@ -441,6 +479,9 @@ pub struct Dedup {
     snapshotting: Arc<AtomicBool>,
     /// The generation of the last snapshot's pages; each snapshot writes the next.
     generation: Arc<std::sync::atomic::AtomicU64>,
+    /// Replicated entries count under their producers' names and are checked (the
+    /// namespace's own record deduplicates, so every site of it does).
+    cross_site: bool,
 }
 
 impl Dedup {
@@ -449,6 +490,7 @@ impl Dedup {
         meta: MetadataClient,
         ml: &Arc<ManagedLedger>,
         snapshot_every: u64,
+        cross_site: bool,
     ) -> Result<Dedup, BrokerError> {
         let key = format!("{DEDUP_PREFIX}{}", ml.name());
         let mut inner = Inner::default();
@@ -480,10 +522,17 @@ impl Dedup {
                             format!("deduplication snapshot page {pk} is damaged: {e}"),
                         )
                     })?;
-                s.producers.extend(page);
+                for (name, state) in page {
+                    let (seq, held) = state.split();
+                    s.producers.insert(name.clone(), seq);
+                    s.held.insert(name, held);
+                }
             }
-            for (name, state) in s.producers {
-                let (seq, held) = state.split();
+            for (name, seq) in s.producers {
+                let held = s
+                    .held
+                    .remove(&name)
+                    .unwrap_or_else(|| HeldIds::through(seq));
                 inner.persisted.insert(name.clone(), seq);
                 inner.held.insert(name, held);
             }
@@ -504,7 +553,11 @@ impl Dedup {
                 let Ok(entry) = Entry::parse(bytes) else {
                     continue;
                 };
-                // Replicated entries too: a producer name is one producer across sites.
+                // Replicated entries too where a producer name is one producer across sites
+                // (else they are other sites' producers).
+                if !cross_site && entry.origin().ok().flatten().is_some() {
+                    continue;
+                }
                 if let Some(seq) = entry_sequence(&entry).filter(|s| !s.partial_chunk) {
                     inner.persist(&seq.producer, seq.first, seq.highest);
                 }
@@ -522,6 +575,7 @@ impl Dedup {
             inner: tokio::sync::Mutex::new(inner),
             snapshotting: Arc::new(AtomicBool::new(false)),
             generation: Arc::new(std::sync::atomic::AtomicU64::new(generation)),
+            cross_site,
         })
     }
 
@@ -531,8 +585,11 @@ impl Dedup {
         &self,
         asked: &BTreeMap<String, Vec<(i64, i64)>>,
     ) -> BTreeMap<String, Vec<(i64, i64)>> {
-        let g = self.inner.lock().await;
         let mut out = BTreeMap::new();
+        if !self.cross_site {
+            return out;
+        }
+        let g = self.inner.lock().await;
         for (name, ranges) in asked {
             let Some(held) = g.held.get(name) else {
                 continue;
@@ -548,9 +605,13 @@ impl Dedup {
         out
     }
 
-    /// Holds the state while a replicated entry is checked and queued ([`ReplicaGuard`]).
-    pub async fn replica(&self) -> ReplicaGuard<'_> {
-        ReplicaGuard(self.inner.lock().await)
+    /// Holds the state while a replicated entry is checked and queued ([`ReplicaGuard`]);
+    /// `None` where replicated entries are not checked (see `cross_site`).
+    pub async fn replica(&self) -> Option<ReplicaGuard<'_>> {
+        if !self.cross_site {
+            return None;
+        }
+        Some(ReplicaGuard(self.inner.lock().await))
     }
 
     /// The highest persisted sequence id of `producer`, -1 if none (PRODUCER_SUCCESS). A
@@ -651,6 +712,7 @@ impl Dedup {
     pub async fn record(&self, ticket: Ticket, outcome: Option<Position>) {
         let snapshot = {
             let mut g = self.inner.lock().await;
+            g.replicas_in_flight.remove(&ticket.id);
             match outcome {
                 Some(pos) => {
                     if ticket.highest != i64::MIN {
@@ -771,15 +833,18 @@ mod tests {
         assert!(pages.is_empty());
         let h: Snapshot = serde_json::from_slice(&head).unwrap();
         assert_eq!((h.pages, h.generation), (0, 0));
-        let back: HashMap<String, (i64, HeldIds)> = h
-            .producers
-            .into_iter()
-            .map(|(k, v)| (k, v.split()))
-            .collect();
-        assert_eq!(back.len(), 10);
-        assert_eq!(back["p3"].0, 3);
-        assert_eq!(back["p3"].1.ranges(), &[(1, 1), (3, 3)]);
-        assert_eq!(back["p7"], (7, HeldIds::through(7)));
+        assert_eq!(
+            h.producers, small,
+            "plain numbers, as brokers before ranges read them"
+        );
+        assert_eq!(
+            h.held.len(),
+            1,
+            "only names whose ids are not everything up to the highest"
+        );
+        assert_eq!(h.held["p3"].ranges(), &[(1, 1), (3, 3)]);
+        let older: serde_json::Value = serde_json::from_slice(&head).unwrap();
+        assert!(older["producers"]["p3"].is_i64());
         let big: HashMap<String, i64> = (0..20_000)
             .map(|i| (format!("producer-with-a-long-name-{i:040}"), i))
             .collect();
@@ -830,9 +895,9 @@ mod tests {
     fn given_a_snapshot_from_before_ranges_then_its_names_hold_everything_up_to_their_highest() {
         let old = br#"{"ledger_id":3,"entry_id":4,"producers":{"p":41}}"#;
         let h: Snapshot = serde_json::from_slice(old).unwrap();
-        let (seq, held) = h.producers["p"].clone().split();
-        assert_eq!(seq, 41);
-        assert!(held.covers(0, 41) && !held.covers(42, 42));
+        assert_eq!(h.producers["p"], 41);
+        assert!(h.held.is_empty());
+        assert!(HeldIds::through(41).covers(0, 41));
         let page: HashMap<String, NameState> = serde_json::from_slice(br#"{"q":5}"#).unwrap();
         assert_eq!(page["q"], NameState::Seq(5));
     }
@@ -871,12 +936,54 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn given_chunks_and_replicas_in_flight_then_each_is_checked_by_what_it_needs() {
+        let g = tokio::sync::Mutex::new(Inner::default());
+        let mut guard = ReplicaGuard(g.lock().await);
+        guard.0.persist("p", 101, 180);
+        let chunk = |id| EntrySequence {
+            partial_chunk: true,
+            ..seq(id, id)
+        };
+        assert_eq!(
+            guard.check(&chunk(150)),
+            ReplicaCheck::Held,
+            "its message is here"
+        );
+        assert_eq!(guard.check(&chunk(100)), ReplicaCheck::Fresh);
+        assert!(
+            guard.ticket(chunk(100)).is_none(),
+            "the last chunk is tracked"
+        );
+        // 100 from one site queued: the same ids from a third site wait for its outcome.
+        let t = guard.ticket(seq(100, 100)).unwrap();
+        assert!(matches!(guard.check(&seq(100, 100)), ReplicaCheck::Busy(_)));
+        assert_eq!(guard.check(&seq(99, 99)), ReplicaCheck::Fresh);
+        drop(guard);
+        let d = Dedup {
+            meta: MetadataClient::new(&meridian_config::ClientConfig {
+                endpoints: vec!["127.0.0.1:1".into()],
+                ..Default::default()
+            })
+            .unwrap(),
+            key: "/topic-dedup/x".into(),
+            snapshot_every: u64::MAX,
+            inner: g,
+            snapshotting: Arc::new(AtomicBool::new(false)),
+            generation: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            cross_site: true,
+        };
+        d.record(t, Some(Position::new(1, 1))).await;
+        let guard = d.replica().await.unwrap();
+        assert_eq!(guard.check(&seq(100, 100)), ReplicaCheck::Held);
+    }
+
+    #[tokio::test]
     async fn given_a_replicated_entry_below_the_highest_then_its_ticket_leaves_pushed_alone() {
         let g = tokio::sync::Mutex::new(Inner::default());
         let mut guard = ReplicaGuard(g.lock().await);
         guard.0.persist("p", 101, 180);
         guard.0.pushed.insert("p".into(), 180);
-        let t = guard.ticket(seq(100, 100));
+        let t = guard.ticket(seq(100, 100)).unwrap();
         assert_eq!(guard.0.pushed["p"], 180);
         assert_eq!((t.first, t.highest), (100, 100));
         guard.0.persist(&t.producer, t.first, t.highest);

@@ -106,13 +106,7 @@ impl Topic {
             answer
                 .held_ids
                 .into_iter()
-                .map(|(name, ranges)| {
-                    let mut h = HeldIds::default();
-                    for (lo, hi) in ranges {
-                        h.insert(lo, hi);
-                    }
-                    (name, h)
-                })
+                .map(|(name, ranges)| (name, HeldIds::exact(ranges)))
                 .collect()
         };
         let now = super::super::now_ms();
@@ -165,19 +159,18 @@ impl Topic {
                 if !goes {
                     continue;
                 }
-                let ids = dedup::entry_sequence(&entry)
-                    .filter(|s| !s.partial_chunk)
-                    .map(|s| {
-                        own.asked
-                            .entry(s.producer.clone())
-                            .or_default()
-                            .insert(s.first, s.highest);
-                        let name = names
-                            .entry(s.producer)
-                            .or_insert_with_key(|k| Arc::from(k.as_str()))
-                            .clone();
-                        (name, s.first, s.highest)
-                    });
+                // A chunk other than its message's last counts by its message's id too.
+                let ids = dedup::entry_sequence(&entry).map(|s| {
+                    own.asked
+                        .entry(s.producer.clone())
+                        .or_default()
+                        .insert(s.first, s.highest);
+                    let name = names
+                        .entry(s.producer)
+                        .or_insert_with_key(|k| Arc::from(k.as_str()))
+                        .clone();
+                    (name, s.first, s.highest)
+                });
                 own.entries.push(OwnEntry {
                     ids,
                     messages: meridian_protocol::entry::message_count(&m) as u64,

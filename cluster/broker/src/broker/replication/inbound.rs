@@ -250,10 +250,7 @@ impl Stream {
                 return Err(bad("is not marked with its origin"));
             }
             let messages = u64::from(meridian_protocol::entry::message_count(&meta));
-            let seq = dedup
-                .then(|| dedup::entry_sequence(&stored))
-                .flatten()
-                .filter(|s| !s.partial_chunk);
+            let seq = dedup.then(|| dedup::entry_sequence(&stored)).flatten();
             checked.push((stored, item.at, messages, seq));
         }
         Ok(checked)
@@ -376,7 +373,7 @@ impl Stream {
             match queued {
                 Ok(Some(p)) => {
                     order.ledger = Some(p.ledger_id());
-                    let ticket = guard.as_mut().zip(seq).map(|(g, s)| g.ticket(s));
+                    let ticket = guard.as_mut().zip(seq).and_then(|(g, s)| g.ticket(s));
                     drop(guard);
                     appended.push(Appended {
                         ticket,
@@ -433,7 +430,7 @@ impl Stream {
 /// The topic's deduplication state, held, when it deduplicates and `seq` has ids to check.
 async fn replica_guard<'a>(t: &'a Topic, seq: &Option<EntrySequence>) -> Option<ReplicaGuard<'a>> {
     match (&t.dedup, seq) {
-        (Some(d), Some(_)) => Some(d.replica().await),
+        (Some(d), Some(_)) => d.replica().await,
         _ => None,
     }
 }
@@ -505,6 +502,10 @@ async fn complete(topic: Weak<Topic>, mut jobs: mpsc::UnboundedReceiver<Job>) {
     let _guard = CompleterGuard(topic.clone());
     while let Some(job) = jobs.recv().await {
         let mut failure: Option<Refusal> = None;
+        // An earlier frame of the stream failed: what it lacks may come before this one's
+        // entries held already (not appended, they do not fail with the ledger), which then
+        // must not carry the origin past the missing ones.
+        let earlier_failed = job.failed.load(Ordering::Acquire);
         let mut landed = Vec::with_capacity(job.entries.len());
         for a in job.entries {
             let r = match a.step {
@@ -526,7 +527,13 @@ async fn complete(topic: Weak<Topic>, mut jobs: mpsc::UnboundedReceiver<Job>) {
                 Some(Err(e)) => {
                     failure.get_or_insert(append_refusal(e));
                 }
-                None => landed.push((None, a.at, a.messages, a.bytes, failure.is_none())),
+                None => landed.push((
+                    None,
+                    a.at,
+                    a.messages,
+                    a.bytes,
+                    failure.is_none() && !earlier_failed,
+                )),
             }
         }
         let failure = failure.or(job.stopped);
