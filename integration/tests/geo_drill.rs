@@ -240,6 +240,10 @@ fn given_a_drill_with_producers_running_then_clients_move_and_back_and_its_rpo_i
     assert_eq!(report["errors"], 0, "{report}");
     let phases = &report["phases"];
     assert!(phases["rto_ms"].as_u64().unwrap() > 0, "{report}");
+    assert!(
+        phases["subscriptions_ms"].as_u64().unwrap() >= phases["rto_ms"].as_u64().unwrap(),
+        "{report}"
+    );
     assert!(phases["hold_ms"].as_u64().unwrap() >= 15_000, "{report}");
 
     step("after the restore both sites hold every message exactly once");

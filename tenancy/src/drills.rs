@@ -141,6 +141,10 @@ pub struct Phases {
     pub measured_ms: u64,
     /// RTO: from the cut until every topic was served at the other site.
     pub rto_ms: u64,
+    /// From the cut until every replicated subscription at the other site had applied what
+    /// it held of the first site's states (the subscriptions' positions in place there).
+    #[serde(default)]
+    pub subscriptions_ms: u64,
     /// From the cut until the restore began.
     pub hold_ms: u64,
     /// From the restore until the first site served again and the clients were sent back.
@@ -287,12 +291,12 @@ impl Drill {
                 self.finished_ms.saturating_sub(self.started_ms)
             ),
             Some(p) if self.kind != "drill" => format!(
-                "RTO {} ms; restored in {} ms, caught up {} ms after the restore",
-                p.rto_ms, p.restore_ms, p.caught_up_ms
+                "RTO {} ms (subscriptions in place {} ms); restored in {} ms, caught up {} ms after the restore",
+                p.rto_ms, p.subscriptions_ms, p.restore_ms, p.caught_up_ms
             ),
             Some(p) => format!(
-                "cut in {} ms, measured {} ms after it; RTO {} ms (every topic served at {}); held {} ms; restored in {} ms, caught up {} ms after the restore",
-                p.cut_ms, p.measured_ms, p.rto_ms, self.to, p.hold_ms, p.restore_ms, p.caught_up_ms
+                "cut in {} ms, measured {} ms after it; RTO {} ms (every topic served at {}), subscriptions in place {} ms; held {} ms; restored in {} ms, caught up {} ms after the restore",
+                p.cut_ms, p.measured_ms, p.rto_ms, self.to, p.subscriptions_ms, p.hold_ms, p.restore_ms, p.caught_up_ms
             ),
         };
         let phases = match &self.note {

@@ -157,6 +157,9 @@ pub trait TopicOps: Send + Sync + 'static {
     fn geo_cut(&self, r: GeoCutRequest) -> BoxFuture<'_, Result<(), AdminError>>;
     /// Whether the topic (each partition) is served here now.
     fn probe(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>>;
+    /// Whether the topic's (each partition's) replicated subscriptions have applied what the
+    /// other sites said of the entries held here.
+    fn probe_subscriptions(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>>;
     /// What `remote` would lose if this site were lost now: the topic's (each partition's).
     fn geo_exposure(
         &self,
@@ -1406,6 +1409,14 @@ impl Admin for AdminService {
             .await?;
         forward!(self, r, name, probe_topic, |_: Vec<Empty>| Empty {});
         self.topics.probe(r.into_inner().name).await?;
+        ok(Empty {})
+    }
+
+    async fn probe_subscriptions(&self, r: Request<Name>) -> Reply<Empty> {
+        self.namespace_reader(role_of(&r).as_ref(), &namespace_of_topic(&r.get_ref().name))
+            .await?;
+        forward!(self, r, name, probe_subscriptions, |_: Vec<Empty>| Empty {});
+        self.topics.probe_subscriptions(r.into_inner().name).await?;
         ok(Empty {})
     }
 

@@ -1148,6 +1148,18 @@ impl TopicOps for BrokerTopics {
         .boxed()
     }
 
+    fn probe_subscriptions(&self, topic: String) -> BoxFuture<'_, Result<(), AdminError>> {
+        async move {
+            for t in self.served_topics(&topic).await? {
+                t.subscriptions_applied()
+                    .await
+                    .map_err(AdminError::FailedPrecondition)?;
+            }
+            Ok(())
+        }
+        .boxed()
+    }
+
     fn geo_exposure(
         &self,
         r: pb::GeoExposureRequest,

@@ -1736,28 +1736,14 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
         anyhow::Ok((measured, cut.elapsed()))
     };
     let probing = async {
-        let deadline = cut + Duration::from_secs(120);
-        loop {
-            let mut all = true;
-            for t in &topics {
-                if at_to.probe_topic(Name { name: t.clone() }).await.is_err() {
-                    all = false;
-                    break;
-                }
-            }
-            if all {
-                return anyhow::Ok(cut.elapsed());
-            }
-            anyhow::ensure!(
-                Instant::now() < deadline,
-                "{} did not serve every topic of {ns} within 120 s of the cut (the cut stays: restore with another drill or by hand)",
-                d.to
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let limit = Duration::from_secs(120);
+        until_served(&mut at_to, &topics, &d.to, limit).await?;
+        let rto = cut.elapsed();
+        until_subscriptions_applied(&mut at_to, &topics, &d.to, limit).await?;
+        anyhow::Ok((rto, cut.elapsed()))
     };
     let (m, rto) = tokio::join!(measuring, probing);
-    let (measured, measured_after, rto) = match (m, rto) {
+    let (measured, measured_after, (rto, subs)) = match (m, rto) {
         (Ok((m, after)), Ok(rto)) => (m, after, rto),
         (Err(e), _) | (_, Err(e)) => {
             // The cut is not left in place by a drill that failed.
@@ -1780,6 +1766,7 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
     };
     phases.measured_ms = measured_after.as_millis() as u64;
     phases.rto_ms = rto.as_millis() as u64;
+    phases.subscriptions_ms = subs.as_millis() as u64;
     if let Some(left) = hold.checked_sub(cut.elapsed()) {
         tokio::time::sleep(left).await;
     }
@@ -1866,6 +1853,37 @@ async fn until_served(
     }
 }
 
+/// Probes `topics` at the site of `at` until every replicated subscription of each has
+/// applied what it holds of other sites' states (`ProbeSubscriptions`); the time it took.
+async fn until_subscriptions_applied(
+    at: &mut Client,
+    topics: &[String],
+    site: &str,
+    limit: std::time::Duration,
+) -> anyhow::Result<std::time::Duration> {
+    let start = std::time::Instant::now();
+    let mut from = 0;
+    while from < topics.len() {
+        match at
+            .probe_subscriptions(Name {
+                name: topics[from].clone(),
+            })
+            .await
+        {
+            Ok(_) => from += 1,
+            Err(e) => {
+                anyhow::ensure!(
+                    start.elapsed() < limit,
+                    "the replicated subscriptions at {site} were not in place within {limit:?}: {}",
+                    e.message()
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    }
+    Ok(start.elapsed())
+}
+
 /// `geo failover`: TO takes NS after FROM was lost (refused while FROM answers, unless
 /// --force, which cuts FROM over to TO); the report kept here.
 async fn geo_failover(
@@ -1915,15 +1933,11 @@ async fn geo_failover(
             "{from} did not answer: what it held that {to} lacks is known when it returns (`geo failback` measures it)"
         )
     };
-    phases.rto_ms = until_served(
-        &mut at_to,
-        &topics,
-        &to,
-        std::time::Duration::from_secs(120),
-    )
-    .await?
-    .as_millis() as u64
-        + phases.cut_ms;
+    let limit = std::time::Duration::from_secs(120);
+    let served = until_served(&mut at_to, &topics, &to, limit).await?;
+    phases.rto_ms = served.as_millis() as u64 + phases.cut_ms;
+    let applied = until_subscriptions_applied(&mut at_to, &topics, &to, limit).await?;
+    phases.subscriptions_ms = (served + applied).as_millis() as u64 + phases.cut_ms;
     let mut report = Drill::dry_run(&from, &to, Some(&ns), started_ms, now_ms(), Vec::new());
     report.kind = "failover".into();
     report.id = format!("failover-{started_ms}");

@@ -850,6 +850,24 @@ impl Topic {
         Ok(answer)
     }
 
+    /// Whether every replicated subscription here has applied what the other sites said of
+    /// the entries this site holds: nothing held, or the last apply saw the whole log (what
+    /// it still holds speaks of entries not here). Else which has not (a drill's measure of
+    /// when the subscriptions' positions are in place at the site it cut over to).
+    pub(crate) async fn subscriptions_applied(&self) -> Result<(), String> {
+        let st = self.repl_subs.state.lock().await;
+        let end = self.ml.last_confirmed();
+        for (name, r) in &st.subs {
+            if r.held > 0 && (r.applied_to != end || r.scan_from.is_some()) {
+                return Err(format!(
+                    "subscription {name} of {} has {} parts of other sites' states to apply to entries that came",
+                    self.full_name, r.held
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Each replicated subscription's sync with each remote, for `topics stats`.
     pub(crate) async fn replicated_sub_stats(&self) -> BTreeMap<String, Vec<SubSyncStats>> {
         let st = self.repl_subs.state.lock().await;
