@@ -451,9 +451,10 @@ fn drill(
             .to_string()
     };
     println!(
-        "drill over {} topics: RTO {} ms (every topic served at B), measured {} ms after the cut, caught up {} ms after the restore; publish p99 at A of acme/local at {rate} msg/s: {} ms before, {} ms during the drill",
+        "drill over {} topics: RTO {} ms (every topic served at B), subscriptions in place {} ms, measured {} ms after the cut, caught up {} ms after the restore; publish p99 at A of acme/local at {rate} msg/s: {} ms before, {} ms during the drill",
         report["topics"].as_array().map_or(0, |t| t.len()),
         report["phases"]["rto_ms"],
+        report["phases"]["subscriptions_ms"],
         report["phases"]["measured_ms"],
         report["phases"]["caught_up_ms"],
         p99(&before),
