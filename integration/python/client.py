@@ -469,7 +469,8 @@ def repl_sub(a):
     messages, acknowledge messages 0..cumulative-1 cumulatively, then `individual` more of
     the rest one by one in a shuffled order (most inside batches: batch-index acks), and
     print what was acknowledged. `drain`: print what the subscription delivers until it is
-    idle for `idle_ms`, acknowledging nothing."""
+    idle for `idle_ms`, acknowledging nothing. `live`: acknowledge each message as it comes,
+    until `count` or idle for `idle_ms`."""
     import random
     c = client(a.url)
     cons = c.subscribe(a.topic, a.sub, consumer_type=pulsar.ConsumerType.Exclusive,
@@ -479,7 +480,7 @@ def repl_sub(a):
     out({"subscribed": a.sub})
     got = {}
     while True:
-        if a.mode == "ack" and len(got) >= a.count:
+        if a.mode in ("ack", "live") and len(got) >= a.count:
             break
         try:
             m = cons.receive(timeout_millis=a.idle_ms)
@@ -488,8 +489,12 @@ def repl_sub(a):
         i = int(m.properties()["i"])
         if a.mode == "drain":
             out({"i": i})
+        if a.mode == "live":
+            cons.acknowledge(m)
         got[i] = m
-    if a.mode == "ack":
+    if a.mode == "live":
+        out({"done": len(got)})
+    elif a.mode == "ack":
         acked = list(range(a.cumulative))
         if a.cumulative:
             cons.acknowledge_cumulative(got[a.cumulative - 1])
@@ -932,7 +937,7 @@ def main():
     p.add_argument("--inclusive", action="store_true")
     p.set_defaults(fn=read)
     p = sub.add_parser("repl-sub")
-    p.add_argument("mode", choices=["ack", "drain"])
+    p.add_argument("mode", choices=["ack", "drain", "live"])
     p.add_argument("url")
     p.add_argument("topic")
     p.add_argument("sub")

@@ -1522,9 +1522,6 @@ fn given_a_partition_and_a_lossy_link_then_every_message_arrives_once_and_the_la
     }
 }
 
-/// Waits (30 s at most) until `meridian-admin --admin-url URL ARGS` succeeds and `ok` holds of
-/// its output; the output.
-
 #[test]
 fn given_objects_made_at_one_site_then_every_site_they_name_converges_on_them() {
     let (root, mut procs) = meridian_integration::geo_sites::unlinked(&["east", "west", "north"]);

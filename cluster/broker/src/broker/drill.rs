@@ -97,18 +97,26 @@ impl Broker {
             match meta.watch(DRILL_CUTS_PREFIX, true, 0).await {
                 Ok(mut w) => {
                     // What changed before the watch began is read now.
-                    if let Some(b) = broker.upgrade() {
-                        b.refresh_drill_cuts().await;
+                    match broker.upgrade() {
+                        Some(b) if !b.is_closing() => b.refresh_drill_cuts().await,
+                        _ => return,
                     }
-                    while let Some(events) = w.next().await {
+                    loop {
+                        // Woken every second to see whether the broker is closing.
+                        let next =
+                            tokio::time::timeout(std::time::Duration::from_secs(1), w.next()).await;
                         let Some(b) = broker.upgrade().filter(|b| !b.is_closing()) else {
                             return;
                         };
-                        if let Err(e) = events {
-                            tracing::debug!(error = %e, "the watch of drills' cuts broke; watching again");
-                            break;
+                        match next {
+                            Err(_) => continue,
+                            Ok(Some(Ok(_))) => b.refresh_drill_cuts().await,
+                            Ok(Some(Err(e))) => {
+                                tracing::debug!(error = %e, "the watch of drills' cuts broke; watching again");
+                                break;
+                            }
+                            Ok(None) => break,
                         }
-                        b.refresh_drill_cuts().await;
                     }
                 }
                 Err(e) => {

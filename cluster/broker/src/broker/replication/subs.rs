@@ -177,6 +177,8 @@ struct SubRepl {
     applied_to: Option<Position>,
     /// Where the next apply's scan goes on (one cut short by [`APPLY_SCAN_MAX`]).
     scan_from: Option<Position>,
+    /// What the site held of each other origin when the last apply began.
+    applied_holds: BTreeMap<String, Option<OPos>>,
     /// Origins of entries after the mark-delete position, as read.
     origins: BTreeMap<Position, EntryOrigin>,
 }
@@ -202,6 +204,9 @@ struct Covered {
     held: u64,
     /// Where a scan cut short stopped.
     stopped_at: Option<Position>,
+    /// What the site held of each other origin the states speak of, as the scan began (the
+    /// entries it could apply to).
+    holds: BTreeMap<String, Option<OPos>>,
 }
 
 /// One remote site's side of a replicated subscription, as its sender sees it.
@@ -560,6 +565,12 @@ impl Topic {
             .collect();
         let mut open = parts.clone();
         let mut out = Covered::default();
+        for (_, origin, _) in &parts {
+            if *origin != own && !out.holds.contains_key(origin) {
+                let have = self.held_origin_pos(origin).await?;
+                out.holds.insert(origin.clone(), have);
+            }
+        }
         let mut next = match (from, md) {
             (Some(f), Some(m)) if f > m => Some(f),
             (Some(f), None) => Some(f),
@@ -622,10 +633,7 @@ impl Topic {
             let have = if *origin == own {
                 last_here
             } else {
-                self.held_origin(origin)
-                    .await
-                    .map_err(|e| BrokerError::new(ServerError::ServiceNotReady, e.reason))?
-                    .map(|p| (p.ledger, p.entry))
+                self.held_origin_pos(origin).await?
             };
             if have.is_none_or(|h| *reach > h) {
                 held += 1;
@@ -649,6 +657,7 @@ impl Topic {
         r.incoming = incoming;
         let c = c?;
         r.held = c.held;
+        r.applied_holds = c.holds;
         // Cut short: the next apply goes on from there (and then starts over).
         r.scan_from = c.stopped_at;
         let whole: Vec<Position> = c.whole.iter().map(|w| w.0).collect();
@@ -854,18 +863,44 @@ impl Topic {
     /// the entries this site holds: nothing held, or the last apply saw the whole log (what
     /// it still holds speaks of entries not here). Else which has not (a drill's measure of
     /// when the subscriptions' positions are in place at the site it cut over to).
+    ///
+    /// What a state holds can only be applied to entries of other sites that came since
+    /// (this site's own are all here), so entries produced here meanwhile do not count.
     pub(crate) async fn subscriptions_applied(&self) -> Result<(), String> {
         let st = self.repl_subs.state.lock().await;
-        let end = self.ml.last_confirmed();
         for (name, r) in &st.subs {
-            if r.held > 0 && (r.applied_to != end || r.scan_from.is_some()) {
+            if r.scan_from.is_some() {
                 return Err(format!(
-                    "subscription {name} of {} has {} parts of other sites' states to apply to entries that came",
-                    self.full_name, r.held
+                    "subscription {name} of {}: applying the other sites' states goes on",
+                    self.full_name
                 ));
+            }
+            if r.held == 0 {
+                continue;
+            }
+            for (origin, then) in &r.applied_holds {
+                let now = self
+                    .held_origin_pos(origin)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if now != *then {
+                    return Err(format!(
+                        "subscription {name} of {} has {} parts of other sites' states to apply to entries that came from {origin}",
+                        self.full_name, r.held
+                    ));
+                }
             }
         }
         Ok(())
+    }
+
+    /// [`Topic::held_origin`] as a position pair, its refusal as a broker error.
+    async fn held_origin_pos(&self, origin: &str) -> Result<Option<OPos>, BrokerError> {
+        Ok(self
+            .held_origin(origin)
+            .await
+            .map_err(|e| BrokerError::new(ServerError::ServiceNotReady, e.reason))?
+            .map(|p| (p.ledger, p.entry)))
     }
 
     /// Each replicated subscription's sync with each remote, for `topics stats`.
