@@ -347,12 +347,21 @@ impl Inner {
 
     /// Ids `first..=highest` of `producer` are durable here.
     fn persist(&mut self, producer: &str, first: i64, highest: i64) {
-        let v = self.persisted.entry(producer.to_string()).or_insert(-1);
-        *v = (*v).max(highest);
-        self.held
-            .entry(producer.to_string())
-            .or_default()
-            .insert(first, highest);
+        // The name is copied only the first time (this runs for every send).
+        match self.persisted.get_mut(producer) {
+            Some(v) => *v = (*v).max(highest),
+            None => {
+                self.persisted.insert(producer.to_string(), highest.max(-1));
+            }
+        }
+        match self.held.get_mut(producer) {
+            Some(h) => h.insert(first, highest),
+            None => {
+                let mut h = HeldIds::default();
+                h.insert(first, highest);
+                self.held.insert(producer.to_string(), h);
+            }
+        }
     }
 
     /// What to do with a replicated entry of `s.producer`. A chunk other than its message's
