@@ -765,3 +765,39 @@ fn given_a_subscription_acknowledging_ahead_of_replication_then_the_drill_says_w
     assert_eq!(p.ints("acked").len(), 10_000);
     c.finish(Duration::from_secs(120)).unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_drill_s_probe_client_then_it_is_served_where_a_stock_client_is_and_leaves_nothing()
+{
+    use meridian_tenancy::drill_probe::{probe_topic, PROBE_SUBSCRIPTION};
+    let (root, procs, _) = mesh_with(&["east", "west"], &[], false);
+    let east = &procs[0];
+    let t = "persistent://acme/g/probed";
+    produce(root.path(), &east.url, t, 1, 0);
+    let within = Duration::from_secs(5);
+    step("served: a producer attached and a consumer subscribed through LOOKUP, both closed");
+    probe_topic(&east.url, t, None, within).await.unwrap();
+    let st = json_at(east, &["topics", "stats", t]);
+    let subs: Vec<&str> = st["subscriptions"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| s["name"].as_str())
+        .collect();
+    assert!(!subs.contains(&PROBE_SUBSCRIPTION), "{st}");
+    assert_eq!(
+        read_all(root.path(), &east.url, t),
+        vec![0],
+        "nothing was sent"
+    );
+    step("not served: a namespace east does not have, a TLS-only URL, nobody listening");
+    let e = probe_topic(&east.url, "persistent://acme/missing/x", None, within)
+        .await
+        .unwrap_err();
+    step(format!("refused: {e}"));
+    assert!(probe_topic("pulsar+ssl://127.0.0.1:1", t, None, within)
+        .await
+        .is_err());
+    let closed = format!("pulsar://127.0.0.1:{}", meridian_integration::free_port());
+    assert!(probe_topic(&closed, t, None, within).await.is_err());
+}

@@ -7,6 +7,7 @@
 //! reads the records (policies) and enforces them.
 
 pub mod auth;
+pub mod drill_probe;
 pub mod drills;
 pub mod federation;
 pub mod geo_pki;

@@ -1691,6 +1691,8 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
         anyhow::bail!("a drill that cuts takes --namespace (a namespace is cut over whole)");
     };
     let mut at_to = connect(conn, &to.admin_url).await?;
+    // The probe clients look each partition up, as the stock clients do.
+    let parts = each_partition(&listed);
     let start = Instant::now();
     let mut phases = Phases::default();
     // Cut: FROM's clients of the namespace go to TO, nothing of it goes there from FROM.
@@ -1738,6 +1740,7 @@ async fn geo_drill(c: &mut Client, conn: &Conn, d: DrillArgs, out: Output) -> an
     let probing = async {
         let limit = Duration::from_secs(120);
         until_served(&mut at_to, &topics, &d.to, limit).await?;
+        until_clients_served(&to.service_url, &parts, conn.token.as_deref(), &d.to, limit).await?;
         let rto = cut.elapsed();
         until_subscriptions_applied(&mut at_to, &topics, &d.to, limit).await?;
         anyhow::Ok((rto, cut.elapsed()))
@@ -1853,6 +1856,49 @@ async fn until_served(
     }
 }
 
+/// Probes each of `topics` (partitions named one by one) at the site whose service URL is
+/// `service_url` with a probe producer and a probe consumer, as stock clients are served
+/// (`meridian_tenancy::drill_probe`), all at once, again every 20 ms for those not served,
+/// until every one is; the time it took.
+async fn until_clients_served(
+    service_url: &str,
+    topics: &[String],
+    token: Option<&str>,
+    site: &str,
+    limit: std::time::Duration,
+) -> anyhow::Result<std::time::Duration> {
+    use meridian_tenancy::drill_probe::probe_topic;
+    let start = std::time::Instant::now();
+    let mut left: Vec<&String> = topics.iter().collect();
+    while !left.is_empty() {
+        let answers = futures::future::join_all(
+            left.iter()
+                .map(|t| probe_topic(service_url, t, token, std::time::Duration::from_secs(2))),
+        )
+        .await;
+        let mut why = None;
+        left = left
+            .into_iter()
+            .zip(answers)
+            .filter_map(|(t, a)| match a {
+                Ok(()) => None,
+                Err(e) => {
+                    why.get_or_insert(e);
+                    Some(t)
+                }
+            })
+            .collect();
+        if let Some(why) = why {
+            anyhow::ensure!(
+                start.elapsed() < limit,
+                "{site} did not serve a probe producer and consumer of every topic within {limit:?} ({why})"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+    Ok(start.elapsed())
+}
+
 /// Probes `topics` at the site of `at` until every replicated subscription of each has
 /// applied what it holds of other sites' states (`ProbeSubscriptions`); the time it took.
 async fn until_subscriptions_applied(
@@ -1907,14 +1953,13 @@ async fn geo_failover(
         );
     }
     let mut at_to = connect(conn, &to_rec.admin_url).await?;
-    let topics: Vec<String> = at_to
+    let listed = at_to
         .list_topics(Name { name: ns.clone() })
         .await?
         .into_inner()
-        .topics
-        .into_iter()
-        .map(|t| t.name)
-        .collect();
+        .topics;
+    let parts = each_partition(&listed);
+    let topics: Vec<String> = listed.into_iter().map(|t| t.name).collect();
     let mut phases = Phases::default();
     let note = if let Some(mut at_from) = reachable {
         at_from
@@ -1935,6 +1980,15 @@ async fn geo_failover(
     };
     let limit = std::time::Duration::from_secs(120);
     let served = until_served(&mut at_to, &topics, &to, limit).await?;
+    let clients = until_clients_served(
+        &to_rec.service_url,
+        &parts,
+        conn.token.as_deref(),
+        &to,
+        limit.saturating_sub(served),
+    )
+    .await?;
+    let served = served + clients;
     phases.rto_ms = served.as_millis() as u64 + phases.cut_ms;
     let applied = until_subscriptions_applied(&mut at_to, &topics, &to, limit).await?;
     phases.subscriptions_ms = (served + applied).as_millis() as u64 + phases.cut_ms;
