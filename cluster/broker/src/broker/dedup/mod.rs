@@ -614,6 +614,11 @@ impl Dedup {
         out
     }
 
+    /// Whether replicated entries are checked here (see `cross_site`).
+    pub fn cross_site(&self) -> bool {
+        self.cross_site
+    }
+
     /// Holds the state while a replicated entry is checked and queued ([`ReplicaGuard`]);
     /// `None` where replicated entries are not checked (see `cross_site`).
     pub async fn replica(&self) -> Option<ReplicaGuard<'_>> {

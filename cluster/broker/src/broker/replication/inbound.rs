@@ -219,7 +219,9 @@ impl Stream {
         entries: Vec<ReplicatedEntry>,
         held: Option<OriginPosition>,
     ) -> Result<Vec<Checked>, Refusal> {
-        let dedup = self.topic.dedup.is_some();
+        // Ids are read only where replicated entries are checked (not where a topic
+        // deduplicates by the broker's default alone): a second parse of every entry otherwise.
+        let dedup = self.topic.dedup.as_ref().is_some_and(|d| d.cross_site());
         let mut checked = Vec::new();
         let mut before = held;
         for item in entries {
