@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+pub mod chaos;
 pub mod geo_sites;
 pub mod powercut;
 pub mod raw;
@@ -170,15 +171,11 @@ impl MetaNode {
     /// SIGSTOP (`pause = true`) or SIGCONT: the process freezes with its sockets open, as a
     /// node stalled by a long pause or a VM migration would.
     pub fn pause(&mut self, pause: bool) -> anyhow::Result<()> {
-        let child = self.child.as_ref().context("not running")?;
-        let sig = if pause { "-STOP" } else { "-CONT" };
-        let status = Command::new("kill")
-            .args([sig, &child.id().to_string()])
-            .status()?;
-        if !status.success() {
-            bail!("kill {sig} {} failed", child.id());
-        }
-        Ok(())
+        pause_child(self.child.as_ref(), pause)
+    }
+
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
     }
 
     /// SIGKILL: a crash, no clean-up.
@@ -417,6 +414,20 @@ pub fn pin_to_cpu(pid: Option<u32>, cpu: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// SIGSTOP (`pause = true`) or SIGCONT to a running process: frozen with its sockets open, as
+/// a process stalled by a long pause or a VM migration would be.
+fn pause_child(child: Option<&Child>, pause: bool) -> anyhow::Result<()> {
+    let child = child.context("not running")?;
+    let sig = if pause { "-STOP" } else { "-CONT" };
+    let status = Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()?;
+    if !status.success() {
+        bail!("kill {sig} {} failed", child.id());
+    }
+    Ok(())
+}
+
 /// SIGKILL and reap (nothing if the process is not running).
 fn kill9(child: Option<Child>) -> anyhow::Result<()> {
     if let Some(mut child) = child {
@@ -500,6 +511,11 @@ impl BookieProc {
             .context("spawning meridian bookie")?;
         self.child = Some(child);
         Ok(())
+    }
+
+    /// SIGSTOP (`pause = true`) or SIGCONT.
+    pub fn pause(&mut self, pause: bool) -> anyhow::Result<()> {
+        pause_child(self.child.as_ref(), pause)
     }
 
     /// SIGKILL: a crash.
@@ -923,6 +939,11 @@ impl BrokerProc {
         Ok(())
     }
 
+    /// SIGSTOP (`pause = true`) or SIGCONT.
+    pub fn pause(&mut self, pause: bool) -> anyhow::Result<()> {
+        pause_child(self.child.as_ref(), pause)
+    }
+
     /// SIGKILL: a crash.
     pub fn kill9(&mut self) -> anyhow::Result<()> {
         kill9(self.child.take())
@@ -989,7 +1010,19 @@ impl PyClient {
         stderr_file: &Path,
         env: &[(&str, &str)],
     ) -> anyhow::Result<PyClient> {
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/client.py");
+        Self::spawn_script("client.py", args, stderr_file, env)
+    }
+
+    /// Runs `integration/python/SCRIPT ARGS...` (stderr to `stderr_file`).
+    pub fn spawn_script(
+        script: &str,
+        args: &[&str],
+        stderr_file: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<PyClient> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("python")
+            .join(script);
         let err = std::fs::File::create(stderr_file)?;
         let mut child = Command::new(python())
             .arg(script)

@@ -1,0 +1,512 @@
+//! The fault-schedule runner behind `meridian-chaos`: a site of real processes driven by the
+//! stock Python client while a seeded schedule kills and pauses its processes, then checkers
+//! over everything recorded (see [`check`] and [`linearizable`]).
+
+pub mod check;
+pub mod crate_load;
+pub mod linearizable;
+pub mod meta_load;
+pub mod schedule;
+pub mod site;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+
+use crate::{admin_json, PyClient};
+use check::{Checked, Received, Send, TopicHistory};
+use schedule::Fault;
+use site::Site;
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub seed: u64,
+    /// The schedule's length: faults and the gaps between them.
+    pub run_ms: u64,
+    pub topics: usize,
+    /// The same run with no fault (a baseline for the rates).
+    pub no_faults: bool,
+}
+
+/// One topic of the run and how it is used.
+struct TopicPlan {
+    name: String,
+    dedup: bool,
+    batch: bool,
+    sub_type: &'static str,
+    consumers: usize,
+}
+
+fn plan(topics: usize) -> Vec<TopicPlan> {
+    const TYPES: [&str; 4] = ["exclusive", "shared", "failover", "key_shared"];
+    (0..topics)
+        .map(|i| {
+            let dedup = i % 2 == 0;
+            let ns = if dedup { "chaos-dedup" } else { "chaos-plain" };
+            let sub_type = TYPES[i % TYPES.len()];
+            TopicPlan {
+                name: format!("persistent://public/{ns}/t{i}"),
+                dedup,
+                batch: (i / 2) % 2 == 1,
+                sub_type,
+                consumers: if sub_type == "exclusive" { 1 } else { 2 },
+            }
+        })
+        .collect()
+}
+
+/// A fault as it happened.
+#[derive(Clone, Debug)]
+pub struct Done {
+    pub fault: Fault,
+    /// The process it hit (the leader by its index).
+    pub hit: schedule::Target,
+    /// Wall-clock seconds of its start and of its healing.
+    pub started: f64,
+    pub healed: f64,
+}
+
+/// Everything a run found.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub schedule: Vec<Fault>,
+    pub done: Vec<Done>,
+    pub checked: Checked,
+    pub meta_ops: u64,
+    pub meta_unknown: u64,
+    pub violations: Vec<String>,
+    /// Per kind of fault: the longest time from its healing until every producer had a send
+    /// acknowledged and every subscription a message delivered, in ms.
+    pub recovery_ms: BTreeMap<String, (f64, f64)>,
+    /// Acknowledged sends per second over the run, and of the sends made in quiet stretches
+    /// (long gaps between faults, from 8 s after a fault healed to the next one); their
+    /// publish latency p99 (ms).
+    pub rate_all: f64,
+    pub rate_quiet: f64,
+    pub p99_quiet_ms: f64,
+}
+
+impl std::fmt::Display for Report {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "seed {}: {} faults", self.seed, self.done.len())?;
+        let mut kinds: BTreeMap<String, u64> = BTreeMap::new();
+        for d in &self.done {
+            *kinds.entry(d.fault.kind()).or_default() += 1;
+        }
+        for (k, n) in &kinds {
+            let (p, c) = self.recovery_ms.get(k).copied().unwrap_or_default();
+            writeln!(
+                f,
+                "  {k}: {n}, produce again within {p:.0} ms, consume again within {c:.0} ms"
+            )?;
+        }
+        writeln!(
+            f,
+            "checked: {} sends ({} acknowledged), {} stored, {} deliveries; {} metadata operations ({} of unknown outcome)",
+            self.checked.sends,
+            self.checked.acked,
+            self.checked.stored,
+            self.checked.delivered,
+            self.meta_ops,
+            self.meta_unknown
+        )?;
+        writeln!(
+            f,
+            "acknowledged sends/s: {:.0} over the run, {:.0} in quiet stretches (publish p99 {:.1} ms there)",
+            self.rate_all, self.rate_quiet, self.p99_quiet_ms
+        )?;
+        writeln!(f, "violations: {}", self.violations.len())?;
+        for v in &self.violations {
+            write!(f, "{v}")?;
+        }
+        Ok(())
+    }
+}
+
+pub(crate) fn wall() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+fn say(msg: impl AsRef<str>) {
+    eprintln!("chaos: {}", msg.as_ref());
+}
+
+/// Runs one schedule against a fresh site and checks what happened.
+pub async fn run(o: &Options) -> anyhow::Result<Report> {
+    let schedule = if o.no_faults {
+        Vec::new()
+    } else {
+        schedule::generate(o.seed, o.run_ms, site::SHAPE)
+    };
+    say(format!("seed {}: {} faults", o.seed, schedule.len()));
+    for f in &schedule {
+        say(format!("  {f}"));
+    }
+    let mut site = Site::start().await.context("starting the site")?;
+    let root = site.root().to_path_buf();
+    let admin = site.admin_url();
+    for (ns, dedup) in [("public/chaos-dedup", true), ("public/chaos-plain", false)] {
+        admin_json(&admin, &["namespaces", "create", ns]);
+        if dedup {
+            admin_json(&admin, &["namespaces", "set-deduplication", ns, "--enable"]);
+        }
+    }
+    let url = site.service_url();
+    let topics = plan(o.topics);
+    let stop_produce = root.join("stop-produce");
+    let stop_consume = root.join("stop-consume");
+
+    let mut consumers: Vec<(usize, PyClient)> = Vec::new();
+    for (i, t) in topics.iter().enumerate() {
+        for k in 0..t.consumers {
+            let name = format!("c{i}-{k}");
+            let args = [
+                "consume",
+                &url,
+                &t.name,
+                "s",
+                "--type",
+                t.sub_type,
+                "--name",
+                &name,
+                "--stop",
+                path_str(&stop_consume)?,
+            ];
+            consumers.push((i, py(&root, &name, &args)?));
+        }
+    }
+    for (_, c) in &consumers {
+        c.wait_for("a subscription", Duration::from_secs(60), |l| {
+            l.iter().any(|v| v.get("subscribed").is_some())
+        })?;
+    }
+    let mut producers: Vec<PyClient> = Vec::new();
+    for (i, t) in topics.iter().enumerate() {
+        let name = format!("p{i}");
+        let mut args = vec![
+            "produce",
+            &url,
+            &t.name,
+            "--name",
+            &name,
+            "--stop",
+            path_str(&stop_produce)?,
+        ];
+        if t.batch {
+            args.push("--batch");
+        }
+        producers.push(py(&root, &name, &args)?);
+    }
+    let urls: Vec<String> = site.brokers.iter().map(|b| b.url.clone()).collect();
+    let crates: Vec<crate_load::CrateProducer> = topics
+        .iter()
+        .enumerate()
+        .map(|(i, t)| crate_load::CrateProducer::start(&urls, &t.name, &format!("r{i}")))
+        .collect();
+    for p in &producers {
+        p.wait_for("the first receipts", Duration::from_secs(60), |l| {
+            l.iter().filter(|v| v.get("acked").is_some()).count() >= 10
+        })?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while crates.iter().any(|c| c.acked() < 10) {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the Rust crate's producers had no receipts within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let t0 = Instant::now();
+    let began = wall();
+    let meta = meta_load::MetaLoad::start(
+        &site.meta.endpoints(),
+        &format!("/chaos/{}", o.seed),
+        3,
+        3,
+        o.seed,
+        t0,
+    )?;
+    let mut done = Vec::new();
+    for f in &schedule {
+        tokio::time::sleep(Duration::from_millis(f.after_ms)).await;
+        let started = wall();
+        let applied = site.apply(f).await?;
+        say(format!(
+            "{:.1} s: {f} ({}) {}",
+            started - began,
+            applied.resolved(),
+            applied.note
+        ));
+        tokio::time::sleep(Duration::from_millis(f.length_ms)).await;
+        site.heal(&applied).await?;
+        done.push(Done {
+            fault: *f,
+            hit: applied.resolved(),
+            started,
+            healed: wall(),
+        });
+    }
+    if schedule.is_empty() {
+        tokio::time::sleep(Duration::from_millis(o.run_ms)).await;
+    }
+    // The last fault's effects settle while the load goes on.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let ended = wall();
+    let meta_history = meta.finish().await;
+
+    say("stopping the producers");
+    std::fs::write(&stop_produce, b"")?;
+    let mut sent: Vec<Vec<Value>> = Vec::new();
+    for (i, p) in producers.iter_mut().enumerate() {
+        sent.push(
+            p.finish(Duration::from_secs(120))
+                .with_context(|| format!("producer p{i} did not finish"))?,
+        );
+    }
+    for (i, c) in crates.into_iter().enumerate() {
+        sent[i].extend(c.finish(Duration::from_secs(120)).await);
+    }
+    say("reading every topic from its first message");
+    let mut stored: Vec<Vec<Received>> = Vec::new();
+    for t in &topics {
+        stored.push(read_all(&root, &url, &t.name).await?);
+    }
+    say("waiting for the subscriptions to be handed every stored message");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        let behind = topics.iter().enumerate().any(|(i, _)| {
+            let got = delivered_ids(&consumers, i);
+            stored[i].iter().any(|m| !got.contains(&m.id))
+        });
+        if !behind {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    std::fs::write(&stop_consume, b"")?;
+    let mut delivered: Vec<Vec<Value>> = vec![Vec::new(); topics.len()];
+    for (i, c) in consumers.iter_mut() {
+        let lines = c
+            .finish(Duration::from_secs(60))
+            .with_context(|| format!("a consumer of t{i} did not finish"))?;
+        delivered[*i].extend(lines);
+    }
+
+    let mut report = Report {
+        seed: o.seed,
+        schedule: schedule.clone(),
+        done,
+        ..Report::default()
+    };
+    for (i, t) in topics.iter().enumerate() {
+        let h = TopicHistory {
+            dedup: t.dedup,
+            sends: sends_of(&t.name, &format!("p{i}"), &sent[i]),
+            stored: stored[i].clone(),
+            delivered: BTreeMap::from([("s".to_string(), received(&delivered[i]))]),
+        };
+        let (violations, c) = check::check_topic(&t.name, &h);
+        report.checked.sends += c.sends;
+        report.checked.acked += c.acked;
+        report.checked.stored += c.stored;
+        report.checked.delivered += c.delivered;
+        report
+            .violations
+            .extend(violations.iter().map(ToString::to_string));
+    }
+    for (key, calls) in &meta_history {
+        report.meta_ops += calls.len() as u64;
+        report.meta_unknown += calls.iter().filter(|c| c.completed.is_none()).count() as u64;
+        if let Err(v) = linearizable::check(calls) {
+            let mut s = format!("[linearizability] {key}: {}\n", v.what);
+            for c in &v.excerpt {
+                s.push_str(&format!("    {c}\n"));
+            }
+            report.violations.push(s);
+        }
+    }
+    measure(&mut report, &sent, &delivered, began, ended);
+    if !report.violations.is_empty() {
+        say("a violation: the schedule of this seed was");
+        for f in &report.schedule {
+            say(format!("  {f}"));
+        }
+        for (who, log) in site.logs() {
+            say(format!("{who} logged to {}", log.display()));
+        }
+    }
+    Ok(report)
+}
+
+fn path_str(p: &Path) -> anyhow::Result<&str> {
+    p.to_str().context("a path that is not UTF-8")
+}
+
+fn py(root: &Path, name: &str, args: &[&str]) -> anyhow::Result<PyClient> {
+    PyClient::spawn_script(
+        "chaos_client.py",
+        args,
+        &root.join(format!("{name}.stderr")),
+        &[],
+    )
+}
+
+/// A topic's messages from its first, read again until a reader gets to the end.
+async fn read_all(root: &Path, url: &str, topic: &str) -> anyhow::Result<Vec<Received>> {
+    let mut last = String::new();
+    for attempt in 0..10 {
+        let name = format!("read-{}-{attempt}", topic.rsplit('/').next().unwrap_or("t"));
+        let mut r = py(root, &name, &["read", url, topic])?;
+        match r.finish(Duration::from_secs(120)) {
+            Ok(lines) if lines.iter().any(|v| v.get("done").is_some()) => {
+                return Ok(received(&lines))
+            }
+            Ok(_) => last = "ended without reaching the end".to_string(),
+            Err(e) => last = format!("{e:#}"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    bail!("{topic} could not be read to its end: {last}")
+}
+
+fn received(lines: &[Value]) -> Vec<Received> {
+    lines
+        .iter()
+        .filter_map(|v| {
+            Some(Received {
+                producer: v.get("p")?.as_str()?.to_string(),
+                seq: v.get("s")?.as_u64()?,
+                id: v.get("id")?.as_str()?.to_string(),
+            })
+        })
+        .collect()
+}
+
+fn delivered_ids(
+    consumers: &[(usize, PyClient)],
+    topic: usize,
+) -> std::collections::HashSet<String> {
+    consumers
+        .iter()
+        .filter(|(i, _)| *i == topic)
+        .flat_map(|(_, c)| received(&c.lines()))
+        .map(|m| m.id)
+        .collect()
+}
+
+/// The sends of a topic's producers, from their lines (the Python producer's lines do not
+/// name it: `python_name`).
+fn sends_of(topic: &str, python_name: &str, lines: &[Value]) -> Vec<Send> {
+    let mut by_send: BTreeMap<(String, u64), Option<String>> = BTreeMap::new();
+    for v in lines {
+        let name = v.get("p").and_then(Value::as_str).unwrap_or(python_name);
+        if let Some(s) = v.get("acked").and_then(Value::as_u64) {
+            let id = v
+                .get("id")
+                .and_then(Value::as_str)
+                .unwrap_or("")
+                .to_string();
+            by_send.insert((name.to_string(), s), Some(id));
+        } else if let Some(s) = v.get("failed").and_then(Value::as_u64) {
+            by_send.entry((name.to_string(), s)).or_insert(None);
+        }
+    }
+    by_send
+        .into_iter()
+        .map(|((producer, seq), acked)| Send {
+            topic: topic.to_string(),
+            producer,
+            seq,
+            acked,
+        })
+        .collect()
+}
+
+/// Recovery after each fault, and the rates in and out of quiet stretches.
+fn measure(r: &mut Report, sent: &[Vec<Value>], delivered: &[Vec<Value>], began: f64, ended: f64) {
+    let times = |lines: &[Value], field: &str| -> Vec<f64> {
+        let mut t: Vec<f64> = lines
+            .iter()
+            .filter(|v| v.get(field).is_some())
+            .filter_map(|v| v.get("t").and_then(Value::as_f64))
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t
+    };
+    // Each producer's receipts (a topic's Python producer, and its crate producer's
+    // incarnations together).
+    let acks: Vec<Vec<f64>> = sent
+        .iter()
+        .flat_map(|l| {
+            let (py, rs): (Vec<Value>, Vec<Value>) =
+                l.iter().cloned().partition(|v| v.get("p").is_none());
+            [times(&py, "acked"), times(&rs, "acked")]
+        })
+        .collect();
+    let gets: Vec<Vec<f64>> = delivered.iter().map(|l| times(l, "p")).collect();
+    let first_after = |ts: &[f64], h: f64| -> f64 {
+        let i = ts.partition_point(|t| *t < h);
+        ts.get(i).map_or(f64::INFINITY, |t| (t - h) * 1000.0)
+    };
+    for d in &r.done {
+        let p = acks
+            .iter()
+            .map(|a| first_after(a, d.healed))
+            .fold(0.0, f64::max);
+        let c = gets
+            .iter()
+            .map(|g| first_after(g, d.healed))
+            .fold(0.0, f64::max);
+        let e = r.recovery_ms.entry(d.fault.kind()).or_default();
+        e.0 = e.0.max(p);
+        e.1 = e.1.max(c);
+    }
+    // Quiet: the long gaps between faults, from 8 s after a healing (a broker's session
+    // outlives its kill by up to 5 s) to the next fault's start; and the whole run without
+    // faults.
+    let settle = 8.0;
+    let mut quiet: Vec<(f64, f64)> = Vec::new();
+    let mut from = began;
+    for d in &r.done {
+        if d.started - from >= (schedule::QUIET_MS as f64 / 1000.0) - settle {
+            quiet.push((from, d.started));
+        }
+        from = d.healed + settle;
+    }
+    if ended > from {
+        quiet.push((from, ended));
+    }
+    let quiet_s: f64 = quiet.iter().map(|(a, b)| b - a).sum();
+    let in_quiet = |t: f64| quiet.iter().any(|(a, b)| t >= *a && t < *b);
+    let all: usize = acks
+        .iter()
+        .map(|a| a.iter().filter(|t| **t >= began && **t < ended).count())
+        .sum();
+    r.rate_all = all as f64 / (ended - began).max(1e-9);
+    let mut lat: Vec<f64> = sent
+        .iter()
+        .flatten()
+        .filter(|v| v.get("acked").is_some())
+        .filter_map(|v| {
+            let (t, l) = (v.get("t")?.as_f64()?, v.get("l")?.as_f64()?);
+            // By when it was sent: sends held up by a fault end in the quiet after it.
+            in_quiet(t - l / 1000.0).then_some(l)
+        })
+        .collect();
+    r.rate_quiet = lat.len() as f64 / quiet_s.max(1e-9);
+    lat.sort_by(f64::total_cmp);
+    r.p99_quiet_ms = lat
+        .get((lat.len() as f64 * 0.99) as usize)
+        .or(lat.last())
+        .copied()
+        .unwrap_or(0.0);
+}

@@ -1,0 +1,204 @@
+//! Seeded fault schedules: the same seed and length give the same schedule, printed before a
+//! run and with any violation it finds.
+//!
+//! Faults come one at a time (each healed before the next), so a site's quorums hold through
+//! every schedule: one of three metadata nodes, one of four bookies (ensemble 3: a spare is
+//! left) or one of two brokers is out at a time; or, now and then, the power of the whole
+//! site goes (every process killed, every disk loses what was not synced, all started again).
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// A process of the site.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Target {
+    Metadata(usize),
+    /// The metadata node that leads when the fault starts.
+    MetadataLeader,
+    Bookie(usize),
+    Broker(usize),
+    /// Every process of the site (power cuts only).
+    Site,
+}
+
+impl std::fmt::Display for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Metadata(i) => write!(f, "metadata node {}", i + 1),
+            Target::MetadataLeader => write!(f, "the metadata leader"),
+            Target::Bookie(i) => write!(f, "bookie {i}"),
+            Target::Broker(i) => write!(f, "broker {i}"),
+            Target::Site => write!(f, "the whole site"),
+        }
+    }
+}
+
+/// What happens to the target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Action {
+    /// kill -9, down for the fault's length, then started again on its addresses.
+    Kill,
+    /// SIGSTOP for the fault's length, then SIGCONT: frozen with its sockets open.
+    Pause,
+    /// kill -9, then what its disk had not synced is lost (see [`Cut`]); started again after
+    /// the fault's length.
+    PowerCut(Cut),
+}
+
+/// What a power cut leaves of the bytes written and not synced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Cut {
+    /// Nothing.
+    Clean,
+    /// A random prefix of the last write (a torn write), from this seed.
+    Torn(u64),
+    /// A random half of the unsynced pages (a page cache that wrote some back), from this seed.
+    Partial(u64),
+}
+
+/// One fault of a schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fault {
+    /// Milliseconds after the previous fault healed.
+    pub after_ms: u64,
+    pub action: Action,
+    pub target: Target,
+    /// How long the target stays killed or paused.
+    pub length_ms: u64,
+}
+
+impl Fault {
+    /// The fault's kind, as the report counts them.
+    pub fn kind(&self) -> String {
+        let who = match self.target {
+            Target::Metadata(_) => "metadata",
+            Target::MetadataLeader => "metadata-leader",
+            Target::Bookie(_) => "bookie",
+            Target::Broker(_) => "broker",
+            Target::Site => "site",
+        };
+        let what = match self.action {
+            Action::Kill => "kill",
+            Action::Pause => "pause",
+            Action::PowerCut(_) => "power-cut",
+        };
+        format!("{what} {who}")
+    }
+}
+
+impl std::fmt::Display for Fault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let what = match self.action {
+            Action::Kill => "kill -9",
+            Action::Pause => "SIGSTOP",
+            Action::PowerCut(Cut::Clean) => "cut the power of",
+            Action::PowerCut(Cut::Torn(_)) => "cut the power (tearing a write) of",
+            Action::PowerCut(Cut::Partial(_)) => "cut the power (half the pages written) of",
+        };
+        write!(
+            f,
+            "+{} ms: {what} {} for {} ms",
+            self.after_ms, self.target, self.length_ms
+        )
+    }
+}
+
+/// The shortest quiet stretch: a gap this long or longer between two faults.
+pub const QUIET_MS: u64 = 15_000;
+
+/// How many of each process a site has.
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    pub metadata: usize,
+    pub bookies: usize,
+    pub brokers: usize,
+}
+
+/// Faults, one after another, until their gaps and lengths add up to `total_ms`.
+pub fn generate(seed: u64, total_ms: u64, shape: Shape) -> Vec<Fault> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut out = Vec::new();
+    let mut used = 0;
+    loop {
+        // Mostly short gaps; one in five a quiet stretch, where the runner measures the rates
+        // and latency a fault may have left lower.
+        let after_ms = if rng.gen_range(0..5) == 0 {
+            rng.gen_range(QUIET_MS..QUIET_MS + 10_000)
+        } else {
+            rng.gen_range(1_000..4_000)
+        };
+        let mut target = match rng.gen_range(0..4) {
+            0 => Target::Metadata(rng.gen_range(0..shape.metadata)),
+            1 => Target::MetadataLeader,
+            2 => Target::Bookie(rng.gen_range(0..shape.bookies)),
+            _ => Target::Broker(rng.gen_range(0..shape.brokers)),
+        };
+        let action = match rng.gen_range(0..20) {
+            0..=8 => Action::Kill,
+            9..=13 => Action::Pause,
+            _ => {
+                let cut = match rng.gen_range(0..3) {
+                    0 => Cut::Clean,
+                    1 => Cut::Torn(rng.gen()),
+                    _ => Cut::Partial(rng.gen()),
+                };
+                // One power cut in six is the whole site's; a broker keeps nothing on disk,
+                // so its power cut is a kill.
+                if rng.gen_range(0..6) == 0 {
+                    target = Target::Site;
+                }
+                if matches!(target, Target::Broker(_)) {
+                    Action::Kill
+                } else {
+                    Action::PowerCut(cut)
+                }
+            }
+        };
+        let length_ms = rng.gen_range(300..5_000);
+        used += after_ms + length_ms;
+        if used > total_ms && !out.is_empty() {
+            return out;
+        }
+        out.push(Fault {
+            after_ms,
+            action,
+            target,
+            length_ms,
+        });
+        if used > total_ms {
+            return out;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SHAPE: Shape = Shape {
+        metadata: 3,
+        bookies: 4,
+        brokers: 2,
+    };
+
+    #[test]
+    fn given_a_seed_then_the_same_schedule_every_time_and_another_for_another_seed() {
+        let a = generate(7, 120_000, SHAPE);
+        assert_eq!(a, generate(7, 120_000, SHAPE));
+        assert_ne!(a, generate(8, 120_000, SHAPE));
+        let total: u64 = a.iter().map(|f| f.after_ms + f.length_ms).sum();
+        assert!(total <= 120_000 && total > 120_000 - 30_000, "{total}");
+        assert!(a.iter().any(|f| f.after_ms >= QUIET_MS), "a quiet stretch");
+    }
+
+    #[test]
+    fn given_a_long_schedule_then_every_kind_of_fault_comes_up() {
+        let kinds: std::collections::BTreeSet<String> = generate(1, 600_000, SHAPE)
+            .iter()
+            .map(Fault::kind)
+            .collect();
+        // kill and pause of each of the four targets, power cuts of the three that keep data
+        // and of the whole site.
+        assert_eq!(kinds.len(), 12, "{kinds:?}");
+    }
+}

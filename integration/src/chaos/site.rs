@@ -1,0 +1,253 @@
+//! The site a schedule runs against: three metadata nodes, four bookies (ensemble 3, write
+//! and ack quorum 2) and two brokers, each a process of its own on loopback, and the faults
+//! applied to them. Every metadata node and bookie keeps its data on a power-loss file system
+//! of its own ([`PowerCutFs`]), so a power cut drops exactly what that process had not synced.
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+
+use super::schedule::{Action, Cut, Fault, Shape, Target};
+use crate::powercut::{CutReport, PowerCutFs};
+use crate::{start_bookies, BookieProc, BrokerProc, MetaCluster, MetaNode};
+
+pub const SHAPE: Shape = Shape {
+    metadata: 3,
+    bookies: 4,
+    brokers: 2,
+};
+
+/// Fields drop in order: the processes go before the file systems they use are unmounted.
+pub struct Site {
+    pub meta: MetaCluster,
+    pub bookies: Vec<BookieProc>,
+    pub brokers: Vec<BrokerProc>,
+    /// The metadata nodes' disks, then the bookies'.
+    disks: Vec<PowerCutFs>,
+    _disk_root: tempfile::TempDir,
+}
+
+/// A fault in progress: what to undo when it ends.
+pub struct Applied {
+    action: Action,
+    /// The process hit (the metadata leader named by its index).
+    resolved: Target,
+    /// What a power cut dropped.
+    pub note: String,
+}
+
+impl Applied {
+    pub fn resolved(&self) -> Target {
+        self.resolved
+    }
+}
+
+impl Site {
+    pub async fn start() -> anyhow::Result<Site> {
+        if let Some(why) = PowerCutFs::unavailable() {
+            bail!("the power-loss file system cannot be mounted here: {why}");
+        }
+        let disk_root = tempfile::tempdir()?;
+        let mut disks = Vec::new();
+        let names = (1..=SHAPE.metadata)
+            .map(|i| format!("node{i}"))
+            .chain((0..SHAPE.bookies).map(|i| format!("bookie{i}")));
+        for name in names {
+            let d = disk_root.path().join(&name);
+            disks.push(
+                PowerCutFs::mount(&d.join("backing"), &d.join("mnt"))
+                    .with_context(|| format!("the disk of {name}"))?,
+            );
+        }
+        let root = tempfile::tempdir()?;
+        let mut nodes: Vec<MetaNode> = (1..=SHAPE.metadata as u64)
+            .map(|id| {
+                let mut n = MetaNode::new(id, root.path(), None);
+                n.data_dir = disks[id as usize - 1].mountpoint.join("data");
+                n
+            })
+            .collect();
+        let members = nodes
+            .iter()
+            .map(|n| format!("{}={}", n.id, n.addr))
+            .collect::<Vec<_>>()
+            .join(",");
+        for n in &mut nodes {
+            n.set_initial_members(members.clone());
+            n.start()?;
+        }
+        let meta = MetaCluster { nodes, root };
+        meta.wait_for_leader(Duration::from_secs(30)).await?;
+        let endpoints = meta.endpoints().join(",");
+        let root = meta.root.path().to_path_buf();
+        let mut bookies: Vec<BookieProc> = (0..SHAPE.bookies)
+            .map(|i| {
+                let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoints);
+                b.dir = disks[SHAPE.metadata + i].mountpoint.join("data");
+                b
+            })
+            .collect();
+        start_bookies(&mut bookies, &meta.client(), Duration::from_secs(60)).await?;
+        let mut brokers = Vec::new();
+        for name in ["broker0", "broker1"] {
+            let mut b = BrokerProc::new(name, &root, &endpoints);
+            // The default session TTL (5 s): a broker paused or cut off longer loses its
+            // bundles, as in production.
+            b.env("MERIDIAN_BROKER_ENSEMBLE", "3")
+                .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
+                .env("MERIDIAN_BROKER_ACK_QUORUM", "2");
+            b.start().with_context(|| format!("starting {name}"))?;
+            brokers.push(b);
+        }
+        Ok(Site {
+            meta,
+            bookies,
+            brokers,
+            disks,
+            _disk_root: disk_root,
+        })
+    }
+
+    /// A service URL listing both brokers (clients look topics up at either).
+    pub fn service_url(&self) -> String {
+        let hosts: Vec<&str> = self.brokers.iter().map(|b| crate::host(&b.url)).collect();
+        format!("pulsar://{}", hosts.join(","))
+    }
+
+    /// The admin URL of a running broker.
+    pub fn admin_url(&self) -> String {
+        self.brokers
+            .iter()
+            .find(|b| b.pid().is_some())
+            .map(|b| b.admin_url.clone())
+            .unwrap_or_default()
+    }
+
+    pub fn root(&self) -> &std::path::Path {
+        self.meta.root.path()
+    }
+
+    /// Starts `fault`.
+    pub async fn apply(&mut self, fault: &Fault) -> anyhow::Result<Applied> {
+        let resolved = match fault.target {
+            Target::MetadataLeader => {
+                let id = self.meta.wait_for_leader(Duration::from_secs(30)).await?;
+                Target::Metadata(id as usize - 1)
+            }
+            t => t,
+        };
+        let mut note = String::new();
+        match (fault.action, resolved) {
+            (Action::Kill, Target::Metadata(i)) => self.meta.nodes[i].kill9()?,
+            (Action::Kill, Target::Bookie(i)) => self.bookies[i].kill9()?,
+            (Action::Kill | Action::PowerCut(_), Target::Broker(i)) => self.brokers[i].kill9()?,
+            (Action::Pause, Target::Metadata(i)) => self.meta.nodes[i].pause(true)?,
+            (Action::Pause, Target::Bookie(i)) => self.bookies[i].pause(true)?,
+            (Action::Pause, Target::Broker(i)) => self.brokers[i].pause(true)?,
+            (Action::PowerCut(cut), Target::Metadata(i)) => {
+                self.meta.nodes[i].kill9()?;
+                note = show(&cut_disk(&self.disks[i], cut)?);
+            }
+            (Action::PowerCut(cut), Target::Bookie(i)) => {
+                self.bookies[i].kill9()?;
+                note = show(&cut_disk(&self.disks[SHAPE.metadata + i], cut)?);
+            }
+            (Action::PowerCut(cut), Target::Site) => {
+                for n in &mut self.meta.nodes {
+                    n.kill9()?;
+                }
+                for b in &mut self.bookies {
+                    b.kill9()?;
+                }
+                for b in &mut self.brokers {
+                    b.kill9()?;
+                }
+                // Each disk tears or keeps pages by a seed of its own.
+                let mut dropped = Vec::new();
+                for (k, d) in self.disks.iter().enumerate() {
+                    let cut = match cut {
+                        Cut::Clean => Cut::Clean,
+                        Cut::Torn(s) => Cut::Torn(s.wrapping_add(k as u64)),
+                        Cut::Partial(s) => Cut::Partial(s.wrapping_add(k as u64)),
+                    };
+                    dropped.push(cut_disk(d, cut)?.bytes);
+                }
+                note = format!("bytes dropped per disk {dropped:?}");
+            }
+            (Action::Kill | Action::Pause, Target::Site) | (_, Target::MetadataLeader) => {
+                bail!("{fault} cannot be applied")
+            }
+        }
+        Ok(Applied {
+            action: fault.action,
+            resolved,
+            note,
+        })
+    }
+
+    /// Ends a fault: what was killed starts again on its addresses (a whole site in order:
+    /// metadata, bookies, brokers), what was paused continues.
+    pub async fn heal(&mut self, applied: &Applied) -> anyhow::Result<()> {
+        let what = format!("healing {}", applied.resolved);
+        match (applied.action, applied.resolved) {
+            (Action::Pause, Target::Metadata(i)) => self.meta.nodes[i].pause(false),
+            (Action::Pause, Target::Bookie(i)) => self.bookies[i].pause(false),
+            (Action::Pause, Target::Broker(i)) => self.brokers[i].pause(false),
+            (_, Target::Metadata(i)) => self.meta.nodes[i].start(),
+            (_, Target::Bookie(i)) => self.bookies[i].start(),
+            (_, Target::Broker(i)) => self.brokers[i].start(),
+            (_, Target::Site) => self.start_all().await,
+            (_, Target::MetadataLeader) => Ok(()),
+        }
+        .context(what)
+    }
+
+    async fn start_all(&mut self) -> anyhow::Result<()> {
+        for n in &mut self.meta.nodes {
+            n.start()?;
+        }
+        self.meta.wait_for_leader(Duration::from_secs(60)).await?;
+        for b in &mut self.bookies {
+            b.start()?;
+        }
+        for b in &mut self.brokers {
+            b.start()?;
+        }
+        Ok(())
+    }
+
+    /// Every process's log, for a run that found something.
+    pub fn logs(&self) -> Vec<(String, std::path::PathBuf)> {
+        let mut out: Vec<(String, std::path::PathBuf)> = self
+            .meta
+            .nodes
+            .iter()
+            .map(|n| (format!("metadata node {}", n.id), n.log.clone()))
+            .collect();
+        out.extend(
+            self.bookies
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (format!("bookie {i}"), b.log.clone())),
+        );
+        out.extend(
+            self.brokers
+                .iter()
+                .enumerate()
+                .map(|(i, b)| (format!("broker {i}"), b.log.clone())),
+        );
+        out
+    }
+}
+
+fn cut_disk(disk: &PowerCutFs, cut: Cut) -> anyhow::Result<CutReport> {
+    match cut {
+        Cut::Clean => Ok(disk.cut()),
+        Cut::Torn(seed) => disk.cut_torn(seed),
+        Cut::Partial(seed) => disk.cut_partial(seed),
+    }
+}
+
+fn show(r: &CutReport) -> String {
+    format!("{} unsynced bytes of {} files dropped", r.bytes, r.files)
+}
