@@ -91,6 +91,54 @@ pub struct LedgerMetadata {
 }
 
 impl LedgerMetadata {
+    /// A ledger's metadata record as stored, checked: what the writer, readers, recovery and
+    /// autorecovery take for granted of it holds, so a damaged or foreign record is refused
+    /// with the reason instead of failing somewhere later (an empty fragment list, an ensemble
+    /// shorter than the ledger's ensemble size, a key that is not hex).
+    pub fn decode(bytes: &[u8]) -> Result<LedgerMetadata, String> {
+        let m: LedgerMetadata = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        m.check()?;
+        Ok(m)
+    }
+
+    fn check(&self) -> Result<(), String> {
+        self.quorums().map_err(|e| e.to_string())?;
+        let Some(first) = self.fragments.first() else {
+            return Err("no fragment".to_string());
+        };
+        if first.first_entry != 0 {
+            return Err(format!(
+                "the first fragment starts at entry {}, not 0",
+                first.first_entry
+            ));
+        }
+        for w in self.fragments.windows(2) {
+            if w[1].first_entry <= w[0].first_entry {
+                return Err(format!(
+                    "fragments out of order: entry {} after {}",
+                    w[1].first_entry, w[0].first_entry
+                ));
+            }
+        }
+        if let Some(f) = self
+            .fragments
+            .iter()
+            .find(|f| f.ensemble.len() != self.ensemble_size)
+        {
+            return Err(format!(
+                "the fragment from entry {} has {} bookies, the ensemble size is {}",
+                f.first_entry,
+                f.ensemble.len(),
+                self.ensemble_size
+            ));
+        }
+        if self.master_key.len() % 2 != 0 || !self.master_key.bytes().all(|b| b.is_ascii_hexdigit())
+        {
+            return Err("the master key is not hex".to_string());
+        }
+        Ok(())
+    }
+
     pub fn quorums(&self) -> Result<Quorums, QuorumError> {
         Quorums::new(self.ensemble_size, self.write_quorum, self.ack_quorum)
     }
@@ -216,9 +264,15 @@ fn hex_encode(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+/// Pairs of hex digits as bytes (a pair that is not hex is skipped; [`LedgerMetadata::decode`]
+/// refuses keys with any).
 fn hex_decode(s: &str) -> Vec<u8> {
-    (0..s.len() / 2)
-        .filter_map(|i| u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok())
+    s.as_bytes()
+        .chunks_exact(2)
+        .filter_map(|p| {
+            let digit = |c: u8| (c as char).to_digit(16);
+            Some((digit(p[0])? * 16 + digit(p[1])?) as u8)
+        })
         .collect()
 }
 
@@ -441,11 +495,8 @@ impl LedgerClient {
             .get(&key)
             .await?
             .ok_or(LedgerError::NoSuchLedger(id))?;
-        let m: LedgerMetadata =
-            serde_json::from_slice(&kv.value).map_err(|e| LedgerError::BadMetadata {
-                key,
-                detail: e.to_string(),
-            })?;
+        let m = LedgerMetadata::decode(&kv.value)
+            .map_err(|detail| LedgerError::BadMetadata { key, detail })?;
         Ok((m, kv.mod_revision))
     }
 
@@ -1516,5 +1567,70 @@ impl WriterActor {
             }
             _ => false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> serde_json::Value {
+        serde_json::json!({
+            "id": 7, "ensemble_size": 2, "write_quorum": 2, "ack_quorum": 1,
+            "state": "open", "last_entry": null, "master_key": "00ff",
+            "fragments": [
+                {"first_entry": 0, "ensemble": ["a:1", "b:1"]},
+                {"first_entry": 10, "ensemble": ["a:1", "c:1"]}
+            ],
+            "created_ms": 1
+        })
+    }
+
+    fn decode(v: &serde_json::Value) -> Result<LedgerMetadata, String> {
+        LedgerMetadata::decode(&serde_json::to_vec(v).unwrap())
+    }
+
+    #[test]
+    fn given_a_sound_record_then_it_decodes() {
+        let m = decode(&record()).unwrap();
+        assert_eq!(m.fragment_of(12).ensemble[1], "c:1");
+        assert_eq!(&m.key_bytes()[..], &[0, 255]);
+    }
+
+    /// Each of these made a reader panic before the record was checked (an empty fragment
+    /// list indexed, a key sliced inside a UTF-8 character, a short ensemble indexed by the
+    /// striping), or misplaced entries (fragments out of order).
+    #[test]
+    fn given_a_damaged_record_then_it_is_refused_with_the_reason() {
+        let cases: [(&str, serde_json::Value, &str); 6] = [
+            ("fragments", serde_json::json!([]), "no fragment"),
+            (
+                "fragments",
+                serde_json::json!([{"first_entry": 3, "ensemble": ["a:1", "b:1"]}]),
+                "starts at entry 3",
+            ),
+            (
+                "fragments",
+                serde_json::json!([
+                    {"first_entry": 0, "ensemble": ["a:1", "b:1"]},
+                    {"first_entry": 0, "ensemble": ["a:1", "b:1"]}
+                ]),
+                "out of order",
+            ),
+            (
+                "fragments",
+                serde_json::json!([{"first_entry": 0, "ensemble": ["a:1"]}]),
+                "has 1 bookies",
+            ),
+            ("master_key", serde_json::json!("é0"), "not hex"),
+            ("write_quorum", serde_json::json!(3), "invalid quorums"),
+        ];
+        for (field, value, why) in cases {
+            let mut v = record();
+            v[field] = value;
+            let e = decode(&v).unwrap_err();
+            assert!(e.contains(why), "{field}: {e}");
+        }
+        assert!(LedgerMetadata::decode(b"{").is_err());
     }
 }

@@ -86,6 +86,39 @@ pub struct ManagedLedgerMetadata {
     pub properties: BTreeMap<String, String>,
 }
 
+impl ManagedLedgerMetadata {
+    /// A managed ledger's record as stored, checked: its ledgers in ascending id order, only
+    /// the last one open, and entry and byte counts whose sums fit (positions and backlogs
+    /// are computed from them), so a damaged record is refused with the reason.
+    pub fn decode(bytes: &[u8]) -> Result<ManagedLedgerMetadata, String> {
+        let m: ManagedLedgerMetadata = serde_json::from_slice(bytes).map_err(|e| e.to_string())?;
+        for w in m.ledgers.windows(2) {
+            if w[1].ledger_id <= w[0].ledger_id {
+                return Err(format!(
+                    "ledger {} listed after ledger {}",
+                    w[1].ledger_id, w[0].ledger_id
+                ));
+            }
+            if w[0].entries.is_none() {
+                return Err(format!(
+                    "ledger {} is open but not the last",
+                    w[0].ledger_id
+                ));
+            }
+        }
+        let (mut entries, mut bytes) = (0u64, 0u64);
+        for l in &m.ledgers {
+            entries = entries
+                .checked_add(l.entries.unwrap_or(0))
+                .ok_or("entry counts that overflow")?;
+            bytes = bytes
+                .checked_add(l.bytes)
+                .ok_or("byte counts that overflow")?;
+        }
+        Ok(m)
+    }
+}
+
 /// Settings of a managed ledger.
 #[derive(Debug, Clone)]
 pub struct ManagedLedgerOptions {
@@ -335,10 +368,10 @@ impl ManagedLedger {
         let meta_client = client.metadata_client().clone();
         let (mut meta, mut version) = match meta_client.get(&key).await? {
             Some(kv) => (
-                serde_json::from_slice::<ManagedLedgerMetadata>(&kv.value).map_err(|e| {
+                ManagedLedgerMetadata::decode(&kv.value).map_err(|detail| {
                     ManagedLedgerError::BadMetadata {
                         key: key.clone(),
-                        detail: e.to_string(),
+                        detail,
                     }
                 })?,
                 kv.mod_revision,
@@ -1187,6 +1220,40 @@ mod tests {
             created_ms: 0,
             closed_ms: None,
         }
+    }
+
+    #[test]
+    fn given_a_damaged_log_record_then_decode_refuses_it_with_the_reason() {
+        let encode = |ledgers: Vec<LedgerInfo>| {
+            serde_json::to_vec(&ManagedLedgerMetadata {
+                ledgers,
+                properties: BTreeMap::new(),
+            })
+            .unwrap()
+        };
+        let sound = encode(vec![ledger(5, Some(2)), ledger(8, None)]);
+        assert_eq!(
+            ManagedLedgerMetadata::decode(&sound).unwrap().ledgers.len(),
+            2
+        );
+        let refused = |ledgers, why: &str| {
+            let e = ManagedLedgerMetadata::decode(&encode(ledgers)).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        };
+        refused(vec![ledger(8, Some(1)), ledger(5, None)], "listed after");
+        refused(vec![ledger(5, Some(1)), ledger(5, None)], "listed after");
+        refused(
+            vec![ledger(5, None), ledger(8, None)],
+            "open but not the last",
+        );
+        refused(
+            vec![ledger(5, Some(u64::MAX)), ledger(8, Some(1))],
+            "entry counts",
+        );
+        // Before the check, a broker summing these for a backlog quota overflowed.
+        let (mut big, mut one) = (ledger(5, Some(1)), ledger(8, None));
+        (big.bytes, one.bytes) = (u64::MAX, 1);
+        refused(vec![big, one], "byte counts");
     }
 
     #[test]

@@ -1396,8 +1396,7 @@ pub async fn delete_orphans(
                 let Some(me) = core.decommissioned_as() else {
                     continue;
                 };
-                let Ok(m) = serde_json::from_slice::<crate::ledger::LedgerMetadata>(&kv.value)
-                else {
+                let Ok(m) = crate::ledger::LedgerMetadata::decode(&kv.value) else {
                     continue;
                 };
                 if m.fragments.iter().any(|f| f.ensemble.contains(&me)) {

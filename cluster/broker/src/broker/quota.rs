@@ -285,11 +285,11 @@ impl Broker {
                 let log = &kv.key[meridian_storage::managed_ledger::MANAGED_LEDGERS_PREFIX.len()..];
                 if let Some(t) = by_log.remove(log) {
                     used += t.ml.size().await.1;
-                } else if let Ok(m) = serde_json::from_slice::<
-                    meridian_storage::managed_ledger::ManagedLedgerMetadata,
-                >(&kv.value)
+                } else if let Ok(m) =
+                    meridian_storage::managed_ledger::ManagedLedgerMetadata::decode(&kv.value)
                 {
-                    used += m.ledgers.iter().map(|l| l.bytes).sum::<u64>();
+                    // `decode` checked that the sum fits.
+                    used = used.saturating_add(m.ledgers.iter().map(|l| l.bytes).sum::<u64>());
                 }
             }
             match page.kvs.last() {
