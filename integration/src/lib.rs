@@ -178,6 +178,11 @@ impl MetaNode {
         self.child.is_some()
     }
 
+    /// How the node ended, if it ended by itself (a crash); it counts as stopped after.
+    pub fn exited(&mut self) -> Option<String> {
+        exited_by_itself(&mut self.child)
+    }
+
     /// SIGKILL: a crash, no clean-up.
     pub fn kill9(&mut self) -> anyhow::Result<()> {
         self.signal("-KILL")
@@ -414,6 +419,14 @@ pub fn pin_to_cpu(pid: Option<u32>, cpu: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How a process that ended by itself ended (`None` while it runs, or if it was never
+/// started or was stopped by the harness).
+fn exited_by_itself(child: &mut Option<Child>) -> Option<String> {
+    let status = child.as_mut()?.try_wait().ok()??;
+    *child = None;
+    Some(status.to_string())
+}
+
 /// SIGSTOP (`pause = true`) or SIGCONT to a running process: frozen with its sockets open, as
 /// a process stalled by a long pause or a VM migration would be.
 fn pause_child(child: Option<&Child>, pause: bool) -> anyhow::Result<()> {
@@ -526,6 +539,11 @@ impl BookieProc {
     /// SIGTERM, then waits for a clean exit and returns its code.
     pub fn stop(&mut self) -> anyhow::Result<i32> {
         sigterm_and_wait(self.child.take())
+    }
+
+    /// How the process ended, if it ended by itself (a crash); it counts as stopped after.
+    pub fn exited(&mut self) -> Option<String> {
+        exited_by_itself(&mut self.child)
     }
 
     pub fn pid(&self) -> Option<u32> {
@@ -952,6 +970,11 @@ impl BrokerProc {
     /// SIGTERM, then waits for the exit and returns its code.
     pub fn stop(&mut self) -> anyhow::Result<i32> {
         sigterm_and_wait(self.child.take())
+    }
+
+    /// How the process ended, if it ended by itself (a crash); it counts as stopped after.
+    pub fn exited(&mut self) -> Option<String> {
+        exited_by_itself(&mut self.child)
     }
 
     pub fn pid(&self) -> Option<u32> {

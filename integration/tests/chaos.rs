@@ -29,6 +29,10 @@ async fn given_a_seeded_fault_schedule_then_every_checker_passes_over_the_histor
         run_ms: 150_000,
         topics: 4,
         no_faults: false,
+        // Every kind but a bookie's full disk: on it the index's RocksDB (Debian's 7.8 build)
+        // can abort the bookie (README, "Fault schedules"); `meridian-chaos` keeps it in.
+        only: ["kill", "pause", "power-cut"].map(String::from).to_vec(),
+        keep: false,
     };
     let report = run(&o).await.expect("the run");
     println!("{report}");

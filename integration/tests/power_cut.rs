@@ -199,6 +199,57 @@ fn powercut_fs_keeps_exactly_what_was_synced() {
     assert!(counters.syncs >= 4, "{counters:?}");
 }
 
+#[test]
+fn powercut_fs_full_refuses_what_needs_space_and_takes_overwrites() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fs) = mount(&dir) else { return };
+    let m = fs.mountpoint.clone();
+    let a = std::fs::OpenOptions::new()
+        .create_new(true)
+        .read(true)
+        .write(true)
+        .open(m.join("a"))
+        .unwrap();
+    a.write_all_at(&[1u8; 4096], 0).unwrap();
+    let avail = |p: &std::path::Path| rustix::fs::statvfs(p).unwrap().f_bavail;
+    assert!(avail(&m) > 0);
+
+    step("full: appends, reservations, new files and directories fail with ENOSPC");
+    fs.set_full(true);
+    let enospc = |r: std::io::Result<()>| {
+        assert_eq!(r.unwrap_err().raw_os_error(), Some(libc::ENOSPC));
+    };
+    enospc(a.write_all_at(b"more", 4096));
+    enospc(std::fs::write(m.join("b"), b"new"));
+    enospc(std::fs::create_dir(m.join("d")));
+    enospc(
+        rustix::fs::fallocate(&a, rustix::fs::FallocateFlags::empty(), 0, 1 << 20)
+            .map_err(std::io::Error::from),
+    );
+    assert_eq!(avail(&m), 0, "no free block shows");
+    step("... but not writes into space reserved before (fallocate, KEEP_SIZE)");
+    fs.set_full(false);
+    let r = std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .open(m.join("r"))
+        .unwrap();
+    rustix::fs::fallocate(&r, rustix::fs::FallocateFlags::KEEP_SIZE, 0, 8192).unwrap();
+    fs.set_full(true);
+    r.write_all_at(&[7u8; 8192], 0).unwrap();
+    enospc(r.write_all_at(b"x", 8192));
+    step("... while overwrites, syncs and reads go on");
+    a.write_all_at(&[2u8; 100], 0).unwrap();
+    a.sync_data().unwrap();
+    assert_eq!(std::fs::read(m.join("a")).unwrap()[..100], [2u8; 100]);
+
+    step("space back: an append works again");
+    fs.set_full(false);
+    a.write_all_at(b"more", 4096).unwrap();
+    assert!(avail(&m) > 0);
+    assert_eq!(std::fs::read(m.join("a")).unwrap().len(), 4100);
+}
+
 /// fsync of a directory: its names are durable.
 fn sync_dir(path: &std::path::Path) {
     std::fs::File::open(path).unwrap().sync_all().unwrap();

@@ -4,7 +4,8 @@
 //! no duplicate where deduplication is on, per-producer order, no message id used twice,
 //! every stored message delivered to every subscription, and linearizable metadata.
 //!
-//! `meridian-chaos [--minutes N] [--seed S] [--topics K] [--no-faults | --baseline]`
+//! `meridian-chaos [--minutes N] [--seed S] [--topics K] [--no-faults | --baseline]
+//! [--only KIND,...] [--keep]`
 //!
 //! Prints the schedule first, then a report (faults of each kind and how soon produce and
 //! consume worked after each, what was checked, the rates). Exit status 1 when a check
@@ -33,6 +34,13 @@ struct Args {
     /// schedule; prints the rates and p99 of both side by side.
     #[arg(long)]
     baseline: bool,
+    /// Only the schedule's faults of these kinds (as the report names them: `kill broker`,
+    /// `pause metadata-leader`, `power-cut`, `disk-full`, ...; a part of a kind matches).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Keep the processes' logs and data after the run (the paths are printed).
+    #[arg(long)]
+    keep: bool,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -53,6 +61,8 @@ fn main() -> anyhow::Result<()> {
         run_ms: (a.minutes * 60_000.0) as u64,
         topics: a.topics as usize,
         no_faults: a.no_faults,
+        only: a.only.clone(),
+        keep: a.keep,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -81,8 +91,13 @@ fn main() -> anyhow::Result<()> {
         }
     }
     if !report.violations.is_empty() {
+        let only = if a.only.is_empty() {
+            String::new()
+        } else {
+            format!(" --only '{}'", a.only.join(","))
+        };
         println!(
-            "replay with: meridian-chaos --seed {seed} --minutes {} --topics {}",
+            "replay with: meridian-chaos --seed {seed} --minutes {} --topics {}{only}",
             a.minutes, a.topics
         );
         std::process::exit(1);

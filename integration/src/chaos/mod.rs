@@ -30,6 +30,11 @@ pub struct Options {
     pub topics: usize,
     /// The same run with no fault (a baseline for the rates).
     pub no_faults: bool,
+    /// Only faults whose kind (as the report names them, e.g. `pause metadata-leader`)
+    /// contains one of these; all when empty.
+    pub only: Vec<String>,
+    /// Keep the processes' logs and data directories after the run (their paths are printed).
+    pub keep: bool,
 }
 
 /// One topic of the run and how it is used.
@@ -144,13 +149,33 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
     let schedule = if o.no_faults {
         Vec::new()
     } else {
-        schedule::generate(o.seed, o.run_ms, site::SHAPE)
+        schedule::generate_only(o.seed, o.run_ms, site::SHAPE, |f| {
+            o.only.is_empty() || o.only.iter().any(|k| f.kind().contains(k.as_str()))
+        })
     };
     say(format!("seed {}: {} faults", o.seed, schedule.len()));
     for f in &schedule {
         say(format!("  {f}"));
     }
     let mut site = Site::start().await.context("starting the site")?;
+    let result = drive(o, &mut site, schedule).await;
+    if result.is_err() {
+        // What each process complained of, before the site (and its logs) goes.
+        site.show_warnings();
+    }
+    if o.keep {
+        let (logs, disks) = site.keep_files()?;
+        say(format!(
+            "kept: logs in {}, the disks' durable contents in {}",
+            logs.display(),
+            disks.display()
+        ));
+    }
+    result
+}
+
+/// The run on a started site: load, schedule, drain, checks.
+async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Result<Report> {
     let root = site.root().to_path_buf();
     let admin = site.admin_url();
     for (ns, dedup) in [("public/chaos-dedup", true), ("public/chaos-plain", false)] {
@@ -236,6 +261,8 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
         t0,
     )?;
     let mut done = Vec::new();
+    // Processes that ended by themselves (none may: a crash is a violation).
+    let mut crashes: Vec<String> = Vec::new();
     for f in &schedule {
         tokio::time::sleep(Duration::from_millis(f.after_ms)).await;
         let started = wall();
@@ -248,6 +275,7 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
         ));
         tokio::time::sleep(Duration::from_millis(f.length_ms)).await;
         site.heal(&applied).await?;
+        crashes.extend(site.crashes().await);
         done.push(Done {
             fault: *f,
             hit: applied.resolved(),
@@ -260,6 +288,7 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
     }
     // The last fault's effects settle while the load goes on.
     tokio::time::sleep(Duration::from_secs(5)).await;
+    crashes.extend(site.crashes().await);
     let ended = wall();
     let meta_history = meta.finish().await;
 
@@ -322,6 +351,10 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
         report
             .violations
             .extend(violations.iter().map(ToString::to_string));
+    }
+    crashes.extend(site.crashes().await);
+    for c in &crashes {
+        report.violations.push(format!("[crash] {c}\n"));
     }
     for (key, calls) in &meta_history {
         report.meta_ops += calls.len() as u64;

@@ -3,8 +3,9 @@
 //!
 //! Faults come one at a time (each healed before the next), so a site's quorums hold through
 //! every schedule: one of three metadata nodes, one of four bookies (ensemble 3: a spare is
-//! left) or one of two brokers is out at a time; or, now and then, the power of the whole
-//! site goes (every process killed, every disk loses what was not synced, all started again).
+//! left) or one of two brokers is out at a time (or a bookie's disk is full); or, now and
+//! then, the power of the whole site goes (every process killed, every disk loses what was
+//! not synced, all started again).
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -43,6 +44,9 @@ pub enum Action {
     /// kill -9, then what its disk had not synced is lost (see [`Cut`]); started again after
     /// the fault's length.
     PowerCut(Cut),
+    /// A bookie's disk full for the fault's length (writes that need space fail with ENOSPC,
+    /// no free block shows), then its space back.
+    DiskFull,
 }
 
 /// What a power cut leaves of the bytes written and not synced.
@@ -81,6 +85,7 @@ impl Fault {
             Action::Kill => "kill",
             Action::Pause => "pause",
             Action::PowerCut(_) => "power-cut",
+            Action::DiskFull => "disk-full",
         };
         format!("{what} {who}")
     }
@@ -94,6 +99,7 @@ impl std::fmt::Display for Fault {
             Action::PowerCut(Cut::Clean) => "cut the power of",
             Action::PowerCut(Cut::Torn(_)) => "cut the power (tearing a write) of",
             Action::PowerCut(Cut::Partial(_)) => "cut the power (half the pages written) of",
+            Action::DiskFull => "fill the disk of",
         };
         write!(
             f,
@@ -116,10 +122,27 @@ pub struct Shape {
 
 /// Faults, one after another, until their gaps and lengths add up to `total_ms`.
 pub fn generate(seed: u64, total_ms: u64, shape: Shape) -> Vec<Fault> {
+    generate_only(seed, total_ms, shape, |_| true)
+}
+
+/// [`generate`] with only the faults `keep` accepts (the others are drawn and skipped, so a
+/// seed gives the same faults of a kind with and without a filter, and the time is filled).
+pub fn generate_only(
+    seed: u64,
+    total_ms: u64,
+    shape: Shape,
+    keep: impl Fn(&Fault) -> bool,
+) -> Vec<Fault> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
     let mut used = 0;
+    // A filter nothing passes ends after this many draws.
+    let mut draws = 0u32;
     loop {
+        draws += 1;
+        if draws > 100_000 {
+            return out;
+        }
         // Mostly short gaps; one in five a quiet stretch, where the runner measures the rates
         // and latency a fault may have left lower.
         let after_ms = if rng.gen_range(0..5) == 0 {
@@ -134,8 +157,12 @@ pub fn generate(seed: u64, total_ms: u64, shape: Shape) -> Vec<Fault> {
             _ => Target::Broker(rng.gen_range(0..shape.brokers)),
         };
         let action = match rng.gen_range(0..20) {
-            0..=8 => Action::Kill,
-            9..=13 => Action::Pause,
+            0..=7 => Action::Kill,
+            8..=12 => Action::Pause,
+            13..=14 => {
+                target = Target::Bookie(rng.gen_range(0..shape.bookies));
+                Action::DiskFull
+            }
             _ => {
                 let cut = match rng.gen_range(0..3) {
                     0 => Cut::Clean,
@@ -155,16 +182,20 @@ pub fn generate(seed: u64, total_ms: u64, shape: Shape) -> Vec<Fault> {
             }
         };
         let length_ms = rng.gen_range(300..5_000);
-        used += after_ms + length_ms;
-        if used > total_ms && !out.is_empty() {
-            return out;
-        }
-        out.push(Fault {
+        let f = Fault {
             after_ms,
             action,
             target,
             length_ms,
-        });
+        };
+        if !keep(&f) {
+            continue;
+        }
+        used += after_ms + length_ms;
+        if used > total_ms && !out.is_empty() {
+            return out;
+        }
+        out.push(f);
         if used > total_ms {
             return out;
         }
@@ -192,13 +223,22 @@ mod tests {
     }
 
     #[test]
+    fn given_a_filter_then_only_its_faults_fill_the_time() {
+        let only = generate_only(7, 120_000, SHAPE, |f| f.action == Action::DiskFull);
+        assert!(only.len() > 5 && only.iter().all(|f| f.action == Action::DiskFull));
+        let total: u64 = only.iter().map(|f| f.after_ms + f.length_ms).sum();
+        assert!(total > 120_000 - 30_000, "{total}");
+        assert!(generate_only(7, 120_000, SHAPE, |_| false).is_empty());
+    }
+
+    #[test]
     fn given_a_long_schedule_then_every_kind_of_fault_comes_up() {
         let kinds: std::collections::BTreeSet<String> = generate(1, 600_000, SHAPE)
             .iter()
             .map(Fault::kind)
             .collect();
         // kill and pause of each of the four targets, power cuts of the three that keep data
-        // and of the whole site.
-        assert_eq!(kinds.len(), 12, "{kinds:?}");
+        // and of the whole site, a bookie's full disk.
+        assert_eq!(kinds.len(), 13, "{kinds:?}");
     }
 }

@@ -34,6 +34,8 @@ pub struct Applied {
     resolved: Target,
     /// What a power cut dropped.
     pub note: String,
+    /// For a full disk: how long the bookie's log was when it began.
+    log_from: usize,
 }
 
 impl Applied {
@@ -137,6 +139,7 @@ impl Site {
             t => t,
         };
         let mut note = String::new();
+        let mut log_from = 0;
         match (fault.action, resolved) {
             (Action::Kill, Target::Metadata(i)) => self.meta.nodes[i].kill9()?,
             (Action::Kill, Target::Bookie(i)) => self.bookies[i].kill9()?,
@@ -174,7 +177,13 @@ impl Site {
                 }
                 note = format!("bytes dropped per disk {dropped:?}");
             }
-            (Action::Kill | Action::Pause, Target::Site) | (_, Target::MetadataLeader) => {
+            (Action::DiskFull, Target::Bookie(i)) => {
+                log_from = self.bookies[i].log_text().len();
+                self.disks[SHAPE.metadata + i].set_full(true);
+            }
+            (Action::Kill | Action::Pause | Action::DiskFull, Target::Site)
+            | (Action::DiskFull, _)
+            | (_, Target::MetadataLeader) => {
                 bail!("{fault} cannot be applied")
             }
         }
@@ -182,6 +191,7 @@ impl Site {
             action: fault.action,
             resolved,
             note,
+            log_from,
         })
     }
 
@@ -193,6 +203,7 @@ impl Site {
             (Action::Pause, Target::Metadata(i)) => self.meta.nodes[i].pause(false),
             (Action::Pause, Target::Bookie(i)) => self.bookies[i].pause(false),
             (Action::Pause, Target::Broker(i)) => self.brokers[i].pause(false),
+            (Action::DiskFull, Target::Bookie(i)) => self.free_disk(i, applied.log_from),
             (_, Target::Metadata(i)) => self.meta.nodes[i].start(),
             (_, Target::Bookie(i)) => self.bookies[i].start(),
             (_, Target::Broker(i)) => self.brokers[i].start(),
@@ -200,6 +211,25 @@ impl Site {
             (_, Target::MetadataLeader) => Ok(()),
         }
         .context(what)
+    }
+
+    /// Gives bookie `i` its space back. A bookie whose journal write failed on the full disk
+    /// stays read-only until it restarts (the journal may end in a torn record, which only a
+    /// replay removes), so it is restarted, as an operator would after freeing the disk; one
+    /// that only saw the disk fill up (read-only by its usage check) takes writes again by
+    /// itself.
+    fn free_disk(&mut self, i: usize, log_from: usize) -> anyhow::Result<()> {
+        self.disks[SHAPE.metadata + i].set_full(false);
+        let b = &mut self.bookies[i];
+        let log = b.log_text();
+        if log
+            .get(log_from..)
+            .is_some_and(|l| l.contains("bookie is read-only from now on"))
+        {
+            b.kill9()?;
+            b.start()?;
+        }
+        Ok(())
     }
 
     async fn start_all(&mut self) -> anyhow::Result<()> {
@@ -214,6 +244,62 @@ impl Site {
             b.start()?;
         }
         Ok(())
+    }
+
+    /// Keeps the run's directories past the site's end: (logs, the disks' backing
+    /// directories). The processes still stop and the disks unmount when the site drops.
+    pub fn keep_files(&mut self) -> anyhow::Result<(std::path::PathBuf, std::path::PathBuf)> {
+        let logs = std::mem::replace(&mut self.meta.root, tempfile::tempdir()?).keep();
+        let disks = std::mem::replace(&mut self._disk_root, tempfile::tempdir()?).keep();
+        Ok((logs, disks))
+    }
+
+    /// Processes that ended by themselves since the last call (crashes), each started again
+    /// so the run goes on: a line per crash with how it ended and the end of its log.
+    pub async fn crashes(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        let tail = |log: &std::path::Path| {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            lines[lines.len().saturating_sub(3)..].join(" | ")
+        };
+        for n in &mut self.meta.nodes {
+            if let Some(how) = n.exited() {
+                out.push(format!("metadata node {} {how}: {}", n.id, tail(&n.log)));
+                let _ = n.start();
+            }
+        }
+        for (i, b) in self.bookies.iter_mut().enumerate() {
+            if let Some(how) = b.exited() {
+                out.push(format!("bookie {i} {how}: {}", tail(&b.log)));
+                let _ = b.start();
+            }
+        }
+        for (i, b) in self.brokers.iter_mut().enumerate() {
+            if let Some(how) = b.exited() {
+                out.push(format!("broker {i} {how}: {}", tail(&b.log)));
+                let _ = b.start();
+            }
+        }
+        out
+    }
+
+    /// Prints each process's last warnings and errors (a run that failed).
+    pub fn show_warnings(&self) {
+        for (who, log) in self.logs() {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<&str> = text
+                .lines()
+                .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+                .collect();
+            eprintln!(
+                "--- {who}: its last {} warnings and errors ---",
+                lines.len().min(30)
+            );
+            for l in &lines[lines.len().saturating_sub(30)..] {
+                eprintln!("{l}");
+            }
+        }
     }
 
     /// Every process's log, for a run that found something.

@@ -67,6 +67,11 @@ pub(super) struct State {
     pub(super) last_writes: HashMap<u64, LastWrite>,
     pub(super) counters: Counters,
     names: Names,
+    /// A full disk: what would take space fails with ENOSPC and `statfs` shows none free.
+    pub(super) full: bool,
+    /// Inode → the end of the space `fallocate` reserved for it (beyond its length with
+    /// KEEP_SIZE): writes within it need no new space, on a full disk too.
+    reserved: HashMap<u64, u64>,
 }
 
 impl State {
@@ -82,6 +87,8 @@ impl State {
             next_fh: 1,
             last_writes: HashMap::new(),
             counters: Counters::default(),
+            full: false,
+            reserved: HashMap::new(),
         };
         s.paths.insert(ROOT_INO, PathBuf::new());
         s.inos.insert(PathBuf::new(), ROOT_INO);
@@ -234,9 +241,13 @@ impl State {
     fn write(&mut self, ino: u64, fh: u64, off: u64, data: &[u8]) -> Result<(), i32> {
         let h = self.handles.get(&fh).ok_or(libc::EBADF)?;
         let (file, sync) = (h.file.try_clone().map_err(errno)?, h.sync_writes);
-        self.pending_mut(ino, &file)?
-            .write(&file, off, data)
-            .map_err(errno)?;
+        let (full, reserved) = (self.full, self.reserved.get(&ino).copied().unwrap_or(0));
+        let p = self.pending_mut(ino, &file)?;
+        // A full disk still takes writes into space the file holds or reserved.
+        if full && off + data.len() as u64 > p.len().max(reserved) {
+            return Err(libc::ENOSPC);
+        }
+        p.write(&file, off, data).map_err(errno)?;
         self.counters.writes += 1;
         self.counters.bytes_written += data.len() as u64;
         let seq = self.counters.writes;
@@ -426,7 +437,11 @@ impl Filesystem for PowerCutFuse {
         reply: ReplyEntry,
     ) {
         let mut st = self.st();
+        let full = st.full;
         let result = st.child(parent, name).and_then(|rel| {
+            if full {
+                return Err(libc::ENOSPC);
+            }
             std::fs::DirBuilder::new()
                 .mode(mode & !umask & 0o7777)
                 .create(st.root.join(&rel))
@@ -680,12 +695,15 @@ impl Filesystem for PowerCutFuse {
     }
 
     fn statfs(&mut self, _req: &Request<'_>, _ino: u64, reply: ReplyStatfs) {
-        let root = self.st().root.clone();
+        let (root, full) = {
+            let st = self.st();
+            (st.root.clone(), st.full)
+        };
         match rustix::fs::statvfs(&root) {
             Ok(s) => reply.statfs(
                 s.f_blocks,
-                s.f_bfree,
-                s.f_bavail,
+                if full { 0 } else { s.f_bfree },
+                if full { 0 } else { s.f_bavail },
                 s.f_files,
                 s.f_ffree,
                 s.f_bsize as u32,
@@ -717,6 +735,9 @@ impl Filesystem for PowerCutFuse {
         let result = (|| {
             let rel = st.child(parent, name)?;
             let existed = std::fs::symlink_metadata(st.root.join(&rel)).is_ok();
+            if st.full && !existed {
+                return Err(libc::ENOSPC);
+            }
             let file = OpenOptions::new()
                 .read(true)
                 .write(true)
@@ -753,11 +774,19 @@ impl Filesystem for PowerCutFuse {
             let (off, len) = (offset.max(0) as u64, length.max(0) as u64);
             let file = st.file_for(ino, Some(fh))?;
             let keep_size = mode & libc::FALLOC_FL_KEEP_SIZE != 0;
+            let full = st.full;
+            let reserved = st.reserved.get(&ino).copied().unwrap_or(0);
             let p = st.pending_mut(ino, &file)?;
             match mode & !libc::FALLOC_FL_KEEP_SIZE {
                 // Space reservation: only the size can change.
+                0 if full && off + len > p.len().max(reserved) => return Err(libc::ENOSPC),
                 0 => {
-                    if !keep_size && off + len > p.len() {
+                    if keep_size {
+                        let end = st.reserved.entry(ino).or_insert(0);
+                        *end = (*end).max(off + len);
+                        return Ok(());
+                    }
+                    if off + len > p.len() {
                         p.truncate(off + len);
                     }
                 }

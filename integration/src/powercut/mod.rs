@@ -18,7 +18,7 @@
 //! ```
 //!
 //! Names (create, rename, unlink, mkdir) are durable only once their directory is fsynced
-//! (`names.rs`); a cut undoes the others.
+//! (`names.rs`); a cut undoes the others. [`PowerCutFs::set_full`] makes the disk full.
 
 mod fuse;
 mod names;
@@ -182,6 +182,13 @@ impl PowerCutFs {
         let mut report = self.cut();
         report.pages_kept = Some(kept_pages);
         Ok(report)
+    }
+
+    /// Makes the disk full (`true`) or gives it its space back: while full, writes past a
+    /// file's end, space reservations, new files and directories fail with ENOSPC, and
+    /// `statfs` shows no free block. Overwrites, reads, syncs and removals go on.
+    pub fn set_full(&self, full: bool) {
+        self.lock().full = full;
     }
 
     pub fn counters(&self) -> Counters {
