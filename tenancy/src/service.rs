@@ -348,7 +348,8 @@ fn role_of<T>(r: &Request<T>) -> Option<Role> {
     r.extensions().get::<Role>().cloned()
 }
 
-fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
+/// A namespace's or topic's policies as an admin request carries them (absent: none set).
+pub fn policies_from(p: Option<crate::pb::NamespacePolicies>) -> NamespacePolicies {
     let p = p.unwrap_or_default();
     NamespacePolicies {
         deduplication_enabled: p.deduplication_enabled,
@@ -418,7 +419,9 @@ fn rate_to(r: &crate::model::RateLimit) -> crate::pb::RateLimit {
     }
 }
 
-fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
+/// Policies as an admin answer carries them (the inverse of [`policies_from`], permissions
+/// aside: they have calls of their own).
+pub fn policies_to(p: &NamespacePolicies) -> crate::pb::NamespacePolicies {
     crate::pb::NamespacePolicies {
         deduplication_enabled: p.deduplication_enabled,
         dead_letter_max_redeliveries: p.dead_letter_max_redeliveries,

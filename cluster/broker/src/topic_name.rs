@@ -80,6 +80,20 @@ impl TopicName {
         check_part(name, "tenant", tenant)?;
         check_part(name, "namespace", namespace)?;
         check_part(name, "topic", local)?;
+        // The limit holds for the full form too: a short name whose full form is longer was
+        // taken, and then its own full name (in admin calls, stats, replication) was refused.
+        let full_len = match domain {
+            Domain::Persistent => "persistent://".len(),
+            Domain::NonPersistent => "non-persistent://".len(),
+        } + tenant.len()
+            + namespace.len()
+            + local.len()
+            + 2;
+        if full_len > NAME_BYTES_MAX {
+            return Err(bad(&format!(
+                "longer than {NAME_BYTES_MAX} bytes as a full name ({full_len})"
+            )));
+        }
         Ok(TopicName {
             domain,
             tenant: tenant.to_string(),
@@ -159,6 +173,18 @@ impl fmt::Display for TopicName {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Found by the `topic_name` fuzz target: a short name under the limit whose full form
+    /// is over it was taken, and its full form then refused.
+    #[test]
+    fn given_a_short_name_whose_full_form_is_too_long_then_it_is_refused() {
+        let local = "x".repeat(NAME_BYTES_MAX - "persistent://public/default/".len() + 1);
+        let e = TopicName::parse(&local).unwrap_err();
+        assert!(e.reason.contains("as a full name"), "{e}");
+        let fits = &local[1..];
+        let t = TopicName::parse(fits).unwrap();
+        assert_eq!(TopicName::parse(&t.to_string()).unwrap(), t);
+    }
 
     #[test]
     fn given_short_and_full_forms_then_names_normalise() {

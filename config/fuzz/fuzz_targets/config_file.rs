@@ -1,6 +1,5 @@
 //! Any bytes as a configuration file: loaded or refused with an error, never a panic.
-//! Run (stable toolchain, hence no sanitizer):
-//! `cd config && cargo fuzz run --sanitizer none config_file -- -max_total_time=60`.
+//! Run: `scripts/fuzz config config_file` (seeds in `config/fuzz/seeds/config_file`).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -1,6 +1,6 @@
 //! Any bytes as a bookie connection's input: frames decode or the stream is refused with an
 //! error, never a panic, and whatever decodes encodes back to the same bytes.
-//! Run: `cd storage && cargo fuzz run --sanitizer none bookie_frame -- -max_total_time=60`.
+//! Run: `scripts/fuzz storage bookie_frame`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

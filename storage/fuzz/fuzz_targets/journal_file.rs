@@ -1,5 +1,5 @@
 //! Any bytes as a journal file: replay keeps whole, verified records only and never panics.
-//! Run: `cd storage && cargo fuzz run --sanitizer none journal_file -- -max_total_time=60`.
+//! Run: `scripts/fuzz storage journal_file`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;

@@ -62,7 +62,9 @@ pub fn parse(text: &[u8]) -> Result<Schema, String> {
     let v: Value = serde_json::from_slice(text).map_err(|e| format!("not JSON: {e}"))?;
     let mut named = HashMap::new();
     let root = parse_value(&v, &mut named, 0)?;
-    Ok(Schema { root, named })
+    let schema = Schema { root, named };
+    schema.check_names(&schema.root)?;
+    Ok(schema)
 }
 
 const DEPTH_MAX: usize = 64;
@@ -115,6 +117,11 @@ fn parse_value(v: &Value, named: &mut HashMap<String, Avro>, depth: usize) -> Re
                             })
                         })
                         .collect::<Result<Vec<_>, String>>()?;
+                    // Avro's names are unique within a record (a reader matches fields by name).
+                    let mut seen = std::collections::HashSet::new();
+                    if let Some(f) = fields.iter().find(|f| !seen.insert(f.name.as_str())) {
+                        return Err(format!("record {name} has two fields named {}", f.name));
+                    }
                     Avro::Record {
                         name: name.clone(),
                         fields,
@@ -178,6 +185,18 @@ fn primitive(s: &str) -> Option<Avro> {
 }
 
 impl Schema {
+    /// Every use of a named type names one the schema defines (a schema using an unknown
+    /// type was accepted before, and then could not even read its own data).
+    fn check_names(&self, t: &Avro) -> Result<(), String> {
+        match t {
+            Avro::Ref(_) => self.resolve(t).map(|_| ()),
+            Avro::Record { fields, .. } => fields.iter().try_for_each(|f| self.check_names(&f.ty)),
+            Avro::Array(t) | Avro::Map(t) => self.check_names(t),
+            Avro::Union(branches) => branches.iter().try_for_each(|b| self.check_names(b)),
+            _ => Ok(()),
+        }
+    }
+
     fn resolve<'a>(&'a self, t: &'a Avro) -> Result<&'a Avro, String> {
         match t {
             Avro::Ref(n) => match self.named.get(n) {
@@ -319,6 +338,29 @@ mod tests {
 
     const V1: &str = r#"{"type":"record","name":"User","fields":[
         {"name":"name","type":["null","string"]},{"name":"age","type":["null","int"]}]}"#;
+
+    /// Found by the `avro_schema` fuzz target: a schema using a type it never defines parsed,
+    /// and then could not read its own data.
+    #[test]
+    fn given_an_undefined_type_or_a_repeated_field_then_the_schema_is_refused() {
+        for text in [
+            r#"{"type":"record","name":"U","fields":[{"name":"id","type":"syng"}]}"#,
+            r#"{"type":"array","items":["null","Nowhere"]}"#,
+            r#"{"type":"map","values":{"type":"Missing"}}"#,
+        ] {
+            let e = parse(text.as_bytes()).unwrap_err();
+            assert!(e.contains("unknown type"), "{text}: {e}");
+        }
+        // Found by the same target: two fields of one name (the reader matched the first).
+        let e = parse(
+            br#"{"type":"record","name":"U","fields":[{"name":"a","type":"int"},{"name":"a","type":"string"}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("two fields named a"), "{e}");
+        // Recursion through its own name is a use of a defined type.
+        let r = s(r#"{"type":"record","name":"N","fields":[{"name":"next","type":["null","N"]}]}"#);
+        can_read(&r, &r).unwrap();
+    }
 
     #[test]
     fn given_an_added_field_then_it_needs_a_default_to_read_old_data() {

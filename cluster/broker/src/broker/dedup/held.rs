@@ -20,10 +20,18 @@ use serde::{Deserialize, Serialize};
 /// Ranges kept per producer name.
 pub const MAX_RANGES: usize = 16;
 
-/// Inclusive ranges of sequence ids, in order, neither overlapping nor adjacent.
+/// Inclusive ranges of sequence ids, in order, neither overlapping nor adjacent. A stored
+/// state is put in that form as it loads (as [`HeldIds::exact`] does), so a damaged or
+/// hand-made snapshot cannot break the order the searches rely on.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(transparent)]
+#[serde(from = "Vec<(i64, i64)>")]
 pub struct HeldIds(Vec<(i64, i64)>);
+
+impl From<Vec<(i64, i64)>> for HeldIds {
+    fn from(ranges: Vec<(i64, i64)>) -> Self {
+        HeldIds::exact(ranges)
+    }
+}
 
 impl HeldIds {
     /// Everything up to `highest` (a state recorded before ranges were kept: the highest id
@@ -99,6 +107,15 @@ mod tests {
             h.insert(a, b);
         }
         h
+    }
+
+    #[test]
+    fn given_a_stored_state_out_of_order_then_it_loads_in_order() {
+        let h: HeldIds = serde_json::from_str("[[20,30],[5,1],[25,40],[41,41]]").unwrap();
+        assert_eq!(h.ranges(), &[(1, 5), (20, 41)]);
+        // Before, the ranges loaded as stored, and a search over them missed 22.
+        assert!(h.covers(22, 22));
+        assert_eq!(serde_json::to_string(&h).unwrap(), "[[1,5],[20,41]]");
     }
 
     #[test]
