@@ -20,7 +20,7 @@ use super::wall;
 /// A crate producer at work on one topic.
 pub struct CrateProducer {
     stop: Arc<AtomicBool>,
-    task: tokio::task::JoinHandle<()>,
+    task: Option<tokio::task::JoinHandle<()>>,
     lines: Arc<Mutex<Vec<Value>>>,
 }
 
@@ -37,7 +37,11 @@ impl CrateProducer {
             Arc::clone(&stop),
             Arc::clone(&lines),
         ));
-        CrateProducer { stop, task, lines }
+        CrateProducer {
+            stop,
+            task: Some(task),
+            lines,
+        }
     }
 
     /// How many sends were acknowledged so far.
@@ -47,11 +51,23 @@ impl CrateProducer {
     }
 
     /// Stops sending and waits (at most `timeout`) for every send's answer; its lines.
-    pub async fn finish(self, timeout: Duration) -> Vec<Value> {
+    pub async fn finish(mut self, timeout: Duration) -> Vec<Value> {
         self.stop.store(true, Ordering::Relaxed);
-        let _ = tokio::time::timeout(timeout, self.task).await;
+        if let Some(task) = self.task.take() {
+            let _ = tokio::time::timeout(timeout, task).await;
+        }
         let lines = self.lines.lock().expect("lines");
         lines.clone()
+    }
+}
+
+/// A run that ends early (an error) stops its producer too.
+impl Drop for CrateProducer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
     }
 }
 

@@ -7,6 +7,8 @@
 //! are its revisions (not predictable by a model), so the version of each value is taken
 //! from what clients saw: the version a put answered, or the one a read returned with the
 //! value. A value seen with two versions is a violation by itself (a write applied twice).
+//! Revisions only grow, so writes whose versions are known take effect in the order of their
+//! versions; a value whose version nobody saw may match any version no other value has.
 
 use std::collections::{HashMap, HashSet};
 
@@ -29,8 +31,9 @@ pub enum Outcome {
     Read(Option<(String, u64)>),
     /// A write or compare-and-set applied, at this version.
     Written(u64),
-    /// A compare-and-set refused: the version was not the one expected.
-    CasFailed,
+    /// A compare-and-set refused: the key's version (0: absent) was this, not the one
+    /// expected.
+    CasFailed(u64),
     /// No answer (timeout, connection lost): applied or not, at some time after the call.
     Unknown,
 }
@@ -68,22 +71,36 @@ impl std::fmt::Display for Call {
 #[derive(Debug)]
 pub struct Violation {
     pub what: String,
+    /// The search gave up (its budget of states spent): neither shown linearizable nor not.
+    pub inconclusive: bool,
     /// The operations that show it: the one no order could place, with those overlapping it
     /// and the last ones placed before it.
     pub excerpt: Vec<Call>,
 }
 
-/// The register's state: the value (an index into the history's values) and its version.
-type State = Option<(usize, u64)>;
+/// The register's state after the operations placed so far.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct State {
+    /// The value (an index into the history's values) and its version (`None`: a version no
+    /// client saw); `None` while the key is absent.
+    current: Option<(usize, Option<u64>)>,
+    /// The highest known version placed: a later write's known version is above it.
+    floor: u64,
+}
+
+/// States the search may remember before it gives up (inconclusive).
+const STATES_MAX: usize = 2_000_000;
 
 /// Checks one key's history. Reads and failed compare-and-sets must be explained by the
 /// writes; writes with unknown outcomes may be placed anywhere after their call, or left out.
 pub fn check(calls: &[Call]) -> Result<(), Violation> {
     let (values, versions) = value_versions(calls)?;
+    let known = versions.iter().flatten().copied().collect();
     let model = Model {
         calls,
         values: &values,
         versions: &versions,
+        known: &known,
     };
     search(&model)
 }
@@ -96,6 +113,7 @@ fn value_versions(calls: &[Call]) -> Result<(HashMap<&str, usize>, Vec<Option<u6
         if let Op::Write(v) | Op::Cas { value: v, .. } = &c.op {
             if values.insert(v.as_str(), values.len()).is_some() {
                 return Err(Violation {
+                    inconclusive: false,
                     what: format!("value {v:?} written twice: the history is not usable"),
                     excerpt: vec![c.clone()],
                 });
@@ -112,6 +130,7 @@ fn value_versions(calls: &[Call]) -> Result<(HashMap<&str, usize>, Vec<Option<u6
         };
         let Some(&i) = values.get(value.as_str()) else {
             return Err(Violation {
+                inconclusive: false,
                 what: format!("read {value:?}, which no client wrote"),
                 excerpt: vec![c.clone()],
             });
@@ -119,6 +138,7 @@ fn value_versions(calls: &[Call]) -> Result<(HashMap<&str, usize>, Vec<Option<u6
         match versions[i] {
             Some(known) if known != version => {
                 return Err(Violation {
+                    inconclusive: false,
                     what: format!("value {value:?} seen at versions {known} and {version}"),
                     excerpt: vec![seen_at[i].cloned().unwrap_or_else(|| c.clone()), c.clone()],
                 })
@@ -136,6 +156,8 @@ struct Model<'a> {
     calls: &'a [Call],
     values: &'a HashMap<&'a str, usize>,
     versions: &'a [Option<u64>],
+    /// Every version some value was seen with.
+    known: &'a HashSet<u64>,
 }
 
 impl Model<'_> {
@@ -143,29 +165,56 @@ impl Model<'_> {
         self.values[v]
     }
 
-    /// The version a write of value `i` made: the one seen, or one no client can expect.
-    fn version(&self, i: usize) -> u64 {
-        self.versions[i].unwrap_or(u64::MAX - i as u64)
+    /// Whether the key's version in `state` can be `v` (0: absent). A value whose version
+    /// nobody saw can have any version above the floor that no other value has.
+    fn version_is(&self, state: &State, v: u64) -> bool {
+        match state.current {
+            None => v == 0,
+            Some((_, Some(known))) => known == v,
+            Some((_, None)) => v > state.floor && !self.known.contains(&v),
+        }
     }
 
     /// The state after `call` applied in `state`, if it can apply there.
     fn step(&self, state: State, call: &Call) -> Option<State> {
-        let current_version = state.map_or(0, |(_, v)| v);
+        let write = |value: &str| -> Option<State> {
+            let i = self.value(value);
+            let version = self.versions[i];
+            match version {
+                // Revisions only grow.
+                Some(v) if v <= state.floor => None,
+                Some(v) => Some(State {
+                    current: Some((i, version)),
+                    floor: v,
+                }),
+                None => Some(State {
+                    current: Some((i, None)),
+                    floor: state.floor,
+                }),
+            }
+        };
         match (&call.op, &call.outcome) {
             (Op::Read, Outcome::Read(seen)) => {
-                let want = seen.as_ref().map(|(val, ver)| (self.value(val), *ver));
-                (state == want).then_some(state)
+                let fits = match (seen, state.current) {
+                    (None, None) => true,
+                    (Some((val, ver)), Some((i, _))) => {
+                        i == self.value(val) && self.version_is(&state, *ver)
+                    }
+                    _ => false,
+                };
+                fits.then_some(state)
             }
-            (Op::Write(v), Outcome::Written(_) | Outcome::Unknown) => {
-                let i = self.value(v);
-                Some(Some((i, self.version(i))))
-            }
+            (Op::Write(v), Outcome::Written(_) | Outcome::Unknown) => write(v),
             (Op::Cas { expected, value }, Outcome::Written(_) | Outcome::Unknown) => {
-                let i = self.value(value);
-                (current_version == *expected).then_some(Some((i, self.version(i))))
+                if self.version_is(&state, *expected) {
+                    write(value)
+                } else {
+                    None
+                }
             }
-            (Op::Cas { expected, .. }, Outcome::CasFailed) => {
-                (current_version != *expected).then_some(state)
+            (Op::Cas { expected, .. }, Outcome::CasFailed(current)) => {
+                let fits = current != expected && self.version_is(&state, *current);
+                fits.then_some(state)
             }
             // A read without an answer, or an outcome that does not fit its operation,
             // changes nothing.
@@ -262,7 +311,10 @@ fn search(model: &Model<'_>) -> Result<(), Violation> {
     let mut placed = vec![0u64; words];
     let mut seen: HashSet<(Vec<u64>, State)> = HashSet::new();
     let mut stack: Vec<(usize, State)> = Vec::new();
-    let mut state: State = None;
+    let mut state = State {
+        current: None,
+        floor: 0,
+    };
     let mut at = events.next[HEAD];
     // The deepest point reached: how many were placed, and the operation that stopped it.
     let mut deepest: (usize, usize, Vec<usize>) = (0, NIL, Vec::new());
@@ -277,6 +329,16 @@ fn search(model: &Model<'_>) -> Result<(), Violation> {
                 let mut moved = false;
                 if let Some(next) = applied {
                     placed[op / 64] |= 1 << (op % 64);
+                    if seen.len() >= STATES_MAX {
+                        return Err(Violation {
+                            what: format!(
+                                "inconclusive: {STATES_MAX} states searched ({} operations placed at most)",
+                                deepest.0
+                            ),
+                            inconclusive: true,
+                            excerpt: Vec::new(),
+                        });
+                    }
                     if seen.insert((placed.clone(), next)) {
                         stack.push((op, state));
                         state = next;
@@ -338,6 +400,7 @@ fn violation(calls: &[Call], (_, stuck, order): (usize, usize, Vec<usize>)) -> V
             "no order of the operations explains {s} (after {} placed)",
             order.len()
         ),
+        inconclusive: false,
         excerpt,
     }
 }
@@ -386,7 +449,7 @@ mod tests {
                     expected: 5,
                     value: "c".into(),
                 },
-                Outcome::CasFailed,
+                Outcome::CasFailed(9),
                 8,
                 9,
             ),
@@ -457,6 +520,77 @@ mod tests {
             call(2, cas("c"), Outcome::Written(7), 3, 11),
         ];
         check(&h).unwrap_err();
+    }
+
+    #[test]
+    fn given_writes_out_of_their_versions_order_then_a_violation() {
+        // Two overlapping writes, then a read of the one with the lower version: b (6) was
+        // applied after a (5), so a read after both cannot see a.
+        let concurrent = || {
+            vec![
+                call(0, w("a"), Outcome::Written(5), 0, 10),
+                call(1, w("b"), Outcome::Written(6), 0, 10),
+            ]
+        };
+        let mut stale = concurrent();
+        stale.push(call(2, Op::Read, read(Some(("a", 5))), 20, 21));
+        check(&stale).unwrap_err();
+        // A lost update: a compare-and-set on a's version after b's write applied.
+        let mut lost = concurrent();
+        lost.push(call(
+            2,
+            Op::Cas {
+                expected: 5,
+                value: "c".into(),
+            },
+            Outcome::Written(7),
+            20,
+            21,
+        ));
+        check(&lost).unwrap_err();
+        // Two writes acknowledged at one version (two leaders).
+        let split = vec![
+            call(0, w("a"), Outcome::Written(5), 0, 1),
+            call(1, w("b"), Outcome::Written(5), 2, 3),
+        ];
+        check(&split).unwrap_err();
+    }
+
+    #[test]
+    fn given_a_conflict_naming_the_version_of_an_unseen_write_then_a_cas_on_it_fits() {
+        // x's put got no answer and nobody read x, but a refused compare-and-set learnt its
+        // version (8) and the next one expected it.
+        let h = vec![
+            Call {
+                client: 0,
+                op: w("x"),
+                outcome: Outcome::Unknown,
+                invoked: 0,
+                completed: None,
+            },
+            call(
+                1,
+                Op::Cas {
+                    expected: 0,
+                    value: "y".into(),
+                },
+                Outcome::CasFailed(8),
+                10,
+                11,
+            ),
+            call(
+                1,
+                Op::Cas {
+                    expected: 8,
+                    value: "z".into(),
+                },
+                Outcome::Written(9),
+                12,
+                13,
+            ),
+            call(1, Op::Read, read(Some(("z", 9))), 14, 15),
+        ];
+        check(&h).unwrap();
     }
 
     #[test]

@@ -43,10 +43,10 @@ impl MetaLoad {
     }
 
     /// Stops the clients; every key's operations in the order they were called.
-    pub async fn finish(self) -> BTreeMap<String, Vec<Call>> {
+    pub async fn finish(mut self) -> BTreeMap<String, Vec<Call>> {
         self.stop.store(true, Ordering::Relaxed);
         let mut out: BTreeMap<String, Vec<Call>> = BTreeMap::new();
-        for t in self.tasks {
+        for t in std::mem::take(&mut self.tasks) {
             if let Ok(calls) = t.await {
                 for (key, call) in calls {
                     out.entry(key).or_default().push(call);
@@ -57,6 +57,16 @@ impl MetaLoad {
             calls.sort_by_key(|c| c.invoked);
         }
         out
+    }
+}
+
+/// A run that ends early (an error) stops its clients too.
+impl Drop for MetaLoad {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in &self.tasks {
+            t.abort();
+        }
     }
 }
 
@@ -121,7 +131,7 @@ async fn run_client(
                 }
                 Err(ClientError::Conflict { current, .. }) if matches!(op, Op::Cas { .. }) => {
                     seen.insert(k, current);
-                    Some(Outcome::CasFailed)
+                    Some(Outcome::CasFailed(current))
                 }
                 // Certainly not applied: as if never called.
                 Err(e) if e.write_not_applied() => None,

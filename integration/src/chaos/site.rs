@@ -206,7 +206,8 @@ impl Site {
             (Action::DiskFull, Target::Bookie(i)) => self.free_disk(i, applied.log_from),
             (_, Target::Metadata(i)) => self.meta.nodes[i].start(),
             (_, Target::Bookie(i)) => self.bookies[i].start(),
-            (_, Target::Broker(i)) => self.brokers[i].start(),
+            // It waits for the broker's banner: off the runtime's worker.
+            (_, Target::Broker(i)) => tokio::task::block_in_place(|| self.brokers[i].start()),
             (_, Target::Site) => self.start_all().await,
             (_, Target::MetadataLeader) => Ok(()),
         }
@@ -241,7 +242,7 @@ impl Site {
             b.start()?;
         }
         for b in &mut self.brokers {
-            b.start()?;
+            tokio::task::block_in_place(|| b.start())?;
         }
         Ok(())
     }

@@ -199,7 +199,13 @@ impl Schema {
 
     fn resolve<'a>(&'a self, t: &'a Avro) -> Result<&'a Avro, String> {
         match t {
-            Avro::Ref(n) => match self.named.get(n) {
+            // Types are kept by their bare names: a full name (`com.acme.Address`, with the
+            // namespace) finds its type by the part after the last dot.
+            Avro::Ref(n) => match self
+                .named
+                .get(n)
+                .or_else(|| self.named.get(n.rsplit('.').next().unwrap_or(n)))
+            {
                 Some(Avro::Ref(_)) | None => Err(format!("unknown type {n}")),
                 Some(t) => Ok(t),
             },
@@ -357,6 +363,13 @@ mod tests {
         )
         .unwrap_err();
         assert!(e.contains("two fields named a"), "{e}");
+        // A use by full name (namespace and name) finds its type.
+        let ns = s(
+            r#"{"type":"record","name":"U","namespace":"com.acme","fields":[
+            {"name":"home","type":{"type":"record","name":"Address","fields":[{"name":"c","type":"string"}]}},
+            {"name":"work","type":["null","com.acme.Address"]}]}"#,
+        );
+        can_read(&ns, &ns).unwrap();
         // Recursion through its own name is a use of a defined type.
         let r = s(r#"{"type":"record","name":"N","fields":[{"name":"next","type":["null","N"]}]}"#);
         can_read(&r, &r).unwrap();
