@@ -224,6 +224,18 @@ impl Drop for MetaNode {
     }
 }
 
+/// Makes `nodes` the initial members of one new cluster (each node is told all of them).
+pub fn make_members(nodes: &mut [MetaNode]) {
+    let members = nodes
+        .iter()
+        .map(|m| format!("{}={}", m.id, m.addr))
+        .collect::<Vec<_>>()
+        .join(",");
+    for node in nodes {
+        node.initial_members = Some(members.clone());
+    }
+}
+
 /// Several metadata nodes in one temporary directory.
 pub struct MetaCluster {
     pub nodes: Vec<MetaNode>,
@@ -253,13 +265,8 @@ impl MetaCluster {
         let mut nodes: Vec<MetaNode> = (1..=n)
             .map(|id| MetaNode::new(id, root.path(), None))
             .collect();
-        let members = nodes
-            .iter()
-            .map(|m| format!("{}={}", m.id, m.addr))
-            .collect::<Vec<_>>()
-            .join(",");
+        make_members(&mut nodes);
         for node in &mut nodes {
-            node.initial_members = Some(members.clone());
             node.start()?;
         }
         let cluster = Self { nodes, root };

@@ -708,10 +708,12 @@ fn given_a_subscription_acknowledging_ahead_of_replication_then_the_drill_says_w
         ],
     );
     // Meanwhile west holds parts of east's state that speak of entries not there yet (east
-    // sees it in the answers): the case a position must wait for.
-    let until = Instant::now() + Duration::from_secs(2);
+    // sees it in the answers): the case a position must wait for. (Until it is seen, at most
+    // 20 s: the clients may take a while to start on a loaded machine; 2 s were once too few
+    // in CI.)
+    let until = Instant::now() + Duration::from_secs(20);
     let mut held_seen = 0;
-    while Instant::now() < until {
+    while Instant::now() < until && held_seen == 0 {
         let st = json_at(east, &["topics", "stats", t]);
         let held = st["subscriptions"]
             .as_array()

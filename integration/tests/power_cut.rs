@@ -592,14 +592,7 @@ async fn given_metadata_nodes_on_powercut_fs_when_power_is_cut_under_load_then_e
             n
         })
         .collect();
-    let members = nodes
-        .iter()
-        .map(|n| format!("{}={}", n.id, n.addr))
-        .collect::<Vec<_>>()
-        .join(",");
-    for n in &mut nodes {
-        n.set_initial_members(members.clone());
-    }
+    meridian_integration::make_members(&mut nodes);
     let endpoints: Vec<String> = nodes.iter().map(|n| n.addr.clone()).collect();
     // key → value of every acknowledged put, over all cuts.
     let acked: std::sync::Arc<std::sync::Mutex<Vec<(String, String)>>> = Default::default();

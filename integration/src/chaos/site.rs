@@ -69,13 +69,8 @@ impl Site {
                 n
             })
             .collect();
-        let members = nodes
-            .iter()
-            .map(|n| format!("{}={}", n.id, n.addr))
-            .collect::<Vec<_>>()
-            .join(",");
+        crate::make_members(&mut nodes);
         for n in &mut nodes {
-            n.set_initial_members(members.clone());
             n.start()?;
         }
         let meta = MetaCluster { nodes, root };
