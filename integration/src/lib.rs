@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
+pub mod access;
 pub mod chaos;
 pub mod geo_sites;
 pub mod powercut;
@@ -112,6 +113,7 @@ pub struct MetaNode {
     pub log: PathBuf,
     initial_members: Option<String>,
     child: Option<Child>,
+    extra_env: Vec<(String, String)>,
 }
 
 impl MetaNode {
@@ -124,7 +126,14 @@ impl MetaNode {
             log: root.join(format!("node{id}.log")),
             initial_members,
             child: None,
+            extra_env: Vec::new(),
         }
+    }
+
+    /// A `MERIDIAN_*` setting for the next start.
+    pub fn env(&mut self, key: &str, value: &str) -> &mut Self {
+        self.extra_env.push((key.to_string(), value.to_string()));
+        self
     }
 
     pub fn set_initial_members(&mut self, members: String) {
@@ -149,6 +158,9 @@ impl MetaNode {
             .stderr(log);
         if let Some(m) = &self.initial_members {
             cmd.args(["--initial-members", m]);
+        }
+        for (k, v) in &self.extra_env {
+            cmd.env(k, v);
         }
         self.child = Some(cmd.spawn().context("spawning meridian metadata")?);
         Ok(())

@@ -1886,6 +1886,20 @@ fn allowed(role: &str, tenant: &str, op: Op) -> bool {
     }
 }
 
+/// The Pulsar protocol's operation of a data-path `op`.
+fn pulsar_op(op: Op) -> meridian_integration::access::PulsarOp {
+    use meridian_integration::access::PulsarOp;
+    match op {
+        Op::Lookup => PulsarOp::Lookup,
+        Op::Produce => PulsarOp::Produce,
+        Op::Consume => PulsarOp::Consume,
+        Op::ListTopics => PulsarOp::ListTopics,
+        Op::CreateSchema => PulsarOp::CreateSchema,
+        Op::GetSchema => PulsarOp::GetSchema,
+        _ => unreachable!("an admin operation"),
+    }
+}
+
 /// Runs one data-path operation over a raw connection; Ok or the refusal.
 fn data_op(
     url: &str,
@@ -1893,103 +1907,7 @@ fn data_op(
     ns: &str,
     op: Op,
 ) -> Result<(), (meridian_protocol::pb::ServerError, String)> {
-    use meridian_integration::raw::{cmd, error_of, producer, subscribe, Raw};
-    use meridian_protocol::pb::{self, base_command::Type};
-    let topic = format!("persistent://{ns}/t");
-    let mut c = Raw::connect_as(url, token)?;
-    match op {
-        Op::Lookup => {
-            c.send(&cmd(Type::Lookup, |x| {
-                x.lookup_topic = Some(pb::CommandLookupTopic {
-                    topic: topic.clone(),
-                    request_id: 1,
-                    ..Default::default()
-                })
-            }));
-            let f = c.expect();
-            let r = f.command.lookup_topic_response.expect("LOOKUP_RESPONSE");
-            match r.error {
-                None => Ok(()),
-                Some(e) => Err((
-                    pb::ServerError::try_from(e).unwrap(),
-                    r.message.unwrap_or_default(),
-                )),
-            }
-        }
-        Op::Produce | Op::Consume | Op::ListTopics => {
-            c.send(&match op {
-                Op::Produce => producer(&topic, 1, 1),
-                Op::Consume => subscribe(&topic, "matrix", 1, 1),
-                _ => cmd(Type::GetTopicsOfNamespace, |x| {
-                    x.get_topics_of_namespace = Some(pb::CommandGetTopicsOfNamespace {
-                        request_id: 1,
-                        namespace: ns.to_string(),
-                        ..Default::default()
-                    })
-                }),
-            });
-            let f = c.expect();
-            if f.command.error.is_some() {
-                Err(error_of(&f))
-            } else {
-                Ok(())
-            }
-        }
-        Op::CreateSchema | Op::GetSchema => {
-            c.send(&schema_request(&topic, op == Op::CreateSchema));
-            schema_outcome(&c.expect())
-        }
-        _ => unreachable!("an admin operation"),
-    }
-}
-
-/// GET_OR_CREATE_SCHEMA of a STRING schema (`create`), or GET_SCHEMA of the latest version.
-fn schema_request(topic: &str, create: bool) -> meridian_protocol::pb::BaseCommand {
-    use meridian_integration::raw::cmd;
-    use meridian_protocol::pb::{self, base_command::Type};
-    if create {
-        cmd(Type::GetOrCreateSchema, |x| {
-            x.get_or_create_schema = Some(pb::CommandGetOrCreateSchema {
-                request_id: 1,
-                topic: topic.to_string(),
-                schema: pb::Schema {
-                    name: "s".into(),
-                    schema_data: Vec::new(),
-                    r#type: 1, // STRING
-                    properties: Vec::new(),
-                },
-            })
-        })
-    } else {
-        cmd(Type::GetSchema, |x| {
-            x.get_schema = Some(pb::CommandGetSchema {
-                request_id: 1,
-                topic: topic.to_string(),
-                schema_version: None,
-            })
-        })
-    }
-}
-
-/// The outcome of a schema request: Ok, or the error the response carries.
-fn schema_outcome(
-    f: &meridian_protocol::Frame,
-) -> Result<(), (meridian_protocol::pb::ServerError, String)> {
-    use meridian_protocol::pb::ServerError;
-    let (code, message) = if let Some(r) = &f.command.get_or_create_schema_response {
-        (r.error_code, r.error_message.clone())
-    } else if let Some(r) = &f.command.get_schema_response {
-        (r.error_code, r.error_message.clone())
-    } else {
-        panic!("expected a schema response, got {:?}", f.command)
-    };
-    match code {
-        None => Ok(()),
-        Some(c) => Err((
-            ServerError::try_from(c).unwrap_or(ServerError::UnknownError),
-            message.unwrap_or_default(),
-        )),
-    }
+    meridian_integration::access::try_pulsar(url, token, ns, pulsar_op(op))
 }
 
 #[test]

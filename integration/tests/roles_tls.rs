@@ -13,12 +13,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use bytes::BytesMut;
+use meridian_integration::access::{
+    cell, try_bookie, try_membership, try_metadata_api, try_raft, Peer, ADMITTED, DENIED, HANDSHAKE,
+};
 use meridian_integration::{free_port, meridian_bin, run_admin, run_cli, step};
-use meridian_metadata::pb;
-use meridian_metadata::tls::{rustls, SiteTls};
-use meridian_storage::proto::{self, Frame, Request, Response, Status};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use meridian_metadata::tls::SiteTls;
+use meridian_storage::proto::Request;
 
 /// A `meridian` process killed when dropped; its output in `log`.
 struct Proc {
@@ -86,196 +86,12 @@ fn admin(args: &[&str]) {
 
 /// Makes the certificate of `role` `name` in `dir` (CA in `dir/ca`).
 fn cert(dir: &Path, ca_dir: &Path, role: &str, name: &str) -> Files {
-    admin(&[
-        "site-tls",
-        "create-cert",
-        "--role",
-        role,
-        "--name",
-        name,
-        "--ca-dir",
-        ca_dir.to_str().unwrap(),
-        "--out-dir",
-        dir.to_str().unwrap(),
-        "--san-ip",
-        "127.0.0.1",
-    ]);
+    let (cert, key) = meridian_integration::access::site_cert(dir, ca_dir, role, name);
     Files {
-        cert: dir.join(format!("{role}-{name}.pem")),
-        key: dir.join(format!("{role}-{name}.key")),
+        cert,
+        key,
         ca: ca_dir.join("ca.pem"),
     }
-}
-
-/// How a peer tries a port.
-#[derive(Clone)]
-enum Peer {
-    Plaintext,
-    /// TLS trusting the site CA, presenting no certificate.
-    NoCertificate,
-    /// TLS presenting this certificate (and trusting the site CA).
-    Certificate(Arc<SiteTls>),
-}
-
-const HANDSHAKE: &str = "no connection";
-const DENIED: &str = "denied";
-const ADMITTED: &str = "admitted";
-
-/// A gRPC channel to `addr` as `peer`.
-fn grpc_channel(addr: &str, peer: &Peer, site_ca: &Path) -> tonic::transport::Channel {
-    let timeout = Duration::from_secs(5);
-    match peer {
-        Peer::Plaintext => meridian_metadata::network::channel(addr, timeout, None).unwrap(),
-        Peer::Certificate(tls) => {
-            meridian_metadata::network::channel(addr, timeout, Some(tls)).unwrap()
-        }
-        Peer::NoCertificate => {
-            let ca = tonic::transport::Certificate::from_pem(std::fs::read(site_ca).unwrap());
-            tonic::transport::Endpoint::from_shared(format!("https://{addr}"))
-                .unwrap()
-                .tls_config(tonic::transport::ClientTlsConfig::new().ca_certificate(ca))
-                .unwrap()
-                .connect_timeout(timeout)
-                .connect_lazy()
-        }
-    }
-}
-
-/// What a gRPC answer says about the peer: denied by role, no connection at all (the
-/// handshake failed), or admitted (an answer from the service behind the check).
-fn grpc_verdict<T>(r: Result<T, tonic::Status>, admitted_codes: &[tonic::Code]) -> String {
-    match r {
-        Ok(_) => ADMITTED.to_string(),
-        Err(s) if admitted_codes.contains(&s.code()) => ADMITTED.to_string(),
-        Err(s)
-            if matches!(
-                s.code(),
-                tonic::Code::PermissionDenied | tonic::Code::Unauthenticated
-            ) =>
-        {
-            format!("{DENIED}: {}", s.message())
-        }
-        Err(s) => format!("{HANDSHAKE}: {:?} {}", s.code(), s.message()),
-    }
-}
-
-async fn try_metadata_api(addr: &str, peer: &Peer, ca: &Path) -> String {
-    let mut c = pb::metadata_client::MetadataClient::new(grpc_channel(addr, peer, ca));
-    let mut req = tonic::Request::new(pb::MembersRequest {});
-    req.set_timeout(Duration::from_secs(5));
-    grpc_verdict(c.members(req).await, &[])
-}
-
-/// Removing a node that is not a member: a peer the check admits gets FAILED_PRECONDITION
-/// ("not a member"), so nothing changes either way. From a follower, the request is forwarded
-/// to the leader under the follower's own certificate.
-async fn try_membership(addr: &str, peer: &Peer, ca: &Path) -> String {
-    let mut c = pb::metadata_client::MetadataClient::new(grpc_channel(addr, peer, ca));
-    let mut req = tonic::Request::new(pb::RemoveMemberRequest { id: 99 });
-    req.set_timeout(Duration::from_secs(5));
-    grpc_verdict(
-        c.remove_member(req).await,
-        &[tonic::Code::FailedPrecondition],
-    )
-}
-
-/// A Vote whose payload is not a vote: a peer the check admits gets the Raft service's
-/// INVALID_ARGUMENT (nothing reaches Raft, the cluster is not disturbed).
-async fn try_raft(addr: &str, peer: &Peer, ca: &Path) -> String {
-    let mut c = pb::raft_client::RaftClient::new(grpc_channel(addr, peer, ca));
-    let mut req = tonic::Request::new(pb::RaftPayload {
-        data: vec![0xff; 3],
-    });
-    req.set_timeout(Duration::from_secs(5));
-    grpc_verdict(c.vote(req).await, &[tonic::Code::InvalidArgument])
-}
-
-/// One request on a raw connection to the bookie at `addr`, as `peer`.
-async fn try_bookie(addr: &str, peer: &Peer, ca: &Path, request: Request) -> String {
-    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let config = match peer {
-        Peer::Plaintext => return bookie_exchange(tcp, request).await,
-        Peer::Certificate(tls) => return bookie_tls(tls.connector(), tcp, request).await,
-        Peer::NoCertificate => {
-            let mut roots = rustls::RootCertStore::empty();
-            for c in rustls::pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
-                roots.add(c.unwrap()).unwrap();
-            }
-            rustls::ClientConfig::builder_with_provider(Arc::new(
-                rustls::crypto::ring::default_provider(),
-            ))
-            .with_safe_default_protocol_versions()
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth()
-        }
-    };
-    bookie_tls(
-        tokio_rustls::TlsConnector::from(Arc::new(config)),
-        tcp,
-        request,
-    )
-    .await
-}
-
-use rustls::pki_types::pem::PemObject;
-
-async fn bookie_tls(
-    connector: tokio_rustls::TlsConnector,
-    tcp: tokio::net::TcpStream,
-    request: Request,
-) -> String {
-    let name = meridian_metadata::tls::server_name("127.0.0.1:1").unwrap();
-    match connector.connect(name, tcp).await {
-        Ok(stream) => bookie_exchange(stream, request).await,
-        Err(e) => format!("{HANDSHAKE}: {e}"),
-    }
-}
-
-async fn bookie_exchange<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, request: Request) -> String {
-    let mut out = Vec::new();
-    proto::encode(&Frame::Request { id: 7, request }, &mut out);
-    if let Err(e) = s.write_all(&out).await {
-        return format!("{HANDSHAKE}: {e}");
-    }
-    let _ = s.flush().await;
-    let mut buf = BytesMut::new();
-    let read = async {
-        loop {
-            if let Some(frame) = proto::decode(&mut buf, 1 << 20).map_err(|e| e.to_string())? {
-                return Ok(frame);
-            }
-            match s.read_buf(&mut buf).await {
-                Ok(0) => return Err("closed".to_string()),
-                Ok(_) => {}
-                Err(e) => return Err(e.to_string()),
-            }
-        }
-    };
-    match tokio::time::timeout(Duration::from_secs(5), read).await {
-        Err(_) => format!("{HANDSHAKE}: no answer"),
-        Ok(Err(e)) => format!("{HANDSHAKE}: {e}"),
-        Ok(Ok(Frame::Response { response, .. })) => {
-            let status = match response {
-                Response::Add { status, .. }
-                | Response::Read { status, .. }
-                | Response::ReadRange { status, .. }
-                | Response::Lac { status, .. }
-                | Response::Delete { status, .. } => status,
-            };
-            if status == Status::Forbidden {
-                DENIED.to_string()
-            } else {
-                ADMITTED.to_string()
-            }
-        }
-        Ok(Ok(other)) => panic!("the bookie sent {other:?}"),
-    }
-}
-
-/// The first word of a verdict: the cell of the matrix.
-fn cell(verdict: &str) -> &str {
-    verdict.split(':').next().unwrap_or(verdict)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
