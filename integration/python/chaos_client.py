@@ -111,7 +111,8 @@ def consume(a):
     while cons is None:
         try:
             cons = c.subscribe(a.topic, a.sub, consumer_type=types[a.type], consumer_name=a.name,
-                               initial_position=pulsar.InitialPosition.Earliest)
+                               initial_position=pulsar.InitialPosition.Earliest,
+                               replicate_subscription_state_enabled=a.replicated)
         except pulsar.PulsarException as e:
             out({"subscribe_failed": str(e)})
             time.sleep(0.5)
@@ -172,6 +173,7 @@ def main():
     p.add_argument("--name", required=True)
     p.add_argument("--stop", required=True)
     p.add_argument("--idle-ms", type=int, default=1000)
+    p.add_argument("--replicated", action="store_true")
     p.set_defaults(fn=consume)
     p = sub.add_parser("read")
     p.add_argument("url")

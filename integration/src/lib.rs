@@ -807,6 +807,16 @@ impl StandaloneProc {
         kill9(self.child.take())
     }
 
+    /// SIGSTOP (`pause = true`) or SIGCONT.
+    pub fn pause(&mut self, pause: bool) -> anyhow::Result<()> {
+        pause_child(self.child.as_ref(), pause)
+    }
+
+    /// How the process ended, if it ended by itself.
+    pub fn exited(&mut self) -> Option<String> {
+        exited_by_itself(&mut self.child)
+    }
+
     /// SIGTERM, then waits for the exit and returns its code.
     pub fn stop(&mut self) -> anyhow::Result<i32> {
         sigterm_and_wait(self.child.take())

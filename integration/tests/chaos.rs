@@ -1,8 +1,10 @@
 //! A short fault schedule (issue 23): a site of real processes (three metadata nodes, four
 //! bookies, two brokers, each metadata node and bookie on a power-loss file system of its
 //! own) under stock-client load while a seeded schedule kills, pauses and cuts the power of
-//! its processes; then every checker over the recorded history. `meridian-chaos` runs the
-//! same for longer (`--minutes N --seed S`).
+//! its processes, and replicates every third topic to a second site (a standalone) over a
+//! link the schedule partitions and makes lossy; then every checker over the recorded
+//! history, west's copies included. `meridian-chaos` runs the same for longer
+//! (`--minutes N --seed S --sites 2`).
 //!
 //! The seed is `$MERIDIAN_CHAOS_SEED`, else taken from the clock and printed: each run tries
 //! another schedule, and a failure names the seed that replays it.
@@ -27,12 +29,15 @@ async fn given_a_seeded_fault_schedule_then_every_checker_passes_over_the_histor
     let o = Options {
         seed,
         run_ms: 150_000,
-        topics: 4,
+        topics: 6,
         no_faults: false,
         // Every kind but a bookie's full disk: on it the index's RocksDB (Debian's 7.8 build)
         // can abort the bookie (README, "Fault schedules"); `meridian-chaos` keeps it in.
-        only: ["kill", "pause", "power-cut"].map(String::from).to_vec(),
+        only: ["kill", "pause", "power-cut", "link"]
+            .map(String::from)
+            .to_vec(),
         keep: false,
+        sites: 2,
     };
     let report = run(&o).await.expect("the run");
     println!("{report}");
@@ -51,5 +56,10 @@ async fn given_a_seeded_fault_schedule_then_every_checker_passes_over_the_histor
         report.meta_ops > 1_000,
         "{} metadata operations",
         report.meta_ops
+    );
+    assert!(
+        report.replicated > 1_000,
+        "{} replicated messages checked",
+        report.replicated
     );
 }

@@ -2,10 +2,12 @@
 //! nodes, four bookies, two brokers), with stock Python-client producers and consumers and
 //! metadata clients at work, then checks the recorded history: nothing acknowledged lost,
 //! no duplicate where deduplication is on, per-producer order, no message id used twice,
-//! every stored message delivered to every subscription, and linearizable metadata.
+//! every stored message delivered to every subscription, and linearizable metadata. With
+//! `--sites 2` the site is east of two: it replicates a namespace to site west (a standalone)
+//! over a link the schedule partitions and makes lossy, and west's copy is checked too.
 //!
-//! `meridian-chaos [--minutes N] [--seed S] [--topics K] [--no-faults | --baseline]
-//! [--only KIND,...] [--keep]`
+//! `meridian-chaos [--minutes N] [--seed S] [--topics K] [--sites 1|2] [--no-faults |
+//! --baseline] [--only KIND,...] [--keep]`
 //!
 //! Prints the schedule first, then a report (faults of each kind and how soon produce and
 //! consume worked after each, what was checked, the rates). Exit status 1 when a check
@@ -41,6 +43,10 @@ struct Args {
     /// Keep the processes' logs and data after the run (the paths are printed).
     #[arg(long)]
     keep: bool,
+    /// 2: a second site, west, to which every third topic's namespace replicates; its link
+    /// and its process take faults too.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=2))]
+    sites: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -63,6 +69,7 @@ fn main() -> anyhow::Result<()> {
         no_faults: a.no_faults,
         only: a.only.clone(),
         keep: a.keep,
+        sites: a.sites as usize,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -6,6 +6,8 @@ pub mod check;
 pub mod crate_load;
 pub mod linearizable;
 pub mod meta_load;
+pub mod remote;
+pub mod replicated;
 pub mod schedule;
 pub mod site;
 
@@ -17,7 +19,7 @@ use anyhow::{bail, Context};
 use serde_json::Value;
 
 use crate::{admin_json, PyClient};
-use check::{Checked, Received, Send, TopicHistory};
+use check::{Checked, Received, Send, TopicHistory, Violation};
 use schedule::Fault;
 use site::Site;
 
@@ -35,26 +37,40 @@ pub struct Options {
     pub only: Vec<String>,
     /// Keep the processes' logs and data directories after the run (their paths are printed).
     pub keep: bool,
+    /// 1, or 2: the site becomes east and replicates a namespace to site west (see
+    /// [`remote`]), whose link and process take faults too.
+    pub sites: usize,
 }
 
 /// One topic of the run and how it is used.
 struct TopicPlan {
     name: String,
+    /// In the namespace replicated to site west.
+    replicated: bool,
     dedup: bool,
     batch: bool,
     sub_type: &'static str,
     consumers: usize,
 }
 
-fn plan(topics: usize) -> Vec<TopicPlan> {
+/// With two sites, every third topic is in the replicated namespace (deduplication on).
+fn plan(topics: usize, two_sites: bool) -> Vec<TopicPlan> {
     const TYPES: [&str; 4] = ["exclusive", "shared", "failover", "key_shared"];
     (0..topics)
         .map(|i| {
-            let dedup = i % 2 == 0;
-            let ns = if dedup { "chaos-dedup" } else { "chaos-plain" };
+            let replicated = two_sites && i % 3 == 2;
+            let dedup = replicated || i % 2 == 0;
+            let ns = if replicated {
+                remote::NAMESPACE
+            } else if dedup {
+                "public/chaos-dedup"
+            } else {
+                "public/chaos-plain"
+            };
             let sub_type = TYPES[i % TYPES.len()];
             TopicPlan {
-                name: format!("persistent://public/{ns}/t{i}"),
+                name: format!("persistent://{ns}/t{i}"),
+                replicated,
                 dedup,
                 batch: (i / 2) % 2 == 1,
                 sub_type,
@@ -84,6 +100,8 @@ pub struct Report {
     pub checked: Checked,
     pub meta_ops: u64,
     pub meta_unknown: u64,
+    /// Messages checked at site west against east (two sites).
+    pub replicated: u64,
     pub violations: Vec<String>,
     /// Keys whose linearizability search gave up (neither shown nor refuted).
     pub inconclusive: Vec<String>,
@@ -122,6 +140,13 @@ impl std::fmt::Display for Report {
             self.meta_ops,
             self.meta_unknown
         )?;
+        if self.replicated > 0 {
+            writeln!(
+                f,
+                "replicated: {} messages at site west checked against east",
+                self.replicated
+            )?;
+        }
         writeln!(
             f,
             "acknowledged sends/s: {:.0} over the run, {:.0} in quiet stretches (publish p99 {:.1} ms there)",
@@ -154,7 +179,11 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
     let schedule = if o.no_faults {
         Vec::new()
     } else {
-        schedule::generate_only(o.seed, o.run_ms, site::SHAPE, |f| {
+        let shape = schedule::Shape {
+            remote: o.sites > 1,
+            ..site::SHAPE
+        };
+        schedule::generate_only(o.seed, o.run_ms, shape, |f| {
             o.only.is_empty() || o.only.iter().any(|k| f.kind().contains(k.as_str()))
         })
     };
@@ -162,7 +191,14 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
     for f in &schedule {
         say(format!("  {f}"));
     }
-    let mut site = Site::start().await.context("starting the site")?;
+    anyhow::ensure!(
+        (1..=2).contains(&o.sites),
+        "--sites must be 1 or 2, not {}",
+        o.sites
+    );
+    let mut site = Site::start(o.sites == 2)
+        .await
+        .context("starting the site")?;
     let result = drive(o, &mut site, schedule).await;
     if result.is_err() {
         // What each process complained of, before the site (and its logs) goes.
@@ -190,7 +226,7 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         }
     }
     let url = site.service_url();
-    let topics = plan(o.topics);
+    let topics = plan(o.topics, site.remote.is_some());
     let stop_produce = root.join("stop-produce");
     let stop_consume = root.join("stop-consume");
 
@@ -198,7 +234,7 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
     for (i, t) in topics.iter().enumerate() {
         for k in 0..t.consumers {
             let name = format!("c{i}-{k}");
-            let args = [
+            let mut args = [
                 "consume",
                 &url,
                 &t.name,
@@ -209,7 +245,11 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
                 &name,
                 "--stop",
                 path_str(&stop_consume)?,
-            ];
+            ]
+            .to_vec();
+            if t.replicated {
+                args.push("--replicated");
+            }
             consumers.push((i, py(&root, &name, &args)?));
         }
     }
@@ -336,6 +376,31 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     std::fs::write(&stop_consume, b"")?;
+    let mut replication_violations = Vec::new();
+    let mut replicated_checked = 0;
+    if let Some(r) = &site.remote {
+        say("waiting for site west to hold every replicated message");
+        for (i, t) in topics.iter().enumerate().filter(|(_, t)| t.replicated) {
+            let deadline = Instant::now() + Duration::from_secs(180);
+            let copy = loop {
+                let got = read_all(&root, &r.west.url, &t.name).await?;
+                if replicated::caught_up(&stored[i], &got) || Instant::now() > deadline {
+                    break got;
+                }
+                tokio::time::sleep(Duration::from_secs(2)).await;
+            };
+            replicated_checked += copy.len() as u64;
+            replication_violations.extend(replicated::check(&t.name, "west", &stored[i], &copy));
+        }
+        say("waiting for the replicated subscriptions to agree");
+        for t in topics.iter().filter(|t| t.replicated) {
+            if let Some(v) =
+                subscription_agrees(&site.admin_url(), &r.west.admin_url, &t.name).await
+            {
+                replication_violations.push(v);
+            }
+        }
+    }
     let mut delivered: Vec<Vec<Value>> = vec![Vec::new(); topics.len()];
     for (i, c) in consumers.iter_mut() {
         let lines = tokio::task::block_in_place(|| c.finish(Duration::from_secs(60)))
@@ -347,8 +412,12 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         seed: o.seed,
         schedule: schedule.clone(),
         done,
+        replicated: replicated_checked,
         ..Report::default()
     };
+    report
+        .violations
+        .extend(replication_violations.iter().map(ToString::to_string));
     for (i, t) in topics.iter().enumerate() {
         let h = TopicHistory {
             dedup: t.dedup,
@@ -395,6 +464,55 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         }
     }
     Ok(report)
+}
+
+/// Subscription `s` of `topic`'s backlog (entries not acknowledged) at the site of
+/// `admin_url`; None when the site has no such subscription (or does not answer).
+fn backlog(admin_url: &str, topic: &str) -> Option<u64> {
+    let (code, out, _) = crate::run_admin(&[
+        "--admin-url",
+        admin_url,
+        "--output",
+        "json",
+        "topics",
+        "stats",
+        topic,
+    ])
+    .ok()?;
+    if code != 0 {
+        return None;
+    }
+    let stats: Value = serde_json::from_str(&out).ok()?;
+    stats["subscriptions"]
+        .as_array()?
+        .iter()
+        .find(|s| s["name"] == "s")?["backlog_entries"]
+        .as_u64()
+}
+
+/// A replicated subscription's documented bound: once its state has synced, the other site
+/// holds it where this one does (a consumer moving there gets exactly what was not
+/// acknowledged here). Waits up to 60 s for west's backlog of subscription `s` to equal
+/// east's; the violation otherwise.
+async fn subscription_agrees(east: &str, west: &str, topic: &str) -> Option<Violation> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (e, w) = tokio::task::block_in_place(|| (backlog(east, topic), backlog(west, topic)));
+        if e.is_some() && e == w {
+            return None;
+        }
+        if Instant::now() > deadline {
+            return Some(Violation {
+                kind: "replicated subscription",
+                topic: topic.to_string(),
+                what: format!(
+                    "60 s after the run, subscription s has a backlog of {e:?} entries at east and {w:?} at west"
+                ),
+                excerpt: Vec::new(),
+            });
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 fn path_str(p: &Path) -> anyhow::Result<&str> {

@@ -20,6 +20,10 @@ pub enum Target {
     Broker(usize),
     /// Every process of the site (power cuts only).
     Site,
+    /// The link east dials to the second site (partitions and lossy links only).
+    Link,
+    /// The second site, a standalone (kills and pauses).
+    Remote,
 }
 
 impl std::fmt::Display for Target {
@@ -30,6 +34,8 @@ impl std::fmt::Display for Target {
             Target::Bookie(i) => write!(f, "bookie {i}"),
             Target::Broker(i) => write!(f, "broker {i}"),
             Target::Site => write!(f, "the whole site"),
+            Target::Link => write!(f, "the link to site west"),
+            Target::Remote => write!(f, "site west"),
         }
     }
 }
@@ -47,6 +53,10 @@ pub enum Action {
     /// A bookie's disk full for the fault's length (writes that need space fail with ENOSPC,
     /// no free block shows), then its space back.
     DiskFull,
+    /// No datagram through the link for the fault's length.
+    Partition,
+    /// The link drops a fifth of the datagrams, duplicates some, delays and reorders them.
+    Flaky,
 }
 
 /// What a power cut leaves of the bytes written and not synced.
@@ -80,12 +90,16 @@ impl Fault {
             Target::Bookie(_) => "bookie",
             Target::Broker(_) => "broker",
             Target::Site => "site",
+            Target::Link => "link",
+            Target::Remote => "remote-site",
         };
         let what = match self.action {
             Action::Kill => "kill",
             Action::Pause => "pause",
             Action::PowerCut(_) => "power-cut",
             Action::DiskFull => "disk-full",
+            Action::Partition => "partition",
+            Action::Flaky => "flaky",
         };
         format!("{what} {who}")
     }
@@ -100,6 +114,8 @@ impl std::fmt::Display for Fault {
             Action::PowerCut(Cut::Torn(_)) => "cut the power (tearing a write) of",
             Action::PowerCut(Cut::Partial(_)) => "cut the power (half the pages written) of",
             Action::DiskFull => "fill the disk of",
+            Action::Partition => "partition",
+            Action::Flaky => "make lossy",
         };
         write!(
             f,
@@ -118,6 +134,8 @@ pub struct Shape {
     pub metadata: usize,
     pub bookies: usize,
     pub brokers: usize,
+    /// A second site, and the link to it, take faults too.
+    pub remote: bool,
 }
 
 /// Faults, one after another, until their gaps and lengths add up to `total_ms`.
@@ -150,6 +168,9 @@ pub fn generate_only(
         } else {
             rng.gen_range(1_000..4_000)
         };
+        // With a second site, one fault in four is of the link to it or of that site (drawn
+        // only then, so a one-site seed gives the schedule it always gave).
+        let remote = shape.remote && rng.gen_range(0..4) == 0;
         let mut target = match rng.gen_range(0..4) {
             0 => Target::Metadata(rng.gen_range(0..shape.metadata)),
             1 => Target::MetadataLeader,
@@ -181,7 +202,19 @@ pub fn generate_only(
                 }
             }
         };
-        let length_ms = rng.gen_range(300..5_000);
+        let mut length_ms = rng.gen_range(300..5_000);
+        let (action, target) = if remote {
+            // Long enough for a backlog and the replicators' back-off to show.
+            length_ms = rng.gen_range(2_000..10_000);
+            match rng.gen_range(0..4) {
+                0 => (Action::Partition, Target::Link),
+                1 => (Action::Flaky, Target::Link),
+                2 => (Action::Kill, Target::Remote),
+                _ => (Action::Pause, Target::Remote),
+            }
+        } else {
+            (action, target)
+        };
         let f = Fault {
             after_ms,
             action,
@@ -210,6 +243,7 @@ mod tests {
         metadata: 3,
         bookies: 4,
         brokers: 2,
+        remote: false,
     };
 
     #[test]
@@ -240,5 +274,33 @@ mod tests {
         // kill and pause of each of the four targets, power cuts of the three that keep data
         // and of the whole site, a bookie's full disk.
         assert_eq!(kinds.len(), 13, "{kinds:?}");
+        // With a second site: its link's partitions and losses, its kills and pauses too;
+        // the one-site faults still come up.
+        let two = Shape {
+            remote: true,
+            ..SHAPE
+        };
+        let kinds: std::collections::BTreeSet<String> =
+            generate(1, 900_000, two).iter().map(Fault::kind).collect();
+        assert_eq!(kinds.len(), 17, "{kinds:?}");
+    }
+
+    #[test]
+    fn given_one_site_then_no_fault_of_a_second_one_and_given_two_then_some() {
+        let one = generate(3, 120_000, SHAPE);
+        assert!(one
+            .iter()
+            .all(|f| !matches!(f.target, Target::Link | Target::Remote)));
+        let two = generate(
+            3,
+            120_000,
+            Shape {
+                remote: true,
+                ..SHAPE
+            },
+        );
+        assert!(two
+            .iter()
+            .any(|f| matches!(f.target, Target::Link | Target::Remote)));
     }
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
+use super::remote::Remote;
 use super::schedule::{Action, Cut, Fault, Shape, Target};
 use crate::powercut::{CutReport, PowerCutFs};
 use crate::{start_bookies, BookieProc, BrokerProc, MetaCluster, MetaNode};
@@ -15,10 +16,13 @@ pub const SHAPE: Shape = Shape {
     metadata: 3,
     bookies: 4,
     brokers: 2,
+    remote: false,
 };
 
 /// Fields drop in order: the processes go before the file systems they use are unmounted.
 pub struct Site {
+    /// With two sites: site west and the link to it.
+    pub remote: Option<Remote>,
     pub meta: MetaCluster,
     pub bookies: Vec<BookieProc>,
     pub brokers: Vec<BrokerProc>,
@@ -45,7 +49,9 @@ impl Applied {
 }
 
 impl Site {
-    pub async fn start() -> anyhow::Result<Site> {
+    /// Starts the site; with `two_sites`, as site east of two (see [`Remote`]), its brokers
+    /// with geo links.
+    pub async fn start(two_sites: bool) -> anyhow::Result<Site> {
         if let Some(why) = PowerCutFs::unavailable() {
             bail!("the power-loss file system cannot be mounted here: {why}");
         }
@@ -85,6 +91,12 @@ impl Site {
             })
             .collect();
         start_bookies(&mut bookies, &meta.client(), Duration::from_secs(60)).await?;
+        let remote = if two_sites {
+            Some(Remote::start(&root)?)
+        } else {
+            None
+        };
+        let mut geo_listens = Vec::new();
         let mut brokers = Vec::new();
         for name in ["broker0", "broker1"] {
             let mut b = BrokerProc::new(name, &root, &endpoints);
@@ -93,10 +105,21 @@ impl Site {
             b.env("MERIDIAN_BROKER_ENSEMBLE", "3")
                 .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
                 .env("MERIDIAN_BROKER_ACK_QUORUM", "2");
+            if let Some(r) = &remote {
+                let listen = format!("127.0.0.1:{}", crate::free_udp_port());
+                for (k, v) in r.east_broker_env(&listen) {
+                    b.env(k, &v);
+                }
+                geo_listens.push(listen);
+            }
             b.start().with_context(|| format!("starting {name}"))?;
             brokers.push(b);
         }
+        if let Some(r) = &remote {
+            r.link(&brokers[0].admin_url, &brokers[0].url, &geo_listens[0]);
+        }
         Ok(Site {
+            remote,
             meta,
             bookies,
             brokers,
@@ -176,7 +199,14 @@ impl Site {
                 log_from = self.bookies[i].log_text().len();
                 self.disks[SHAPE.metadata + i].set_full(true);
             }
+            (Action::Partition | Action::Flaky, Target::Link) => {
+                self.remote()?.disturb(fault.action == Action::Partition)
+            }
+            (Action::Kill, Target::Remote) => self.remote_mut()?.west.kill9()?,
+            (Action::Pause, Target::Remote) => self.remote_mut()?.west.pause(true)?,
             (Action::Kill | Action::Pause | Action::DiskFull, Target::Site)
+            | (Action::Partition | Action::Flaky, _)
+            | (_, Target::Link | Target::Remote)
             | (Action::DiskFull, _)
             | (_, Target::MetadataLeader) => {
                 bail!("{fault} cannot be applied")
@@ -205,8 +235,26 @@ impl Site {
             (_, Target::Broker(i)) => tokio::task::block_in_place(|| self.brokers[i].start()),
             (_, Target::Site) => self.start_all().await,
             (_, Target::MetadataLeader) => Ok(()),
+            (_, Target::Link) => self.remote().map(Remote::heal_link),
+            (Action::Pause, Target::Remote) => self.remote_mut()?.west.pause(false),
+            (_, Target::Remote) => {
+                let r = self.remote_mut()?;
+                tokio::task::block_in_place(|| r.west.start())
+            }
         }
         .context(what)
+    }
+
+    fn remote(&self) -> anyhow::Result<&Remote> {
+        self.remote
+            .as_ref()
+            .context("a fault of a second site in a run of one")
+    }
+
+    fn remote_mut(&mut self) -> anyhow::Result<&mut Remote> {
+        self.remote
+            .as_mut()
+            .context("a fault of a second site in a run of one")
     }
 
     /// Gives bookie `i` its space back. A bookie whose journal write failed on the full disk
@@ -277,6 +325,12 @@ impl Site {
                 let _ = b.start();
             }
         }
+        if let Some(r) = &mut self.remote {
+            if let Some(how) = r.west.exited() {
+                out.push(format!("site west {how}: {}", tail(&r.west.log)));
+                let _ = tokio::task::block_in_place(|| r.west.start());
+            }
+        }
         out
     }
 
@@ -318,6 +372,9 @@ impl Site {
                 .enumerate()
                 .map(|(i, b)| (format!("broker {i}"), b.log.clone())),
         );
+        if let Some(r) = &self.remote {
+            out.push(("site west".to_string(), r.west.log.clone()));
+        }
         out
     }
 }
