@@ -5,6 +5,7 @@
 pub mod check;
 pub mod crate_load;
 pub mod linearizable;
+pub mod measure;
 pub mod meta_load;
 pub mod remote;
 pub mod replicated;
@@ -106,7 +107,8 @@ pub struct Report {
     /// Keys whose linearizability search gave up (neither shown nor refuted).
     pub inconclusive: Vec<String>,
     /// Per kind of fault: the longest time from its healing until every producer had a send
-    /// acknowledged and every subscription a message delivered, in ms.
+    /// acknowledged and every subscription a message delivered, in ms (of the faults whose
+    /// recovery came before the next fault began).
     pub recovery_ms: BTreeMap<String, (f64, f64)>,
     /// Acknowledged sends per second over the run, and of the sends made in quiet stretches
     /// (long gaps between faults, from 8 s after a fault healed to the next one); their
@@ -124,11 +126,17 @@ impl std::fmt::Display for Report {
             *kinds.entry(d.fault.kind()).or_default() += 1;
         }
         for (k, n) in &kinds {
-            let (p, c) = self.recovery_ms.get(k).copied().unwrap_or_default();
-            writeln!(
-                f,
-                "  {k}: {n}, produce again within {p:.0} ms, consume again within {c:.0} ms"
-            )?;
+            match self.recovery_ms.get(k) {
+                Some((p, c)) => writeln!(
+                    f,
+                    "  {k}: {n}, produce again within {p:.0} ms, consume again within {c:.0} ms (bound {:.0} ms)",
+                    measure::bound_ms(k)
+                )?,
+                None => writeln!(
+                    f,
+                    "  {k}: {n}, each recovery cut short by the next fault or the run's end"
+                )?,
+            }
         }
         writeln!(
             f,
@@ -453,7 +461,7 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
             report.violations.push(s);
         }
     }
-    measure(&mut report, &sent, &delivered, began, ended);
+    measure::measure(&mut report, &sent, &delivered, began, ended);
     if !report.violations.is_empty() {
         say("a violation: the schedule of this seed was");
         for f in &report.schedule {
@@ -597,84 +605,4 @@ fn sends_of(topic: &str, python_name: &str, lines: &[Value]) -> Vec<Send> {
             acked,
         })
         .collect()
-}
-
-/// Recovery after each fault, and the rates in and out of quiet stretches.
-fn measure(r: &mut Report, sent: &[Vec<Value>], delivered: &[Vec<Value>], began: f64, ended: f64) {
-    let times = |lines: &[Value], field: &str| -> Vec<f64> {
-        let mut t: Vec<f64> = lines
-            .iter()
-            .filter(|v| v.get(field).is_some())
-            .filter_map(|v| v.get("t").and_then(Value::as_f64))
-            .collect();
-        t.sort_by(f64::total_cmp);
-        t
-    };
-    // Each producer's receipts (a topic's Python producer, and its crate producer's
-    // incarnations together).
-    let acks: Vec<Vec<f64>> = sent
-        .iter()
-        .flat_map(|l| {
-            let (py, rs): (Vec<Value>, Vec<Value>) =
-                l.iter().cloned().partition(|v| v.get("p").is_none());
-            [times(&py, "acked"), times(&rs, "acked")]
-        })
-        .collect();
-    let gets: Vec<Vec<f64>> = delivered.iter().map(|l| times(l, "p")).collect();
-    let first_after = |ts: &[f64], h: f64| -> f64 {
-        let i = ts.partition_point(|t| *t < h);
-        ts.get(i).map_or(f64::INFINITY, |t| (t - h) * 1000.0)
-    };
-    for d in &r.done {
-        let p = acks
-            .iter()
-            .map(|a| first_after(a, d.healed))
-            .fold(0.0, f64::max);
-        let c = gets
-            .iter()
-            .map(|g| first_after(g, d.healed))
-            .fold(0.0, f64::max);
-        let e = r.recovery_ms.entry(d.fault.kind()).or_default();
-        e.0 = e.0.max(p);
-        e.1 = e.1.max(c);
-    }
-    // Quiet: the long gaps between faults, from 8 s after a healing (a broker's session
-    // outlives its kill by up to 5 s) to the next fault's start; and the whole run without
-    // faults.
-    let settle = 8.0;
-    let mut quiet: Vec<(f64, f64)> = Vec::new();
-    let mut from = began;
-    for d in &r.done {
-        if d.started - from >= (schedule::QUIET_MS as f64 / 1000.0) - settle {
-            quiet.push((from, d.started));
-        }
-        from = d.healed + settle;
-    }
-    if ended > from {
-        quiet.push((from, ended));
-    }
-    let quiet_s: f64 = quiet.iter().map(|(a, b)| b - a).sum();
-    let in_quiet = |t: f64| quiet.iter().any(|(a, b)| t >= *a && t < *b);
-    let all: usize = acks
-        .iter()
-        .map(|a| a.iter().filter(|t| **t >= began && **t < ended).count())
-        .sum();
-    r.rate_all = all as f64 / (ended - began).max(1e-9);
-    let mut lat: Vec<f64> = sent
-        .iter()
-        .flatten()
-        .filter(|v| v.get("acked").is_some())
-        .filter_map(|v| {
-            let (t, l) = (v.get("t")?.as_f64()?, v.get("l")?.as_f64()?);
-            // By when it was sent: sends held up by a fault end in the quiet after it.
-            in_quiet(t - l / 1000.0).then_some(l)
-        })
-        .collect();
-    r.rate_quiet = lat.len() as f64 / quiet_s.max(1e-9);
-    lat.sort_by(f64::total_cmp);
-    r.p99_quiet_ms = lat
-        .get((lat.len() as f64 * 0.99) as usize)
-        .or(lat.last())
-        .copied()
-        .unwrap_or(0.0);
 }

@@ -1,0 +1,225 @@
+//! What a run measured: how soon produce and consume worked again after each fault (held to
+//! a bound per kind of fault: [`bound_ms`]), and the rates and publish latency in the quiet
+//! stretches between faults.
+
+use serde_json::Value;
+
+use super::{schedule, Report};
+
+/// The longest produce and consume may take to work again (every producer a receipt, every
+/// subscription a delivery) after a fault of `kind` healed: measured, with room for a loaded
+/// machine (README, "Fault schedules").
+pub fn bound_ms(kind: &str) -> f64 {
+    let target = kind.split(' ').nth(1).unwrap_or("");
+    match target {
+        // Every process of the site starts again, the metadata store first.
+        "site" => 90_000.0,
+        // A new leader's election; a broker's bundles move once its session (5 s) expires.
+        "metadata-leader" | "broker" => 30_000.0,
+        // A follower, a bookie (a spare takes its writes), the other site or the link to it.
+        _ => 15_000.0,
+    }
+}
+
+/// Recovery after each fault, and the rates in and out of quiet stretches.
+pub fn measure(
+    r: &mut Report,
+    sent: &[Vec<Value>],
+    delivered: &[Vec<Value>],
+    began: f64,
+    ended: f64,
+) {
+    let times = |lines: &[Value], field: &str| -> Vec<f64> {
+        let mut t: Vec<f64> = lines
+            .iter()
+            .filter(|v| v.get(field).is_some())
+            .filter_map(|v| v.get("t").and_then(Value::as_f64))
+            .collect();
+        t.sort_by(f64::total_cmp);
+        t
+    };
+    // Each producer's receipts (a topic's Python producer, and its crate producer's
+    // incarnations together).
+    let acks: Vec<Vec<f64>> = sent
+        .iter()
+        .flat_map(|l| {
+            let (py, rs): (Vec<Value>, Vec<Value>) =
+                l.iter().cloned().partition(|v| v.get("p").is_none());
+            [times(&py, "acked"), times(&rs, "acked")]
+        })
+        .collect();
+    let gets: Vec<Vec<f64>> = delivered.iter().map(|l| times(l, "p")).collect();
+    let first_after = |ts: &[f64], h: f64| -> f64 {
+        let i = ts.partition_point(|t| *t < h);
+        ts.get(i).map_or(f64::INFINITY, |t| (t - h) * 1000.0)
+    };
+    for (k, d) in r.done.iter().enumerate() {
+        // Until the next fault starts: a recovery that takes longer is cut short by it and
+        // is neither counted nor held to the bound.
+        let next = r.done.get(k + 1).map_or(ended + 3600.0, |n| n.started);
+        let window_ms = (next - d.healed) * 1000.0;
+        let longest = |series: &[Vec<f64>]| -> f64 {
+            series
+                .iter()
+                .map(|s| first_after(s, d.healed))
+                .fold(0.0, f64::max)
+        };
+        let (p, c) = (longest(&acks), longest(&gets));
+        let kind = d.fault.kind();
+        let bound = bound_ms(&kind);
+        // The load stops when the run ends: a fault healed too near its end cannot be told.
+        let told = (ended - d.healed) * 1000.0 >= bound;
+        if told && (p.is_infinite() || c.is_infinite()) {
+            r.violations.push(format!(
+                "[liveness] after {} healed ({:.1} s into the run), {} never worked again\n",
+                d.fault,
+                d.healed - began,
+                if p.is_infinite() {
+                    "produce"
+                } else {
+                    "consume"
+                }
+            ));
+            continue;
+        }
+        if p.max(c) > window_ms {
+            continue;
+        }
+        for (what, ms) in [("produce", p), ("consume", c)] {
+            if ms > bound {
+                r.violations.push(format!(
+                    "[liveness] {what} worked again {ms:.0} ms after {} healed ({:.1} s into the run), past the bound for {kind}: {bound:.0} ms\n",
+                    d.fault, d.healed - began
+                ));
+            }
+        }
+        let e = r.recovery_ms.entry(kind).or_default();
+        e.0 = e.0.max(p);
+        e.1 = e.1.max(c);
+    }
+    // Quiet: the long gaps between faults, from 8 s after a healing (a broker's session
+    // outlives its kill by up to 5 s) to the next fault's start; and the whole run without
+    // faults.
+    let settle = 8.0;
+    let mut quiet: Vec<(f64, f64)> = Vec::new();
+    let mut from = began;
+    for d in &r.done {
+        if d.started - from >= (schedule::QUIET_MS as f64 / 1000.0) - settle {
+            quiet.push((from, d.started));
+        }
+        from = d.healed + settle;
+    }
+    if ended > from {
+        quiet.push((from, ended));
+    }
+    let quiet_s: f64 = quiet.iter().map(|(a, b)| b - a).sum();
+    let in_quiet = |t: f64| quiet.iter().any(|(a, b)| t >= *a && t < *b);
+    let all: usize = acks
+        .iter()
+        .map(|a| a.iter().filter(|t| **t >= began && **t < ended).count())
+        .sum();
+    r.rate_all = all as f64 / (ended - began).max(1e-9);
+    let mut lat: Vec<f64> = sent
+        .iter()
+        .flatten()
+        .filter(|v| v.get("acked").is_some())
+        .filter_map(|v| {
+            let (t, l) = (v.get("t")?.as_f64()?, v.get("l")?.as_f64()?);
+            // By when it was sent: sends held up by a fault end in the quiet after it.
+            in_quiet(t - l / 1000.0).then_some(l)
+        })
+        .collect();
+    r.rate_quiet = lat.len() as f64 / quiet_s.max(1e-9);
+    lat.sort_by(f64::total_cmp);
+    r.p99_quiet_ms = lat
+        .get((lat.len() as f64 * 0.99) as usize)
+        .or(lat.last())
+        .copied()
+        .unwrap_or(0.0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chaos::schedule::{Action, Fault, Target};
+    use crate::chaos::Done;
+    use serde_json::json;
+
+    fn done(started: f64, healed: f64) -> Done {
+        Done {
+            fault: Fault {
+                after_ms: 1_000,
+                action: Action::Kill,
+                target: Target::Bookie(0),
+                length_ms: 1_000,
+            },
+            hit: Target::Bookie(0),
+            started,
+            healed,
+        }
+    }
+
+    /// One producer acknowledged at `acks`, one subscription delivering at `gets`.
+    fn run(faults: Vec<Done>, acks: &[f64], gets: &[f64]) -> Report {
+        let mut r = Report {
+            done: faults,
+            ..Report::default()
+        };
+        // A Python producer's lines (no "p") and a crate producer's.
+        let sent = vec![acks
+            .iter()
+            .flat_map(|t| {
+                [
+                    json!({"acked": 1, "t": t, "l": 1.0}),
+                    json!({"acked": 1, "t": t, "l": 1.0, "p": "r0.0"}),
+                ]
+            })
+            .collect::<Vec<_>>()];
+        let delivered = vec![gets
+            .iter()
+            .map(|t| json!({"p": "p0", "t": t}))
+            .collect::<Vec<_>>()];
+        measure(&mut r, &sent, &delivered, 0.0, 300.0);
+        r
+    }
+
+    #[test]
+    fn given_produce_back_past_the_bound_then_a_liveness_violation() {
+        let r = run(vec![done(90.0, 100.0)], &[80.0, 120.0], &[80.0, 100.5]);
+        assert_eq!(r.violations.len(), 1, "{:?}", r.violations);
+        assert!(r.violations[0].starts_with("[liveness] produce worked again 20000 ms"));
+        assert_eq!(r.recovery_ms["kill bookie"], (20_000.0, 500.0));
+    }
+
+    #[test]
+    fn given_a_recovery_cut_short_by_the_next_fault_then_it_is_left_out() {
+        let r = run(
+            vec![done(90.0, 100.0), done(105.0, 106.0)],
+            &[80.0, 120.0],
+            &[80.0, 120.0],
+        );
+        // The first fault's recovery runs into the second's start: only the second counts.
+        assert_eq!(r.recovery_ms["kill bookie"], (14_000.0, 14_000.0));
+        assert!(r.violations.is_empty(), "{:?}", r.violations);
+    }
+
+    #[test]
+    fn given_a_producer_that_never_comes_back_then_a_violation() {
+        let r = run(
+            vec![done(90.0, 100.0), done(105.0, 106.0)],
+            &[80.0],
+            &[80.0, 120.0],
+        );
+        assert_eq!(r.violations.len(), 2, "{:?}", r.violations);
+        assert!(r.violations[0].contains("produce never worked again"));
+    }
+
+    #[test]
+    fn given_the_kinds_then_their_bounds() {
+        assert_eq!(bound_ms("power-cut site"), 90_000.0);
+        assert_eq!(bound_ms("kill broker"), 30_000.0);
+        assert_eq!(bound_ms("pause metadata-leader"), 30_000.0);
+        assert_eq!(bound_ms("kill bookie"), 15_000.0);
+        assert_eq!(bound_ms("partition link"), 15_000.0);
+    }
+}
