@@ -12,6 +12,7 @@
 #   python3, python3-venv the stock Python Pulsar client (pulsar-client, from PyPI, in a venv
 #                         under the cache folder) that the real-client tests drive
 #   chromium              headless, for the test of the console page (/console)
+#   libfaketime           clock jumps in the fault-schedule runner (integration/src/chaos/clock.rs)
 set -euo pipefail
 
 meridian_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +24,7 @@ command -v python3 >/dev/null 2>&1 || missing+=(python3)
 command -v fusermount3 >/dev/null 2>&1 || missing+=(fuse3)
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 python3 -c "import ensurepip, venv" >/dev/null 2>&1 || missing+=(python3-venv)
-for pkg in libclang-dev librocksdb-dev libsnappy-dev; do
+for pkg in libclang-dev librocksdb-dev libsnappy-dev libfaketime; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
 done
 if [ "${#missing[@]}" -gt 0 ]; then

@@ -2,17 +2,22 @@
 //! serves (the Pulsar protocol, every RPC of the admin API, HTTP, the metadata store, the
 //! bookie, the geo link), for a target in tenant `ta` and one in tenant `tb`.
 //!
-//! One site "east" (a `meridian standalone`) with token authentication, TLS between roles and a
-//! geo link. What each identity may do is data below: the class of each operation ([`OPS`],
+//! One site "east" of separate processes (a metadata node, a bookie and a broker) with TLS
+//! between them; the broker with token authentication and a geo link. What each identity may do is data below: the class of each operation ([`OPS`],
 //! [`ADMIN_RPCS`]) and the classes each identity holds in each tenant ([`HOLDS`]). The test
 //! tries every cell, prints the table, and fails on any cell that differs: an escape (allowed,
 //! expected refused), a refusal expected allowed, or an answer that is neither. Every RPC of
 //! `admin.proto` must have its row, so a new one cannot be left out.
 //!
 //! A cell is "admitted" when the answer comes from behind the check: success, or a refusal of
-//! the request itself (not found, already exists, a bad argument, a failed precondition). The
-//! requests are chosen so that nothing an admitted call does changes what later cells see: a
-//! deletion names something that does not exist, a creation something that does.
+//! the request itself (not found, already exists, a bad argument, a failed precondition). A
+//! refusal must be the one the identity's kind gets: an authentication or authorization error
+//! for a token, no TLS connection for a peer without a certificate of the site's CA, a denial
+//! by role for one with such a certificate; any other answer is a wrong cell. The requests
+//! are chosen so that what an admitted call does cannot change what later cells see: a
+//! deletion names something that does not exist, a creation something that does, and the
+//! metadata keys the probes write are removed after each cell (a subscription, a schema, a
+//! drill report and a geo tombstone do stay).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -23,7 +28,7 @@ use meridian_geo::frame::{Frame, RefusalCode, PROTOCOL_VERSION};
 use meridian_geo::link::{read_frame, write_frame};
 use meridian_integration::access::{
     bookie_add_probe, cell, site_cert, try_bookie, try_membership, try_metadata_api,
-    try_metadata_put, try_pulsar, try_raft, Peer, PulsarOp, ADMITTED,
+    try_metadata_put, try_pulsar, try_raft, Peer, PulsarOp, ADMITTED, DENIED, HANDSHAKE,
 };
 use meridian_integration::geo_sites::admin_ok;
 use meridian_integration::{
@@ -55,7 +60,7 @@ enum Class {
     MetadataApi,
     /// A put of any key in the metadata store.
     MetadataWrite,
-    /// A put under `/bookies/` (a bookie's registration).
+    /// A put under `/bookies/available/` (a bookie's registration).
     BookieRegistration,
     /// Adding or removing metadata members.
     Membership,
@@ -301,9 +306,21 @@ const OPS: &[(&str, Op, Class, Scope)] = &[
         Scope::Site,
     ),
     (
-        "metadata put /bookies/probe",
-        Op::MetadataPut("/bookies/probe"),
+        "metadata put /bookies/available/probe",
+        Op::MetadataPut("/bookies/available/probe"),
         BookieRegistration,
+        Scope::Site,
+    ),
+    (
+        "metadata put /bookies/decommissioned/probe",
+        Op::MetadataPut("/bookies/decommissioned/probe"),
+        MetadataWrite,
+        Scope::Site,
+    ),
+    (
+        "metadata put /bookies/racks/probe",
+        Op::MetadataPut("/bookies/racks/probe"),
+        MetadataWrite,
         Scope::Site,
     ),
     (
@@ -415,6 +432,9 @@ struct Who {
     token: Option<String>,
     /// How it meets the metadata store and the bookie.
     internal: Peer,
+    /// Its `internal` certificate is of the site's CA: refused by role there (denied), not at
+    /// the TLS handshake.
+    of_site_ca: bool,
     /// The certificate and key it presents on the geo link (none: no client certificate),
     /// and the site it says it is in its hello.
     geo: (Option<(PathBuf, PathBuf)>, &'static str),
@@ -447,12 +467,14 @@ fn verdict_of_grpc(r: Result<(), tonic::Status>) -> (Verdict, String) {
     }
 }
 
-/// A verdict string of [`meridian_integration::access`] as a [`Verdict`].
-fn verdict_of_access(v: &str) -> Verdict {
-    if cell(v) == ADMITTED {
-        Verdict::Yes
-    } else {
-        Verdict::No
+/// A verdict string of [`meridian_integration::access`] as a [`Verdict`]: a refusal is the
+/// kind that `who` must get (a denial by role with a certificate of the site's CA, a failed
+/// TLS handshake without one).
+fn verdict_of_access(v: &str, who: &Who) -> Verdict {
+    match (cell(v), who.of_site_ca) {
+        (ADMITTED, _) => Verdict::Yes,
+        (DENIED, true) | (HANDSHAKE, false) => Verdict::No,
+        _ => Verdict::Odd(v.to_string()),
     }
 }
 
@@ -913,6 +935,8 @@ async fn geo_stream(conn: &quinn::Connection, first: Frame) -> (Verdict, String)
 
 /// The site under test and where its ports are.
 struct Site {
+    /// A broker's client of the metadata store: removes what the probes wrote.
+    cleanup: meridian_metadata::MetadataClient,
     /// The broker's Pulsar, HTTP and admin addresses.
     url: String,
     http: String,
@@ -926,7 +950,7 @@ struct Site {
 /// Tries operation `op` for tenant `t` as `who`.
 async fn try_op(site: &Site, who: &Who, op: Op, t: &str) -> (Verdict, String) {
     let (meta, bookie, ca) = (&site.metadata, &site.bookie, &site.site_ca);
-    let access = |v: String| (verdict_of_access(&v), v);
+    let access = |v: String| (verdict_of_access(&v, who), v);
     match op {
         Op::Pulsar(p) => {
             let (url, token, ns) = (site.url.clone(), who.token.clone(), format!("{t}/ns1"));
@@ -938,11 +962,23 @@ async fn try_op(site: &Site, who: &Who, op: Op, t: &str) -> (Verdict, String) {
                 Err((code, msg)) => {
                     use meridian_protocol::pb::ServerError;
                     let why = format!("{code:?}: {msg}");
+                    // A token that does not authenticate is refused at CONNECT; one that does,
+                    // by the operation.
+                    let authenticated = who.name != "bad token" && who.name != "expired token";
                     match code {
-                        ServerError::AuthenticationError | ServerError::AuthorizationError => {
+                        ServerError::AuthenticationError
+                            if !authenticated || who.token.is_none() =>
+                        {
                             (Verdict::No, why)
                         }
-                        _ => (Verdict::Yes, why),
+                        ServerError::AuthorizationError if authenticated && who.token.is_some() => {
+                            (Verdict::No, why)
+                        }
+                        // GET_SCHEMA of a topic with no schema: "no schema" reads so.
+                        ServerError::TopicNotFound if p == PulsarOp::GetSchema => {
+                            (Verdict::Yes, why)
+                        }
+                        _ => (Verdict::Odd(why.clone()), why),
                     }
                 }
             }
@@ -964,7 +1000,12 @@ async fn try_op(site: &Site, who: &Who, op: Op, t: &str) -> (Verdict, String) {
             (v, status)
         }
         Op::MetadataMembers => access(try_metadata_api(meta, &who.internal, ca).await),
-        Op::MetadataPut(key) => access(try_metadata_put(meta, &who.internal, ca, key).await),
+        Op::MetadataPut(key) => {
+            let out = access(try_metadata_put(meta, &who.internal, ca, key).await);
+            // What a probe wrote must not stay (a registration would read as a bookie).
+            site.cleanup.delete(key, None).await.unwrap();
+            out
+        }
         Op::MetadataRemoveMember => access(try_membership(meta, &who.internal, ca).await),
         Op::RaftVote => access(try_raft(meta, &who.internal, ca).await),
         Op::BookieRead | Op::BookieAdd | Op::BookieFence | Op::BookieDelete => {
@@ -1243,6 +1284,7 @@ async fn every_identity_against_every_operation_of_every_surface_in_two_tenants(
         url: broker.url.clone(),
         http: broker.http.clone(),
         admin_url: broker.admin_url.clone(),
+        cleanup: as_broker,
     };
 
     let internal = |n: &str| Peer::Certificate(load_site_tls(&site_ca, &cert_of(n)));
@@ -1253,102 +1295,119 @@ async fn every_identity_against_every_operation_of_every_surface_in_two_tenants(
             name: "anonymous",
             token: None,
             internal: Peer::Plaintext,
+            of_site_ca: false,
             geo: (None, "west"),
         },
         Who {
             name: "bad token",
             token: Some(token(&other, "root", None)),
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (None, "west"),
         },
         Who {
             name: "expired token",
             token: Some(expired),
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (None, "west"),
         },
         Who {
             name: "producer of ta/ns1",
             token: tok("prod-a"),
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (None, "west"),
         },
         Who {
             name: "consumer of ta/ns1",
             token: tok("cons-a"),
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (None, "west"),
         },
         Who {
             name: "admin of ta",
             token: tok("admin-a"),
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (None, "west"),
         },
         Who {
             name: "admin of tb",
             token: tok("admin-b"),
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (None, "west"),
         },
         Who {
             name: "superuser",
             token: Some(root_token.clone()),
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (None, "west"),
         },
         Who {
             name: "site west",
             token: None,
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (geo_cert("west"), "west"),
         },
         Who {
             name: "site north (not registered)",
             token: None,
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (geo_cert("north"), "north"),
         },
         Who {
             name: "site west saying it is east",
             token: None,
             internal: Peer::NoCertificate,
+            of_site_ca: false,
             geo: (geo_cert("west"), "east"),
         },
         Who {
             name: "metadata node 1",
             token: None,
             internal: internal("metadata"),
+            of_site_ca: true,
             geo: (Some(cert_of("metadata")), "west"),
         },
         Who {
             name: "metadata node 9 (no member)",
             token: None,
             internal: internal("metadata9"),
+            of_site_ca: true,
             geo: (Some(cert_of("metadata9")), "west"),
         },
         Who {
             name: "bookie",
             token: None,
             internal: internal("bookie"),
+            of_site_ca: true,
             geo: (Some(cert_of("bookie")), "west"),
         },
         Who {
             name: "broker",
             token: None,
             internal: internal("broker"),
+            of_site_ca: true,
             geo: (Some(cert_of("broker")), "west"),
         },
         Who {
             name: "admin tool",
             token: None,
             internal: internal("admin"),
+            of_site_ca: true,
             geo: (Some(cert_of("admin")), "west"),
         },
         Who {
             name: "broker of west's CA",
             token: None,
             internal: Peer::Certificate(load_site_tls(&site_ca, &cert_of("west"))),
+            of_site_ca: false,
             geo: (Some(cert_of("west")), "west"),
         },
     ];

@@ -33,7 +33,7 @@ async fn given_a_seeded_fault_schedule_then_every_checker_passes_over_the_histor
         no_faults: false,
         // Every kind but a bookie's full disk: on it the index's RocksDB (Debian's 7.8 build)
         // can abort the bookie (README, "Fault schedules"); `meridian-chaos` keeps it in.
-        only: ["kill", "pause", "power-cut", "link"]
+        only: ["kill", "pause", "power-cut", "link", "clock"]
             .map(String::from)
             .to_vec(),
         keep: false,
@@ -49,7 +49,7 @@ async fn given_a_seeded_fault_schedule_then_every_checker_passes_over_the_histor
     );
     // The run did what it is meant to: faults were applied and the checks covered traffic
     // from before, during and after them.
-    assert!(report.done.len() >= 10, "{} faults", report.done.len());
+    assert!(report.done.len() >= 8, "{} faults", report.done.len());
     assert!(report.checked.acked > 10_000, "{:?}", report.checked);
     assert!(report.checked.delivered >= report.checked.stored);
     assert!(

@@ -361,7 +361,7 @@ async fn given_a_site_with_tls_between_roles_then_each_port_admits_exactly_its_r
     let kv = client.get("/tls-check").await.unwrap().unwrap();
     assert_eq!(kv.value, b"written over TLS");
 
-    step("a bookie's certificate writes only under /bookies/ (to a follower too); a broker's anywhere");
+    step("a bookie's certificate writes only under /bookies/available/ (to a follower too); a broker's anywhere");
     let as_bookie = meridian_metadata::MetadataClient::with_tls(
         &meridian_config::ClientConfig {
             endpoints: vec![addrs[1].clone()],
@@ -372,17 +372,25 @@ async fn given_a_site_with_tls_between_roles_then_each_port_admits_exactly_its_r
     )
     .unwrap();
     as_bookie
-        .put("/bookies/scope-check", "ok")
+        .put("/bookies/available/scope-check", "ok")
         .await
-        .expect("a bookie writes under /bookies/");
+        .expect("a bookie writes under /bookies/available/");
     for key in [
         "/admin/tenants/evil",
         "/ledgers/L00000000000000000001",
         "/bookies",
+        "/bookies/scope-check",
+        // What the admin API keeps for superusers.
+        "/bookies/decommissioned/127.0.0.1:1",
+        "/bookies/racks/127.0.0.1:1",
+        "/bookies/groups/127.0.0.1:1",
     ] {
         match as_bookie.put(key, "x").await {
             Err(meridian_metadata::ClientError::PermissionDenied(m)) => {
-                assert!(m.contains("writes only under /bookies/"), "{key}: {m}")
+                assert!(
+                    m.contains("writes only under /bookies/available/"),
+                    "{key}: {m}"
+                )
             }
             other => panic!("a bookie's put of {key} must be refused: {other:?}"),
         }

@@ -84,10 +84,12 @@ impl Api {
     }
 }
 
-/// Keys a bookie's certificate may write: its own registration. Brokers and admin tools write
-/// what the site's metadata holds; a key taken from a bookie's host cannot rewrite tenants,
-/// policies, ownership or ledger metadata.
-pub const BOOKIE_WRITABLE_PREFIX: &str = "/bookies/";
+/// Keys a bookie's certificate may write: registrations (`/bookies/available/<address>`,
+/// the ledger client's `BOOKIES_PREFIX`). Brokers and admin tools write what the site's
+/// metadata holds; a key taken from a bookie's host cannot rewrite tenants, policies,
+/// ownership or ledger metadata, nor what the admin API keeps for superusers under
+/// `/bookies/` (racks, affinity groups, decommissioning).
+pub const BOOKIE_WRITABLE_PREFIX: &str = "/bookies/available/";
 
 impl Api {
     /// With TLS between roles, a bookie may only write under [`BOOKIE_WRITABLE_PREFIX`] (every

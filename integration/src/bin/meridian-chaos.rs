@@ -104,8 +104,8 @@ fn main() -> anyhow::Result<()> {
             format!(" --only '{}'", a.only.join(","))
         };
         println!(
-            "replay with: meridian-chaos --seed {seed} --minutes {} --topics {}{only}",
-            a.minutes, a.topics
+            "replay with: meridian-chaos --seed {seed} --minutes {} --topics {} --sites {}{only}",
+            a.minutes, a.topics, a.sites
         );
         std::process::exit(1);
     }

@@ -3,6 +3,7 @@
 //! over everything recorded (see [`check`] and [`linearizable`]).
 
 pub mod check;
+pub mod clock;
 pub mod crate_load;
 pub mod linearizable;
 pub mod measure;
@@ -110,6 +111,8 @@ pub struct Report {
     /// acknowledged and every subscription a message delivered, in ms (of the faults whose
     /// recovery came before the next fault began).
     pub recovery_ms: BTreeMap<String, (f64, f64)>,
+    /// Per kind of fault: how many recoveries the next fault (or the run's end) cut short.
+    pub cut_short: BTreeMap<String, u64>,
     /// Acknowledged sends per second over the run, and of the sends made in quiet stretches
     /// (long gaps between faults, from 8 s after a fault healed to the next one); their
     /// publish latency p99 (ms).
@@ -126,10 +129,11 @@ impl std::fmt::Display for Report {
             *kinds.entry(d.fault.kind()).or_default() += 1;
         }
         for (k, n) in &kinds {
+            let cut = self.cut_short.get(k).copied().unwrap_or(0);
             match self.recovery_ms.get(k) {
                 Some((p, c)) => writeln!(
                     f,
-                    "  {k}: {n}, produce again within {p:.0} ms, consume again within {c:.0} ms (bound {:.0} ms)",
+                    "  {k}: {n}, produce again within {p:.0} ms, consume again within {c:.0} ms (bound {:.0} ms; {cut} cut short by the next fault)",
                     measure::bound_ms(k)
                 )?,
                 None => writeln!(
@@ -203,6 +207,11 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
         (1..=2).contains(&o.sites),
         "--sites must be 1 or 2, not {}",
         o.sites
+    );
+    anyhow::ensure!(
+        o.sites == 1 || o.topics >= 3,
+        "--sites 2 needs --topics 3 or more (every third topic is replicated), not {}",
+        o.topics
     );
     let mut site = Site::start(o.sites == 2)
         .await
@@ -348,8 +357,12 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
     if schedule.is_empty() {
         tokio::time::sleep(Duration::from_millis(o.run_ms)).await;
     }
-    // The last fault's effects settle while the load goes on.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // The last fault's effects settle while the load goes on, as long as its bound: its
+    // recovery is measured and held to it too.
+    let settle_ms = schedule
+        .last()
+        .map_or(5_000.0, |f| measure::bound_ms(&f.kind()).max(5_000.0));
+    tokio::time::sleep(Duration::from_millis(settle_ms as u64)).await;
     crashes.extend(site.crashes().await);
     let ended = wall();
     let meta_history = meta.finish().await;
@@ -357,11 +370,21 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
     say("stopping the producers");
     std::fs::write(&stop_produce, b"")?;
     let mut sent: Vec<Vec<Value>> = Vec::new();
+    // A producer whose last sends cannot end is a violation (the site does not take writes
+    // again): its lines so far are checked with the rest.
+    let mut stuck: Vec<String> = Vec::new();
     for (i, p) in producers.iter_mut().enumerate() {
-        sent.push(
-            tokio::task::block_in_place(|| p.finish(Duration::from_secs(120)))
-                .with_context(|| format!("producer p{i} did not finish"))?,
-        );
+        match tokio::task::block_in_place(|| p.finish(Duration::from_secs(120))) {
+            Ok(lines) => sent.push(lines),
+            Err(e) => {
+                stuck.push(format!(
+                    "[liveness] producer p{i} could not end its sends within 120 s of the load's end: {}\n",
+                    format!("{e:#}").lines().next().unwrap_or_default()
+                ));
+                p.kill9();
+                sent.push(p.lines());
+            }
+        }
     }
     for (i, c) in crates.into_iter().enumerate() {
         sent[i].extend(c.finish(Duration::from_secs(120)).await);
@@ -369,7 +392,7 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
     say("reading every topic from its first message");
     let mut stored: Vec<Vec<Received>> = Vec::new();
     for t in &topics {
-        stored.push(read_all(&root, &url, &t.name).await?);
+        stored.push(read_all(&root, &url, &t.name, 10).await?);
     }
     say("waiting for the subscriptions to be handed every stored message");
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -384,6 +407,12 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     std::fs::write(&stop_consume, b"")?;
+    let mut delivered: Vec<Vec<Value>> = vec![Vec::new(); topics.len()];
+    for (i, c) in consumers.iter_mut() {
+        let lines = tokio::task::block_in_place(|| c.finish(Duration::from_secs(60)))
+            .with_context(|| format!("a consumer of t{i} did not finish"))?;
+        delivered[*i].extend(lines);
+    }
     let mut replication_violations = Vec::new();
     let mut replicated_checked = 0;
     if let Some(r) = &site.remote {
@@ -391,15 +420,28 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         for (i, t) in topics.iter().enumerate().filter(|(_, t)| t.replicated) {
             let deadline = Instant::now() + Duration::from_secs(180);
             let copy = loop {
-                let got = read_all(&root, &r.west.url, &t.name).await?;
-                if replicated::caught_up(&stored[i], &got) || Instant::now() > deadline {
-                    break got;
+                match read_all(&root, &r.west.url, &t.name, 2).await {
+                    Ok(got) if replicated::caught_up(&stored[i], &got) => break Some(got),
+                    Ok(got) if Instant::now() > deadline => break Some(got),
+                    Err(e) if Instant::now() > deadline => {
+                        replication_violations.push(Violation {
+                            kind: "replication lost",
+                            topic: t.name.clone(),
+                            what: format!("site west could not be read to its end: {e:#}"),
+                            excerpt: Vec::new(),
+                        });
+                        break None;
+                    }
+                    _ => tokio::time::sleep(Duration::from_secs(2)).await,
                 }
-                tokio::time::sleep(Duration::from_secs(2)).await;
             };
-            replicated_checked += copy.len() as u64;
-            replication_violations.extend(replicated::check(&t.name, "west", &stored[i], &copy));
+            if let Some(copy) = copy {
+                replicated_checked += copy.len() as u64;
+                replication_violations
+                    .extend(replicated::check(&t.name, "west", &stored[i], &copy));
+            }
         }
+        // The consumers are done: each subscription's state is final at east.
         say("waiting for the replicated subscriptions to agree");
         for t in topics.iter().filter(|t| t.replicated) {
             if let Some(v) =
@@ -408,12 +450,6 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
                 replication_violations.push(v);
             }
         }
-    }
-    let mut delivered: Vec<Vec<Value>> = vec![Vec::new(); topics.len()];
-    for (i, c) in consumers.iter_mut() {
-        let lines = tokio::task::block_in_place(|| c.finish(Duration::from_secs(60)))
-            .with_context(|| format!("a consumer of t{i} did not finish"))?;
-        delivered[*i].extend(lines);
     }
 
     let mut report = Report {
@@ -426,6 +462,7 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
     report
         .violations
         .extend(replication_violations.iter().map(ToString::to_string));
+    report.violations.extend(stuck);
     for (i, t) in topics.iter().enumerate() {
         let h = TopicHistory {
             dedup: t.dedup,
@@ -474,9 +511,11 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
     Ok(report)
 }
 
-/// Subscription `s` of `topic`'s backlog (entries not acknowledged) at the site of
-/// `admin_url`; None when the site has no such subscription (or does not answer).
-fn backlog(admin_url: &str, topic: &str) -> Option<u64> {
+/// Subscription `s` of `topic` at the site of `admin_url`: its backlog (entries not
+/// acknowledged), and the acknowledgements and held state its sync to other sites has not
+/// settled (`pending_acks` and `held` summed); None when the site has no such subscription
+/// (or does not answer).
+fn subscription_state(admin_url: &str, topic: &str) -> Option<(u64, u64)> {
     let (code, out, _) = crate::run_admin(&[
         "--admin-url",
         admin_url,
@@ -491,22 +530,37 @@ fn backlog(admin_url: &str, topic: &str) -> Option<u64> {
         return None;
     }
     let stats: Value = serde_json::from_str(&out).ok()?;
-    stats["subscriptions"]
+    let sub = stats["subscriptions"]
         .as_array()?
         .iter()
-        .find(|s| s["name"] == "s")?["backlog_entries"]
-        .as_u64()
+        .find(|s| s["name"] == "s")?
+        .clone();
+    let unsettled = sub["sync"].as_array().map_or(0, |a| {
+        a.iter()
+            .map(|r| r["pending_acks"].as_u64().unwrap_or(0) + r["held"].as_u64().unwrap_or(0))
+            .sum()
+    });
+    Some((sub["backlog_entries"].as_u64()?, unsettled))
 }
 
-/// A replicated subscription's documented bound: once its state has synced, the other site
-/// holds it where this one does (a consumer moving there gets exactly what was not
-/// acknowledged here). Waits up to 60 s for west's backlog of subscription `s` to equal
-/// east's; the violation otherwise.
+/// A replicated subscription's documented bound: once its state has synced (nothing pending
+/// or held at east), the other site holds it where this one does (a consumer moving there
+/// gets what was not acknowledged here). Waits up to 60 s for east's sync to settle and
+/// west's backlog of subscription `s` to equal east's, twice in a row; the violation
+/// otherwise.
 async fn subscription_agrees(east: &str, west: &str, topic: &str) -> Option<Violation> {
     let deadline = Instant::now() + Duration::from_secs(60);
+    let mut agreed = 0;
     loop {
-        let (e, w) = tokio::task::block_in_place(|| (backlog(east, topic), backlog(west, topic)));
-        if e.is_some() && e == w {
+        let (e, w) = tokio::task::block_in_place(|| {
+            (
+                subscription_state(east, topic),
+                subscription_state(west, topic),
+            )
+        });
+        let same = matches!((e, w), (Some((eb, 0)), Some((wb, _))) if eb == wb);
+        agreed = if same { agreed + 1 } else { 0 };
+        if agreed >= 2 {
             return None;
         }
         if Instant::now() > deadline {
@@ -514,7 +568,7 @@ async fn subscription_agrees(east: &str, west: &str, topic: &str) -> Option<Viol
                 kind: "replicated subscription",
                 topic: topic.to_string(),
                 what: format!(
-                    "60 s after the run, subscription s has a backlog of {e:?} entries at east and {w:?} at west"
+                    "60 s after the run, subscription s is (backlog, unsettled sync) {e:?} at east and {w:?} at west"
                 ),
                 excerpt: Vec::new(),
             });
@@ -536,10 +590,16 @@ fn py(root: &Path, name: &str, args: &[&str]) -> anyhow::Result<PyClient> {
     )
 }
 
-/// A topic's messages from its first, read again until a reader gets to the end.
-async fn read_all(root: &Path, url: &str, topic: &str) -> anyhow::Result<Vec<Received>> {
+/// A topic's messages from its first, read again (up to `attempts` times) until a reader gets
+/// to the end.
+async fn read_all(
+    root: &Path,
+    url: &str,
+    topic: &str,
+    attempts: usize,
+) -> anyhow::Result<Vec<Received>> {
     let mut last = String::new();
-    for attempt in 0..10 {
+    for attempt in 0..attempts {
         let name = format!("read-{}-{attempt}", topic.rsplit('/').next().unwrap_or("t"));
         let mut r = py(root, &name, &["read", url, topic])?;
         match tokio::task::block_in_place(|| r.finish(Duration::from_secs(120))) {

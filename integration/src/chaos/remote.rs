@@ -23,7 +23,8 @@ pub struct Remote {
 }
 
 impl Remote {
-    /// The federation's certificates in `root/pki`, and site west started under `root/west`.
+    /// The federation's certificates in `root/pki`, and site west started under `root/west`
+    /// (blocking: run it off the runtime's workers).
     pub fn start(root: &Path) -> anyhow::Result<Remote> {
         let pki = root.join("pki");
         let d = pki.display().to_string();
@@ -49,7 +50,7 @@ impl Remote {
                 .map(String::as_str)
                 .collect::<Vec<_>>(),
         );
-        tokio::task::block_in_place(|| west.start()).context("starting site west")?;
+        west.start().context("starting site west")?;
         let proxy = UdpProxy::start(listen.parse()?);
         Ok(Remote { west, proxy, pki })
     }
@@ -70,7 +71,7 @@ impl Remote {
 
     /// Makes the sites known to each other and the replicated namespace (deduplication on),
     /// through east's admin API at `east_admin` (east's broker `east_url`, link `east_geo`),
-    /// and waits until west has it.
+    /// and waits until west has it (blocking).
     pub fn link(&self, east_admin: &str, east_url: &str, east_geo: &str) {
         let at = |url: &str, args: &[&str]| {
             let mut all = vec!["--admin-url", url];
@@ -124,14 +125,12 @@ impl Remote {
             east_admin,
             &["namespaces", "set-deduplication", NAMESPACE, "--enable"],
         );
-        tokio::task::block_in_place(|| {
-            wait_admin(
-                &self.west.admin_url,
-                &["namespaces", "policies", NAMESPACE],
-                "the replicated namespace at west",
-                |_| true,
-            )
-        });
+        wait_admin(
+            &self.west.admin_url,
+            &["namespaces", "policies", NAMESPACE],
+            "the replicated namespace at west",
+            |_| true,
+        );
     }
 
     /// Cuts the link east dials (`partition`) or makes it drop, duplicate and delay datagrams.

@@ -3,9 +3,10 @@
 //!
 //! Faults come one at a time (each healed before the next), so a site's quorums hold through
 //! every schedule: one of three metadata nodes, one of four bookies (ensemble 3: a spare is
-//! left) or one of two brokers is out at a time (or a bookie's disk is full); or, now and
-//! then, the power of the whole site goes (every process killed, every disk loses what was
-//! not synced, all started again).
+//! left) or one of two brokers is out at a time (or a bookie's disk is full, or a process's
+//! wall clock jumps ahead or back); or, now and then, the power of the whole site goes (every
+//! process killed, every disk loses what was not synced, all started again). With a second
+//! site, its link or its process takes one fault in four.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -57,6 +58,9 @@ pub enum Action {
     Partition,
     /// The link drops a fifth of the datagrams, duplicates some, delays and reorders them.
     Flaky,
+    /// The target's wall clock this many seconds off (ahead or behind) for the fault's
+    /// length, then back.
+    ClockJump(i64),
 }
 
 /// What a power cut leaves of the bytes written and not synced.
@@ -100,6 +104,7 @@ impl Fault {
             Action::DiskFull => "disk-full",
             Action::Partition => "partition",
             Action::Flaky => "flaky",
+            Action::ClockJump(_) => "clock-jump",
         };
         format!("{what} {who}")
     }
@@ -116,6 +121,13 @@ impl std::fmt::Display for Fault {
             Action::DiskFull => "fill the disk of",
             Action::Partition => "partition",
             Action::Flaky => "make lossy",
+            Action::ClockJump(secs) => {
+                return write!(
+                    f,
+                    "+{} ms: jump the clock of {} by {secs:+} s for {} ms",
+                    self.after_ms, self.target, self.length_ms
+                )
+            }
         };
         write!(
             f,
@@ -184,6 +196,11 @@ pub fn generate_only(
                 target = Target::Bookie(rng.gen_range(0..shape.bookies));
                 Action::DiskFull
             }
+            15..=16 => Action::ClockJump(if rng.gen_bool(0.5) {
+                rng.gen_range(1..=600)
+            } else {
+                -rng.gen_range(1..=300)
+            }),
             _ => {
                 let cut = match rng.gen_range(0..3) {
                     0 => Cut::Clean,
@@ -267,22 +284,24 @@ mod tests {
 
     #[test]
     fn given_a_long_schedule_then_every_kind_of_fault_comes_up() {
-        let kinds: std::collections::BTreeSet<String> = generate(1, 600_000, SHAPE)
+        let kinds: std::collections::BTreeSet<String> = generate(1, 1_800_000, SHAPE)
             .iter()
             .map(Fault::kind)
             .collect();
-        // kill and pause of each of the four targets, power cuts of the three that keep data
-        // and of the whole site, a bookie's full disk.
-        assert_eq!(kinds.len(), 13, "{kinds:?}");
+        // kill, pause and clock jump of each of the four targets, power cuts of the three
+        // that keep data and of the whole site, a bookie's full disk.
+        assert_eq!(kinds.len(), 17, "{kinds:?}");
         // With a second site: its link's partitions and losses, its kills and pauses too;
         // the one-site faults still come up.
         let two = Shape {
             remote: true,
             ..SHAPE
         };
-        let kinds: std::collections::BTreeSet<String> =
-            generate(1, 900_000, two).iter().map(Fault::kind).collect();
-        assert_eq!(kinds.len(), 17, "{kinds:?}");
+        let kinds: std::collections::BTreeSet<String> = (1..=4)
+            .flat_map(|seed| generate(seed, 1_800_000, two))
+            .map(|f| f.kind())
+            .collect();
+        assert_eq!(kinds.len(), 21, "{kinds:?}");
     }
 
     #[test]

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 
+use super::clock::Clocks;
 use super::remote::Remote;
 use super::schedule::{Action, Cut, Fault, Shape, Target};
 use crate::powercut::{CutReport, PowerCutFs};
@@ -28,6 +29,8 @@ pub struct Site {
     pub brokers: Vec<BrokerProc>,
     /// The metadata nodes' disks, then the bookies'.
     disks: Vec<PowerCutFs>,
+    /// Every process's wall clock.
+    clocks: Clocks,
     _disk_root: tempfile::TempDir,
 }
 
@@ -68,13 +71,16 @@ impl Site {
             );
         }
         let root = tempfile::tempdir()?;
-        let mut nodes: Vec<MetaNode> = (1..=SHAPE.metadata as u64)
-            .map(|id| {
-                let mut n = MetaNode::new(id, root.path(), None);
-                n.data_dir = disks[id as usize - 1].mountpoint.join("data");
-                n
-            })
-            .collect();
+        let clocks = Clocks::new(&root.path().join("clocks"))?;
+        let mut nodes = Vec::new();
+        for id in 1..=SHAPE.metadata as u64 {
+            let mut n = MetaNode::new(id, root.path(), None);
+            n.data_dir = disks[id as usize - 1].mountpoint.join("data");
+            for (k, v) in clocks.env(&format!("node{id}"))? {
+                n.env(k, &v);
+            }
+            nodes.push(n);
+        }
         crate::make_members(&mut nodes);
         for n in &mut nodes {
             n.start()?;
@@ -83,16 +89,20 @@ impl Site {
         meta.wait_for_leader(Duration::from_secs(30)).await?;
         let endpoints = meta.endpoints().join(",");
         let root = meta.root.path().to_path_buf();
-        let mut bookies: Vec<BookieProc> = (0..SHAPE.bookies)
-            .map(|i| {
-                let mut b = BookieProc::new(&format!("bookie{i}"), &root, &endpoints);
-                b.dir = disks[SHAPE.metadata + i].mountpoint.join("data");
-                b
-            })
-            .collect();
+        let mut bookies = Vec::new();
+        for i in 0..SHAPE.bookies {
+            let name = format!("bookie{i}");
+            let mut b = BookieProc::new(&name, &root, &endpoints);
+            b.dir = disks[SHAPE.metadata + i].mountpoint.join("data");
+            for (k, v) in clocks.env(&name)? {
+                b.env(k, &v);
+            }
+            bookies.push(b);
+        }
         start_bookies(&mut bookies, &meta.client(), Duration::from_secs(60)).await?;
+        // Both run meridian-admin and wait for processes: off the runtime's workers.
         let remote = if two_sites {
-            Some(Remote::start(&root)?)
+            Some(tokio::task::block_in_place(|| Remote::start(&root))?)
         } else {
             None
         };
@@ -105,6 +115,9 @@ impl Site {
             b.env("MERIDIAN_BROKER_ENSEMBLE", "3")
                 .env("MERIDIAN_BROKER_WRITE_QUORUM", "2")
                 .env("MERIDIAN_BROKER_ACK_QUORUM", "2");
+            for (k, v) in clocks.env(name)? {
+                b.env(k, &v);
+            }
             if let Some(r) = &remote {
                 let listen = format!("127.0.0.1:{}", crate::free_udp_port());
                 for (k, v) in r.east_broker_env(&listen) {
@@ -116,10 +129,13 @@ impl Site {
             brokers.push(b);
         }
         if let Some(r) = &remote {
-            r.link(&brokers[0].admin_url, &brokers[0].url, &geo_listens[0]);
+            tokio::task::block_in_place(|| {
+                r.link(&brokers[0].admin_url, &brokers[0].url, &geo_listens[0])
+            });
         }
         Ok(Site {
             remote,
+            clocks,
             meta,
             bookies,
             brokers,
@@ -202,9 +218,19 @@ impl Site {
             (Action::Partition | Action::Flaky, Target::Link) => {
                 self.remote()?.disturb(fault.action == Action::Partition)
             }
+            (
+                Action::ClockJump(secs),
+                t @ (Target::Metadata(_) | Target::Bookie(_) | Target::Broker(_)),
+            ) => {
+                self.clocks.jump(&clock_name(t), secs)?;
+                note = format!("its wall clock {secs:+} s");
+            }
             (Action::Kill, Target::Remote) => self.remote_mut()?.west.kill9()?,
             (Action::Pause, Target::Remote) => self.remote_mut()?.west.pause(true)?,
-            (Action::Kill | Action::Pause | Action::DiskFull, Target::Site)
+            (
+                Action::Kill | Action::Pause | Action::DiskFull | Action::ClockJump(_),
+                Target::Site,
+            )
             | (Action::Partition | Action::Flaky, _)
             | (_, Target::Link | Target::Remote)
             | (Action::DiskFull, _)
@@ -229,6 +255,7 @@ impl Site {
             (Action::Pause, Target::Bookie(i)) => self.bookies[i].pause(false),
             (Action::Pause, Target::Broker(i)) => self.brokers[i].pause(false),
             (Action::DiskFull, Target::Bookie(i)) => self.free_disk(i, applied.log_from),
+            (Action::ClockJump(_), t) => self.clocks.jump(&clock_name(t), 0),
             (_, Target::Metadata(i)) => self.meta.nodes[i].start(),
             (_, Target::Bookie(i)) => self.bookies[i].start(),
             // It waits for the broker's banner: off the runtime's worker.
@@ -376,6 +403,16 @@ impl Site {
             out.push(("site west".to_string(), r.west.log.clone()));
         }
         out
+    }
+}
+
+/// The name of a process's clock file.
+fn clock_name(t: Target) -> String {
+    match t {
+        Target::Metadata(i) => format!("node{}", i + 1),
+        Target::Bookie(i) => format!("bookie{i}"),
+        Target::Broker(i) => format!("broker{i}"),
+        other => format!("{other}"),
     }
 }
 
