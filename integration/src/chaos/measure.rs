@@ -59,16 +59,27 @@ pub fn measure(
         // bound then is cut short, neither counted nor held to the bound.
         let next = r.done.get(k + 1).map_or(ended, |n| n.started);
         let window_ms = (next - d.healed) * 1000.0;
-        let longest = |series: &[Vec<f64>]| -> f64 {
+        // The slowest series: its time and which it is.
+        let longest = |series: &[Vec<f64>]| -> (f64, usize) {
             series
                 .iter()
                 .map(|s| first_after(s, d.healed))
-                .fold(0.0, f64::max)
+                .enumerate()
+                .fold((0.0, 0), |a, (i, t)| if t > a.0 { (t, i) } else { a })
         };
-        let (p, c) = (longest(&acks), longest(&gets));
+        let ((p, pi), (c, ci)) = (longest(&acks), longest(&gets));
         let kind = d.fault.kind();
         let bound = bound_ms(&kind);
-        for (what, ms) in [("produce", p), ("consume", c)] {
+        // acks: per topic its Python producer, then its crate producers; gets: per topic.
+        let names = [
+            format!(
+                "produce (t{}'s {} producer)",
+                pi / 2,
+                if pi % 2 == 0 { "Python" } else { "Rust-crate" }
+            ),
+            format!("consume (t{ci}'s subscription)"),
+        ];
+        for (what, ms) in [(&names[0], p), (&names[1], c)] {
             // Past the bound while nothing else happened: a violation, whenever it came back
             // (if ever).
             if ms > bound && window_ms >= bound {
@@ -182,7 +193,7 @@ mod tests {
     fn given_produce_back_past_the_bound_then_a_liveness_violation() {
         let r = run(vec![done(90.0, 100.0)], &[80.0, 120.0], &[80.0, 100.5]);
         assert_eq!(r.violations.len(), 1, "{:?}", r.violations);
-        assert!(r.violations[0].starts_with("[liveness] produce worked again only 20000 ms"));
+        assert!(r.violations[0].contains("producer) worked again only 20000 ms"));
         assert_eq!(r.recovery_ms["kill bookie"], (20_000.0, 500.0));
     }
 
@@ -209,7 +220,7 @@ mod tests {
             &[80.0, 100.5, 121.5],
         );
         assert_eq!(r.violations.len(), 1, "{:?}", r.violations);
-        assert!(r.violations[0].contains("produce worked again only 30000 ms"));
+        assert!(r.violations[0].contains("producer) worked again only 30000 ms"));
         assert_eq!(r.cut_short["kill bookie"], 1);
     }
 
@@ -222,7 +233,7 @@ mod tests {
             &[80.0, 101.0, 201.0],
         );
         assert_eq!(r.violations.len(), 2, "{:?}", r.violations);
-        assert!(r.violations[0].contains("produce did not work again"));
+        assert!(r.violations[0].contains("producer) did not work again"));
         // Healed 5 s before the end: too near it to tell.
         let r = run(vec![done(290.0, 295.0)], &[80.0], &[80.0, 296.0]);
         assert!(r.violations.is_empty(), "{:?}", r.violations);
