@@ -396,6 +396,29 @@ async fn given_a_site_with_tls_between_roles_then_each_port_admits_exactly_its_r
         }
         assert!(client.get(key).await.unwrap().is_none(), "{key} written");
     }
+    let by_prefix = meridian_metadata::pb::TxnRequest {
+        conditions: Vec::new(),
+        success: vec![meridian_metadata::pb::Op {
+            op: Some(meridian_metadata::pb::op::Op::Delete(
+                meridian_metadata::pb::DeleteOp {
+                    key: "/bookies/available/".into(),
+                    prefix: true,
+                },
+            )),
+        }],
+        failure: Vec::new(),
+    };
+    match as_bookie.txn(by_prefix).await {
+        Err(meridian_metadata::ClientError::PermissionDenied(m)) => {
+            assert!(m.contains("not by prefix"), "{m}")
+        }
+        other => panic!("a bookie's deletion by prefix must be refused: {other:?}"),
+    }
+    // The probe's registration is not a bookie: it goes.
+    as_bookie
+        .delete("/bookies/available/scope-check", None)
+        .await
+        .unwrap();
     client
         .put("/admin/scope-check", "broker")
         .await

@@ -109,11 +109,19 @@ impl Api {
         }
         let t = req.get_ref();
         for op in t.success.iter().chain(&t.failure) {
-            let key = match &op.op {
-                Some(pb::op::Op::Put(p)) => &p.key,
-                Some(pb::op::Op::Delete(d)) => &d.key,
+            let (key, prefix) = match &op.op {
+                Some(pb::op::Op::Put(p)) => (&p.key, false),
+                Some(pb::op::Op::Delete(d)) => (&d.key, d.prefix),
                 None => continue,
             };
+            // A deletion by prefix would take other bookies' registrations with it.
+            if prefix {
+                let reason = format!(
+                    "a bookie's certificate ({}) deletes keys one by one, not by prefix ({key:?})",
+                    peer.name
+                );
+                return Err(crate::tls::refusal(req, false, reason));
+            }
             if !key.starts_with(BOOKIE_WRITABLE_PREFIX) {
                 let reason = format!(
                     "a bookie's certificate ({}) writes only under {BOOKIE_WRITABLE_PREFIX}, not {key:?}",

@@ -133,7 +133,7 @@ impl std::fmt::Display for Report {
             match self.recovery_ms.get(k) {
                 Some((p, c)) => writeln!(
                     f,
-                    "  {k}: {n}, produce again within {p:.0} ms, consume again within {c:.0} ms (bound {:.0} ms; {cut} cut short by the next fault)",
+                    "  {k}: {n}, produce again within {p:.0} ms, consume again within {c:.0} ms (bound {:.0} ms; {cut} cut short by the next fault or the run's end)",
                     measure::bound_ms(k)
                 )?,
                 None => writeln!(
@@ -213,7 +213,10 @@ pub async fn run(o: &Options) -> anyhow::Result<Report> {
         "--sites 2 needs --topics 3 or more (every third topic is replicated), not {}",
         o.topics
     );
-    let mut site = Site::start(o.sites == 2)
+    let clock_jumps = schedule
+        .iter()
+        .any(|f| matches!(f.action, schedule::Action::ClockJump(_)));
+    let mut site = Site::start(o.sites == 2, clock_jumps)
         .await
         .context("starting the site")?;
     let result = drive(o, &mut site, schedule).await;
@@ -373,12 +376,19 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
     // A producer whose last sends cannot end is a violation (the site does not take writes
     // again): its lines so far are checked with the rest.
     let mut stuck: Vec<String> = Vec::new();
+    // One deadline for all of them: the run stays within its test's time limit.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let left = || {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_secs(1))
+    };
     for (i, p) in producers.iter_mut().enumerate() {
-        match tokio::task::block_in_place(|| p.finish(Duration::from_secs(120))) {
+        match tokio::task::block_in_place(|| p.finish(left())) {
             Ok(lines) => sent.push(lines),
             Err(e) => {
                 stuck.push(format!(
-                    "[liveness] producer p{i} could not end its sends within 120 s of the load's end: {}\n",
+                    "[liveness] producer p{i} did not end cleanly once the load stopped: {}\n",
                     format!("{e:#}").lines().next().unwrap_or_default()
                 ));
                 p.kill9();
@@ -387,7 +397,7 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         }
     }
     for (i, c) in crates.into_iter().enumerate() {
-        sent[i].extend(c.finish(Duration::from_secs(120)).await);
+        sent[i].extend(c.finish(left()).await);
     }
     say("reading every topic from its first message");
     let mut stored: Vec<Vec<Received>> = Vec::new();

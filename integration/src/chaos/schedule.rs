@@ -220,6 +220,10 @@ pub fn generate_only(
             }
         };
         let mut length_ms = rng.gen_range(300..5_000);
+        if matches!(action, Action::ClockJump(_)) {
+            // The processes read their clock's offset once a second.
+            length_ms = length_ms.max(2_000);
+        }
         let (action, target) = if remote {
             // Long enough for a backlog and the replicators' back-off to show.
             length_ms = rng.gen_range(2_000..10_000);

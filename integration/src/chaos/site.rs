@@ -53,8 +53,8 @@ impl Applied {
 
 impl Site {
     /// Starts the site; with `two_sites`, as site east of two (see [`Remote`]), its brokers
-    /// with geo links.
-    pub async fn start(two_sites: bool) -> anyhow::Result<Site> {
+    /// with geo links; with `clock_jumps`, every process's wall clock under [`Clocks`].
+    pub async fn start(two_sites: bool, clock_jumps: bool) -> anyhow::Result<Site> {
         if let Some(why) = PowerCutFs::unavailable() {
             bail!("the power-loss file system cannot be mounted here: {why}");
         }
@@ -71,7 +71,7 @@ impl Site {
             );
         }
         let root = tempfile::tempdir()?;
-        let clocks = Clocks::new(&root.path().join("clocks"))?;
+        let clocks = Clocks::new(&root.path().join("clocks"), clock_jumps)?;
         let mut nodes = Vec::new();
         for id in 1..=SHAPE.metadata as u64 {
             let mut n = MetaNode::new(id, root.path(), None);
