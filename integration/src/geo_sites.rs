@@ -17,6 +17,24 @@ pub fn admin_ok(args: &[&str]) -> String {
     out
 }
 
+/// A federation CA in `pki` (`ca.crt`, `ca.key`) and a certificate for each of `sites`
+/// (`SITE.crt`, `SITE.key`), made by `meridian-admin geo`.
+pub fn federation_pki(pki: &Path, sites: &[&str]) {
+    let d = pki.display().to_string();
+    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
+    for s in sites {
+        admin_ok(&[
+            "geo",
+            "create-site-cert",
+            s,
+            "--ca-dir",
+            &d,
+            "--out-dir",
+            &d,
+        ]);
+    }
+}
+
 /// The flags of a site's geo link: `--cluster SITE --geo-listen LISTEN --geo-cert ...`, the
 /// files in `pki` (`SITE.crt`, `SITE.key`, `ca.crt`).
 pub fn geo_flags(site: &str, pki: &Path, listen: &str) -> Vec<String> {
@@ -262,19 +280,7 @@ pub async fn east_and_west_of_two_brokers(west_env: &[(&str, &str)]) -> TwoBroke
     let cluster = MetaCluster::start(1).await.expect("metadata node");
     let root = cluster.root.path().to_path_buf();
     let pki = root.join("pki");
-    let d = pki.display().to_string();
-    admin_ok(&["geo", "create-ca", "--out-dir", &d]);
-    for s in ["east", "west"] {
-        admin_ok(&[
-            "geo",
-            "create-site-cert",
-            s,
-            "--ca-dir",
-            &d,
-            "--out-dir",
-            &d,
-        ]);
-    }
+    federation_pki(&pki, &["east", "west"]);
     let file = |f: &str| pki.join(f).display().to_string();
     crate::step(
         "east: a standalone; west: one metadata node, a bookie, brokers a and b, each with a link",

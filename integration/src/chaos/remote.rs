@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
-use crate::geo_sites::{admin_ok, geo_flags, wait_admin};
+use crate::geo_sites::{admin_ok, federation_pki, geo_flags, wait_admin};
 use crate::udp_proxy::{Faults, UdpProxy};
 use crate::{free_udp_port, StandaloneProc};
 
@@ -27,19 +27,7 @@ impl Remote {
     /// (blocking: run it off the runtime's workers).
     pub fn start(root: &Path) -> anyhow::Result<Remote> {
         let pki = root.join("pki");
-        let d = pki.display().to_string();
-        admin_ok(&["geo", "create-ca", "--out-dir", &d]);
-        for s in ["east", "west"] {
-            admin_ok(&[
-                "geo",
-                "create-site-cert",
-                s,
-                "--ca-dir",
-                &d,
-                "--out-dir",
-                &d,
-            ]);
-        }
+        federation_pki(&pki, &["east", "west"]);
         let dir = root.join("west");
         std::fs::create_dir_all(&dir)?;
         let listen = format!("127.0.0.1:{}", free_udp_port());
