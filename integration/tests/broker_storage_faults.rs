@@ -1,6 +1,7 @@
 //! A `meridian broker` over a separate metadata node and bookie, with storage faults the
 //! broker must ride out without losing a message: a bookie that is down while a consumer asks
-//! for redelivery.
+//! for redelivery; and unloads that come while the broker is busy (a hung unload, an unload
+//! between a client finding its topic and attaching to it).
 
 use std::time::{Duration, Instant};
 
@@ -575,4 +576,130 @@ async fn given_an_unload_cancelled_midway_then_the_topic_is_served_again() {
         x.send_receipt.is_some() || x.send_error.is_some()
     });
     assert!(f.send_receipt.is_some(), "{f:?}");
+}
+
+/// How many times the broker's attaches paused at the fail point so far.
+fn pauses(broker: &BrokerProc) -> usize {
+    broker.log_text().matches("fail point hit").count()
+}
+
+/// Waits until an attach pauses after the `before` ones: the unload's window opens.
+fn wait_for_pause(broker: &BrokerProc, before: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while pauses(broker) <= before {
+        assert!(Instant::now() < deadline, "no attach paused");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Unloads `topic` through the admin CLI, in the background.
+fn unload_in_background(broker: &BrokerProc, topic: &str) -> std::process::Child {
+    std::process::Command::new(meridian_integration::admin_bin())
+        .args([
+            "--admin-url",
+            &broker.admin_url,
+            "topics",
+            "unload",
+            &format!("persistent://public/default/{topic}"),
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
+/// A consumer (or producer) that found its topic loaded, and attaches to it only after an
+/// unload closed it, is refused (ServiceNotReady: it looks the topic up again), not attached
+/// to an instance nothing serves any more: such a consumer heard nothing until its connection
+/// dropped (the fault-schedule runner saw a subscription without deliveries for minutes after
+/// its broker lost its metadata session). The fail point makes every attach wait 2 s after
+/// finding its topic; the unload comes in that window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_an_unload_between_finding_a_topic_and_attaching_then_the_attach_is_refused_and_the_next_one_served(
+) {
+    let (_cluster, _bookie, broker) =
+        one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "attach:pause_2s")]).await;
+    let topic = "unload-while-attaching";
+    let mut p = Raw::connected(&broker.url);
+    p.send(&producer(topic, 1, 1));
+    assert!(wait_frame(&mut p, Duration::from_secs(20), |x| {
+        x.producer_success.is_some()
+    })
+    .producer_success
+    .is_some());
+    p.send_raw(&send_frame(1, 0, b"m0"));
+    wait_frame(&mut p, Duration::from_secs(10), |x| {
+        x.send_receipt.is_some()
+    });
+
+    step("a consumer subscribes; the topic is unloaded before it attaches: refused");
+    let mut c = Raw::connected(&broker.url);
+    let hits = pauses(&broker);
+    c.send(&subscribe(topic, "s", 1, 1));
+    wait_for_pause(&broker, hits);
+    let mut unload = unload_in_background(&broker, topic);
+    assert!(unload.wait().unwrap().success(), "the unload failed");
+    let f = wait_frame(&mut c, Duration::from_secs(20), |x| {
+        x.success.is_some() || x.error.is_some()
+    });
+    let Some(e) = f.error.clone() else {
+        panic!("the consumer was attached to the unloaded topic: {f:?}")
+    };
+    assert_eq!(
+        e.error,
+        pb::ServerError::ServiceNotReady as i32,
+        "{}",
+        e.message
+    );
+
+    step("a producer likewise");
+    let mut p2 = Raw::connected(&broker.url);
+    let hits = pauses(&broker);
+    p2.send(&producer(topic, 2, 2));
+    // Paused once it has loaded the topic again.
+    wait_for_pause(&broker, hits);
+    let mut unload = unload_in_background(&broker, topic);
+    assert!(unload.wait().unwrap().success(), "the unload failed");
+    let f = wait_frame(&mut p2, Duration::from_secs(20), |x| {
+        x.producer_success.is_some() || x.error.is_some()
+    });
+    let Some(e) = f.error.clone() else {
+        panic!("the producer was attached to the unloaded topic: {f:?}")
+    };
+    assert_eq!(
+        e.error,
+        pb::ServerError::ServiceNotReady as i32,
+        "{}",
+        e.message
+    );
+
+    step("subscribed again, the consumer gets what a new producer sends");
+    c.send(&subscribe(topic, "s", 2, 2));
+    wait_frame(&mut c, Duration::from_secs(20), |x| x.success.is_some());
+    c.send(&cmd(Type::Flow, |x| {
+        x.flow = Some(pb::CommandFlow {
+            consumer_id: 2,
+            message_permits: 10,
+        })
+    }));
+    p2.send(&producer(topic, 3, 3));
+    wait_frame(&mut p2, Duration::from_secs(20), |x| {
+        x.producer_success.is_some()
+    });
+    p2.send_raw(&send_frame(3, 1, b"m1"));
+    wait_frame(&mut p2, Duration::from_secs(10), |x| {
+        x.send_receipt.is_some()
+    });
+    let mut got = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !got.contains(&b"m1".to_vec()) {
+        match c.recv(Duration::from_millis(500)) {
+            Got::Frame(f) if f.command.message.is_some() => {
+                got.push(f.payload.expect("payload").data().to_vec())
+            }
+            Got::Closed => panic!("connection closed"),
+            _ => assert!(Instant::now() < deadline, "received only {got:?}"),
+        }
+    }
+    assert_eq!(got, vec![b"m0".to_vec(), b"m1".to_vec()]);
 }

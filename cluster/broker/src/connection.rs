@@ -784,6 +784,7 @@ impl Conn {
             .await?;
         self.broker.refuse_if_cut(&name)?;
         let topic = self.broker.topic(&name, true).await?;
+        attach_pause().await;
         if let Some(sub) = p
             .initial_subscription_name
             .as_deref()
@@ -963,6 +964,7 @@ impl Conn {
             .broker
             .topic(&name, s.force_topic_creation.unwrap_or(true))
             .await?;
+        attach_pause().await;
         self.broker
             .schema_for_consumer(&name, s.schema.as_ref())
             .await?;
@@ -1138,4 +1140,12 @@ fn start_of(id: &pb::MessageIdData) -> StartAt {
     // (the entry itself unless the reader is inclusive, a batch's messages before the index).
     // Starting after it lost the first message of an inclusive reader.
     StartAt::At(Position::new(id.ledger_id, id.entry_id))
+}
+
+/// Fail point `attach:pause_2s`: a producer or consumer waits 2 s between finding its topic
+/// and attaching to it, the window in which an unload may come (a test makes it come then).
+async fn attach_pause() {
+    if crate::failpoint::hit("attach:pause_2s") {
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    }
 }

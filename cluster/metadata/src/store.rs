@@ -398,8 +398,11 @@ impl RaftLogStorage<TypeConfig> for LogStore {
         committed: Option<LogId<NodeId>>,
     ) -> Result<(), StorageError<NodeId>> {
         // Not synced: this is a hint that lets a restarted node re-apply committed entries before
-        // it hears from a leader. Losing the newest value only delays that; a stored value is never
-        // ahead of the real commit index. The next group-commit fsync makes it durable anyway.
+        // it hears from a leader; a stored value is never ahead of the real commit index. Losing
+        // the newest value delays that, and leaves a node that comes back still leading its term
+        // with a commit index behind its log: its reads therefore wait for the whole log as of
+        // their call (`NodeCore::linearize`), not only for openraft's read index. The next
+        // group-commit fsync makes it durable anyway.
         let mut batch = WriteBatch::default();
         batch.put_cf(cf(&self.db, CF_RAFT), "committed", enc(&committed));
         self.db

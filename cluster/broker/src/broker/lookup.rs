@@ -300,7 +300,7 @@ impl Broker {
             .filter(|t| self.forget_if_loaded(t))
             .collect();
         for t in &topics {
-            t.producers.fence_all();
+            t.stop_attaching();
         }
         let limit = Duration::from_millis(self.cfg.session_ttl_ms / 4);
         for t in &topics {

@@ -370,7 +370,7 @@ impl Broker {
                 // A topic loaded again since it was checked (its log fenced, then reloaded)
                 // stops serving before its log is deleted under it.
                 if let Some(other) = self.take_loaded(&t.name).filter(|o| !Arc::ptr_eq(o, t)) {
-                    other.producers.fence_all();
+                    other.stop_attaching();
                     for s in other.subscriptions().await {
                         s.disconnect_consumers().await;
                     }
@@ -457,7 +457,7 @@ impl Broker {
 
     /// The rest of [`Broker::unload_loaded`], for a topic held and forgotten.
     async fn finish_unload(&self, t: Arc<Topic>, held: Held<'_>) {
-        t.producers.fence_all();
+        t.stop_attaching();
         for s in t.subscriptions().await {
             s.disconnect_consumers().await;
         }
@@ -632,6 +632,7 @@ impl Broker {
             repl_inbound: Default::default(),
             replicators: Mutex::default(),
             repl_closed: AtomicBool::new(false),
+            detached: AtomicBool::new(false),
             repl_subs: Default::default(),
         });
         topic.set_policies(policies_kept).await;

@@ -134,6 +134,8 @@ struct Inner {
     exclusive: Option<String>,
     epoch: u64,
     waiting: VecDeque<(Arc<ProducerHandle>, oneshot::Sender<u64>)>,
+    /// The topic stopped serving here (unloaded): no producer attaches any more.
+    closed: bool,
 }
 
 impl Inner {
@@ -210,6 +212,13 @@ impl Producers {
         max: usize,
     ) -> Result<Admission, BrokerError> {
         let mut g = self.lock();
+        if g.closed {
+            // The client looks the topic up again and finds where it is served now.
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!("{topic} is being unloaded from this broker; look it up again"),
+            ));
+        }
         if max > 0 && g.by_name.len() + g.waiting.len() >= max {
             return Err(BrokerError::new(
                 ServerError::ProducerBusy,
@@ -316,6 +325,23 @@ impl Producers {
     pub fn fence_all(&self) {
         let mut g = self.lock();
         for (_, p) in g.by_name.drain() {
+            p.closed_by_broker.store(true, Ordering::Release);
+            p.fence();
+        }
+        g.exclusive = None;
+    }
+
+    /// Closes every producer, those in line too, and refuses new ones (the topic is
+    /// unloaded): a producer that came in after [`fence_all`](Self::fence_all) would be
+    /// left on an instance of the topic nothing serves any more.
+    pub fn close_all(&self) {
+        let mut g = self.lock();
+        g.closed = true;
+        for (_, p) in g.by_name.drain() {
+            p.closed_by_broker.store(true, Ordering::Release);
+            p.fence();
+        }
+        for (p, _) in g.waiting.drain(..) {
             p.closed_by_broker.store(true, Ordering::Release);
             p.fence();
         }

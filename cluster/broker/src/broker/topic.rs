@@ -79,6 +79,9 @@ pub struct Topic {
     pub(super) repl_subs: super::replication::subs::ReplSubs,
     /// Closed: no replicator starts, no replicated entry is taken.
     pub(super) repl_closed: AtomicBool,
+    /// Unloaded here: no producer, consumer or subscription attaches any more (one that did
+    /// would be left on an instance nothing serves, and hear nothing).
+    pub(super) detached: AtomicBool,
 }
 
 /// Rate limits over all of a namespace's topics on this broker.
@@ -119,6 +122,14 @@ impl Topic {
             self.record_epoch(after).await;
         }
         Ok(a)
+    }
+
+    /// The topic stops serving here (it is being unloaded): its producers are
+    /// closed, and no producer or consumer attaches from now on; they are refused with
+    /// ServiceNotReady and look the topic up again. The caller closes the consumers after.
+    pub(super) fn stop_attaching(&self) {
+        self.detached.store(true, Ordering::Release);
+        self.producers.close_all();
     }
 
     /// Detaches a producer; a waiting exclusive producer may be granted the topic.
@@ -214,6 +225,17 @@ impl Topic {
             ));
         }
         let mut subs = self.subscriptions.lock().await;
+        // Checked under the lock that the unloading takes to list the subscriptions whose
+        // consumers it closes: a consumer either is among them or is refused here.
+        if self.detached.load(Ordering::Acquire) {
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!(
+                    "{} is being unloaded from this broker; look it up again",
+                    self.full_name
+                ),
+            ));
+        }
         let limits = self.policies();
         if let Some(max) = limits.max_consumers_per_topic.filter(|m| *m > 0) {
             let mut n = 0;
@@ -280,6 +302,16 @@ impl Topic {
         let mut subs = self.subscriptions.lock().await;
         if subs.get(name).is_some_and(|s| !s.is_closed()) {
             return Ok(());
+        }
+        // Opened on an unloaded topic, it would run with nothing to stop it.
+        if self.detached.load(Ordering::Acquire) {
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!(
+                    "{} is being unloaded from this broker; look it up again",
+                    self.full_name
+                ),
+            ));
         }
         let req = SubscribeRequest {
             subscription: name.to_string(),
