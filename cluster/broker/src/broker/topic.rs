@@ -182,8 +182,9 @@ impl Topic {
         sink: ConsumerSink,
     ) -> Result<Arc<Subscription>, BrokerError> {
         // Recorded first: a consumer is never left attached to a subscription whose
-        // replication could not be recorded.
-        if req.replicated && req.durable {
+        // replication could not be recorded. Not on an unloaded topic (`attach` would refuse
+        // the consumer after the record was written).
+        if req.replicated && req.durable && !self.detached.load(Ordering::Acquire) {
             self.enable_replicated(&req.subscription).await?;
         }
         self.attach(req, sink).await
@@ -615,8 +616,12 @@ impl Topic {
         }
     }
 
-    /// Stops every subscription's dispatcher and persists its cursor, then closes the log.
+    /// Stops every subscription's dispatcher and persists its cursor, then closes the log; no
+    /// producer, consumer or subscription attaches any more.
     pub async fn close(&self) {
+        // Before the subscriptions are listed (under their lock): none is opened after, by
+        // a consumer or by the replicated subscriptions' sync, on an instance nothing serves.
+        self.detached.store(true, Ordering::Release);
         self.stop_replicators();
         // A save of the origins in flight lands before the topic is given up (saves hold
         // this lock; none follows): a later owner's deletion of the record is not undone.
