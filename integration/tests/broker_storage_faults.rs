@@ -703,3 +703,56 @@ async fn given_an_unload_between_finding_a_topic_and_attaching_then_the_attach_i
     }
     assert_eq!(got, vec![b"m0".to_vec(), b"m1".to_vec()]);
 }
+
+/// Waits for a PRODUCER's answer: success or an error.
+fn producer_answer(c: &mut Raw) -> pb::BaseCommand {
+    wait_frame(c, Duration::from_secs(20), |x| {
+        x.producer_success.is_some() || x.error.is_some()
+    })
+}
+
+/// Two clients ask for one topic while its first load is under way, and that load fails: the
+/// second caller loads it again, and every later client gets that same instance, which an
+/// unload closes. It was an instance outside the broker's map of topics (the failed caller
+/// took the entry out while the other one was still waiting on it), which a third client
+/// loaded a second time and an unload never reached; the fault-schedule runner saw a broker
+/// load a topic three times within 2 s after a restart, the instances fencing each other's
+/// log and cursors. The fail point fails the broker's first load after 1 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_failed_load_with_another_caller_waiting_then_one_instance_serves_everyone_and_is_unloaded(
+) {
+    let (_cluster, _bookie, broker) =
+        one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "load:fail_first_after_1s")]).await;
+    let topic = "failed-first-load";
+    let mut a = Raw::connected(&broker.url);
+    a.send(&producer(topic, 1, 1));
+    std::thread::sleep(Duration::from_millis(300));
+    let mut b = Raw::connected(&broker.url);
+    b.send(&producer(topic, 1, 1));
+    let fa = producer_answer(&mut a);
+    assert!(fa.error.is_some(), "the first load did not fail: {fa:?}");
+    let fb = producer_answer(&mut b);
+    assert!(fb.producer_success.is_some(), "{fb:?}");
+
+    step("a third client gets a producer too; an unload closes both");
+    let mut c = Raw::connected(&broker.url);
+    c.send(&producer(topic, 1, 1));
+    let fc = producer_answer(&mut c);
+    assert!(fc.producer_success.is_some(), "{fc:?}");
+    let mut unload = unload_in_background(&broker, topic);
+    assert!(unload.wait().unwrap().success(), "the unload failed");
+    for (who, conn) in [("the second", &mut b), ("the third", &mut c)] {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match conn.recv(Duration::from_millis(500)) {
+                Got::Frame(f) if f.command.close_producer.is_some() => break,
+                Got::Closed => panic!("{who} client's connection closed"),
+                _ => assert!(
+                    Instant::now() < deadline,
+                    "{who} client's producer was not closed by the unload: its topic instance \
+                     was not the one the broker unloaded"
+                ),
+            }
+        }
+    }
+}

@@ -307,13 +307,18 @@ impl Broker {
     }
 
     /// A load that failed leaves nothing behind: a client naming topics that do not exist
-    /// (or cannot be loaded) must not grow the topic map.
+    /// (or cannot be loaded) must not grow the topic map. Unless another caller holds the
+    /// cell too (it took it from the map, under this lock): that one loads again in it once
+    /// this load failed, and a cell taken out of the map meanwhile would give it an instance
+    /// of the topic outside the map, which a later caller loads a second time (two instances
+    /// fencing each other's log and cursors, the first one never unloaded). The last caller
+    /// whose load fails removes it.
     fn forget_failed_load(&self, full: &str, cell: &Arc<OnceCell<Arc<Topic>>>) {
         let mut topics = self.topics.lock().expect("topics lock");
-        if topics
-            .get(full)
-            .is_some_and(|c| Arc::ptr_eq(c, cell) && c.get().is_none())
-        {
+        if topics.get(full).is_some_and(|c| {
+            // The map's and this caller's.
+            Arc::ptr_eq(c, cell) && c.get().is_none() && Arc::strong_count(c) == 2
+        }) {
             topics.remove(full);
         }
     }
@@ -492,6 +497,15 @@ impl Broker {
         force: bool,
     ) -> Result<Arc<Topic>, BrokerError> {
         let full = name.to_string();
+        if crate::failpoint::hit("load:fail_first_after_1s")
+            && !FIRST_LOAD_FAILED.swap(true, Ordering::Relaxed)
+        {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!("{full}: the fail point failed its first load"),
+            ));
+        }
         if self
             .unloading
             .lock()
@@ -722,6 +736,10 @@ impl Broker {
         self.ownership.release_all().await;
     }
 }
+
+/// Fail point `load:fail_first_after_1s`: the broker's first topic load fails after 1 s
+/// (other callers wait for it meanwhile, and load again once it failed).
+static FIRST_LOAD_FAILED: AtomicBool = AtomicBool::new(false);
 
 /// Wall-clock milliseconds since the epoch.
 pub(crate) fn now_ms() -> u64 {
