@@ -717,12 +717,12 @@ fn producer_answer(c: &mut Raw) -> pb::BaseCommand {
 /// took the entry out while the other one was still waiting on it), which a third client
 /// loaded a second time and an unload never reached; the fault-schedule runner saw a broker
 /// load a topic three times within 2 s after a restart, the instances fencing each other's
-/// log and cursors. The fail point fails the broker's first load after 1 s.
+/// log and cursors. The fail point fails the broker's first load after 3 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_failed_load_with_another_caller_waiting_then_one_instance_serves_everyone_and_is_unloaded(
 ) {
     let (_cluster, _bookie, broker) =
-        one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "load:fail_first_after_1s")]).await;
+        one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "load:fail_first_after_3s")]).await;
     let topic = "failed-first-load";
     let mut a = Raw::connected(&broker.url);
     a.send(&producer(topic, 1, 1));

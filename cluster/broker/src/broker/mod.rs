@@ -267,10 +267,27 @@ impl Broker {
             let topic = match loaded {
                 Ok(topic) => Arc::clone(topic),
                 Err(e) => {
-                    self.forget_failed_load(&full, &cell);
+                    self.forget_failed_load(&full, cell);
                     return Err(e);
                 }
             };
+            // Loaded into an entry taken out of the map meanwhile (a deletion, an unload):
+            // no one would unload this instance, and the next caller would load another.
+            let current = self
+                .topics
+                .lock()
+                .expect("topics lock")
+                .get(&full)
+                .is_some_and(|c| Arc::ptr_eq(c, &cell));
+            if !current {
+                if !topic.detached.load(Ordering::Acquire) {
+                    topic.close().await;
+                }
+                return Err(BrokerError::new(
+                    ServerError::ServiceNotReady,
+                    format!("{full} was unloaded while it loaded; look it up again"),
+                ));
+            }
             if !topic.ml.is_fenced() {
                 return Ok(topic);
             }
@@ -313,14 +330,18 @@ impl Broker {
     /// of the topic outside the map, which a later caller loads a second time (two instances
     /// fencing each other's log and cursors, the first one never unloaded). The last caller
     /// whose load fails removes it.
-    fn forget_failed_load(&self, full: &str, cell: &Arc<OnceCell<Arc<Topic>>>) {
+    fn forget_failed_load(&self, full: &str, cell: Arc<OnceCell<Arc<Topic>>>) {
         let mut topics = self.topics.lock().expect("topics lock");
         if topics.get(full).is_some_and(|c| {
             // The map's and this caller's.
-            Arc::ptr_eq(c, cell) && c.get().is_none() && Arc::strong_count(c) == 2
+            Arc::ptr_eq(c, &cell) && c.get().is_none() && Arc::strong_count(c) == 2
         }) {
             topics.remove(full);
         }
+        // Dropped under the lock, as every clone is made: of two callers failing at once,
+        // the second sees only its own and the map's.
+        drop(cell);
+        drop(topics);
     }
 
     /// Topics in the map (loaded, or being loaded).
@@ -497,10 +518,10 @@ impl Broker {
         force: bool,
     ) -> Result<Arc<Topic>, BrokerError> {
         let full = name.to_string();
-        if crate::failpoint::hit("load:fail_first_after_1s")
+        if crate::failpoint::hit("load:fail_first_after_3s")
             && !FIRST_LOAD_FAILED.swap(true, Ordering::Relaxed)
         {
-            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            tokio::time::sleep(std::time::Duration::from_secs(3)).await;
             return Err(BrokerError::new(
                 ServerError::ServiceNotReady,
                 format!("{full}: the fail point failed its first load"),
@@ -737,7 +758,7 @@ impl Broker {
     }
 }
 
-/// Fail point `load:fail_first_after_1s`: the broker's first topic load fails after 1 s
+/// Fail point `load:fail_first_after_3s`: the broker's first topic load fails after 3 s
 /// (other callers wait for it meanwhile, and load again once it failed).
 static FIRST_LOAD_FAILED: AtomicBool = AtomicBool::new(false);
 

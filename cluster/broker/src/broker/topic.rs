@@ -617,7 +617,7 @@ impl Topic {
     }
 
     /// Stops every subscription's dispatcher and persists its cursor, then closes the log; no
-    /// producer, consumer or subscription attaches any more.
+    /// consumer or subscription attaches any more (producers: `stop_attaching`).
     pub async fn close(&self) {
         // Before the subscriptions are listed (under their lock): none is opened after, by
         // a consumer or by the replicated subscriptions' sync, on an instance nothing serves.
