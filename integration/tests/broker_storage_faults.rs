@@ -592,6 +592,34 @@ fn wait_for_pause(broker: &BrokerProc, before: usize) {
     }
 }
 
+/// Sends `attach` (a SUBSCRIBE or PRODUCER), unloads `topic` while the attach pauses at the
+/// fail point, and expects the attach to be refused with ServiceNotReady.
+fn refused_by_unload(
+    broker: &BrokerProc,
+    topic: &str,
+    conn: &mut Raw,
+    attach: &pb::BaseCommand,
+    what: &str,
+) {
+    let hits = pauses(broker);
+    conn.send(attach);
+    wait_for_pause(broker, hits);
+    let mut unload = unload_in_background(broker, topic);
+    assert!(unload.wait().unwrap().success(), "the unload failed");
+    let f = wait_frame(conn, Duration::from_secs(20), |x| {
+        x.success.is_some() || x.producer_success.is_some() || x.error.is_some()
+    });
+    let Some(e) = f.error.clone() else {
+        panic!("the {what} was attached to the unloaded topic: {f:?}")
+    };
+    assert_eq!(
+        e.error,
+        pb::ServerError::ServiceNotReady as i32,
+        "{}",
+        e.message
+    );
+}
+
 /// Unloads `topic` through the admin CLI, in the background.
 fn unload_in_background(broker: &BrokerProc, topic: &str) -> std::process::Child {
     std::process::Command::new(meridian_integration::admin_bin())
@@ -634,44 +662,17 @@ async fn given_an_unload_between_finding_a_topic_and_attaching_then_the_attach_i
 
     step("a consumer subscribes; the topic is unloaded before it attaches: refused");
     let mut c = Raw::connected(&broker.url);
-    let hits = pauses(&broker);
-    c.send(&subscribe(topic, "s", 1, 1));
-    wait_for_pause(&broker, hits);
-    let mut unload = unload_in_background(&broker, topic);
-    assert!(unload.wait().unwrap().success(), "the unload failed");
-    let f = wait_frame(&mut c, Duration::from_secs(20), |x| {
-        x.success.is_some() || x.error.is_some()
-    });
-    let Some(e) = f.error.clone() else {
-        panic!("the consumer was attached to the unloaded topic: {f:?}")
-    };
-    assert_eq!(
-        e.error,
-        pb::ServerError::ServiceNotReady as i32,
-        "{}",
-        e.message
+    refused_by_unload(
+        &broker,
+        topic,
+        &mut c,
+        &subscribe(topic, "s", 1, 1),
+        "consumer",
     );
 
-    step("a producer likewise");
+    step("a producer likewise (once it has loaded the topic again)");
     let mut p2 = Raw::connected(&broker.url);
-    let hits = pauses(&broker);
-    p2.send(&producer(topic, 2, 2));
-    // Paused once it has loaded the topic again.
-    wait_for_pause(&broker, hits);
-    let mut unload = unload_in_background(&broker, topic);
-    assert!(unload.wait().unwrap().success(), "the unload failed");
-    let f = wait_frame(&mut p2, Duration::from_secs(20), |x| {
-        x.producer_success.is_some() || x.error.is_some()
-    });
-    let Some(e) = f.error.clone() else {
-        panic!("the producer was attached to the unloaded topic: {f:?}")
-    };
-    assert_eq!(
-        e.error,
-        pb::ServerError::ServiceNotReady as i32,
-        "{}",
-        e.message
-    );
+    refused_by_unload(&broker, topic, &mut p2, &producer(topic, 2, 2), "producer");
 
     step("subscribed again, the consumer gets what a new producer sends");
     c.send(&subscribe(topic, "s", 2, 2));

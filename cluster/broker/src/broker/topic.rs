@@ -132,6 +132,20 @@ impl Topic {
         self.producers.close_all();
     }
 
+    /// ServiceNotReady once the topic stopped serving here (the client looks it up again).
+    fn refuse_if_detached(&self) -> Result<(), BrokerError> {
+        if self.detached.load(Ordering::Acquire) {
+            return Err(BrokerError::new(
+                ServerError::ServiceNotReady,
+                format!(
+                    "{} is being unloaded from this broker; look it up again",
+                    self.full_name
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Detaches a producer; a waiting exclusive producer may be granted the topic.
     pub fn remove_producer(self: &Arc<Self>, handle: &Arc<producers::ProducerHandle>) {
         if let Some(epoch) = self.producers.remove(handle) {
@@ -228,15 +242,7 @@ impl Topic {
         let mut subs = self.subscriptions.lock().await;
         // Checked under the lock that the unloading takes to list the subscriptions whose
         // consumers it closes: a consumer either is among them or is refused here.
-        if self.detached.load(Ordering::Acquire) {
-            return Err(BrokerError::new(
-                ServerError::ServiceNotReady,
-                format!(
-                    "{} is being unloaded from this broker; look it up again",
-                    self.full_name
-                ),
-            ));
-        }
+        self.refuse_if_detached()?;
         let limits = self.policies();
         if let Some(max) = limits.max_consumers_per_topic.filter(|m| *m > 0) {
             let mut n = 0;
@@ -305,15 +311,7 @@ impl Topic {
             return Ok(());
         }
         // Opened on an unloaded topic, it would run with nothing to stop it.
-        if self.detached.load(Ordering::Acquire) {
-            return Err(BrokerError::new(
-                ServerError::ServiceNotReady,
-                format!(
-                    "{} is being unloaded from this broker; look it up again",
-                    self.full_name
-                ),
-            ));
-        }
+        self.refuse_if_detached()?;
         let req = SubscribeRequest {
             subscription: name.to_string(),
             sub_type: SubType::Shared,
