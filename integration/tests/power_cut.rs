@@ -711,3 +711,173 @@ async fn wait_writable(client: &meridian_metadata::MetadataClient) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A bookie's disk that fills up and frees again, many times, under as much load as the
+/// machine takes: the process must live through every one (no abort in the index's RocksDB, no
+/// panic), take writes again once the space is back, lose nothing it acknowledged, and stop
+/// cleanly. Only the bookie's directories are on the power-loss file system (a full disk under
+/// the metadata store is another fault). `MERIDIAN_DISK_FULL_SECONDS` sets the length (30 s in
+/// the README's test command).
+#[test]
+fn given_a_bookie_disk_that_fills_and_frees_under_load_then_the_standalone_lives_and_keeps_what_it_acknowledged(
+) {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fs) = mount(&dir) else { return };
+    let mut rng = rng("disk-full");
+    let seconds: u64 = std::env::var("MERIDIAN_DISK_FULL_SECONDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(30);
+    let mut s = StandaloneProc::new(dir.path());
+    std::fs::create_dir_all(&s.data_dir).unwrap();
+    std::fs::create_dir_all(fs.mountpoint.join("bookie")).unwrap();
+    std::os::unix::fs::symlink(fs.mountpoint.join("bookie"), s.data_dir.join("bookie")).unwrap();
+    s.start().expect("standalone starts");
+    let log_tail = |s: &StandaloneProc| {
+        let log = s.log_text();
+        let tail: Vec<&str> = log.lines().rev().take(40).collect();
+        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+    };
+    // As much load as the machine takes, batched, on four topics (our client)...
+    let out = dir.path().join("perf.out");
+    let mut perf = Command::new(meridian_bin())
+        .args(["perf", "produce", "--url", &s.url, "--topic", "load"])
+        .args(["--topics", "4", "--size", "1024", "--report-every", "600"])
+        .args(["--seconds", &(seconds + 5).to_string()])
+        .stdout(std::fs::File::create(&out).unwrap())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // ... and a stock client whose acknowledged sends are checked at the end.
+    let mut p = PyClient::run(
+        dir.path(),
+        "acked",
+        &["produce", &s.url, "acked", "--count", "100000000"],
+    );
+    let started = Instant::now();
+    let mut fills = 0;
+    while started.elapsed() < Duration::from_secs(seconds) {
+        std::thread::sleep(Duration::from_millis(rng.gen_range(200..1500)));
+        fs.set_full(true);
+        fills += 1;
+        std::thread::sleep(Duration::from_millis(rng.gen_range(100..2000)));
+        fs.set_full(false);
+        if let Some(how) = s.exited() {
+            panic!(
+                "the standalone ended after {fills} fills ({how}):\n{}",
+                log_tail(&s)
+            );
+        }
+    }
+    let _ = perf.wait();
+    p.kill9();
+    let acked: BTreeSet<u64> = p.ints("acked").into_iter().collect();
+    let log = s.log_text();
+    step(format!(
+        "{fills} fills; {} sends acknowledged to the stock client; read-only until the disk \
+         frees up {} times, for good {} times; {}",
+        acked.len(),
+        log.matches("read-only until the disk frees up").count(),
+        log.matches("read-only from now on").count(),
+        std::fs::read_to_string(&out).unwrap_or_default().trim()
+    ));
+    assert!(!acked.is_empty(), "nothing acknowledged:\n{}", log_tail(&s));
+    step("with the space back, the bookie takes writes again");
+    meridian_integration::perf_produce(&s.url, "after-full", 100);
+    check_topic(&dir, &s, "c-acked", "acked", &acked);
+    let code = s.stop().unwrap();
+    assert_eq!(code, 0, "the standalone's exit:\n{}", log_tail(&s));
+}
+
+/// The journal on a disk that fills up: a record for which no space can be reserved in the
+/// file, or that needs the next file when none can be made, is refused with `NoSpace`, and
+/// nothing of it is written; the journal is not failed for good, takes records again once the
+/// space is back, and replays exactly the records it acknowledged, in order.
+#[test]
+fn given_a_full_disk_then_the_journal_refuses_records_for_a_while_and_takes_them_again() {
+    use meridian_storage::journal::{self, Journal, JournalError, JournalOptions, Record};
+    let dir = tempfile::tempdir().unwrap();
+    let Some(fs) = mount(&dir) else { return };
+    let opts = JournalOptions {
+        dir: fs.mountpoint.join("journal"),
+        batch_bytes_max: 64 << 10,
+        flush_delay_us: 0,
+        file_bytes_max: 1 << 20,
+        preallocate_bytes: 256 << 10,
+        queue_records_max: 1024,
+        fsync: true,
+        prefill: false,
+        drop_synced_pages: false,
+    };
+    let (j, thread) = Journal::start(opts.clone()).unwrap();
+    let record = |i: u64| Record {
+        kind: journal::RecordKind::Add,
+        ledger_id: 1,
+        entry_id: i,
+        data: vec![(i % 251) as u8; 10_000],
+        tail: Default::default(),
+    };
+    let append = |i: u64| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        j.append(record(i), Box::new(move |r| tx.send(r).unwrap()));
+        rx.recv_timeout(Duration::from_secs(30)).unwrap()
+    };
+    let mut acked = Vec::new();
+    let mut next = 0;
+    // Twice: the disk fills in the middle of a file (room must be reserved for the next
+    // records), then near a file's end (the next file must be made).
+    for (offset, path, why) in [
+        (300_000, "reserving room", "No space left on device"),
+        (
+            950_000,
+            "starting the next file",
+            "the next journal file could not be started",
+        ),
+    ] {
+        step(format!("a full disk while {path}"));
+        loop {
+            let pos = append(next).expect("acknowledged");
+            acked.push(next);
+            next += 1;
+            if pos.offset >= offset && pos.offset < offset + 100_000 {
+                break;
+            }
+        }
+        fs.set_full(true);
+        let mut refused = Vec::new();
+        for _ in 0..60 {
+            match append(next) {
+                Ok(_) => acked.push(next),
+                Err(JournalError::NoSpace(why)) => refused.push(why),
+                Err(e) => panic!("record {next}: {e}"),
+            }
+            next += 1;
+        }
+        assert!(refused.len() > 30, "{} of 60 refused", refused.len());
+        assert!(refused.iter().all(|w| w.contains(why)), "{refused:?}");
+        step(format!("{} of 60 refused: {}", refused.len(), refused[0]));
+        fs.set_full(false);
+        std::thread::sleep(Duration::from_millis(200));
+        append(next).expect("acknowledged once the space is back");
+        acked.push(next);
+        next += 1;
+    }
+    j.stop();
+    drop(j);
+    thread.join();
+    let mut replayed = Vec::new();
+    journal::replay(
+        &opts.dir,
+        0,
+        |_| false,
+        |_, r| {
+            assert_eq!(r.data, record(r.entry_id).data, "record {}", r.entry_id);
+            replayed.push(r.entry_id)
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        replayed, acked,
+        "replay returns exactly the acknowledged records"
+    );
+}

@@ -442,6 +442,16 @@ pub enum JournalError {
     /// (the journal goes on).
     #[error("journal record of {len} bytes is over the limit of {max}")]
     TooLarge { len: usize, max: usize },
+    /// The disk had no space for the record (reserving room in the file, or starting the next
+    /// file, failed with ENOSPC) and nothing of it was written: the journal goes on, and takes
+    /// records again once there is space.
+    #[error("journal: no space left on the disk for the record: {0}")]
+    NoSpace(String),
+}
+
+/// Whether `e` failed for want of space on the disk.
+fn is_no_space(e: &JournalError) -> bool {
+    matches!(e, JournalError::Io { source, .. } if source.raw_os_error() == Some(rustix::io::Errno::NOSPC.raw_os_error()))
 }
 
 fn io_at(path: &Path) -> impl FnOnce(io::Error) -> JournalError + '_ {
@@ -865,27 +875,36 @@ impl Writer {
                 return Ok(w);
             }
         }
-        let mut file = OpenOptions::new()
+        let file = OpenOptions::new()
             .create_new(true)
             .read(true)
             .write(true)
             .open(&path)
             .map_err(io_at(&path))?;
-        file.write_all(&header(seq)).map_err(io_at(&path))?;
-        let mut w = Writer {
-            seq,
-            path,
-            file: Arc::new(file),
-            len: FILE_HEADER_BYTES,
-            allocated: 0,
-            preallocate_bytes: opts.preallocate_bytes,
-            file_bytes_max: opts.file_bytes_max,
+        let start = |mut file: File| {
+            file.write_all(&header(seq)).map_err(io_at(&path))?;
+            let mut w = Writer {
+                seq,
+                path: path.clone(),
+                file: Arc::new(file),
+                len: FILE_HEADER_BYTES,
+                allocated: 0,
+                preallocate_bytes: opts.preallocate_bytes,
+                file_bytes_max: opts.file_bytes_max,
+            };
+            w.reserve(0)?;
+            w.file.sync_all().map_err(io_at(&w.path))?;
+            // The new name must survive a crash too.
+            sync_dir(&opts.dir)?;
+            Ok(w)
         };
-        w.reserve(0)?;
-        w.file.sync_all().map_err(io_at(&w.path))?;
-        // The new name must survive a crash too.
-        sync_dir(&opts.dir)?;
-        Ok(w)
+        start(file).inspect_err(|e| {
+            // Nothing was written to it yet: a later roll (once there is space) makes it
+            // again. A file left behind would refuse that roll (create_new).
+            if let Err(rm) = fs::remove_file(&path) {
+                tracing::warn!(path = %path.display(), error = %rm, cause = %e, "removing a journal file that could not be started failed");
+            }
+        })
     }
 
     /// Takes the spare file as file `seq`: its header is rewritten and made durable before
@@ -941,9 +960,17 @@ impl Writer {
         Ok(())
     }
 
-    /// Writes `batch` into the file (the page cache); the sync thread makes it durable.
+    /// Writes `batch` into the file (the page cache); the sync thread makes it durable. A
+    /// batch for which no space could be reserved is not written at all:
+    /// [`JournalError::NoSpace`].
     fn write_batch(&mut self, batch: &Batch) -> Result<(), JournalError> {
-        self.reserve(batch.len as u64)?;
+        self.reserve(batch.len as u64).map_err(|e| {
+            if is_no_space(&e) {
+                JournalError::NoSpace(e.to_string())
+            } else {
+                e
+            }
+        })?;
         write_all_vectored(&self.file, &mut batch.slices()).map_err(io_at(&self.path))?;
         self.len += batch.len as u64;
         Ok(())
@@ -964,6 +991,10 @@ enum SyncJob {
     /// refused after a failure).
     Then(Completion),
 }
+
+/// After starting the next file failed for want of space, records that need it are refused
+/// for this long before it is tried again.
+const ROLL_RETRY: Duration = Duration::from_millis(100);
 
 /// Batches written and waiting for the sync thread before the journal thread waits too.
 const SYNCS_QUEUED_MAX: usize = 64;
@@ -1103,6 +1134,8 @@ fn run(
     };
     let delay = Duration::from_micros(opts.flush_delay_us);
     let mut failed: Option<String> = None;
+    // When starting the next file last failed for want of space.
+    let mut roll_refused_at: Option<Instant> = None;
     let mut batch = Batch::with_capacity(opts.batch_bytes_max.min(4 << 20) + 4096);
     let mut waiting: Vec<(Position, Done)> = Vec::new();
     let mut pending_op: Option<Op> = None;
@@ -1153,18 +1186,26 @@ fn run(
                         if writer.len + (batch.len + record_len) as u64 > opts.file_bytes_max
                             && writer.len + batch.len as u64 > FILE_HEADER_BYTES
                         {
-                            // This record starts the next file: flush this batch first.
-                            pending_op = Some(Op::Append(record, done, queued));
-                            roll_after_flush(&mut roll);
-                            break;
+                            if roll_refused_at.is_some_and(|at| at.elapsed() < ROLL_RETRY) {
+                                // The next file could not be started for want of space a
+                                // moment ago: refused, not queued behind a roll that fails.
+                                let why = "the next journal file could not be started".into();
+                                complete(Box::new(move || done(Err(JournalError::NoSpace(why)))));
+                            } else {
+                                // This record starts the next file: flush this batch first.
+                                pending_op = Some(Op::Append(record, done, queued));
+                                roll_after_flush(&mut roll);
+                                break;
+                            }
+                        } else {
+                            let pos = Position {
+                                file: writer.seq,
+                                offset: writer.len + batch.len as u64,
+                            };
+                            batch.push(writer.seq, &record);
+                            waiting.push((pos, done));
+                            oldest = oldest.min(queued);
                         }
-                        let pos = Position {
-                            file: writer.seq,
-                            offset: writer.len + batch.len as u64,
-                        };
-                        batch.push(writer.seq, &record);
-                        waiting.push((pos, done));
-                        oldest = oldest.min(queued);
                     }
                 }
             }
@@ -1221,6 +1262,16 @@ fn run(
                         }
                     }
                 }
+                Err(JournalError::NoSpace(why)) => {
+                    // Nothing of the batch was written: the next batch starts where it would
+                    // have.
+                    tracing::warn!(error = %why, records = answered.len(), "journal batch refused: no space on the disk");
+                    complete(Box::new(move || {
+                        for (_, done) in answered {
+                            done(Err(JournalError::NoSpace(why.clone())));
+                        }
+                    }));
+                }
                 Err(e) => {
                     let why = e.to_string();
                     tracing::error!(error = %why, "journal write failed; the journal is read-only from now on");
@@ -1245,8 +1296,14 @@ fn run(
                     writer.seq
                 }),
             };
-            if let Err(e) = &result {
-                failed.get_or_insert_with(|| e.to_string());
+            match &result {
+                // The disk is full: the current file stays; records that need the next one
+                // are refused until a roll succeeds (tried again after ROLL_RETRY).
+                Err(e) if is_no_space(e) => roll_refused_at = Some(Instant::now()),
+                Err(e) => {
+                    failed.get_or_insert_with(|| e.to_string());
+                }
+                Ok(_) => roll_refused_at = None,
             }
             // After the callbacks of everything written before the roll.
             complete(Box::new(move || done(result)));

@@ -156,6 +156,13 @@ impl Db {
         db_write_buffer_bytes: usize,
     ) -> Result<(Arc<Db>, DbClosed), rocksdb::Error> {
         let mut opts = opts.clone();
+        // RocksDB's own log file (`LOG`) takes only the header it writes at open: Debian's
+        // RocksDB 7.8 is built with its assertions, and a second write to a log file after
+        // one failed (a full disk) aborts the process, so the periodic statistics dump or an
+        // error message of a full disk would end a bookie or a metadata node. Every error
+        // RocksDB returns reaches our own log through the call that got it.
+        opts.set_log_level(rocksdb::LogLevel::Header);
+        opts.set_stats_dump_period_sec(0);
         opts.set_write_buffer_size(write_buffer_bytes);
         opts.set_db_write_buffer_size(db_write_buffer_bytes);
         if !vector_cfs.is_empty() {

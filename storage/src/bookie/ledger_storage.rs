@@ -125,6 +125,14 @@ pub enum StorageError {
     Index(#[from] rocksdb::Error),
     #[error("ledger storage: {0}")]
     Corrupt(String),
+    /// A write to the index failed before: no later one is tried in this process. Debian's
+    /// RocksDB 7.8 (built with its assertions) aborts the process when a log writer that
+    /// failed (a full disk) is used again, so the bookie stays read-only until it restarts,
+    /// which replays the journal over the index as it was last synced.
+    #[error(
+        "ledger index: an earlier write failed ({0}); no index write until the bookie restarts"
+    )]
+    IndexFailed(String),
 }
 
 fn io_at(path: &Path) -> impl FnOnce(std::io::Error) -> StorageError + '_ {
@@ -514,6 +522,9 @@ pub struct LedgerStorage {
     /// Ledgers fenced since the last flush (ledgers that got entries are known from the batch,
     /// so the add path does not record them).
     dirty: Mutex<std::collections::HashSet<u64>>,
+    /// Why a write to the index failed, once one did (see [`StorageError::IndexFailed`]).
+    /// Held across each write, so that two writers cannot both reach RocksDB after a failure.
+    index_failed: Mutex<Option<String>>,
 }
 
 impl LedgerStorage {
@@ -588,6 +599,7 @@ impl LedgerStorage {
                 flushed_checkpoint: std::sync::atomic::AtomicU64::new(checkpoint),
                 space: tokio::sync::Notify::new(),
                 dirty: Mutex::default(),
+                index_failed: Mutex::default(),
             },
             checkpoint,
             closed,
@@ -920,8 +932,24 @@ impl LedgerStorage {
         Ok(())
     }
 
+    /// Writes `batch` to the index (synced with `fsync`), unless an earlier write failed
+    /// ([`StorageError::IndexFailed`]).
     fn write_synced(&self, batch: WriteBatch) -> Result<(), StorageError> {
-        write_synced(&self.db, batch, self.opts.fsync)
+        let mut failed = self.index_failed.lock().expect("index failure lock");
+        if let Some(why) = &*failed {
+            return Err(StorageError::IndexFailed(why.clone()));
+        }
+        write_synced(&self.db, batch, self.opts.fsync).inspect_err(|e| {
+            *failed = Some(e.to_string());
+        })
+    }
+
+    /// Whether a write to the index failed (the bookie must restart to write again).
+    pub fn index_failed(&self) -> bool {
+        self.index_failed
+            .lock()
+            .expect("index failure lock")
+            .is_some()
     }
 
     /// Moves the write cache to entry logs and the index, then records the checkpoint: the

@@ -220,6 +220,21 @@ impl BookieCore {
         }
     }
 
+    /// A write found no space on the disk (the usage check had not seen it full yet):
+    /// read-only as for a full disk, until a usage check finds it under the limit again.
+    fn note_no_space(&self, why: &str) {
+        let mut reason = self.read_only_reason.lock().expect("lock");
+        if self.disk_full.load(Ordering::Relaxed) {
+            return;
+        }
+        if !self.read_only.load(Ordering::Relaxed) {
+            *reason = format!("no space left on the disk ({why})");
+        }
+        self.disk_full.store(true, Ordering::Relaxed);
+        drop(reason);
+        tracing::error!(reason = %why, "bookie is read-only until the disk frees up");
+    }
+
     fn set_read_only(&self, why: String) {
         let mut reason = self.read_only_reason.lock().expect("lock");
         reason.clone_from(&why);
@@ -621,10 +636,15 @@ fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
             } else {
                 class.background();
             }
-            flush_once(&core);
-            last_flush = std::time::Instant::now();
+            // The disk first: nothing is written to the index while the disk is full (a
+            // write the index's RocksDB fails on makes the bookie read-only until it
+            // restarts); the write cache and the journal hold the entries meanwhile.
             let (free, used_pct) = core.disk_usage();
             core.check_disk(free, used_pct);
+            if !core.disk_full.load(Ordering::Relaxed) {
+                flush_once(&core);
+            }
+            last_flush = std::time::Instant::now();
         }
         prepare_spare(&core, &mut spare_not_before, &mut class);
         if last_gc.elapsed() >= gc_interval {
@@ -1020,6 +1040,11 @@ async fn handle_add(core: &Arc<BookieCore>, id: u64, add: Add, tx: Reply) {
                 storage.release(reserved);
                 tracing::warn!(ledger_id, entry_id, error = %e, "add refused");
                 send(&tx, id, reply(Status::BadRequest));
+            }
+            Err(journal::JournalError::NoSpace(why)) => {
+                storage.release(reserved);
+                core2.note_no_space(&why);
+                send(&tx, id, reply(Status::ReadOnly));
             }
             Err(e) => {
                 storage.release(reserved);
