@@ -592,11 +592,12 @@ fn wait_for_pause(broker: &BrokerProc, before: usize) {
     }
 }
 
-/// Sends `attach` (a SUBSCRIBE or PRODUCER), unloads `topic` while the attach pauses at the
-/// fail point, and expects the attach to be refused with ServiceNotReady.
-fn refused_by_unload(
+/// Sends `attach` (a SUBSCRIBE or PRODUCER), runs the admin CLI with `admin` (an unload, a
+/// deletion) while the attach pauses at the fail point, and expects the attach to be refused
+/// with ServiceNotReady.
+fn refused_during(
     broker: &BrokerProc,
-    topic: &str,
+    admin: &[&str],
     conn: &mut Raw,
     attach: &pb::BaseCommand,
     what: &str,
@@ -604,13 +605,13 @@ fn refused_by_unload(
     let hits = pauses(broker);
     conn.send(attach);
     wait_for_pause(broker, hits);
-    let mut unload = unload_in_background(broker, topic);
-    assert!(unload.wait().unwrap().success(), "the unload failed");
+    let mut call = admin_in_background(broker, admin);
+    assert!(call.wait().unwrap().success(), "{admin:?} failed");
     let f = wait_frame(conn, Duration::from_secs(20), |x| {
         x.success.is_some() || x.producer_success.is_some() || x.error.is_some()
     });
     let Some(e) = f.error.clone() else {
-        panic!("the {what} was attached to the unloaded topic: {f:?}")
+        panic!("the {what} was attached to the topic after {admin:?}: {f:?}")
     };
     assert_eq!(
         e.error,
@@ -620,20 +621,19 @@ fn refused_by_unload(
     );
 }
 
-/// Unloads `topic` through the admin CLI, in the background.
-fn unload_in_background(broker: &BrokerProc, topic: &str) -> std::process::Child {
+/// Runs the admin CLI with `args` against the broker, in the background.
+fn admin_in_background(broker: &BrokerProc, args: &[&str]) -> std::process::Child {
     std::process::Command::new(meridian_integration::admin_bin())
-        .args([
-            "--admin-url",
-            &broker.admin_url,
-            "topics",
-            "unload",
-            &format!("persistent://public/default/{topic}"),
-        ])
+        .args(["--admin-url", &broker.admin_url])
+        .args(args)
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap()
+}
+
+fn full_name(topic: &str) -> String {
+    format!("persistent://public/default/{topic}")
 }
 
 /// A consumer (or producer) that found its topic loaded, and attaches to it only after an
@@ -662,9 +662,10 @@ async fn given_an_unload_between_finding_a_topic_and_attaching_then_the_attach_i
 
     step("a consumer subscribes; the topic is unloaded before it attaches: refused");
     let mut c = Raw::connected(&broker.url);
-    refused_by_unload(
+    let unload = ["topics", "unload", &full_name(topic)];
+    refused_during(
         &broker,
-        topic,
+        &unload,
         &mut c,
         &subscribe(topic, "s", 1, 1),
         "consumer",
@@ -672,7 +673,13 @@ async fn given_an_unload_between_finding_a_topic_and_attaching_then_the_attach_i
 
     step("a producer likewise (once it has loaded the topic again)");
     let mut p2 = Raw::connected(&broker.url);
-    refused_by_unload(&broker, topic, &mut p2, &producer(topic, 2, 2), "producer");
+    refused_during(
+        &broker,
+        &unload,
+        &mut p2,
+        &producer(topic, 2, 2),
+        "producer",
+    );
 
     step("subscribed again, the consumer gets what a new producer sends");
     c.send(&subscribe(topic, "s", 2, 2));
@@ -703,6 +710,50 @@ async fn given_an_unload_between_finding_a_topic_and_attaching_then_the_attach_i
         }
     }
     assert_eq!(got, vec![b"m0".to_vec(), b"m1".to_vec()]);
+}
+
+/// A consumer (or producer) that found its topic loaded, and attaches to it only while a
+/// deletion runs, is refused (ServiceNotReady), not attached to the instance being deleted
+/// (which the deletion has forgotten: a consumer there would hear nothing, and its
+/// subscription's cursor would outlive the topic). The fail point makes every attach wait
+/// 2 s after finding its topic; the deletion comes in that window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_deletion_between_finding_a_topic_and_attaching_then_the_attach_is_refused_and_nothing_of_the_topic_is_left(
+) {
+    let (_cluster, _bookie, broker) =
+        one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "attach:pause_2s")]).await;
+    for (i, what) in ["consumer", "producer"].into_iter().enumerate() {
+        let topic = format!("delete-while-attaching-{i}");
+        step(format!(
+            "a {what} finds {topic}; it is deleted before the {what} attaches"
+        ));
+        let mut p = Raw::connected(&broker.url);
+        p.send(&producer(&topic, 1, 1));
+        let f = producer_answer(&mut p);
+        assert!(f.producer_success.is_some(), "{f:?}");
+        p.send_raw(&send_frame(1, 0, b"m0"));
+        wait_frame(&mut p, Duration::from_secs(10), |x| {
+            x.send_receipt.is_some()
+        });
+        let mut c = Raw::connected(&broker.url);
+        let attach = if what == "consumer" {
+            subscribe(&topic, "s", 1, 1)
+        } else {
+            producer(&topic, 2, 2)
+        };
+        let delete = ["topics", "delete", "--force", &full_name(&topic)];
+        refused_during(&broker, &delete, &mut c, &attach, what);
+        let (code, out, err) = meridian_integration::run_admin(&[
+            "--admin-url",
+            &broker.admin_url,
+            "topics",
+            "list",
+            "public/default",
+        ])
+        .unwrap();
+        assert_eq!(code, 0, "{err}");
+        assert!(!out.contains(&topic), "{topic} is still listed: {out}");
+    }
 }
 
 /// Waits for a PRODUCER's answer: success or an error.
@@ -740,7 +791,7 @@ async fn given_a_failed_load_with_another_caller_waiting_then_one_instance_serve
     c.send(&producer(topic, 1, 1));
     let fc = producer_answer(&mut c);
     assert!(fc.producer_success.is_some(), "{fc:?}");
-    let mut unload = unload_in_background(&broker, topic);
+    let mut unload = admin_in_background(&broker, &["topics", "unload", &full_name(topic)]);
     assert!(unload.wait().unwrap().success(), "the unload failed");
     for (who, conn) in [("the second", &mut b), ("the third", &mut c)] {
         let deadline = Instant::now() + Duration::from_secs(10);

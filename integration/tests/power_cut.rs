@@ -782,6 +782,14 @@ fn given_a_bookie_disk_that_fills_and_frees_under_load_then_the_standalone_lives
         std::fs::read_to_string(&out).unwrap_or_default().trim()
     ));
     assert!(!acked.is_empty(), "nothing acknowledged:\n{}", log_tail(&s));
+    // Possible by design, and rare: the disk fills during a write of the index that needs
+    // new space (RocksDB preallocates its log), which leaves the bookie read-only until it
+    // restarts. Seen in none of the runs so far; if it shows, it is worth a look.
+    assert!(
+        !log.contains("read-only from now on"),
+        "the bookie went read-only for good:\n{}",
+        log_tail(&s)
+    );
     step("with the space back, the bookie takes writes again");
     meridian_integration::perf_produce(&s.url, "after-full", 100);
     check_topic(&dir, &s, "c-acked", "acked", &acked);

@@ -1188,9 +1188,18 @@ fn run(
                         {
                             if roll_refused_at.is_some_and(|at| at.elapsed() < ROLL_RETRY) {
                                 // The next file could not be started for want of space a
-                                // moment ago: refused, not queued behind a roll that fails.
-                                let why = "the next journal file could not be started".into();
-                                complete(Box::new(move || done(Err(JournalError::NoSpace(why)))));
+                                // moment ago: refused, not queued behind a roll that fails;
+                                // after the records before it are answered (the batch they
+                                // are in is written first).
+                                if batch.is_empty() {
+                                    let why = "the next journal file could not be started".into();
+                                    complete(Box::new(move || {
+                                        done(Err(JournalError::NoSpace(why)))
+                                    }));
+                                } else {
+                                    pending_op = Some(Op::Append(record, done, queued));
+                                    break;
+                                }
                             } else {
                                 // This record starts the next file: flush this batch first.
                                 pending_op = Some(Op::Append(record, done, queued));

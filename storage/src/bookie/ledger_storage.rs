@@ -944,14 +944,6 @@ impl LedgerStorage {
         })
     }
 
-    /// Whether a write to the index failed (the bookie must restart to write again).
-    pub fn index_failed(&self) -> bool {
-        self.index_failed
-            .lock()
-            .expect("index failure lock")
-            .is_some()
-    }
-
     /// Moves the write cache to entry logs and the index, then records the checkpoint: the
     /// journal file of the newest record applied when the cache was taken. Every record of an
     /// older file is then in entry logs and the index (records are applied in journal order),
@@ -1114,9 +1106,10 @@ impl LedgerStorage {
         result
     }
 
-    /// Removes entry logs whose every ledger is deleted, and compacts non-current logs whose
-    /// live share fell under `compaction_live_ratio_min`. Returns the bytes freed on disk.
-    pub fn collect_garbage(&self) -> Result<u64, StorageError> {
+    /// Removes entry logs whose every ledger is deleted, and (with `compact`) compacts
+    /// non-current logs whose live share fell under `compaction_live_ratio_min`. Returns the
+    /// bytes freed on disk.
+    pub fn collect_garbage(&self, compact: bool) -> Result<u64, StorageError> {
         let mut writer = self.writer.lock().expect("writer lock");
         let current = writer.id;
         let deleted: std::collections::HashSet<u64> = self
@@ -1151,7 +1144,10 @@ impl LedgerStorage {
                 .filter(|(l, _)| !deleted.contains(l))
                 .map(|(_, b)| *b)
                 .sum();
-            if live > 0 && (live as f64) >= (total as f64) * self.opts.compaction_live_ratio_min {
+            if live > 0
+                && (!compact
+                    || (live as f64) >= (total as f64) * self.opts.compaction_live_ratio_min)
+            {
                 continue;
             }
             if live > 0 {

@@ -104,6 +104,8 @@ pub struct BookieCore {
     /// Read-only because the disk is too full (not for an error): lifted once usage falls
     /// [`DISK_HYSTERESIS_PERCENT`] below the limit.
     disk_full: AtomicBool,
+    /// When a write last found no space (see [`BookieCore::note_no_space`]).
+    no_space_at: std::sync::Mutex<Option<std::time::Instant>>,
     /// Free bytes at the last disk check (the fuller of the journal's and the ledgers' file
     /// systems): a full disk takes recovery adds while at least [`RECOVERY_ADDS_FREE_BYTES_MIN`]
     /// are left.
@@ -136,6 +138,9 @@ fn disk_full_next(was_full: bool, used_pct: u64, max: u64) -> bool {
 /// How far below `bookie.disk_usage_percent_max` usage must fall before a bookie that turned
 /// read-only for a full disk takes writes again (BookKeeper's low-water mark, 5 points lower).
 pub const DISK_HYSTERESIS_PERCENT: u64 = 5;
+
+/// How long a bookie stays read-only, with no room, after a write found no space.
+pub const NO_SPACE_HOLD: Duration = Duration::from_secs(2);
 
 /// Free bytes a bookie read-only for a full disk keeps for recovery adds: below them it
 /// refuses those too (what is left is for the journal's records of adds already taken).
@@ -191,10 +196,12 @@ impl BookieCore {
     /// Turns read-only while the disk is past the limit, writable again once usage is
     /// [`DISK_HYSTERESIS_PERCENT`] below it (unless an error made it read-only for good).
     fn check_disk(&self, free: u64, used_pct: u64) {
-        self.disk_free.store(free, Ordering::Relaxed);
+        let lately = self.no_space_lately();
+        self.disk_free
+            .store(if lately { 0 } else { free }, Ordering::Relaxed);
         let max = self.opts.disk_usage_percent_max;
         let was = self.disk_full.load(Ordering::Relaxed);
-        let full = disk_full_next(was, used_pct, max);
+        let full = disk_full_next(was, used_pct, max) || (was && lately);
         if full {
             if !was {
                 let why =
@@ -220,9 +227,14 @@ impl BookieCore {
         }
     }
 
-    /// A write found no space on the disk (the usage check had not seen it full yet):
-    /// read-only as for a full disk, until a usage check finds it under the limit again.
+    /// A write found no space on the disk (the usage check had not seen it full): read-only
+    /// as for a full disk, with no room (no flush, no recovery add), for at least
+    /// [`NO_SPACE_HOLD`] and then until a usage check finds the disk under the limit again
+    /// (a file system out of inodes or quota fails writes while `statfs` shows space: without
+    /// the hold the bookie would turn writable and read-only again at every check).
     fn note_no_space(&self, why: &str) {
+        *self.no_space_at.lock().expect("lock") = Some(std::time::Instant::now());
+        self.disk_free.store(0, Ordering::Relaxed);
         let mut reason = self.read_only_reason.lock().expect("lock");
         if self.disk_full.load(Ordering::Relaxed) {
             return;
@@ -233,6 +245,22 @@ impl BookieCore {
         self.disk_full.store(true, Ordering::Relaxed);
         drop(reason);
         tracing::error!(reason = %why, "bookie is read-only until the disk frees up");
+    }
+
+    /// Whether a write found no space less than [`NO_SPACE_HOLD`] ago.
+    fn no_space_lately(&self) -> bool {
+        self.no_space_at
+            .lock()
+            .expect("lock")
+            .is_some_and(|at| at.elapsed() < NO_SPACE_HOLD)
+    }
+
+    /// Whether the disk has room for the flusher's writes: at least
+    /// [`RECOVERY_ADDS_FREE_BYTES_MIN`] free at the last usage check, and no write that found
+    /// no space lately.
+    fn has_room(&self) -> bool {
+        self.disk_free.load(Ordering::Relaxed) >= RECOVERY_ADDS_FREE_BYTES_MIN
+            && !self.no_space_lately()
     }
 
     fn set_read_only(&self, why: String) {
@@ -405,6 +433,7 @@ pub async fn start_with_tls(
         read_only: AtomicBool::new(false),
         read_only_reason: std::sync::Mutex::default(),
         disk_full: AtomicBool::new(false),
+        no_space_at: std::sync::Mutex::default(),
         disk_free: AtomicU64::new(u64::MAX),
         decommissioned: std::sync::Mutex::default(),
         moved_away: std::sync::Mutex::default(),
@@ -636,12 +665,14 @@ fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
             } else {
                 class.background();
             }
-            // The disk first: nothing is written to the index while the disk is full (a
+            // The disk first: nothing is written while it has almost no space left (a
             // write the index's RocksDB fails on makes the bookie read-only until it
-            // restarts); the write cache and the journal hold the entries meanwhile.
+            // restarts); the write cache and the journal hold the entries meanwhile. Past
+            // `disk_usage_percent_max` with room left it flushes as always (recovery adds
+            // still come, and checkpointed journal files are retired).
             let (free, used_pct) = core.disk_usage();
             core.check_disk(free, used_pct);
-            if !core.disk_full.load(Ordering::Relaxed) {
+            if core.has_room() {
                 flush_once(&core);
             }
             last_flush = std::time::Instant::now();
@@ -649,7 +680,9 @@ fn flusher(core: Arc<BookieCore>, stop: watch::Receiver<bool>) {
         prepare_spare(&core, &mut spare_not_before, &mut class);
         if last_gc.elapsed() >= gc_interval {
             class.background();
-            match core.storage.collect_garbage() {
+            // Compaction writes new entry logs: not without room. Removing logs of deleted
+            // ledgers frees space and goes on.
+            match core.storage.collect_garbage(core.has_room()) {
                 Ok(0) => {}
                 Ok(freed) => tracing::info!(freed, "garbage collection freed bytes"),
                 Err(e) => tracing::error!(error = %e, "garbage collection failed"),

@@ -402,7 +402,12 @@ impl Broker {
                     }
                     other.close().await;
                 }
-                t.delete().await?;
+                if let Err(e) = t.delete().await {
+                    // It takes no client any more and is out of the map: closed, so that
+                    // nothing of it runs on; the next lookup loads what is left of the topic.
+                    t.close().await;
+                    return Err(e);
+                }
             }
             if partitioned {
                 self.meta

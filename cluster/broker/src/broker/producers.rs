@@ -216,7 +216,7 @@ impl Producers {
             // The client looks the topic up again and finds where it is served now.
             return Err(BrokerError::new(
                 ServerError::ServiceNotReady,
-                format!("{topic} is being unloaded from this broker; look it up again"),
+                format!("{topic} is being unloaded or deleted on this broker; look it up again"),
             ));
         }
         if max > 0 && g.by_name.len() + g.waiting.len() >= max {

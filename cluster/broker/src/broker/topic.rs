@@ -124,7 +124,7 @@ impl Topic {
         Ok(a)
     }
 
-    /// The topic stops serving here (it is being unloaded): its producers are
+    /// The topic stops serving here (it is being unloaded or deleted): its producers are
     /// closed, and no producer or consumer attaches from now on; they are refused with
     /// ServiceNotReady and look the topic up again. The caller closes the consumers after.
     pub(super) fn stop_attaching(&self) {
@@ -138,7 +138,7 @@ impl Topic {
             return Err(BrokerError::new(
                 ServerError::ServiceNotReady,
                 format!(
-                    "{} is being unloaded from this broker; look it up again",
+                    "{} is being unloaded or deleted on this broker; look it up again",
                     self.full_name
                 ),
             ));
@@ -306,12 +306,25 @@ impl Topic {
     /// Creates a durable subscription with no consumer, from the earliest entry, unless it
     /// exists (the subscription a dead-letter topic is created with).
     pub async fn create_subscription(self: &Arc<Self>, name: &str) -> Result<(), BrokerError> {
+        self.open_idle_subscription(name, false).await
+    }
+
+    /// [`create_subscription`](Self::create_subscription); `deleting`: for the topic's own
+    /// deletion, which opens each durable subscription to delete it after the topic stopped
+    /// taking clients.
+    async fn open_idle_subscription(
+        self: &Arc<Self>,
+        name: &str,
+        deleting: bool,
+    ) -> Result<(), BrokerError> {
         let mut subs = self.subscriptions.lock().await;
         if subs.get(name).is_some_and(|s| !s.is_closed()) {
             return Ok(());
         }
         // Opened on an unloaded topic, it would run with nothing to stop it.
-        self.refuse_if_detached()?;
+        if !deleting {
+            self.refuse_if_detached()?;
+        }
         let req = SubscribeRequest {
             subscription: name.to_string(),
             sub_type: SubType::Shared,
@@ -343,6 +356,16 @@ impl Topic {
         self: &Arc<Self>,
         name: &str,
     ) -> Result<Arc<Subscription>, BrokerError> {
+        self.open_subscription_for_admin(name, false).await
+    }
+
+    /// [`subscription_for_admin`](Self::subscription_for_admin), `deleting` as in
+    /// [`open_idle_subscription`](Self::open_idle_subscription).
+    async fn open_subscription_for_admin(
+        self: &Arc<Self>,
+        name: &str,
+        deleting: bool,
+    ) -> Result<Arc<Subscription>, BrokerError> {
         if name.starts_with(super::replication::REPL_CURSOR_PREFIX) {
             return Err(BrokerError::new(
                 ServerError::SubscriptionNotFound,
@@ -369,7 +392,7 @@ impl Topic {
                 format!("{} has no subscription {name:?}", self.full_name),
             ));
         }
-        self.create_subscription(name).await?;
+        self.open_idle_subscription(name, deleting).await?;
         self.subscriptions
             .lock()
             .await
@@ -557,14 +580,17 @@ impl Topic {
 
     /// Deletes the topic: closes its producers and consumers, deletes its subscriptions
     /// (cursors and their ledgers), its log and ledgers, and its epoch and deduplication
-    /// records. The caller forgets the topic.
+    /// records. From its start the topic takes no producer, consumer or subscription (a
+    /// client that found it before attaches to nothing that is being deleted: refused with
+    /// ServiceNotReady, it looks the topic up again); the caller forgets the topic, and closes
+    /// it if the deletion fails midway (the next lookup loads what is left).
     pub(super) async fn delete(self: &Arc<Self>) -> Result<(), BrokerError> {
-        self.producers.fence_all();
+        self.stop_attaching();
         self.compaction.stop();
         self.stop_replicators();
         self.delete_replication_state().await?;
         for name in self.durable_subscriptions().await? {
-            self.subscription_for_admin(&name)
+            self.open_subscription_for_admin(&name, true)
                 .await?
                 .delete_forced()
                 .await?;
