@@ -720,8 +720,9 @@ async fn given_an_unload_between_finding_a_topic_and_attaching_then_the_attach_i
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_deletion_between_finding_a_topic_and_attaching_then_the_attach_is_refused_and_nothing_of_the_topic_is_left(
 ) {
-    let (_cluster, _bookie, broker) =
+    let (cluster, _bookie, broker) =
         one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "attach:pause_2s")]).await;
+    let meta = cluster.client();
     for (i, what) in ["consumer", "producer"].into_iter().enumerate() {
         let topic = format!("delete-while-attaching-{i}");
         step(format!(
@@ -753,6 +754,14 @@ async fn given_a_deletion_between_finding_a_topic_and_attaching_then_the_attach_
         .unwrap();
         assert_eq!(code, 0, "{err}");
         assert!(!out.contains(&topic), "{topic} is still listed: {out}");
+        let cursors = meta
+            .list_all(&format!(
+                "{}public/default/persistent/{topic}/",
+                meridian_storage::cursor::MANAGED_CURSORS_PREFIX
+            ))
+            .await
+            .unwrap();
+        assert!(cursors.is_empty(), "cursors of {topic} left: {cursors:?}");
     }
 }
 

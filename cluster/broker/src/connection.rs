@@ -807,6 +807,9 @@ impl Conn {
         if let Some(b) = topic.quota_breach() {
             return Err(b.error());
         }
+        // Not for a topic being deleted (or unloaded) meanwhile: its schema record would
+        // outlive the deletion.
+        topic.refuse_if_detached()?;
         let schema_version = self
             .broker
             .schema_for_producer(&name, p.schema.as_ref())

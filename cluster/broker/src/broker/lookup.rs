@@ -302,15 +302,28 @@ impl Broker {
         for t in &topics {
             t.stop_attaching();
         }
+        // Their consumers are closed, all topics at once. A subscription's state (or a
+        // topic's list of subscriptions) may be held by a call to the metadata store that
+        // takes its time: the unload waits a bounded time, and the closing goes on in the
+        // background until done. Given up, the consumers would stay attached to an instance
+        // nothing serves and hear nothing until their connection dropped (seen in a fault
+        // schedule: minutes).
         let limit = Duration::from_millis(self.cfg.session_ttl_ms / 4);
-        for t in &topics {
-            for s in t.subscriptions().await {
-                if tokio::time::timeout(limit, s.disconnect_consumers())
-                    .await
-                    .is_err()
-                {
-                    tracing::warn!(topic = %t.name, subscription = %s.name(), "closing consumers timed out");
-                }
+        let closing: Vec<_> = topics
+            .iter()
+            .map(|t| {
+                let t = Arc::clone(t);
+                tokio::spawn(async move {
+                    for s in t.subscriptions().await {
+                        s.disconnect_consumers().await;
+                    }
+                })
+            })
+            .collect();
+        let deadline = tokio::time::Instant::now() + limit;
+        for (t, mut task) in topics.iter().zip(closing) {
+            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
+                tracing::warn!(topic = %t.name, "closing consumers takes long; they are closed once their subscriptions are free");
             }
         }
         // ... then cursors are persisted and logs closed, as far as the store allows.

@@ -396,16 +396,13 @@ impl Broker {
                 // A topic loaded again since it was checked (its log fenced, then reloaded)
                 // stops serving before its log is deleted under it.
                 if let Some(other) = self.take_loaded(&t.name).filter(|o| !Arc::ptr_eq(o, t)) {
-                    other.stop_attaching();
-                    for s in other.subscriptions().await {
-                        s.disconnect_consumers().await;
-                    }
-                    other.close().await;
+                    other.shut().await;
                 }
                 if let Err(e) = t.delete().await {
-                    // It takes no client any more and is out of the map: closed, so that
-                    // nothing of it runs on; the next lookup loads what is left of the topic.
-                    t.close().await;
+                    // It takes no client any more and is out of the map: its consumers are
+                    // let go and it is closed, so that nothing of it runs on; the next lookup
+                    // loads what is left of the topic.
+                    t.shut().await;
                     return Err(e);
                 }
             }
@@ -488,11 +485,7 @@ impl Broker {
 
     /// The rest of [`Broker::unload_loaded`], for a topic held and forgotten.
     async fn finish_unload(&self, t: Arc<Topic>, held: Held<'_>) {
-        t.stop_attaching();
-        for s in t.subscriptions().await {
-            s.disconnect_consumers().await;
-        }
-        t.close().await;
+        t.shut().await;
         drop(held);
         tracing::info!(topic = %t.name, "topic unloaded");
     }

@@ -132,8 +132,19 @@ impl Topic {
         self.producers.close_all();
     }
 
+    /// Stops serving the topic here: no client attaches any more, its producers are closed
+    /// and its consumers disconnected (they look it up again), then it is closed (an unload,
+    /// or an instance a deletion left behind).
+    pub(super) async fn shut(&self) {
+        self.stop_attaching();
+        for s in self.subscriptions().await {
+            s.disconnect_consumers().await;
+        }
+        self.close().await;
+    }
+
     /// ServiceNotReady once the topic stopped serving here (the client looks it up again).
-    fn refuse_if_detached(&self) -> Result<(), BrokerError> {
+    pub fn refuse_if_detached(&self) -> Result<(), BrokerError> {
         if self.detached.load(Ordering::Acquire) {
             return Err(BrokerError::new(
                 ServerError::ServiceNotReady,

@@ -486,6 +486,8 @@ pub struct Dedup {
     snapshot_every: u64,
     inner: tokio::sync::Mutex<Inner>,
     snapshotting: Arc<AtomicBool>,
+    /// Snapshots were stopped for good (`stop_snapshots`).
+    stopped: AtomicBool,
     /// The generation of the last snapshot's pages; each snapshot writes the next.
     generation: Arc<std::sync::atomic::AtomicU64>,
     /// Replicated entries count under their producers' names and are checked (the
@@ -583,6 +585,7 @@ impl Dedup {
             snapshot_every,
             inner: tokio::sync::Mutex::new(inner),
             snapshotting: Arc::new(AtomicBool::new(false)),
+            stopped: AtomicBool::new(false),
             generation: Arc::new(std::sync::atomic::AtomicU64::new(generation)),
             cross_site,
         })
@@ -783,16 +786,26 @@ impl Dedup {
         }
     }
 
-    /// Writes a snapshot now (topic close), after any in flight.
-    /// Waits for a snapshot being written and starts no more (the topic is being deleted).
+    /// Waits for a snapshot being written and starts no more (the topic is being deleted);
+    /// a later [`flush`](Self::flush) writes nothing.
     pub async fn stop_snapshots(&self) {
         while self.snapshotting.swap(true, Ordering::AcqRel) {
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
+        self.stopped.store(true, Ordering::Release);
     }
 
+    /// Writes a snapshot now (topic close), after any in flight; nothing once snapshots were
+    /// stopped (a deletion that failed after it closes the topic: a snapshot would undo the
+    /// deletion's removal of the record, and the flag it waits for stays taken).
     pub async fn flush(&self) {
+        if self.stopped.load(Ordering::Acquire) {
+            return;
+        }
         while self.snapshotting.swap(true, Ordering::AcqRel) {
+            if self.stopped.load(Ordering::Acquire) {
+                return;
+            }
             tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
         let s = self.snapshot_of(&*self.inner.lock().await);
@@ -983,6 +996,7 @@ mod tests {
             snapshot_every: u64::MAX,
             inner: g,
             snapshotting: Arc::new(AtomicBool::new(false)),
+            stopped: AtomicBool::new(false),
             generation: Arc::new(std::sync::atomic::AtomicU64::new(0)),
             cross_site: true,
         };

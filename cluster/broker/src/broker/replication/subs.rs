@@ -286,6 +286,9 @@ impl Topic {
     /// topic's other sites from now on).
     pub async fn enable_replicated(self: &Arc<Self>, sub: &str) -> Result<(), BrokerError> {
         let mut st = self.repl_subs.state.lock().await;
+        // Under the lock a deletion takes to drop the records (after the topic stopped
+        // taking clients): no record is written for a topic being deleted or unloaded.
+        self.refuse_if_detached()?;
         self.load_replicated(&mut st).await?;
         if !st.subs.contains_key(sub) {
             let mut r = SubRepl::default();
