@@ -314,17 +314,26 @@ impl Broker {
             .map(|t| {
                 let t = Arc::clone(t);
                 tokio::spawn(async move {
-                    for s in t.subscriptions().await {
-                        s.disconnect_consumers().await;
-                    }
+                    // Each subscription on its own: one whose state is held does not hold up
+                    // the others.
+                    let subs = t.subscriptions().await;
+                    futures::future::join_all(subs.iter().map(|s| s.disconnect_consumers())).await;
                 })
             })
             .collect();
         let deadline = tokio::time::Instant::now() + limit;
+        let mut late = Vec::new();
         for (t, mut task) in topics.iter().zip(closing) {
-            if tokio::time::timeout_at(deadline, &mut task).await.is_err() {
-                tracing::warn!(topic = %t.name, "closing consumers takes long; they are closed once their subscriptions are free");
+            match tokio::time::timeout_at(deadline, &mut task).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    tracing::error!(topic = %t.name, error = %e, "closing consumers failed")
+                }
+                Err(_) => late.push(t.name.to_string()),
             }
+        }
+        if !late.is_empty() {
+            tracing::warn!(topics = late.len(), first = %late[0], "closing consumers takes long; they are closed once their subscriptions are free");
         }
         // ... then cursors are persisted and logs closed, as far as the store allows.
         let limit = Duration::from_millis(self.cfg.session_ttl_ms);

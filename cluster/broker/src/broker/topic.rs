@@ -593,8 +593,9 @@ impl Topic {
     /// (cursors and their ledgers), its log and ledgers, and its epoch and deduplication
     /// records. From its start the topic takes no producer, consumer or subscription (a
     /// client that found it before attaches to nothing that is being deleted: refused with
-    /// ServiceNotReady, it looks the topic up again); the caller forgets the topic, and closes
-    /// it if the deletion fails midway (the next lookup loads what is left).
+    /// ServiceNotReady, it looks the topic up again); the caller forgets the topic, and shuts
+    /// it ([`shut`](Self::shut)) if the deletion fails midway (the next lookup loads what is
+    /// left).
     pub(super) async fn delete(self: &Arc<Self>) -> Result<(), BrokerError> {
         self.stop_attaching();
         self.compaction.stop();
