@@ -712,6 +712,17 @@ async fn wait_writable(client: &meridian_metadata::MetadataClient) {
     }
 }
 
+/// A process the test started, killed (by its PID) and reaped when the test ends, a failing
+/// one too.
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A bookie's disk that fills up and frees again, many times, under as much load as the
 /// machine takes: the process must live through every one (no abort in the index's RocksDB, no
 /// panic), take writes again once the space is back, lose nothing it acknowledged, and stop
@@ -740,14 +751,16 @@ fn given_a_bookie_disk_that_fills_and_frees_under_load_then_the_standalone_lives
     };
     // As much load as the machine takes, batched, on four topics (our client)...
     let out = dir.path().join("perf.out");
-    let mut perf = Command::new(meridian_bin())
-        .args(["perf", "produce", "--url", &s.url, "--topic", "load"])
-        .args(["--topics", "4", "--size", "1024", "--report-every", "600"])
-        .args(["--seconds", &(seconds + 5).to_string()])
-        .stdout(std::fs::File::create(&out).unwrap())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut perf = Reaped(
+        Command::new(meridian_bin())
+            .args(["perf", "produce", "--url", &s.url, "--topic", "load"])
+            .args(["--topics", "4", "--size", "1024", "--report-every", "600"])
+            .args(["--seconds", &(seconds + 5).to_string()])
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     // ... and a stock client whose acknowledged sends are checked at the end.
     let mut p = PyClient::run(
         dir.path(),
@@ -769,7 +782,7 @@ fn given_a_bookie_disk_that_fills_and_frees_under_load_then_the_standalone_lives
             );
         }
     }
-    let _ = perf.wait();
+    let _ = perf.0.wait();
     p.kill9();
     let acked: BTreeSet<u64> = p.ints("acked").into_iter().collect();
     let log = s.log_text();
