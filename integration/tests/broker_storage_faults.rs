@@ -621,6 +621,19 @@ fn refused_during(
     );
 }
 
+/// A producer (id 1) on `topic` whose first message, `m0`, is stored.
+fn producing(broker: &BrokerProc, topic: &str) -> Raw {
+    let mut p = Raw::connected(&broker.url);
+    p.send(&producer(topic, 1, 1));
+    let f = producer_answer(&mut p);
+    assert!(f.producer_success.is_some(), "{f:?}");
+    p.send_raw(&send_frame(1, 0, b"m0"));
+    wait_frame(&mut p, Duration::from_secs(10), |x| {
+        x.send_receipt.is_some()
+    });
+    p
+}
+
 /// Runs the admin CLI with `args` against the broker, in the background.
 fn admin_in_background(broker: &BrokerProc, args: &[&str]) -> std::process::Child {
     std::process::Command::new(meridian_integration::admin_bin())
@@ -648,17 +661,7 @@ async fn given_an_unload_between_finding_a_topic_and_attaching_then_the_attach_i
     let (_cluster, _bookie, broker) =
         one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "attach:pause_2s")]).await;
     let topic = "unload-while-attaching";
-    let mut p = Raw::connected(&broker.url);
-    p.send(&producer(topic, 1, 1));
-    assert!(wait_frame(&mut p, Duration::from_secs(20), |x| {
-        x.producer_success.is_some()
-    })
-    .producer_success
-    .is_some());
-    p.send_raw(&send_frame(1, 0, b"m0"));
-    wait_frame(&mut p, Duration::from_secs(10), |x| {
-        x.send_receipt.is_some()
-    });
+    let _p = producing(&broker, topic);
 
     step("a consumer subscribes; the topic is unloaded before it attaches: refused");
     let mut c = Raw::connected(&broker.url);
@@ -728,14 +731,7 @@ async fn given_a_deletion_between_finding_a_topic_and_attaching_then_the_attach_
         step(format!(
             "a {what} finds {topic}; it is deleted before the {what} attaches"
         ));
-        let mut p = Raw::connected(&broker.url);
-        p.send(&producer(&topic, 1, 1));
-        let f = producer_answer(&mut p);
-        assert!(f.producer_success.is_some(), "{f:?}");
-        p.send_raw(&send_frame(1, 0, b"m0"));
-        wait_frame(&mut p, Duration::from_secs(10), |x| {
-            x.send_receipt.is_some()
-        });
+        let _p = producing(&broker, &topic);
         let mut c = Raw::connected(&broker.url);
         let attach = if what == "consumer" {
             subscribe(&topic, "s", 1, 1)

@@ -204,17 +204,9 @@ impl BookieCore {
         let full = disk_full_next(was, used_pct, max) || (was && lately);
         if full {
             if !was {
-                let why =
-                    format!("disk {used_pct}% used, above bookie.disk_usage_percent_max = {max}");
-                // The reason is in place before the flag that makes the bookie read-only: a
-                // reader that sees the flag then finds the reason (both under its lock).
-                let mut reason = self.read_only_reason.lock().expect("lock");
-                if !self.read_only.load(Ordering::Relaxed) {
-                    reason.clone_from(&why);
-                }
-                self.disk_full.store(true, Ordering::Relaxed);
-                drop(reason);
-                tracing::error!(reason = %why, "bookie is read-only until the disk frees up");
+                self.turn_disk_full(format!(
+                    "disk {used_pct}% used, above bookie.disk_usage_percent_max = {max}"
+                ));
             }
         } else if was
             && self.disk_full.swap(false, Ordering::Relaxed)
@@ -235,12 +227,18 @@ impl BookieCore {
     fn note_no_space(&self, why: &str) {
         *self.no_space_at.lock().expect("lock") = Some(std::time::Instant::now());
         self.disk_free.store(0, Ordering::Relaxed);
-        let mut reason = self.read_only_reason.lock().expect("lock");
-        if self.disk_full.load(Ordering::Relaxed) {
-            return;
+        if !self.disk_full.load(Ordering::Relaxed) {
+            self.turn_disk_full(format!("no space left on the disk ({why})"));
         }
+    }
+
+    /// Read-only for a full disk, for `why`.
+    fn turn_disk_full(&self, why: String) {
+        // The reason is in place before the flag that makes the bookie read-only: a reader
+        // that sees the flag then finds the reason (both under its lock).
+        let mut reason = self.read_only_reason.lock().expect("lock");
         if !self.read_only.load(Ordering::Relaxed) {
-            *reason = format!("no space left on the disk ({why})");
+            reason.clone_from(&why);
         }
         self.disk_full.store(true, Ordering::Relaxed);
         drop(reason);
@@ -256,11 +254,10 @@ impl BookieCore {
     }
 
     /// Whether the disk has room for the flusher's writes: at least
-    /// [`RECOVERY_ADDS_FREE_BYTES_MIN`] free at the last usage check, and no write that found
-    /// no space lately.
+    /// [`RECOVERY_ADDS_FREE_BYTES_MIN`] free at the last usage check (counted as none while a
+    /// write found no space lately).
     fn has_room(&self) -> bool {
         self.disk_free.load(Ordering::Relaxed) >= RECOVERY_ADDS_FREE_BYTES_MIN
-            && !self.no_space_lately()
     }
 
     fn set_read_only(&self, why: String) {
