@@ -134,6 +134,26 @@ impl Raw {
         }
     }
 
+    /// Opens producer `producer_id` on `topic`, sends one message (sequence id 0) and returns
+    /// its receipt's id.
+    pub fn produce_one(
+        &mut self,
+        topic: &str,
+        producer_id: u64,
+        request_id: u64,
+        payload: &[u8],
+    ) -> pb::MessageIdData {
+        self.send(&producer(topic, producer_id, request_id));
+        let f = self.expect();
+        assert!(f.command.producer_success.is_some(), "{:?}", f.command);
+        self.send_raw(&send_frame(producer_id, 0, payload));
+        self.expect()
+            .command
+            .send_receipt
+            .and_then(|r| r.message_id)
+            .expect("receipt")
+    }
+
     pub fn assert_closed(&mut self, why: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
@@ -176,6 +196,33 @@ pub fn subscribe(topic: &str, sub: &str, consumer_id: u64, request_id: u64) -> p
             consumer_id,
             request_id,
             initial_position: Some(pb::command_subscribe::InitialPosition::Earliest as i32),
+            ..Default::default()
+        })
+    })
+}
+
+/// FLOW: `permits` more messages for the consumer.
+pub fn flow(consumer_id: u64, permits: u32) -> pb::BaseCommand {
+    cmd(Type::Flow, |c| {
+        c.flow = Some(pb::CommandFlow {
+            consumer_id,
+            message_permits: permits,
+        })
+    })
+}
+
+/// An individual ACK of one message id, answered with an ACK_RESPONSE (`request_id`).
+pub fn ack(consumer_id: u64, request_id: u64, id: &pb::MessageIdData) -> pb::BaseCommand {
+    cmd(Type::Ack, |c| {
+        c.ack = Some(pb::CommandAck {
+            consumer_id,
+            ack_type: pb::command_ack::AckType::Individual as i32,
+            message_id: vec![pb::MessageIdData {
+                ledger_id: id.ledger_id,
+                entry_id: id.entry_id,
+                ..Default::default()
+            }],
+            request_id: Some(request_id),
             ..Default::default()
         })
     })

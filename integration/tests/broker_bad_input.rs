@@ -5,7 +5,9 @@
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, BytesMut};
-use meridian_integration::raw::{cmd, error_of, producer, send_frame, subscribe, Got, Raw};
+use meridian_integration::raw::{
+    ack, cmd, error_of, flow, producer, send_frame, subscribe, Got, Raw,
+};
 use meridian_integration::{step, StandaloneProc};
 use meridian_protocol::pb::{self, base_command::Type, ServerError};
 
@@ -283,21 +285,7 @@ fn acks_with_a_request_id_get_an_ack_response_and_errors_name_the_consumer() {
     let id = receipt.message_id.expect("position");
     c.send(&subscribe("acks", "s", 7, 2));
     assert!(c.expect().command.success.is_some());
-    let ack = |consumer_id: u64, request_id: u64| {
-        cmd(Type::Ack, |c| {
-            c.ack = Some(pb::CommandAck {
-                consumer_id,
-                ack_type: pb::command_ack::AckType::Individual as i32,
-                message_id: vec![pb::MessageIdData {
-                    ledger_id: id.ledger_id,
-                    entry_id: id.entry_id,
-                    ..Default::default()
-                }],
-                request_id: Some(request_id),
-                ..Default::default()
-            })
-        })
-    };
+    let ack = |consumer_id: u64, request_id: u64| ack(consumer_id, request_id, &id);
     c.send(&ack(7, 40));
     let r = c.expect().command.ack_response.expect("ACK_RESPONSE");
     assert_eq!((r.consumer_id, r.request_id), (7, Some(40)));
@@ -333,15 +321,6 @@ fn ack_of(
             }],
             request_id: Some(request_id),
             ..Default::default()
-        })
-    })
-}
-
-fn flow(consumer_id: u64, permits: u32) -> pb::BaseCommand {
-    cmd(Type::Flow, |c| {
-        c.flow = Some(pb::CommandFlow {
-            consumer_id,
-            message_permits: permits,
         })
     })
 }

@@ -50,15 +50,7 @@ async fn given_a_redelivery_read_fails_then_the_message_stays_pending_and_is_red
 
     step("a Shared consumer receives one message and does not acknowledge it");
     let mut c = Raw::connected(&broker.url);
-    c.send(&producer("redeliver-fault", 1, 1));
-    assert!(c.expect().command.producer_success.is_some());
-    c.send_raw(&send_frame(1, 0, b"keep me"));
-    let id = c
-        .expect()
-        .command
-        .send_receipt
-        .and_then(|r| r.message_id)
-        .expect("receipt");
+    let id = c.produce_one("redeliver-fault", 1, 1, b"keep me");
     let mut sub = subscribe("redeliver-fault", "s", 7, 2);
     if let Some(s) = sub.subscribe.as_mut() {
         s.sub_type = pb::command_subscribe::SubType::Shared as i32;

@@ -378,10 +378,9 @@ async fn given_two_brokers_then_topics_have_one_owner_lookups_redirect_and_a_kil
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn given_the_metadata_store_unreachable_then_the_broker_stops_serving_before_its_session_could_expire(
-) {
-    let mut cluster = MetaCluster::start(1).await.expect("metadata node");
+/// A metadata node, a bookie and a broker whose metadata session lasts 2 s.
+async fn one_of_each_with_a_2s_session() -> (MetaCluster, BookieProc, BrokerProc) {
+    let cluster = MetaCluster::start(1).await.expect("metadata node");
     let endpoint = cluster.endpoints()[0].clone();
     let root = cluster.root.path().to_path_buf();
     let mut bookie = BookieProc::new("bookie", &root, &endpoint);
@@ -389,10 +388,17 @@ async fn given_the_metadata_store_unreachable_then_the_broker_stops_serving_befo
     wait_for_bookies(&cluster.client(), 1, Duration::from_secs(20))
         .await
         .unwrap();
-    let ttl = Duration::from_millis(2000);
     let mut broker = BrokerProc::new("broker", &root, &endpoint);
     broker.env("MERIDIAN_BROKER_SESSION_TTL_MS", "2000");
     broker.start().unwrap();
+    (cluster, bookie, broker)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_the_metadata_store_unreachable_then_the_broker_stops_serving_before_its_session_could_expire(
+) {
+    let (mut cluster, _bookie, broker) = one_of_each_with_a_2s_session().await;
+    let ttl = Duration::from_millis(2000);
 
     step("a producer is served");
     let mut c = Raw::connected(&broker.url);
@@ -445,6 +451,99 @@ async fn given_the_metadata_store_unreachable_then_the_broker_stops_serving_befo
         );
         std::thread::sleep(Duration::from_millis(300));
         id += 1;
+    }
+}
+
+/// A chaos finding (seed 23): after a session loss the unload gave up closing a consumer
+/// whose subscription's state was held by a call to the unreachable store, and the consumer
+/// stayed on an instance nothing served, hearing nothing, until its connection dropped. Here
+/// the first acknowledgement of a new subscription (which starts its cursor ledger through
+/// the store) is what holds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_session_lost_while_an_acknowledgement_waits_for_the_store_then_the_consumer_is_still_closed_and_served_again(
+) {
+    use meridian_integration::raw::{ack, flow, subscribe, Got};
+    let (mut cluster, _bookie, broker) = one_of_each_with_a_2s_session().await;
+
+    step("a consumer of a new subscription receives a message");
+    let mut c = Raw::connected(&broker.url);
+    let id = c.produce_one("held-0", 1, 1, b"one");
+    c.send(&subscribe("held-0", "s", 7, 2));
+    assert!(c.expect().command.success.is_some());
+    c.send(&flow(7, 10));
+    let m = loop {
+        let f = c.expect();
+        if let Some(m) = f.command.message {
+            break m;
+        }
+    };
+    assert_eq!(m.message_id.entry_id, id.entry_id);
+
+    step("SIGSTOP the store, then the acknowledgement: it waits for the store while the session ends");
+    cluster.nodes[0].pause(true).unwrap();
+    let paused = Instant::now();
+    c.send(&ack(7, 3, &id));
+    // The store comes back well after the session ended and the broker's call to it gave
+    // up (client.request_timeout_ms, 5 s), then the consumer must have been told.
+    let stopped_for = Duration::from_secs(8);
+    let mut resumed = false;
+    let closed = loop {
+        if !resumed && paused.elapsed() >= stopped_for {
+            cluster.nodes[0].pause(false).unwrap();
+            resumed = true;
+        }
+        match c.recv(Duration::from_millis(200)) {
+            Got::Frame(f) if f.command.close_consumer.is_some() => break paused.elapsed(),
+            Got::Frame(_) | Got::Nothing => {}
+            Got::Closed => panic!("the connection closed instead"),
+        }
+        assert!(
+            paused.elapsed() < Duration::from_secs(40),
+            "no CLOSE_CONSUMER within 40 s of the store stopping (resumed after {stopped_for:?}):\n{}",
+            broker.log_text()
+        );
+    };
+    if !resumed {
+        cluster.nodes[0].pause(false).unwrap();
+    }
+    println!(
+        "consumer closed {} ms after the store stopped",
+        closed.as_millis()
+    );
+
+    step("the consumer subscribes again and is served");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut request = 10;
+    loop {
+        c.send(&subscribe("held-0", "s", 8, request));
+        let f = loop {
+            let f = c.expect();
+            if f.command.success.is_some() || f.command.error.is_some() {
+                break f;
+            }
+        };
+        if f.command.success.is_some() {
+            break;
+        }
+        let (code, msg) = error_of(&f);
+        assert!(
+            Instant::now() < deadline,
+            "not subscribed again within 30 s: {code:?} {msg}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+        request += 1;
+    }
+    c.send(&flow(8, 10));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match c.recv(Duration::from_secs(1)) {
+            Got::Frame(f) if f.command.message.is_some() => break,
+            Got::Closed => panic!("connection closed"),
+            _ => assert!(
+                Instant::now() < deadline,
+                "no message within 30 s of subscribing again"
+            ),
+        }
     }
 }
 
