@@ -245,26 +245,27 @@ impl Conn {
         });
         let c2 = Arc::clone(&conn);
         tokio::spawn(async move {
-            loop {
+            'read: loop {
                 loop {
                     match decode_frame(&mut buf, 64 << 20) {
                         Ok(Some(f)) => c2.route(f).await,
                         Ok(None) => break,
                         Err(e) => {
                             eprintln!("perf: bad frame from the broker: {e}");
-                            return;
+                            break 'read;
                         }
                     }
                 }
                 match rd.read_buf(&mut buf).await {
-                    Ok(0) | Err(_) => {
-                        c2.receipts.lock().expect("lock").clear();
-                        c2.messages.lock().expect("lock").clear();
-                        return;
-                    }
+                    Ok(0) | Err(_) => break,
                     Ok(_) => {}
                 }
             }
+            // The connection is over: whoever waits for a receipt, a message or a reply
+            // hears of it (their channels close).
+            c2.receipts.lock().expect("lock").clear();
+            c2.messages.lock().expect("lock").clear();
+            c2.requests.lock().expect("lock").clear();
         });
         Ok(conn)
     }
@@ -486,6 +487,8 @@ async fn run_producer(
                 }
                 window.add_permits(b.due.len());
             }
+            // The connection closed: no receipt will come, and the sender stops waiting.
+            window.close();
         })
     };
     let size = a.size.max(8);
@@ -570,7 +573,10 @@ async fn run_producer(
                     inflight.lock().expect("lock").push_back(inf);
                     conn.tx.send(f).await.context("connection closed")?;
                 }
-                window.acquire().await.expect("open")
+                match next_permit(&window, &stop).await? {
+                    Some(p) => p,
+                    None => break,
+                }
             }
         };
         permit.forget();
@@ -608,7 +614,10 @@ async fn run_producer(
     }
     // Wait for the outstanding receipts (bounded).
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !inflight.lock().expect("lock").is_empty() && Instant::now() < deadline {
+    while !inflight.lock().expect("lock").is_empty()
+        && !window.is_closed()
+        && Instant::now() < deadline
+    {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     receipts.abort();
@@ -821,6 +830,27 @@ fn summary(label: &str, c: &Counters, secs: f64, latency: Option<(&str, &Mutex<R
             "summary {label} {name} latency: {}",
             percentiles(&rec.lock().expect("lock").total)
         );
+    }
+}
+
+/// A permit of the send window once a receipt frees one; `None` once the run is to stop
+/// (`--seconds` over), an error once the connection closed (the
+/// receipts' task closes the window then).
+async fn next_permit<'a>(
+    window: &'a Semaphore,
+    stop: &AtomicBool,
+) -> anyhow::Result<Option<tokio::sync::SemaphorePermit<'a>>> {
+    loop {
+        tokio::select! {
+            p = window.acquire() => {
+                return p.map(Some).map_err(|_| anyhow::anyhow!("the connection to the broker closed with sends unanswered"));
+            }
+            _ = tokio::time::sleep(Duration::from_millis(50)) => {
+                if stop.load(Ordering::Relaxed) {
+                    return Ok(None);
+                }
+            }
+        }
     }
 }
 

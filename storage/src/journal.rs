@@ -1136,6 +1136,8 @@ fn run(
     let mut failed: Option<String> = None;
     // When starting the next file last failed for want of space.
     let mut roll_refused_at: Option<Instant> = None;
+    // When the present time without space to start the next file began (for its log lines).
+    let mut roll_refused_since: Option<Instant> = None;
     let mut batch = Batch::with_capacity(opts.batch_bytes_max.min(4 << 20) + 4096);
     let mut waiting: Vec<(Position, Done)> = Vec::new();
     let mut pending_op: Option<Op> = None;
@@ -1307,12 +1309,27 @@ fn run(
             };
             match &result {
                 // The disk is full: the current file stays; records that need the next one
-                // are refused until a roll succeeds (tried again after ROLL_RETRY).
-                Err(e) if is_no_space(e) => roll_refused_at = Some(Instant::now()),
+                // are refused until a roll succeeds (tried again after ROLL_RETRY). Said once
+                // when it starts and once when it ends, not at every try.
+                Err(e) if is_no_space(e) => {
+                    if roll_refused_since.is_none() {
+                        tracing::warn!(error = %e, "the next journal file cannot be started: no space on the disk; records that need it are refused until it can");
+                        roll_refused_since = Some(Instant::now());
+                    }
+                    roll_refused_at = Some(Instant::now());
+                }
                 Err(e) => {
                     failed.get_or_insert_with(|| e.to_string());
                 }
-                Ok(_) => roll_refused_at = None,
+                Ok(_) => {
+                    if let Some(since) = roll_refused_since.take() {
+                        tracing::info!(
+                            refused_ms = since.elapsed().as_millis() as u64,
+                            "the next journal file started after a time without space"
+                        );
+                    }
+                    roll_refused_at = None;
+                }
             }
             // After the callbacks of everything written before the roll.
             complete(Box::new(move || done(result)));
@@ -1327,8 +1344,11 @@ fn run(
 fn roll_after_flush(roll: &mut Option<RollDone>) {
     if roll.is_none() {
         *roll = Some(Box::new(|r| {
-            if let Err(e) = r {
-                tracing::error!(error = %e, "starting the next journal file failed");
+            match r {
+                // Logged by the journal's loop, once per time without space.
+                Err(e) if is_no_space(&e) => {}
+                Err(e) => tracing::error!(error = %e, "starting the next journal file failed"),
+                Ok(_) => {}
             }
         }));
     }
