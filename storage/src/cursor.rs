@@ -391,14 +391,49 @@ impl ManagedCursor {
     }
 
     /// Starts a new cursor ledger holding the current state, records it (CAS), and deletes the
-    /// previous one.
-    async fn start_cursor_ledger(
-        &mut self,
-        client: LedgerClient,
-        key: String,
+    /// previous one. Failed, the cursor stays durable with no ledger of its own (`d` as it
+    /// was): the next change or flush tries again, and fails as long as the cause lasts, so
+    /// that no acknowledgement is taken as persisted when it is not.
+    async fn start_cursor_ledger(&mut self, d: Durable) -> Result<(), CursorError> {
+        match self
+            .record_new_cursor_ledger(&d.client, &d.key, d.version)
+            .await
+        {
+            Ok((writer, version)) => {
+                if let Some(old) = d.previous {
+                    if let Err(e) = d.client.delete(old).await {
+                        tracing::warn!(cursor = %self.name, ledger = old, error = %e, "deleting the previous cursor ledger failed");
+                    }
+                }
+                self.durable = Some(Durable {
+                    version,
+                    writer: Some(writer),
+                    previous: None,
+                    snapshots: 1,
+                    ..d
+                });
+                Ok(())
+            }
+            Err(e) => {
+                self.durable = Some(Durable {
+                    writer: None,
+                    snapshots: 0,
+                    ..d
+                });
+                self.dirty = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// A new cursor ledger holding the current state, recorded under `key` if its version is
+    /// still `version`: the ledger's writer and the record's new version.
+    async fn record_new_cursor_ledger(
+        &self,
+        client: &LedgerClient,
+        key: &str,
         version: u64,
-        previous: Option<u64>,
-    ) -> Result<(), CursorError> {
+    ) -> Result<(LedgerWriter, u64), CursorError> {
         let mut props = self.ml.placement_properties();
         props.insert(
             "cursor".to_string(),
@@ -415,7 +450,7 @@ impl ManagedCursor {
         let put = client
             .metadata_client()
             .put_with(
-                &key,
+                key,
                 serde_json::to_vec(&info).expect("serializable"),
                 PutOptions {
                     expected_version: Some(version),
@@ -437,8 +472,8 @@ impl ManagedCursor {
             }
             put => put,
         };
-        let version = match put {
-            Ok(p) => p.version,
+        match put {
+            Ok(p) => Ok((writer, p.version)),
             Err(e) => {
                 let id = writer.id();
                 let _ = writer.close().await;
@@ -449,26 +484,12 @@ impl ManagedCursor {
                     // again. It holds a snapshot of the state and costs a ledger.
                     tracing::warn!(cursor = %self.name, ledger = id, error = %e, "whether the new cursor ledger was recorded is unknown; it is kept");
                 }
-                return Err(match e {
+                Err(match e {
                     ClientError::Conflict { .. } => CursorError::Fenced(self.name.clone()),
                     other => other.into(),
-                });
-            }
-        };
-        if let Some(old) = previous {
-            if let Err(e) = client.delete(old).await {
-                tracing::warn!(cursor = %self.name, ledger = old, error = %e, "deleting the previous cursor ledger failed");
+                })
             }
         }
-        self.durable = Some(Durable {
-            client,
-            key,
-            version,
-            writer: Some(writer),
-            previous: None,
-            snapshots: 1,
-        });
-        Ok(())
     }
 
     fn snapshot_bytes(&self) -> Bytes {
@@ -537,22 +558,31 @@ impl ManagedCursor {
         let Some(writer) = d.writer.as_ref() else {
             // The first change since the cursor was opened: start its ledger with this state.
             let d = self.durable.take().expect("durable");
-            return self
-                .start_cursor_ledger(d.client, d.key, d.version, d.previous)
-                .await;
+            return self.start_cursor_ledger(d).await;
         };
         match writer.add(bytes).await {
             Ok(_) => d.snapshots += 1,
-            Err(LedgerError::Fenced(_)) => return Err(CursorError::Fenced(self.name.clone())),
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                // Not persisted: the next change or flush tries again.
+                self.dirty = true;
+                return Err(match e {
+                    LedgerError::Fenced(_) => CursorError::Fenced(self.name.clone()),
+                    e => e.into(),
+                });
+            }
         }
         if d.snapshots >= self.snapshots_per_ledger {
             let mut d = self.durable.take().expect("durable");
             let writer = d.writer.take().expect("writer");
-            let old = writer.id();
-            writer.close().await?;
-            self.start_cursor_ledger(d.client, d.key, d.version, Some(old))
-                .await?;
+            // Replaced by the next ledger, which deletes it once recorded.
+            d.previous = Some(writer.id());
+            d.snapshots = 0;
+            if let Err(e) = writer.close().await {
+                self.durable = Some(d);
+                self.dirty = true;
+                return Err(e.into());
+            }
+            self.start_cursor_ledger(d).await?;
         }
         Ok(())
     }

@@ -909,26 +909,41 @@ mod cursors {
     use meridian_storage::managed_ledger::{ManagedLedger, ManagedLedgerOptions, Position};
     use std::sync::Arc;
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn given_the_reply_to_recording_a_new_cursor_ledger_is_lost_then_the_cursor_opens_again()
-    {
-        let (_tmp, store, mut bookies, client) = setup(1).await;
-        let ml = ManagedLedger::open(client.clone(), "acme/events/lost", Default::default())
+    /// A log `name` with three entries, and their positions.
+    async fn log_of_three(
+        client: &LedgerClient,
+        name: &str,
+    ) -> (Arc<ManagedLedger>, Vec<Position>) {
+        let ml = ManagedLedger::open(client.clone(), name, Default::default())
             .await
             .expect("open");
-        // The cursor under test, opened the same way each time.
-        let open_cursor = || {
-            ManagedCursor::open(
-                client.clone(),
-                Arc::clone(&ml),
-                "sub-a",
-                InitialPosition::Earliest,
-            )
-        };
         let mut pos = Vec::new();
         for i in 0..3u64 {
             pos.push(ml.append(payload(i)).await.expect("append"));
         }
+        (ml, pos)
+    }
+
+    /// The cursor under test, `sub-a` from the earliest entry, opened the same way each time.
+    async fn open_sub_a(
+        client: &LedgerClient,
+        ml: &Arc<ManagedLedger>,
+    ) -> Result<ManagedCursor, meridian_storage::cursor::CursorError> {
+        ManagedCursor::open(
+            client.clone(),
+            Arc::clone(ml),
+            "sub-a",
+            InitialPosition::Earliest,
+        )
+        .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_the_reply_to_recording_a_new_cursor_ledger_is_lost_then_the_cursor_opens_again()
+    {
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        let (ml, pos) = log_of_three(&client, "acme/events/lost").await;
+        let open_cursor = || open_sub_a(&client, &ml);
         let mut c = open_cursor().await.expect("cursor");
         step("the first ack starts the cursor's ledger; the store's reply to recording it is lost");
         meridian_storage::failpoint::arm("cursor:reply_lost:acme/events/lost/sub-a");
@@ -958,6 +973,38 @@ mod cursors {
         for b in &mut bookies {
             b.stop(&store.client).await;
         }
+        store.shutdown().await;
+    }
+
+    /// A cursor whose ledger could not be started (no bookie at its first change) was
+    /// silently no longer durable: every later acknowledgement was answered as persisted and
+    /// none was, until the topic was loaded again. Now the failure leaves it durable, and the
+    /// next change starts its ledger.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_cursor_ledger_that_could_not_be_started_then_the_next_ack_starts_it_and_is_durable(
+    ) {
+        let (tmp, store, mut bookies, client) = setup(1).await;
+        let (ml, pos) = log_of_three(&client, "acme/events/unstarted").await;
+        let open_cursor = || open_sub_a(&client, &ml);
+        let mut c = open_cursor().await.expect("cursor");
+        step("no bookie: the first ack cannot start the cursor's ledger, and says so");
+        bookies[0].stop(&store.client).await;
+        c.ack(pos[0])
+            .await
+            .expect_err("no bookie to start the ledger on");
+        assert!(
+            c.is_dirty(),
+            "the state not persisted is still to be persisted"
+        );
+        c.flush().await.expect_err("still no bookie");
+        step("a bookie again: the next ack starts the ledger; both acks are durable");
+        let mut again = start_bookie(&store.client, tmp.path().join("bookie-again"), None).await;
+        wait_for_bookies(&client, 1).await;
+        c.ack(pos[1]).await.expect("ack");
+        drop(c);
+        let c = open_cursor().await.expect("the cursor opens again");
+        assert_eq!(c.mark_delete(), Some(pos[1]));
+        again.stop(&store.client).await;
         store.shutdown().await;
     }
 
