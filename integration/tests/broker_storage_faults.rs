@@ -637,6 +637,20 @@ fn admin_in_background(broker: &BrokerProc, args: &[&str]) -> std::process::Chil
         .unwrap()
 }
 
+/// What `topics list public/default` prints.
+fn listed_topics(broker: &BrokerProc) -> String {
+    let (code, out, err) = meridian_integration::run_admin(&[
+        "--admin-url",
+        &broker.admin_url,
+        "topics",
+        "list",
+        "public/default",
+    ])
+    .unwrap();
+    assert_eq!(code, 0, "{err}");
+    out
+}
+
 fn full_name(topic: &str) -> String {
     format!("persistent://public/default/{topic}")
 }
@@ -732,15 +746,7 @@ async fn given_a_deletion_between_finding_a_topic_and_attaching_then_the_attach_
         };
         let delete = ["topics", "delete", "--force", &full_name(&topic)];
         refused_during(&broker, &delete, &mut c, &attach, what);
-        let (code, out, err) = meridian_integration::run_admin(&[
-            "--admin-url",
-            &broker.admin_url,
-            "topics",
-            "list",
-            "public/default",
-        ])
-        .unwrap();
-        assert_eq!(code, 0, "{err}");
+        let out = listed_topics(&broker);
         assert!(!out.contains(&topic), "{topic} is still listed: {out}");
         let cursors = meta
             .list_all(&format!(
@@ -751,6 +757,71 @@ async fn given_a_deletion_between_finding_a_topic_and_attaching_then_the_attach_
             .unwrap();
         assert!(cursors.is_empty(), "cursors of {topic} left: {cursors:?}");
     }
+}
+
+/// A deletion without `--force` checks that no producer or consumer is attached, then
+/// deletes. A consumer that attached after the check had its subscription deleted and was
+/// closed, as `--force` would have done; now, from the deletion's start no client attaches,
+/// one that did refuses it, and the topic stays with its message. The fail point makes the
+/// deletion wait 2 s after its check.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_consumer_attaching_after_a_deletion_without_force_checked_then_the_deletion_is_refused_and_the_topic_kept(
+) {
+    let (_cluster, _bookie, broker) =
+        one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "delete:pause_after_plan_2s")]).await;
+    let topic = "attach-after-the-check";
+
+    step("the topic has a message and no client");
+    let mut p = Raw::connected(&broker.url);
+    let id = p.produce_one(topic, 1, 1, b"m0");
+    p.send(&cmd(Type::CloseProducer, |c| {
+        c.close_producer = Some(pb::CommandCloseProducer {
+            producer_id: 1,
+            request_id: 2,
+        })
+    }));
+    wait_frame(&mut p, Duration::from_secs(10), |x| x.success.is_some());
+
+    step("the deletion (no --force) checks, and a consumer attaches while it waits");
+    let hits = pauses(&broker);
+    let mut call = admin_in_background(&broker, &["topics", "delete", &full_name(topic)]);
+    wait_for_pause(&broker, hits);
+    let mut c = Raw::connected(&broker.url);
+    c.send(&subscribe(topic, "s", 1, 1));
+    let f = wait_frame(&mut c, Duration::from_secs(20), |x| {
+        x.success.is_some() || x.error.is_some()
+    });
+    assert!(f.success.is_some(), "{f:?}");
+    assert!(
+        !call.wait().unwrap().success(),
+        "the deletion without --force went through with a consumer attached"
+    );
+    let out = listed_topics(&broker);
+    assert!(out.contains(topic), "{topic} is gone: {out}");
+
+    step("the consumer, let go by the refused deletion, subscribes again and gets the message");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut request = 10;
+    loop {
+        c.send(&subscribe(topic, "s", 2, request));
+        let f = wait_frame(&mut c, Duration::from_secs(20), |x| {
+            x.success.is_some() || x.error.is_some()
+        });
+        if f.success.is_some() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not subscribed again: {f:?}");
+        std::thread::sleep(Duration::from_millis(200));
+        request += 1;
+    }
+    c.send(&meridian_integration::raw::flow(2, 10));
+    let m = wait_frame(&mut c, Duration::from_secs(20), |x| x.message.is_some())
+        .message
+        .unwrap();
+    assert_eq!(
+        (m.message_id.ledger_id, m.message_id.entry_id),
+        (id.ledger_id, id.entry_id)
+    );
 }
 
 /// Waits for a PRODUCER's answer: success or an error.

@@ -387,11 +387,36 @@ impl Broker {
         if dry_run {
             return Ok(out);
         }
+        if crate::failpoint::hit("delete:pause_after_plan_2s") {
+            tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        }
         // Every partition is held (loads answer ServiceNotReady) until the whole topic is
         // gone: a client that comes back early must not re-create a deleted partition while
         // its partitioned topic still exists.
         let held = self.hold(parts.iter().map(ToString::to_string).collect());
         let r = async {
+            if !force {
+                // A client may have attached after its topic was checked: from here none
+                // attaches, and one that did refuses the deletion as at the check. The
+                // topics are let go then (their clients look them up again and load them
+                // anew), as nothing tells apart the ones that were refused meanwhile.
+                for t in &topics {
+                    t.refuse_new_clients();
+                }
+                for t in &topics {
+                    if let Err(e) = t.refuse_if_clients().await {
+                        for t in &topics {
+                            if let Some(other) =
+                                self.take_loaded(&t.name).filter(|o| !Arc::ptr_eq(o, t))
+                            {
+                                other.shut().await;
+                            }
+                            t.shut().await;
+                        }
+                        return Err(e);
+                    }
+                }
+            }
             for t in &topics {
                 // A topic loaded again since it was checked (its log fenced, then reloaded)
                 // stops serving before its log is deleted under it.

@@ -128,8 +128,37 @@ impl Topic {
     /// closed, and no producer or consumer attaches from now on; they are refused with
     /// ServiceNotReady and look the topic up again. The caller closes the consumers after.
     pub(super) fn stop_attaching(&self) {
-        self.detached.store(true, Ordering::Release);
+        self.refuse_new_clients();
         self.producers.close_all();
+    }
+
+    /// No producer or consumer attaches from now on (ServiceNotReady); those attached stay.
+    pub(super) fn refuse_new_clients(&self) {
+        self.detached.store(true, Ordering::Release);
+    }
+
+    /// Producers and consumers attached.
+    pub(super) async fn clients(&self) -> (usize, usize) {
+        let mut consumers = 0;
+        for s in self.subscriptions().await {
+            consumers += s.consumer_count().await;
+        }
+        (self.producer_count(), consumers)
+    }
+
+    /// NotAllowedError naming the clients attached, if any (a deletion without `--force`).
+    pub(super) async fn refuse_if_clients(&self) -> Result<(), BrokerError> {
+        let (producers, consumers) = self.clients().await;
+        if producers > 0 || consumers > 0 {
+            return Err(BrokerError::new(
+                ServerError::NotAllowedError,
+                format!(
+                    "{} has {producers} producers and {consumers} consumers connected; --force closes them",
+                    self.full_name
+                ),
+            ));
+        }
+        Ok(())
     }
 
     /// Stops serving the topic here: no client attaches any more, its producers are closed
@@ -562,19 +591,8 @@ impl Topic {
     /// What deleting the topic removes: the topic, its subscriptions, its ledgers. Refused
     /// while producers or consumers are connected, unless `force` (they are closed then).
     pub(super) async fn deletion_plan(&self, force: bool) -> Result<Vec<String>, BrokerError> {
-        let producers = self.producer_count();
-        let mut consumers = 0;
-        for s in self.subscriptions().await {
-            consumers += s.consumer_count().await;
-        }
-        if (producers > 0 || consumers > 0) && !force {
-            return Err(BrokerError::new(
-                ServerError::NotAllowedError,
-                format!(
-                    "{} has {producers} producers and {consumers} consumers connected; --force closes them",
-                    self.full_name
-                ),
-            ));
+        if !force {
+            self.refuse_if_clients().await?;
         }
         let mut out = vec![format!("topic {}", self.full_name)];
         for s in self.durable_subscriptions().await? {
