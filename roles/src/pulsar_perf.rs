@@ -621,6 +621,19 @@ async fn run_producer(
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     receipts.abort();
+    // Sends never answered (the connection closed, or nothing answered in time) are errors.
+    let unanswered: usize = inflight
+        .lock()
+        .expect("lock")
+        .iter()
+        .map(|b| b.due.len())
+        .sum();
+    if unanswered > 0 {
+        counters
+            .errors
+            .fetch_add(unanswered as u64, Ordering::Relaxed);
+        bail!("{unanswered} sends on {topic} got no receipt");
+    }
     Ok(())
 }
 
@@ -676,10 +689,10 @@ async fn run_consumer(
     let mut since_flow = 0u32;
     let mut to_ack: Vec<pb::MessageIdData> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
-        let Ok(Some((id, entry))) =
-            tokio::time::timeout(Duration::from_millis(200), mrx.recv()).await
-        else {
-            continue;
+        let (id, entry) = match tokio::time::timeout(Duration::from_millis(200), mrx.recv()).await {
+            Ok(Some(m)) => m,
+            Ok(None) => bail!("the connection to the broker closed"),
+            Err(_) => continue,
         };
         let meta = entry.metadata().ok();
         let count = meta
@@ -893,11 +906,17 @@ fn spawn_producers(
     out
 }
 
+/// Waits for every task (one that failed does not end the others' run), then answers the
+/// first failure.
 async fn join_all(tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>) -> anyhow::Result<()> {
+    let mut first = None;
     for t in tasks {
-        t.await.context("task panicked")??;
+        let r = t.await.context("task panicked").and_then(|r| r);
+        if let Err(e) = r {
+            first.get_or_insert(e);
+        }
     }
-    Ok(())
+    first.map_or(Ok(()), Err)
 }
 
 /// VmRSS of a process, KiB.
