@@ -270,3 +270,57 @@ fn given_three_sites_and_one_down_then_the_subscription_moves_between_the_other_
         assert!(err.contains("NotFound") && err.contains("nope"), "{err}");
     }
 }
+
+/// A consumer of a replicated subscription waited for the topic's replicated-subscriptions
+/// lock, which applying another site's state holds while it reads the entries that state
+/// covers (up to 200,000, from the bookies after a reload): a fault schedule saw SUBSCRIBE
+/// unanswered for over 20 s. The fail point makes every such read pause 5 s first.
+#[test]
+fn given_another_sites_state_being_applied_then_a_consumer_of_the_replicated_subscription_attaches_at_once(
+) {
+    use meridian_integration::raw::{subscribe, Got, Raw};
+    let (root, procs, _) = mesh_with(
+        &["east", "west"],
+        &[("MERIDIAN_TEST_FAILPOINTS", "repl:slow_scan_5s")],
+        false,
+    );
+    let (east, west) = (&procs[0], &procs[1]);
+    let dir = root.path().to_path_buf();
+    let t = "persistent://acme/g/applying";
+
+    step("east produces 200 messages; at west a replicated subscription acknowledges 100");
+    produce(&dir, &east.url, t, 200, 0);
+    wait_count(&dir, &west.url, t, 200);
+    let hits = |s: &StandaloneProc| s.log_text().matches("fail point hit").count();
+    let before = hits(east);
+    ack_at(&dir, &west.url, t, "s1", 200, 100, 0);
+
+    step("east applies west's state (paused in its read); a consumer of s1 subscribes there");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while hits(east) <= before {
+        assert!(Instant::now() < deadline, "east applied no state of west's");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut c = Raw::connected(&east.url);
+    let mut sub = subscribe(t, "s1", 1, 1);
+    if let Some(s) = sub.subscribe.as_mut() {
+        s.replicate_subscription_state = Some(true);
+    }
+    let asked = Instant::now();
+    c.send(&sub);
+    let answer = loop {
+        match c.recv(Duration::from_secs(20)) {
+            Got::Frame(f) if f.command.success.is_some() || f.command.error.is_some() => break f,
+            Got::Frame(_) => continue,
+            Got::Closed => panic!("connection closed"),
+            Got::Nothing => panic!("no answer to SUBSCRIBE within 20 s"),
+        }
+    };
+    let took = asked.elapsed();
+    println!("SUBSCRIBE answered in {} ms", took.as_millis());
+    assert!(answer.command.success.is_some(), "{:?}", answer.command);
+    assert!(
+        took < Duration::from_secs(3),
+        "SUBSCRIBE waited {took:?} for the state being applied"
+    );
+}

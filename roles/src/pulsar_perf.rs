@@ -1176,7 +1176,7 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
     stop.store(true, Ordering::Relaxed);
     let _ = timer.await;
     let _ = reporter.await;
-    let _ = join_all(tasks).await;
+    let consumers = join_all(tasks).await;
     summary("produce", &produced, secs, Some(("publish", &publish)));
     summary(
         "consume",
@@ -1188,5 +1188,5 @@ pub async fn e2e(a: E2eArgs) -> anyhow::Result<()> {
     print_broker_memory(&p.common, "at the end");
     print_stages(&p.common, stages).await;
     print_broker_stats(&p.common).await;
-    r
+    r.and(consumers)
 }

@@ -210,8 +210,12 @@ struct Durable {
     version: u64,
     /// Started by the first change after the cursor was opened.
     writer: Option<LedgerWriter>,
-    /// The ledger recorded before this owner; deleted once the new one is recorded.
+    /// The ledger recorded before this one (the previous owner's, or one this owner gave
+    /// up: rolled, or failed); deleted once the next one is recorded.
     previous: Option<u64>,
+    /// A ledger whose recording has an unknown outcome (the store's reply was lost): the
+    /// next start reads the record first to learn whether it names it.
+    unsure: Option<u64>,
     snapshots: u64,
 }
 
@@ -360,6 +364,7 @@ impl ManagedCursor {
             version,
             writer: None,
             previous,
+            unsure: None,
             snapshots: 0,
         });
         Ok(c)
@@ -391,57 +396,103 @@ impl ManagedCursor {
     }
 
     /// Starts a new cursor ledger holding the current state, records it (CAS), and deletes the
-    /// previous one. Failed, the cursor stays durable with no ledger of its own (`d` as it
-    /// was): the next change or flush tries again, and fails as long as the cause lasts, so
-    /// that no acknowledgement is taken as persisted when it is not.
-    async fn start_cursor_ledger(&mut self, d: Durable) -> Result<(), CursorError> {
-        match self
-            .record_new_cursor_ledger(&d.client, &d.key, d.version)
-            .await
-        {
+    /// previous one. Failed, the cursor stays durable with no ledger of its own and dirty:
+    /// the next change or flush tries again (a cancelled start leaves it so too).
+    async fn start_cursor_ledger(&mut self) -> Result<(), CursorError> {
+        let r = match self.resolve_unsure().await {
+            Ok(()) => {
+                let d = self.durable.as_ref().expect("durable");
+                self.record_new_cursor_ledger(&d.client, &d.key, d.version)
+                    .await
+            }
+            Err(e) => Err((e, None)),
+        };
+        let name = self.name.clone();
+        let d = self.durable.as_mut().expect("durable");
+        match r {
             Ok((writer, version)) => {
-                if let Some(old) = d.previous {
+                d.version = version;
+                d.writer = Some(writer);
+                d.snapshots = 1;
+                if let Some(old) = d.previous.take() {
                     if let Err(e) = d.client.delete(old).await {
-                        tracing::warn!(cursor = %self.name, ledger = old, error = %e, "deleting the previous cursor ledger failed");
+                        tracing::warn!(cursor = %name, ledger = old, error = %e, "deleting the previous cursor ledger failed");
                     }
                 }
-                self.durable = Some(Durable {
-                    version,
-                    writer: Some(writer),
-                    previous: None,
-                    snapshots: 1,
-                    ..d
-                });
                 Ok(())
             }
-            Err(e) => {
-                self.durable = Some(Durable {
-                    writer: None,
-                    snapshots: 0,
-                    ..d
-                });
+            Err((e, unsure)) => {
+                if unsure.is_some() {
+                    d.unsure = unsure;
+                }
                 self.dirty = true;
                 Err(e)
             }
         }
     }
 
+    /// After a recording whose outcome was unknown: whether the record names that ledger
+    /// (it then replaced `previous`, which is deleted), or still has the version it had (the
+    /// ledger is unused and deleted); otherwise another owner changed it (Fenced).
+    async fn resolve_unsure(&mut self) -> Result<(), CursorError> {
+        let name = self.name.clone();
+        let Some(d) = self.durable.as_mut() else {
+            return Ok(());
+        };
+        let Some(id) = d.unsure else {
+            return Ok(());
+        };
+        let kv = d.client.metadata_client().get(&d.key).await?;
+        let named = kv.as_ref().and_then(|kv| {
+            serde_json::from_slice::<CursorInfo>(&kv.value)
+                .ok()
+                .and_then(|i| i.cursor_ledger)
+        });
+        match kv {
+            Some(kv) if named == Some(id) => {
+                if let Some(old) = d.previous.replace(id) {
+                    if let Err(e) = d.client.delete(old).await {
+                        tracing::warn!(cursor = %name, ledger = old, error = %e, "deleting the previous cursor ledger failed");
+                    }
+                }
+                d.version = kv.mod_revision;
+            }
+            Some(kv) if kv.mod_revision == d.version => {
+                if let Err(e) = d.client.delete(id).await {
+                    tracing::warn!(cursor = %name, ledger = id, error = %e, "deleting an unrecorded cursor ledger failed");
+                }
+            }
+            _ => return Err(CursorError::Fenced(name)),
+        }
+        d.unsure = None;
+        Ok(())
+    }
+
     /// A new cursor ledger holding the current state, recorded under `key` if its version is
-    /// still `version`: the ledger's writer and the record's new version.
+    /// still `version`: the ledger's writer and the record's new version. Failed: the error,
+    /// and the ledger if whether it was recorded is unknown.
     async fn record_new_cursor_ledger(
         &self,
         client: &LedgerClient,
         key: &str,
         version: u64,
-    ) -> Result<(LedgerWriter, u64), CursorError> {
+    ) -> Result<(LedgerWriter, u64), (CursorError, Option<u64>)> {
         let mut props = self.ml.placement_properties();
         props.insert(
             "cursor".to_string(),
             format!("{}/{}", self.ml.name(), self.name),
         );
         let (e, qw, qa) = self.ml.quorums();
-        let writer = client.create(e, qw, qa, props).await?;
-        writer.add(self.snapshot_bytes()).await?;
+        let writer = client
+            .create(e, qw, qa, props)
+            .await
+            .map_err(|e| (e.into(), None))?;
+        if let Err(e) = writer.add(self.snapshot_bytes()).await {
+            let id = writer.id();
+            drop(writer);
+            let _ = client.delete(id).await;
+            return Err((e.into(), None));
+        }
         let info = CursorInfo {
             cursor_ledger: Some(writer.id()),
             mark_delete: self.mark_delete,
@@ -477,17 +528,22 @@ impl ManagedCursor {
             Err(e) => {
                 let id = writer.id();
                 let _ = writer.close().await;
-                if e.write_not_applied() {
+                let unsure = if e.write_not_applied() {
                     let _ = client.delete(id).await;
+                    None
                 } else {
                     // The record may name it now: deleted, the cursor could not be opened
-                    // again. It holds a snapshot of the state and costs a ledger.
+                    // again. It holds a snapshot of the state; the next start finds out.
                     tracing::warn!(cursor = %self.name, ledger = id, error = %e, "whether the new cursor ledger was recorded is unknown; it is kept");
-                }
-                Err(match e {
-                    ClientError::Conflict { .. } => CursorError::Fenced(self.name.clone()),
-                    other => other.into(),
-                })
+                    Some(id)
+                };
+                Err((
+                    match e {
+                        ClientError::Conflict { .. } => CursorError::Fenced(self.name.clone()),
+                        other => other.into(),
+                    },
+                    unsure,
+                ))
             }
         }
     }
@@ -556,33 +612,38 @@ impl ManagedCursor {
             return Ok(());
         };
         let Some(writer) = d.writer.as_ref() else {
-            // The first change since the cursor was opened: start its ledger with this state.
-            let d = self.durable.take().expect("durable");
-            return self.start_cursor_ledger(d).await;
+            // The first change since the cursor was opened (or since its ledger was given
+            // up): start a ledger with this state.
+            return self.start_cursor_ledger().await;
         };
         match writer.add(bytes).await {
             Ok(_) => d.snapshots += 1,
-            Err(e) => {
-                // Not persisted: the next change or flush tries again.
+            Err(LedgerError::Fenced(_)) => {
                 self.dirty = true;
-                return Err(match e {
-                    LedgerError::Fenced(_) => CursorError::Fenced(self.name.clone()),
-                    e => e.into(),
-                });
+                return Err(CursorError::Fenced(self.name.clone()));
             }
-        }
-        if d.snapshots >= self.snapshots_per_ledger {
-            let mut d = self.durable.take().expect("durable");
-            let writer = d.writer.take().expect("writer");
-            // Replaced by the next ledger, which deletes it once recorded.
-            d.previous = Some(writer.id());
-            d.snapshots = 0;
-            if let Err(e) = writer.close().await {
-                self.durable = Some(d);
+            Err(e) => {
+                // A writer that failed takes no more adds: the next change or flush starts a
+                // new ledger, which replaces this one once recorded.
+                let failed = d.writer.take().expect("writer");
+                d.previous = Some(failed.id());
+                d.snapshots = 0;
                 self.dirty = true;
                 return Err(e.into());
             }
-            self.start_cursor_ledger(d).await?;
+        }
+        if d.snapshots >= self.snapshots_per_ledger {
+            // Replaced by the next ledger, which deletes it once recorded. The state is
+            // persisted already: a failure here only leaves the next change to start it.
+            let writer = d.writer.take().expect("writer");
+            d.previous = Some(writer.id());
+            d.snapshots = 0;
+            if let Err(e) = writer.close().await {
+                tracing::warn!(cursor = %self.name, error = %e, "closing a full cursor ledger failed");
+            }
+            if let Err(e) = self.start_cursor_ledger().await {
+                tracing::warn!(cursor = %self.name, error = %e, "starting the next cursor ledger failed; the next change tries again");
+            }
         }
         Ok(())
     }
@@ -824,17 +885,16 @@ impl ManagedCursor {
 
     /// Deletes the cursor: its record in the metadata store and its cursor ledger.
     pub async fn delete(&mut self) -> Result<(), CursorError> {
-        let Some(d) = self.durable.take() else {
+        self.resolve_unsure().await?;
+        let Some(d) = self.durable.as_mut() else {
             return Ok(());
         };
-        let id = match d.writer {
-            Some(w) => {
-                let id = w.id();
-                let _ = w.close().await;
-                Some(id)
-            }
-            None => d.previous,
-        };
+        if let Some(w) = d.writer.take() {
+            // Its ledger is the recorded one from here (a failed deletion leaves the cursor
+            // durable, to start a new ledger or be deleted again).
+            d.previous = Some(w.id());
+            let _ = w.close().await;
+        }
         match d
             .client
             .metadata_client()
@@ -847,7 +907,8 @@ impl ManagedCursor {
             }
             Err(e) => return Err(e.into()),
         }
-        if let Some(id) = id {
+        let d = self.durable.take().expect("durable");
+        if let Some(id) = d.previous {
             if let Err(e) = d.client.delete(id).await {
                 tracing::warn!(cursor = %self.name, ledger = id, error = %e, "deleting the cursor ledger failed");
             }

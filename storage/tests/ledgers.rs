@@ -963,13 +963,22 @@ mod cursors {
             client.metadata(named).await.is_ok(),
             "cursor ledger {named}, named by the record, was kept"
         );
-        step("the cursor opens again, with the state the kept ledger holds, and goes on");
+        step(
+            "the same cursor goes on: its next ack finds the kept ledger recorded, and replaces it",
+        );
+        c.ack(pos[1]).await.expect("ack after the lost reply");
+        assert!(
+            client.metadata(named).await.is_err(),
+            "the kept ledger {named} was replaced and deleted"
+        );
+        step("the cursor opens again with that state, and goes on");
         drop(c);
         let mut c = open_cursor().await.expect("the cursor opens again");
-        c.ack(pos[1]).await.expect("ack");
+        assert_eq!(c.mark_delete(), Some(pos[1]));
+        c.ack(pos[2]).await.expect("ack");
         drop(c);
         let c = open_cursor().await.expect("and again");
-        assert_eq!(c.mark_delete(), Some(pos[1]));
+        assert_eq!(c.mark_delete(), Some(pos[2]));
         for b in &mut bookies {
             b.stop(&store.client).await;
         }
@@ -997,14 +1006,20 @@ mod cursors {
             "the state not persisted is still to be persisted"
         );
         c.flush().await.expect_err("still no bookie");
-        step("a bookie again: the next ack starts the ledger; both acks are durable");
+        step("a bookie again: the next ack starts the ledger");
         let mut again = start_bookie(&store.client, tmp.path().join("bookie-again"), None).await;
         wait_for_bookies(&client, 1).await;
         c.ack(pos[1]).await.expect("ack");
+        step("its bookie goes: an ack fails to be added; with a bookie again, a flush starts a new ledger");
+        again.stop(&store.client).await;
+        c.ack(pos[2]).await.expect_err("no bookie to add to");
+        let mut third = start_bookie(&store.client, tmp.path().join("bookie-third"), None).await;
+        wait_for_bookies(&client, 1).await;
+        c.flush().await.expect("flush");
         drop(c);
         let c = open_cursor().await.expect("the cursor opens again");
-        assert_eq!(c.mark_delete(), Some(pos[1]));
-        again.stop(&store.client).await;
+        assert_eq!(c.mark_delete(), Some(pos[2]));
+        third.stop(&store.client).await;
         store.shutdown().await;
     }
 

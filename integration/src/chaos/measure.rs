@@ -108,7 +108,12 @@ pub fn measure(
         // Cut short: still within the bound when the next fault began, and not back by then.
         if window_ms < bound && p.max(c) > window_ms {
             *r.cut_short.entry(kind).or_default() += 1;
-            carried_until = carried_until.max(d.healed + bound / 1000.0);
+            // Carried only while still owed when the next fault heals (back during it:
+            // nothing is owed any more).
+            let next_healed = r.done.get(k + 1).map_or(ended, |n| n.healed);
+            if d.healed + p.max(c) / 1000.0 > next_healed {
+                carried_until = carried_until.max(d.healed + bound / 1000.0);
+            }
             continue;
         }
         // Back (or a violation, reported): nothing earlier is owed any more.
@@ -312,6 +317,20 @@ mod tests {
             ],
             &[80.0, 113.0, 180.0],
             &[80.0, 113.0, 151.5],
+        );
+        assert_eq!(r.violations.len(), 1, "{:?}", r.violations);
+        assert!(r.violations[0].contains("the bound for kill bookie"));
+    }
+
+    #[test]
+    fn given_a_cut_short_recovery_that_came_back_during_the_next_fault_then_nothing_is_carried() {
+        // The site is back at 100 s; a bookie is killed at 105 s and back at 120 s; produce
+        // worked again at 110 s (during the kill), then stopped: 40 s after the kill healed
+        // is past the kill's own 15 s, and nothing of the site's bound is owed.
+        let r = run(
+            vec![site_cut(90.0, 100.0), done(105.0, 120.0)],
+            &[80.0, 110.0, 160.0],
+            &[80.0, 110.0, 121.0],
         );
         assert_eq!(r.violations.len(), 1, "{:?}", r.violations);
         assert!(r.violations[0].contains("the bound for kill bookie"));

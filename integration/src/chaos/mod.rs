@@ -134,7 +134,10 @@ impl std::fmt::Display for Report {
         for (k, n) in &kinds {
             let cut = self.cut_short.get(k).copied().unwrap_or(0);
             let carried = match self.carried.get(k) {
-                Some(m) => format!("; {m} past it but within an earlier fault's bound"),
+                Some(m) => format!(
+                    "; {m} past the bound of {} ms but within an earlier fault's",
+                    measure::bound_ms(k)
+                ),
                 None => String::new(),
             };
             match self.recovery_ms.get(k) {
@@ -145,7 +148,7 @@ impl std::fmt::Display for Report {
                 )?,
                 None => writeln!(
                     f,
-                    "  {k}: {n}, {cut} recoveries cut short by the next fault or the run's end{carried}"
+                    "  {k}: {n}, cut short by the next fault or the run's end: {cut}{carried}"
                 )?,
             }
         }

@@ -1403,6 +1403,16 @@ impl Subscription {
         self.state.lock().await.consumers.len()
     }
 
+    /// Acknowledges an entry the dispatcher skips (a marker, unreadable, or removed by a
+    /// compaction). Its acknowledgement is applied whatever persisting it does: a failure
+    /// leaves the cursor dirty for the next change or flush, and the round goes on (the
+    /// entries after it were read already).
+    async fn ack_skipped(&self, st: &mut State, pos: Position) {
+        if let Err(e) = st.cursor.ack(pos).await {
+            tracing::warn!(subscription = %self.name, position = %pos, error = %e, "persisting the acknowledgement of a skipped entry failed; it is persisted with the next change");
+        }
+    }
+
     /// Stops the dispatcher and persists the cursor.
     pub async fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
@@ -1568,7 +1578,7 @@ impl Subscription {
                         st.redelivery_counts.remove(&p);
                         st.masks.remove(&p);
                         if self.durable {
-                            st.cursor.ack(p).await?;
+                            self.ack_skipped(&mut st, p).await;
                         }
                     }
                     Err(_) => {}
@@ -1638,14 +1648,14 @@ impl Subscription {
                 Ok(e) => e,
                 Err(e) => {
                     tracing::error!(topic = %self.topic.full_name(), position = %pos, error = %e, "unreadable entry skipped");
-                    st.cursor.ack(pos).await?;
+                    self.ack_skipped(&mut st, pos).await;
                     continue;
                 }
             };
             let meta = entry.metadata().ok();
             if meta.as_ref().is_some_and(|m| m.marker_type.is_some()) {
                 // Broker-internal markers are never dispatched; they count as acknowledged.
-                st.cursor.ack(pos).await?;
+                self.ack_skipped(&mut st, pos).await;
                 continue;
             }
             if let Some(at) = meta

@@ -154,6 +154,21 @@ type Outgoing = (Vec<SubDoc>, Vec<(String, u64, u64)>);
 pub struct ReplSubs {
     state: tokio::sync::Mutex<State>,
     running: AtomicBool,
+    /// The names in `state.subs`, as of the last change (made under `state`'s lock): a
+    /// consumer of a subscription already replicated attaches without waiting for that lock,
+    /// which applying another site's state holds while it reads the entries the state covers.
+    known: std::sync::Mutex<std::collections::BTreeSet<String>>,
+}
+
+impl ReplSubs {
+    /// `known` follows `st.subs` (called under the state's lock after each change).
+    fn note(&self, st: &State) {
+        *self.known.lock().expect("known lock") = st.subs.keys().cloned().collect();
+    }
+
+    fn is_known(&self, sub: &str) -> bool {
+        self.known.lock().expect("known lock").contains(sub)
+    }
 }
 
 #[derive(Default)]
@@ -285,6 +300,11 @@ impl Topic {
     /// Makes `sub` a replicated subscription (recorded; its acknowledgements go to the
     /// topic's other sites from now on).
     pub async fn enable_replicated(self: &Arc<Self>, sub: &str) -> Result<(), BrokerError> {
+        if self.repl_subs.is_known(sub) {
+            // Replicated already (its record written): nothing to wait for.
+            self.ensure_sub_sync();
+            return Ok(());
+        }
         let mut st = self.repl_subs.state.lock().await;
         // Under the lock a deletion takes to drop the records (after the topic stopped
         // taking clients): no record is written for a topic being deleted or unloaded.
@@ -296,6 +316,7 @@ impl Topic {
             tracing::info!(topic = %self.full_name, subscription = sub, "the subscription is replicated");
             st.disabled.remove(sub);
             st.subs.insert(sub.to_string(), r);
+            self.repl_subs.note(&st);
         }
         drop(st);
         self.ensure_sub_sync();
@@ -316,6 +337,7 @@ impl Topic {
             tracing::warn!(topic = %self.full_name, subscription = sub, error = %e, "reading the replicated subscriptions failed");
         }
         if st.subs.remove(sub).is_some() {
+            self.repl_subs.note(&st);
             self.disable_record(&mut st, sub).await;
         }
     }
@@ -339,6 +361,7 @@ impl Topic {
         let mut st = self.repl_subs.state.lock().await;
         st.subs.clear();
         st.disabled.clear();
+        self.repl_subs.note(&st);
         let prefix = format!("{REPL_SUBS_PREFIX}{}/", self.ml.name());
         loop {
             let page = self.meta.children(&prefix, "", 0).await?;
@@ -382,6 +405,7 @@ impl Topic {
             }
         }
         st.loaded = true;
+        self.repl_subs.note(st);
         Ok(())
     }
 
@@ -545,6 +569,9 @@ impl Topic {
         r: &mut SubRepl,
         from: Option<Position>,
     ) -> Result<Covered, BrokerError> {
+        if crate::failpoint::hit("repl:slow_scan_5s") {
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        }
         let own = self.cfg.cluster_name.clone();
         let (md, _, _) = sub.ack_state().await;
         self.advance_track(r, md).await?;
@@ -962,6 +989,7 @@ impl Topic {
                     Ok(None) => {
                         // Deleted without this broker seeing it (by another owner).
                         st.subs.remove(&name);
+                        self.repl_subs.note(&st);
                         self.disable_record(&mut st, &name).await;
                         continue;
                     }
