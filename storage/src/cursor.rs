@@ -216,6 +216,9 @@ struct Durable {
     /// A ledger whose recording has an unknown outcome (the store's reply was lost): the
     /// next start reads the record first to learn whether it names it.
     unsure: Option<u64>,
+    /// Ledgers found not recorded after such an outcome: a put still on its way could name
+    /// one yet, so they are deleted only once a later recording has changed the version.
+    unrecorded: Vec<u64>,
     snapshots: u64,
 }
 
@@ -365,6 +368,7 @@ impl ManagedCursor {
             writer: None,
             previous,
             unsure: None,
+            unrecorded: Vec::new(),
             snapshots: 0,
         });
         Ok(c)
@@ -414,7 +418,14 @@ impl ManagedCursor {
                 d.version = version;
                 d.writer = Some(writer);
                 d.snapshots = 1;
-                if let Some(old) = d.previous.take() {
+                // The version moved: no put still on its way can name these any more.
+                let old: Vec<u64> = d
+                    .previous
+                    .take()
+                    .into_iter()
+                    .chain(std::mem::take(&mut d.unrecorded))
+                    .collect();
+                for old in old {
                     if let Err(e) = d.client.delete(old).await {
                         tracing::warn!(cursor = %name, ledger = old, error = %e, "deleting the previous cursor ledger failed");
                     }
@@ -448,23 +459,25 @@ impl ManagedCursor {
                 .ok()
                 .and_then(|i| i.cursor_ledger)
         });
+        // The cursor's fields change before any await: cancelled at the deletion, it is left
+        // consistent (the deletion is tried again or the ledger left).
         match kv {
             Some(kv) if named == Some(id) => {
-                if let Some(old) = d.previous.replace(id) {
+                let old = d.previous.replace(id);
+                d.version = kv.mod_revision;
+                d.unsure = None;
+                if let Some(old) = old {
                     if let Err(e) = d.client.delete(old).await {
                         tracing::warn!(cursor = %name, ledger = old, error = %e, "deleting the previous cursor ledger failed");
                     }
                 }
-                d.version = kv.mod_revision;
             }
             Some(kv) if kv.mod_revision == d.version => {
-                if let Err(e) = d.client.delete(id).await {
-                    tracing::warn!(cursor = %name, ledger = id, error = %e, "deleting an unrecorded cursor ledger failed");
-                }
+                d.unrecorded.push(id);
+                d.unsure = None;
             }
             _ => return Err(CursorError::Fenced(name)),
         }
-        d.unsure = None;
         Ok(())
     }
 
@@ -908,7 +921,8 @@ impl ManagedCursor {
             Err(e) => return Err(e.into()),
         }
         let d = self.durable.take().expect("durable");
-        if let Some(id) = d.previous {
+        // With the record gone no put still on its way can name the unrecorded ones.
+        for id in d.previous.into_iter().chain(d.unrecorded) {
             if let Err(e) = d.client.delete(id).await {
                 tracing::warn!(cursor = %self.name, ledger = id, error = %e, "deleting the cursor ledger failed");
             }

@@ -113,6 +113,8 @@ pub fn measure(
             let next_healed = r.done.get(k + 1).map_or(ended, |n| n.healed);
             if d.healed + p.max(c) / 1000.0 > next_healed {
                 carried_until = carried_until.max(d.healed + bound / 1000.0);
+            } else {
+                carried_until = f64::NEG_INFINITY;
             }
             continue;
         }

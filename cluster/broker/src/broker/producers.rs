@@ -134,7 +134,8 @@ struct Inner {
     exclusive: Option<String>,
     epoch: u64,
     waiting: VecDeque<(Arc<ProducerHandle>, oneshot::Sender<u64>)>,
-    /// The topic stopped serving here (unloaded): no producer attaches any more.
+    /// The topic stopped serving here (unloaded, or being deleted): no producer attaches any
+    /// more (those attached stay until [`Producers::close_all`]).
     closed: bool,
 }
 
@@ -334,6 +335,12 @@ impl Producers {
     /// Closes every producer, those in line too, and refuses new ones (the topic is
     /// unloaded): a producer that came in after [`fence_all`](Self::fence_all) would be
     /// left on an instance of the topic nothing serves any more.
+    /// No producer attaches from now on; those attached stay (a deletion without `--force`
+    /// counts them next, under the same lock as `add`, so none slips in between).
+    pub fn refuse_new(&self) {
+        self.lock().closed = true;
+    }
+
     pub fn close_all(&self) {
         let mut g = self.lock();
         g.closed = true;
@@ -490,6 +497,27 @@ mod tests {
         drop(r1);
         assert!(p.remove(&x).is_some());
         assert!(r2.try_recv().is_ok());
+        assert_eq!(p.count(), 1);
+    }
+
+    #[test]
+    fn given_new_producers_refused_then_those_attached_stay_and_a_fencing_one_fences_nobody() {
+        let p = Producers::default();
+        let a = ready(p.add("a".into(), AccessMode::Shared, None, sink(1).0, "t", 0)).0;
+        p.refuse_new();
+        let refused = p.add(
+            "f".into(),
+            AccessMode::ExclusiveWithFencing,
+            None,
+            sink(2).0,
+            "t",
+            0,
+        );
+        assert_eq!(code(refused), ServerError::ServiceNotReady);
+        assert!(
+            !a.is_fenced(),
+            "the attached producer was fenced by a refused one"
+        );
         assert_eq!(p.count(), 1);
     }
 

@@ -117,14 +117,6 @@ impl Topic {
             &self.full_name,
             self.policies().max_producers_per_topic.unwrap_or(0) as usize,
         )?;
-        // Checked again once it counts (a deletion stops taking clients, then counts them):
-        // a producer that passed the check before the topic stopped is refused, not kept.
-        if let Err(e) = self.refuse_if_detached() {
-            let (producers::Admission::Ready { handle, .. }
-            | producers::Admission::Waiting { handle, .. }) = &a;
-            self.producers.remove(handle);
-            return Err(e);
-        }
         let after = self.producers.epoch();
         if after != before {
             self.record_epoch(after).await;
@@ -143,6 +135,7 @@ impl Topic {
     /// No producer or consumer attaches from now on (ServiceNotReady); those attached stay.
     pub(super) fn refuse_new_clients(&self) {
         self.detached.store(true, Ordering::Release);
+        self.producers.refuse_new();
     }
 
     /// Producers and consumers attached.
