@@ -401,7 +401,9 @@ impl ManagedCursor {
 
     /// Starts a new cursor ledger holding the current state, records it (CAS), and deletes the
     /// previous one. Failed, the cursor stays durable with no ledger of its own and dirty:
-    /// the next change or flush tries again (a cancelled start leaves it so too).
+    /// the next change or flush tries again (a start cancelled before its recording leaves
+    /// it so too; one cancelled after it has its version stale, and is Fenced until the
+    /// topic is loaded again).
     async fn start_cursor_ledger(&mut self) -> Result<(), CursorError> {
         let r = match self.resolve_unsure().await {
             Ok(()) => {
@@ -444,7 +446,8 @@ impl ManagedCursor {
 
     /// After a recording whose outcome was unknown: whether the record names that ledger
     /// (it then replaced `previous`, which is deleted), or still has the version it had (the
-    /// ledger is unused and deleted); otherwise another owner changed it (Fenced).
+    /// ledger is unused, and deleted once a later recording moves the version); otherwise
+    /// another owner changed it (Fenced).
     async fn resolve_unsure(&mut self) -> Result<(), CursorError> {
         let name = self.name.clone();
         let Some(d) = self.durable.as_mut() else {
