@@ -332,15 +332,15 @@ impl Producers {
         g.exclusive = None;
     }
 
-    /// Closes every producer, those in line too, and refuses new ones (the topic is
-    /// unloaded): a producer that came in after [`fence_all`](Self::fence_all) would be
-    /// left on an instance of the topic nothing serves any more.
     /// No producer attaches from now on; those attached stay (a deletion without `--force`
     /// counts them next, under the same lock as `add`, so none slips in between).
     pub fn refuse_new(&self) {
         self.lock().closed = true;
     }
 
+    /// Closes every producer, those in line too, and refuses new ones (the topic is
+    /// unloaded): a producer that came in after [`fence_all`](Self::fence_all) would be
+    /// left on an instance of the topic nothing serves any more.
     pub fn close_all(&self) {
         let mut g = self.lock();
         g.closed = true;
