@@ -1046,13 +1046,18 @@ impl Config {
         env: &[(String, String)],
         overrides: &[(String, String)],
     ) -> Result<Config, ConfigError> {
-        let defaults = Table::try_from(Config::default()).expect("defaults serialize to a table");
+        // The file is parsed before anything is copied: most refusals are of its syntax.
+        let parsed = match file {
+            Some((text, origin)) => Some((parse_toml(text, origin)?, origin)),
+            None => None,
+        };
+        let defaults = default_table();
         let mut merged = defaults.clone();
-        if let Some((text, origin)) = file {
-            merge_file(&mut merged, &defaults, &parse_toml(text, origin)?, origin)?;
+        if let Some((table, origin)) = &parsed {
+            merge_file(&mut merged, defaults, table, origin)?;
         }
-        apply_env(&mut merged, &defaults, env)?;
-        apply_overrides(&mut merged, &defaults, overrides)?;
+        apply_env(&mut merged, defaults, env)?;
+        apply_overrides(&mut merged, defaults, overrides)?;
         let config: Config =
             merged
                 .try_into()
@@ -1405,6 +1410,13 @@ fn set(merged: &mut Table, section: &str, key: &str, value: Value) {
 
 /// Merges the file's table into `merged`, checking each key exists and has
 /// the default's type.
+/// The defaults as a table, serialized once per process (every load starts from them).
+fn default_table() -> &'static Table {
+    static DEFAULTS: std::sync::OnceLock<Table> = std::sync::OnceLock::new();
+    DEFAULTS
+        .get_or_init(|| Table::try_from(Config::default()).expect("defaults serialize to a table"))
+}
+
 fn merge_file(
     merged: &mut Table,
     defaults: &Table,

@@ -154,6 +154,39 @@ impl Raw {
             .expect("receipt")
     }
 
+    /// Sends `make(request_id)` (a SUBSCRIBE or PRODUCER), again with the next request id
+    /// 300 ms after each refusal, until the broker grants it; panics with the last refusal
+    /// once `within` has passed. Returns the grant.
+    pub fn until_served(
+        &mut self,
+        within: Duration,
+        first_request: u64,
+        make: impl Fn(u64) -> pb::BaseCommand,
+    ) -> pb::BaseCommand {
+        let deadline = Instant::now() + within;
+        let mut request = first_request;
+        loop {
+            self.send(&make(request));
+            let f = loop {
+                let f = self.expect();
+                let c = &f.command;
+                if c.success.is_some() || c.producer_success.is_some() || c.error.is_some() {
+                    break f;
+                }
+            };
+            if f.command.error.is_none() {
+                return f.command;
+            }
+            let (code, msg) = error_of(&f);
+            assert!(
+                Instant::now() < deadline,
+                "not served within {within:?}: {code:?} {msg}"
+            );
+            std::thread::sleep(Duration::from_millis(300));
+            request += 1;
+        }
+    }
+
     pub fn assert_closed(&mut self, why: &str) {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {

@@ -767,9 +767,35 @@ async fn given_a_deletion_between_finding_a_topic_and_attaching_then_the_attach_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_consumer_attaching_after_a_deletion_without_force_checked_then_the_deletion_is_refused_and_the_topic_kept(
 ) {
+    deletion_with_a_client_attaching_after_its_check(Attaching::Consumer).await;
+}
+
+/// The same with a producer attaching after the check: the deletion is refused, the producer
+/// is let go (CLOSE_PRODUCER), is granted again, and what it sends then follows the topic's
+/// first message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_producer_attaching_after_a_deletion_without_force_checked_then_the_deletion_is_refused_and_the_topic_kept(
+) {
+    deletion_with_a_client_attaching_after_its_check(Attaching::Producer).await;
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Attaching {
+    Consumer,
+    Producer,
+}
+
+async fn deletion_with_a_client_attaching_after_its_check(who: Attaching) {
     let (_cluster, _bookie, broker) =
         one_of_each(&[("MERIDIAN_TEST_FAILPOINTS", "delete:pause_after_plan_2s")]).await;
-    let topic = "attach-after-the-check";
+    let topic = match who {
+        Attaching::Consumer => "attach-after-the-check",
+        Attaching::Producer => "produce-after-the-check",
+    };
+    let attach = |id: u64, request: u64| match who {
+        Attaching::Consumer => subscribe(topic, "s", id, request),
+        Attaching::Producer => producer(topic, id, request),
+    };
 
     step("the topic has a message and no client");
     let mut p = Raw::connected(&broker.url);
@@ -782,42 +808,51 @@ async fn given_a_consumer_attaching_after_a_deletion_without_force_checked_then_
     }));
     wait_frame(&mut p, Duration::from_secs(10), |x| x.success.is_some());
 
-    step("the deletion (no --force) checks, and a consumer attaches while it waits");
+    step("the deletion (no --force) checks, and a client attaches while it waits");
     let hits = pauses(&broker);
     let mut call = admin_in_background(&broker, &["topics", "delete", &full_name(topic)]);
     wait_for_pause(&broker, hits);
     let mut c = Raw::connected(&broker.url);
-    c.send(&subscribe(topic, "s", 1, 1));
+    c.send(&attach(1, 1));
     let f = wait_frame(&mut c, Duration::from_secs(20), |x| {
-        x.success.is_some() || x.error.is_some()
+        x.success.is_some() || x.producer_success.is_some() || x.error.is_some()
     });
-    assert!(f.success.is_some(), "{f:?}");
+    assert!(f.error.is_none(), "{f:?}");
     assert!(
         !call.wait().unwrap().success(),
-        "the deletion without --force went through with a consumer attached"
+        "the deletion without --force went through with a client attached"
     );
     let out = listed_topics(&broker);
     assert!(out.contains(topic), "{topic} is gone: {out}");
 
-    step("the consumer, let go by the refused deletion, subscribes again and gets the message");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut request = 10;
-    loop {
-        c.send(&subscribe(topic, "s", 2, request));
-        let f = wait_frame(&mut c, Duration::from_secs(20), |x| {
-            x.success.is_some() || x.error.is_some()
-        });
-        if f.success.is_some() {
-            break;
+    step("the client, let go by the refused deletion, attaches again and is served");
+    wait_frame(&mut c, Duration::from_secs(20), |x| {
+        x.close_consumer.is_some() || x.close_producer.is_some()
+    });
+    c.until_served(Duration::from_secs(30), 10, |r| attach(2, r));
+    let mut reader = match who {
+        Attaching::Consumer => c,
+        Attaching::Producer => {
+            c.send_raw(&send_frame(2, 1, b"m1"));
+            let r = wait_frame(&mut c, Duration::from_secs(20), |x| {
+                x.send_receipt.is_some()
+            });
+            let second = r.send_receipt.and_then(|r| r.message_id).expect("receipt");
+            assert!(
+                (second.ledger_id, second.entry_id) > (id.ledger_id, id.entry_id),
+                "{second:?} is not after {id:?}"
+            );
+            let mut reader = Raw::connected(&broker.url);
+            reader.until_served(Duration::from_secs(30), 1, |r| subscribe(topic, "s", 2, r));
+            reader
         }
-        assert!(Instant::now() < deadline, "not subscribed again: {f:?}");
-        std::thread::sleep(Duration::from_millis(200));
-        request += 1;
-    }
-    c.send(&meridian_integration::raw::flow(2, 10));
-    let m = wait_frame(&mut c, Duration::from_secs(20), |x| x.message.is_some())
-        .message
-        .unwrap();
+    };
+    reader.send(&meridian_integration::raw::flow(2, 10));
+    let m = wait_frame(&mut reader, Duration::from_secs(20), |x| {
+        x.message.is_some()
+    })
+    .message
+    .unwrap();
     assert_eq!(
         (m.message_id.ledger_id, m.message_id.entry_id),
         (id.ledger_id, id.entry_id)

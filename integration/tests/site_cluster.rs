@@ -517,27 +517,9 @@ async fn given_a_session_lost_while_an_acknowledgement_waits_for_the_store_then_
     );
 
     step("the consumer subscribes again and is served");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut request = 10;
-    loop {
-        c.send(&subscribe("held-0", "s", 8, request));
-        let f = loop {
-            let f = c.expect();
-            if f.command.success.is_some() || f.command.error.is_some() {
-                break f;
-            }
-        };
-        if f.command.success.is_some() {
-            break;
-        }
-        let (code, msg) = error_of(&f);
-        assert!(
-            Instant::now() < deadline,
-            "not subscribed again within 30 s: {code:?} {msg}"
-        );
-        std::thread::sleep(Duration::from_millis(300));
-        request += 1;
-    }
+    c.until_served(Duration::from_secs(30), 10, |r| {
+        subscribe("held-0", "s", 8, r)
+    });
     c.send(&flow(8, 10));
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {

@@ -406,11 +406,7 @@ impl Broker {
                 for t in &topics {
                     if let Err(e) = t.refuse_if_clients().await {
                         for t in &topics {
-                            if let Some(other) =
-                                self.take_loaded(&t.name).filter(|o| !Arc::ptr_eq(o, t))
-                            {
-                                other.shut().await;
-                            }
+                            self.shut_reloaded(t).await;
                             t.shut().await;
                         }
                         return Err(e);
@@ -420,9 +416,7 @@ impl Broker {
             for t in &topics {
                 // A topic loaded again since it was checked (its log fenced, then reloaded)
                 // stops serving before its log is deleted under it.
-                if let Some(other) = self.take_loaded(&t.name).filter(|o| !Arc::ptr_eq(o, t)) {
-                    other.shut().await;
-                }
+                self.shut_reloaded(t).await;
                 if let Err(e) = t.delete().await {
                     // It takes no client any more and is out of the map: its consumers are
                     // let go and it is closed, so that nothing of it runs on; the next lookup
@@ -450,6 +444,14 @@ impl Broker {
         drop(held);
         r?;
         Ok(out)
+    }
+
+    /// Takes `t`'s name out of the map of loaded topics, and shuts the instance found there
+    /// if it is another one than `t` (loaded again since `t` was).
+    async fn shut_reloaded(&self, t: &Arc<Topic>) {
+        if let Some(other) = self.take_loaded(&t.name).filter(|o| !Arc::ptr_eq(o, t)) {
+            other.shut().await;
+        }
     }
 
     /// The topics behind a name: a partitioned topic's partitions, or the topic itself

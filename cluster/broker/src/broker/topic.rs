@@ -654,11 +654,8 @@ impl Topic {
     /// How long no producer or consumer has been attached (0 while one is), as of `now`;
     /// the first call that finds none starts the count.
     pub async fn idle_for_ms(&self, now: u64) -> u64 {
-        let mut clients = self.producers.count();
-        for s in self.subscriptions().await {
-            clients += s.consumer_count().await;
-        }
-        if clients > 0 {
+        let (producers, consumers) = self.clients().await;
+        if producers + consumers > 0 {
             self.idle_since_ms.store(0, Ordering::Relaxed);
             return 0;
         }
