@@ -274,9 +274,11 @@ fn given_three_sites_and_one_down_then_the_subscription_moves_between_the_other_
 /// A consumer of a replicated subscription waited for the topic's replicated-subscriptions
 /// lock, which applying another site's state holds while it reads the entries that state
 /// covers (up to 200,000, from the bookies after a reload): a fault schedule saw SUBSCRIBE
-/// unanswered for over 20 s. The fail point makes every such read pause 5 s first.
+/// unanswered for over 20 s. The topic's stats waited for it too (the lock is now one per
+/// subscription, held by the apply, and the stats read the remotes' sync without it). The
+/// fail point makes every such read pause 5 s first.
 #[test]
-fn given_another_sites_state_being_applied_then_a_consumer_of_the_replicated_subscription_attaches_at_once(
+fn given_another_sites_state_being_applied_then_a_consumer_of_the_replicated_subscription_attaches_and_the_stats_answer_at_once(
 ) {
     use meridian_integration::raw::{subscribe, Got, Raw};
     let (root, procs, _) = mesh_with(
@@ -301,6 +303,7 @@ fn given_another_sites_state_being_applied_then_a_consumer_of_the_replicated_sub
         assert!(Instant::now() < deadline, "east applied no state of west's");
         std::thread::sleep(Duration::from_millis(20));
     }
+    let paused = Instant::now();
     let mut c = Raw::connected(&east.url);
     let mut sub = subscribe(t, "s1", 1, 1);
     if let Some(s) = sub.subscribe.as_mut() {
@@ -322,5 +325,20 @@ fn given_another_sites_state_being_applied_then_a_consumer_of_the_replicated_sub
     assert!(
         took < Duration::from_secs(3),
         "SUBSCRIBE waited {took:?} for the state being applied"
+    );
+
+    step("the topic's stats answer while the apply still reads");
+    let asked = Instant::now();
+    let stats = sub_stats(east, t, "s1").expect("s1 in the stats");
+    let took = asked.elapsed();
+    println!("stats answered in {} ms", took.as_millis());
+    assert!(
+        asked.duration_since(paused) < Duration::from_secs(4),
+        "the stats were asked after the apply's 5 s pause"
+    );
+    assert_eq!(stats["replicated"], true, "{stats}");
+    assert!(
+        took < Duration::from_secs(3),
+        "the stats waited {took:?} for the state being applied"
     );
 }

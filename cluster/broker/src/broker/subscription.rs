@@ -629,6 +629,10 @@ impl Subscription {
         partial: &[(Position, Vec<u64>)],
     ) -> Result<u64, BrokerError> {
         let mut st = self.state.lock().await;
+        if st.deleted {
+            // Deleted while another site's state was being read for it: nothing to apply to.
+            return Ok(0);
+        }
         let mut changed = 0u64;
         let mut done = Vec::new();
         for p in whole {

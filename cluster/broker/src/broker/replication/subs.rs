@@ -156,7 +156,7 @@ pub struct ReplSubs {
     running: AtomicBool,
     /// The names in `state.subs`, as of the last change (made under `state`'s lock): a
     /// consumer of a subscription already replicated attaches without waiting for that lock,
-    /// which applying another site's state holds while it reads the entries the state covers.
+    /// which is held across calls to the metadata store.
     known: std::sync::Mutex<std::collections::BTreeSet<String>>,
 }
 
@@ -174,16 +174,48 @@ impl ReplSubs {
 #[derive(Default)]
 struct State {
     loaded: bool,
-    subs: BTreeMap<String, SubRepl>,
+    subs: BTreeMap<String, Arc<SubEntry>>,
     /// Subscriptions deleted here or made not replicated (their records say so).
     disabled: std::collections::BTreeSet<String>,
+}
+
+impl State {
+    fn entries(&self) -> Vec<(String, Arc<SubEntry>)> {
+        self.subs
+            .iter()
+            .map(|(n, e)| (n.clone(), Arc::clone(e)))
+            .collect()
+    }
+}
+
+/// One replicated subscription. Its work is locked while a round or an apply reads the
+/// entries it needs (up to [`APPLY_SCAN_MAX`] of them), and on its own: the topic's other
+/// replicated subscriptions, its deletion and the stats do not wait for that. Its remotes'
+/// sync is locked only for moments. Lock order: the map (`State`) may be taken while `work`
+/// is held, never the other way round.
+#[derive(Default)]
+struct SubEntry {
+    work: tokio::sync::Mutex<SubRepl>,
+    remotes: std::sync::Mutex<BTreeMap<String, RemoteSync>>,
+}
+
+impl SubEntry {
+    fn new(r: SubRepl) -> Arc<SubEntry> {
+        Arc::new(SubEntry {
+            work: tokio::sync::Mutex::new(r),
+            remotes: std::sync::Mutex::default(),
+        })
+    }
+
+    fn remotes(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, RemoteSync>> {
+        self.remotes.lock().expect("remotes lock")
+    }
 }
 
 #[derive(Default)]
 struct SubRepl {
     track: Track,
     saved: Option<(Track, Instant)>,
-    remotes: BTreeMap<String, RemoteSync>,
     /// What each other site said, merged.
     incoming: BTreeMap<String, AckState>,
     /// Parts of `incoming` waiting for entries, at the last apply.
@@ -315,7 +347,7 @@ impl Topic {
             self.save_track(sub, &mut r, true).await?;
             tracing::info!(topic = %self.full_name, subscription = sub, "the subscription is replicated");
             st.disabled.remove(sub);
-            st.subs.insert(sub.to_string(), r);
+            st.subs.insert(sub.to_string(), SubEntry::new(r));
             self.repl_subs.note(&st);
         }
         drop(st);
@@ -374,6 +406,20 @@ impl Topic {
         }
     }
 
+    /// The replicated subscriptions (their records read first, once).
+    async fn sub_entries(&self) -> Result<Vec<(String, Arc<SubEntry>)>, BrokerError> {
+        let mut st = self.repl_subs.state.lock().await;
+        self.load_replicated(&mut st).await?;
+        Ok(st.entries())
+    }
+
+    /// The entry of replicated subscription `sub`, if it is one.
+    async fn sub_entry(&self, sub: &str) -> Result<Option<Arc<SubEntry>>, BrokerError> {
+        let mut st = self.repl_subs.state.lock().await;
+        self.load_replicated(&mut st).await?;
+        Ok(st.subs.get(sub).cloned())
+    }
+
     /// Reads the records of the topic's replicated subscriptions once.
     async fn load_replicated(&self, st: &mut State) -> Result<(), BrokerError> {
         if st.loaded {
@@ -393,10 +439,12 @@ impl Topic {
                     st.disabled.insert(name);
                     continue;
                 }
-                st.subs.entry(name).or_insert_with(|| SubRepl {
-                    saved: Some((track.clone(), Instant::now())),
-                    track,
-                    ..SubRepl::default()
+                st.subs.entry(name).or_insert_with(|| {
+                    SubEntry::new(SubRepl {
+                        saved: Some((track.clone(), Instant::now())),
+                        track,
+                        ..SubRepl::default()
+                    })
                 });
             }
             match page.children.last() {
@@ -798,18 +846,18 @@ impl Topic {
                     format!("subscription {} is not open", s.name),
                 ));
             };
-            let mut st = self.repl_subs.state.lock().await;
-            let Some(r) = st.subs.get_mut(&s.name) else {
+            let Some(entry) = self.sub_entry(&s.name).await.map_err(retry)? else {
                 return Err(Refusal::new(
                     RefusalCode::Retry,
                     format!("subscription {} was deleted meanwhile", s.name),
                 ));
             };
+            let mut r = entry.work.lock().await;
             r.incoming
                 .entry(origin.to_string())
                 .or_default()
                 .merge(&s.state);
-            let applied = self.apply_incoming(&sub, r).await.map_err(retry)?;
+            let applied = self.apply_incoming(&sub, &mut r).await.map_err(retry)?;
             answer.subs.push(SubAnswer {
                 name: s.name,
                 applied,
@@ -833,17 +881,14 @@ impl Topic {
 
     /// Every replicated subscription's state as it is now (for a drill's measure).
     pub(super) async fn replicated_states(self: &Arc<Self>) -> Result<Vec<SubDoc>, BrokerError> {
-        let mut st = self.repl_subs.state.lock().await;
-        self.load_replicated(&mut st).await?;
-        let names: Vec<String> = st.subs.keys().cloned().collect();
         let mut out = Vec::new();
-        for name in names {
+        for (name, entry) in self.sub_entries().await? {
             let Some(sub) = self.replicated_handle(&name).await? else {
                 continue;
             };
-            let r = st.subs.get_mut(&name).expect("listed");
+            let mut r = entry.work.lock().await;
             out.push(SubDoc {
-                state: self.local_state(&sub, r).await?,
+                state: self.local_state(&sub, &mut r).await?,
                 name,
             });
         }
@@ -879,11 +924,17 @@ impl Topic {
             answer.missing = true;
             return Ok(answer);
         };
-        let mut st = self.repl_subs.state.lock().await;
-        self.load_replicated(&mut st).await?;
-        let mut scratch = SubRepl::default();
-        let r = st.subs.get_mut(&s.name).unwrap_or(&mut scratch);
-        let (entries, messages) = self.measure_incoming(&sub, r, origin, &s.state).await?;
+        let (entries, messages) = match self.sub_entry(&s.name).await? {
+            Some(e) => {
+                let mut r = e.work.lock().await;
+                self.measure_incoming(&sub, &mut r, origin, &s.state)
+                    .await?
+            }
+            None => {
+                self.measure_incoming(&sub, &mut SubRepl::default(), origin, &s.state)
+                    .await?
+            }
+        };
         answer.entries = entries;
         answer.messages = messages;
         Ok(answer)
@@ -897,26 +948,30 @@ impl Topic {
     /// What a state holds can only be applied to entries of other sites that came since
     /// (this site's own are all here), so entries produced here meanwhile do not count.
     pub(crate) async fn subscriptions_applied(&self) -> Result<(), String> {
-        let st = self.repl_subs.state.lock().await;
-        for (name, r) in &st.subs {
-            if r.scan_from.is_some() {
-                return Err(format!(
-                    "subscription {name} of {}: applying the other sites' states goes on",
-                    self.full_name
-                ));
-            }
-            if r.held == 0 {
+        let entries = self.repl_subs.state.lock().await.entries();
+        for (name, entry) in entries {
+            let (held, holds) = {
+                let r = entry.work.lock().await;
+                if r.scan_from.is_some() {
+                    return Err(format!(
+                        "subscription {name} of {}: applying the other sites' states goes on",
+                        self.full_name
+                    ));
+                }
+                (r.held, r.applied_holds.clone())
+            };
+            if held == 0 {
                 continue;
             }
-            for (origin, then) in &r.applied_holds {
+            for (origin, then) in &holds {
                 let now = self
                     .held_origin_pos(origin)
                     .await
                     .map_err(|e| e.to_string())?;
                 if now != *then {
                     return Err(format!(
-                        "subscription {name} of {} has {} parts of other sites' states to apply to entries that came from {origin}",
-                        self.full_name, r.held
+                        "subscription {name} of {} has {held} parts of other sites' states to apply to entries that came from {origin}",
+                        self.full_name
                     ));
                 }
             }
@@ -935,15 +990,15 @@ impl Topic {
 
     /// Each replicated subscription's sync with each remote, for `topics stats`.
     pub(crate) async fn replicated_sub_stats(&self) -> BTreeMap<String, Vec<SubSyncStats>> {
-        let st = self.repl_subs.state.lock().await;
+        let entries = self.repl_subs.state.lock().await.entries();
         let subs = self.subscriptions.lock().await.clone();
         let mut out = BTreeMap::new();
-        for (name, r) in &st.subs {
-            let sub = subs.get(name);
+        for (name, entry) in entries {
+            let sub = subs.get(&name);
             let acks = sub.map_or(0, |s| s.acks_total.load(Ordering::Relaxed));
             let version = sub.map_or(0, |s| s.ack_version.load(Ordering::Acquire));
-            let list = r
-                .remotes
+            let list = entry
+                .remotes()
                 .iter()
                 .map(|(remote, rs)| SubSyncStats {
                     remote: remote.clone(),
@@ -973,83 +1028,85 @@ impl Topic {
             .collect();
         let now = Instant::now();
         let mut sending: BTreeMap<String, Outgoing> = BTreeMap::new();
-        {
-            let mut st = self.repl_subs.state.lock().await;
-            self.load_replicated(&mut st).await?;
-            if st.subs.is_empty() {
-                return Err(BrokerError::new(
-                    ServerError::SubscriptionNotFound,
-                    "no replicated subscription",
-                ));
-            }
-            let names: Vec<String> = st.subs.keys().cloned().collect();
-            for name in names {
-                let sub = match self.replicated_handle(&name).await {
-                    Ok(Some(s)) => s,
-                    Ok(None) => {
-                        // Deleted without this broker seeing it (by another owner).
-                        st.subs.remove(&name);
+        let entries = self.sub_entries().await?;
+        if entries.is_empty() {
+            return Err(BrokerError::new(
+                ServerError::SubscriptionNotFound,
+                "no replicated subscription",
+            ));
+        }
+        let mut ats: BTreeMap<String, String> = BTreeMap::new();
+        for (name, entry) in &entries {
+            let sub = match self.replicated_handle(name).await {
+                Ok(Some(s)) => s,
+                Ok(None) => {
+                    // Deleted without this broker seeing it (by another owner).
+                    let mut st = self.repl_subs.state.lock().await;
+                    if st.subs.get(name).is_some_and(|e| Arc::ptr_eq(e, entry)) {
+                        st.subs.remove(name);
                         self.repl_subs.note(&st);
-                        self.disable_record(&mut st, &name).await;
-                        continue;
+                        self.disable_record(&mut st, name).await;
                     }
-                    Err(e) => {
-                        tracing::debug!(topic = %self.full_name, subscription = %name, error = %e, "replicated subscription not open");
-                        continue;
-                    }
-                };
-                let r = st.subs.get_mut(&name).expect("listed");
-                if (r.held > 0 && self.ml.last_confirmed() != r.applied_to) || r.scan_from.is_some()
-                {
-                    self.apply_incoming(&sub, r).await?;
+                    continue;
                 }
-                let version = sub.ack_version.load(Ordering::Acquire);
-                let acks = sub.acks_total.load(Ordering::Relaxed);
-                r.remotes.retain(|k, _| remotes.contains(k));
-                let due: Vec<String> = remotes
+                Err(e) => {
+                    tracing::debug!(topic = %self.full_name, subscription = %name, error = %e, "replicated subscription not open");
+                    continue;
+                }
+            };
+            let mut r = entry.work.lock().await;
+            if (r.held > 0 && self.ml.last_confirmed() != r.applied_to) || r.scan_from.is_some() {
+                self.apply_incoming(&sub, &mut r).await?;
+            }
+            let version = sub.ack_version.load(Ordering::Acquire);
+            let acks = sub.acks_total.load(Ordering::Relaxed);
+            let due: Vec<String> = {
+                let mut rems = entry.remotes();
+                rems.retain(|k, _| remotes.contains(k));
+                for (remote, rs) in rems.iter() {
+                    if let Some(at) = &rs.at {
+                        ats.entry(remote.clone()).or_insert_with(|| at.clone());
+                    }
+                }
+                remotes
                     .iter()
                     .filter(|remote| {
-                        let rs = r.remotes.entry((*remote).clone()).or_default();
+                        let rs = rems.entry((*remote).clone()).or_default();
                         let waited = rs.next.is_none_or(|t| now >= t);
                         (rs.confirmed < version && rs.error.is_none()) || waited
                     })
                     .cloned()
-                    .collect();
-                if due.is_empty() {
-                    continue;
+                    .collect()
+            };
+            if due.is_empty() {
+                continue;
+            }
+            let state = self.local_state(&sub, &mut r).await?;
+            {
+                // Under the map's lock, and only while the subscription is still this one:
+                // a deletion or a disabling writes its record under that lock, and a record
+                // written after it would make the subscription replicated again.
+                let st = self.repl_subs.state.lock().await;
+                if st.subs.get(name).is_some_and(|e| Arc::ptr_eq(e, entry)) {
+                    if let Err(e) = self.save_track(name, &mut r, false).await {
+                        tracing::debug!(topic = %self.full_name, subscription = %name, error = %e, "saving a replicated subscription's record");
+                    }
                 }
-                let state = self.local_state(&sub, r).await?;
-                if let Err(e) = self.save_track(&name, r, false).await {
-                    tracing::debug!(topic = %self.full_name, subscription = %name, error = %e, "saving a replicated subscription's record");
-                }
-                for remote in due {
-                    let e = sending.entry(remote).or_default();
-                    e.0.push(SubDoc {
-                        name: name.clone(),
-                        state: state.clone(),
-                    });
-                    e.1.push((name.clone(), version, acks));
-                }
+            }
+            for remote in due {
+                let e = sending.entry(remote).or_default();
+                e.0.push(SubDoc {
+                    name: name.clone(),
+                    state: state.clone(),
+                });
+                e.1.push((name.clone(), version, acks));
             }
         }
         if sending.is_empty() {
             return Ok(());
         }
-        let ats: BTreeMap<String, Option<String>> = {
-            let st = self.repl_subs.state.lock().await;
-            sending
-                .keys()
-                .map(|remote| {
-                    let at = st
-                        .subs
-                        .values()
-                        .find_map(|r| r.remotes.get(remote).and_then(|rs| rs.at.clone()));
-                    (remote.clone(), at)
-                })
-                .collect()
-        };
         let sends = sending.into_iter().map(|(remote, (subs, sent))| {
-            let at = ats.get(&remote).cloned().flatten();
+            let at = ats.get(&remote).cloned();
             let doc = serde_json::to_vec(&SyncDoc {
                 subs,
                 measure: false,
@@ -1072,7 +1129,7 @@ impl Topic {
             }
         });
         let results = futures::future::join_all(sends).await;
-        let mut st = self.repl_subs.state.lock().await;
+        let entries: BTreeMap<String, Arc<SubEntry>> = entries.into_iter().collect();
         let subs = self.subscriptions.lock().await.clone();
         let now = Instant::now();
         for (remote, sent, res) in results {
@@ -1081,11 +1138,11 @@ impl Topic {
                 Err(_) => None,
             };
             for (name, version, acks) in sent {
-                let Some(rs) = st
-                    .subs
-                    .get_mut(&name)
-                    .and_then(|r| r.remotes.get_mut(&remote))
-                else {
+                let Some(entry) = entries.get(&name) else {
+                    continue;
+                };
+                let mut rems = entry.remotes();
+                let Some(rs) = rems.get_mut(&remote) else {
                     continue;
                 };
                 match (&res, &answer) {
