@@ -476,6 +476,61 @@ async fn given_an_idle_writer_moved_off_a_bookie_that_is_down_then_recovery_clos
     store.shutdown().await;
 }
 
+/// A bookie binds its port before it replays its journal; a connection made meanwhile waited
+/// in the listen queue, unanswered, for its client's whole request timeout (5 s: before an
+/// add's ensemble change, or at each step of a recovery). Now it is closed at once. The fail
+/// point holds the opening 2 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_bookie_still_replaying_its_journal_then_a_request_fails_at_once_and_is_served_after(
+) {
+    use meridian_storage::client::BookieConn;
+    use meridian_storage::proto::{Request, Response};
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let opts = bookie_opts(&tmp.path().join("bookie"));
+    meridian_storage::failpoint::arm(&format!(
+        "bookie:open_pause_2s:{}",
+        opts.journal.dir.display()
+    ));
+    let starting = tokio::spawn(bookie::start(opts, listener));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let read = Request::Read {
+        ledger_id: 1,
+        entry_id: 0,
+    };
+    let asked = std::time::Instant::now();
+    let r = match BookieConn::connect(&addr, Duration::from_secs(2), 5 << 20).await {
+        Ok(c) => c
+            .call(read.clone(), Duration::from_secs(5))
+            .await
+            .map(|_| ()),
+        Err(e) => Err(e),
+    };
+    let took = asked.elapsed();
+    assert!(r.is_err(), "answered while opening");
+    assert!(
+        took < Duration::from_secs(1),
+        "the request waited {took:?} for a bookie still opening"
+    );
+    assert!(
+        !starting.is_finished(),
+        "the bookie opened before the request"
+    );
+    let running = starting.await.expect("task").expect("the bookie starts");
+    let c = BookieConn::connect(&addr, Duration::from_secs(2), 5 << 20)
+        .await
+        .expect("connect");
+    let r = c
+        .call(read, Duration::from_secs(5))
+        .await
+        .expect("answered");
+    assert!(matches!(r, Response::Read { .. }), "{r:?}");
+    running.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_bookies_restarted_then_entries_survive_and_deleted_ledger_space_is_reclaimed() {
     let (tmp, store, mut bookies, client) = setup(2).await;

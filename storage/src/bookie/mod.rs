@@ -400,6 +400,26 @@ impl Drop for RunningBookie {
     }
 }
 
+/// Accepts and at once closes every connection on `listener` until `opened`; then hands it
+/// back.
+async fn refuse_until(
+    listener: TcpListener,
+    mut opened: tokio::sync::oneshot::Receiver<()>,
+) -> TcpListener {
+    loop {
+        tokio::select! {
+            biased;
+            _ = &mut opened => return listener,
+            r = listener.accept() => {
+                if r.is_err() {
+                    // Out of descriptors, say: not a reason to spin.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            }
+        }
+    }
+}
+
 /// Opens storage, replays the journal, and starts serving on `listener`.
 pub async fn start(
     opts: BookieOptions,
@@ -420,10 +440,28 @@ pub async fn start_with_tls(
     opts.storage.single_write = single_write_applies(&opts)?;
     opts.journal.drop_synced_pages = opts.storage.single_write;
     let o = opts.clone();
+    // Until the journal is replayed, a connection is closed as it comes: its client learns at
+    // once that this bookie does not serve yet (one left waiting in the listen queue cost it
+    // a whole request timeout, an add's ensemble change or a recovery's step).
+    let (opened, opened_rx) = tokio::sync::oneshot::channel::<()>();
+    let refusing = tokio::spawn(refuse_until(listener, opened_rx));
+    let slow = crate::failpoint::hit(&format!(
+        "bookie:open_pause_2s:{}",
+        opts.journal.dir.display()
+    ));
+    let storage = tokio::task::spawn_blocking(move || {
+        if slow {
+            std::thread::sleep(Duration::from_secs(2));
+        }
+        open_storage(&o)
+    })
+    .await;
+    let _ = opened.send(());
+    let listener = refusing
+        .await
+        .map_err(|e| std::io::Error::other(e.to_string()))?;
     let (storage, journal, journal_thread, index_closed) =
-        tokio::task::spawn_blocking(move || open_storage(&o))
-            .await
-            .map_err(|e| std::io::Error::other(e.to_string()))??;
+        storage.map_err(|e| std::io::Error::other(e.to_string()))??;
     let core = Arc::new(BookieCore {
         storage: Arc::new(storage),
         journal,
