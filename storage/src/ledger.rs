@@ -155,15 +155,6 @@ impl LedgerMetadata {
     pub fn key_bytes(&self) -> Bytes {
         Bytes::from(hex_decode(&self.master_key))
     }
-
-    /// Adds an ensemble change: a fragment from `f.first_entry` on (the last one's ensemble
-    /// replaced if it starts there too).
-    fn append_fragment(&mut self, f: Fragment) {
-        match self.fragments.last_mut() {
-            Some(last) if last.first_entry == f.first_entry => last.ensemble = f.ensemble,
-            _ => self.fragments.push(f),
-        }
-    }
 }
 
 /// What a bookie says of itself in the metadata store.
@@ -636,14 +627,7 @@ impl LedgerClient {
             });
         }
         // 2. Recover entries past the LAC: read each from its write set; rewrite what exists;
-        //    stop at the first entry enough bookies confirm absent. Entries are looked for
-        //    where the writer put them (`meta` stays as it was fenced); the rewrites' own
-        //    ensemble changes (`changes`) are recorded only with the close, so that a
-        //    recovery started again after this one stopped midway never takes a replacement
-        //    bookie's "no such entry" for an answer. A bookie that could not be reached is
-        //    not asked again during this recovery (`down`).
-        let mut changes: Vec<Fragment> = Vec::new();
-        let mut down: BTreeSet<String> = BTreeSet::new();
+        //    stop at the first entry enough bookies confirm absent.
         let mut next = if lac == NONE { 0 } else { lac + 1 };
         loop {
             let frag = meta.fragment_of(next).clone();
@@ -651,34 +635,21 @@ impl LedgerClient {
             let reads = set.iter().map(|&i| {
                 let pool = Arc::clone(&self.pool);
                 let addr = frag.ensemble[i].clone();
-                let skip = down.contains(&addr);
                 async move {
-                    if skip {
-                        return (addr, None);
-                    }
-                    let r = pool
-                        .call(
-                            &addr,
-                            Request::Read {
-                                ledger_id: id,
-                                entry_id: next,
-                            },
-                        )
-                        .await;
-                    (addr, Some(r))
+                    pool.call(
+                        &addr,
+                        Request::Read {
+                            ledger_id: id,
+                            entry_id: next,
+                        },
+                    )
+                    .await
                 }
             });
             let mut found = None;
             let mut absent = 0;
             let mut problems = Vec::new();
-            for (addr, r) in futures::future::join_all(reads).await {
-                let Some(r) = r else {
-                    problems.push(format!("{addr}: not reached earlier in this recovery"));
-                    continue;
-                };
-                if r.is_err() {
-                    down.insert(addr.clone());
-                }
+            for r in futures::future::join_all(reads).await {
                 match r {
                     Ok(Response::Read {
                         status: Status::Ok,
@@ -709,17 +680,52 @@ impl LedgerClient {
                 });
             };
             // Rewrite to the whole write set so it is on at least Qa bookies.
-            self.recovery_rewrite(&meta, &q, next, &entry, &mut changes, &mut down)
-                .await?;
+            let writes = set.iter().map(|&i| {
+                let pool = Arc::clone(&self.pool);
+                let addr = frag.ensemble[i].clone();
+                let key = key.clone();
+                let entry = entry.clone();
+                async move {
+                    pool.call(
+                        &addr,
+                        Request::Add {
+                            ledger_id: id,
+                            entry_id: next,
+                            flags: ADD_RECOVERY,
+                            master_key: key,
+                            entry,
+                        },
+                    )
+                    .await
+                }
+            });
+            let ok = futures::future::join_all(writes)
+                .await
+                .into_iter()
+                .filter(|r| {
+                    matches!(
+                        r,
+                        Ok(Response::Add {
+                            status: Status::Ok,
+                            ..
+                        })
+                    )
+                })
+                .count();
+            if ok < q.ack() {
+                return Err(LedgerError::Failed {
+                    ledger: id,
+                    detail: format!(
+                        "recovery could not rewrite entry {next} to {} bookies",
+                        q.ack()
+                    ),
+                });
+            }
             next += 1;
         }
         // 3. Close at the last recovered entry. Autorecovery may have replaced a bookie of an
         //    earlier fragment meanwhile: take its metadata and close that.
         let last_entry = next.checked_sub(1);
-        let fenced_last = last.clone();
-        for f in &changes {
-            meta.append_fragment(f.clone());
-        }
         let mut attempts = 0;
         loop {
             meta.state = LedgerState::Closed;
@@ -730,7 +736,7 @@ impl LedgerClient {
                     attempts += 1;
                     let (now, v) = self.metadata(id).await?;
                     if now.state != LedgerState::InRecovery
-                        || now.fragments.last() != Some(&fenced_last)
+                        || now.fragments.last() != meta.fragments.last()
                     {
                         return Err(LedgerError::Failed {
                             ledger: id,
@@ -741,9 +747,6 @@ impl LedgerClient {
                         });
                     }
                     meta = now;
-                    for f in &changes {
-                        meta.append_fragment(f.clone());
-                    }
                     version = v;
                 }
                 Err(e) => return Err(e),
@@ -754,131 +757,6 @@ impl LedgerClient {
             client: self.clone(),
             meta,
         })
-    }
-
-    /// Recovery's rewrite of `entry` (number `next`) to its write set, so that it is on at least
-    /// Qa bookies. In the ledger's last fragment a bookie that cannot take it (unreachable,
-    /// read-only, failing) is replaced from `next` on, as a writer's ensemble change would (in
-    /// `changes`, recorded with the close), and the entry written to its replacement: a
-    /// recovery is not held up by a bookie that is down. An entry of an earlier fragment was
-    /// acknowledged before the writer changed its ensemble (it does so only after its LAC):
-    /// its rewrite is only a help. Bookies that failed join `down`.
-    async fn recovery_rewrite(
-        &self,
-        meta: &LedgerMetadata,
-        q: &Quorums,
-        next: u64,
-        entry: &Bytes,
-        changes: &mut Vec<Fragment>,
-        down: &mut BTreeSet<String>,
-    ) -> Result<(), LedgerError> {
-        let id = meta.id;
-        let key = meta.key_bytes();
-        let set: Vec<usize> = q.write_set(next).collect();
-        let last = meta.fragments.last().expect("a ledger has a fragment");
-        let mut replaced = 0;
-        loop {
-            let ensemble = match changes.last() {
-                Some(f) if f.first_entry <= next => f.ensemble.clone(),
-                _ => meta.fragment_of(next).ensemble.clone(),
-            };
-            let writes = set.iter().map(|&i| {
-                let pool = Arc::clone(&self.pool);
-                let addr = ensemble[i].clone();
-                let skip = down.contains(&addr);
-                let key = key.clone();
-                let entry = entry.clone();
-                async move {
-                    if skip {
-                        return (i, Err("not reached earlier in this recovery".to_string()));
-                    }
-                    let r = pool
-                        .call(
-                            &addr,
-                            Request::Add {
-                                ledger_id: id,
-                                entry_id: next,
-                                flags: ADD_RECOVERY,
-                                master_key: key,
-                                entry,
-                            },
-                        )
-                        .await;
-                    (i, r.map_err(|e| e.to_string()))
-                }
-            });
-            // (index, what went wrong, whether another bookie could take it instead)
-            let failed: Vec<(usize, String, bool)> = futures::future::join_all(writes)
-                .await
-                .into_iter()
-                .filter_map(|(i, r)| match r {
-                    Ok(Response::Add {
-                        status: Status::Ok, ..
-                    }) => None,
-                    Ok(Response::Add {
-                        status: s @ (Status::ReadOnly | Status::Internal),
-                        ..
-                    }) => Some((i, format!("{}: {s:?}", ensemble[i]), true)),
-                    Ok(other) => Some((i, format!("{}: {other:?}", ensemble[i]), false)),
-                    Err(e) => Some((i, format!("{}: {e}", ensemble[i]), true)),
-                })
-                .collect();
-            if set.len() - failed.len() >= q.ack() {
-                return Ok(());
-            }
-            for f in failed.iter().filter(|f| f.2) {
-                down.insert(ensemble[f.0].clone());
-            }
-            let why = failed
-                .iter()
-                .map(|f| f.1.as_str())
-                .collect::<Vec<_>>()
-                .join("; ");
-            let failure = |more: &str| LedgerError::Failed {
-                ledger: id,
-                detail: format!(
-                    "recovery could not rewrite entry {next} to {} bookies: {why}{more}",
-                    q.ack()
-                ),
-            };
-            if next < last.first_entry {
-                tracing::warn!(ledger = id, entry = next, problems = %why, "recovery: an entry acknowledged before an ensemble change could not be rewritten to a whole ack quorum; it stays where it was acknowledged");
-                return Ok(());
-            }
-            if failed.iter().any(|f| !f.2) || replaced >= 2 * q.write() {
-                return Err(failure(""));
-            }
-            let staying: Vec<String> = (0..ensemble.len())
-                .filter(|i| !failed.iter().any(|f| f.0 == *i))
-                .map(|i| ensemble[i].clone())
-                .collect();
-            let mut exclude = ensemble.clone();
-            exclude.extend(last.ensemble.iter().cloned());
-            exclude.extend(down.iter().cloned());
-            let chosen = self
-                .choose_bookies(
-                    failed.len(),
-                    &exclude,
-                    &staying,
-                    &affinity_groups(&meta.properties),
-                )
-                .await
-                .map_err(|e| failure(&format!(", and no bookie can replace them: {e}")))?;
-            let mut ensemble = ensemble;
-            for ((i, _, _), to) in failed.iter().zip(chosen) {
-                tracing::info!(ledger = id, from = %ensemble[*i], to = %to, first_entry = next, "recovery: ensemble changed");
-                ensemble[*i] = to;
-                replaced += 1;
-            }
-            let f = Fragment {
-                first_entry: next,
-                ensemble,
-            };
-            match changes.last_mut() {
-                Some(l) if l.first_entry == next => *l = f,
-                _ => changes.push(f),
-            }
-        }
     }
 
     /// Deletes the ledger: its entries on every bookie that has a fragment, then its metadata.
@@ -1577,10 +1455,13 @@ impl WriterActor {
         let mut adopted = 0;
         loop {
             let mut meta = self.meta.clone();
-            meta.append_fragment(Fragment {
-                first_entry,
-                ensemble: ensemble.clone(),
-            });
+            match meta.fragments.last_mut() {
+                Some(f) if f.first_entry == first_entry => f.ensemble = ensemble.clone(),
+                _ => meta.fragments.push(Fragment {
+                    first_entry,
+                    ensemble: ensemble.clone(),
+                }),
+            }
             let e = match self.client.cas_metadata(&meta, self.version).await {
                 Ok(v) => {
                     self.version = v;
