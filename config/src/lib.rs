@@ -1408,8 +1408,6 @@ fn set(merged: &mut Table, section: &str, key: &str, value: Value) {
     }
 }
 
-/// Merges the file's table into `merged`, checking each key exists and has
-/// the default's type.
 /// The defaults as a table, serialized once per process (every load starts from them).
 fn default_table() -> &'static Table {
     static DEFAULTS: std::sync::OnceLock<Table> = std::sync::OnceLock::new();
@@ -1417,6 +1415,8 @@ fn default_table() -> &'static Table {
         .get_or_init(|| Table::try_from(Config::default()).expect("defaults serialize to a table"))
 }
 
+/// Merges the file's table into `merged`, checking each key exists and has
+/// the default's type.
 fn merge_file(
     merged: &mut Table,
     defaults: &Table,
