@@ -436,22 +436,7 @@ async fn given_the_metadata_store_unreachable_then_the_broker_stops_serving_befo
 
     step("SIGCONT: the broker registers again and serves the topic");
     cluster.nodes[0].pause(false).unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let mut id = 2;
-    loop {
-        c.send(&producer("lost-0", id, id));
-        let f = c.expect();
-        if f.command.producer_success.is_some() {
-            break;
-        }
-        let (code, msg) = error_of(&f);
-        assert!(
-            Instant::now() < deadline,
-            "not served again within 30 s: {code:?} {msg}"
-        );
-        std::thread::sleep(Duration::from_millis(300));
-        id += 1;
-    }
+    c.until_served(Duration::from_secs(30), 2, |id| producer("lost-0", id, id));
 }
 
 /// A chaos finding (seed 23): after a session loss the unload gave up closing a consumer
