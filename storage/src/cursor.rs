@@ -606,6 +606,24 @@ impl ManagedCursor {
         Ok(())
     }
 
+    /// A clean unload: persists what is pending and closes the cursor ledger, so that the
+    /// next opening reads its last snapshot without recovering the ledger (a recovery fences
+    /// the ledger's bookies and cannot finish while one holding its last snapshot is down).
+    /// The cursor stays usable: a later change starts a new ledger.
+    pub async fn close(&mut self) -> Result<(), CursorError> {
+        self.flush().await?;
+        let Some(d) = self.durable.as_mut() else {
+            return Ok(());
+        };
+        if let Some(writer) = d.writer.take() {
+            // Still the recorded one: replaced (and deleted) by the next ledger started.
+            d.previous = Some(writer.id());
+            d.snapshots = 0;
+            writer.close().await?;
+        }
+        Ok(())
+    }
+
     /// A change happened: persist it now, or later under the rate limit.
     async fn persist(&mut self) -> Result<(), CursorError> {
         self.dirty = true;

@@ -151,6 +151,12 @@ impl BookieCore {
         &self.storage
     }
 
+    /// The journal's fdatasyncs since this bookie opened (adds that arrive together share
+    /// one).
+    pub fn journal_syncs(&self) -> u64 {
+        self.journal.stats().syncs.load(Ordering::Relaxed)
+    }
+
     pub fn is_read_only(&self) -> bool {
         self.read_only.load(Ordering::Relaxed)
             || self.disk_full.load(Ordering::Relaxed)

@@ -1417,12 +1417,13 @@ impl Subscription {
         }
     }
 
-    /// Stops the dispatcher and persists the cursor.
+    /// Stops the dispatcher, persists the cursor and closes its ledger (the next opening
+    /// then has nothing to recover).
     pub async fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         let _ = self.stop.send(true);
         let mut st = self.state.lock().await;
-        if let Err(e) = st.cursor.flush().await {
+        if let Err(e) = st.cursor.close().await {
             tracing::warn!(subscription = %self.name, error = %e, "persisting the cursor failed");
         }
     }

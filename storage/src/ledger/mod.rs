@@ -24,8 +24,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 
 use crate::client::{BookieClientError, BookieConn, BookiePool};
-use crate::proto::{self, Request, Response, Status, ADD_RECOVERY, NONE};
+use crate::proto::{self, Request, Response, Status, NONE};
 use crate::striping::{AckSet, QuorumError, Quorums};
+
+mod recovery;
 
 pub const LEDGERS_PREFIX: &str = "/ledgers/";
 pub const LEDGER_IDS_PREFIX: &str = "/ledgers/ids/id-";
@@ -154,6 +156,15 @@ impl LedgerMetadata {
 
     pub fn key_bytes(&self) -> Bytes {
         Bytes::from(hex_decode(&self.master_key))
+    }
+
+    /// Adds an ensemble change: a fragment from `f.first_entry` on (the last one's ensemble
+    /// replaced if it starts there too).
+    fn append_fragment(&mut self, f: Fragment) {
+        match self.fragments.last_mut() {
+            Some(last) if last.first_entry == f.first_entry => last.ensemble = f.ensemble,
+            _ => self.fragments.push(f),
+        }
     }
 }
 
@@ -546,213 +557,6 @@ impl LedgerClient {
     /// Opens a ledger for reading as it is now (an open ledger's readable end is its LAC).
     pub async fn open(&self, id: u64) -> Result<LedgerReader, LedgerError> {
         let (meta, _) = self.metadata(id).await?;
-        Ok(LedgerReader {
-            client: self.clone(),
-            meta,
-        })
-    }
-
-    /// Opens a ledger with recovery: fences it on its bookies (its writer can add no more),
-    /// recovers every entry that may have been acknowledged, and closes it.
-    pub async fn open_recover(&self, id: u64) -> Result<LedgerReader, LedgerError> {
-        let (mut meta, mut version) = self.metadata(id).await?;
-        if meta.state == LedgerState::Closed {
-            return Ok(LedgerReader {
-                client: self.clone(),
-                meta,
-            });
-        }
-        if meta.state == LedgerState::Open {
-            meta.state = LedgerState::InRecovery;
-            version = self.cas_metadata(&meta, version).await?;
-        }
-        let q = meta.quorums()?;
-        let key = meta.key_bytes();
-        let last = meta
-            .fragments
-            .last()
-            .expect("a ledger has a fragment")
-            .clone();
-        // 1. Fence: enough bookies that no ack quorum can form for the old writer.
-        let mut answered = 0u64;
-        let mut lac = NONE;
-        let calls = last.ensemble.iter().enumerate().map(|(i, addr)| {
-            let pool = Arc::clone(&self.pool);
-            let key = key.clone();
-            let addr = addr.clone();
-            async move {
-                (
-                    i,
-                    pool.call(
-                        &addr,
-                        Request::Fence {
-                            ledger_id: id,
-                            master_key: key,
-                        },
-                    )
-                    .await,
-                )
-            }
-        });
-        let mut errors = Vec::new();
-        for (i, r) in futures::future::join_all(calls).await {
-            match r {
-                Ok(Response::Lac {
-                    status: Status::Ok,
-                    lac: l,
-                    ..
-                }) => {
-                    answered |= 1 << i;
-                    if l != NONE && (lac == NONE || l > lac) {
-                        lac = l;
-                    }
-                }
-                Ok(Response::Lac {
-                    status: Status::Unauthorized,
-                    ..
-                }) => {
-                    return Err(LedgerError::Failed {
-                        ledger: id,
-                        detail: format!("bookie {} refused the ledger's key", last.ensemble[i]),
-                    })
-                }
-                Ok(other) => errors.push(format!("{}: {other:?}", last.ensemble[i])),
-                Err(e) => errors.push(e.to_string()),
-            }
-        }
-        if !q.covers_every_ack_quorum(answered) {
-            return Err(LedgerError::Failed {
-                ledger: id,
-                detail: format!("could not fence enough bookies: {}", errors.join("; ")),
-            });
-        }
-        // 2. Recover entries past the LAC: read each from its write set; rewrite what exists;
-        //    stop at the first entry enough bookies confirm absent.
-        let mut next = if lac == NONE { 0 } else { lac + 1 };
-        loop {
-            let frag = meta.fragment_of(next).clone();
-            let set: Vec<usize> = q.write_set(next).collect();
-            let reads = set.iter().map(|&i| {
-                let pool = Arc::clone(&self.pool);
-                let addr = frag.ensemble[i].clone();
-                async move {
-                    pool.call(
-                        &addr,
-                        Request::Read {
-                            ledger_id: id,
-                            entry_id: next,
-                        },
-                    )
-                    .await
-                }
-            });
-            let mut found = None;
-            let mut absent = 0;
-            let mut problems = Vec::new();
-            for r in futures::future::join_all(reads).await {
-                match r {
-                    Ok(Response::Read {
-                        status: Status::Ok,
-                        entry,
-                        ..
-                    }) => match proto::open(&entry) {
-                        Ok(e) if e.ledger_id == id && e.entry_id == next => found = Some(entry),
-                        _ => problems.push("an entry that does not verify".to_string()),
-                    },
-                    Ok(Response::Read {
-                        status: Status::NoSuchEntry | Status::NoSuchLedger,
-                        ..
-                    }) => absent += 1,
-                    Ok(other) => problems.push(format!("{other:?}")),
-                    Err(e) => problems.push(e.to_string()),
-                }
-            }
-            let Some(entry) = found else {
-                if absent >= q.absent_confirmations() {
-                    break;
-                }
-                return Err(LedgerError::Failed {
-                    ledger: id,
-                    detail: format!(
-                        "recovery cannot tell whether entry {next} was acknowledged: {}",
-                        problems.join("; ")
-                    ),
-                });
-            };
-            // Rewrite to the whole write set so it is on at least Qa bookies.
-            let writes = set.iter().map(|&i| {
-                let pool = Arc::clone(&self.pool);
-                let addr = frag.ensemble[i].clone();
-                let key = key.clone();
-                let entry = entry.clone();
-                async move {
-                    pool.call(
-                        &addr,
-                        Request::Add {
-                            ledger_id: id,
-                            entry_id: next,
-                            flags: ADD_RECOVERY,
-                            master_key: key,
-                            entry,
-                        },
-                    )
-                    .await
-                }
-            });
-            let ok = futures::future::join_all(writes)
-                .await
-                .into_iter()
-                .filter(|r| {
-                    matches!(
-                        r,
-                        Ok(Response::Add {
-                            status: Status::Ok,
-                            ..
-                        })
-                    )
-                })
-                .count();
-            if ok < q.ack() {
-                return Err(LedgerError::Failed {
-                    ledger: id,
-                    detail: format!(
-                        "recovery could not rewrite entry {next} to {} bookies",
-                        q.ack()
-                    ),
-                });
-            }
-            next += 1;
-        }
-        // 3. Close at the last recovered entry. Autorecovery may have replaced a bookie of an
-        //    earlier fragment meanwhile: take its metadata and close that.
-        let last_entry = next.checked_sub(1);
-        let mut attempts = 0;
-        loop {
-            meta.state = LedgerState::Closed;
-            meta.last_entry = last_entry;
-            match self.cas_metadata(&meta, version).await {
-                Ok(_) => break,
-                Err(LedgerError::Metadata(ClientError::Conflict { .. })) if attempts < 10 => {
-                    attempts += 1;
-                    let (now, v) = self.metadata(id).await?;
-                    if now.state != LedgerState::InRecovery
-                        || now.fragments.last() != meta.fragments.last()
-                    {
-                        return Err(LedgerError::Failed {
-                            ledger: id,
-                            detail: format!(
-                                "another client changed the ledger during recovery (now {:?})",
-                                now.state
-                            ),
-                        });
-                    }
-                    meta = now;
-                    version = v;
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        tracing::info!(ledger = id, last_entry = ?meta.last_entry, "ledger recovered and closed");
         Ok(LedgerReader {
             client: self.clone(),
             meta,
@@ -1455,13 +1259,10 @@ impl WriterActor {
         let mut adopted = 0;
         loop {
             let mut meta = self.meta.clone();
-            match meta.fragments.last_mut() {
-                Some(f) if f.first_entry == first_entry => f.ensemble = ensemble.clone(),
-                _ => meta.fragments.push(Fragment {
-                    first_entry,
-                    ensemble: ensemble.clone(),
-                }),
-            }
+            meta.append_fragment(Fragment {
+                first_entry,
+                ensemble: ensemble.clone(),
+            });
             let e = match self.client.cas_metadata(&meta, self.version).await {
                 Ok(v) => {
                     self.version = v;
