@@ -191,6 +191,8 @@ pub enum CursorError {
     Metadata(#[from] ClientError),
     #[error("cursor {0}: changed by another owner")]
     Fenced(String),
+    #[error("cursor {0} was closed: it takes no more changes")]
+    Closed(String),
     #[error("invalid cursor name {0:?}: non-empty, no `/`")]
     BadName(String),
     #[error("corrupt cursor state {key}: {detail}")]
@@ -244,6 +246,8 @@ pub struct ManagedCursor {
     persist_interval: std::time::Duration,
     last_persist: Option<std::time::Instant>,
     dirty: bool,
+    /// Closed cleanly ([`ManagedCursor::close`]): takes no more changes.
+    closed: bool,
 }
 
 fn cursor_key(ml: &str, cursor: &str) -> String {
@@ -266,6 +270,7 @@ impl ManagedCursor {
             persist_interval: std::time::Duration::ZERO,
             last_persist: None,
             dirty: false,
+            closed: false,
         }
     }
 
@@ -609,9 +614,12 @@ impl ManagedCursor {
     /// A clean unload: persists what is pending and closes the cursor ledger, so that the
     /// next opening reads its last snapshot without recovering the ledger (a recovery fences
     /// the ledger's bookies and cannot finish while one holding its last snapshot is down).
-    /// The cursor stays usable: a later change starts a new ledger.
+    /// Its changes fail from here on with `Closed`: the next opening fences nothing, so this
+    /// instance must never record a ledger of its own over the next owner's state. Deleting
+    /// it still works.
     pub async fn close(&mut self) -> Result<(), CursorError> {
         self.flush().await?;
+        self.closed = true;
         let Some(d) = self.durable.as_mut() else {
             return Ok(());
         };
@@ -639,6 +647,10 @@ impl ManagedCursor {
     /// Makes the current state durable (a no-op for non-durable cursors): appends a snapshot to
     /// the cursor ledger; every `snapshots_per_ledger` snapshots a new cursor ledger starts.
     async fn persist_now(&mut self) -> Result<(), CursorError> {
+        if self.closed && self.durable.is_some() {
+            self.dirty = true;
+            return Err(CursorError::Closed(self.name.clone()));
+        }
         self.dirty = false;
         self.last_persist = Some(std::time::Instant::now());
         let bytes = self.snapshot_bytes();

@@ -1281,10 +1281,20 @@ mod cursors {
         c.ack(pos[0]).await.expect("ack");
         c.ack(pos[1]).await.expect("ack");
         let ledger = c.cursor_ledger().expect("a cursor ledger");
-        step("the cursor is closed cleanly: its ledger is closed, the cursor still usable");
+        step("the cursor is closed cleanly: its ledger is closed, and it takes no more changes");
         c.close().await.expect("close");
         let (meta, _) = client.metadata(ledger).await.expect("metadata");
         assert_eq!(meta.state, LedgerState::Closed, "{meta:?}");
+        let err = c.ack(pos[2]).await.expect_err("closed");
+        assert!(
+            matches!(err, meridian_storage::cursor::CursorError::Closed(_)),
+            "{err}"
+        );
+        assert_eq!(
+            c.cursor_ledger(),
+            Some(ledger),
+            "no ledger of its own started"
+        );
         drop(c);
         step("one of the two bookies stops; the cursor opens again with its state");
         bookies[1].stop(&store.client).await;

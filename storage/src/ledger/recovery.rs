@@ -27,12 +27,13 @@ use crate::proto::{self, Request, Response, Status, ADD_RECOVERY, NONE};
 use crate::striping::Quorums;
 use meridian_metadata::client::ClientError;
 
-/// Entries a recovery reads and rewrites at once, at first and at most.
-const WINDOW_FIRST: usize = 16;
-const WINDOW_MAX: usize = 256;
-/// A window whose entries came to more than this is halved for the next one; one under a
-/// quarter of it doubles.
+/// A window: entries read, then rewritten all at once, at most this many and about this many
+/// bytes (the read that passes the bytes ends it).
+const WINDOW_ENTRIES: u64 = 256;
 const WINDOW_BYTES: usize = 16 << 20;
+/// Entries a window's reads ask for at once (read in order; the first absent one ends the
+/// recovery).
+const READS_IN_FLIGHT: usize = 16;
 
 /// What the replicas of one entry said of it.
 enum Found {
@@ -65,7 +66,8 @@ struct Recovery<'a> {
     /// again after this one stopped midway must never take a replacement's "no such entry"
     /// for an answer.
     changes: Vec<Fragment>,
-    /// Bookies that could not be reached: not asked again during this recovery.
+    /// Bookies that could not be reached or refused a rewrite: no rewrite goes to them again
+    /// during this recovery, and they are read only when the others cannot tell.
     down: BTreeSet<String>,
     rewritten: u64,
 }
@@ -172,102 +174,113 @@ impl Recovery<'_> {
     /// cannot have been acknowledged: that entry's number (the end).
     async fn recover_from(&mut self, first: u64) -> Result<u64, LedgerError> {
         let mut next = first;
-        let mut window = WINDOW_FIRST;
         loop {
-            let reads = (next..next + window as u64).map(|e| self.read(e));
-            let answers = futures::future::join_all(reads).await;
-            let mut entries = Vec::new();
-            let mut ended = false;
-            for (e, (found, unreachable)) in (next..).zip(answers) {
-                self.down.extend(unreachable);
-                if ended {
-                    continue;
-                }
-                match found {
-                    Found::Entry(bytes) => entries.push(bytes),
-                    Found::Absent => ended = true,
-                    Found::Unknown(why) => {
-                        return Err(LedgerError::Failed {
-                            ledger: self.id(),
-                            detail: format!(
-                                "recovery cannot tell whether entry {e} was acknowledged: {why}"
-                            ),
-                        })
+            let (entries, ended, unreachable) = {
+                // Read in order, READS_IN_FLIGHT at once, until the window is full in entries
+                // or bytes or the recovery's end is found.
+                let mut reads = futures::stream::iter(next..next + WINDOW_ENTRIES)
+                    .map(|e| self.read(e))
+                    .buffered(READS_IN_FLIGHT);
+                let mut entries = Vec::new();
+                let mut bytes = 0;
+                let mut ended = false;
+                let mut unreachable = Vec::new();
+                while let Some((found, gone)) = reads.next().await {
+                    unreachable.extend(gone);
+                    let e = next + entries.len() as u64;
+                    match found {
+                        Found::Entry(b) => {
+                            bytes += b.len();
+                            entries.push(b);
+                        }
+                        Found::Absent => {
+                            ended = true;
+                            break;
+                        }
+                        Found::Unknown(why) => {
+                            return Err(LedgerError::Failed {
+                                ledger: self.id(),
+                                detail: format!(
+                                    "recovery cannot tell whether entry {e} was acknowledged: {why}"
+                                ),
+                            })
+                        }
+                    }
+                    if bytes >= WINDOW_BYTES {
+                        break;
                     }
                 }
-            }
-            let bytes: usize = entries.iter().map(Bytes::len).sum();
+                (entries, ended, unreachable)
+            };
+            self.down.extend(unreachable);
             self.rewrite(next, &entries).await?;
             next += entries.len() as u64;
             if ended {
                 return Ok(next);
             }
-            window = if bytes > WINDOW_BYTES {
-                (window / 2).max(1)
-            } else if bytes < WINDOW_BYTES / 4 {
-                (window * 2).min(WINDOW_MAX)
-            } else {
-                window
-            };
         }
     }
 
     /// Asks `entry`'s write set for it (where the writer put it) and answers at the first copy
     /// that verifies or once enough replicas lack it; with the bookies that could not be
-    /// reached.
+    /// reached. Bookies in `down` are asked only when the others cannot tell.
     async fn read(&self, entry: u64) -> (Found, Vec<String>) {
         let id = self.id();
         let frag = self.meta.fragment_of(entry);
+        let (skipped, first): (Vec<String>, Vec<String>) = self
+            .q
+            .write_set(entry)
+            .map(|i| frag.ensemble[i].clone())
+            .partition(|addr| self.down.contains(addr));
         let mut problems = Vec::new();
-        let mut asks = FuturesUnordered::new();
-        for i in self.q.write_set(entry) {
-            let addr = frag.ensemble[i].clone();
-            if self.down.contains(&addr) {
-                problems.push(format!("{addr}: not reached earlier in this recovery"));
-                continue;
-            }
-            let pool = Arc::clone(&self.client.pool);
-            asks.push(async move {
-                let r = pool
-                    .call(
-                        &addr,
-                        Request::Read {
-                            ledger_id: id,
-                            entry_id: entry,
-                        },
-                    )
-                    .await;
-                (addr, r)
-            });
-        }
         let mut absent = 0;
         let mut unreachable = Vec::new();
-        while let Some((addr, r)) = asks.next().await {
-            match r {
-                Ok(Response::Read {
-                    status: Status::Ok,
-                    entry: bytes,
-                    ..
-                }) => match proto::open(&bytes) {
-                    Ok(e) if e.ledger_id == id && e.entry_id == entry => {
-                        return (Found::Entry(bytes), unreachable)
+        for round in [first, skipped] {
+            let mut asks: FuturesUnordered<_> = round
+                .into_iter()
+                .map(|addr| {
+                    let pool = Arc::clone(&self.client.pool);
+                    async move {
+                        let r = pool
+                            .call(
+                                &addr,
+                                Request::Read {
+                                    ledger_id: id,
+                                    entry_id: entry,
+                                },
+                            )
+                            .await;
+                        (addr, r)
                     }
-                    _ => problems.push(format!("{addr}: an entry that does not verify")),
-                },
-                Ok(Response::Read {
-                    status: Status::NoSuchEntry | Status::NoSuchLedger,
-                    ..
-                }) => {
-                    absent += 1;
-                    if absent >= self.q.absent_confirmations() {
-                        return (Found::Absent, unreachable);
+                })
+                .collect();
+            while let Some((addr, r)) = asks.next().await {
+                match r {
+                    Ok(Response::Read {
+                        status: Status::Ok,
+                        entry: bytes,
+                        ..
+                    }) => match proto::open(&bytes) {
+                        Ok(e) if e.ledger_id == id && e.entry_id == entry => {
+                            return (Found::Entry(bytes), unreachable)
+                        }
+                        _ => problems.push(format!("{addr}: an entry that does not verify")),
+                    },
+                    Ok(Response::Read {
+                        status: Status::NoSuchEntry | Status::NoSuchLedger,
+                        ..
+                    }) => {
+                        absent += 1;
+                        if absent >= self.q.absent_confirmations() {
+                            return (Found::Absent, unreachable);
+                        }
+                        problems.push(format!("{addr}: no such entry"));
                     }
-                    problems.push(format!("{addr}: no such entry"));
-                }
-                Ok(other) => problems.push(format!("{addr}: {other:?}")),
-                Err(e) => {
-                    problems.push(format!("{addr}: {e}"));
-                    unreachable.push(addr);
+                    Ok(other) => problems.push(format!("{addr}: {other:?}")),
+                    Err(e) => {
+                        problems.push(format!("{addr}: {e}"));
+                        unreachable.push(addr);
+                    }
                 }
             }
         }

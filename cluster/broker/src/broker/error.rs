@@ -43,7 +43,7 @@ impl From<ManagedLedgerError> for BrokerError {
 impl From<CursorError> for BrokerError {
     fn from(e: CursorError) -> Self {
         let code = match &e {
-            CursorError::Fenced(_) => ServerError::ServiceNotReady,
+            CursorError::Fenced(_) | CursorError::Closed(_) => ServerError::ServiceNotReady,
             CursorError::BadName(_) => ServerError::NotAllowedError,
             _ => ServerError::PersistenceError,
         };
