@@ -911,3 +911,111 @@ async fn given_a_failed_load_with_another_caller_waiting_then_one_instance_serve
         }
     }
 }
+
+/// A PRODUCER or SUBSCRIBE whose topic is loading waits off its connection's loop: the
+/// connection's other commands are answered meanwhile. The broker used to handle a
+/// connection's commands one at a time, so a load that took seconds (the previous owner's
+/// ledger recovered) held up the PINGs, the LOOKUPs and other producers' sends of every
+/// client sharing that connection (the stock clients share one per broker): the
+/// fault-schedule runner saw the C++ client's LOOKUPs time out behind a PRODUCER and its
+/// keep-alive close the connection. Also: a producer and a consumer closed by the client while
+/// their topic loads are not attached once it has loaded. Fail point: `load:pause_5s:<topic>`
+/// makes each load of that topic take 5 s more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_topic_loading_for_a_producer_then_the_connections_other_commands_are_answered_meanwhile(
+) {
+    let (_cluster, _bookie, broker) = one_of_each(&[(
+        "MERIDIAN_TEST_FAILPOINTS",
+        "load:pause_5s:slow-a,load:pause_5s:slow-b,load:pause_5s:slow-c",
+    )])
+    .await;
+    let mut c = Raw::connected(&broker.url);
+    c.produce_one("quick", 1, 1, b"first");
+    step("a PRODUCER for a topic whose load takes 5 s; then a PING, a LOOKUP and a SEND");
+    c.send(&producer("slow-a", 2, 2));
+    c.send(&cmd(Type::Ping, |_| {}));
+    c.send(&cmd(Type::Lookup, |x| {
+        x.lookup_topic = Some(pb::CommandLookupTopic {
+            topic: full_name("quick"),
+            request_id: 3,
+            ..Default::default()
+        });
+    }));
+    c.send_raw(&send_frame(1, 1, b"second"));
+    let mut order = Vec::new();
+    while order.len() < 4 {
+        let f = c.expect().command;
+        let what = if f.pong.is_some() {
+            "pong"
+        } else if f.lookup_topic_response.is_some() {
+            "lookup"
+        } else if f.send_receipt.is_some() {
+            "receipt"
+        } else if f.producer_success.is_some() {
+            "producer"
+        } else {
+            panic!("unexpected answer: {f:?}")
+        };
+        order.push(what);
+    }
+    assert_eq!(
+        order.last(),
+        Some(&"producer"),
+        "the PING, LOOKUP and SEND were answered only after the PRODUCER: {order:?}"
+    );
+    step("the new producer sends");
+    c.send_raw(&send_frame(2, 0, b"slow"));
+    assert!(c.expect().command.send_receipt.is_some());
+
+    step("a producer and a consumer closed while their topics load are not attached");
+    c.send(&producer("slow-b", 4, 10));
+    c.send(&subscribe("slow-c", "s", 5, 11));
+    c.send(&cmd(Type::CloseProducer, |x| {
+        x.close_producer = Some(pb::CommandCloseProducer {
+            producer_id: 4,
+            request_id: 12,
+        });
+    }));
+    c.send(&cmd(Type::CloseConsumer, |x| {
+        x.close_consumer = Some(pb::CommandCloseConsumer {
+            consumer_id: 5,
+            request_id: 13,
+        });
+    }));
+    let mut answers = std::collections::BTreeMap::new();
+    while answers.len() < 4 {
+        let f = c.expect().command;
+        if let Some(s) = &f.success {
+            answers.insert(s.request_id, "success".to_string());
+        } else if let Some(e) = &f.error {
+            answers.insert(e.request_id, format!("error: {}", e.message));
+        } else if let Some(p) = &f.producer_success {
+            answers.insert(p.request_id, "producer".to_string());
+        } else {
+            panic!("unexpected answer: {f:?}");
+        }
+    }
+    assert_eq!(answers[&12], "success");
+    assert_eq!(answers[&13], "success");
+    for r in [10, 11] {
+        assert!(
+            answers[&r].contains("closed by the client while its topic loaded"),
+            "request {r}: {answers:?}"
+        );
+    }
+    step("producer 4 does not exist; the topic takes an exclusive producer from another client");
+    c.send_raw(&send_frame(4, 0, b"nobody"));
+    let f = c.expect().command;
+    assert!(
+        f.send_error.is_some(),
+        "producer 4 was attached after its close: {f:?}"
+    );
+    let mut other = Raw::connected(&broker.url);
+    let mut exclusive = producer("slow-b", 1, 1);
+    if let Some(p) = exclusive.producer.as_mut() {
+        p.producer_access_mode = Some(1); // Exclusive
+    }
+    other.send(&exclusive);
+    let f = producer_answer(&mut other);
+    assert!(f.producer_success.is_some(), "{f:?}");
+}

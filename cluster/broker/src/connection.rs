@@ -35,6 +35,7 @@ use crate::broker::{
 };
 use crate::frame_queue::{self, FrameReceiver, FrameSender};
 use crate::publish::{Publisher, SendRequest};
+use crate::warmup::{Target, Warmed, Warming};
 
 /// How long before a token expires the broker asks for fresh credentials (AUTH_CHALLENGE).
 const AUTH_REFRESH_AHEAD: Duration = Duration::from_secs(5);
@@ -106,6 +107,8 @@ struct Conn {
     protocol_version: i32,
     producers: HashMap<u64, ProducerEntry>,
     consumers: HashMap<u64, ConsumerEntry>,
+    /// PRODUCER and SUBSCRIBE commands out while their topic loads ([`crate::warmup`]).
+    warming: Warming,
 }
 
 /// Serves one accepted connection until the client leaves, a frame is bad, or `stop`.
@@ -125,6 +128,7 @@ pub async fn serve<R, W>(
     let (tx, rx) = frame_queue::channel(broker.cfg.connection_write_queue_bytes_max as usize);
     let writer = tokio::spawn(write_loop(wr, rx));
     broker.connection_opened();
+    let (warming, mut warmed) = Warming::new();
     let mut conn = Conn {
         broker: Arc::clone(&broker),
         id,
@@ -140,6 +144,7 @@ pub async fn serve<R, W>(
         protocol_version: 0,
         producers: HashMap::new(),
         consumers: HashMap::new(),
+        warming,
     };
     let max_frame = broker.cfg.frame_bytes_max();
     let keepalive = Duration::from_millis(broker.cfg.keepalive_interval_ms);
@@ -161,7 +166,7 @@ pub async fn serve<R, W>(
                 loop {
                     match decode_frame(&mut buf, max_frame) {
                         Ok(Some(f)) => {
-                            if let Err(Close(why)) = conn.handle(f).await {
+                            if let Err(Close(why)) = conn.admit(f).await {
                                 break 'conn why;
                             }
                         }
@@ -171,6 +176,11 @@ pub async fn serve<R, W>(
                 }
                 if buf.capacity() - buf.len() < 4096 {
                     buf.reserve(64 * 1024);
+                }
+            }
+            Some(w) = warmed.recv() => {
+                if let Err(Close(why)) = conn.rejoin(w).await {
+                    break 'conn why;
                 }
             }
             _ = tick.tick() => {
@@ -224,6 +234,60 @@ impl Conn {
             .send(frame(&c))
             .await
             .map_err(|_| Close("writer gone".into()))
+    }
+
+    /// Handles a frame, or sends a PRODUCER or SUBSCRIBE out to wait for its topic's load
+    /// ([`crate::warmup`]) where it would wait on this loop. One the connection may not make
+    /// (unauthorized, over its limit, a bad name, a cut site) is handled now, and refused.
+    async fn admit(&mut self, f: Frame) -> Result<(), Close> {
+        if let Some(target) = Target::of(&f).filter(|_| self.connected) {
+            if self.check_handles().is_ok() {
+                if let Some(name) = self.to_warm_up(&target).await {
+                    self.warming
+                        .start(Arc::clone(&self.broker), name, target, f);
+                    return Ok(());
+                }
+            }
+        }
+        self.handle(f).await
+    }
+
+    /// The topic `t` waits for, when it would wait and the connection may attach to it.
+    async fn to_warm_up(&self, t: &Target) -> Option<crate::topic_name::TopicName> {
+        let name = self.broker.check_topic(&t.topic).ok()?;
+        let action = if t.producer { "produce" } else { "consume" };
+        self.broker
+            .authorize(self.role.as_deref(), &name.namespace(), Some(action))
+            .await
+            .ok()?;
+        self.broker.refuse_if_cut(&name).ok()?;
+        Warming::needed(&self.broker, &name, t).then_some(name)
+    }
+
+    /// A command back from its warm-up: handled now, unless its producer or consumer was
+    /// closed meanwhile or the load failed (the error answers it).
+    async fn rejoin(&mut self, w: Warmed) -> Result<(), Close> {
+        let target = Target::of(&w.frame).expect("only PRODUCER and SUBSCRIBE go out");
+        if !self.warming.returned(&w, &target) {
+            let what = if target.producer {
+                "producer"
+            } else {
+                "consumer"
+            };
+            return self
+                .reply(cmd::error(
+                    target.request_id,
+                    ServerError::ServiceNotReady,
+                    format!("the {what} was closed by the client while its topic loaded"),
+                ))
+                .await;
+        }
+        if let Some(e) = w.failed {
+            return self
+                .reply(cmd::error(target.request_id, e.code, e.message))
+                .await;
+        }
+        self.handle(w.frame).await
     }
 
     async fn handle(&mut self, f: Frame) -> Result<(), Close> {
@@ -381,6 +445,7 @@ impl Conn {
             }
             Type::CloseProducer => {
                 let p = c.close_producer.ok_or_else(|| missing("CLOSE_PRODUCER"))?;
+                self.warming.cancel(true, p.producer_id);
                 if let Some(e) = self.producers.remove(&p.producer_id) {
                     close_producer(e).await;
                 }
@@ -440,6 +505,7 @@ impl Conn {
             }
             Type::CloseConsumer => {
                 let cc = c.close_consumer.ok_or_else(|| missing("CLOSE_CONSUMER"))?;
+                self.warming.cancel(false, cc.consumer_id);
                 self.remove_consumer(cc.consumer_id).await;
                 self.reply(cmd::success(cc.request_id)).await
             }
@@ -632,7 +698,7 @@ impl Conn {
     }
 
     fn handles(&self) -> usize {
-        self.producers.len() + self.consumers.len()
+        self.producers.len() + self.consumers.len() + self.warming.len()
     }
 
     fn check_handles(&self) -> Result<(), BrokerError> {

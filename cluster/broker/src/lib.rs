@@ -21,3 +21,4 @@ mod publish;
 pub mod server;
 pub mod tls;
 pub mod topic_name;
+mod warmup;

@@ -543,6 +543,10 @@ impl Broker {
         force: bool,
     ) -> Result<Arc<Topic>, BrokerError> {
         let full = name.to_string();
+        // Fail point `load:pause_5s:<local name>`: that topic's loads take 5 s more.
+        if crate::failpoint::hit(&format!("load:pause_5s:{}", name.local)) {
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+        }
         if crate::failpoint::hit("load:fail_first_after_3s")
             && !FIRST_LOAD_FAILED.swap(true, Ordering::Relaxed)
         {
@@ -733,6 +737,15 @@ impl Broker {
     }
 
     /// Topics loaded on this broker.
+    /// The topic if it is loaded here (no load started).
+    pub fn loaded_topic(&self, name: &TopicName) -> Option<Arc<Topic>> {
+        self.topics
+            .lock()
+            .expect("topics lock")
+            .get(&name.to_string())
+            .and_then(|c| c.get().cloned())
+    }
+
     pub fn loaded_topics(&self) -> Vec<Arc<Topic>> {
         self.topics
             .lock()

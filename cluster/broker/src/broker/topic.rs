@@ -391,6 +391,14 @@ impl Topic {
         Ok(())
     }
 
+    /// Whether subscription `name` is open here (false while the subscriptions are locked:
+    /// one may be opening, which can take a cursor ledger's recovery).
+    pub fn has_open_subscription(&self, name: &str) -> bool {
+        self.subscriptions
+            .try_lock()
+            .is_ok_and(|subs| subs.get(name).is_some_and(|s| !s.is_closed()))
+    }
+
     /// A durable subscription for the admin API: the open one, or its cursor opened (without
     /// consumers); NotFound if the subscription does not exist.
     pub async fn subscription_for_admin(
