@@ -281,6 +281,30 @@ impl ManagedCursor {
         c
     }
 
+    /// Recovers the ledger of durable cursor `name` of log `ml` (fences its writer, closes
+    /// it) without opening the cursor, so that its next opening only reads the last snapshot.
+    /// Nothing is created. The caller knows no cursor of its own writes that ledger (a
+    /// broker's subscription not open there).
+    pub async fn recover_ledger(
+        client: &LedgerClient,
+        ml: &str,
+        name: &str,
+    ) -> Result<(), CursorError> {
+        let key = cursor_key(ml, name);
+        let Some(kv) = client.metadata_client().get(&key).await? else {
+            return Ok(());
+        };
+        let info: CursorInfo =
+            serde_json::from_slice(&kv.value).map_err(|e| CursorError::BadState {
+                key,
+                detail: e.to_string(),
+            })?;
+        if let Some(id) = info.cursor_ledger {
+            client.open_recover(id).await?;
+        }
+        Ok(())
+    }
+
     /// Opens the durable cursor `name` of `ml` (creating it at `initial` if it does not exist).
     pub async fn open(
         client: LedgerClient,

@@ -205,9 +205,14 @@ pub async fn serve<R, W>(
         tracing::warn!(connection = id, peer = %peer, client = %conn.client_version, reason = %reason, "closing the connection");
     }
     conn.cleanup().await;
+    let warming = std::mem::replace(&mut conn.warming, Warming::new().0);
     drop(conn);
+    drop(warmed);
     // The writer ends once every sender is gone (consumers' sinks were dropped above).
     let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    // Loads this connection started finish before it counts as closed (as an inline load
+    // did); what they bring back attaches nothing.
+    warming.finish().await;
     broker.connection_closed();
 }
 
@@ -241,7 +246,12 @@ impl Conn {
     /// (unauthorized, over its limit, a bad name, a cut site) is handled now, and refused.
     async fn admit(&mut self, f: Frame) -> Result<(), Close> {
         if let Some(target) = Target::of(&f).filter(|_| self.connected) {
-            if self.check_handles().is_ok() {
+            let attached = if target.producer {
+                self.producers.contains_key(&target.id)
+            } else {
+                self.consumers.contains_key(&target.id)
+            };
+            if !attached && self.check_handles().is_ok() && self.warming.has_room() {
                 if let Some(name) = self.to_warm_up(&target).await {
                     self.warming
                         .start(Arc::clone(&self.broker), name, target, f);

@@ -1,16 +1,19 @@
 //! A PRODUCER or SUBSCRIBE whose topic is not loaded here (or whose durable subscription is
-//! not open) waits for that off its connection's loop.
+//! not open: its cursor ledger may need recovering) waits for that off its connection's loop.
 //!
 //! A load can take seconds (the previous owner's ledger is recovered, a cursor's ledger too),
 //! and the stock clients share one connection per broker: a loop that waited would leave
 //! every other command of the connection unanswered meanwhile (its PINGs, its LOOKUPs, other
 //! producers' SENDs), until the client's operation timeout or keep-alive gave up on the whole
-//! connection. So the loop hands the command to a task that loads the topic and opens the
-//! subscription, and handles it once they are open, as it would have at once.
+//! connection. So the loop hands the command to a task that loads the topic and recovers the
+//! subscription's cursor ledger (opening and creating nothing), and handles it once they are
+//! ready, as it would have at once. At most [`WARMING_MAX`] tasks per connection; past that,
+//! and for a producer or consumer id already attached, the command is handled at once as
+//! before. A connection waits for its tasks when it ends, as it waited for a load before.
 //!
 //! ```text
 //!  PRODUCER / SUBSCRIBE ─► authorized, topic not loaded (or subscription not open)?
-//!      yes ─► ticket (per producer or consumer id) ─► task: load, open ─► Warmed ─► loop:
+//!      yes ─► ticket (per producer or consumer id) ─► task: load, recover ─► Warmed ─► loop:
 //!               CLOSE_PRODUCER / CLOSE_CONSUMER meanwhile cancels the tickets out
 //!               load failed ─► the error answers the request; else the command is handled
 //!      no  ─► handled now
@@ -19,12 +22,16 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use meridian_protocol::pb::{base_command::Type, ServerError};
+use meridian_protocol::pb::base_command::Type;
 use meridian_protocol::Frame;
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 
 use crate::broker::{Broker, BrokerError};
 use crate::topic_name::TopicName;
+
+/// Warm-up tasks a connection may have at once.
+pub(crate) const WARMING_MAX: usize = 16;
 
 /// A command back from its warm-up.
 pub(crate) struct Warmed {
@@ -90,6 +97,7 @@ pub(crate) struct Warming {
     consumers: HashMap<u64, Vec<u64>>,
     /// Tickets whose producer or consumer the client closed while they were out.
     cancelled: HashSet<u64>,
+    tasks: JoinSet<()>,
 }
 
 impl Warming {
@@ -101,8 +109,21 @@ impl Warming {
             producers: HashMap::new(),
             consumers: HashMap::new(),
             cancelled: HashSet::new(),
+            tasks: JoinSet::new(),
         };
         (w, rx)
+    }
+
+    /// Whether another task may start (the finished ones reaped).
+    pub fn has_room(&mut self) -> bool {
+        while self.tasks.try_join_next().is_some() {}
+        self.tasks.len() < WARMING_MAX
+    }
+
+    /// The connection ended: waits for its tasks (what they load stays loaded; nothing
+    /// attaches).
+    pub async fn finish(mut self) {
+        while self.tasks.join_next().await.is_some() {}
     }
 
     /// Commands out (they count against the connection's producers and consumers).
@@ -135,7 +156,7 @@ impl Warming {
         };
         ids.entry(target.id).or_default().push(ticket);
         let tx = self.tx.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn(async move {
             let failed = warm(&broker, &name, &target).await.err();
             // The connection may be gone: then nothing attaches.
             let _ = tx.send(Warmed {
@@ -175,15 +196,13 @@ impl Warming {
     }
 }
 
-/// Loads the topic and opens the durable subscription if it exists (a subscription that
-/// does not, or fails to open, is left to the command itself, which says why).
+/// Loads the topic and recovers the durable subscription's cursor ledger if it is not open
+/// (a failure there is left to the command itself, which says why).
 async fn warm(broker: &Broker, name: &TopicName, target: &Target) -> Result<(), BrokerError> {
     let topic = broker.topic(name, target.create).await?;
     if let Some(sub) = &target.subscription {
-        if let Err(e) = topic.subscription_for_admin(sub).await {
-            if e.code != ServerError::SubscriptionNotFound {
-                tracing::debug!(topic = %name, subscription = %sub, error = %e, "opening the subscription ahead of its consumer failed; the SUBSCRIBE tries again");
-            }
+        if let Err(e) = topic.recover_subscription_ledger(sub).await {
+            tracing::debug!(topic = %name, subscription = %sub, error = %e, "recovering the subscription's cursor ledger ahead of its consumer failed; the SUBSCRIBE tries again");
         }
     }
     Ok(())

@@ -736,7 +736,6 @@ impl Broker {
         Ok(topic)
     }
 
-    /// Topics loaded on this broker.
     /// The topic if it is loaded here (no load started).
     pub fn loaded_topic(&self, name: &TopicName) -> Option<Arc<Topic>> {
         self.topics
@@ -746,6 +745,7 @@ impl Broker {
             .and_then(|c| c.get().cloned())
     }
 
+    /// Topics loaded on this broker.
     pub fn loaded_topics(&self) -> Vec<Arc<Topic>> {
         self.topics
             .lock()

@@ -391,6 +391,28 @@ impl Topic {
         Ok(())
     }
 
+    /// Recovers the cursor ledger of durable subscription `name` if it is not open here, so
+    /// that a consumer's SUBSCRIBE then opens it without that wait (a connection's warm-up).
+    /// Opens and creates nothing; not for the broker's own cursors (the replicators',
+    /// compaction's), which may be writing theirs.
+    pub async fn recover_subscription_ledger(&self, name: &str) -> Result<(), BrokerError> {
+        if name.starts_with(super::replication::REPL_CURSOR_PREFIX)
+            || name == compaction::COMPACTION_SUBSCRIPTION
+        {
+            return Ok(());
+        }
+        // Under the lock an opening takes: no instance of this subscription starts writing
+        // its ledger meanwhile.
+        let subs = self.subscriptions.lock().await;
+        if subs.get(name).is_some_and(|s| !s.is_closed()) {
+            return Ok(());
+        }
+        self.refuse_if_detached()?;
+        meridian_storage::cursor::ManagedCursor::recover_ledger(&self.client, self.ml.name(), name)
+            .await?;
+        Ok(())
+    }
+
     /// Whether subscription `name` is open here (false while the subscriptions are locked:
     /// one may be opening, which can take a cursor ledger's recovery).
     pub fn has_open_subscription(&self, name: &str) -> bool {
