@@ -4,7 +4,8 @@
 //! ```text
 //!  InRecovery (CAS) ─► fence the last fragment's bookies (LAC from their answers)
 //!  ─► read forward from LAC+1 a window of entries at once, each from its write set
-//!     (first verified copy wins; stop at the first entry enough bookies confirm absent)
+//!     (first verified copy wins; stop at the first entry that no replica holds and enough
+//!     replicas confirm absent)
 //!  ─► rewrite the window's entries at once, each to its whole write set (a bookie of the last
 //!     fragment that cannot take them replaced from the first entry it missed)
 //!  ─► Closed at the last entry found (CAS), the replacements recorded with it
@@ -67,7 +68,7 @@ struct Recovery<'a> {
     /// for an answer.
     changes: Vec<Fragment>,
     /// Bookies that could not be reached or refused a rewrite: no rewrite goes to them again
-    /// during this recovery, and they are read only when the others cannot tell.
+    /// during this recovery (they are still read).
     down: BTreeSet<String>,
     rewritten: u64,
 }
@@ -221,68 +222,65 @@ impl Recovery<'_> {
         }
     }
 
-    /// Asks `entry`'s write set for it (where the writer put it) and answers at the first copy
-    /// that verifies or once enough replicas lack it; with the bookies that could not be
-    /// reached. Bookies in `down` are asked only when the others cannot tell.
+    /// Asks `entry`'s whole write set for it (where the writer put it): the first copy that
+    /// verifies answers; it is absent only once every replica answered and enough of them
+    /// lack it (a copy anywhere is recovered, as BookKeeper does: taking the first "no such
+    /// entry" for the answer would close the ledger before an entry a replica holds).
+    /// With the bookies that could not be reached.
     async fn read(&self, entry: u64) -> (Found, Vec<String>) {
         let id = self.id();
         let frag = self.meta.fragment_of(entry);
-        let (skipped, first): (Vec<String>, Vec<String>) = self
+        let mut asks: FuturesUnordered<_> = self
             .q
             .write_set(entry)
-            .map(|i| frag.ensemble[i].clone())
-            .partition(|addr| self.down.contains(addr));
+            .map(|i| {
+                let addr = frag.ensemble[i].clone();
+                let pool = Arc::clone(&self.client.pool);
+                async move {
+                    let r = pool
+                        .call(
+                            &addr,
+                            Request::Read {
+                                ledger_id: id,
+                                entry_id: entry,
+                            },
+                        )
+                        .await;
+                    (addr, r)
+                }
+            })
+            .collect();
         let mut problems = Vec::new();
         let mut absent = 0;
         let mut unreachable = Vec::new();
-        for round in [first, skipped] {
-            let mut asks: FuturesUnordered<_> = round
-                .into_iter()
-                .map(|addr| {
-                    let pool = Arc::clone(&self.client.pool);
-                    async move {
-                        let r = pool
-                            .call(
-                                &addr,
-                                Request::Read {
-                                    ledger_id: id,
-                                    entry_id: entry,
-                                },
-                            )
-                            .await;
-                        (addr, r)
+        while let Some((addr, r)) = asks.next().await {
+            match r {
+                Ok(Response::Read {
+                    status: Status::Ok,
+                    entry: bytes,
+                    ..
+                }) => match proto::open(&bytes) {
+                    Ok(e) if e.ledger_id == id && e.entry_id == entry => {
+                        return (Found::Entry(bytes), unreachable)
                     }
-                })
-                .collect();
-            while let Some((addr, r)) = asks.next().await {
-                match r {
-                    Ok(Response::Read {
-                        status: Status::Ok,
-                        entry: bytes,
-                        ..
-                    }) => match proto::open(&bytes) {
-                        Ok(e) if e.ledger_id == id && e.entry_id == entry => {
-                            return (Found::Entry(bytes), unreachable)
-                        }
-                        _ => problems.push(format!("{addr}: an entry that does not verify")),
-                    },
-                    Ok(Response::Read {
-                        status: Status::NoSuchEntry | Status::NoSuchLedger,
-                        ..
-                    }) => {
-                        absent += 1;
-                        if absent >= self.q.absent_confirmations() {
-                            return (Found::Absent, unreachable);
-                        }
-                        problems.push(format!("{addr}: no such entry"));
-                    }
-                    Ok(other) => problems.push(format!("{addr}: {other:?}")),
-                    Err(e) => {
-                        problems.push(format!("{addr}: {e}"));
-                        unreachable.push(addr);
-                    }
+                    _ => problems.push(format!("{addr}: an entry that does not verify")),
+                },
+                Ok(Response::Read {
+                    status: Status::NoSuchEntry | Status::NoSuchLedger,
+                    ..
+                }) => {
+                    absent += 1;
+                    problems.push(format!("{addr}: no such entry"));
+                }
+                Ok(other) => problems.push(format!("{addr}: {other:?}")),
+                Err(e) => {
+                    problems.push(format!("{addr}: {e}"));
+                    unreachable.push(addr);
                 }
             }
+        }
+        if absent >= self.q.absent_confirmations() {
+            return (Found::Absent, unreachable);
         }
         (Found::Unknown(problems.join("; ")), unreachable)
     }
