@@ -642,23 +642,31 @@ impl ManagedCursor {
     /// instance must never record a ledger of its own over the next owner's state. Deleting
     /// it still works.
     pub async fn close(&mut self) -> Result<(), CursorError> {
-        self.flush().await?;
+        // Closed whatever the flush gives: a failed one must not leave this instance able
+        // to record a ledger of its own later.
+        let flushed = self.flush().await;
         self.closed = true;
         let Some(d) = self.durable.as_mut() else {
-            return Ok(());
+            return flushed;
         };
         if let Some(writer) = d.writer.take() {
             // Still the recorded one: replaced (and deleted) by the next ledger started.
             d.previous = Some(writer.id());
             d.snapshots = 0;
-            writer.close().await?;
+            let closed = writer.close().await;
+            flushed?;
+            closed?;
+            return Ok(());
         }
-        Ok(())
+        flushed
     }
 
     /// A change happened: persist it now, or later under the rate limit.
     async fn persist(&mut self) -> Result<(), CursorError> {
         self.dirty = true;
+        if self.closed && self.durable.is_some() {
+            return Err(CursorError::Closed(self.name.clone()));
+        }
         let due = self
             .last_persist
             .is_none_or(|t| t.elapsed() >= self.persist_interval);

@@ -360,10 +360,6 @@ async fn given_abandoned_writer_when_another_client_recovers_then_ledger_closes_
     store.shutdown().await;
 }
 
-/// A bookie binds its port before it replays its journal; a connection made meanwhile waited
-/// in the listen queue, unanswered, for its client's whole request timeout (5 s: before an
-/// add's ensemble change, or at each step of a recovery). Now it is closed at once. The fail
-/// point holds the opening 2 s.
 /// Recovery rewrites every entry past the fenced LAC to its whole write set; with Qw = Qa a
 /// bookie of that set that is down made the rewrite, and so the recovery, fail until it came
 /// back (the fault-schedule runner saw a subscription's cursor ledger, which every load
@@ -578,6 +574,10 @@ async fn given_hundreds_of_entries_past_the_fenced_lac_then_recovery_rewrites_th
     store.shutdown().await;
 }
 
+/// A bookie binds its port before it replays its journal; a connection made meanwhile waited
+/// in the listen queue, unanswered, for its client's whole request timeout (5 s: before an
+/// add's ensemble change, or at each step of a recovery). Now it is closed at once. The fail
+/// point holds the opening 2 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_bookie_still_replaying_its_journal_then_a_request_fails_at_once_and_is_served_after(
 ) {

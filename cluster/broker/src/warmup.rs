@@ -50,7 +50,7 @@ pub(crate) struct Target {
     pub topic: String,
     /// Created by the load if it does not exist (a consumer may ask that it is not).
     pub create: bool,
-    /// A durable subscription to open with the topic.
+    /// A durable subscription whose cursor ledger is recovered with the topic's load.
     pub subscription: Option<String>,
 }
 
@@ -144,8 +144,8 @@ impl Warming {
         }
     }
 
-    /// Sends `frame` out to load its topic (and open its subscription); it comes back through
-    /// the receiver.
+    /// Sends `frame` out to load its topic (and recover its subscription's cursor ledger); it
+    /// comes back through the receiver.
     pub fn start(&mut self, broker: Arc<Broker>, name: TopicName, target: Target, frame: Frame) {
         let ticket = self.next_ticket;
         self.next_ticket += 1;

@@ -859,7 +859,7 @@ impl Subscription {
         }
         if st.consumers.is_empty() {
             if let Err(e) = st.cursor.flush().await {
-                tracing::warn!(subscription = %self.name, error = %e, "persisting the cursor failed");
+                tracing::warn!(subscription = %self.name, error = %e, "persisting or closing the cursor failed");
             }
         }
         self.wake.notify_one();

@@ -698,8 +698,9 @@ impl Topic {
         }
     }
 
-    /// Stops every subscription's dispatcher and persists its cursor, then closes the log; no
-    /// consumer or subscription attaches any more (producers: `stop_attaching`).
+    /// Stops every subscription's dispatcher, persists its cursor and closes its ledger, then
+    /// closes the log; no consumer or subscription attaches any more (producers:
+    /// `stop_attaching`).
     pub async fn close(&self) {
         // Before the subscriptions are listed (under their lock): none is opened after, by
         // a consumer or by the replicated subscriptions' sync, on an instance nothing serves.
