@@ -265,13 +265,17 @@ impl Conn {
     /// The topic `t` waits for, when it would wait and the connection may attach to it.
     async fn to_warm_up(&self, t: &Target) -> Option<crate::topic_name::TopicName> {
         let name = self.broker.check_topic(&t.topic).ok()?;
+        // Loaded (the common case): handled now, without authorizing twice.
+        if !Warming::needed(&self.broker, &name, t) {
+            return None;
+        }
         let action = if t.producer { "produce" } else { "consume" };
         self.broker
             .authorize(self.role.as_deref(), &name.namespace(), Some(action))
             .await
             .ok()?;
         self.broker.refuse_if_cut(&name).ok()?;
-        Warming::needed(&self.broker, &name, t).then_some(name)
+        Some(name)
     }
 
     /// A command back from its warm-up: handled now, unless its producer or consumer was

@@ -622,21 +622,7 @@ impl LedgerReader {
         let mut tries = futures::stream::FuturesUnordered::new();
         let mut problems = Vec::new();
         let mut absent = 0;
-        let start = |addr: String| {
-            let pool = Arc::clone(&self.client.pool);
-            async move {
-                let r = pool
-                    .call(
-                        &addr,
-                        Request::Read {
-                            ledger_id: id,
-                            entry_id: entry,
-                        },
-                    )
-                    .await;
-                (addr, r)
-            }
-        };
+        let start = |addr: String| read_from(&self.client.pool, addr, id, entry);
         let mut next = 0;
         tries.push(start(set[next].clone()));
         next += 1;
@@ -789,6 +775,29 @@ impl LedgerReader {
             .buffered(READS_IN_FLIGHT as usize)
             .try_collect()
             .await
+    }
+}
+
+/// Asks one replica for one entry: its address with the answer (reads and recovery race the
+/// replicas of a write set with these).
+fn read_from(
+    pool: &Arc<BookiePool>,
+    addr: String,
+    ledger_id: u64,
+    entry_id: u64,
+) -> impl std::future::Future<Output = (String, Result<Response, BookieClientError>)> {
+    let pool = Arc::clone(pool);
+    async move {
+        let r = pool
+            .call(
+                &addr,
+                Request::Read {
+                    ledger_id,
+                    entry_id,
+                },
+            )
+            .await;
+        (addr, r)
     }
 }
 

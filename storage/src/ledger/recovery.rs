@@ -233,22 +233,7 @@ impl Recovery<'_> {
         let mut asks: FuturesUnordered<_> = self
             .q
             .write_set(entry)
-            .map(|i| {
-                let addr = frag.ensemble[i].clone();
-                let pool = Arc::clone(&self.client.pool);
-                async move {
-                    let r = pool
-                        .call(
-                            &addr,
-                            Request::Read {
-                                ledger_id: id,
-                                entry_id: entry,
-                            },
-                        )
-                        .await;
-                    (addr, r)
-                }
-            })
+            .map(|i| super::read_from(&self.client.pool, frag.ensemble[i].clone(), id, entry))
             .collect();
         let mut problems = Vec::new();
         let mut absent = 0;
