@@ -682,6 +682,33 @@ pub async fn wait_for_bookies(
     }
 }
 
+/// Starts every bookie and waits until each has printed that it listens, which it does after
+/// its journal replay: its port closes connections before that, and the registration of a
+/// bookie killed just before outlives it by the session TTL, so [`wait_for_bookies`] alone
+/// can return while a restarted bookie still replays.
+pub async fn start_serving(bookies: &mut [BookieProc]) {
+    const LINE: &str = " listening on ";
+    let before: Vec<usize> = bookies
+        .iter()
+        .map(|b| b.log_text().matches(LINE).count())
+        .collect();
+    for b in bookies.iter_mut() {
+        b.start().expect("bookie starts");
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    for (b, n) in bookies.iter().zip(before) {
+        while b.log_text().matches(LINE).count() <= n {
+            assert!(
+                Instant::now() < deadline,
+                "bookie {} not started within 60 s:\n{}",
+                b.addr,
+                b.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
 /// One `meridian standalone` process on a data directory, with ports chosen by the OS.
 pub struct StandaloneProc {
     pub data_dir: PathBuf,

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use meridian_integration::powercut::PowerCutFs;
 use meridian_integration::{
-    assert_acked_consumed_in_order, meridian_bin, recover_ledger, run_cli, step, wait_for_bookies,
-    BookieProc, MetaCluster, MetaNode, PyClient, StandaloneProc,
+    assert_acked_consumed_in_order, meridian_bin, recover_ledger, run_cli, start_serving, step,
+    wait_for_bookies, BookieProc, MetaCluster, MetaNode, PyClient, StandaloneProc,
 };
 use rand::{Rng, SeedableRng};
 
@@ -477,7 +477,7 @@ async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_ac
         .collect();
     let mut ledgers: Vec<(String, u64)> = Vec::new();
     for cut in 0..cuts() {
-        start_bookies(&mut bookies).await;
+        start_serving(&mut bookies).await;
         wait_for_bookies(&client, 3, Duration::from_secs(30))
             .await
             .expect("bookies registered");
@@ -519,7 +519,7 @@ async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_ac
             "cut {cut}: ledger {ledger}, at least {acked} entries acknowledged (Qw={qw} Qa={qa}); {report}"
         ));
 
-        start_bookies(&mut bookies).await;
+        start_serving(&mut bookies).await;
         wait_for_bookies(&client, 3, Duration::from_secs(30))
             .await
             .expect("bookies registered after the cut");
@@ -535,35 +535,9 @@ async fn given_bookies_on_powercut_fs_when_power_is_cut_under_load_then_every_ac
         }
     }
     step("every ledger of every cut, read again after the last one");
-    start_bookies(&mut bookies).await;
+    start_serving(&mut bookies).await;
     for (ledger, entries) in &ledgers {
         check_ledger(&endpoint, ledger, *entries);
-    }
-}
-
-/// Starts every bookie and waits until each has printed that it listens, which it does
-/// after its journal replay (its port accepts connections before that, and its registration
-/// from before a cut outlives the cut by the session TTL).
-async fn start_bookies(bookies: &mut [BookieProc]) {
-    const LINE: &str = " listening on ";
-    let before: Vec<usize> = bookies
-        .iter()
-        .map(|b| b.log_text().matches(LINE).count())
-        .collect();
-    for b in bookies.iter_mut() {
-        b.start().expect("bookie starts");
-    }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for (b, n) in bookies.iter().zip(before) {
-        while b.log_text().matches(LINE).count() <= n {
-            assert!(
-                Instant::now() < deadline,
-                "bookie {} not started within 60 s:\n{}",
-                b.addr,
-                b.log_text()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
     }
 }
 

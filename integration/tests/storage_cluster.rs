@@ -6,8 +6,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use meridian_integration::{
-    http_get, meridian_bin, metric_value, recover_ledger, run_cli, step, wait_for_bookies,
-    BookieProc, MetaCluster,
+    http_get, meridian_bin, metric_value, recover_ledger, run_cli, start_serving, step,
+    wait_for_bookies, BookieProc, MetaCluster,
 };
 
 fn ledger_show(endpoint: &str, id: &str) -> serde_json::Value {
@@ -147,9 +147,7 @@ async fn given_bookie_killed_mid_stream_then_writes_go_on_and_every_entry_surviv
     for b in &mut bookies {
         b.kill9().expect("kill -9");
     }
-    for b in &mut bookies {
-        b.start().expect("restart");
-    }
+    start_serving(&mut bookies).await;
     wait_for_bookies(&client, 4, Duration::from_secs(20))
         .await
         .expect("bookies registered again");
