@@ -292,6 +292,50 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
     resend_then_read_in_order(&mut c, "race-fault", &broker);
 }
 
+/// A stock client drops receipts that come after its producer's CLOSE_PRODUCER; one that is
+/// re-created before any receipt reached it then numbers new messages again from the
+/// broker's last sequence id, over ids of messages still pending, which deduplication drops
+/// as repeats (acknowledged, never stored: seen with the Python client in `site_cluster`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_producer_broken_off_with_sends_in_flight_then_their_receipts_come_before_its_close(
+) {
+    let (_cluster, mut bookie, broker) =
+        one_of_each(&[("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")]).await;
+    let mut c = Raw::connected(&broker.url);
+    c.send(&named_producer("close-after-receipts", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+
+    step(
+        "the bookie paused: sends 0, 1, 2 in flight; then 0 again, refused as still being written",
+    );
+    bookie.pause(true).unwrap();
+    for i in 0..3 {
+        c.send_raw(&send_frame(1, i, format!("m{i}").as_bytes()));
+    }
+    c.send_raw(&send_frame(1, 0, b"m0"));
+    std::thread::sleep(Duration::from_millis(1500));
+    bookie.pause(false).unwrap();
+
+    step("receipts 0, 1, 2, then the refusal, then CLOSE_PRODUCER");
+    let mut seen = Vec::new();
+    while !seen.iter().any(|s: &String| s == "close") {
+        let f = wait_frame(&mut c, Duration::from_secs(30), |x| {
+            x.send_receipt.is_some() || x.send_error.is_some() || x.close_producer.is_some()
+        });
+        seen.push(match (f.send_receipt, f.send_error, f.close_producer) {
+            (Some(r), _, _) => format!("receipt {}", r.sequence_id),
+            (_, Some(e), _) => format!("refused {}", e.sequence_id),
+            _ => "close".to_string(),
+        });
+    }
+    assert_eq!(
+        seen,
+        ["receipt 0", "receipt 1", "receipt 2", "refused 0", "close"],
+        "{}",
+        broker.log_text()
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_its_resend_is_deduplicated(
 ) {

@@ -142,7 +142,13 @@ pub struct ManagedLedgerOptions {
     pub retention_bytes: u64,
     /// Bookie affinity groups of new ledgers, `primary[,secondary]` (`None`: any bookie).
     pub bookie_affinity: Option<String>,
+    /// How long an append waits for enough writable bookies to make a new ledger before it
+    /// fails ([`ManagedLedger::queue_in`]); 0: it fails at once.
+    pub create_wait_ms: u64,
 }
+
+/// How often an append waiting for writable bookies tries to make a ledger again.
+const CREATE_RETRY: std::time::Duration = std::time::Duration::from_millis(250);
 
 impl Default for ManagedLedgerOptions {
     fn default() -> Self {
@@ -159,6 +165,7 @@ impl Default for ManagedLedgerOptions {
             retention_ms: 0,
             retention_bytes: 0,
             bookie_affinity: None,
+            create_wait_ms: 5_000,
         }
     }
 }
@@ -665,9 +672,36 @@ impl ManagedLedger {
 
     /// [`ManagedLedger::append_queued_in`] when `only_in` names a ledger, else
     /// [`ManagedLedger::append_queued`] (always `Some`).
+    ///
+    /// A new ledger that cannot be made for want of writable bookies (one restarting, or
+    /// between two registrations of its session) is tried again for up to
+    /// [`ManagedLedgerOptions::create_wait_ms`] before the append fails: a failed append makes
+    /// a producer reconnect and send again, and a stock client that reconnects before its
+    /// first receipt numbers its next messages again from the broker's last sequence id,
+    /// over ids it has already given to messages still pending (deduplication then drops
+    /// them as repeats).
     pub async fn queue_in(
         self: &Arc<Self>,
         payload: Bytes,
+        only_in: Option<u64>,
+    ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
+        let deadline = Instant::now() + std::time::Duration::from_millis(self.opts.create_wait_ms);
+        loop {
+            match self.try_queue_in(&payload, only_in).await {
+                Err(ManagedLedgerError::Ledger(e @ LedgerError::NotEnoughBookies { .. }))
+                    if Instant::now() + CREATE_RETRY < deadline =>
+                {
+                    tracing::debug!(name = %self.name, error = %e, "no ledger can be made yet; an append waits for writable bookies");
+                    tokio::time::sleep(CREATE_RETRY).await;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn try_queue_in(
+        self: &Arc<Self>,
+        payload: &Bytes,
         only_in: Option<u64>,
     ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
         let (writer, ledger_id) = {
@@ -716,7 +750,7 @@ impl ManagedLedger {
             ml: Arc::clone(self),
             ledger_id,
             outcome,
-            payload,
+            payload: payload.clone(),
         }))
     }
 

@@ -980,6 +980,69 @@ mod managed {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_too_few_writable_bookies_for_a_new_ledger_then_an_append_waits_for_one_within_the_create_wait(
+    ) {
+        let (tmp, store, mut bookies, client) = setup(1).await;
+        let two = |create_wait_ms| ManagedLedgerOptions {
+            ensemble: 2,
+            write_quorum: 2,
+            ack_quorum: 2,
+            create_wait_ms,
+            ..Default::default()
+        };
+        // A fresh log's first append with one bookie registered: how long until it failed.
+        let fails_after = |name: &'static str, create_wait_ms| {
+            let client = client.clone();
+            async move {
+                let ml = ManagedLedger::open(client, name, two(create_wait_ms))
+                    .await
+                    .expect("open");
+                let started = std::time::Instant::now();
+                let err = ml.append(payload(0)).await.expect_err("one bookie");
+                assert!(
+                    matches!(
+                        err,
+                        ManagedLedgerError::Ledger(LedgerError::NotEnoughBookies { .. })
+                    ),
+                    "{err}"
+                );
+                started.elapsed()
+            }
+        };
+        step("one bookie of the two a ledger needs; no wait: the append fails at once");
+        let took = fails_after("acme/orders/no-wait", 0).await;
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        step("with a wait of 20 s: the append is queued once a second bookie registers, 1 s on");
+        let ml = ManagedLedger::open(client.clone(), "acme/orders/waits", two(20_000))
+            .await
+            .expect("open");
+        let started = std::time::Instant::now();
+        let waiting = tokio::spawn({
+            let ml = std::sync::Arc::clone(&ml);
+            async move { ml.append(payload(1)).await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!waiting.is_finished(), "the append waits");
+        bookies.push(start_bookie(&store.client, tmp.path().join("second"), None).await);
+        let pos = waiting.await.expect("task").expect("appended");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        assert_eq!(ml.read(pos).await.expect("read"), payload(1));
+        step("a bookie short again, with a wait of 1 s: the append fails after it");
+        // (Its registration is gone once `stop` returns.)
+        bookies.pop().expect("second").stop(&store.client).await;
+        let took = fails_after("acme/orders/short-wait", 1_000).await;
+        assert!(took >= Duration::from_millis(750), "{took:?}");
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_a_shared_cache_budget_then_tail_caches_together_stay_within_it() {
         use meridian_storage::managed_ledger::CacheBudget;
         let (_tmp, store, mut bookies, client) = setup(1).await;

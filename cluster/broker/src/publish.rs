@@ -490,6 +490,7 @@ pub(crate) async fn receipt_loop(
             )),
             Err(e) => Err(e),
         };
+        let refused = outcome.is_err();
         let reply = match outcome {
             Ok(Some(pos)) => {
                 topic.on_appended(pos, ps.messages, ps.bytes);
@@ -522,6 +523,16 @@ pub(crate) async fn receipt_loop(
             }
         };
         if !client_gone && tx.send(frame(&reply)).await.is_err() {
+            client_gone = true;
+        }
+        // The first refusal of a producer broken off (this send failed, or an earlier one):
+        // every send before it is answered now, so the client has taken their receipts
+        // before it reconnects.
+        if refused
+            && handle.take_break_notice()
+            && !client_gone
+            && tx.send(handle.close_frame()).await.is_err()
+        {
             client_gone = true;
         }
     }

@@ -68,6 +68,8 @@ pub struct ProducerHandle {
     /// A send of it failed to be stored: no later send is stored until the client has
     /// reconnected and sends again from the failed one (else they would overtake it).
     broken: AtomicBool,
+    /// Its CLOSE_PRODUCER for being broken off went out.
+    break_told: AtomicBool,
     /// Closed by the broker (the topic unloaded, deleted, over quota or terminated), not
     /// fenced by another producer: sends still in flight from before the client saw
     /// CLOSE_PRODUCER are dropped unanswered, as Pulsar does for a closing topic, and the
@@ -90,15 +92,27 @@ impl ProducerHandle {
         self.granted.load(Ordering::Acquire)
     }
 
-    /// A send failed to be stored: later sends are refused and the client is told to
-    /// reconnect (CLOSE_PRODUCER), after which it sends again from the failed one, in order.
+    /// A send failed to be stored: later sends are refused. The client is told to reconnect
+    /// (CLOSE_PRODUCER, after which it sends again from the failed one, in order) by the
+    /// receipt task once it has answered every earlier send ([`Self::take_break_notice`]):
+    /// a stock client drops receipts that come after a CLOSE_PRODUCER, and one re-created
+    /// before any receipt reached it numbers its next messages again over ids it has given
+    /// to messages still pending.
     pub fn break_off(&self) {
-        if self.broken.swap(true, Ordering::AcqRel) {
-            return;
-        }
+        self.broken.store(true, Ordering::Release);
+    }
+
+    /// True the first time it is called on a broken producer: the caller sends its
+    /// CLOSE_PRODUCER ([`Self::close_frame`]).
+    pub fn take_break_notice(&self) -> bool {
+        self.is_broken() && !self.break_told.swap(true, Ordering::AcqRel)
+    }
+
+    /// CLOSE_PRODUCER for this producer.
+    pub fn close_frame(&self) -> bytes::Bytes {
         let mut b = BytesMut::new();
         encode_command(&mut b, &cmd::close_producer(self.sink.producer_id, 0));
-        let _ = self.sink.tx.send_now(b.freeze());
+        b.freeze()
     }
 
     pub fn is_broken(&self) -> bool {
@@ -107,10 +121,8 @@ impl ProducerHandle {
 
     fn fence(&self) {
         self.fenced.store(true, Ordering::Release);
-        let mut b = BytesMut::new();
-        encode_command(&mut b, &cmd::close_producer(self.sink.producer_id, 0));
         // A full or closed writer: the connection is going away anyway.
-        let _ = self.sink.tx.send_now(b.freeze());
+        let _ = self.sink.tx.send_now(self.close_frame());
     }
 }
 
@@ -251,6 +263,7 @@ impl Producers {
             sink,
             fenced: AtomicBool::new(false),
             broken: AtomicBool::new(false),
+            break_told: AtomicBool::new(false),
             closed_by_broker: AtomicBool::new(false),
             granted: AtomicBool::new(mode != AccessMode::WaitForExclusive),
         });
