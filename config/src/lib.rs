@@ -610,6 +610,11 @@ pub struct BrokerConfig {
     /// ... but not before the ledger is this old, milliseconds (a roll-over pauses the topic's
     /// appends briefly). Range 0..=86400000, default 600000 (10 minutes, as Pulsar).
     pub ledger_rollover_min_age_ms: u64,
+    /// How long a send that needs a new ledger waits for enough writable bookies before it
+    /// is refused (a bookie restarting or between two registrations), milliseconds; the wait
+    /// is shared by a topic's sends, and once it has run out they are refused at once until a
+    /// ledger is made. Range 0..=60000, default 5000.
+    pub ledger_create_wait_ms: u64,
     /// Recently written entries kept in memory per topic for tailing consumers, bytes.
     /// Range 0..=17179869184, default 16777216 (16 MiB).
     pub tail_cache_bytes_max: u64,
@@ -717,6 +722,7 @@ impl Default for BrokerConfig {
             ack_quorum: 1,
             ledger_rollover_entries_max: 50_000,
             ledger_rollover_min_age_ms: 600_000,
+            ledger_create_wait_ms: 5_000,
             tail_cache_bytes_max: 16 << 20,
             tail_cache_total_bytes_max: 256 << 20,
             cursor_persist_interval_ms: 100,
@@ -839,6 +845,7 @@ impl BrokerConfig {
             ("broker.ack_quorum", b.ack_quorum, 1, b.write_quorum, " (at most broker.write_quorum)"),
             ("broker.ledger_rollover_entries_max", b.ledger_rollover_entries_max, 1, 100_000_000, ""),
             ("broker.ledger_rollover_min_age_ms", b.ledger_rollover_min_age_ms, 0, 86_400_000, ""),
+            ("broker.ledger_create_wait_ms", b.ledger_create_wait_ms, 0, 60_000, ""),
             ("broker.tail_cache_bytes_max", b.tail_cache_bytes_max, 0, 17_179_869_184, ""),
             ("broker.tail_cache_total_bytes_max", b.tail_cache_total_bytes_max, 0, 68_719_476_736, ""),
             ("broker.cursor_persist_interval_ms", b.cursor_persist_interval_ms, 0, 60_000, ""),

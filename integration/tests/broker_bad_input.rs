@@ -461,6 +461,19 @@ fn a_wait_for_exclusive_producer_cannot_publish_before_it_is_granted() {
         .producer_success
         .expect("PRODUCER_SUCCESS");
     assert_eq!(ps.producer_ready, Some(false));
+    step("its create retried (as a client whose request timed out does): still not ready");
+    let mut again = wait.clone();
+    if let Some(p) = again.producer.as_mut() {
+        p.request_id = 3;
+    }
+    waiter.send(&again);
+    let ps = waiter
+        .expect()
+        .command
+        .producer_success
+        .expect("PRODUCER_SUCCESS to the retry");
+    assert_eq!(ps.request_id, 3);
+    assert_eq!(ps.producer_ready, Some(false));
 
     step("its SEND is refused and nothing is appended");
     waiter.send_raw(&send_frame(1, 0, b"too early"));

@@ -188,6 +188,8 @@ pub enum ManagedLedgerError {
     BadMetadata { key: String, detail: String },
     #[error("managed ledger {name} is terminated: it takes no more entries")]
     Terminated { name: String },
+    #[error("managed ledger {name} is closed here (its topic was unloaded)")]
+    Closed { name: String },
 }
 
 impl ManagedLedgerError {
@@ -357,6 +359,12 @@ pub struct ManagedLedger {
     /// Another owner changed the log's record, or recording a change of it failed: this
     /// owner takes no more entries (an atomic, so it is read without waiting for appends).
     fenced: std::sync::atomic::AtomicBool,
+    /// Closed by its owner ([`ManagedLedger::close`]): it makes no new ledger.
+    closed: std::sync::atomic::AtomicBool,
+    /// Since when no new ledger could be made for want of writable bookies (`None`: one
+    /// could, or none was needed): appends wait for bookies only within
+    /// `create_wait_ms` of it, not each for the whole of it ([`ManagedLedger::queue_in`]).
+    short_of_bookies_since: Mutex<Option<Instant>>,
 }
 
 impl ManagedLedger {
@@ -416,6 +424,8 @@ impl ManagedLedger {
             last_confirmed: Mutex::new(None),
             affinity: Mutex::new(affinity),
             fenced: Default::default(),
+            closed: Default::default(),
+            short_of_bookies_since: Mutex::default(),
         });
         // Record the recovery (or create the log) before the first new ledger.
         version = ml.cas(&meta, version).await?;
@@ -674,28 +684,45 @@ impl ManagedLedger {
     /// [`ManagedLedger::append_queued`] (always `Some`).
     ///
     /// A new ledger that cannot be made for want of writable bookies (one restarting, or
-    /// between two registrations of its session) is tried again for up to
-    /// [`ManagedLedgerOptions::create_wait_ms`] before the append fails: a failed append makes
-    /// a producer reconnect and send again, and a stock client that reconnects before its
-    /// first receipt numbers its next messages again from the broker's last sequence id,
-    /// over ids it has already given to messages still pending (deduplication then drops
-    /// them as repeats).
+    /// between two registrations of its session) is tried again until
+    /// [`ManagedLedgerOptions::create_wait_ms`] after the shortage was first met, before the
+    /// append fails: a failed append makes a producer reconnect and send again, and a stock
+    /// client that reconnects before its first receipt numbers its next messages again from
+    /// the broker's last sequence id, over ids it has already given to messages still pending
+    /// (deduplication then drops them as repeats). The window is the log's, not each
+    /// append's: once it has run out, appends fail at once until a ledger is made.
     pub async fn queue_in(
         self: &Arc<Self>,
         payload: Bytes,
         only_in: Option<u64>,
     ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
-        let deadline = Instant::now() + std::time::Duration::from_millis(self.opts.create_wait_ms);
+        let wait = std::time::Duration::from_millis(self.opts.create_wait_ms);
         loop {
-            match self.try_queue_in(&payload, only_in).await {
-                Err(ManagedLedgerError::Ledger(e @ LedgerError::NotEnoughBookies { .. }))
-                    if Instant::now() + CREATE_RETRY < deadline =>
-                {
-                    tracing::debug!(name = %self.name, error = %e, "no ledger can be made yet; an append waits for writable bookies");
-                    tokio::time::sleep(CREATE_RETRY).await;
+            let r = self.try_queue_in(&payload, only_in).await;
+            let short = matches!(
+                r,
+                Err(ManagedLedgerError::Ledger(
+                    LedgerError::NotEnoughBookies { .. }
+                ))
+            );
+            let waits = {
+                let mut since = self.short_of_bookies_since.lock().expect("shortage lock");
+                if short {
+                    since.get_or_insert_with(Instant::now).elapsed() + CREATE_RETRY < wait
+                } else {
+                    if r.as_ref().is_ok_and(Option::is_some) {
+                        *since = None;
+                    }
+                    false
                 }
-                r => return r,
+            };
+            if !waits {
+                return r;
             }
+            if let Err(e) = &r {
+                tracing::debug!(name = %self.name, error = %e, "no ledger can be made yet; an append waits for writable bookies");
+            }
+            tokio::time::sleep(CREATE_RETRY).await;
         }
     }
 
@@ -706,6 +733,11 @@ impl ManagedLedger {
     ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
         let (writer, ledger_id) = {
             let mut st = self.state.lock().await;
+            if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+                return Err(ManagedLedgerError::Closed {
+                    name: self.name.clone(),
+                });
+            }
             if self.is_fenced() {
                 return Err(ManagedLedgerError::Fenced {
                     name: self.name.clone(),
@@ -1205,6 +1237,9 @@ impl ManagedLedger {
     /// owner) later.
     pub async fn close(&self) -> Result<(), ManagedLedgerError> {
         let mut st = self.state.lock().await;
+        // Under the state lock: an append waiting for bookies makes no ledger after this.
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         self.close_open(&mut st).await
     }
 }

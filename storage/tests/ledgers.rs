@@ -980,7 +980,7 @@ mod managed {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn given_too_few_writable_bookies_for_a_new_ledger_then_an_append_waits_for_one_within_the_create_wait(
+    async fn given_too_few_writable_bookies_for_a_new_ledger_then_appends_wait_for_one_within_the_log_s_create_wait(
     ) {
         let (tmp, store, mut bookies, client) = setup(1).await;
         let two = |create_wait_ms| ManagedLedgerOptions {
@@ -1006,11 +1006,11 @@ mod managed {
                     ),
                     "{err}"
                 );
-                started.elapsed()
+                (started.elapsed(), ml)
             }
         };
         step("one bookie of the two a ledger needs; no wait: the append fails at once");
-        let took = fails_after("acme/orders/no-wait", 0).await;
+        let (took, _) = fails_after("acme/orders/no-wait", 0).await;
         assert!(took < Duration::from_secs(2), "{took:?}");
         step("with a wait of 20 s: the append is queued once a second bookie registers, 1 s on");
         let ml = ManagedLedger::open(client.clone(), "acme/orders/waits", two(20_000))
@@ -1034,8 +1034,16 @@ mod managed {
         step("a bookie short again, with a wait of 1 s: the append fails after it");
         // (Its registration is gone once `stop` returns.)
         bookies.pop().expect("second").stop(&store.client).await;
-        let took = fails_after("acme/orders/short-wait", 1_000).await;
+        let (took, ml) = fails_after("acme/orders/short-wait", 1_000).await;
         assert!(took >= Duration::from_millis(750), "{took:?}");
+        step("the wait is the log's: once it ran out, the next append fails at once");
+        let started = std::time::Instant::now();
+        ml.append(payload(3)).await.expect_err("still one bookie");
+        assert!(
+            started.elapsed() < Duration::from_millis(500),
+            "{:?}",
+            started.elapsed()
+        );
         for b in &mut bookies {
             b.stop(&store.client).await;
         }

@@ -79,6 +79,9 @@ struct CreatedProducer {
     epoch: Option<u64>,
     /// WaitForExclusive in line: yields the epoch once the topic is granted.
     waiting: Option<tokio::sync::oneshot::Receiver<u64>>,
+    /// Whether it may send now (PRODUCER_SUCCESS's `producer_ready`): false for a
+    /// WaitForExclusive producer still in line, also when its create is retried.
+    ready: bool,
 }
 
 struct ConsumerEntry {
@@ -429,8 +432,7 @@ impl Conn {
                             }
                             r
                         };
-                        self.reply(success(created.epoch, created.waiting.is_none()))
-                            .await?;
+                        self.reply(success(created.epoch, created.ready)).await?;
                         // WaitForExclusive: a second PRODUCER_SUCCESS, ready, once granted.
                         if let Some(granted) = created.waiting {
                             let tx = self.tx.clone();
@@ -843,6 +845,9 @@ impl Conn {
                     last_sequence_id: last,
                     epoch: exclusive.then(|| existing.publisher.topic.producers.epoch()),
                     waiting: None,
+                    // Its second PRODUCER_SUCCESS, ready, comes once granted (to the first
+                    // create's request id).
+                    ready: existing.publisher.handle.is_granted(),
                 });
             } else {
                 return Err(BrokerError::new(
@@ -938,6 +943,7 @@ impl Conn {
             name,
             last_sequence_id,
             epoch,
+            ready: waiting.is_none(),
             waiting,
         })
     }

@@ -338,6 +338,9 @@ async fn submit(
         }
     };
     PendingSend {
+        // Read after this send's own checks and append: set, the break came at this send or
+        // before it (never at a later one).
+        after_break: handle.is_broken(),
         sequence_id: r.send.sequence_id,
         submitted,
         highest_sequence_id: r.send.highest_sequence_id,
@@ -436,6 +439,8 @@ pub(crate) struct PendingSend {
     append: Result<Submitted, BrokerError>,
     /// Refused without an answer (its producer was closed by the broker).
     silent: bool,
+    /// Its producer was broken off when it was submitted (by it or an earlier send).
+    after_break: bool,
 }
 
 /// Awaits each send's durability in SEND order and answers it.
@@ -464,10 +469,12 @@ pub(crate) async fn receipt_loop(
             continue;
         }
         let submitted = ps.submitted;
+        let mut after_break = ps.after_break;
         let outcome = match ps.append {
             Ok(Submitted::Appended(pa, ticket)) => {
                 let r = pa.wait().await.map_err(BrokerError::from);
                 if r.is_err() {
+                    after_break = true;
                     if crate::failpoint::hit("publish:slow_break_off") {
                         tokio::time::sleep(Duration::from_secs(15)).await;
                     }
@@ -525,10 +532,11 @@ pub(crate) async fn receipt_loop(
         if !client_gone && tx.send(frame(&reply)).await.is_err() {
             client_gone = true;
         }
-        // The first refusal of a producer broken off (this send failed, or an earlier one):
-        // every send before it is answered now, so the client has taken their receipts
-        // before it reconnects.
+        // The first refusal at or after the send that broke the producer off: every send
+        // before it is answered now, so the client has taken their receipts before it
+        // reconnects. (A refusal for another reason, submitted before the break, is not.)
         if refused
+            && after_break
             && handle.take_break_notice()
             && !client_gone
             && tx.send(handle.close_frame()).await.is_err()

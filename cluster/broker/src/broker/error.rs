@@ -32,7 +32,9 @@ impl From<TopicNameError> for BrokerError {
 impl From<ManagedLedgerError> for BrokerError {
     fn from(e: ManagedLedgerError) -> Self {
         let code = match &e {
-            ManagedLedgerError::Fenced { .. } => ServerError::ServiceNotReady,
+            ManagedLedgerError::Fenced { .. } | ManagedLedgerError::Closed { .. } => {
+                ServerError::ServiceNotReady
+            }
             ManagedLedgerError::Terminated { .. } => ServerError::TopicTerminatedError,
             _ => ServerError::PersistenceError,
         };

@@ -624,6 +624,7 @@ impl Broker {
             ack_quorum: self.cfg.ack_quorum as usize,
             rollover_entries_max: self.cfg.ledger_rollover_entries_max,
             rollover_min_age_ms: self.cfg.ledger_rollover_min_age_ms,
+            create_wait_ms: self.cfg.ledger_create_wait_ms,
             tail_cache_bytes_max: self.cfg.tail_cache_bytes_max as usize,
             tail_cache_budget: Some(Arc::clone(&self.tail_cache_budget)),
             ..ManagedLedgerOptions::default()
