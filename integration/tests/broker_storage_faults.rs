@@ -336,6 +336,67 @@ async fn given_a_producer_broken_off_with_sends_in_flight_then_their_receipts_co
     );
 }
 
+/// As above for a producer the broker closes because its topic is unloaded: the sends it
+/// took before are answered first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_topic_unloaded_with_sends_in_flight_then_their_receipts_come_before_its_producers_close(
+) {
+    let (_cluster, mut bookie, broker) = one_of_each(&[]).await;
+    let mut c = Raw::connected(&broker.url);
+    c.send(&producer("unload-after-receipts", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+
+    step("the bookie paused: sends 0, 1, 2 in flight; the topic is unloaded meanwhile");
+    bookie.pause(true).unwrap();
+    for i in 0..3 {
+        c.send_raw(&send_frame(1, i, format!("m{i}").as_bytes()));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let mut unload = std::process::Command::new(meridian_integration::admin_bin())
+        .args(["--admin-url", &broker.admin_url])
+        .args(["topics", "unload", &full_name("unload-after-receipts")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // The producer is closed as the unload begins; closing the log waits for the bookie.
+    wait_for_log(
+        "broker",
+        || broker.log_text(),
+        "topic unloading",
+        Duration::from_secs(30),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        unload.try_wait().unwrap().is_none(),
+        "the unload waits for the bookie"
+    );
+    step("a send after the close is refused without an answer; the bookie resumes");
+    c.send_raw(&send_frame(1, 3, b"m3"));
+    std::thread::sleep(Duration::from_millis(200));
+    bookie.pause(false).unwrap();
+
+    step("receipts 0, 1, 2, then CLOSE_PRODUCER");
+    let mut seen = Vec::new();
+    while !seen.iter().any(|s: &String| s == "close") {
+        let f = wait_frame(&mut c, Duration::from_secs(30), |x| {
+            x.send_receipt.is_some() || x.send_error.is_some() || x.close_producer.is_some()
+        });
+        seen.push(match (f.send_receipt, f.send_error, f.close_producer) {
+            (Some(r), _, _) => format!("receipt {}", r.sequence_id),
+            (_, Some(e), _) => format!("refused {}: {}", e.sequence_id, e.message),
+            _ => "close".to_string(),
+        });
+    }
+    assert_eq!(
+        seen,
+        ["receipt 0", "receipt 1", "receipt 2", "close"],
+        "{}",
+        broker.log_text()
+    );
+    assert!(unload.wait().unwrap().success(), "the unload succeeded");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_a_throttled_send_being_handed_on_when_its_producer_closes_then_its_resend_is_deduplicated(
 ) {

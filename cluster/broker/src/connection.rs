@@ -902,7 +902,6 @@ impl Conn {
         let broker = Arc::clone(&self.broker);
         let sink = ProducerSink {
             producer_id: p.producer_id,
-            tx: self.tx.clone(),
         };
         let admission = topic
             .add_producer(

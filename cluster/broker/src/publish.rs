@@ -19,7 +19,7 @@
 //! answered ([`InFlight`]): it never lands in a later ledger while an earlier one of its
 //! producer may still fail there.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -94,6 +94,29 @@ pub(crate) struct InFlight {
     settled: tokio::sync::Notify,
     /// The receipt task ended: what is in flight is never answered here.
     gone: std::sync::atomic::AtomicBool,
+    /// Sends whose checks began, and of them those whose outcome is in the receipt queue
+    /// (a producer submits one at a time: from the read loop, or from its throttle task
+    /// while that holds sends).
+    submits_started: AtomicU64,
+    submits_queued: AtomicU64,
+}
+
+/// Counts a send as submitted from its start until it is dropped (once its outcome is
+/// queued).
+struct Submitting<'a>(&'a InFlight);
+
+impl<'a> Submitting<'a> {
+    fn start(in_flight: &'a InFlight) -> Self {
+        // SeqCst with the fenced flag: see `ProducerHandle::is_fenced`.
+        in_flight.submits_started.fetch_add(1, Ordering::SeqCst);
+        Submitting(in_flight)
+    }
+}
+
+impl Drop for Submitting<'_> {
+    fn drop(&mut self) {
+        self.0.submits_queued.fetch_add(1, Ordering::SeqCst);
+    }
 }
 
 impl InFlight {
@@ -202,6 +225,7 @@ impl Publisher {
         .max()
         .unwrap_or_default();
         if wait.is_zero() && self.throttled.load(Ordering::Acquire) == 0 {
+            let _submitting = Submitting::start(&self.in_flight);
             let ps = submit(
                 &self.topic,
                 &self.handle,
@@ -267,11 +291,13 @@ async fn throttle_loop(
             _ = stop.wait_for(|s| *s) => return,
             _ = tokio::time::sleep_until(due.into()) => {}
         }
+        let submitting = Submitting::start(&in_flight);
         let ps = submit(&topic, &handle, &in_flight, message_bytes_max, r).await;
         if crate::failpoint::hit("publish:slow_hand_off") {
             tokio::time::sleep(Duration::from_secs(8)).await;
         }
         let gone = receipts.send(ps).await.is_err();
+        drop(submitting);
         // Only after the append was submitted and its outcome queued: a later send that
         // sees no throttled one left is appended after this one.
         throttled.fetch_sub(1, Ordering::AcqRel);
@@ -443,7 +469,11 @@ pub(crate) struct PendingSend {
     after_break: bool,
 }
 
-/// Awaits each send's durability in SEND order and answers it.
+/// Awaits each send's durability in SEND order and answers it. A producer fenced or closed
+/// by the broker (its topic unloaded, terminated or over quota) is sent its CLOSE_PRODUCER
+/// here, once every send submitted before is answered: a stock client drops receipts that
+/// come after a CLOSE_PRODUCER and, re-created before its first receipt, numbers new
+/// messages over ids of pending ones.
 pub(crate) async fn receipt_loop(
     producer_id: u64,
     topic: Arc<Topic>,
@@ -453,21 +483,102 @@ pub(crate) async fn receipt_loop(
     tx: FrameSender,
 ) {
     let _end = ReceiptsEnd(Arc::clone(&in_flight));
-    // Resolved once per producer, not per SEND (each macro call looks the metric up).
-    let published = metrics::counter!("meridian_publish_messages_total");
-    let published_bytes = metrics::counter!("meridian_publish_bytes_total");
-    let publish_latency = metrics::histogram!("meridian_publish_latency_seconds");
-    let storage_latency = metrics::histogram!("meridian_storage_write_latency_seconds");
-    let errors = metrics::counter!("meridian_publish_errors_total");
-    let duplicates = metrics::counter!("meridian_publish_duplicates_total");
-    // Once the client is gone receipts are no longer written, but every pending send is
-    // still awaited: deduplication must learn what became durable.
-    let mut client_gone = false;
-    let mut last_error_logged: Option<Instant> = None;
-    while let Some(ps) = rx.recv().await {
-        if ps.silent {
-            continue;
+    let mut r = Receipts::new(producer_id, topic, handle, Arc::clone(&in_flight), tx);
+    let mut fence_told = false;
+    loop {
+        tokio::select! {
+            biased;
+            next = rx.recv() => match next {
+                Some(ps) => r.answer(ps).await,
+                None => return,
+            },
+            () = r.handle.fenced_notice(), if !fence_told => {
+                fence_told = true;
+                // Every send whose checks began before the fence is answered first (one
+                // still being submitted too); those after it are refused.
+                let before = in_flight.submits_started.load(Ordering::SeqCst);
+                while in_flight.submits_queued.load(Ordering::SeqCst) < before {
+                    tokio::select! {
+                        next = rx.recv() => match next {
+                            Some(ps) => r.answer(ps).await,
+                            None => return,
+                        },
+                        () = tokio::time::sleep(Duration::from_millis(5)) => {}
+                    }
+                }
+                while let Ok(ps) = rx.try_recv() {
+                    r.answer(ps).await;
+                }
+                if r.handle.take_close_notice() {
+                    let close = r.handle.close_frame();
+                    r.write(close).await;
+                }
+            }
         }
+    }
+}
+
+/// The receipt task's state: where answers go and what it counts.
+struct Receipts {
+    producer_id: u64,
+    topic: Arc<Topic>,
+    handle: Arc<ProducerHandle>,
+    in_flight: Arc<InFlight>,
+    tx: FrameSender,
+    published: metrics::Counter,
+    published_bytes: metrics::Counter,
+    publish_latency: metrics::Histogram,
+    storage_latency: metrics::Histogram,
+    errors: metrics::Counter,
+    duplicates: metrics::Counter,
+    /// Once the client is gone receipts are no longer written, but every pending send is
+    /// still awaited: deduplication must learn what became durable.
+    client_gone: bool,
+    last_error_logged: Option<Instant>,
+}
+
+impl Receipts {
+    fn new(
+        producer_id: u64,
+        topic: Arc<Topic>,
+        handle: Arc<ProducerHandle>,
+        in_flight: Arc<InFlight>,
+        tx: FrameSender,
+    ) -> Receipts {
+        // Resolved once per producer, not per SEND (each macro call looks the metric up).
+        Receipts {
+            producer_id,
+            topic,
+            handle,
+            in_flight,
+            tx,
+            published: metrics::counter!("meridian_publish_messages_total"),
+            published_bytes: metrics::counter!("meridian_publish_bytes_total"),
+            publish_latency: metrics::histogram!("meridian_publish_latency_seconds"),
+            storage_latency: metrics::histogram!("meridian_storage_write_latency_seconds"),
+            errors: metrics::counter!("meridian_publish_errors_total"),
+            duplicates: metrics::counter!("meridian_publish_duplicates_total"),
+            client_gone: false,
+            last_error_logged: None,
+        }
+    }
+
+    async fn write(&mut self, frame: bytes::Bytes) {
+        if !self.client_gone && self.tx.send(frame).await.is_err() {
+            self.client_gone = true;
+        }
+    }
+
+    /// Awaits one send's outcome and answers it.
+    async fn answer(&mut self, ps: PendingSend) {
+        if ps.silent {
+            return;
+        }
+        let (topic, handle, producer_id) = (
+            Arc::clone(&self.topic),
+            Arc::clone(&self.handle),
+            self.producer_id,
+        );
         let submitted = ps.submitted;
         let mut after_break = ps.after_break;
         let outcome = match ps.append {
@@ -486,7 +597,7 @@ pub(crate) async fn receipt_loop(
                 }
                 // After the producer was broken off and deduplication learnt the outcome: a
                 // send waiting for this one then sees both.
-                in_flight.answered();
+                self.in_flight.answered();
                 r.map(Some)
             }
             Ok(Submitted::Duplicate) => Ok(None),
@@ -501,10 +612,12 @@ pub(crate) async fn receipt_loop(
         let reply = match outcome {
             Ok(Some(pos)) => {
                 topic.on_appended(pos, ps.messages, ps.bytes);
-                published.increment(ps.messages);
-                published_bytes.increment(ps.bytes);
-                publish_latency.record(ps.received.elapsed().as_secs_f64());
-                storage_latency.record(submitted.elapsed().as_secs_f64());
+                self.published.increment(ps.messages);
+                self.published_bytes.increment(ps.bytes);
+                self.publish_latency
+                    .record(ps.received.elapsed().as_secs_f64());
+                self.storage_latency
+                    .record(submitted.elapsed().as_secs_f64());
                 let mut c =
                     cmd::send_receipt(producer_id, ps.sequence_id, pos.ledger_id, pos.entry_id);
                 if let Some(r) = c.send_receipt.as_mut() {
@@ -514,34 +627,29 @@ pub(crate) async fn receipt_loop(
             }
             // A duplicate of a persisted message: acknowledged, at no position (as Pulsar).
             Ok(None) => {
-                duplicates.increment(ps.messages);
+                self.duplicates.increment(ps.messages);
                 cmd::send_receipt(producer_id, ps.sequence_id, ID_NONE, ID_NONE)
             }
             Err(e) => {
-                errors.increment(1);
+                self.errors.increment(1);
                 // At most one line a second per producer: a failing topic can refuse many
                 // sends.
-                if last_error_logged.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(1))
+                if self
+                    .last_error_logged
+                    .is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(1))
                 {
-                    last_error_logged = Some(Instant::now());
+                    self.last_error_logged = Some(Instant::now());
                     tracing::warn!(topic = %topic.name, producer_id, code = ?e.code, error = %e.message, "send refused");
                 }
                 cmd::send_error(producer_id, ps.sequence_id, e.code, e.message)
             }
         };
-        if !client_gone && tx.send(frame(&reply)).await.is_err() {
-            client_gone = true;
-        }
+        self.write(frame(&reply)).await;
         // The first refusal at or after the send that broke the producer off: every send
         // before it is answered now, so the client has taken their receipts before it
         // reconnects. (A refusal for another reason, submitted before the break, is not.)
-        if refused
-            && after_break
-            && handle.take_break_notice()
-            && !client_gone
-            && tx.send(handle.close_frame()).await.is_err()
-        {
-            client_gone = true;
+        if refused && after_break && handle.take_break_notice() {
+            self.write(handle.close_frame()).await;
         }
     }
 }

@@ -512,6 +512,7 @@ impl Broker {
 
     /// The rest of [`Broker::unload_loaded`], for a topic held and forgotten.
     async fn finish_unload(&self, t: Arc<Topic>, held: Held<'_>) {
+        tracing::info!(topic = %t.name, "topic unloading: closing its producers and consumers");
         t.shut().await;
         drop(held);
         tracing::info!(topic = %t.name, "topic unloaded");

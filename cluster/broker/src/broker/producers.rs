@@ -23,7 +23,6 @@ use meridian_protocol::{cmd, encode_command};
 use tokio::sync::oneshot;
 
 use super::BrokerError;
-use crate::frame_queue::FrameSender;
 
 /// How a producer shares its topic (CommandProducer.producer_access_mode).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,10 +49,9 @@ impl AccessMode {
     }
 }
 
-/// Where a producer lives: its connection's writer and its id there.
+/// Where a producer lives: its id on its connection (whose receipt task writes to it).
 pub struct ProducerSink {
     pub producer_id: u64,
-    pub tx: FrameSender,
 }
 
 /// One attached (or waiting) producer.
@@ -68,8 +66,11 @@ pub struct ProducerHandle {
     /// A send of it failed to be stored: no later send is stored until the client has
     /// reconnected and sends again from the failed one (else they would overtake it).
     broken: AtomicBool,
-    /// Its CLOSE_PRODUCER for being broken off went out.
-    break_told: AtomicBool,
+    /// Its CLOSE_PRODUCER went out (for being broken off, fenced or closed): once only.
+    close_told: AtomicBool,
+    /// Fenced or closed by the broker: its receipt task sends CLOSE_PRODUCER once the sends
+    /// before are answered (a permit, so one before the task starts is not missed).
+    closing: tokio::sync::Notify,
     /// Closed by the broker (the topic unloaded, deleted, over quota or terminated), not
     /// fenced by another producer: sends still in flight from before the client saw
     /// CLOSE_PRODUCER are dropped unanswered, as Pulsar does for a closing topic, and the
@@ -84,7 +85,9 @@ impl ProducerHandle {
 
     /// Fenced by an ExclusiveWithFencing producer: its sends are refused.
     pub fn is_fenced(&self) -> bool {
-        self.fenced.load(Ordering::Acquire)
+        // SeqCst with the receipt task's count of sends being submitted: a send that finds
+        // the producer not fenced is counted before the task looks (publish.rs).
+        self.fenced.load(Ordering::SeqCst)
     }
 
     /// Whether the producer may publish (a WaitForExclusive producer only once granted).
@@ -102,10 +105,15 @@ impl ProducerHandle {
         self.broken.store(true, Ordering::Release);
     }
 
-    /// True the first time it is called on a broken producer: the caller sends its
-    /// CLOSE_PRODUCER ([`Self::close_frame`]).
+    /// True the first time it is called on a broken producer, unless its CLOSE_PRODUCER
+    /// went out already: the caller sends it ([`Self::close_frame`]).
     pub fn take_break_notice(&self) -> bool {
-        self.is_broken() && !self.break_told.swap(true, Ordering::AcqRel)
+        self.is_broken() && self.take_close_notice()
+    }
+
+    /// True the first time: the caller sends its CLOSE_PRODUCER.
+    pub fn take_close_notice(&self) -> bool {
+        !self.close_told.swap(true, Ordering::AcqRel)
     }
 
     /// CLOSE_PRODUCER for this producer.
@@ -119,10 +127,26 @@ impl ProducerHandle {
         self.broken.load(Ordering::Acquire)
     }
 
+    /// Closed by the broker (its topic unloaded, terminated or over quota): its sends are
+    /// refused from now on, without an answer, and it is told as a fenced one is.
+    fn close_by_broker(&self) {
+        self.closed_by_broker.store(true, Ordering::Release);
+        self.fence();
+    }
+
+    /// Until the producer is fenced or closed by the broker ([`Self::fence`]).
+    pub async fn fenced_notice(&self) {
+        self.closing.notified().await
+    }
+
+    /// Fenced (by an ExclusiveWithFencing producer, or closed by the broker): its sends are
+    /// refused from now on, and its receipt task tells the client (CLOSE_PRODUCER) once every
+    /// send submitted before is answered: a stock client drops receipts that come after a
+    /// CLOSE_PRODUCER. Once only.
     fn fence(&self) {
-        self.fenced.store(true, Ordering::Release);
-        // A full or closed writer: the connection is going away anyway.
-        let _ = self.sink.tx.send_now(self.close_frame());
+        if !self.fenced.swap(true, Ordering::SeqCst) {
+            self.closing.notify_one();
+        }
     }
 }
 
@@ -263,7 +287,8 @@ impl Producers {
             sink,
             fenced: AtomicBool::new(false),
             broken: AtomicBool::new(false),
-            break_told: AtomicBool::new(false),
+            close_told: AtomicBool::new(false),
+            closing: tokio::sync::Notify::new(),
             closed_by_broker: AtomicBool::new(false),
             granted: AtomicBool::new(mode != AccessMode::WaitForExclusive),
         });
@@ -339,8 +364,7 @@ impl Producers {
     pub fn fence_all(&self) {
         let mut g = self.lock();
         for (_, p) in g.by_name.drain() {
-            p.closed_by_broker.store(true, Ordering::Release);
-            p.fence();
+            p.close_by_broker();
         }
         g.exclusive = None;
     }
@@ -358,12 +382,10 @@ impl Producers {
         let mut g = self.lock();
         g.closed = true;
         for (_, p) in g.by_name.drain() {
-            p.closed_by_broker.store(true, Ordering::Release);
-            p.fence();
+            p.close_by_broker();
         }
         for (p, _) in g.waiting.drain(..) {
-            p.closed_by_broker.store(true, Ordering::Release);
-            p.fence();
+            p.close_by_broker();
         }
         g.exclusive = None;
     }
@@ -390,28 +412,21 @@ impl Producers {
 mod tests {
     use super::*;
 
-    fn sink(id: u64) -> (ProducerSink, crate::frame_queue::FrameReceiver) {
-        let (tx, rx) = crate::frame_queue::channel(1 << 20);
-        (
-            ProducerSink {
-                producer_id: id,
-                tx,
-            },
-            rx,
-        )
+    fn sink(id: u64) -> ProducerSink {
+        ProducerSink { producer_id: id }
     }
 
     fn add(p: &Producers, name: &str, mode: AccessMode) -> Result<Admission, BrokerError> {
-        p.add(name.into(), mode, None, sink(1).0, "t", 0)
+        p.add(name.into(), mode, None, sink(1), "t", 0)
     }
 
     #[test]
     fn given_a_limit_then_producers_beyond_it_are_busy() {
         let p = Producers::default();
         for n in ["a", "b"] {
-            ready(p.add(n.into(), AccessMode::Shared, None, sink(1).0, "t", 2));
+            ready(p.add(n.into(), AccessMode::Shared, None, sink(1), "t", 2));
         }
-        let e = p.add("c".into(), AccessMode::Shared, None, sink(1).0, "t", 2);
+        let e = p.add("c".into(), AccessMode::Shared, None, sink(1), "t", 2);
         assert_eq!(code(e), ServerError::ProducerBusy);
     }
 
@@ -516,13 +531,13 @@ mod tests {
     #[test]
     fn given_new_producers_refused_then_those_attached_stay_and_a_fencing_one_fences_nobody() {
         let p = Producers::default();
-        let a = ready(p.add("a".into(), AccessMode::Shared, None, sink(1).0, "t", 0)).0;
+        let a = ready(p.add("a".into(), AccessMode::Shared, None, sink(1), "t", 0)).0;
         p.refuse_new();
         let refused = p.add(
             "f".into(),
             AccessMode::ExclusiveWithFencing,
             None,
-            sink(2).0,
+            sink(2),
             "t",
             0,
         );
@@ -537,26 +552,27 @@ mod tests {
     #[test]
     fn given_fencing_then_everyone_else_is_closed_and_old_epochs_are_refused() {
         let p = Producers::default();
-        let (s1, mut rx1) = sink(7);
-        let a = ready(p.add("a".into(), AccessMode::Shared, None, s1, "t", 0)).0;
+        let a = ready(p.add("a".into(), AccessMode::Shared, None, sink(7), "t", 0)).0;
         let (old, old_epoch) = ready(p.add(
             "f0".into(),
             AccessMode::ExclusiveWithFencing,
             None,
-            sink(2).0,
+            sink(2),
             "t",
             0,
         ));
         assert!(a.is_fenced());
+        use futures::FutureExt;
         assert!(
-            rx1.try_recv().is_some(),
-            "CLOSE_PRODUCER sent to the fenced producer"
+            a.fenced_notice().now_or_never().is_some(),
+            "the fenced producer's receipt task is told to send its CLOSE_PRODUCER"
         );
+        assert!(a.fenced_notice().now_or_never().is_none(), "once only");
         let (_, epoch) = ready(p.add(
             "f1".into(),
             AccessMode::ExclusiveWithFencing,
             None,
-            sink(3).0,
+            sink(3),
             "t",
             0,
         ));
@@ -567,7 +583,7 @@ mod tests {
             "f0b".into(),
             AccessMode::Exclusive,
             old_epoch,
-            sink(4).0,
+            sink(4),
             "t",
             0,
         );
