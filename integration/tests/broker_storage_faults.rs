@@ -292,6 +292,31 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
     resend_then_read_in_order(&mut c, "race-fault", &broker);
 }
 
+/// A broker restarted at once after a kill -9 takes over its earlier run's registration;
+/// when that expires between being read and being deleted, the broker registers anyway (it
+/// exited with a version conflict: a schedule's "could not be healed").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_an_earlier_runs_registration_expiring_during_the_takeover_then_the_broker_registers()
+{
+    let (_cluster, _bookie, mut broker) =
+        one_of_each(&[("MERIDIAN_BROKER_SESSION_TTL_MS", "2000")]).await;
+    let mut c = Raw::connected(&broker.url);
+    c.produce_one("takeover", 1, 1, b"m0");
+    drop(c);
+    step("kill -9, restarted at once; the takeover pauses past the old session's expiry");
+    broker.kill9().unwrap();
+    broker.env("MERIDIAN_TEST_FAILPOINTS", "register:slow_takeover");
+    broker.start().expect("the broker starts");
+    assert!(
+        broker.log_text().contains("register:slow_takeover"),
+        "the takeover met the expiry:\n{}",
+        broker.log_text()
+    );
+    step("it serves");
+    let mut c = Raw::connected(&broker.url);
+    c.produce_one("takeover", 2, 2, b"m1");
+}
+
 /// A stock client drops receipts that come after its producer's CLOSE_PRODUCER; one that is
 /// re-created before any receipt reached it then numbers new messages again from the
 /// broker's last sequence id, over ids of messages still pending, which deduplication drops

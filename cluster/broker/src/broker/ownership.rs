@@ -394,7 +394,14 @@ impl Ownership {
                     // An earlier run of this process's address (it crashed): its key goes.
                     if let Some(kv) = self.meta.get(&key).await? {
                         tracing::info!(broker = %me.id, "taking over the registration of an earlier run");
-                        self.meta.delete(&key, Some(kv.mod_revision)).await?;
+                        if crate::failpoint::hit("register:slow_takeover") {
+                            tokio::time::sleep(Duration::from_millis(self.ttl_ms * 2 + 500)).await;
+                        }
+                        match self.meta.delete(&key, Some(kv.mod_revision)).await {
+                            // Gone with its session meanwhile, or written again: put again.
+                            Ok(_) | Err(ClientError::Conflict { .. }) => {}
+                            Err(e) => return Err(e.into()),
+                        }
                     }
                 }
                 Err(ClientError::Conflict { .. }) if Instant::now() < deadline => {
