@@ -254,6 +254,9 @@ fn cursor_key(ml: &str, cursor: &str) -> String {
     format!("{MANAGED_CURSORS_PREFIX}{ml}/{cursor}")
 }
 
+/// An acknowledged range ahead at least this long (entries, less one) ends a read before it.
+const SKIP_RANGE_MIN: u64 = 63;
+
 impl ManagedCursor {
     fn blank(ml: Arc<ManagedLedger>, name: &str) -> ManagedCursor {
         ManagedCursor {
@@ -870,18 +873,49 @@ impl ManagedCursor {
     }
 
     /// Reads up to `max` entries after the read position, skipping acknowledged ones, and moves
-    /// the read position past them.
+    /// the read position past them. A read that fails after earlier ones this call returns
+    /// what those found.
     pub async fn read_entries(
         &mut self,
         max: usize,
     ) -> Result<Vec<(Position, Bytes)>, CursorError> {
         let mut out = Vec::new();
-        while out.len() < max {
-            let Some(start) = self.next_after(self.read_after).await else {
+        'reading: while out.len() < max {
+            // Nothing through the mark-delete position is read again (it can pass the read
+            // position when an acknowledgement fills the gap before a range).
+            self.read_after = self.read_after.max(self.mark_delete);
+            let Some(mut start) = self.next_after(self.read_after).await else {
                 break;
             };
-            // Parallel reads of the next positions; acknowledged ones are dropped after.
-            let batch = self.ml.read_range(start, max - out.len()).await?;
+            // Ranges acknowledged beyond the mark-delete position are passed over without
+            // reading them (a consumer that acknowledged all but a few of thousands of
+            // entries read them all again, a few at a time, holding its subscription's lock:
+            // a schedule's 49 s without a delivery).
+            while let Some((_, hi)) = self.ranges.range_containing(start) {
+                self.read_after = Some(hi);
+                match self.next_after(Some(hi)).await {
+                    Some(n) => start = n,
+                    None => break 'reading,
+                }
+            }
+            // Parallel reads of the next positions, acknowledged ones dropped after; up to a
+            // long acknowledged range ahead in the same ledger (short ones are read through:
+            // stopping at each would make scattered acknowledgements one read each).
+            let mut want = max - out.len();
+            if let Some((lo, hi)) = self.ranges.first_from(start) {
+                if lo.ledger_id == start.ledger_id
+                    && hi.ledger_id == lo.ledger_id
+                    && hi.entry_id - lo.entry_id >= SKIP_RANGE_MIN
+                {
+                    want = want.min(usize::try_from(lo.entry_id - start.entry_id).unwrap_or(want));
+                }
+            }
+            let batch = match self.ml.read_range(start, want).await {
+                Ok(b) => b,
+                // What was read stays read (the read position is past it): handed on.
+                Err(_) if !out.is_empty() => break,
+                Err(e) => return Err(e.into()),
+            };
             if batch.is_empty() {
                 break;
             }

@@ -361,6 +361,8 @@ pub struct ManagedLedger {
     fenced: std::sync::atomic::AtomicBool,
     /// Closed by its owner ([`ManagedLedger::close`]): it makes no new ledger.
     closed: std::sync::atomic::AtomicBool,
+    /// Entries `read_range` asked the bookies for (not the tail cache).
+    entries_read: std::sync::atomic::AtomicU64,
     /// Since when no new ledger could be made for want of writable bookies (`None`: one
     /// could, or none was needed): appends wait for bookies only within
     /// `create_wait_ms` of it, not each for the whole of it ([`ManagedLedger::queue_in`]).
@@ -425,6 +427,7 @@ impl ManagedLedger {
             affinity: Mutex::new(affinity),
             fenced: Default::default(),
             closed: Default::default(),
+            entries_read: Default::default(),
             short_of_bookies_since: Mutex::default(),
         });
         // Record the recovery (or create the log) before the first new ledger.
@@ -1004,6 +1007,12 @@ impl ManagedLedger {
         Ok(r)
     }
 
+    /// Entries [`read_range`](Self::read_range) has asked the bookies for (those not in the
+    /// tail cache), since the log was opened here.
+    pub fn entries_read_from_bookies(&self) -> u64 {
+        self.entries_read.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Reads up to `max` entries from `from` on, in log order.
     pub async fn read_range(
         &self,
@@ -1070,7 +1079,11 @@ impl ManagedLedger {
                         ledger,
                         first,
                         count,
-                    } => self.read_run(ledger, first, count).await,
+                    } => {
+                        self.entries_read
+                            .fetch_add(count, std::sync::atomic::Ordering::Relaxed);
+                        self.read_run(ledger, first, count).await
+                    }
                 }
             })
             .buffered(RUNS_IN_FLIGHT)

@@ -73,6 +73,20 @@ impl<T: Step> RangeSet<T> {
             .is_some_and(|(_, hi)| x <= *hi)
     }
 
+    /// The range that holds `x`, if one does.
+    pub fn range_containing(&self, x: T) -> Option<(T, T)> {
+        self.ranges
+            .range(..=x)
+            .next_back()
+            .filter(|(_, hi)| x <= **hi)
+            .map(|(lo, hi)| (*lo, *hi))
+    }
+
+    /// The first range that starts at or after `x`.
+    pub fn first_from(&self, x: T) -> Option<(T, T)> {
+        self.ranges.range(x..).next().map(|(lo, hi)| (*lo, *hi))
+    }
+
     pub fn insert(&mut self, x: T) {
         self.insert_range(x, x);
     }

@@ -1279,6 +1279,61 @@ mod cursors {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_few_unacknowledged_entries_around_a_large_acknowledged_range_then_reading_passes_over_the_range(
+    ) {
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        // No tail cache: every entry read is asked of the bookie.
+        let ml = ManagedLedger::open(
+            client.clone(),
+            "acme/events/gap",
+            ManagedLedgerOptions {
+                tail_cache_bytes_max: 0,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("open");
+        let mut pos = Vec::new();
+        for i in 0..600u64 {
+            pos.push(ml.append(payload(i)).await.expect("append"));
+        }
+        let mut c = open_sub_a(&client, &ml).await.expect("cursor");
+        step("entries 10-589 acknowledged individually; 0-9 and 590-599 not");
+        c.ack_between(Some(pos[9]), pos[590]).await;
+        let before = ml.entries_read_from_bookies();
+        let read = c.read_entries(100).await.expect("read");
+        let got: Vec<Position> = read.iter().map(|(p, _)| *p).collect();
+        let want: Vec<Position> = pos[..10].iter().chain(&pos[590..]).copied().collect();
+        assert_eq!(got, want);
+        let asked = ml.entries_read_from_bookies() - before;
+        // Entries 0-9, then 590-599: the range is neither read nor read into. Reading
+        // through it asked for all 600.
+        assert_eq!(asked, 20, "entries read from the bookie");
+        step("another cursor: 10-589 acknowledged, then 0-9: the mark-delete position passes the read position");
+        let mut b = ManagedCursor::open(
+            client.clone(),
+            Arc::clone(&ml),
+            "sub-b",
+            InitialPosition::Earliest,
+        )
+        .await
+        .expect("cursor");
+        b.ack_between(Some(pos[9]), pos[590]).await;
+        for p in &pos[..10] {
+            b.ack(*p).await.expect("ack");
+        }
+        let before = ml.entries_read_from_bookies();
+        let read = b.read_entries(100).await.expect("read");
+        let got: Vec<Position> = read.iter().map(|(p, _)| *p).collect();
+        assert_eq!(got, pos[590..].to_vec());
+        assert_eq!(ml.entries_read_from_bookies() - before, 10);
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_the_reply_to_recording_a_new_cursor_ledger_is_lost_then_the_cursor_opens_again()
     {
         let (_tmp, store, mut bookies, client) = setup(1).await;
