@@ -292,6 +292,23 @@ async fn given_a_failed_send_not_yet_broken_off_then_a_later_send_waits_and_is_n
     resend_then_read_in_order(&mut c, "race-fault", &broker);
 }
 
+/// The producer's answers (receipts and refusals, by sequence id) up to and including its
+/// CLOSE_PRODUCER, in the order they came.
+fn answers_until_close(c: &mut Raw) -> Vec<String> {
+    let mut seen = Vec::new();
+    while seen.last().is_none_or(|s: &String| s != "close") {
+        let f = wait_frame(c, Duration::from_secs(30), |x| {
+            x.send_receipt.is_some() || x.send_error.is_some() || x.close_producer.is_some()
+        });
+        seen.push(match (f.send_receipt, f.send_error, f.close_producer) {
+            (Some(r), _, _) => format!("receipt {}", r.sequence_id),
+            (_, Some(e), _) => format!("refused {}", e.sequence_id),
+            _ => "close".to_string(),
+        });
+    }
+    seen
+}
+
 /// A broker restarted at once after a kill -9 takes over its earlier run's registration;
 /// when that expires between being read and being deleted, the broker registers anyway (it
 /// exited with a version conflict: a schedule's "could not be healed").
@@ -342,17 +359,7 @@ async fn given_a_producer_broken_off_with_sends_in_flight_then_their_receipts_co
     bookie.pause(false).unwrap();
 
     step("receipts 0, 1, 2, then the refusal, then CLOSE_PRODUCER");
-    let mut seen = Vec::new();
-    while !seen.iter().any(|s: &String| s == "close") {
-        let f = wait_frame(&mut c, Duration::from_secs(30), |x| {
-            x.send_receipt.is_some() || x.send_error.is_some() || x.close_producer.is_some()
-        });
-        seen.push(match (f.send_receipt, f.send_error, f.close_producer) {
-            (Some(r), _, _) => format!("receipt {}", r.sequence_id),
-            (_, Some(e), _) => format!("refused {}", e.sequence_id),
-            _ => "close".to_string(),
-        });
-    }
+    let seen = answers_until_close(&mut c);
     assert_eq!(
         seen,
         ["receipt 0", "receipt 1", "receipt 2", "refused 0", "close"],
@@ -402,17 +409,7 @@ async fn given_a_topic_unloaded_with_sends_in_flight_then_their_receipts_come_be
     bookie.pause(false).unwrap();
 
     step("receipts 0, 1, 2, then CLOSE_PRODUCER");
-    let mut seen = Vec::new();
-    while !seen.iter().any(|s: &String| s == "close") {
-        let f = wait_frame(&mut c, Duration::from_secs(30), |x| {
-            x.send_receipt.is_some() || x.send_error.is_some() || x.close_producer.is_some()
-        });
-        seen.push(match (f.send_receipt, f.send_error, f.close_producer) {
-            (Some(r), _, _) => format!("receipt {}", r.sequence_id),
-            (_, Some(e), _) => format!("refused {}: {}", e.sequence_id, e.message),
-            _ => "close".to_string(),
-        });
-    }
+    let seen = answers_until_close(&mut c);
     assert_eq!(
         seen,
         ["receipt 0", "receipt 1", "receipt 2", "close"],
