@@ -6,8 +6,8 @@
 //! `--sites 2` the site is east of two: it replicates a namespace to site west (a standalone)
 //! over a link the schedule partitions and makes lossy, and west's copy is checked too.
 //!
-//! `meridian-chaos [--minutes N] [--seed S] [--topics K] [--sites 1|2] [--no-faults |
-//! --baseline] [--only KIND,...] [--keep]`
+//! `meridian-chaos [--minutes N] [--seed S] [--topics K] [--sites 1|2] [--pause-ms M]
+//! [--no-faults | --baseline] [--only KIND,...] [--keep]`
 //!
 //! Prints the schedule first, then a report (faults of each kind and how soon produce and
 //! consume worked after each, what was checked, the rates). Exit status 1 when a check
@@ -47,6 +47,10 @@ struct Args {
     /// and its process take faults too.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=2))]
     sites: u64,
+    /// Each Python producer's pause between sends in ms (a Rust-crate producer's is twice
+    /// it): the offered load.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    pause_ms: u64,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -70,6 +74,7 @@ fn main() -> anyhow::Result<()> {
         only: a.only.clone(),
         keep: a.keep,
         sites: a.sites as usize,
+        pause_ms: a.pause_ms,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -104,8 +109,8 @@ fn main() -> anyhow::Result<()> {
             format!(" --only '{}'", a.only.join(","))
         };
         println!(
-            "replay with: meridian-chaos --seed {seed} --minutes {} --topics {} --sites {}{only}",
-            a.minutes, a.topics, a.sites
+            "replay with: meridian-chaos --seed {seed} --minutes {} --topics {} --sites {} --pause-ms {}{only}",
+            a.minutes, a.topics, a.sites, a.pause_ms
         );
         std::process::exit(1);
     }

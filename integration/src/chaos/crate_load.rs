@@ -26,14 +26,15 @@ pub struct CrateProducer {
 
 impl CrateProducer {
     /// `urls`: one `pulsar://HOST:PORT` per broker (the crate takes one host); each new
-    /// client takes the next.
-    pub fn start(urls: &[String], topic: &str, name: &str) -> CrateProducer {
+    /// client takes the next; `pause`: between sends.
+    pub fn start(urls: &[String], topic: &str, name: &str, pause: Duration) -> CrateProducer {
         let stop = Arc::new(AtomicBool::new(false));
         let lines = Arc::new(Mutex::new(Vec::new()));
         let task = tokio::spawn(produce(
             urls.to_vec(),
             topic.to_string(),
             name.to_string(),
+            pause,
             Arc::clone(&stop),
             Arc::clone(&lines),
         ));
@@ -80,6 +81,7 @@ async fn produce(
     urls: Vec<String>,
     topic: String,
     base: String,
+    pause: Duration,
     stop: Arc<AtomicBool>,
     lines: Arc<Mutex<Vec<Value>>>,
 ) {
@@ -163,7 +165,7 @@ async fn produce(
                 }
             }
             s += 1;
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(pause).await;
         }
     }
     for r in receipts {

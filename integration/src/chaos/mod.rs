@@ -42,6 +42,11 @@ pub struct Options {
     /// 1, or 2: the site becomes east and replicates a namespace to site west (see
     /// [`remote`]), whose link and process take faults too.
     pub sites: usize,
+    /// Each Python producer's pause between sends, in ms (a crate producer's is twice it):
+    /// the offered load. The processes of a run share the machine's cores with its clients,
+    /// so a load near their limit turns any other work on the machine into seconds of
+    /// queueing, which the liveness bounds would take for a slow recovery.
+    pub pause_ms: u64,
 }
 
 /// One topic of the run and how it is used.
@@ -196,6 +201,39 @@ fn say(msg: impl AsRef<str>) {
     eprintln!("chaos: {}", msg.as_ref());
 }
 
+/// With `--keep`: the recorded history beside the logs, a JSON object per line (the run's
+/// start and end, each fault with its start and healing, then each topic's sends and
+/// deliveries as the clients printed them), for a look at what a report sums up.
+fn keep_history(
+    root: &std::path::Path,
+    began: f64,
+    ended: f64,
+    done: &[Done],
+    sent: &[Vec<Value>],
+    delivered: &[Vec<Value>],
+) -> anyhow::Result<()> {
+    use std::io::Write as _;
+    let path = root.join("history.jsonl");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&path)?);
+    writeln!(f, "{}", serde_json::json!({"began": began, "ended": ended}))?;
+    for d in done {
+        let line = serde_json::json!({
+            "fault": d.fault.to_string(),
+            "started": d.started,
+            "healed": d.healed,
+        });
+        writeln!(f, "{line}")?;
+    }
+    for (kind, topics) in [("sent", sent), ("delivered", delivered)] {
+        for (i, lines) in topics.iter().enumerate() {
+            for v in lines {
+                writeln!(f, "{}", serde_json::json!({kind: i, "line": v}))?;
+            }
+        }
+    }
+    f.flush()?;
+    Ok(())
+}
 /// Runs one schedule against a fresh site and checks what happened.
 pub async fn run(o: &Options) -> anyhow::Result<Report> {
     let schedule = if o.no_faults {
@@ -291,6 +329,7 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         })?;
     }
     let mut producers: Vec<PyClient> = Vec::new();
+    let pause = o.pause_ms.to_string();
     for (i, t) in topics.iter().enumerate() {
         let name = format!("p{i}");
         let mut args = vec![
@@ -305,13 +344,21 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         if t.batch {
             args.push("--batch");
         }
+        args.extend(["--pause-ms", &pause]);
         producers.push(py(&root, &name, &args)?);
     }
     let urls: Vec<String> = site.brokers.iter().map(|b| b.url.clone()).collect();
     let crates: Vec<crate_load::CrateProducer> = topics
         .iter()
         .enumerate()
-        .map(|(i, t)| crate_load::CrateProducer::start(&urls, &t.name, &format!("r{i}")))
+        .map(|(i, t)| {
+            crate_load::CrateProducer::start(
+                &urls,
+                &t.name,
+                &format!("r{i}"),
+                Duration::from_millis(2 * o.pause_ms),
+            )
+        })
         .collect();
     for p in &producers {
         tokio::task::block_in_place(|| {
@@ -519,6 +566,9 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         }
     }
     measure::measure(&mut report, &sent, &delivered, began, ended);
+    if o.keep {
+        keep_history(&root, began, ended, &report.done, &sent, &delivered)?;
+    }
     if !report.violations.is_empty() {
         say("a violation: the schedule of this seed was");
         for f in &report.schedule {

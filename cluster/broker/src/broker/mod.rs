@@ -630,7 +630,9 @@ impl Broker {
             tail_cache_budget: Some(Arc::clone(&self.tail_cache_budget)),
             ..ManagedLedgerOptions::default()
         };
+        let opening = std::time::Instant::now();
         let ml = ManagedLedger::open(self.client.clone(), &ml_name, opts).await?;
+        let open_ms = opening.elapsed().as_millis() as u64;
         let terminated = ml.is_terminated().await;
         let policies_kept = policies.clone();
         let dedup = if policies
@@ -659,7 +661,14 @@ impl Broker {
             Some(kv) => String::from_utf8_lossy(&kv.value).parse().unwrap_or(0),
             None => 0,
         };
-        tracing::info!(topic = %full, deduplication = dedup.is_some(), epoch, "topic loaded");
+        tracing::info!(
+            topic = %full,
+            deduplication = dedup.is_some(),
+            epoch,
+            open_ms,
+            since_open_ms = opening.elapsed().as_millis() as u64 - open_ms,
+            "topic loaded"
+        );
         let last = ml.last_confirmed();
         let topic = Arc::new(Topic {
             name: name.clone(),

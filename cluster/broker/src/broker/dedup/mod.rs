@@ -503,6 +503,7 @@ impl Dedup {
         snapshot_every: u64,
         cross_site: bool,
     ) -> Result<Dedup, BrokerError> {
+        let started = std::time::Instant::now();
         let key = format!("{DEDUP_PREFIX}{}", ml.name());
         let mut inner = Inner::default();
         let snap: Option<Snapshot> = match meta.get(&key).await? {
@@ -578,7 +579,7 @@ impl Dedup {
         inner.pushed = inner.persisted.clone();
         let now = super::now_ms();
         inner.last_active_ms = inner.persisted.keys().map(|n| (n.clone(), now)).collect();
-        tracing::debug!(log = %ml.name(), producers = inner.persisted.len(), replayed, "deduplication state recovered");
+        tracing::info!(log = %ml.name(), producers = inner.persisted.len(), replayed, ms = started.elapsed().as_millis() as u64, "deduplication state recovered");
         Ok(Dedup {
             meta,
             key,
