@@ -1146,3 +1146,131 @@ async fn given_a_topic_loading_for_a_producer_then_the_connections_other_command
     let f = producer_answer(&mut other);
     assert!(f.producer_success.is_some(), "{f:?}");
 }
+
+/// An ACK of several messages whose first could not be persisted (the store's reply to
+/// recording the subscription's first cursor ledger is lost: outcome unknown) still
+/// acknowledges the rest: the cursor keeps the first in memory and persists it with the
+/// next change. Before, the broker stopped at the failure and the rest stayed
+/// unacknowledged while their consumer took them for acknowledged (the fault schedules'
+/// backlogs that did not drain while the consumer stayed connected).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_an_ack_whose_first_message_cannot_be_persisted_then_the_rest_are_acknowledged_too() {
+    let topic = "ack-unpersisted";
+    let (_cluster, _bookie, broker) = one_of_each(&[(
+        "MERIDIAN_TEST_FAILPOINTS",
+        "cursor:reply_lost:public/default/persistent/ack-unpersisted/s",
+    )])
+    .await;
+    step("three messages; a Shared consumer receives them");
+    let mut c = Raw::connected(&broker.url);
+    let mut ids = vec![c.produce_one(topic, 1, 1, b"m0")];
+    for seq in 1..3 {
+        c.send_raw(&send_frame(1, seq, format!("m{seq}").as_bytes()));
+        ids.push(
+            c.expect()
+                .command
+                .send_receipt
+                .and_then(|r| r.message_id)
+                .expect("receipt"),
+        );
+    }
+    let mut sub = subscribe(topic, "s", 7, 2);
+    if let Some(s) = sub.subscribe.as_mut() {
+        s.sub_type = pb::command_subscribe::SubType::Shared as i32;
+    }
+    c.send(&sub);
+    assert!(c.expect().command.success.is_some());
+    c.send(&cmd(Type::Flow, |x| {
+        x.flow = Some(pb::CommandFlow {
+            consumer_id: 7,
+            message_permits: 10,
+        })
+    }));
+    for id in &ids {
+        let m = c.expect().command.message.expect("MESSAGE");
+        assert_eq!(m.message_id.entry_id, id.entry_id);
+    }
+
+    step("one ACK of all three; persisting the first fails with its outcome unknown");
+    c.send(&cmd(Type::Ack, |x| {
+        x.ack = Some(pb::CommandAck {
+            consumer_id: 7,
+            ack_type: pb::command_ack::AckType::Individual as i32,
+            message_id: ids
+                .iter()
+                .map(|id| pb::MessageIdData {
+                    ledger_id: id.ledger_id,
+                    entry_id: id.entry_id,
+                    ..Default::default()
+                })
+                .collect(),
+            request_id: Some(3),
+            ..Default::default()
+        })
+    }));
+    let answer = wait_frame(&mut c, Duration::from_secs(10), |f| {
+        f.ack_response.is_some()
+    })
+    .ack_response
+    .expect("ACK_RESPONSE");
+    assert!(
+        answer
+            .message
+            .as_deref()
+            .is_some_and(|m| m.contains("outcome unknown")),
+        "the ACK's answer names the failure: {answer:?}"
+    );
+
+    step("all three are acknowledged: no backlog, none pending for the consumer");
+    let stats = meridian_integration::admin_json(
+        &broker.admin_url,
+        &["topics", "stats", &full_name(topic)],
+    );
+    let s = stats["subscriptions"]
+        .as_array()
+        .and_then(|subs| subs.iter().find(|s| s["name"] == "s"))
+        .unwrap_or_else(|| panic!("subscription s in {stats}"));
+    assert_eq!(s["backlog_entries"], 0, "{s}");
+    assert_eq!(
+        s["unacked_entries"], 0,
+        "nothing left pending for the consumer: {s}"
+    );
+
+    step("the acknowledgements are persisted with the next change: a new consumer gets nothing");
+    c.send_raw(&send_frame(1, 3, b"m3"));
+    let m3 = c
+        .expect()
+        .command
+        .send_receipt
+        .and_then(|r| r.message_id)
+        .expect("receipt");
+    let m = wait_frame(&mut c, Duration::from_secs(10), |f| f.message.is_some())
+        .message
+        .expect("MESSAGE");
+    assert_eq!(m.message_id.entry_id, m3.entry_id);
+    c.send(&meridian_integration::raw::ack(7, 4, &m.message_id));
+    let answer = wait_frame(&mut c, Duration::from_secs(10), |f| {
+        f.ack_response.is_some()
+    });
+    assert_eq!(
+        answer.ack_response.and_then(|a| a.error),
+        None,
+        "the next acknowledgement is persisted"
+    );
+    drop(c);
+    let mut c = Raw::connected(&broker.url);
+    c.send(&sub);
+    assert!(c.expect().command.success.is_some());
+    c.send(&cmd(Type::Flow, |x| {
+        x.flow = Some(pb::CommandFlow {
+            consumer_id: 7,
+            message_permits: 10,
+        })
+    }));
+    match c.recv(Duration::from_secs(2)) {
+        Got::Frame(f) if f.command.message.is_some() => {
+            panic!("redelivered after acknowledgement: {:?}", f.command.message)
+        }
+        _ => {}
+    }
+}

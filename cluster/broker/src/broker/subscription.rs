@@ -936,6 +936,12 @@ impl Subscription {
             usize::from(st.blocked) + st.consumers.iter().filter(|c| c.blocked).count()
         };
         let blocked_before = blocked_count(&st);
+        // An acknowledgement the cursor took but could not persist stays taken (dirty: the
+        // cursor's next change or flush persists it), so the rest of the ACK is applied too
+        // and the first failure answered once all is. Stopping at it left the rest of the
+        // command's messages unacknowledged while their consumer took them for acknowledged:
+        // a backlog that never drained while it stayed connected.
+        let mut unpersisted: Option<BrokerError> = None;
         for (id, (pos, ack_set)) in ids.iter().zip(checked) {
             let partial = ack_set.is_some();
             if cumulative {
@@ -955,7 +961,9 @@ impl Subscription {
                     Some(pos)
                 };
                 if let Some(upto) = upto {
-                    st.cursor.ack_cumulative(upto).await?;
+                    if let Err(e) = st.cursor.ack_cumulative(upto).await {
+                        unpersisted.get_or_insert(e.into());
+                    }
                     st.forget_through(upto);
                 }
                 if !partial || id.entry_id == ID_NONE {
@@ -972,9 +980,17 @@ impl Subscription {
                         *b &= m;
                     }
                 }
-                st.cursor.ack_batch_index(pos, &bits).await?
+                match st.cursor.ack_batch_index(pos, &bits).await {
+                    Ok(done) => done,
+                    Err(e) => {
+                        unpersisted.get_or_insert(e.into());
+                        st.cursor.is_acknowledged(pos)
+                    }
+                }
             } else {
-                st.cursor.ack(pos).await?;
+                if let Err(e) = st.cursor.ack(pos).await {
+                    unpersisted.get_or_insert(e.into());
+                }
                 true
             };
             if done {
@@ -994,7 +1010,7 @@ impl Subscription {
             // are told.
             self.wake.notify_one();
         }
-        Ok(())
+        unpersisted.map_or(Ok(()), Err)
     }
 
     /// A client's `ack_set` for the batch entry at `pos`, checked against the batch: at most
