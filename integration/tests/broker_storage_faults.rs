@@ -1149,14 +1149,15 @@ async fn given_a_topic_loading_for_a_producer_then_the_connections_other_command
 
 /// An ACK of several messages whose first could not be persisted (the store's reply to
 /// recording the subscription's first cursor ledger is lost: outcome unknown) still
-/// acknowledges the rest: the cursor keeps the first in memory and persists it with the
-/// next change. Before, the broker stopped at the failure and the rest stayed
+/// acknowledges the rest: the cursor keeps them in memory and the subscription's flush,
+/// with nothing else happening, persists them, so a broker restarted after kill -9 delivers
+/// none of them again. Before, the broker stopped at the failure and the rest stayed
 /// unacknowledged while their consumer took them for acknowledged (the fault schedules'
 /// backlogs that did not drain while the consumer stayed connected).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_an_ack_whose_first_message_cannot_be_persisted_then_the_rest_are_acknowledged_too() {
     let topic = "ack-unpersisted";
-    let (_cluster, _bookie, broker) = one_of_each(&[(
+    let (_cluster, _bookie, mut broker) = one_of_each(&[(
         "MERIDIAN_TEST_FAILPOINTS",
         "cursor:reply_lost:public/default/persistent/ack-unpersisted/s",
     )])
@@ -1222,55 +1223,59 @@ async fn given_an_ack_whose_first_message_cannot_be_persisted_then_the_rest_are_
     );
 
     step("all three are acknowledged: no backlog, none pending for the consumer");
-    let stats = meridian_integration::admin_json(
-        &broker.admin_url,
-        &["topics", "stats", &full_name(topic)],
-    );
-    let s = stats["subscriptions"]
-        .as_array()
-        .and_then(|subs| subs.iter().find(|s| s["name"] == "s"))
-        .unwrap_or_else(|| panic!("subscription s in {stats}"));
+    let s = subscription_s(&broker, topic);
     assert_eq!(s["backlog_entries"], 0, "{s}");
     assert_eq!(
         s["unacked_entries"], 0,
         "nothing left pending for the consumer: {s}"
     );
 
-    step("the acknowledgements are persisted with the next change: a new consumer gets nothing");
-    c.send_raw(&send_frame(1, 3, b"m3"));
-    let m3 = c
-        .expect()
-        .command
-        .send_receipt
-        .and_then(|r| r.message_id)
-        .expect("receipt");
-    let m = wait_frame(&mut c, Duration::from_secs(10), |f| f.message.is_some())
-        .message
-        .expect("MESSAGE");
-    assert_eq!(m.message_id.entry_id, m3.entry_id);
-    c.send(&meridian_integration::raw::ack(7, 4, &m.message_id));
-    let answer = wait_frame(&mut c, Duration::from_secs(10), |f| {
-        f.ack_response.is_some()
-    });
-    assert_eq!(
-        answer.ack_response.and_then(|a| a.error),
-        None,
-        "the next acknowledgement is persisted"
-    );
-    drop(c);
+    step("the subscription's flush persists them within a second, with nothing else happening");
+    // The consumer stays connected (a consumer's close is a change of its own).
+    std::thread::sleep(Duration::from_millis(1500));
+
+    step("kill -9, restarted without the fail point: the subscription has nothing to deliver");
+    broker.kill9().unwrap();
+    broker.env("MERIDIAN_TEST_FAILPOINTS", "");
+    broker.start().expect("the broker starts");
     let mut c = Raw::connected(&broker.url);
-    c.send(&sub);
-    assert!(c.expect().command.success.is_some());
+    let granted = c.until_served(Duration::from_secs(30), 10, |r| {
+        let mut sub = subscribe(topic, "s", 7, r);
+        if let Some(s) = sub.subscribe.as_mut() {
+            s.sub_type = pb::command_subscribe::SubType::Shared as i32;
+        }
+        sub
+    });
+    assert!(granted.success.is_some(), "{granted:?}");
     c.send(&cmd(Type::Flow, |x| {
         x.flow = Some(pb::CommandFlow {
             consumer_id: 7,
             message_permits: 10,
         })
     }));
-    match c.recv(Duration::from_secs(2)) {
-        Got::Frame(f) if f.command.message.is_some() => {
-            panic!("redelivered after acknowledgement: {:?}", f.command.message)
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < deadline {
+        if let Got::Frame(f) = c.recv(Duration::from_millis(200)) {
+            assert!(
+                f.command.message.is_none(),
+                "delivered again after its acknowledgement: {:?}",
+                f.command.message
+            );
         }
-        _ => {}
     }
+    let s = subscription_s(&broker, topic);
+    assert_eq!(s["backlog_entries"], 0, "{s}");
+}
+
+/// Subscription `s` of `topic` as the admin's topic stats show it.
+fn subscription_s(broker: &BrokerProc, topic: &str) -> serde_json::Value {
+    let stats = meridian_integration::admin_json(
+        &broker.admin_url,
+        &["topics", "stats", &full_name(topic)],
+    );
+    stats["subscriptions"]
+        .as_array()
+        .and_then(|subs| subs.iter().find(|s| s["name"] == "s"))
+        .cloned()
+        .unwrap_or_else(|| panic!("subscription s in {stats}"))
 }

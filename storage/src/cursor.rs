@@ -224,6 +224,9 @@ struct Durable {
     snapshots: u64,
 }
 
+/// The least time between a failed persist and the next change's attempt.
+const PERSIST_RETRY: std::time::Duration = std::time::Duration::from_millis(100);
+
 pub struct ManagedCursor {
     name: String,
     ml: Arc<ManagedLedger>,
@@ -245,6 +248,8 @@ pub struct ManagedCursor {
     /// before the call returns.
     persist_interval: std::time::Duration,
     last_persist: Option<std::time::Instant>,
+    /// After a failed persist: no change persists before this (the flush still does).
+    retry_after: Option<std::time::Instant>,
     dirty: bool,
     /// Closed cleanly ([`ManagedCursor::close`]): takes no more changes.
     closed: bool,
@@ -272,6 +277,7 @@ impl ManagedCursor {
             snapshots_per_ledger: 10_000,
             persist_interval: std::time::Duration::ZERO,
             last_persist: None,
+            retry_after: None,
             dirty: false,
             closed: false,
         }
@@ -670,11 +676,22 @@ impl ManagedCursor {
         if self.closed && self.durable.is_some() {
             return Err(CursorError::Closed(self.name.clone()));
         }
+        let now = std::time::Instant::now();
         let due = self
             .last_persist
-            .is_none_or(|t| t.elapsed() >= self.persist_interval);
+            .is_none_or(|t| now.duration_since(t) >= self.persist_interval)
+            && self.retry_after.is_none_or(|t| now >= t);
         if due {
-            self.persist_now().await?;
+            if let Err(e) = self.persist_now().await {
+                // Tried again by a change once the interval (at least PERSIST_RETRY) has
+                // passed since this failure, or by the flush; not by every change
+                // meanwhile: an acknowledgement of a thousand messages while the store is
+                // out costs one timeout, not one each.
+                self.retry_after =
+                    Some(std::time::Instant::now() + self.persist_interval.max(PERSIST_RETRY));
+                return Err(e);
+            }
+            self.retry_after = None;
         }
         Ok(())
     }

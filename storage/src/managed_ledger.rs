@@ -367,6 +367,9 @@ pub struct ManagedLedger {
     /// could, or none was needed): appends wait for bookies only within
     /// `create_wait_ms` of it, not each for the whole of it ([`ManagedLedger::queue_in`]).
     short_of_bookies_since: Mutex<Option<Instant>>,
+    /// Whether `short_of_bookies_since` is set: an append that needed no wait reads this
+    /// and takes the lock only to clear a shortage.
+    short_of_bookies: std::sync::atomic::AtomicBool,
 }
 
 impl ManagedLedger {
@@ -429,6 +432,7 @@ impl ManagedLedger {
             closed: Default::default(),
             entries_read: Default::default(),
             short_of_bookies_since: Mutex::default(),
+            short_of_bookies: Default::default(),
         });
         // Record the recovery (or create the log) before the first new ledger.
         version = ml.cas(&meta, version).await?;
@@ -708,14 +712,25 @@ impl ManagedLedger {
                     LedgerError::NotEnoughBookies { .. }
                 ))
             );
-            let waits = {
+            // The common case (queued, no shortage on record) takes no lock.
+            let clears = r.as_ref().is_ok_and(Option::is_some);
+            let waits = if !short
+                && (!clears
+                    || !self
+                        .short_of_bookies
+                        .load(std::sync::atomic::Ordering::Acquire))
+            {
+                false
+            } else {
                 let mut since = self.short_of_bookies_since.lock().expect("shortage lock");
                 if short {
+                    self.short_of_bookies
+                        .store(true, std::sync::atomic::Ordering::Release);
                     since.get_or_insert_with(Instant::now).elapsed() + CREATE_RETRY < wait
                 } else {
-                    if r.as_ref().is_ok_and(Option::is_some) {
-                        *since = None;
-                    }
+                    *since = None;
+                    self.short_of_bookies
+                        .store(false, std::sync::atomic::Ordering::Release);
                     false
                 }
             };

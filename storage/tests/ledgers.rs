@@ -1359,8 +1359,9 @@ mod cursors {
             "cursor ledger {named}, named by the record, was kept"
         );
         step(
-            "the same cursor goes on: its next ack finds the kept ledger recorded, and replaces it",
+            "the same cursor goes on: its next ack (past the retry interval) finds the kept ledger recorded, and replaces it",
         );
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
         c.ack(pos[1]).await.expect("ack after the lost reply");
         assert!(
             client.metadata(named).await.is_err(),
@@ -1373,6 +1374,37 @@ mod cursors {
         c.ack(pos[2]).await.expect("ack");
         drop(c);
         let c = open_cursor().await.expect("and again");
+        assert_eq!(c.mark_delete(), Some(pos[2]));
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    /// After a failed persist, changes within the retry interval stay in memory (the flush,
+    /// or a change once it has passed, persists them): an acknowledgement of many messages
+    /// while the store is out tries once, not once per message. With no persist interval
+    /// at all (every change persisted), too.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_failed_persist_then_changes_within_the_retry_interval_stay_in_memory_until_the_flush(
+    ) {
+        let (_tmp, store, mut bookies, client) = setup(1).await;
+        let (ml, pos) = log_of_three(&client, "acme/events/retry").await;
+        let mut c = open_sub_a(&client, &ml).await.expect("cursor");
+        meridian_storage::failpoint::arm("cursor:reply_lost:acme/events/retry/sub-a");
+        c.ack(pos[0]).await.expect_err("outcome unknown");
+        c.ack(pos[1]).await.expect("taken in memory");
+        assert!(
+            c.is_dirty(),
+            "the next change, right after the failure, was not tried"
+        );
+        c.flush().await.expect("the flush persists");
+        assert!(!c.is_dirty());
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        c.ack(pos[2]).await.expect("persisted");
+        assert!(!c.is_dirty(), "past the retry interval, a change persists");
+        drop(c);
+        let c = open_sub_a(&client, &ml).await.expect("opens again");
         assert_eq!(c.mark_delete(), Some(pos[2]));
         for b in &mut bookies {
             b.stop(&store.client).await;

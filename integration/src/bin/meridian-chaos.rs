@@ -48,8 +48,9 @@ struct Args {
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=2))]
     sites: u64,
     /// Each Python producer's pause between sends in ms (a Rust-crate producer's is twice
-    /// it): the offered load.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=10_000))]
+    /// it): the offered load. Runs before 2026-12-07 used 5, at which a debug site on two
+    /// cores queues sends for seconds (README, "Fault schedules").
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=10_000))]
     pause_ms: u64,
 }
 

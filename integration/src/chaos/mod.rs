@@ -567,7 +567,9 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
     }
     measure::measure(&mut report, &sent, &delivered, began, ended);
     if o.keep {
-        keep_history(&root, began, ended, &report.done, &sent, &delivered)?;
+        if let Err(e) = keep_history(&root, began, ended, &report.done, &sent, &delivered) {
+            say(format!("the history could not be kept: {e:#}"));
+        }
     }
     if !report.violations.is_empty() {
         say("a violation: the schedule of this seed was");

@@ -391,6 +391,20 @@ fn now_ms() -> i64 {
     super::now_ms() as i64
 }
 
+/// How long after a failed flush of a cursor the dispatch loop tries again.
+const FLUSH_RETRY: Duration = Duration::from_secs(1);
+
+/// Keeps the first failure of a cursor change in `first` (the cursor took the change in
+/// memory and persists it later).
+fn kept_first(
+    first: &mut Option<BrokerError>,
+    r: Result<impl Sized, meridian_storage::cursor::CursorError>,
+) {
+    if let Err(e) = r {
+        first.get_or_insert(e.into());
+    }
+}
+
 /// The entry after the mark-delete position: where a subscription's unacknowledged entries
 /// start (some later ones may be acknowledged individually).
 async fn first_after_mark_delete(st: &State, ml: &ManagedLedger) -> Option<Position> {
@@ -635,9 +649,11 @@ impl Subscription {
         }
         let mut changed = 0u64;
         let mut done = Vec::new();
+        // As in `ack`: what the cursor took but could not persist stays taken, and the rest
+        // is applied too; the flush below persists it all or answers the failure.
         for p in whole {
             if !st.cursor.is_acknowledged(*p) {
-                st.cursor.ack(*p).await?;
+                let _unpersisted = st.cursor.ack(*p).await;
                 done.push(*p);
             }
         }
@@ -646,7 +662,11 @@ impl Subscription {
                 continue;
             }
             let before = st.cursor.batch_ack_set(*p).map(<[u64]>::to_vec);
-            if st.cursor.ack_batch_index(*p, bits).await? {
+            let whole_now = match st.cursor.ack_batch_index(*p, bits).await {
+                Ok(done) => done,
+                Err(_unpersisted) => st.cursor.is_acknowledged(*p),
+            };
+            if whole_now {
                 done.push(*p);
             } else if st.cursor.batch_ack_set(*p).map(<[u64]>::to_vec) != before {
                 changed += 1;
@@ -659,16 +679,21 @@ impl Subscription {
             st.masks.remove(p);
         }
         changed += done.len() as u64;
-        if changed > 0 {
-            // Durable before the sending site is told they are applied.
-            st.cursor.flush().await?;
-        }
+        let flushed = if changed > 0 || st.cursor.is_dirty() {
+            // Durable before the sending site is told they are applied (also what an earlier
+            // attempt took but could not persist: it is not "changed" when sent again).
+            st.cursor.flush().await
+        } else {
+            Ok(())
+        };
         drop(st);
-        if changed > 0 {
+        if changed > 0 || flushed.is_err() {
             self.acks_changed();
             self.acks_total.fetch_add(changed, Ordering::Relaxed);
+            // Also the flush timer for what the flush could not persist.
             self.wake.notify_one();
         }
+        flushed?;
         Ok(changed)
     }
 
@@ -936,6 +961,7 @@ impl Subscription {
             usize::from(st.blocked) + st.consumers.iter().filter(|c| c.blocked).count()
         };
         let blocked_before = blocked_count(&st);
+        let dirty_before = st.cursor.is_dirty();
         // An acknowledgement the cursor took but could not persist stays taken (dirty: the
         // cursor's next change or flush persists it), so the rest of the ACK is applied too
         // and the first failure answered once all is. Stopping at it left the rest of the
@@ -961,9 +987,7 @@ impl Subscription {
                     Some(pos)
                 };
                 if let Some(upto) = upto {
-                    if let Err(e) = st.cursor.ack_cumulative(upto).await {
-                        unpersisted.get_or_insert(e.into());
-                    }
+                    kept_first(&mut unpersisted, st.cursor.ack_cumulative(upto).await);
                     st.forget_through(upto);
                 }
                 if !partial || id.entry_id == ID_NONE {
@@ -988,9 +1012,7 @@ impl Subscription {
                     }
                 }
             } else {
-                if let Err(e) = st.cursor.ack(pos).await {
-                    unpersisted.get_or_insert(e.into());
-                }
+                kept_first(&mut unpersisted, st.cursor.ack(pos).await);
                 true
             };
             if done {
@@ -1004,10 +1026,15 @@ impl Subscription {
         self.acks_total
             .fetch_add(ids.len() as u64, Ordering::Relaxed);
         let unblocked = blocked_count(&st) < blocked_before;
-        if unblocked || self.topic.terminated.load(Ordering::Acquire) {
+        if unblocked
+            || self.topic.terminated.load(Ordering::Acquire)
+            || (!dirty_before && st.cursor.is_dirty())
+        {
             // A consumer (or the subscription) back under its unacknowledged limit may be
             // given more; the last acknowledgement of a terminated topic is when consumers
-            // are told.
+            // are told; and the first acknowledgement not persisted yet (within the persist
+            // interval, or after a failure) sets the dispatch loop's flush timer, which an
+            // idle loop has not set.
             self.wake.notify_one();
         }
         unpersisted.map_or(Ok(()), Err)
@@ -1187,6 +1214,14 @@ impl Subscription {
         Ok(out)
     }
 
+    /// Acknowledgements left in memory (within the persist interval, or after a failure) get
+    /// the dispatch loop's flush timer, which an idle loop has not set.
+    fn flush_soon(&self, st: &State) {
+        if st.cursor.is_dirty() {
+            self.wake.notify_one();
+        }
+    }
+
     /// Admin: acknowledges the first `n` unacknowledged entries (all of them with `None`);
     /// with `dry_run` only counts them. Returns how many entries.
     pub async fn skip(&self, n: Option<u64>, dry_run: bool) -> Result<u64, BrokerError> {
@@ -1196,8 +1231,10 @@ impl Subscription {
             let entries = st.cursor.backlog().await.entries;
             if !dry_run {
                 if let Some(last) = ml.last_confirmed() {
-                    st.cursor.ack_cumulative(last).await?;
+                    let r = st.cursor.ack_cumulative(last).await;
                     st.forget_through(last);
+                    self.flush_soon(&st);
+                    r?;
                 }
             }
             return Ok(entries);
@@ -1205,13 +1242,14 @@ impl Subscription {
         let n = n.unwrap_or(0);
         let mut pos = first_after_mark_delete(&st, &ml).await;
         let mut done = 0;
+        let mut unpersisted: Option<BrokerError> = None;
         while let Some(p) = pos {
             if done >= n {
                 break;
             }
             if !st.cursor.is_acknowledged(p) {
                 if !dry_run {
-                    st.cursor.ack(p).await?;
+                    kept_first(&mut unpersisted, st.cursor.ack(p).await);
                     st.unpend(p);
                     st.redeliver.remove(&p);
                 }
@@ -1219,7 +1257,8 @@ impl Subscription {
             }
             pos = ml.next_position(p).await;
         }
-        Ok(done)
+        self.flush_soon(&st);
+        unpersisted.map_or(Ok(done), Err)
     }
 
     /// The publish time of the oldest unacknowledged message, if any.
@@ -1237,10 +1276,11 @@ impl Subscription {
         let mut excess = st.cursor.backlog().await.bytes.saturating_sub(limit_bytes);
         let mut pos = first_after_mark_delete(&st, &ml).await;
         let mut done = 0;
+        let mut unpersisted: Option<BrokerError> = None;
         while let Some(p) = pos.filter(|_| excess > 0) {
             if !st.cursor.is_acknowledged(p) {
                 let len = ml.read(p).await?.len() as u64;
-                st.cursor.ack(p).await?;
+                kept_first(&mut unpersisted, st.cursor.ack(p).await);
                 st.unpend(p);
                 st.redeliver.remove(&p);
                 excess = excess.saturating_sub(len);
@@ -1248,7 +1288,8 @@ impl Subscription {
             }
             pos = ml.next_position(p).await;
         }
-        Ok(done)
+        self.flush_soon(&st);
+        unpersisted.map_or(Ok(done), Err)
     }
 
     /// Admin (and TTL): acknowledges every entry published before `cutoff_ms`; with `dry_run`
@@ -1288,9 +1329,11 @@ impl Subscription {
             pos = ml.next_position(p).await;
         }
         if !dry_run {
-            st.cursor.ack_cumulative(upto).await?;
+            let r = st.cursor.ack_cumulative(upto).await;
             st.forget_through(upto);
             debug_assert!(st.cursor.backlog().await.entries <= before);
+            self.flush_soon(&st);
+            r?;
         }
         Ok(count)
     }
@@ -1450,6 +1493,10 @@ impl Subscription {
         mut stop: watch::Receiver<bool>,
     ) {
         let flush_every = Duration::from_millis(self.topic.cfg.cursor_persist_interval_ms.max(100));
+        // When the cursor's acknowledgements in memory are flushed: set once they are seen,
+        // kept across the loop's wake-ups (a new timer on each would let a stream of
+        // publishes with no acknowledgement put the flush off for as long as it lasts).
+        let mut flush_at: Option<tokio::time::Instant> = None;
         loop {
             if *stop.borrow() {
                 return;
@@ -1480,15 +1527,24 @@ impl Subscription {
             let until_due = next_due.map_or(Duration::ZERO, |at| {
                 Duration::from_millis(u64::try_from(at - now_ms()).unwrap_or(0))
             });
+            flush_at = if dirty {
+                Some(flush_at.unwrap_or_else(|| tokio::time::Instant::now() + flush_every))
+            } else {
+                None
+            };
             tokio::select! {
                 _ = tokio::time::sleep(until_due), if next_due.is_some() => {}
                 _ = self.wake.notified() => {}
                 r = appended.changed() => if r.is_err() { return },
                 _ = stop.changed() => return,
-                _ = tokio::time::sleep(flush_every), if dirty => {
+                _ = tokio::time::sleep_until(flush_at.unwrap_or_else(tokio::time::Instant::now)), if flush_at.is_some() => {
                     let mut st = self.state.lock().await;
+                    flush_at = None;
                     if let Err(e) = Box::pin(st.cursor.flush()).await {
-                        tracing::warn!(subscription = %self.name, error = %e, "persisting the cursor failed");
+                        tracing::warn!(subscription = %self.name, error = %e, "persisting the cursor failed; tried again in a second");
+                        // Not every flush interval while the store is out: each attempt
+                        // holds the subscription's lock for up to a request's timeout.
+                        flush_at = Some(tokio::time::Instant::now() + FLUSH_RETRY);
                     }
                 }
             }
