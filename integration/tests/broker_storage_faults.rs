@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use meridian_integration::raw::{cmd, producer, send_frame, subscribe, Got, Raw};
+use meridian_integration::raw::{cmd, flow, producer, send_frame, subscribe, Got, Raw};
 use meridian_integration::{step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster};
 use meridian_metadata::MetadataClient;
 use meridian_protocol::pb::{self, base_command::Type};
@@ -51,18 +51,9 @@ async fn given_a_redelivery_read_fails_then_the_message_stays_pending_and_is_red
     step("a Shared consumer receives one message and does not acknowledge it");
     let mut c = Raw::connected(&broker.url);
     let id = c.produce_one("redeliver-fault", 1, 1, b"keep me");
-    let mut sub = subscribe("redeliver-fault", "s", 7, 2);
-    if let Some(s) = sub.subscribe.as_mut() {
-        s.sub_type = pb::command_subscribe::SubType::Shared as i32;
-    }
-    c.send(&sub);
+    c.send(&shared_s("redeliver-fault", 2));
     assert!(c.expect().command.success.is_some());
-    c.send(&cmd(Type::Flow, |x| {
-        x.flow = Some(pb::CommandFlow {
-            consumer_id: 7,
-            message_permits: 10,
-        })
-    }));
+    c.send(&flow(7, 10));
     let m = c.expect().command.message.expect("MESSAGE");
     assert_eq!(m.message_id.entry_id, id.entry_id);
 
@@ -1175,18 +1166,9 @@ async fn given_an_ack_whose_first_message_cannot_be_persisted_then_the_rest_are_
                 .expect("receipt"),
         );
     }
-    let mut sub = subscribe(topic, "s", 7, 2);
-    if let Some(s) = sub.subscribe.as_mut() {
-        s.sub_type = pb::command_subscribe::SubType::Shared as i32;
-    }
-    c.send(&sub);
+    c.send(&shared_s(topic, 2));
     assert!(c.expect().command.success.is_some());
-    c.send(&cmd(Type::Flow, |x| {
-        x.flow = Some(pb::CommandFlow {
-            consumer_id: 7,
-            message_permits: 10,
-        })
-    }));
+    c.send(&flow(7, 10));
     for id in &ids {
         let m = c.expect().command.message.expect("MESSAGE");
         assert_eq!(m.message_id.entry_id, id.entry_id);
@@ -1239,20 +1221,9 @@ async fn given_an_ack_whose_first_message_cannot_be_persisted_then_the_rest_are_
     broker.env("MERIDIAN_TEST_FAILPOINTS", "");
     broker.start().expect("the broker starts");
     let mut c = Raw::connected(&broker.url);
-    let granted = c.until_served(Duration::from_secs(30), 10, |r| {
-        let mut sub = subscribe(topic, "s", 7, r);
-        if let Some(s) = sub.subscribe.as_mut() {
-            s.sub_type = pb::command_subscribe::SubType::Shared as i32;
-        }
-        sub
-    });
+    let granted = c.until_served(Duration::from_secs(30), 10, |r| shared_s(topic, r));
     assert!(granted.success.is_some(), "{granted:?}");
-    c.send(&cmd(Type::Flow, |x| {
-        x.flow = Some(pb::CommandFlow {
-            consumer_id: 7,
-            message_permits: 10,
-        })
-    }));
+    c.send(&flow(7, 10));
     let deadline = Instant::now() + Duration::from_secs(2);
     while Instant::now() < deadline {
         if let Got::Frame(f) = c.recv(Duration::from_millis(200)) {
@@ -1265,6 +1236,15 @@ async fn given_an_ack_whose_first_message_cannot_be_persisted_then_the_rest_are_
     }
     let s = subscription_s(&broker, topic);
     assert_eq!(s["backlog_entries"], 0, "{s}");
+}
+
+/// SUBSCRIBE of consumer 7 to `topic` as Shared subscription `s`.
+fn shared_s(topic: &str, request_id: u64) -> pb::BaseCommand {
+    let mut sub = subscribe(topic, "s", 7, request_id);
+    if let Some(s) = sub.subscribe.as_mut() {
+        s.sub_type = pb::command_subscribe::SubType::Shared as i32;
+    }
+    sub
 }
 
 /// Subscription `s` of `topic` as the admin's topic stats show it.

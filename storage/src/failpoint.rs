@@ -11,17 +11,21 @@ static ARMED: Mutex<Option<Vec<String>>> = Mutex::new(None);
 
 fn armed() -> MutexGuard<'static, Option<Vec<String>>> {
     let mut armed = ARMED.lock().expect("fail points");
-    armed.get_or_insert_with(|| {
-        std::env::var("MERIDIAN_TEST_FAILPOINTS")
-            .map(|v| {
-                v.split(',')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default()
-    });
+    armed.get_or_insert_with(from_env);
     armed
+}
+
+/// The fail points named in `MERIDIAN_TEST_FAILPOINTS` (`name[,name...]`; none when unset),
+/// for this crate's and the broker's.
+pub fn from_env() -> Vec<String> {
+    std::env::var("MERIDIAN_TEST_FAILPOINTS")
+        .map(|v| {
+            v.split(',')
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Arms `point` for one hit.

@@ -6,16 +6,7 @@ use std::sync::OnceLock;
 
 fn armed() -> &'static [String] {
     static ARMED: OnceLock<Vec<String>> = OnceLock::new();
-    ARMED.get_or_init(|| {
-        std::env::var("MERIDIAN_TEST_FAILPOINTS")
-            .map(|v| {
-                v.split(',')
-                    .map(|s| s.trim().to_string())
-                    .filter(|s| !s.is_empty())
-                    .collect()
-            })
-            .unwrap_or_default()
-    })
+    ARMED.get_or_init(meridian_storage::failpoint::from_env)
 }
 
 /// Whether the fail point `name` is armed.
