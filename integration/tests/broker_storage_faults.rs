@@ -1259,3 +1259,71 @@ fn subscription_s(broker: &BrokerProc, topic: &str) -> serde_json::Value {
         .cloned()
         .unwrap_or_else(|| panic!("subscription s in {stats}"))
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_meanwhile_and_they_are_stored_in_order(
+) {
+    // Ledgers of two bookies, one registered: a send waits for the second (up to 30 s).
+    let (cluster, _bookie, broker) = one_of_each(&[
+        ("MERIDIAN_BROKER_ENSEMBLE", "2"),
+        ("MERIDIAN_BROKER_WRITE_QUORUM", "2"),
+        ("MERIDIAN_BROKER_ACK_QUORUM", "2"),
+        ("MERIDIAN_BROKER_LEDGER_CREATE_WAIT_MS", "30000"),
+    ])
+    .await;
+    let mut c = Raw::connected(&broker.url);
+    c.send(&producer("needs-two", 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+
+    step("two sends that wait for a second bookie, then a PING and a SUBSCRIBE");
+    c.send_raw(&send_frame(1, 0, b"m0"));
+    c.send_raw(&send_frame(1, 1, b"m1"));
+    c.send(&cmd(Type::Ping, |x| x.ping = Some(pb::CommandPing {})));
+    c.send(&subscribe("needs-two", "s", 2, 2));
+    let mut answered = Vec::new();
+    while answered.len() < 2 {
+        let f = match c.recv(Duration::from_secs(5)) {
+            Got::Frame(f) => f.command,
+            Got::Closed => panic!("connection closed"),
+            Got::Nothing => panic!(
+                "the connection answered only {answered:?} while the sends waited for bookies"
+            ),
+        };
+        assert!(f.send_receipt.is_none(), "a receipt with one bookie: {f:?}");
+        if f.pong.is_some() {
+            answered.push("pong");
+        } else if f.success.is_some() {
+            answered.push("subscribed");
+        } else {
+            panic!("unexpected answer: {f:?}");
+        }
+    }
+    let page = meridian_integration::http_get(&broker.http, "/metrics");
+    assert!(
+        meridian_integration::metric_value(&page, "meridian_publish_submits_moved_total") >= 1.0,
+        "the waiting send was not moved off the read loop"
+    );
+
+    step("a second bookie registers: both sends are stored and answered, in order");
+    let endpoint = cluster.endpoints()[0].clone();
+    let mut second = BookieProc::new("bookie-2", cluster.root.path(), &endpoint);
+    second.start().unwrap();
+    let mut stored = Vec::new();
+    for seq in 0..2 {
+        let r = wait_frame(&mut c, Duration::from_secs(40), |f| {
+            f.send_receipt.is_some() || f.send_error.is_some()
+        });
+        let Some(receipt) = r.send_receipt else {
+            panic!("{:?}", r.send_error)
+        };
+        assert_eq!(receipt.sequence_id, seq);
+        let id = receipt.message_id.expect("receipt's id");
+        stored.push((id.ledger_id, id.entry_id));
+    }
+    c.send(&flow(2, 10));
+    for want in stored {
+        let f = wait_frame(&mut c, Duration::from_secs(10), |f| f.message.is_some());
+        let id = f.message.expect("MESSAGE").message_id;
+        assert_eq!((id.ledger_id, id.entry_id), want);
+    }
+}

@@ -916,15 +916,23 @@ impl ManagedCursor {
                 }
             }
             // Parallel reads of the next positions, acknowledged ones dropped after; up to a
-            // long acknowledged range ahead in the same ledger (short ones are read through:
-            // stopping at each would make scattered acknowledgements one read each).
+            // long acknowledged range ahead, in this ledger or a later one (short ones are
+            // read through: stopping at each would make scattered acknowledgements one read
+            // each).
             let mut want = max - out.len();
             if let Some((lo, hi)) = self.ranges.first_from(start) {
-                if lo.ledger_id == start.ledger_id
-                    && hi.ledger_id == lo.ledger_id
-                    && hi.entry_id - lo.entry_id >= SKIP_RANGE_MIN
-                {
-                    want = want.min(usize::try_from(lo.entry_id - start.entry_id).unwrap_or(want));
+                if hi.ledger_id == lo.ledger_id && hi.entry_id - lo.entry_id >= SKIP_RANGE_MIN {
+                    let ahead = if lo.ledger_id == start.ledger_id {
+                        Some(lo.entry_id - start.entry_id)
+                    } else {
+                        match (self.ml.index_of(start).await, self.ml.index_of(lo).await) {
+                            (Some(a), Some(b)) => b.checked_sub(a),
+                            _ => None,
+                        }
+                    };
+                    if let Some(ahead) = ahead {
+                        want = want.min(usize::try_from(ahead).unwrap_or(want));
+                    }
                 }
             }
             let batch = match self.ml.read_range(start, want).await {

@@ -1327,6 +1327,36 @@ mod cursors {
         let got: Vec<Position> = read.iter().map(|(p, _)| *p).collect();
         assert_eq!(got, pos[590..].to_vec());
         assert_eq!(ml.entries_read_from_bookies() - before, 10);
+
+        step("a long acknowledged range at the start of the next ledger is not read into either");
+        let ml = ManagedLedger::open(
+            client.clone(),
+            "acme/events/gap-next",
+            ManagedLedgerOptions {
+                tail_cache_bytes_max: 0,
+                rollover_entries_max: 100,
+                rollover_min_age_ms: 0,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("open");
+        let mut pos = Vec::new();
+        for i in 0..200u64 {
+            pos.push(ml.append(payload(i)).await.expect("append"));
+        }
+        assert_ne!(pos[99].ledger_id, pos[100].ledger_id, "rolled over at 100");
+        assert_eq!(pos[100].entry_id, 0);
+        let mut c = open_sub_a(&client, &ml).await.expect("cursor");
+        c.ack_between(None, pos[95]).await;
+        c.ack_between(Some(pos[99]), pos[190]).await;
+        let before = ml.entries_read_from_bookies();
+        let read = c.read_entries(100).await.expect("read");
+        let got: Vec<Position> = read.iter().map(|(p, _)| *p).collect();
+        let want: Vec<Position> = pos[95..100].iter().chain(&pos[190..]).copied().collect();
+        assert_eq!(got, want);
+        // 95-99, then 190-199; reading into the range asked for 100 in the first read.
+        assert_eq!(ml.entries_read_from_bookies() - before, 15);
         for b in &mut bookies {
             b.stop(&store.client).await;
         }

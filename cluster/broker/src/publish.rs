@@ -9,11 +9,14 @@
 //! ```
 //!
 //! A throttled producer waits in its own task, never in the read loop: the connection keeps
-//! answering pings, acknowledgements and other producers meanwhile. A send goes through the
-//! throttle queue whenever an earlier one of its producer still waits there, so a producer's
-//! sends are appended, and answered, in SEND order. Both queues are bounded
-//! (`broker.producer_pending_sends_max`): a client past that bound waits in the read loop,
-//! which is the backpressure it sees.
+//! answering pings, acknowledgements and other producers meanwhile. So does a send whose
+//! submission cannot finish at once (its log makes a new ledger, waits for writable bookies,
+//! or waits for the producer's sends in flight before it moves on; the deduplication lock is
+//! held): the read loop polls it once and, still pending, hands it to the throttle task
+//! to finish there. A send goes through the throttle queue whenever an earlier one of its
+//! producer is still there, so a producer's sends are appended, and answered, in SEND order.
+//! Both queues are bounded (`broker.producer_pending_sends_max`): a client past that bound
+//! waits in the read loop, which is the backpressure it sees.
 //!
 //! A send goes to the ledger of its producer's sends in flight, or waits until they are
 //! answered ([`InFlight`]): it never lands in a later ledger while an earlier one of its
@@ -69,7 +72,7 @@ pub(crate) struct Publisher {
     message_bytes_max: u64,
     receipts_tx: mpsc::Sender<PendingSend>,
     receipts: JoinHandle<()>,
-    throttle_tx: mpsc::Sender<(SendRequest, Instant)>,
+    throttle_tx: mpsc::Sender<Throttled>,
     throttle: JoinHandle<()>,
     /// Tells the throttle task to stop between sends.
     stop: watch::Sender<bool>,
@@ -80,6 +83,17 @@ pub(crate) struct Publisher {
 
 /// The receipt task is gone: the client's connection has closed.
 pub(crate) struct ReceiptsGone;
+
+/// A submission under way, owning what it needs, so that it can finish in another task.
+type SubmitFuture = std::pin::Pin<Box<dyn std::future::Future<Output = PendingSend> + Send>>;
+
+/// What the throttle task is handed, in SEND order.
+enum Throttled {
+    /// A send to submit once it is due.
+    Due(SendRequest, Instant),
+    /// A send whose submission began in the read loop and could not finish at once.
+    Begun(SubmitFuture, Submitting),
+}
 
 /// Where a producer's sends in flight (appended, not yet answered) went, and how many there
 /// are. A later send is appended only into that ledger; when it takes no more (its writer
@@ -103,17 +117,17 @@ pub(crate) struct InFlight {
 
 /// Counts a send as submitted from its start until it is dropped (once its outcome is
 /// queued).
-struct Submitting<'a>(&'a InFlight);
+struct Submitting(Arc<InFlight>);
 
-impl<'a> Submitting<'a> {
-    fn start(in_flight: &'a InFlight) -> Self {
+impl Submitting {
+    fn start(in_flight: &Arc<InFlight>) -> Self {
         // SeqCst with the fenced flag: see `ProducerHandle::is_fenced`.
         in_flight.submits_started.fetch_add(1, Ordering::SeqCst);
-        Submitting(in_flight)
+        Submitting(Arc::clone(in_flight))
     }
 }
 
-impl Drop for Submitting<'_> {
+impl Drop for Submitting {
     fn drop(&mut self) {
         self.0.submits_queued.fetch_add(1, Ordering::SeqCst);
     }
@@ -225,23 +239,43 @@ impl Publisher {
         .max()
         .unwrap_or_default();
         if wait.is_zero() && self.throttled.load(Ordering::Acquire) == 0 {
-            let _submitting = Submitting::start(&self.in_flight);
-            let ps = submit(
-                &self.topic,
-                &self.handle,
-                &self.in_flight,
-                self.message_bytes_max,
-                r,
-            )
-            .await;
-            return self.receipts_tx.send(ps).await.map_err(|_| ReceiptsGone);
+            let submitting = Submitting::start(&self.in_flight);
+            let mut submission = self.submission(r);
+            let Some(ps) = poll_once(&mut submission).await else {
+                // It waits for something (a new ledger, writable bookies, the producer's
+                // sends in flight, a lock): not in the read loop.
+                metrics::counter!("meridian_publish_submits_moved_total").increment(1);
+                return self.queue(Throttled::Begun(submission, submitting)).await;
+            };
+            let queued = self.receipts_tx.send(ps).await.map_err(|_| ReceiptsGone);
+            drop(submitting);
+            return queued;
         }
         if !wait.is_zero() {
             metrics::counter!("meridian_publish_throttled_total").increment(1);
         }
         let due = r.received + wait;
+        self.queue(Throttled::Due(r, due)).await
+    }
+
+    /// A send's submission, owning what it needs. Outside the task's cooperative budget: a
+    /// read loop that has used its budget up would otherwise see every send pending.
+    fn submission(&self, r: SendRequest) -> SubmitFuture {
+        let (topic, handle, in_flight) = (
+            Arc::clone(&self.topic),
+            Arc::clone(&self.handle),
+            Arc::clone(&self.in_flight),
+        );
+        let message_bytes_max = self.message_bytes_max;
+        Box::pin(tokio::task::unconstrained(async move {
+            submit(&topic, &handle, &in_flight, message_bytes_max, r).await
+        }))
+    }
+
+    /// Hands a send to the throttle task, behind those it holds.
+    async fn queue(&self, t: Throttled) -> Result<(), ReceiptsGone> {
         self.throttled.fetch_add(1, Ordering::AcqRel);
-        if self.throttle_tx.send((r, due)).await.is_err() {
+        if self.throttle_tx.send(t).await.is_err() {
             self.throttled.fetch_sub(1, Ordering::AcqRel);
             return Err(ReceiptsGone);
         }
@@ -249,7 +283,8 @@ impl Publisher {
     }
 
     /// Closes the producer's path: sends still waiting for their turn are dropped
-    /// (never appended, never acknowledged); those appended are awaited and answered.
+    /// (never appended, never acknowledged); those appended, or whose submission began, are
+    /// awaited and answered.
     /// A send the throttle task has begun to submit is submitted and handed on whole: cut
     /// between its append and its hand-off, its deduplication ticket would stay pending
     /// (its resends refused as still being written, the topic's snapshots held back).
@@ -262,37 +297,60 @@ impl Publisher {
     }
 }
 
-/// Sleeps until each throttled send is due, then submits it, in order. Stops (`stop`) only
-/// between sends: a send being submitted is handed on first.
+/// Polls `submission` once: its outcome if it finished, `None` if it waits (it can then be
+/// polled on in another task).
+async fn poll_once(submission: &mut SubmitFuture) -> Option<PendingSend> {
+    use std::task::Poll;
+    std::future::poll_fn(|cx| {
+        Poll::Ready(match submission.as_mut().poll(cx) {
+            Poll::Ready(ps) => Some(ps),
+            Poll::Pending => None,
+        })
+    })
+    .await
+}
+
+/// Sleeps until each throttled send is due, then submits it, in order, and finishes the
+/// submissions the read loop began. Stops (`stop`) only between sends: a send being
+/// submitted is handed on first, and so is a begun submission still queued (one can only be
+/// first in the queue: the read loop hands one over only when the task holds nothing).
 async fn throttle_loop(
     topic: Arc<Topic>,
     handle: Arc<ProducerHandle>,
     in_flight: Arc<InFlight>,
     message_bytes_max: u64,
-    (mut rx, mut stop): (
-        mpsc::Receiver<(SendRequest, Instant)>,
-        watch::Receiver<bool>,
-    ),
+    (mut rx, mut stop): (mpsc::Receiver<Throttled>, watch::Receiver<bool>),
     receipts: mpsc::Sender<PendingSend>,
     throttled: Arc<AtomicUsize>,
 ) {
     loop {
         // A closed `stop` (the publisher dropped) stops too.
-        let (r, due) = tokio::select! {
+        let next = tokio::select! {
             biased;
-            _ = stop.wait_for(|s| *s) => return,
+            _ = stop.wait_for(|s| *s) => None,
             next = rx.recv() => match next {
-                Some(next) => next,
+                Some(next) => Some(next),
                 None => return,
             },
         };
-        tokio::select! {
-            biased;
-            _ = stop.wait_for(|s| *s) => return,
-            _ = tokio::time::sleep_until(due.into()) => {}
-        }
-        let submitting = Submitting::start(&in_flight);
-        let ps = submit(&topic, &handle, &in_flight, message_bytes_max, r).await;
+        let Some(next) = next else {
+            return finish_begun(&mut rx, &receipts).await;
+        };
+        let (ps, submitting) = match next {
+            Throttled::Begun(submission, submitting) => (submission.await, submitting),
+            Throttled::Due(r, due) => {
+                tokio::select! {
+                    biased;
+                    _ = stop.wait_for(|s| *s) => return,
+                    _ = tokio::time::sleep_until(due.into()) => {}
+                }
+                let submitting = Submitting::start(&in_flight);
+                (
+                    submit(&topic, &handle, &in_flight, message_bytes_max, r).await,
+                    submitting,
+                )
+            }
+        };
         if crate::failpoint::hit("publish:slow_hand_off") {
             tokio::time::sleep(Duration::from_secs(8)).await;
         }
@@ -303,6 +361,18 @@ async fn throttle_loop(
         throttled.fetch_sub(1, Ordering::AcqRel);
         if gone {
             return;
+        }
+    }
+}
+
+/// On stop: a submission the read loop began and queued is finished and handed on (cut
+/// between its append and its hand-off, its deduplication ticket would stay pending); sends
+/// not yet begun are dropped.
+async fn finish_begun(rx: &mut mpsc::Receiver<Throttled>, receipts: &mpsc::Sender<PendingSend>) {
+    while let Ok(next) = rx.try_recv() {
+        if let Throttled::Begun(submission, submitting) = next {
+            let _ = receipts.send(submission.await).await;
+            drop(submitting);
         }
     }
 }
