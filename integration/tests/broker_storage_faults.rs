@@ -1261,14 +1261,14 @@ fn subscription_s(broker: &BrokerProc, topic: &str) -> serde_json::Value {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_meanwhile_and_they_are_stored_in_order(
+async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_meanwhile_and_they_are_stored_in_order_before_their_producer_closes(
 ) {
-    // Ledgers of two bookies, one registered: a send waits for the second (up to 30 s).
+    // Ledgers of two bookies, one registered: a send waits for the second (up to 60 s).
     let (cluster, _bookie, broker) = one_of_each(&[
         ("MERIDIAN_BROKER_ENSEMBLE", "2"),
         ("MERIDIAN_BROKER_WRITE_QUORUM", "2"),
         ("MERIDIAN_BROKER_ACK_QUORUM", "2"),
-        ("MERIDIAN_BROKER_LEDGER_CREATE_WAIT_MS", "30000"),
+        ("MERIDIAN_BROKER_LEDGER_CREATE_WAIT_MS", "60000"),
     ])
     .await;
     let mut c = Raw::connected(&broker.url);
@@ -1304,22 +1304,40 @@ async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_
         "the waiting send was not moved off the read loop"
     );
 
-    step("a second bookie registers: both sends are stored and answered, in order");
+    step("a send behind them, then CLOSE_PRODUCER: answered after the three receipts");
+    c.send_raw(&send_frame(1, 2, b"m2"));
+    c.send(&cmd(Type::CloseProducer, |x| {
+        x.close_producer = Some(pb::CommandCloseProducer {
+            producer_id: 1,
+            request_id: 3,
+        });
+    }));
+
+    step("a second bookie registers: the sends are stored and answered, in order");
     let endpoint = cluster.endpoints()[0].clone();
     let mut second = BookieProc::new("bookie-2", cluster.root.path(), &endpoint);
     second.start().unwrap();
+    wait_for_bookies(&cluster.client(), 2, Duration::from_secs(30))
+        .await
+        .unwrap();
     let mut stored = Vec::new();
-    for seq in 0..2 {
+    for seq in 0..3 {
         let r = wait_frame(&mut c, Duration::from_secs(40), |f| {
-            f.send_receipt.is_some() || f.send_error.is_some()
+            f.send_receipt.is_some() || f.send_error.is_some() || f.success.is_some()
         });
-        let Some(receipt) = r.send_receipt else {
-            panic!("{:?}", r.send_error)
+        let Some(receipt) = r.send_receipt.clone() else {
+            panic!("not a receipt: {r:?}")
         };
         assert_eq!(receipt.sequence_id, seq);
         let id = receipt.message_id.expect("receipt's id");
         stored.push((id.ledger_id, id.entry_id));
     }
+    let closed = c.expect().command;
+    assert_eq!(
+        closed.success.as_ref().map(|s| s.request_id),
+        Some(3),
+        "{closed:?}"
+    );
     c.send(&flow(2, 10));
     for want in stored {
         let f = wait_frame(&mut c, Duration::from_secs(10), |f| f.message.is_some());

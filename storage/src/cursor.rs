@@ -930,7 +930,8 @@ impl ManagedCursor {
                             _ => None,
                         }
                     };
-                    if let Some(ahead) = ahead {
+                    // (Never 0: `start` is not in a range. A 0 would end the read here.)
+                    if let Some(ahead) = ahead.filter(|a| *a > 0) {
                         want = want.min(usize::try_from(ahead).unwrap_or(want));
                     }
                 }

@@ -1180,9 +1180,16 @@ impl Conn {
     }
 }
 
+/// Closes a producer: its queued sends are settled first (see `Publisher::close`), so none
+/// is appended after the topic counts it gone (an exclusive producer could be attached by
+/// then).
 async fn close_producer(p: ProducerEntry) {
-    p.publisher.topic.remove_producer(&p.publisher.handle);
+    let (topic, handle) = (
+        Arc::clone(&p.publisher.topic),
+        Arc::clone(&p.publisher.handle),
+    );
     p.publisher.close().await;
+    topic.remove_producer(&handle);
 }
 
 /// A Key_Shared consumer's request: mode (0 auto-split, 1 sticky), ranges within 0..=65535.

@@ -1,19 +1,20 @@
 //! A producer's publish path on one connection, apart from the connection's read loop:
 //!
 //! ```text
-//!  read loop ─ SEND ─► publish rate allows it now? ── yes ─► submit ─► receipt queue
-//!                          │ no (or sends already wait)            ▲
-//!                          └─► throttle queue ─► throttle task ────┘ (sleeps until each
-//!                                                                     send's turn, in order)
+//!  read loop ─ SEND ─► publish rate allows it now? ── yes ─► submit: done at once? ── yes ─► receipt queue
+//!                          │ no (or sends already wait)             │ no: handed over begun         ▲
+//!                          └─► throttle queue ◄──────────────────────┘                              │
+//!                                 └─► throttle task: finishes a begun one; sleeps until each ───────┘
+//!                                     throttled send's turn and submits it; in order
 //!  receipt queue ─► receipt task: awaits each append's durability in SEND order ─► SEND_RECEIPT
 //! ```
 //!
 //! A throttled producer waits in its own task, never in the read loop: the connection keeps
 //! answering pings, acknowledgements and other producers meanwhile. So does a send whose
 //! submission cannot finish at once (its log makes a new ledger, waits for writable bookies,
-//! or waits for the producer's sends in flight before it moves on; the deduplication lock is
-//! held): the read loop polls it once and, still pending, hands it to the throttle task
-//! to finish there. A send goes through the throttle queue whenever an earlier one of its
+//! or waits for the producer's sends in flight before it moves on; the ledger's write window
+//! is full; a lock is held): the read loop polls it once and, still pending, hands it to the
+//! throttle task to finish there. A send goes through the throttle queue whenever an earlier one of its
 //! producer is still there, so a producer's sends are appended, and answered, in SEND order.
 //! Both queues are bounded (`broker.producer_pending_sends_max`): a client past that bound
 //! waits in the read loop, which is the backpressure it sees.
@@ -76,7 +77,8 @@ pub(crate) struct Publisher {
     throttle: JoinHandle<()>,
     /// Tells the throttle task to stop between sends.
     stop: watch::Sender<bool>,
-    /// Sends in the throttle queue or its task, not yet submitted.
+    /// Sends in the throttle queue or its task whose outcome is not yet in the receipt queue
+    /// (begun submissions included).
     throttled: Arc<AtomicUsize>,
     in_flight: Arc<InFlight>,
 }
@@ -89,8 +91,13 @@ type SubmitFuture = std::pin::Pin<Box<dyn std::future::Future<Output = PendingSe
 
 /// What the throttle task is handed, in SEND order.
 enum Throttled {
-    /// A send to submit once it is due.
-    Due(SendRequest, Instant),
+    /// A send to submit once it is due; `by_rate`: held back by a publish rate (else it only
+    /// queued behind an earlier send).
+    Due {
+        send: SendRequest,
+        due: Instant,
+        by_rate: bool,
+    },
     /// A send whose submission began in the read loop and could not finish at once.
     Begun(SubmitFuture, Submitting),
 }
@@ -255,7 +262,12 @@ impl Publisher {
             metrics::counter!("meridian_publish_throttled_total").increment(1);
         }
         let due = r.received + wait;
-        self.queue(Throttled::Due(r, due)).await
+        self.queue(Throttled::Due {
+            send: r,
+            due,
+            by_rate: !wait.is_zero(),
+        })
+        .await
     }
 
     /// A send's submission, owning what it needs. Outside the task's cooperative budget: a
@@ -282,9 +294,12 @@ impl Publisher {
         Ok(())
     }
 
-    /// Closes the producer's path: sends still waiting for their turn are dropped
-    /// (never appended, never acknowledged); those appended, or whose submission began, are
-    /// awaited and answered.
+    /// Closes the producer's path: sends still waiting for their turn under a publish rate
+    /// are dropped (never appended, never acknowledged), and every send queued after the
+    /// first of them; the others (whose submission began, or that only queued behind one
+    /// that had) are submitted, awaited and answered, in order. That can take the
+    /// submission's own wait (writable bookies: up to `broker.ledger_create_wait_ms`), and the
+    /// caller (the connection's read loop, for a CLOSE_PRODUCER) waits for it.
     /// A send the throttle task has begun to submit is submitted and handed on whole: cut
     /// between its append and its hand-off, its deduplication ticket would stay pending
     /// (its resends refused as still being written, the topic's snapshots held back).
@@ -311,9 +326,10 @@ async fn poll_once(submission: &mut SubmitFuture) -> Option<PendingSend> {
 }
 
 /// Sleeps until each throttled send is due, then submits it, in order, and finishes the
-/// submissions the read loop began. Stops (`stop`) only between sends: a send being
-/// submitted is handed on first, and so is a begun submission still queued (one can only be
-/// first in the queue: the read loop hands one over only when the task holds nothing).
+/// submissions the read loop began (one can only be first in the queue: the read loop hands
+/// one over only when the task holds nothing). Told to stop, it submits and hands on what
+/// the read loop would have submitted at once (see [`Publisher::close`]) and drops the rest
+/// from the first send held back by a rate; a send being submitted is handed on first.
 async fn throttle_loop(
     topic: Arc<Topic>,
     handle: Arc<ProducerHandle>,
@@ -323,30 +339,50 @@ async fn throttle_loop(
     receipts: mpsc::Sender<PendingSend>,
     throttled: Arc<AtomicUsize>,
 ) {
+    // A closed `stop` (the publisher dropped) stops too.
+    let mut stopping = false;
     loop {
-        // A closed `stop` (the publisher dropped) stops too.
-        let next = tokio::select! {
-            biased;
-            _ = stop.wait_for(|s| *s) => None,
-            next = rx.recv() => match next {
-                Some(next) => Some(next),
-                None => return,
-            },
-        };
-        let Some(next) = next else {
-            return finish_begun(&mut rx, &receipts).await;
+        let next = if stopping {
+            match rx.try_recv() {
+                Ok(next) => next,
+                Err(_) => return,
+            }
+        } else {
+            let next = tokio::select! {
+                biased;
+                _ = stop.wait_for(|s| *s) => None,
+                next = rx.recv() => match next {
+                    Some(next) => Some(next),
+                    None => return,
+                },
+            };
+            match next {
+                Some(next) => next,
+                None => {
+                    stopping = true;
+                    continue;
+                }
+            }
         };
         let (ps, submitting) = match next {
             Throttled::Begun(submission, submitting) => (submission.await, submitting),
-            Throttled::Due(r, due) => {
-                tokio::select! {
-                    biased;
-                    _ = stop.wait_for(|s| *s) => return,
-                    _ = tokio::time::sleep_until(due.into()) => {}
+            Throttled::Due { send, due, by_rate } => {
+                if by_rate {
+                    if stopping {
+                        return;
+                    }
+                    let stopped = tokio::select! {
+                        biased;
+                        _ = stop.wait_for(|s| *s) => true,
+                        _ = tokio::time::sleep_until(due.into()) => false,
+                    };
+                    if stopped {
+                        return;
+                    }
                 }
                 let submitting = Submitting::start(&in_flight);
                 (
-                    submit(&topic, &handle, &in_flight, message_bytes_max, r).await,
+                    submit(&topic, &handle, &in_flight, message_bytes_max, send).await,
                     submitting,
                 )
             }
@@ -361,18 +397,6 @@ async fn throttle_loop(
         throttled.fetch_sub(1, Ordering::AcqRel);
         if gone {
             return;
-        }
-    }
-}
-
-/// On stop: a submission the read loop began and queued is finished and handed on (cut
-/// between its append and its hand-off, its deduplication ticket would stay pending); sends
-/// not yet begun are dropped.
-async fn finish_begun(rx: &mut mpsc::Receiver<Throttled>, receipts: &mpsc::Sender<PendingSend>) {
-    while let Ok(next) = rx.try_recv() {
-        if let Throttled::Begun(submission, submitting) = next {
-            let _ = receipts.send(submission.await).await;
-            drop(submitting);
         }
     }
 }

@@ -149,29 +149,41 @@ pub fn measure(
         quiet.push((from, ended));
     }
     let quiet_s: f64 = quiet.iter().map(|(a, b)| b - a).sum();
-    let in_quiet = |t: f64| quiet.iter().any(|(a, b)| t >= *a && t < *b);
     let all: usize = acks
         .iter()
         .map(|a| a.iter().filter(|t| **t >= began && **t < ended).count())
         .sum();
     r.rate_all = all as f64 / (ended - began).max(1e-9);
-    let mut lat: Vec<f64> = sent
-        .iter()
-        .flatten()
-        .filter(|v| v.get("acked").is_some())
-        .filter_map(|v| {
-            let (t, l) = (v.get("t")?.as_f64()?, v.get("l")?.as_f64()?);
-            // By when it was sent: sends held up by a fault end in the quiet after it.
-            in_quiet(t - l / 1000.0).then_some(l)
-        })
-        .collect();
+    // By when it was sent: sends held up by a fault end in the quiet after it. Of those, the
+    // ones also answered before their stretch ended (the next fault did not hold them).
+    let (mut lat, mut within) = (Vec::new(), Vec::new());
+    for v in sent.iter().flatten().filter(|v| v.get("acked").is_some()) {
+        let (Some(t), Some(l)) = (
+            v.get("t").and_then(|t| t.as_f64()),
+            v.get("l").and_then(|l| l.as_f64()),
+        ) else {
+            continue;
+        };
+        let at = t - l / 1000.0;
+        if let Some((_, end)) = quiet.iter().find(|(a, b)| at >= *a && at < *b) {
+            lat.push(l);
+            if t < *end {
+                within.push(l);
+            }
+        }
+    }
     r.rate_quiet = lat.len() as f64 / quiet_s.max(1e-9);
-    lat.sort_by(f64::total_cmp);
-    r.p99_quiet_ms = lat
-        .get((lat.len() as f64 * 0.99) as usize)
-        .or(lat.last())
+    r.p99_quiet_ms = p99(lat);
+    r.p99_quiet_within_ms = p99(within);
+}
+
+/// The 99th percentile of `v` (0 when empty).
+fn p99(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get((v.len() as f64 * 0.99) as usize)
+        .or(v.last())
         .copied()
-        .unwrap_or(0.0);
+        .unwrap_or(0.0)
 }
 
 #[cfg(test)]
@@ -217,6 +229,23 @@ mod tests {
             .collect::<Vec<_>>()];
         measure(&mut r, &sent, &delivered, 0.0, 300.0);
         r
+    }
+
+    #[test]
+    fn given_a_send_of_a_quiet_stretch_held_by_the_next_fault_then_only_the_first_p99_counts_it() {
+        // Quiet from 0 to 90 s (the fault's start); 200 sends of 1 ms in it, and 5 sent at
+        // 89.5 s and answered at 100.5 s, after the fault healed.
+        let mut r = Report {
+            done: vec![done(90.0, 100.0)],
+            ..Report::default()
+        };
+        let mut lines: Vec<serde_json::Value> = (0..200)
+            .map(|i| json!({"acked": 1, "t": 1.0 + f64::from(i) * 0.4, "l": 1.0}))
+            .collect();
+        lines.extend((0..5).map(|_| json!({"acked": 1, "t": 100.5, "l": 11_000.0})));
+        measure(&mut r, &[lines], &[], 0.0, 100.0);
+        assert_eq!(r.p99_quiet_ms, 11_000.0);
+        assert_eq!(r.p99_quiet_within_ms, 1.0);
     }
 
     #[test]
