@@ -1,7 +1,7 @@
 //! A producer's publish path on one connection, apart from the connection's read loop:
 //!
 //! ```text
-//!  read loop ─ SEND ─► publish rate allows it now? ── yes ─► submit: done at once? ── yes ─► receipt queue
+//!  read loop ─ SEND ─► publish rate allows it now? ── yes ─► submit: done in 5 ms? ── yes ─► receipt queue
 //!                          │ no (or sends already wait)             │ no: handed over begun         ▲
 //!                          └─► throttle queue ◄──────────────────────┘                              │
 //!                                 └─► throttle task: finishes a begun one; sleeps until each ───────┘
@@ -11,10 +11,10 @@
 //!
 //! A throttled producer waits in its own task, never in the read loop: the connection keeps
 //! answering pings, acknowledgements and other producers meanwhile. So does a send whose
-//! submission cannot finish at once (its log makes a new ledger, waits for writable bookies,
-//! or waits for the producer's sends in flight before it moves on; the ledger's write window
-//! is full; a lock is held): the read loop polls it once and, still pending, hands it to the
-//! throttle task to finish there. A send goes through the throttle queue whenever an earlier one of its
+//! submission takes longer than `HAND_OVER_AFTER` (5 ms: its log makes a new ledger, waits
+//! for writable bookies, or waits for the producer's sends in flight before it moves on):
+//! the read loop hands it, begun, to the throttle task to finish there. Shorter waits (a
+//! lock, a full write window) are waited out in the read loop. A send goes through the throttle queue whenever an earlier one of its
 //! producer is still there, so a producer's sends are appended, and answered, in SEND order.
 //! Both queues are bounded (`broker.producer_pending_sends_max`): a client past that bound
 //! waits in the read loop, which is the backpressure it sees.
@@ -85,6 +85,10 @@ pub(crate) struct Publisher {
 
 /// The receipt task is gone: the client's connection has closed.
 pub(crate) struct ReceiptsGone;
+
+/// How long the read loop waits for a send's submission before it hands it to the throttle
+/// task.
+const HAND_OVER_AFTER: Duration = Duration::from_millis(5);
 
 /// A submission under way, owning what it needs, so that it can finish in another task.
 type SubmitFuture = std::pin::Pin<Box<dyn std::future::Future<Output = PendingSend> + Send>>;
@@ -248,11 +252,18 @@ impl Publisher {
         if wait.is_zero() && self.throttled.load(Ordering::Acquire) == 0 {
             let submitting = Submitting::start(&self.in_flight);
             let mut submission = self.submission(r);
-            let Some(ps) = poll_once(&mut submission).await else {
-                // It waits for something (a new ledger, writable bookies, the producer's
-                // sends in flight, a lock): not in the read loop.
-                metrics::counter!("meridian_publish_submits_moved_total").increment(1);
-                return self.queue(Throttled::Begun(submission, submitting)).await;
+            let ps = match poll_once(&mut submission).await {
+                Some(ps) => ps,
+                // A brief wait (a lock, a full write window) is waited out here, as before
+                // (the client's backpressure); a long one (a new ledger, writable bookies,
+                // the producer's sends in flight) not in the read loop.
+                None => match tokio::time::timeout(HAND_OVER_AFTER, &mut submission).await {
+                    Ok(ps) => ps,
+                    Err(_) => {
+                        metrics::counter!("meridian_publish_submits_moved_total").increment(1);
+                        return self.queue(Throttled::Begun(submission, submitting)).await;
+                    }
+                },
             };
             let queued = self.receipts_tx.send(ps).await.map_err(|_| ReceiptsGone);
             drop(submitting);
