@@ -1260,17 +1260,90 @@ fn subscription_s(broker: &BrokerProc, topic: &str) -> serde_json::Value {
         .unwrap_or_else(|| panic!("subscription s in {stats}"))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_meanwhile_and_they_are_stored_in_order_before_their_producer_closes(
-) {
-    // Ledgers of two bookies, one registered: a send waits for the second (up to 60 s).
-    let (cluster, _bookie, broker) = one_of_each(&[
+/// A broker whose ledgers take two bookies, with one registered (`extra` set too): a send
+/// that needs a new ledger waits for the second (up to 60 s).
+async fn short_of_a_bookie(extra: &[(&str, &str)]) -> (MetaCluster, BookieProc, BrokerProc) {
+    let mut env = vec![
         ("MERIDIAN_BROKER_ENSEMBLE", "2"),
         ("MERIDIAN_BROKER_WRITE_QUORUM", "2"),
         ("MERIDIAN_BROKER_ACK_QUORUM", "2"),
         ("MERIDIAN_BROKER_LEDGER_CREATE_WAIT_MS", "60000"),
-    ])
-    .await;
+    ];
+    env.extend_from_slice(extra);
+    one_of_each(&env).await
+}
+
+/// Starts a second bookie and waits for its registration.
+async fn second_bookie(cluster: &MetaCluster) -> BookieProc {
+    let endpoint = cluster.endpoints()[0].clone();
+    let mut second = BookieProc::new("bookie-2", cluster.root.path(), &endpoint);
+    second.start().unwrap();
+    wait_for_bookies(&cluster.client(), 2, Duration::from_secs(30))
+        .await
+        .unwrap();
+    second
+}
+
+/// The next frame within 5 s, which `pick` must take; `silent` says what no answer means.
+fn answered_within_5s(c: &mut Raw, pick: impl Fn(&pb::BaseCommand) -> bool, silent: &str) {
+    match c.recv(Duration::from_secs(5)) {
+        Got::Frame(f) if pick(&f.command) => {}
+        Got::Frame(f) => panic!("unexpected answer: {:?}", f.command),
+        Got::Closed => panic!("connection closed"),
+        Got::Nothing => panic!("no answer within 5 s: {silent}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_send_waiting_for_writable_bookies_on_a_deduplicating_topic_then_another_producer_is_created_meanwhile(
+) {
+    // Ledgers of two bookies, one registered; deduplication on: the send's wait for a new
+    // ledger is not spent holding the topic's deduplication state, which a producer being
+    // created reads (its last sequence id).
+    let (cluster, _bookie, broker) =
+        short_of_a_bookie(&[("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")]).await;
+    let topic = "dedup-needs-two";
+    let mut c = Raw::connected(&broker.url);
+    c.send(&producer(topic, 1, 1));
+    assert!(c.expect().command.producer_success.is_some());
+
+    step("a send waits for a second bookie; another connection creates a producer meanwhile");
+    c.send_raw(&send_frame(1, 0, b"first"));
+    assert!(
+        matches!(c.recv(Duration::from_millis(500)), Got::Nothing),
+        "the send was answered with one bookie"
+    );
+    let mut d = Raw::connected(&broker.url);
+    d.send(&producer(topic, 1, 1));
+    answered_within_5s(
+        &mut d,
+        |f| f.producer_success.is_some(),
+        "the deduplication state was held by the waiting send",
+    );
+    d.send_raw(&send_frame(1, 0, b"second"));
+
+    step("a second bookie registers: both sends are stored and answered");
+    let _second = second_bookie(&cluster).await;
+    let mut stored = Vec::new();
+    for conn in [&mut c, &mut d] {
+        let r = wait_frame(conn, Duration::from_secs(40), |f| {
+            f.send_receipt.is_some() || f.send_error.is_some()
+        });
+        let receipt = r
+            .send_receipt
+            .clone()
+            .unwrap_or_else(|| panic!("not a receipt: {r:?}"));
+        let id = receipt.message_id.expect("receipt's id");
+        stored.push((id.ledger_id, id.entry_id));
+    }
+    assert_ne!(stored[0], stored[1], "two sends, one position: {stored:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_meanwhile_also_while_their_producer_closes_and_they_are_stored_in_order_before_it_is_closed(
+) {
+    // Ledgers of two bookies, one registered: a send waits for the second (up to 60 s).
+    let (cluster, _bookie, broker) = short_of_a_bookie(&[]).await;
     let mut c = Raw::connected(&broker.url);
     c.send(&producer("needs-two", 1, 1));
     assert!(c.expect().command.producer_success.is_some());
@@ -1312,14 +1385,16 @@ async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_
             request_id: 3,
         });
     }));
+    step("the close waits for the sends, not in the read loop: a PING is answered meanwhile");
+    c.send(&cmd(Type::Ping, |x| x.ping = Some(pb::CommandPing {})));
+    answered_within_5s(
+        &mut c,
+        |f| f.pong.is_some(),
+        "the close held the connection",
+    );
 
     step("a second bookie registers: the sends are stored and answered, in order");
-    let endpoint = cluster.endpoints()[0].clone();
-    let mut second = BookieProc::new("bookie-2", cluster.root.path(), &endpoint);
-    second.start().unwrap();
-    wait_for_bookies(&cluster.client(), 2, Duration::from_secs(30))
-        .await
-        .unwrap();
+    let _second = second_bookie(&cluster).await;
     let mut stored = Vec::new();
     for seq in 0..3 {
         let r = wait_frame(&mut c, Duration::from_secs(40), |f| {

@@ -372,6 +372,23 @@ pub struct ManagedLedger {
     short_of_bookies: std::sync::atomic::AtomicBool,
 }
 
+/// What an append into the open ledger did ([`ManagedLedger::queue_in_open`]).
+pub enum Queued {
+    Appended(PendingAppend),
+    /// The log takes no more into the ledger named (`only_in`).
+    NotThere,
+    /// It would first need a new ledger: nothing was done.
+    NeedsLedger,
+}
+
+/// Whether the open ledger can take an append ([`ManagedLedger::make_writable`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Prep {
+    Ready,
+    NotThere,
+    NeedsLedger,
+}
+
 impl ManagedLedger {
     /// Opens (creating if needed) the managed ledger `name` as its owner: recovers the last
     /// ledger if a previous owner left it open and records that (CAS, which also fences a
@@ -703,17 +720,72 @@ impl ManagedLedger {
         payload: Bytes,
         only_in: Option<u64>,
     ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
+        let r = self
+            .within_create_wait(
+                || self.try_queue_in(&payload, only_in, true),
+                |q| matches!(q, Queued::Appended(_)),
+            )
+            .await?;
+        Ok(match r {
+            Queued::Appended(pa) => Some(pa),
+            Queued::NotThere | Queued::NeedsLedger => None,
+        })
+    }
+
+    /// [`ManagedLedger::queue_in`] into the open ledger only: [`Queued::NeedsLedger`] where
+    /// the append would first make a new ledger (none open, one broken, or one due to roll
+    /// over), with nothing done. See [`ManagedLedger::make_writable`].
+    pub async fn queue_in_open(
+        self: &Arc<Self>,
+        payload: Bytes,
+        only_in: Option<u64>,
+    ) -> Result<Queued, ManagedLedgerError> {
+        self.try_queue_in(&payload, only_in, false).await
+    }
+
+    /// Makes the log ready to take an append (`only_in`: into that ledger) without queuing
+    /// one: a ledger due to roll over is closed, a broken one abandoned, and a new one made,
+    /// waiting for writable bookies as [`ManagedLedger::queue_in`] does, within the same
+    /// window. `Ok(false)`: the log does not take more into `only_in`. A caller that must
+    /// queue its append under a lock of its own (deduplication's) calls this first, so the
+    /// wait for bookies is not spent holding that lock; the append itself makes a ledger
+    /// again if the log moved on meanwhile.
+    pub async fn make_writable(
+        self: &Arc<Self>,
+        only_in: Option<u64>,
+    ) -> Result<bool, ManagedLedgerError> {
+        self.within_create_wait(
+            || async {
+                let mut st = self.state.lock().await;
+                Ok(self.prepare(&mut st, only_in, true).await? == Prep::Ready)
+            },
+            |ready| *ready,
+        )
+        .await
+    }
+
+    /// Runs `attempt` until it needs no new ledger, or one is made, or the log's window for
+    /// writable bookies ran out (`placed`: the attempt's outcome took a ledger).
+    async fn within_create_wait<T, F, Fut>(
+        &self,
+        mut attempt: F,
+        placed: impl Fn(&T) -> bool,
+    ) -> Result<T, ManagedLedgerError>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<T, ManagedLedgerError>>,
+    {
         let wait = std::time::Duration::from_millis(self.opts.create_wait_ms);
         loop {
-            let r = self.try_queue_in(&payload, only_in).await;
+            let r = attempt().await;
             let short = matches!(
                 r,
                 Err(ManagedLedgerError::Ledger(
                     LedgerError::NotEnoughBookies { .. }
                 ))
             );
-            // The common case (queued, no shortage on record) takes no lock.
-            let clears = r.as_ref().is_ok_and(Option::is_some);
+            // The common case (placed, no shortage on record) takes no lock.
+            let clears = r.as_ref().is_ok_and(&placed);
             let waits = if !short
                 && (!clears
                     || !self
@@ -744,50 +816,70 @@ impl ManagedLedger {
         }
     }
 
+    /// Readies the open ledger for an append (see [`ManagedLedger::make_writable`]) under
+    /// the state lock; without `make`, only where that needs no new ledger.
+    async fn prepare(
+        &self,
+        st: &mut State,
+        only_in: Option<u64>,
+        make: bool,
+    ) -> Result<Prep, ManagedLedgerError> {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(ManagedLedgerError::Closed {
+                name: self.name.clone(),
+            });
+        }
+        if self.is_fenced() {
+            return Err(ManagedLedgerError::Fenced {
+                name: self.name.clone(),
+            });
+        }
+        if st.meta.properties.contains_key(TERMINATED_PROPERTY) {
+            return Err(ManagedLedgerError::Terminated {
+                name: self.name.clone(),
+            });
+        }
+        if let Some(ledger) = only_in {
+            let stays = st.broken.is_none()
+                && st
+                    .open
+                    .as_ref()
+                    .is_some_and(|o| o.ledger_id == ledger && !self.roll_due(o));
+            if !stays {
+                return Ok(Prep::NotThere);
+            }
+        }
+        if !make && (st.broken.is_some() || st.open.as_ref().is_none_or(|o| self.roll_due(o))) {
+            return Ok(Prep::NeedsLedger);
+        }
+        if let Some(id) = st.broken.take() {
+            if st.open.as_ref().is_some_and(|o| o.ledger_id == id) {
+                self.abandon_open(st).await?;
+            }
+        }
+        if st.open.as_ref().is_some_and(|o| self.roll_due(o)) {
+            self.close_open(st).await?;
+        }
+        if st.open.is_none() {
+            // After a roll-over or an abandoned ledger; if creating it fails (no writable
+            // bookie), this append fails and the next one tries again.
+            self.start_ledger(st).await?;
+        }
+        Ok(Prep::Ready)
+    }
+
     async fn try_queue_in(
         self: &Arc<Self>,
         payload: &Bytes,
         only_in: Option<u64>,
-    ) -> Result<Option<PendingAppend>, ManagedLedgerError> {
+        make: bool,
+    ) -> Result<Queued, ManagedLedgerError> {
         let (writer, ledger_id) = {
             let mut st = self.state.lock().await;
-            if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-                return Err(ManagedLedgerError::Closed {
-                    name: self.name.clone(),
-                });
-            }
-            if self.is_fenced() {
-                return Err(ManagedLedgerError::Fenced {
-                    name: self.name.clone(),
-                });
-            }
-            if st.meta.properties.contains_key(TERMINATED_PROPERTY) {
-                return Err(ManagedLedgerError::Terminated {
-                    name: self.name.clone(),
-                });
-            }
-            if let Some(ledger) = only_in {
-                let stays = st.broken.is_none()
-                    && st
-                        .open
-                        .as_ref()
-                        .is_some_and(|o| o.ledger_id == ledger && !self.roll_due(o));
-                if !stays {
-                    return Ok(None);
-                }
-            }
-            if let Some(id) = st.broken.take() {
-                if st.open.as_ref().is_some_and(|o| o.ledger_id == id) {
-                    self.abandon_open(&mut st).await?;
-                }
-            }
-            if st.open.as_ref().is_some_and(|o| self.roll_due(o)) {
-                self.close_open(&mut st).await?;
-            }
-            if st.open.is_none() {
-                // After a roll-over or an abandoned ledger; if creating it fails (no writable
-                // bookie), this append fails and the next one tries again.
-                self.start_ledger(&mut st).await?;
+            match self.prepare(&mut st, only_in, make).await? {
+                Prep::Ready => {}
+                Prep::NotThere => return Ok(Queued::NotThere),
+                Prep::NeedsLedger => return Ok(Queued::NeedsLedger),
             }
             let open = st.open.as_mut().expect("an open ledger after start");
             open.entries += 1;
@@ -796,7 +888,7 @@ impl ManagedLedger {
         };
         let outcome = writer.add_queued(payload.clone()).await;
         drop(writer);
-        Ok(Some(PendingAppend {
+        Ok(Queued::Appended(PendingAppend {
             ml: Arc::clone(self),
             ledger_id,
             outcome,

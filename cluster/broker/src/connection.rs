@@ -109,6 +109,9 @@ struct Conn {
     challenged: bool,
     protocol_version: i32,
     producers: HashMap<u64, ProducerEntry>,
+    /// Producers being closed after a CLOSE_PRODUCER, by id: each settles its queued sends
+    /// in a task of its own (that can take a wait for writable bookies) and then answers.
+    closing: HashMap<u64, tokio::task::JoinHandle<()>>,
     consumers: HashMap<u64, ConsumerEntry>,
     /// PRODUCER and SUBSCRIBE commands out while their topic loads ([`crate::warmup`]).
     warming: Warming,
@@ -146,6 +149,7 @@ pub async fn serve<R, W>(
         challenged: false,
         protocol_version: 0,
         producers: HashMap::new(),
+        closing: HashMap::new(),
         consumers: HashMap::new(),
         warming,
     };
@@ -462,10 +466,20 @@ impl Conn {
             Type::CloseProducer => {
                 let p = c.close_producer.ok_or_else(|| missing("CLOSE_PRODUCER"))?;
                 self.warming.cancel(true, p.producer_id);
-                if let Some(e) = self.producers.remove(&p.producer_id) {
+                let Some(e) = self.producers.remove(&p.producer_id) else {
+                    return self.reply(cmd::success(p.request_id)).await;
+                };
+                // Its sends are settled (stored and answered) before SUCCESS, off this loop:
+                // one waiting for writable bookies would hold every producer and consumer of
+                // the connection for up to `broker.ledger_create_wait_ms`.
+                self.closing.retain(|_, h| !h.is_finished());
+                let tx = self.tx.clone();
+                let closed = tokio::spawn(async move {
                     close_producer(e).await;
-                }
-                self.reply(cmd::success(p.request_id)).await
+                    let _ = tx.send(frame(&cmd::success(p.request_id))).await;
+                });
+                self.closing.insert(p.producer_id, closed);
+                Ok(())
             }
             Type::Subscribe => {
                 let s = c.subscribe.ok_or_else(|| missing("SUBSCRIBE"))?;
@@ -822,6 +836,11 @@ impl Conn {
         &mut self,
         p: pb::CommandProducer,
     ) -> Result<CreatedProducer, BrokerError> {
+        if let Some(closed) = self.closing.remove(&p.producer_id) {
+            // The id of a producer still being closed: its sends settle first (the stock
+            // clients never reuse an id; a client that does waits here).
+            let _ = closed.await;
+        }
         if let Some(existing) = self.producers.get(&p.producer_id) {
             if existing.publisher.handle.is_fenced() {
                 // Fenced meanwhile: the client re-creates it; it is judged afresh (and is
@@ -1172,6 +1191,9 @@ impl Conn {
     async fn cleanup(&mut self) {
         for (_, p) in self.producers.drain() {
             close_producer(p).await;
+        }
+        for (_, closed) in self.closing.drain() {
+            let _ = closed.await;
         }
         let ids: Vec<u64> = self.consumers.keys().copied().collect();
         for id in ids {

@@ -34,7 +34,7 @@ use meridian_metadata::MetadataClient;
 use meridian_protocol::batch::BatchIter;
 use meridian_protocol::pb::ServerError;
 use meridian_protocol::Entry;
-use meridian_storage::managed_ledger::{ManagedLedger, PendingAppend, Position};
+use meridian_storage::managed_ledger::{ManagedLedger, PendingAppend, Position, Queued};
 use serde::{Deserialize, Serialize};
 
 use super::BrokerError;
@@ -679,28 +679,48 @@ impl Dedup {
         entry: Entry,
         only_in: Option<u64>,
     ) -> Result<Submitted, BrokerError> {
-        let mut g = self.inner.lock().await;
         let seq = entry_sequence(&entry);
         let checked = seq.filter(|s| !s.partial_chunk && s.producer == producer);
-        if let Some(s) = &checked {
-            let persisted = g.persisted.get(producer).copied().unwrap_or(-1);
-            let pushed = g.pushed.get(producer).copied().unwrap_or(-1);
-            if s.first <= persisted {
-                return Ok(Submitted::Duplicate);
+        // A new ledger (writable bookies awaited, up to the log's window) is made without the
+        // lock, which the receipts of earlier sends (`record`) and producers being created
+        // (`last_sequence_id`) need meanwhile; then the checks run again under it.
+        let mut made = false;
+        let (mut g, pa) = loop {
+            let g = self.inner.lock().await;
+            if let Some(s) = &checked {
+                let persisted = g.persisted.get(producer).copied().unwrap_or(-1);
+                let pushed = g.pushed.get(producer).copied().unwrap_or(-1);
+                if s.first <= persisted {
+                    return Ok(Submitted::Duplicate);
+                }
+                if s.first <= pushed {
+                    return Err(BrokerError::new(
+                        ServerError::PersistenceError,
+                        format!(
+                            "sequence id {} of {producer} is still being written; resend it later",
+                            s.first
+                        ),
+                    ));
+                }
             }
-            if s.first <= pushed {
-                return Err(BrokerError::new(
-                    ServerError::PersistenceError,
-                    format!(
-                        "sequence id {} of {producer} is still being written; resend it later",
-                        s.first
-                    ),
-                ));
+            if made {
+                // The log moved on again meanwhile (rarely): a ledger is made under the lock.
+                match queue_entry(ml, entry, only_in).await? {
+                    Ok(pa) => break (g, pa),
+                    Err(entry) => return Ok(Submitted::NotThere(entry)),
+                }
             }
-        }
-        let pa = match queue_entry(ml, entry, only_in).await? {
-            Ok(pa) => pa,
-            Err(entry) => return Ok(Submitted::NotThere(entry)),
+            match ml.queue_in_open(entry.as_bytes().clone(), only_in).await? {
+                Queued::Appended(pa) => break (g, pa),
+                Queued::NotThere => return Ok(Submitted::NotThere(entry)),
+                Queued::NeedsLedger => {
+                    drop(g);
+                    if !ml.make_writable(only_in).await? {
+                        return Ok(Submitted::NotThere(entry));
+                    }
+                    made = true;
+                }
+            }
         };
         let id = g.next_ticket;
         g.next_ticket += 1;
