@@ -1067,9 +1067,15 @@ pub fn python() -> PathBuf {
 /// A run of `integration/python/client.py` whose JSON lines are collected as they come.
 pub struct PyClient {
     child: Option<Child>,
-    lines: std::sync::Arc<std::sync::Mutex<Vec<serde_json::Value>>>,
+    lines: std::sync::Arc<std::sync::Mutex<Kept>>,
     reader: Option<std::thread::JoinHandle<()>>,
     stderr: PathBuf,
+}
+
+/// A Python client's lines so far.
+enum Kept {
+    Parsed(Vec<serde_json::Value>),
+    Text(Vec<Box<str>>),
 }
 
 impl PyClient {
@@ -1099,6 +1105,29 @@ impl PyClient {
         stderr_file: &Path,
         env: &[(&str, &str)],
     ) -> anyhow::Result<PyClient> {
+        Self::spawn_keeping(script, args, stderr_file, env, false)
+    }
+
+    /// [`spawn_script`](PyClient::spawn_script) for a client that prints millions of lines
+    /// (a long fault schedule): they are kept as printed, about a tenth of the memory of
+    /// parsed ones, and parsed each time they are read ([`each_line`](PyClient::each_line)
+    /// reads them one at a time).
+    pub fn spawn_script_as_text(
+        script: &str,
+        args: &[&str],
+        stderr_file: &Path,
+        env: &[(&str, &str)],
+    ) -> anyhow::Result<PyClient> {
+        Self::spawn_keeping(script, args, stderr_file, env, true)
+    }
+
+    fn spawn_keeping(
+        script: &str,
+        args: &[&str],
+        stderr_file: &Path,
+        env: &[(&str, &str)],
+        as_text: bool,
+    ) -> anyhow::Result<PyClient> {
         let script = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("python")
             .join(script);
@@ -1113,14 +1142,24 @@ impl PyClient {
             .spawn()
             .context("spawning the Python client")?;
         let stdout = child.stdout.take().expect("piped");
-        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let kept = if as_text {
+            Kept::Text(Vec::new())
+        } else {
+            Kept::Parsed(Vec::new())
+        };
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(kept));
         let sink = std::sync::Arc::clone(&lines);
         let reader = std::thread::spawn(move || {
             use std::io::BufRead;
             for line in std::io::BufReader::new(stdout).lines() {
                 let Ok(line) = line else { break };
-                if let Ok(v) = serde_json::from_str(&line) {
-                    sink.lock().expect("lines").push(v);
+                // Only lines that are JSON are kept, either way.
+                let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                match &mut *sink.lock().expect("lines") {
+                    Kept::Parsed(l) => l.push(v),
+                    Kept::Text(l) => l.push(line.into_boxed_str()),
                 }
             }
         });
@@ -1133,7 +1172,32 @@ impl PyClient {
     }
 
     pub fn lines(&self) -> Vec<serde_json::Value> {
-        self.lines.lock().expect("lines").clone()
+        match &*self.lines.lock().expect("lines") {
+            Kept::Parsed(l) => l.clone(),
+            Kept::Text(l) => l
+                .iter()
+                .filter_map(|t| serde_json::from_str(t).ok())
+                .collect(),
+        }
+    }
+
+    /// The lines so far as printed, taken (they are no longer kept here).
+    pub fn take_text(&mut self) -> Vec<Box<str>> {
+        match &mut *self.lines.lock().expect("lines") {
+            Kept::Parsed(l) => std::mem::take(l)
+                .into_iter()
+                .map(|v| v.to_string().into_boxed_str())
+                .collect(),
+            Kept::Text(l) => std::mem::take(l),
+        }
+    }
+
+    /// Each line so far as printed, in order (without copying them all at once).
+    pub fn each_line(&self, mut f: impl FnMut(&str)) {
+        match &*self.lines.lock().expect("lines") {
+            Kept::Parsed(l) => l.iter().for_each(|v| f(&v.to_string())),
+            Kept::Text(l) => l.iter().for_each(|t| f(t)),
+        }
     }
 
     /// Values of `field` over the lines that have it, as integers.
@@ -1175,6 +1239,13 @@ impl PyClient {
 
     /// Waits for the process to exit; fails on a non-zero exit.
     pub fn finish(&mut self, timeout: Duration) -> anyhow::Result<Vec<serde_json::Value>> {
+        self.wait_exit(timeout)?;
+        Ok(self.lines())
+    }
+
+    /// [`finish`](PyClient::finish) without the lines (read them with
+    /// [`each_line`](PyClient::each_line)).
+    pub fn wait_exit(&mut self, timeout: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + timeout;
         let child = self.child.as_mut().context("already finished")?;
         loop {
@@ -1189,7 +1260,7 @@ impl PyClient {
                         self.stderr_tail()
                     );
                 }
-                return Ok(self.lines());
+                return Ok(());
             }
             if Instant::now() > deadline {
                 bail!(

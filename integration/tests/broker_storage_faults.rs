@@ -9,6 +9,7 @@ use meridian_integration::raw::{cmd, flow, producer, send_frame, subscribe, Got,
 use meridian_integration::{step, wait_for_bookies, BookieProc, BrokerProc, MetaCluster};
 use meridian_metadata::MetadataClient;
 use meridian_protocol::pb::{self, base_command::Type};
+use meridian_protocol::ID_NONE;
 
 fn wait_for_log(what: &str, log: impl Fn() -> String, needle: &str, timeout: Duration) {
     let deadline = Instant::now() + timeout;
@@ -1304,7 +1305,8 @@ async fn given_a_send_waiting_for_writable_bookies_on_a_deduplicating_topic_then
         short_of_a_bookie(&[("MERIDIAN_BROKER_DEDUPLICATION_ENABLED", "true")]).await;
     let topic = "dedup-needs-two";
     let mut c = Raw::connected(&broker.url);
-    c.send(&producer(topic, 1, 1));
+    // Named as its messages say, so its sends are checked (sequence ids).
+    c.send(&named_producer(topic, 1, 1));
     assert!(c.expect().command.producer_success.is_some());
 
     step("a send waits for a second bookie; another connection creates a producer meanwhile");
@@ -1337,6 +1339,21 @@ async fn given_a_send_waiting_for_writable_bookies_on_a_deduplicating_topic_then
         stored.push((id.ledger_id, id.entry_id));
     }
     assert_ne!(stored[0], stored[1], "two sends, one position: {stored:?}");
+
+    step("the first producer sends its 0 again: a duplicate, not stored twice");
+    c.send_raw(&send_frame(1, 0, b"first"));
+    let r = wait_frame(&mut c, Duration::from_secs(10), |f| {
+        f.send_receipt.is_some() || f.send_error.is_some()
+    });
+    let id = r
+        .send_receipt
+        .and_then(|x| x.message_id)
+        .expect("a receipt with an id");
+    assert_eq!(
+        (id.ledger_id, id.entry_id),
+        (ID_NONE, ID_NONE),
+        "stored again"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1385,7 +1402,8 @@ async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_
             request_id: 3,
         });
     }));
-    step("the close waits for the sends, not in the read loop: a PING is answered meanwhile");
+    step("a PRODUCER on the topic right behind it waits for the close, not in the read loop: a PING is answered meanwhile");
+    c.send(&producer("needs-two", 4, 4));
     c.send(&cmd(Type::Ping, |x| x.ping = Some(pb::CommandPing {})));
     answered_within_5s(
         &mut c,
@@ -1413,6 +1431,8 @@ async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_
         Some(3),
         "{closed:?}"
     );
+    let created = c.expect().command;
+    assert!(created.producer_success.is_some(), "{created:?}");
     c.send(&flow(2, 10));
     for want in stored {
         let f = wait_frame(&mut c, Duration::from_secs(10), |f| f.message.is_some());

@@ -284,6 +284,50 @@ async fn given_one_node_when_growing_to_three_and_back_then_writes_keep_flowing(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_round_of_keep_alives_that_fails_then_the_next_comes_at_once_and_the_session_stays_surely_alive(
+) {
+    let mut cluster = MetaCluster::start(3).await.unwrap();
+    let client = cluster.client();
+    // Keep-alive rounds every 2 s, each trying for up to 2 s.
+    let ttl = Duration::from_secs(6);
+    let session = client.session(ttl.as_millis() as u64).await.unwrap();
+
+    step("right after a keep-alive, every node pauses through the whole next round");
+    let mut validity = session.validity();
+    tokio::time::timeout(Duration::from_secs(10), validity.changed())
+        .await
+        .expect("a keep-alive within 10 s")
+        .unwrap();
+    let renewed = Instant::now();
+    for n in &mut cluster.nodes {
+        n.pause(true).unwrap();
+    }
+    // The round that starts 2 s after the renewal fails by 4 s.
+    tokio::time::sleep_until((renewed + Duration::from_millis(4_200)).into()).await;
+    for n in &mut cluster.nodes {
+        n.pause(false).unwrap();
+    }
+
+    step("the session is renewed well before it could lapse");
+    // Before: the next round came a period after the failed one, 6 s after the renewal, as
+    // the lease ran out (a broker stops serving a margin before that).
+    let mut least = Duration::MAX;
+    while renewed.elapsed() < Duration::from_millis(7_500) {
+        let left = session
+            .valid_until()
+            .into_std()
+            .saturating_duration_since(Instant::now());
+        least = least.min(left);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        least >= Duration::from_millis(300),
+        "the session came within {least:?} of lapsing"
+    );
+    assert_eq!(session.lost(), None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_session_when_keepalives_stop_then_ephemeral_keys_vanish_within_ttl() {
     let cluster = MetaCluster::start(3).await.unwrap();
     let client = cluster.client();

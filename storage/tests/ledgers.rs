@@ -1058,6 +1058,59 @@ mod managed {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn given_a_log_that_needs_a_new_ledger_then_queue_in_open_leaves_it_and_make_writable_makes_it_within_the_wait(
+    ) {
+        use meridian_storage::managed_ledger::Queued;
+        let (tmp, store, mut bookies, client) = setup(1).await;
+        let opts = ManagedLedgerOptions {
+            ensemble: 2,
+            write_quorum: 2,
+            ack_quorum: 2,
+            create_wait_ms: 20_000,
+            ..Default::default()
+        };
+        let ml = ManagedLedger::open(client.clone(), "acme/orders/ready", opts)
+            .await
+            .expect("open");
+        step("no ledger yet, one bookie of two: queuing into the open ledger does nothing");
+        let started = std::time::Instant::now();
+        let q = ml.queue_in_open(payload(0), None).await.expect("queue");
+        assert!(matches!(q, Queued::NeedsLedger));
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(ml.ledgers().await.is_empty(), "a ledger was made");
+        step("make_writable waits for a second bookie, then the open ledger takes appends");
+        let waiting = tokio::spawn({
+            let ml = std::sync::Arc::clone(&ml);
+            async move { ml.make_writable(None).await }
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!waiting.is_finished(), "make_writable waits");
+        bookies.push(start_bookie(&store.client, tmp.path().join("second"), None).await);
+        assert!(waiting.await.expect("task").expect("made"), "ready");
+        let ledgers = ml.ledgers().await;
+        assert_eq!(ledgers.len(), 1, "{ledgers:?}");
+        let Queued::Appended(pa) = ml.queue_in_open(payload(1), None).await.expect("queue") else {
+            panic!("not appended into the ledger just made")
+        };
+        let pos = pa.wait().await.expect("durable");
+        assert_eq!(pos.ledger_id, ledgers[0].ledger_id);
+        assert_eq!(ml.read(pos).await.expect("read"), payload(1));
+        step("only into another ledger: neither queues nor makes one");
+        let other = ledgers[0].ledger_id + 1_000;
+        let q = ml
+            .queue_in_open(payload(2), Some(other))
+            .await
+            .expect("queue");
+        assert!(matches!(q, Queued::NotThere));
+        assert!(!ml.make_writable(Some(other)).await.expect("answer"));
+        assert_eq!(ml.ledgers().await.len(), 1);
+        for b in &mut bookies {
+            b.stop(&store.client).await;
+        }
+        store.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn given_a_shared_cache_budget_then_tail_caches_together_stay_within_it() {
         use meridian_storage::managed_ledger::CacheBudget;
         let (_tmp, store, mut bookies, client) = setup(1).await;

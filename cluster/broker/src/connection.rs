@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use futures::future::BoxFuture;
 use meridian_protocol::pb::{self, base_command::Type, ServerError};
 use meridian_protocol::{cmd, decode_frame, encode_command, Frame, ID_NONE, PROTOCOL_VERSION_MAX};
 use meridian_storage::cursor::InitialPosition;
@@ -33,6 +34,7 @@ use crate::broker::subscription::{SeekTo, StartAt};
 use crate::broker::{
     Broker, BrokerError, ConsumerSink, SubType, SubscribeRequest, Subscription, Topic,
 };
+use crate::closing::Closing;
 use crate::frame_queue::{self, FrameReceiver, FrameSender};
 use crate::publish::{Publisher, SendRequest};
 use crate::warmup::{Target, Warmed, Warming};
@@ -109,9 +111,9 @@ struct Conn {
     challenged: bool,
     protocol_version: i32,
     producers: HashMap<u64, ProducerEntry>,
-    /// Producers being closed after a CLOSE_PRODUCER, by id: each settles its queued sends
-    /// in a task of its own (that can take a wait for writable bookies) and then answers.
-    closing: HashMap<u64, tokio::task::JoinHandle<()>>,
+    /// Producers being closed after a CLOSE_PRODUCER, each in a task of its own
+    /// ([`crate::closing`]).
+    closing: Closing,
     consumers: HashMap<u64, ConsumerEntry>,
     /// PRODUCER and SUBSCRIBE commands out while their topic loads ([`crate::warmup`]).
     warming: Warming,
@@ -149,7 +151,7 @@ pub async fn serve<R, W>(
         challenged: false,
         protocol_version: 0,
         producers: HashMap::new(),
-        closing: HashMap::new(),
+        closing: Closing::default(),
         consumers: HashMap::new(),
         warming,
     };
@@ -259,9 +261,9 @@ impl Conn {
                 self.consumers.contains_key(&target.id)
             };
             if !attached && self.check_handles().is_ok() && self.warming.has_room() {
-                if let Some(name) = self.to_warm_up(&target).await {
+                if let Some((name, after)) = self.to_warm_up(&target).await {
                     self.warming
-                        .start(Arc::clone(&self.broker), name, target, f);
+                        .start(Arc::clone(&self.broker), name, target, f, after);
                     return Ok(());
                 }
             }
@@ -269,11 +271,20 @@ impl Conn {
         self.handle(f).await
     }
 
-    /// The topic `t` waits for, when it would wait and the connection may attach to it.
-    async fn to_warm_up(&self, t: &Target) -> Option<crate::topic_name::TopicName> {
+    /// The topic `t` waits for, and a close under way that a producer waits for first
+    /// ([`Closing::before`]), when it would wait and the connection may attach to it.
+    async fn to_warm_up(
+        &self,
+        t: &Target,
+    ) -> Option<(crate::topic_name::TopicName, Option<BoxFuture<'static, ()>>)> {
         let name = self.broker.check_topic(&t.topic).ok()?;
-        // Loaded (the common case): handled now, without authorizing twice.
-        if !Warming::needed(&self.broker, &name, t) {
+        let after = if t.producer {
+            self.closing.before(t.id, Some(&name.to_string()))
+        } else {
+            None
+        };
+        // Loaded, nothing closing (the common case): handled now, without authorizing twice.
+        if after.is_none() && !Warming::needed(&self.broker, &name, t) {
             return None;
         }
         let action = if t.producer { "produce" } else { "consume" };
@@ -282,7 +293,7 @@ impl Conn {
             .await
             .ok()?;
         self.broker.refuse_if_cut(&name).ok()?;
-        Some(name)
+        Some((name, after))
     }
 
     /// A command back from its warm-up: handled now, unless its producer or consumer was
@@ -466,19 +477,30 @@ impl Conn {
             Type::CloseProducer => {
                 let p = c.close_producer.ok_or_else(|| missing("CLOSE_PRODUCER"))?;
                 self.warming.cancel(true, p.producer_id);
+                let success = frame(&cmd::success(p.request_id));
+                let tx = self.tx.clone();
                 let Some(e) = self.producers.remove(&p.producer_id) else {
-                    return self.reply(cmd::success(p.request_id)).await;
+                    // Closed already, or being closed: answered after that close's SUCCESS.
+                    return match self.closing.of(p.producer_id) {
+                        Some(closed) => {
+                            tokio::spawn(async move {
+                                closed.await;
+                                let _ = tx.send(success).await;
+                            });
+                            Ok(())
+                        }
+                        None => self.reply(cmd::success(p.request_id)).await,
+                    };
                 };
                 // Its sends are settled (stored and answered) before SUCCESS, off this loop:
                 // one waiting for writable bookies would hold every producer and consumer of
                 // the connection for up to `broker.ledger_create_wait_ms`.
-                self.closing.retain(|_, h| !h.is_finished());
-                let tx = self.tx.clone();
-                let closed = tokio::spawn(async move {
-                    close_producer(e).await;
-                    let _ = tx.send(frame(&cmd::success(p.request_id))).await;
-                });
-                self.closing.insert(p.producer_id, closed);
+                let topic = e.publisher.topic.full_name();
+                self.closing
+                    .start(p.producer_id, topic.to_string(), async move {
+                        close_producer(e).await;
+                        let _ = tx.send(success).await;
+                    });
                 Ok(())
             }
             Type::Subscribe => {
@@ -728,7 +750,7 @@ impl Conn {
     }
 
     fn handles(&self) -> usize {
-        self.producers.len() + self.consumers.len() + self.warming.len()
+        self.producers.len() + self.consumers.len() + self.warming.len() + self.closing.len()
     }
 
     fn check_handles(&self) -> Result<(), BrokerError> {
@@ -836,10 +858,16 @@ impl Conn {
         &mut self,
         p: pb::CommandProducer,
     ) -> Result<CreatedProducer, BrokerError> {
-        if let Some(closed) = self.closing.remove(&p.producer_id) {
-            // The id of a producer still being closed: its sends settle first (the stock
-            // clients never reuse an id; a client that does waits here).
-            let _ = closed.await;
+        let name = self
+            .broker
+            .check_topic(&p.topic)
+            .ok()
+            .map(|t| t.to_string());
+        if let Some(closed) = self.closing.before(p.producer_id, name.as_deref()) {
+            // A close under way of this id, or on this topic, comes first. Such a PRODUCER
+            // normally waits for it off this loop ([`Conn::admit`]); here only when the
+            // connection has no room for that.
+            closed.await;
         }
         if let Some(existing) = self.producers.get(&p.producer_id) {
             if existing.publisher.handle.is_fenced() {
@@ -972,14 +1000,26 @@ impl Conn {
         payload: meridian_protocol::Payload,
     ) -> Result<(), Close> {
         let Some(p) = self.producers.get(&s.producer_id) else {
+            let refused = frame(&cmd::send_error(
+                s.producer_id,
+                s.sequence_id,
+                ServerError::NotAllowedError,
+                "no such producer on this connection",
+            ));
+            // A producer being closed: refused after the receipts of its earlier sends.
+            if let Some(closed) = self.closing.of(s.producer_id) {
+                let tx = self.tx.clone();
+                tokio::spawn(async move {
+                    closed.await;
+                    let _ = tx.send(refused).await;
+                });
+                return Ok(());
+            }
             return self
-                .reply(cmd::send_error(
-                    s.producer_id,
-                    s.sequence_id,
-                    ServerError::NotAllowedError,
-                    "no such producer on this connection",
-                ))
-                .await;
+                .tx
+                .send(refused)
+                .await
+                .map_err(|_| Close("writer gone".into()));
         };
         if p.publisher
             .send(SendRequest::new(s, payload))
@@ -1192,9 +1232,7 @@ impl Conn {
         for (_, p) in self.producers.drain() {
             close_producer(p).await;
         }
-        for (_, closed) in self.closing.drain() {
-            let _ = closed.await;
-        }
+        self.closing.finish().await;
         let ids: Vec<u64> = self.consumers.keys().copied().collect();
         for id in ids {
             self.remove_consumer(id).await;

@@ -11,6 +11,7 @@
 
 pub mod admin;
 pub mod broker;
+mod closing;
 pub mod connection;
 pub mod console;
 pub mod failpoint;

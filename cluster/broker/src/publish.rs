@@ -309,8 +309,9 @@ impl Publisher {
     /// are dropped (never appended, never acknowledged), and every send queued after the
     /// first of them; the others (whose submission began, or that only queued behind one
     /// that had) are submitted, awaited and answered, in order. That can take the
-    /// submission's own wait (writable bookies: up to `broker.ledger_create_wait_ms`), and the
-    /// caller (the connection's read loop, for a CLOSE_PRODUCER) waits for it.
+    /// submission's own wait (writable bookies: up to `broker.ledger_create_wait_ms`); a
+    /// CLOSE_PRODUCER's close runs in a task of its own ([`crate::closing`]), so the
+    /// connection's read loop does not wait for it.
     /// A send the throttle task has begun to submit is submitted and handed on whole: cut
     /// between its append and its hand-off, its deduplication ticket would stay pending
     /// (its resends refused as still being written, the topic's snapshots held back).

@@ -1,5 +1,7 @@
 //! A PRODUCER or SUBSCRIBE whose topic is not loaded here (or whose durable subscription is
-//! not open: its cursor ledger may need recovering) waits for that off its connection's loop.
+//! not open: its cursor ledger may need recovering) waits for that off its connection's loop;
+//! so does a PRODUCER behind a close under way of the same id or on the same topic
+//! ([`crate::closing`]).
 //!
 //! A load can take seconds (the previous owner's ledger is recovered, a cursor's ledger too),
 //! and the stock clients share one connection per broker: a loop that waited would leave
@@ -22,6 +24,7 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
+use futures::future::BoxFuture;
 use meridian_protocol::pb::base_command::Type;
 use meridian_protocol::Frame;
 use tokio::sync::mpsc;
@@ -144,9 +147,17 @@ impl Warming {
         }
     }
 
-    /// Sends `frame` out to load its topic (and recover its subscription's cursor ledger); it
-    /// comes back through the receiver.
-    pub fn start(&mut self, broker: Arc<Broker>, name: TopicName, target: Target, frame: Frame) {
+    /// Sends `frame` out to load its topic (and recover its subscription's cursor ledger),
+    /// once `after` is done (a close under way, [`crate::closing`]); it comes back through
+    /// the receiver.
+    pub fn start(
+        &mut self,
+        broker: Arc<Broker>,
+        name: TopicName,
+        target: Target,
+        frame: Frame,
+        after: Option<BoxFuture<'static, ()>>,
+    ) {
         let ticket = self.next_ticket;
         self.next_ticket += 1;
         let ids = if target.producer {
@@ -157,6 +168,9 @@ impl Warming {
         ids.entry(target.id).or_default().push(ticket);
         let tx = self.tx.clone();
         self.tasks.spawn(async move {
+            if let Some(after) = after {
+                after.await;
+            }
             let failed = warm(&broker, &name, &target).await.err();
             // The connection may be gone: then nothing attaches.
             let _ = tx.send(Warmed {

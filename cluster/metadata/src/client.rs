@@ -561,9 +561,14 @@ impl MetadataClient {
         let (valid_tx, valid_rx) = tokio::sync::watch::channel(asked + ttl);
         let client = self.clone();
         let period = Duration::from_millis((resp.ttl_ms / 3).max(1));
+        // After a round that failed, the next one starts this soon, not a period later: a
+        // store electing a leader for a second or two (a round's worth) would otherwise cost
+        // the lease, the round after it starting just as the lease ran out.
+        let retry = (period / 10).clamp(Duration::from_millis(1), Duration::from_millis(100));
         let keeper = tokio::spawn(async move {
+            let mut wait = period;
             loop {
-                tokio::time::sleep(period).await;
+                tokio::time::sleep(wait).await;
                 let sent = tokio::time::Instant::now();
                 // Within the period, a third of it per endpoint: one node that does not answer
                 // must not cost the lease.
@@ -571,12 +576,16 @@ impl MetadataClient {
                     // The store renewed the lease when the request reached it, after `sent`.
                     Ok(_) => {
                         valid_tx.send_modify(|v| *v = (*v).max(sent + ttl));
+                        wait = period;
                     }
                     Err(ClientError::FailedPrecondition(m)) => {
                         let _ = lost_tx.send(Some(m));
                         return;
                     }
-                    Err(e) => tracing::warn!(session = id, error = %e, "keep-alive failed"),
+                    Err(e) => {
+                        tracing::warn!(session = id, error = %e, "keep-alive failed; trying again");
+                        wait = retry;
+                    }
                 }
             }
         });

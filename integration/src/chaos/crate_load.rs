@@ -21,7 +21,7 @@ use super::wall;
 pub struct CrateProducer {
     stop: Arc<AtomicBool>,
     task: Option<tokio::task::JoinHandle<()>>,
-    lines: Arc<Mutex<Vec<Value>>>,
+    lines: Arc<Mutex<Vec<Box<str>>>>,
 }
 
 impl CrateProducer {
@@ -48,11 +48,16 @@ impl CrateProducer {
     /// How many sends were acknowledged so far.
     pub fn acked(&self) -> usize {
         let lines = self.lines.lock().expect("lines");
-        lines.iter().filter(|v| v.get("acked").is_some()).count()
+        lines
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .filter(|v| v.get("acked").is_some())
+            .count()
     }
 
-    /// Stops sending and waits (at most `timeout`) for every send's answer; its lines.
-    pub async fn finish(mut self, timeout: Duration) -> Vec<Value> {
+    /// Stops sending and waits (at most `timeout`) for every send's answer; its lines, as
+    /// printed (JSON).
+    pub async fn finish(mut self, timeout: Duration) -> Vec<Box<str>> {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(task) = self.task.take() {
             let _ = tokio::time::timeout(timeout, task).await;
@@ -72,9 +77,13 @@ impl Drop for CrateProducer {
     }
 }
 
-fn record(lines: &Mutex<Vec<Value>>, mut v: Value) {
+/// Kept as text: a long run records millions ([`crate::PyClient::spawn_script_as_text`]).
+fn record(lines: &Mutex<Vec<Box<str>>>, mut v: Value) {
     v["t"] = json!(wall());
-    lines.lock().expect("lines").push(v);
+    lines
+        .lock()
+        .expect("lines")
+        .push(v.to_string().into_boxed_str());
 }
 
 async fn produce(
@@ -83,7 +92,7 @@ async fn produce(
     base: String,
     pause: Duration,
     stop: Arc<AtomicBool>,
-    lines: Arc<Mutex<Vec<Value>>>,
+    lines: Arc<Mutex<Vec<Box<str>>>>,
 ) {
     let mut receipts = Vec::new();
     let mut incarnation = 0;

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::{schedule, Report};
+use super::{parsed, schedule, Report};
 
 /// The longest produce and consume may take to work again (every producer a receipt, every
 /// subscription a delivery) after a fault of `kind` healed: measured, with room for a loaded
@@ -25,31 +25,37 @@ pub fn bound_ms(kind: &str) -> f64 {
 /// Recovery after each fault, and the rates in and out of quiet stretches.
 pub fn measure(
     r: &mut Report,
-    sent: &[Vec<Value>],
-    delivered: &[Vec<Value>],
+    sent: &[Vec<Box<str>>],
+    delivered: &[Vec<Box<str>>],
     began: f64,
     ended: f64,
 ) {
-    let times = |lines: &[Value], field: &str| -> Vec<f64> {
-        let mut t: Vec<f64> = lines
-            .iter()
-            .filter(|v| v.get(field).is_some())
-            .filter_map(|v| v.get("t").and_then(Value::as_f64))
-            .collect();
-        t.sort_by(f64::total_cmp);
+    // When each line with `field` was printed, sorted, split by `side` (two series).
+    let times = |lines: &[Box<str>], field: &str, side: fn(&Value) -> usize| -> [Vec<f64>; 2] {
+        let mut t = [Vec::new(), Vec::new()];
+        for v in parsed(lines).filter(|v| v.get(field).is_some()) {
+            if let Some(at) = v.get("t").and_then(Value::as_f64) {
+                t[side(&v)].push(at);
+            }
+        }
+        for s in &mut t {
+            s.sort_by(f64::total_cmp);
+        }
         t
     };
     // Each producer's receipts (a topic's Python producer, and its crate producer's
-    // incarnations together).
+    // incarnations together: their lines name them).
     let acks: Vec<Vec<f64>> = sent
         .iter()
-        .flat_map(|l| {
-            let (py, rs): (Vec<Value>, Vec<Value>) =
-                l.iter().cloned().partition(|v| v.get("p").is_none());
-            [times(&py, "acked"), times(&rs, "acked")]
+        .flat_map(|l| times(l, "acked", |v| usize::from(v.get("p").is_some())))
+        .collect();
+    let gets: Vec<Vec<f64>> = delivered
+        .iter()
+        .map(|l| {
+            let [all, _] = times(l, "p", |_| 0);
+            all
         })
         .collect();
-    let gets: Vec<Vec<f64>> = delivered.iter().map(|l| times(l, "p")).collect();
     let first_after = |ts: &[f64], h: f64| -> f64 {
         let i = ts.partition_point(|t| *t < h);
         ts.get(i).map_or(f64::INFINITY, |t| (t - h) * 1000.0)
@@ -157,7 +163,11 @@ pub fn measure(
     // By when it was sent: sends held up by a fault end in the quiet after it. Of those, the
     // ones also answered before their stretch ended (the next fault did not hold them).
     let (mut lat, mut within) = (Vec::new(), Vec::new());
-    for v in sent.iter().flatten().filter(|v| v.get("acked").is_some()) {
+    for v in sent
+        .iter()
+        .flat_map(|l| parsed(l))
+        .filter(|v| v.get("acked").is_some())
+    {
         let (Some(t), Some(l)) = (
             v.get("t").and_then(|t| t.as_f64()),
             v.get("l").and_then(|l| l.as_f64()),
@@ -207,6 +217,11 @@ mod tests {
         }
     }
 
+    /// Lines as the clients print them.
+    fn text(lines: Vec<serde_json::Value>) -> Vec<Box<str>> {
+        lines.iter().map(|v| v.to_string().into()).collect()
+    }
+
     /// One producer acknowledged at `acks`, one subscription delivering at `gets`.
     fn run(faults: Vec<Done>, acks: &[f64], gets: &[f64]) -> Report {
         let mut r = Report {
@@ -214,19 +229,19 @@ mod tests {
             ..Report::default()
         };
         // A Python producer's lines (no "p") and a crate producer's.
-        let sent = vec![acks
-            .iter()
-            .flat_map(|t| {
-                [
-                    json!({"acked": 1, "t": t, "l": 1.0}),
-                    json!({"acked": 1, "t": t, "l": 1.0, "p": "r0.0"}),
-                ]
-            })
-            .collect::<Vec<_>>()];
-        let delivered = vec![gets
-            .iter()
-            .map(|t| json!({"p": "p0", "t": t}))
-            .collect::<Vec<_>>()];
+        let sent = vec![text(
+            acks.iter()
+                .flat_map(|t| {
+                    [
+                        json!({"acked": 1, "t": t, "l": 1.0}),
+                        json!({"acked": 1, "t": t, "l": 1.0, "p": "r0.0"}),
+                    ]
+                })
+                .collect(),
+        )];
+        let delivered = vec![text(
+            gets.iter().map(|t| json!({"p": "p0", "t": t})).collect(),
+        )];
         measure(&mut r, &sent, &delivered, 0.0, 300.0);
         r
     }
@@ -243,7 +258,7 @@ mod tests {
             .map(|i| json!({"acked": 1, "t": 1.0 + f64::from(i) * 0.4, "l": 1.0}))
             .collect();
         lines.extend((0..5).map(|_| json!({"acked": 1, "t": 100.5, "l": 11_000.0})));
-        measure(&mut r, &[lines], &[], 0.0, 100.0);
+        measure(&mut r, &[text(lines)], &[], 0.0, 100.0);
         assert_eq!(r.p99_quiet_ms, 11_000.0);
         assert_eq!(r.p99_quiet_within_ms, 1.0);
     }

@@ -211,8 +211,8 @@ fn keep_history(
     began: f64,
     ended: f64,
     done: &[Done],
-    sent: &[Vec<Value>],
-    delivered: &[Vec<Value>],
+    sent: &[Vec<Box<str>>],
+    delivered: &[Vec<Box<str>>],
 ) -> anyhow::Result<()> {
     use std::io::Write as _;
     let path = root.join("history.jsonl");
@@ -228,8 +228,9 @@ fn keep_history(
     }
     for (kind, topics) in [("sent", sent), ("delivered", delivered)] {
         for (i, lines) in topics.iter().enumerate() {
-            for v in lines {
-                writeln!(f, "{}", serde_json::json!({kind: i, "line": v}))?;
+            // Each line is a JSON object already: written as it was printed.
+            for line in lines {
+                writeln!(f, "{{\"{kind}\":{i},\"line\":{line}}}")?;
             }
         }
     }
@@ -431,7 +432,8 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
 
     say("stopping the producers");
     std::fs::write(&stop_produce, b"")?;
-    let mut sent: Vec<Vec<Value>> = Vec::new();
+    // Every line as printed (a long run has millions; parsed when read).
+    let mut sent: Vec<Vec<Box<str>>> = Vec::new();
     // A producer whose last sends cannot end is a violation (the site does not take writes
     // again): its lines so far are checked with the rest.
     let mut stuck: Vec<String> = Vec::new();
@@ -443,17 +445,14 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
             .max(Duration::from_secs(1))
     };
     for (i, p) in producers.iter_mut().enumerate() {
-        match tokio::task::block_in_place(|| p.finish(left())) {
-            Ok(lines) => sent.push(lines),
-            Err(e) => {
-                stuck.push(format!(
-                    "[liveness] producer p{i} did not end cleanly once the load stopped: {}\n",
-                    format!("{e:#}").lines().next().unwrap_or_default()
-                ));
-                p.kill9();
-                sent.push(p.lines());
-            }
+        if let Err(e) = tokio::task::block_in_place(|| p.wait_exit(left())) {
+            stuck.push(format!(
+                "[liveness] producer p{i} did not end cleanly once the load stopped: {}\n",
+                format!("{e:#}").lines().next().unwrap_or_default()
+            ));
+            p.kill9();
         }
+        sent.push(p.take_text());
     }
     for (i, c) in crates.into_iter().enumerate() {
         sent[i].extend(c.finish(left()).await);
@@ -476,11 +475,11 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     std::fs::write(&stop_consume, b"")?;
-    let mut delivered: Vec<Vec<Value>> = vec![Vec::new(); topics.len()];
+    let mut delivered: Vec<Vec<Box<str>>> = vec![Vec::new(); topics.len()];
     for (i, c) in consumers.iter_mut() {
-        let lines = tokio::task::block_in_place(|| c.finish(Duration::from_secs(60)))
+        tokio::task::block_in_place(|| c.wait_exit(Duration::from_secs(60)))
             .with_context(|| format!("a consumer of t{i} did not finish"))?;
-        delivered[*i].extend(lines);
+        delivered[*i].extend(c.take_text());
     }
     let mut replication_violations = Vec::new();
     let mut replicated_checked = 0;
@@ -537,7 +536,7 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
             dedup: t.dedup,
             sends: sends_of(&t.name, &format!("p{i}"), &sent[i]),
             stored: stored[i].clone(),
-            delivered: BTreeMap::from([("s".to_string(), received(&delivered[i]))]),
+            delivered: BTreeMap::from([("s".to_string(), received(parsed(&delivered[i])))]),
         };
         let (violations, c) = check::check_topic(&t.name, &h);
         report.checked.sends += c.sends;
@@ -656,7 +655,7 @@ fn path_str(p: &Path) -> anyhow::Result<&str> {
 }
 
 fn py(root: &Path, name: &str, args: &[&str]) -> anyhow::Result<PyClient> {
-    PyClient::spawn_script(
+    PyClient::spawn_script_as_text(
         "chaos_client.py",
         args,
         &root.join(format!("{name}.stderr")),
@@ -676,11 +675,14 @@ async fn read_all(
     for attempt in 0..attempts {
         let name = format!("read-{}-{attempt}", topic.rsplit('/').next().unwrap_or("t"));
         let mut r = py(root, &name, &["read", url, topic])?;
-        match tokio::task::block_in_place(|| r.finish(Duration::from_secs(120))) {
-            Ok(lines) if lines.iter().any(|v| v.get("done").is_some()) => {
-                return Ok(received(&lines))
+        match tokio::task::block_in_place(|| r.wait_exit(Duration::from_secs(120))) {
+            Ok(()) => {
+                let lines = r.take_text();
+                if parsed(&lines).any(|v| v.get("done").is_some()) {
+                    return Ok(received(parsed(&lines)));
+                }
+                last = "ended without reaching the end".to_string();
             }
-            Ok(_) => last = "ended without reaching the end".to_string(),
             Err(e) => last = format!("{e:#}"),
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -688,9 +690,13 @@ async fn read_all(
     bail!("{topic} could not be read to its end: {last}")
 }
 
-fn received(lines: &[Value]) -> Vec<Received> {
+/// Lines as printed, parsed one at a time.
+pub(crate) fn parsed(lines: &[Box<str>]) -> impl Iterator<Item = Value> + '_ {
+    lines.iter().filter_map(|l| serde_json::from_str(l).ok())
+}
+
+fn received(lines: impl Iterator<Item = Value>) -> Vec<Received> {
     lines
-        .iter()
         .filter_map(|v| {
             Some(Received {
                 producer: v.get("p")?.as_str()?.to_string(),
@@ -708,16 +714,22 @@ fn delivered_ids(
     consumers
         .iter()
         .filter(|(i, _)| *i == topic)
-        .flat_map(|(_, c)| received(&c.lines()))
+        .flat_map(|(_, c)| {
+            let mut got = Vec::new();
+            c.each_line(|l| {
+                got.extend(received(serde_json::from_str::<Value>(l).into_iter()));
+            });
+            got
+        })
         .map(|m| m.id)
         .collect()
 }
 
 /// The sends of a topic's producers, from their lines (the Python producer's lines do not
 /// name it: `python_name`).
-fn sends_of(topic: &str, python_name: &str, lines: &[Value]) -> Vec<Send> {
+fn sends_of(topic: &str, python_name: &str, lines: &[Box<str>]) -> Vec<Send> {
     let mut by_send: BTreeMap<(String, u64), Option<String>> = BTreeMap::new();
-    for v in lines {
+    for v in parsed(lines) {
         let name = v.get("p").and_then(Value::as_str).unwrap_or(python_name);
         if let Some(s) = v.get("acked").and_then(Value::as_u64) {
             let id = v

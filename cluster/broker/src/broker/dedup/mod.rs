@@ -668,7 +668,9 @@ impl Dedup {
     }
 
     /// Checks a SEND and, unless it is a duplicate, appends it. The lock is held across the
-    /// submission so that tickets follow the log's order.
+    /// check and the append into the open ledger, so that tickets follow the log's order;
+    /// not while a new ledger is made (writable bookies awaited), after which the checks
+    /// run again.
     /// `only_in`: append only into that ledger (where the producer's sends in flight went),
     /// else [`Submitted::NotThere`].
     pub async fn submit(

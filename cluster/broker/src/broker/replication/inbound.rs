@@ -356,6 +356,9 @@ impl Stream {
                     stopped = Some(failed_before());
                     break;
                 }
+                // The next ledger is made (writable bookies awaited) without the lock, which
+                // sends and receipts need meanwhile; its failure is the append's to report.
+                let _ = t.ml.make_writable(None).await;
                 // Checked again: a send here may have stored the ids meanwhile.
                 guard = replica_guard(t, &seq).await;
                 match replica_check(&guard, &seq) {
