@@ -1362,7 +1362,7 @@ async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_
     // Ledgers of two bookies, one registered: a send waits for the second (up to 60 s).
     let (cluster, _bookie, broker) = short_of_a_bookie(&[]).await;
     let mut c = Raw::connected(&broker.url);
-    c.send(&producer("needs-two", 1, 1));
+    c.send(&named_producer("needs-two", 1, 1));
     assert!(c.expect().command.producer_success.is_some());
 
     step("two sends that wait for a second bookie, then a PING and a SUBSCRIBE");
@@ -1402,8 +1402,9 @@ async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_
             request_id: 3,
         });
     }));
-    step("a PRODUCER on the topic right behind it waits for the close, not in the read loop: a PING is answered meanwhile");
-    c.send(&producer("needs-two", 4, 4));
+    step("a SEND after it is refused after the close; a PRODUCER of the same name right behind it waits for the close (not refused as busy); neither in the read loop: a PING is answered meanwhile");
+    c.send_raw(&send_frame(1, 3, b"m3"));
+    c.send(&named_producer("needs-two", 4, 4));
     c.send(&cmd(Type::Ping, |x| x.ping = Some(pb::CommandPing {})));
     answered_within_5s(
         &mut c,
@@ -1430,6 +1431,12 @@ async fn given_sends_waiting_for_writable_bookies_then_their_connection_answers_
         closed.success.as_ref().map(|s| s.request_id),
         Some(3),
         "{closed:?}"
+    );
+    let refused = c.expect().command;
+    assert_eq!(
+        refused.send_error.as_ref().map(|e| e.sequence_id),
+        Some(3),
+        "{refused:?}"
     );
     let created = c.expect().command;
     assert!(created.producer_success.is_some(), "{created:?}");

@@ -284,7 +284,7 @@ async fn given_one_node_when_growing_to_three_and_back_then_writes_keep_flowing(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn given_a_round_of_keep_alives_that_fails_then_the_next_comes_at_once_and_the_session_stays_surely_alive(
+async fn given_every_node_paused_for_two_thirds_of_a_session_s_ttl_then_the_session_stays_surely_alive(
 ) {
     let mut cluster = MetaCluster::start(3).await.unwrap();
     let client = cluster.client();
@@ -292,7 +292,7 @@ async fn given_a_round_of_keep_alives_that_fails_then_the_next_comes_at_once_and
     let ttl = Duration::from_secs(6);
     let session = client.session(ttl.as_millis() as u64).await.unwrap();
 
-    step("right after a keep-alive, every node pauses through the whole next round");
+    step("right after a keep-alive, every node pauses for over two thirds of the TTL");
     let mut validity = session.validity();
     tokio::time::timeout(Duration::from_secs(10), validity.changed())
         .await
@@ -302,15 +302,17 @@ async fn given_a_round_of_keep_alives_that_fails_then_the_next_comes_at_once_and
     for n in &mut cluster.nodes {
         n.pause(true).unwrap();
     }
-    // The round that starts 2 s after the renewal fails by 4 s.
-    tokio::time::sleep_until((renewed + Duration::from_millis(4_200)).into()).await;
+    // Rounds into paused nodes fail (a round a third of the TTL after the renewal, and the
+    // next a third after that); the nodes come back 4.6 s after the renewal, 1.4 s before
+    // the lease would lapse.
+    tokio::time::sleep_until((renewed + Duration::from_millis(4_600)).into()).await;
     for n in &mut cluster.nodes {
         n.pause(false).unwrap();
     }
 
     step("the session is renewed well before it could lapse");
-    // Before: the next round came a period after the failed one, 6 s after the renewal, as
-    // the lease ran out (a broker stops serving a margin before that).
+    // (A keep-alive in flight when they come back is answered: the client before the quicker
+    // retry passed this too.)
     let mut least = Duration::MAX;
     while renewed.elapsed() < Duration::from_millis(7_500) {
         let left = session
@@ -324,6 +326,7 @@ async fn given_a_round_of_keep_alives_that_fails_then_the_next_comes_at_once_and
         least >= Duration::from_millis(300),
         "the session came within {least:?} of lapsing"
     );
+    eprintln!("the session came within {least:?} of lapsing, no nearer");
     assert_eq!(session.lost(), None);
 }
 

@@ -244,8 +244,12 @@ fn missing(what: &str) -> Close {
 
 impl Conn {
     async fn reply(&self, c: pb::BaseCommand) -> Result<(), Close> {
+        self.send_frame(frame(&c)).await
+    }
+
+    async fn send_frame(&self, f: Bytes) -> Result<(), Close> {
         self.tx
-            .send(frame(&c))
+            .send(f)
             .await
             .map_err(|_| Close("writer gone".into()))
     }
@@ -318,6 +322,21 @@ impl Conn {
             return self
                 .reply(cmd::error(target.request_id, e.code, e.message))
                 .await;
+        }
+        // A close on its topic began while it was out: it waits for that too, out again.
+        if target.producer && !self.producers.contains_key(&target.id) && self.warming.has_room() {
+            if let Ok(name) = self.broker.check_topic(&target.topic) {
+                if let Some(after) = self.closing.before(target.id, Some(&name.to_string())) {
+                    self.warming.start(
+                        Arc::clone(&self.broker),
+                        name,
+                        target,
+                        w.frame,
+                        Some(after),
+                    );
+                    return Ok(());
+                }
+            }
         }
         self.handle(w.frame).await
     }
@@ -478,29 +497,25 @@ impl Conn {
                 let p = c.close_producer.ok_or_else(|| missing("CLOSE_PRODUCER"))?;
                 self.warming.cancel(true, p.producer_id);
                 let success = frame(&cmd::success(p.request_id));
-                let tx = self.tx.clone();
                 let Some(e) = self.producers.remove(&p.producer_id) else {
                     // Closed already, or being closed: answered after that close's SUCCESS.
-                    return match self.closing.of(p.producer_id) {
-                        Some(closed) => {
-                            tokio::spawn(async move {
-                                closed.await;
-                                let _ = tx.send(success).await;
-                            });
-                            Ok(())
-                        }
-                        None => self.reply(cmd::success(p.request_id)).await,
+                    return match self.closing.defer(p.producer_id, success) {
+                        Ok(()) => Ok(()),
+                        Err(now) => self.send_frame(now).await,
                     };
                 };
+                if !self.closing.has_room() {
+                    // As many closes run apart as may: this one runs here.
+                    close_producer(e).await;
+                    return self.send_frame(success).await;
+                }
                 // Its sends are settled (stored and answered) before SUCCESS, off this loop:
                 // one waiting for writable bookies would hold every producer and consumer of
                 // the connection for up to `broker.ledger_create_wait_ms`.
-                let topic = e.publisher.topic.full_name();
+                let topic = e.publisher.topic.full_name().to_string();
+                let tx = self.tx.clone();
                 self.closing
-                    .start(p.producer_id, topic.to_string(), async move {
-                        close_producer(e).await;
-                        let _ = tx.send(success).await;
-                    });
+                    .start(p.producer_id, topic, close_producer(e), success, tx);
                 Ok(())
             }
             Type::Subscribe => {
@@ -750,7 +765,7 @@ impl Conn {
     }
 
     fn handles(&self) -> usize {
-        self.producers.len() + self.consumers.len() + self.warming.len() + self.closing.len()
+        self.producers.len() + self.consumers.len() + self.warming.len()
     }
 
     fn check_handles(&self) -> Result<(), BrokerError> {
@@ -863,10 +878,15 @@ impl Conn {
             .check_topic(&p.topic)
             .ok()
             .map(|t| t.to_string());
-        if let Some(closed) = self.closing.before(p.producer_id, name.as_deref()) {
+        let waits = if self.producers.contains_key(&p.producer_id) {
+            None
+        } else {
+            self.closing.before(p.producer_id, name.as_deref())
+        };
+        if let Some(closed) = waits {
             // A close under way of this id, or on this topic, comes first. Such a PRODUCER
-            // normally waits for it off this loop ([`Conn::admit`]); here only when the
-            // connection has no room for that.
+            // waits for it off this loop ([`Conn::admit`], [`Conn::rejoin`]); here only when
+            // the connection has no room for that, or did not send it out (not authorized).
             closed.await;
         }
         if let Some(existing) = self.producers.get(&p.producer_id) {
@@ -1006,20 +1026,12 @@ impl Conn {
                 ServerError::NotAllowedError,
                 "no such producer on this connection",
             ));
-            // A producer being closed: refused after the receipts of its earlier sends.
-            if let Some(closed) = self.closing.of(s.producer_id) {
-                let tx = self.tx.clone();
-                tokio::spawn(async move {
-                    closed.await;
-                    let _ = tx.send(refused).await;
-                });
-                return Ok(());
-            }
-            return self
-                .tx
-                .send(refused)
-                .await
-                .map_err(|_| Close("writer gone".into()));
+            // A producer being closed: refused after its close's SUCCESS (and so after the
+            // receipts of its earlier sends).
+            return match self.closing.defer(s.producer_id, refused) {
+                Ok(()) => Ok(()),
+                Err(now) => self.send_frame(now).await,
+            };
         };
         if p.publisher
             .send(SendRequest::new(s, payload))

@@ -582,9 +582,14 @@ impl MetadataClient {
                         let _ = lost_tx.send(Some(m));
                         return;
                     }
-                    Err(e) => {
+                    // No node answered (an election, nodes paused or cut off): at once.
+                    Err(e @ (ClientError::Unavailable { .. } | ClientError::Indeterminate(_))) => {
                         tracing::warn!(session = id, error = %e, "keep-alive failed; trying again");
                         wait = retry;
+                    }
+                    Err(e) => {
+                        tracing::warn!(session = id, error = %e, "keep-alive failed");
+                        wait = period;
                     }
                 }
             }
