@@ -84,8 +84,16 @@ impl Closing {
         let later = Arc::clone(&deferred);
         tokio::spawn(async move {
             let _done = done_tx;
-            close.await;
-            let _ = tx.send(answer).await;
+            // A close that panics leaves its CLOSE_PRODUCER unanswered (logged); the answers
+            // deferred to it are still sent.
+            match std::panic::AssertUnwindSafe(close).catch_unwind().await {
+                Ok(()) => {
+                    let _ = tx.send(answer).await;
+                }
+                Err(_) => {
+                    tracing::error!(producer = id, "a producer's close failed (it panicked); its CLOSE_PRODUCER is not answered");
+                }
+            }
             // Until none is left: one deferred while these were being sent is sent too; after
             // the last, the next ones are answered at once, so none overtakes these.
             loop {
@@ -117,7 +125,7 @@ impl Closing {
     /// Defers `answer` (to a SEND or CLOSE_PRODUCER of producer `id`) until the close of `id`
     /// has answered, if one is under way; else gives it back, to be sent now.
     pub fn defer(&self, id: u64, answer: Bytes) -> Result<(), Bytes> {
-        let Some(c) = self.by_id.get(&id) else {
+        let Some(c) = self.by_id.get(&id).filter(|c| !c.finished()) else {
             return Err(answer);
         };
         match c.deferred.lock().expect("deferred lock").as_mut() {
@@ -243,19 +251,27 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn given_a_close_that_panics_then_it_counts_as_done() {
+    async fn given_a_close_that_panics_then_it_counts_as_done_and_what_waited_for_it_is_answered() {
         let mut closing = Closing::default();
-        let (tx, _rx) = crate::frame_queue::channel(1 << 20);
+        let (tx, mut rx) = crate::frame_queue::channel(1 << 20);
+        let (release, held) = tokio::sync::oneshot::channel::<()>();
         closing.start(
             1,
             "t".into(),
-            async { panic!("a close that fails") },
+            async move {
+                let _ = held.await;
+                panic!("a close that fails")
+            },
             answer(0),
             tx,
         );
+        closing.defer(1, answer(1)).expect("deferred");
+        release.send(()).unwrap();
         tokio::time::timeout(Duration::from_secs(5), closing.finish())
             .await
             .expect("finish returns");
         assert!(closing.has_room());
+        let got: Vec<u8> = std::iter::from_fn(|| rx.try_recv()).map(|f| f[0]).collect();
+        assert_eq!(got, [1], "the deferred answer, not the close's own");
     }
 }

@@ -878,7 +878,13 @@ impl Conn {
             .check_topic(&p.topic)
             .ok()
             .map(|t| t.to_string());
-        let waits = if self.producers.contains_key(&p.producer_id) {
+        // A retried create of a producer attached here is answered as it is (a fenced one is
+        // made again, and waits like a new one).
+        let retried = self
+            .producers
+            .get(&p.producer_id)
+            .is_some_and(|e| !e.publisher.handle.is_fenced());
+        let waits = if retried {
             None
         } else {
             self.closing.before(p.producer_id, name.as_deref())
