@@ -595,8 +595,9 @@ pub struct BrokerConfig {
     /// `maxUnackedMessagesPerSubscription`), with the same rule. 0: no limit.
     /// Range 0..=100000000, default 200000.
     pub subscription_unacked_messages_max: u64,
-    /// Ping an idle client this often, and drop it after a whole interval without a byte,
-    /// milliseconds. Range 1000..=3600000, default 30000.
+    /// Ping an idle client this often, and drop it after a whole interval without a byte from
+    /// it, or with its socket taking no byte of what is to be written, milliseconds.
+    /// Range 1000..=3600000, default 30000.
     pub keepalive_interval_ms: u64,
     /// Bookies per ledger of a topic. Range 1..=64, default 1.
     pub ensemble: u64,

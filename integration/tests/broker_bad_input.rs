@@ -628,6 +628,90 @@ fn a_consumer_that_stops_reading_stalls_only_itself_not_the_subscription() {
     assert_eq!(n, 42_000);
 }
 
+/// A client that stops reading once its connection's write queue is full (a frozen process:
+/// its kernel keeps the window shut, and TCP never gives such a peer up), after a PING whose
+/// PONG waits for room and sends whose receipts do: dropped within about a keep-alive
+/// interval, its exclusive subscription and its producer's name free again, and the messages
+/// it held delivered to the next consumer. Before, the connection's loop waited for room for
+/// that PONG (or its own PING) for as long as the client stayed frozen.
+#[test]
+fn a_client_that_stops_reading_with_its_queue_full_is_dropped_and_frees_what_it_held() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_CONNECTION_WRITE_QUEUE_BYTES_MAX", "65536")
+        .env("MERIDIAN_BROKER_KEEPALIVE_INTERVAL_MS", "1000");
+    s.start().unwrap();
+    let topic = "persistent://public/default/frozen";
+    let named = |topic: &str, producer_id: u64, request_id: u64| {
+        let mut c = producer(topic, producer_id, request_id);
+        if let Some(p) = c.producer.as_mut() {
+            p.producer_name = Some("frozen-p".into());
+        }
+        c
+    };
+
+    step("A: an exclusive consumer with a million permits, and a producer named frozen-p");
+    let mut a = Raw::connected(&s.url);
+    a.send(&subscribe(topic, "frozen", 1, 1));
+    assert!(a.expect().command.success.is_some());
+    a.send(&named("persistent://public/default/frozen-p", 1, 2));
+    assert!(a.expect().command.producer_success.is_some());
+    a.send(&flow(1, 1_000_000));
+
+    step("20,000 messages of 1 KiB for A, which reads none of them but sends PINGs");
+    let url = s.url.clone();
+    let producing =
+        std::thread::spawn(move || meridian_integration::perf_produce(&url, topic, 20_000));
+    while !producing.is_finished() {
+        a.send(&cmd(Type::Ping, |c| c.ping = Some(pb::CommandPing {})));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    producing.join().unwrap();
+    step("A sends 10 messages and a PING, then nothing more");
+    for seq in 0..10 {
+        a.send_raw(&send_frame(1, seq, b"held"));
+    }
+    a.send(&cmd(Type::Ping, |c| c.ping = Some(pb::CommandPing {})));
+    let frozen = Instant::now();
+
+    step("B takes the exclusive subscription once A is dropped");
+    let mut b = loop {
+        let mut b = Raw::connected(&s.url);
+        b.send(&subscribe(topic, "frozen", 1, 1));
+        let f = b.expect();
+        if f.command.success.is_some() {
+            break b;
+        }
+        let (code, msg) = error_of(&f);
+        assert_eq!(code, ServerError::ConsumerBusy, "{msg}");
+        assert!(
+            frozen.elapsed() < Duration::from_secs(15),
+            "A still holds the subscription {:?} after it stopped: {msg}",
+            frozen.elapsed()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    eprintln!("B subscribed {:?} after A stopped", frozen.elapsed());
+
+    step("B makes a producer named frozen-p");
+    b.send(&named("persistent://public/default/frozen-p", 1, 2));
+    let f = b.expect();
+    assert!(
+        f.command.producer_success.is_some(),
+        "{:?}",
+        f.command.error.as_ref().map(|e| e.message.clone())
+    );
+
+    step("B receives every message A held");
+    b.send(&flow(1, 1_000_000));
+    let mut got = drain(&mut b, Duration::from_secs(3));
+    got.sort_unstable();
+    got.dedup();
+    assert_eq!(got.len(), 20_000);
+    drop(a);
+    assert_eq!(s.stop().unwrap(), 0);
+}
+
 #[test]
 fn topics_that_fail_to_load_leave_nothing_in_the_broker() {
     let dir = tempfile::tempdir().unwrap();

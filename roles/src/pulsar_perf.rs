@@ -235,7 +235,7 @@ impl Conn {
             }
         }
         let (tx, rx) = meridian_broker::frame_queue::channel(16 << 20);
-        tokio::spawn(meridian_broker::connection::write_loop(wr, rx));
+        tokio::spawn(meridian_broker::connection::write_loop(wr, rx, None));
         let conn = Arc::new(Conn {
             tx,
             requests: Arc::default(),

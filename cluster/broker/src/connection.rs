@@ -134,7 +134,10 @@ pub async fn serve<R, W>(
     W: tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let (tx, rx) = frame_queue::channel(broker.cfg.connection_write_queue_bytes_max as usize);
-    let writer = tokio::spawn(write_loop(wr, rx));
+    let keepalive = Duration::from_millis(broker.cfg.keepalive_interval_ms);
+    // A socket that takes no byte for a keep-alive interval is given up, as a client that
+    // sends none is.
+    let mut writer = tokio::spawn(write_loop(wr, rx, Some(keepalive)));
     broker.connection_opened();
     let (warming, mut warmed) = Warming::new();
     let mut conn = Conn {
@@ -156,7 +159,6 @@ pub async fn serve<R, W>(
         warming,
     };
     let max_frame = broker.cfg.frame_bytes_max();
-    let keepalive = Duration::from_millis(broker.cfg.keepalive_interval_ms);
     let mut buf = BytesMut::with_capacity(64 * 1024);
     let mut last_read = Instant::now();
     let mut ping_sent = false;
@@ -193,12 +195,21 @@ pub async fn serve<R, W>(
                 }
             }
             _ = tick.tick() => {
+                if conn.tx.is_closed() {
+                    break 'conn format!(
+                        "the socket failed or took no bytes for {} ms",
+                        keepalive.as_millis()
+                    );
+                }
                 let idle = last_read.elapsed();
                 if idle >= keepalive && ping_sent {
                     break 'conn format!("no bytes from the client for {} ms", idle.as_millis());
                 }
                 if idle >= keepalive / 2 && !ping_sent && conn.connected {
-                    ping_sent = conn.tx.send(frame(&cmd::ping())).await.is_ok();
+                    // Whatever the queue holds: a client that stopped reading (frozen, or
+                    // cut off) has filled it, and waiting for room here would stop this
+                    // loop from ever dropping it.
+                    ping_sent = conn.tx.send_now(frame(&cmd::ping())).is_ok();
                 }
             }
             _ = tokio::time::sleep_until(conn.auth_timer_at()), if conn.token_expires.is_some() => {
@@ -213,12 +224,24 @@ pub async fn serve<R, W>(
     if !reason.starts_with("closed by") && !reason.starts_with("the broker") {
         tracing::warn!(connection = id, peer = %peer, client = %conn.client_version, reason = %reason, "closing the connection");
     }
+    // A client silent for a keep-alive interval gets nothing more: what is queued for it
+    // (the answers of the cleanup too, such as receipts of the sends it settles) is dropped
+    // rather than waiting for the writer to give its socket up.
+    if reason.starts_with("no bytes from the client") {
+        writer.abort();
+    }
     conn.cleanup().await;
     let warming = std::mem::replace(&mut conn.warming, Warming::new().0);
     drop(conn);
     drop(warmed);
-    // The writer ends once every sender is gone (consumers' sinks were dropped above).
-    let _ = tokio::time::timeout(Duration::from_secs(5), writer).await;
+    // The writer ends once every sender is gone (consumers' sinks were dropped above) and
+    // what they queued is written; it is given 5 s for that.
+    if tokio::time::timeout(Duration::from_secs(5), &mut writer)
+        .await
+        .is_err()
+    {
+        writer.abort();
+    }
     // Loads this connection started finish before it counts as closed (as an inline load
     // did); what they bring back attaches nothing.
     warming.finish().await;
@@ -226,12 +249,37 @@ pub async fn serve<R, W>(
 }
 
 /// Writes queued frames, coalescing whatever is queued (up to 1 MiB) into one write, until
-/// every sender is gone or the socket fails. Shared with `meridian perf`'s client.
-pub async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(mut wr: W, mut rx: FrameReceiver) {
+/// every sender is gone or the socket fails, or (with `stall`) takes no byte for that long:
+/// the peer stopped reading (a frozen process, whose kernel keeps the window shut, is never
+/// given up by TCP). Ending drops the queue, so every sender waiting for room fails at once.
+/// Shared with `meridian perf`'s client.
+pub async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
+    mut wr: W,
+    mut rx: FrameReceiver,
+    stall: Option<Duration>,
+) {
     let mut out = Vec::with_capacity(256 * 1024);
     while rx.recv_into(&mut out, 1 << 20).await {
-        if wr.write_all(&out).await.is_err() {
-            return;
+        let mut at = 0;
+        while at < out.len() {
+            let wrote = match stall {
+                Some(d) => match tokio::time::timeout(d, wr.write(&out[at..])).await {
+                    Ok(r) => r,
+                    Err(_) => {
+                        tracing::warn!(
+                            stalled_ms = d.as_millis() as u64,
+                            queued_bytes = out.len() - at,
+                            "the peer took no bytes; giving its connection up"
+                        );
+                        return;
+                    }
+                },
+                None => wr.write(&out[at..]).await,
+            };
+            match wrote {
+                Ok(0) | Err(_) => return,
+                Ok(n) => at += n,
+            }
         }
         out.clear();
     }
@@ -1320,5 +1368,60 @@ fn start_of(id: &pb::MessageIdData) -> StartAt {
 async fn attach_pause() {
     if crate::failpoint::hit("attach:pause_2s") {
         tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use bytes::Bytes;
+    use tokio::io::AsyncReadExt;
+
+    use super::*;
+
+    #[tokio::test]
+    async fn a_writer_whose_peer_takes_no_bytes_gives_it_up_and_its_waiting_senders_fail() {
+        // The peer keeps its end open and never reads.
+        let (ours, _theirs) = tokio::io::duplex(1024);
+        let (tx, rx) = frame_queue::channel(4096);
+        let started = tokio::time::Instant::now();
+        let writer = tokio::spawn(write_loop(ours, rx, Some(Duration::from_millis(200))));
+        // Fill the pipe and the queue, until a send waits for room.
+        while tokio::time::timeout(
+            Duration::from_millis(50),
+            tx.send(Bytes::from(vec![1u8; 1024])),
+        )
+        .await
+        .is_ok()
+        {}
+        let waiting = tokio::time::timeout(Duration::from_secs(5), tx.send(Bytes::from("x")))
+            .await
+            .expect("a waiting send fails once the writer gives up");
+        assert!(waiting.is_err());
+        assert!(tx.is_closed());
+        writer.await.unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(200));
+    }
+
+    #[tokio::test]
+    async fn a_writer_whose_peer_reads_slowly_goes_on_past_the_stall_bound() {
+        let (ours, mut theirs) = tokio::io::duplex(1024);
+        let (tx, rx) = frame_queue::channel(1 << 20);
+        let writer = tokio::spawn(write_loop(ours, rx, Some(Duration::from_millis(200))));
+        // 32 KiB at 1 KiB every 50 ms: 1.6 s in all, each write taken well within 200 ms.
+        tx.send(Bytes::from(vec![2u8; 32 * 1024])).await.unwrap();
+        drop(tx);
+        let mut got = 0;
+        let mut buf = [0u8; 1024];
+        loop {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            match theirs.read(&mut buf).await.unwrap() {
+                0 => break,
+                n => got += n,
+            }
+        }
+        assert_eq!(got, 32 * 1024);
+        writer.await.unwrap();
     }
 }

@@ -194,6 +194,12 @@ impl FrameSender {
         Ok(())
     }
 
+    /// Whether the writer is gone (its socket failed, or took no bytes for too long): every
+    /// send fails.
+    pub fn is_closed(&self) -> bool {
+        self.shared.lock().closed
+    }
+
     /// Whether a frame offered now would be refused for lack of room.
     pub fn is_full(&self) -> bool {
         let st = self.shared.lock();
