@@ -335,6 +335,15 @@ fn ack_response(c: &mut Raw) -> pb::CommandAckResponse {
 }
 
 /// (ledger, entry) of every MESSAGE that arrives until nothing comes for `idle`.
+/// SUBSCRIBE of a Shared subscription.
+fn shared_subscribe(topic: &str, sub: &str, consumer_id: u64, request_id: u64) -> pb::BaseCommand {
+    let mut c = subscribe(topic, sub, consumer_id, request_id);
+    if let Some(x) = c.subscribe.as_mut() {
+        x.sub_type = pb::command_subscribe::SubType::Shared as i32;
+    }
+    c
+}
+
 fn drain(c: &mut Raw, idle: Duration) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     while let Got::Frame(f) = c.recv(idle) {
@@ -562,11 +571,7 @@ fn a_consumer_that_stops_reading_stalls_only_itself_not_the_subscription() {
     s.start().unwrap();
     let topic = "persistent://public/default/stall";
     let shared = |consumer_id: u64, request_id: u64| {
-        let mut c = subscribe(topic, "stall", consumer_id, request_id);
-        if let Some(x) = c.subscribe.as_mut() {
-            x.sub_type = pb::command_subscribe::SubType::Shared as i32;
-        }
-        c
+        shared_subscribe(topic, "stall", consumer_id, request_id)
     };
     step("consumer A grants a million permits and never reads its socket; B reads");
     let mut a = Raw::connected(&s.url);
@@ -630,10 +635,10 @@ fn a_consumer_that_stops_reading_stalls_only_itself_not_the_subscription() {
 
 /// A client that stops reading once its connection's write queue is full (a frozen process:
 /// its kernel keeps the window shut, and TCP never gives such a peer up), after a PING whose
-/// PONG waits for room and sends whose receipts do: dropped within about a keep-alive
+/// PONG may wait for room and sends whose receipts do: dropped within about a keep-alive
 /// interval, its exclusive subscription and its producer's name free again, and the messages
 /// it held delivered to the next consumer. Before, the connection's loop waited for room for
-/// that PONG (or its own PING) for as long as the client stayed frozen.
+/// that PONG, or for its own PING, for as long as the client stayed frozen.
 #[test]
 fn a_client_that_stops_reading_with_its_queue_full_is_dropped_and_frees_what_it_held() {
     let dir = tempfile::tempdir().unwrap();
@@ -650,24 +655,17 @@ fn a_client_that_stops_reading_with_its_queue_full_is_dropped_and_frees_what_it_
         c
     };
 
-    step("A: an exclusive consumer with a million permits, and a producer named frozen-p");
+    step("20,000 messages of 1 KiB");
+    meridian_integration::perf_produce(&s.url, topic, 20_000);
+
+    step("A: an exclusive consumer and a producer named frozen-p");
     let mut a = Raw::connected(&s.url);
     a.send(&subscribe(topic, "frozen", 1, 1));
     assert!(a.expect().command.success.is_some());
     a.send(&named("persistent://public/default/frozen-p", 1, 2));
     assert!(a.expect().command.producer_success.is_some());
+    step("A grants a million permits, sends 10 messages and a PING, and reads nothing more");
     a.send(&flow(1, 1_000_000));
-
-    step("20,000 messages of 1 KiB for A, which reads none of them but sends PINGs");
-    let url = s.url.clone();
-    let producing =
-        std::thread::spawn(move || meridian_integration::perf_produce(&url, topic, 20_000));
-    while !producing.is_finished() {
-        a.send(&cmd(Type::Ping, |c| c.ping = Some(pb::CommandPing {})));
-        std::thread::sleep(Duration::from_millis(200));
-    }
-    producing.join().unwrap();
-    step("A sends 10 messages and a PING, then nothing more");
     for seq in 0..10 {
         a.send_raw(&send_frame(1, seq, b"held"));
     }
@@ -702,12 +700,81 @@ fn a_client_that_stops_reading_with_its_queue_full_is_dropped_and_frees_what_it_
         f.command.error.as_ref().map(|e| e.message.clone())
     );
 
-    step("B receives every message A held");
+    step("B receives every message A held (and answers the broker's PINGs meanwhile)");
     b.send(&flow(1, 1_000_000));
-    let mut got = drain(&mut b, Duration::from_secs(3));
+    let mut got = Vec::new();
+    let (mut last, mut pinged) = (Instant::now(), Instant::now());
+    while last.elapsed() < Duration::from_secs(3) {
+        if pinged.elapsed() >= Duration::from_millis(200) {
+            b.send(&cmd(Type::Ping, |c| c.ping = Some(pb::CommandPing {})));
+            pinged = Instant::now();
+        }
+        match b.recv(Duration::from_millis(200)) {
+            Got::Frame(f) => {
+                if let Some(m) = f.command.message.as_ref() {
+                    got.push((m.message_id.ledger_id, m.message_id.entry_id));
+                    last = Instant::now();
+                }
+            }
+            Got::Nothing => {}
+            Got::Closed => panic!("B was dropped after {} messages", got.len()),
+        }
+    }
     got.sort_unstable();
     got.dedup();
     assert_eq!(got.len(), 20_000);
+    drop(a);
+    assert_eq!(s.stop().unwrap(), 0);
+}
+
+/// A SEEK closes every consumer of its subscription (CLOSE_CONSUMER to each): one whose
+/// client stopped reading, its queue full, does not hold up the SEEK's answer, nor the
+/// connection that sent it. Before, the CLOSE_CONSUMER waited for room in the stalled
+/// client's queue, here for the whole keep-alive interval (300 s).
+#[test]
+fn a_seek_is_answered_while_another_consumer_of_its_subscription_stops_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_CONNECTION_WRITE_QUEUE_BYTES_MAX", "65536")
+        .env("MERIDIAN_BROKER_KEEPALIVE_INTERVAL_MS", "300000");
+    s.start().unwrap();
+    let topic = "persistent://public/default/seek-stall";
+    let shared = |consumer_id: u64, request_id: u64| {
+        shared_subscribe(topic, "seek-stall", consumer_id, request_id)
+    };
+    step("A: a consumer with a million permits that reads nothing; B: one without permits");
+    let mut a = Raw::connected(&s.url);
+    a.send(&shared(1, 1));
+    assert!(a.expect().command.success.is_some());
+    a.send(&flow(1, 1_000_000));
+    let mut b = Raw::connected(&s.url);
+    b.send(&shared(2, 1));
+    assert!(b.expect().command.success.is_some());
+    step("20,000 messages of 1 KiB fill A's queue");
+    meridian_integration::perf_produce(&s.url, topic, 20_000);
+
+    step("B seeks the subscription to its start: answered within 5 s");
+    b.send(&cmd(Type::Seek, |c| {
+        c.seek = Some(pb::CommandSeek {
+            consumer_id: 2,
+            request_id: 2,
+            message_publish_time: Some(0),
+            ..Default::default()
+        })
+    }));
+    let asked = Instant::now();
+    loop {
+        match b.recv(Duration::from_secs(5)) {
+            Got::Frame(f) if f.command.success.is_some() => break,
+            Got::Frame(f) if f.command.close_consumer.is_some() => {}
+            Got::Frame(f) => panic!("unexpected answer: {:?}", f.command),
+            Got::Closed => panic!("B's connection closed"),
+            Got::Nothing => panic!(
+                "no answer to the SEEK within {:?}: it waits on A's full queue",
+                asked.elapsed()
+            ),
+        }
+    }
     drop(a);
     assert_eq!(s.stop().unwrap(), 0);
 }

@@ -26,10 +26,13 @@ pub type OnResponse = Box<dyn FnOnce(Result<Response, BookieClientError>) + Send
 type Pending = Arc<Mutex<HashMap<u64, OnResponse>>>;
 
 /// Writes every head and body of `batch` in order, with as few `writev` calls as the socket
-/// allows.
+/// allows. With `stall`, a socket that takes no byte for that long fails it (`TimedOut`): a
+/// bookie that stopped reading (a frozen process, or a hung disk that holds every request
+/// slot it has) would otherwise keep this connection, and everything queued on it, for ever.
 async fn write_all_vectored<W: AsyncWrite + Unpin>(
     wr: &mut W,
     batch: &[Out],
+    stall: Option<Duration>,
 ) -> std::io::Result<()> {
     let mut slices: Vec<std::io::IoSlice<'_>> = batch
         .iter()
@@ -39,14 +42,30 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
         .collect();
     let mut rest = &mut slices[..];
     while !rest.is_empty() {
-        let n = wr.write_vectored(rest).await?;
+        let n = within(stall, wr.write_vectored(rest)).await?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
         std::io::IoSlice::advance_slices(&mut rest, n);
     }
     // A TLS stream may hold the end of what it was given until flushed (a no-op on TCP).
-    wr.flush().await
+    within(stall, wr.flush()).await
+}
+
+/// `io`, failed with `TimedOut` when it takes longer than `stall`.
+async fn within<T>(
+    stall: Option<Duration>,
+    io: impl std::future::Future<Output = std::io::Result<T>>,
+) -> std::io::Result<T> {
+    match stall {
+        None => io.await,
+        Some(d) => tokio::time::timeout(d, io).await.unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("the bookie took no bytes for {} ms", d.as_millis()),
+            ))
+        }),
+    }
 }
 
 /// Removes request `id`'s waiter, if still there, when dropped.
@@ -190,16 +209,19 @@ impl BookieConn {
         timeout: Duration,
         frame_bytes_max: usize,
     ) -> Result<Arc<Self>, BookieClientError> {
-        Self::connect_with_tls(addr, timeout, frame_bytes_max, None).await
+        Self::connect_with_tls(addr, timeout, frame_bytes_max, None, None).await
     }
 
     /// Connects to the bookie at `addr`; over TLS when `tls` is given (this process's
     /// certificate presented, the bookie's checked against the site CA and `addr`'s host).
+    /// With `stall`, the connection breaks (every request on it failed) once the bookie has
+    /// taken no byte of what is to be sent for that long.
     pub async fn connect_with_tls(
         addr: &str,
         timeout: Duration,
         frame_bytes_max: usize,
         tls: Option<&SiteTls>,
+        stall: Option<Duration>,
     ) -> Result<Arc<Self>, BookieClientError> {
         let unreachable = |reason: String| BookieClientError::Unreachable {
             addr: addr.to_string(),
@@ -213,7 +235,7 @@ impl BookieConn {
         let _ = stream.set_nodelay(true);
         let Some(tls) = tls else {
             let (rd, wr) = stream.into_split();
-            return Ok(Self::start_io(addr, rd, wr, frame_bytes_max));
+            return Ok(Self::start_io(addr, rd, wr, frame_bytes_max, stall));
         };
         let name = meridian_metadata::tls::server_name(addr).map_err(unreachable)?;
         let left = timeout.saturating_sub(started.elapsed());
@@ -222,11 +244,17 @@ impl BookieConn {
             .map_err(|_| unreachable("TLS handshake timed out".into()))?
             .map_err(|e| unreachable(format!("TLS handshake: {e}")))?;
         let (rd, wr) = tokio::io::split(stream);
-        Ok(Self::start_io(addr, rd, wr, frame_bytes_max))
+        Ok(Self::start_io(addr, rd, wr, frame_bytes_max, stall))
     }
 
     /// Starts the connection's writer and reader tasks on the two halves of its stream.
-    fn start_io<R, W>(addr: &str, mut rd: R, mut wr: W, frame_bytes_max: usize) -> Arc<Self>
+    fn start_io<R, W>(
+        addr: &str,
+        mut rd: R,
+        mut wr: W,
+        frame_bytes_max: usize,
+        stall: Option<Duration>,
+    ) -> Arc<Self>
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
@@ -237,33 +265,9 @@ impl BookieConn {
         let broken = Arc::clone(&conn.broken);
         let wbroken = Arc::clone(&broken);
         let waddr = addr.to_string();
-        let wpending = Arc::clone(&pending);
-        tokio::spawn(async move {
-            // What is queued goes out in one vectored write: frame heads and entry payloads
-            // straight from their buffers, with no copy into a staging buffer.
-            let mut batch: Vec<Out> = Vec::with_capacity(WRITE_BATCH_MAX);
-            while let Some(first) = rx.recv().await {
-                batch.clear();
-                batch.push(first);
-                let mut bytes = batch[0].head.len() + batch[0].body.len();
-                while bytes < (1 << 20) && batch.len() < WRITE_BATCH_MAX {
-                    match rx.try_recv() {
-                        Ok(more) => {
-                            bytes += more.head.len() + more.body.len();
-                            batch.push(more);
-                        }
-                        Err(_) => break,
-                    }
-                }
-                if write_all_vectored(&mut wr, &batch).await.is_err() {
-                    break;
-                }
-            }
-            wbroken.store(true, Ordering::Relaxed);
-            fail_all(&wpending, &waddr);
-        });
         let addr_owned = addr.to_string();
-        tokio::spawn(async move {
+        let wpending = Arc::clone(&pending);
+        let reader = tokio::spawn(async move {
             let mut buf = BytesMut::with_capacity(256 << 10);
             loop {
                 match proto::decode(&mut buf, frame_bytes_max) {
@@ -288,6 +292,35 @@ impl BookieConn {
             }
             broken.store(true, Ordering::Relaxed);
             fail_all(&pending, &addr_owned);
+        });
+        tokio::spawn(async move {
+            // What is queued goes out in one vectored write: frame heads and entry payloads
+            // straight from their buffers, with no copy into a staging buffer.
+            let mut batch: Vec<Out> = Vec::with_capacity(WRITE_BATCH_MAX);
+            while let Some(first) = rx.recv().await {
+                batch.clear();
+                batch.push(first);
+                let mut bytes = batch[0].head.len() + batch[0].body.len();
+                while bytes < (1 << 20) && batch.len() < WRITE_BATCH_MAX {
+                    match rx.try_recv() {
+                        Ok(more) => {
+                            bytes += more.head.len() + more.body.len();
+                            batch.push(more);
+                        }
+                        Err(_) => break,
+                    }
+                }
+                if let Err(e) = write_all_vectored(&mut wr, &batch, stall).await {
+                    if e.kind() == std::io::ErrorKind::TimedOut {
+                        // Its answers will not come either: the reader goes too.
+                        tracing::warn!(addr = %waddr, error = %e, "giving the bookie's connection up");
+                        reader.abort();
+                    }
+                    break;
+                }
+            }
+            wbroken.store(true, Ordering::Relaxed);
+            fail_all(&wpending, &waddr);
         });
         conn
     }
@@ -532,6 +565,7 @@ impl BookiePool {
                     self.connect_timeout,
                     self.frame_bytes_max,
                     self.tls.as_deref(),
+                    Some(self.request_timeout),
                 )
                 .await?
             }
@@ -589,5 +623,60 @@ mod tests {
             hanging.await.unwrap(),
             Err(BookieClientError::Unreachable { .. })
         ));
+    }
+
+    /// A bookie that accepts and then reads nothing (a frozen process; a hung disk holding
+    /// every request slot): once it has taken no byte for the pool's request timeout, its
+    /// connection breaks, every request on it fails (what was queued is let go), and the pool
+    /// connects anew.
+    #[tokio::test]
+    async fn a_bookie_that_takes_no_bytes_has_its_connection_given_up() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let accepted = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        let pool = BookiePool::new(
+            Duration::from_secs(2),
+            Duration::from_millis(500),
+            8 << 20,
+            None,
+        );
+        let conn = pool.get(&addr).await.unwrap();
+        let failed = Arc::new(AtomicU64::new(0));
+        // 64 MiB: more than both ends' socket buffers take.
+        for entry_id in 0..16 {
+            let failed = Arc::clone(&failed);
+            conn.send_with(
+                Request::Add {
+                    ledger_id: 1,
+                    entry_id,
+                    flags: 0,
+                    master_key: Bytes::from_static(b"k"),
+                    entry: Bytes::from(vec![0u8; 4 << 20]),
+                },
+                Box::new(move |r| {
+                    if r.is_err() {
+                        failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }),
+            );
+        }
+        let started = std::time::Instant::now();
+        while !(conn.is_broken() && failed.load(Ordering::Relaxed) == 16) {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "the connection to a bookie that reads nothing was kept ({} of 16 adds failed)",
+                failed.load(Ordering::Relaxed)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let again = pool.get(&addr).await.unwrap();
+        assert!(!Arc::ptr_eq(&conn, &again), "a new connection");
+        assert!(!again.is_broken());
+        accepted.abort();
     }
 }

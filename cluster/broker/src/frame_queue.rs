@@ -53,6 +53,8 @@ struct Shared {
     frames_ready: Notify,
     /// Wakes senders waiting for room (and those waiting after `closed`).
     room: Notify,
+    /// Wakes those waiting for the writer to be gone ([`FrameSender::closed`]).
+    gone: Notify,
 }
 
 impl Shared {
@@ -96,6 +98,7 @@ pub fn channel(bytes_max: usize) -> (FrameSender, FrameReceiver) {
         bytes_max: bytes_max.max(1),
         frames_ready: Notify::new(),
         room: Notify::new(),
+        gone: Notify::new(),
     });
     (
         FrameSender {
@@ -200,6 +203,18 @@ impl FrameSender {
         self.shared.lock().closed
     }
 
+    /// Resolves once the writer is gone.
+    pub async fn closed(&self) {
+        let gone = self.shared.gone.notified();
+        tokio::pin!(gone);
+        // Registered before the check, so a close between the two is not missed.
+        gone.as_mut().enable();
+        if self.shared.lock().closed {
+            return;
+        }
+        gone.await;
+    }
+
     /// Whether a frame offered now would be refused for lack of room.
     pub fn is_full(&self) -> bool {
         let st = self.shared.lock();
@@ -288,6 +303,7 @@ impl Drop for FrameReceiver {
             std::mem::take(&mut st.refused)
         };
         self.shared.room.notify_waiters();
+        self.shared.gone.notify_waiters();
         // Dispatchers refused here look again and find the consumer's connection gone.
         for w in refused {
             w.notify_one();
@@ -383,5 +399,25 @@ mod tests {
         assert_eq!(tx.try_send(frame(1)), Err(TrySendError::Closed));
         assert_eq!(tx.send_now(frame(1)), Err(Closed));
         assert!(!tx.is_full());
+    }
+
+    #[tokio::test]
+    async fn closed_resolves_once_the_writer_is_gone_and_not_before() {
+        let (tx, rx) = channel(4);
+        let tx2 = tx.clone();
+        let watching = tokio::spawn(async move { tx2.closed().await });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!watching.is_finished());
+        assert!(!tx.is_closed());
+        drop(rx);
+        tokio::time::timeout(Duration::from_secs(1), watching)
+            .await
+            .expect("woken when the writer went")
+            .unwrap();
+        assert!(tx.is_closed());
+        // Already gone: at once.
+        tokio::time::timeout(Duration::from_secs(1), tx.closed())
+            .await
+            .unwrap();
     }
 }

@@ -418,14 +418,14 @@ fn cursor_name(subscription: &str) -> String {
     crate::topic_name::escape(subscription)
 }
 
-/// Tells consumers they are closed (outside the subscription's lock: a full connection queue
-/// must not hold it, and the frame must not be dropped).
-async fn close_consumers(sinks: Vec<ConsumerSink>) {
+/// Tells consumers they are closed (outside the subscription's lock). A control frame queued
+/// whatever the connection's queue holds: it must not be dropped, and a client that stopped
+/// reading must not hold up the unload, deletion or reset that closes its consumers.
+fn close_consumers(sinks: Vec<ConsumerSink>) {
     for sink in sinks {
         let _ = sink
             .tx
-            .send(frame(&cmd::close_consumer(sink.consumer_id, 0)))
-            .await;
+            .send_now(frame(&cmd::close_consumer(sink.consumer_id, 0)));
     }
 }
 
@@ -1186,12 +1186,7 @@ impl Subscription {
     /// Admin: moves the subscription (as SEEK) and closes its consumers, which re-subscribe
     /// and read from the new position.
     pub async fn reset(&self, to: SeekTo) -> Result<(), BrokerError> {
-        for sink in self.seek(to).await? {
-            let _ = sink
-                .tx
-                .send(frame(&cmd::close_consumer(sink.consumer_id, 0)))
-                .await;
-        }
+        close_consumers(self.seek(to).await?);
         Ok(())
     }
 
@@ -1386,7 +1381,7 @@ impl Subscription {
         let _ = self.stop.send(true);
         self.topic.drop_subscription(&self.name, self).await;
         self.topic.forget_replicated(&self.name).await;
-        close_consumers(sinks).await;
+        close_consumers(sinks);
         Ok(())
     }
 
@@ -1445,7 +1440,7 @@ impl Subscription {
             st.selector = None;
             st.consumers.drain(..).map(|c| c.sink).collect()
         };
-        close_consumers(sinks).await;
+        close_consumers(sinks);
     }
 
     /// One consumer's name, available permits, unacknowledged messages, and whether it is
