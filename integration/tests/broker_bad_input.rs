@@ -334,7 +334,6 @@ fn ack_response(c: &mut Raw) -> pb::CommandAckResponse {
     }
 }
 
-/// (ledger, entry) of every MESSAGE that arrives until nothing comes for `idle`.
 /// SUBSCRIBE of a Shared subscription.
 fn shared_subscribe(topic: &str, sub: &str, consumer_id: u64, request_id: u64) -> pb::BaseCommand {
     let mut c = subscribe(topic, sub, consumer_id, request_id);
@@ -344,6 +343,7 @@ fn shared_subscribe(topic: &str, sub: &str, consumer_id: u64, request_id: u64) -
     c
 }
 
+/// (ledger, entry) of every MESSAGE that arrives until nothing comes for `idle`.
 fn drain(c: &mut Raw, idle: Duration) -> Vec<(u64, u64)> {
     let mut out = Vec::new();
     while let Got::Frame(f) = c.recv(idle) {
@@ -672,8 +672,20 @@ fn a_client_that_stops_reading_with_its_queue_full_is_dropped_and_frees_what_it_
     a.send(&cmd(Type::Ping, |c| c.ping = Some(pb::CommandPing {})));
     let frozen = Instant::now();
 
-    step("B takes the exclusive subscription once A is dropped");
+    step(
+        "B takes the exclusive subscription once A is dropped; A goes on sending PINGs, so \
+          only its socket taking nothing can get it dropped",
+    );
+    let ping = {
+        let mut b = BytesMut::new();
+        meridian_protocol::encode_command(
+            &mut b,
+            &cmd(Type::Ping, |c| c.ping = Some(pb::CommandPing {})),
+        );
+        b
+    };
     let mut b = loop {
+        a.send_raw(&ping);
         let mut b = Raw::connected(&s.url);
         b.send(&subscribe(topic, "frozen", 1, 1));
         let f = b.expect();

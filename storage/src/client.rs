@@ -90,13 +90,15 @@ fn answer(pending: &Pending, id: u64, response: Response) {
     }
 }
 
-fn fail_all(pending: &Pending, addr: &str) {
-    let waiters: Vec<OnResponse> = pending
-        .lock()
-        .expect("pending lock")
-        .drain()
-        .map(|(_, w)| w)
-        .collect();
+/// Marks the connection broken and fails every waiter. `broken` is set under the waiters'
+/// lock, where [`BookieConn::register`] looks at it: no request registers after the drain and
+/// waits for ever.
+fn fail_all(pending: &Pending, broken: &AtomicBool, addr: &str) {
+    let waiters: Vec<OnResponse> = {
+        let mut p = pending.lock().expect("pending lock");
+        broken.store(true, Ordering::Relaxed);
+        p.drain().map(|(_, w)| w).collect()
+    };
     for w in waiters {
         w(Err(BookieClientError::Unreachable {
             addr: addr.to_string(),
@@ -290,8 +292,7 @@ impl BookieConn {
                     Ok(_) => {}
                 }
             }
-            broken.store(true, Ordering::Relaxed);
-            fail_all(&pending, &addr_owned);
+            fail_all(&pending, &broken, &addr_owned);
         });
         tokio::spawn(async move {
             // What is queued goes out in one vectored write: frame heads and entry payloads
@@ -319,8 +320,7 @@ impl BookieConn {
                     break;
                 }
             }
-            wbroken.store(true, Ordering::Relaxed);
-            fail_all(&wpending, &waddr);
+            fail_all(&wpending, &wbroken, &waddr);
         });
         conn
     }
@@ -352,8 +352,7 @@ impl BookieConn {
                     }
                 }
             }
-            broken.store(true, Ordering::Relaxed);
-            fail_all(&pending, &addr);
+            fail_all(&pending, &broken, &addr);
         });
         conn
     }
@@ -441,19 +440,20 @@ impl BookieConn {
     /// A new request id with `on_response` waiting on it; `None` (and `on_response` failed)
     /// when the connection is broken.
     fn register(&self, on_response: OnResponse) -> Option<u64> {
-        if self.is_broken() {
-            on_response(Err(BookieClientError::Unreachable {
-                addr: self.addr.clone(),
-                reason: "connection closed".into(),
-            }));
-            return None;
+        {
+            let mut pending = self.pending.lock().expect("pending lock");
+            // Under the lock [`fail_all`] sets it in.
+            if !self.is_broken() {
+                let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+                pending.insert(id, on_response);
+                return Some(id);
+            }
         }
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        self.pending
-            .lock()
-            .expect("pending lock")
-            .insert(id, on_response);
-        Some(id)
+        on_response(Err(BookieClientError::Unreachable {
+            addr: self.addr.clone(),
+            reason: "connection closed".into(),
+        }));
+        None
     }
 
     /// The connection is gone: fails request `id`'s waiter, and later requests at once.

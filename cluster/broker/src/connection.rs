@@ -164,6 +164,8 @@ pub async fn serve<R, W>(
     let mut ping_sent = false;
     // Dropped for sending nothing for a keep-alive interval.
     let mut silent = false;
+    let writer_gone = conn.tx.closed();
+    tokio::pin!(writer_gone);
     let mut tick = tokio::time::interval(keepalive / 2);
     tick.tick().await;
     let reason: String = 'conn: loop {
@@ -196,7 +198,7 @@ pub async fn serve<R, W>(
                     break 'conn why;
                 }
             }
-            _ = conn.tx.closed() => {
+            _ = &mut writer_gone => {
                 break 'conn format!(
                     "its socket failed or took no bytes for {} ms",
                     keepalive.as_millis()

@@ -203,16 +203,22 @@ impl FrameSender {
         self.shared.lock().closed
     }
 
-    /// Resolves once the writer is gone.
-    pub async fn closed(&self) {
-        let gone = self.shared.gone.notified();
-        tokio::pin!(gone);
-        // Registered before the check, so a close between the two is not missed.
-        gone.as_mut().enable();
-        if self.shared.lock().closed {
-            return;
+    /// Resolves once the writer is gone. Made once and polled many times (it does not count
+    /// as a sender, so it does not keep the writer going).
+    pub fn closed(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let shared = Arc::clone(&self.shared);
+        async move {
+            loop {
+                let gone = shared.gone.notified();
+                tokio::pin!(gone);
+                // Registered before the check, so a close between the two is not missed.
+                gone.as_mut().enable();
+                if shared.lock().closed {
+                    return;
+                }
+                gone.await;
+            }
         }
-        gone.await;
     }
 
     /// Whether a frame offered now would be refused for lack of room.
