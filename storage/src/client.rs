@@ -459,7 +459,9 @@ impl BookieConn {
     /// The connection is gone: fails request `id`'s waiter, and later requests at once.
     fn closed(&self, id: u64) {
         self.broken.store(true, Ordering::Relaxed);
-        if let Some(w) = self.pending.lock().expect("pending lock").remove(&id) {
+        // Taken out before it runs: the lock is not held while a callback runs.
+        let waiter = self.pending.lock().expect("pending lock").remove(&id);
+        if let Some(w) = waiter {
             w(Err(BookieClientError::Unreachable {
                 addr: self.addr.clone(),
                 reason: "connection closed".into(),
