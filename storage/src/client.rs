@@ -186,7 +186,8 @@ enum Sink {
 }
 
 /// One connection to a bookie: over TCP, or in-process ([`register_local_bookie`]). Cheap to
-/// share; broken for good once an I/O error happened (the pool then makes a new one).
+/// share; broken for good once an I/O error happened, or the bookie took no byte for the
+/// pool's request timeout (the pool then makes a new one).
 pub struct BookieConn {
     addr: String,
     sink: Sink,
@@ -375,8 +376,9 @@ impl BookieConn {
         self.broken.load(Ordering::Relaxed)
     }
 
-    /// Sends `request`; `on_response` runs (on the connection's reader task) with the answer,
-    /// or with an error if the connection fails first. Requests sent in order leave in order.
+    /// Sends `request`; `on_response` runs with the answer (on the connection's reader task),
+    /// or with an error if the connection fails first (on its reader or writer task, or at
+    /// once when it is broken already). Requests sent in order leave in order.
     pub fn send_with(&self, request: Request, on_response: OnResponse) {
         self.send_registered(request, on_response);
     }

@@ -200,7 +200,7 @@ pub async fn serve<R, W>(
             }
             _ = &mut writer_gone => {
                 break 'conn format!(
-                    "its socket failed or took no bytes for {} ms",
+                    "its writer ended (the socket failed, or took no bytes for {} ms)",
                     keepalive.as_millis()
                 );
             }

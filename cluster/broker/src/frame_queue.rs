@@ -23,7 +23,8 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::Notify;
 
-/// The queue is gone: the writer ended (socket closed) or every sender was dropped.
+/// The queue is gone: the writer ended (its socket failed, or took no byte for its stall
+/// bound).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("the connection's writer is gone")]
 pub struct Closed;
@@ -199,6 +200,7 @@ impl FrameSender {
 
     /// Whether the writer is gone (its socket failed, or took no bytes for too long): every
     /// send fails.
+    #[cfg(test)]
     pub fn is_closed(&self) -> bool {
         self.shared.lock().closed
     }
