@@ -596,8 +596,9 @@ pub struct BrokerConfig {
     /// Range 0..=100000000, default 200000.
     pub subscription_unacked_messages_max: u64,
     /// Ping an idle client this often, and drop it after a whole interval without a byte from
-    /// it, or with its socket taking no byte of what is to be written, milliseconds.
-    /// Range 1000..=3600000, default 30000.
+    /// it, or with its socket taking no byte of what is to be written, milliseconds. The admin
+    /// API's connections too: pinged (HTTP/2) this often, closed when a ping is not answered
+    /// within it or nothing comes for twice it. Range 1000..=3600000, default 30000.
     pub keepalive_interval_ms: u64,
     /// Bookies per ledger of a topic. Range 1..=64, default 1.
     pub ensemble: u64,

@@ -231,6 +231,75 @@ fn keepalive_pings_and_drops_silent_clients_and_connection_limits_hold() {
     assert_eq!(s.stop().unwrap(), 0);
 }
 
+/// Reads `s` until its server closes it; how long that took from `from`.
+fn closed_by_server(s: &mut std::net::TcpStream, from: Instant, within: Duration) -> Duration {
+    use std::io::Read;
+    s.set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return from.elapsed(),
+            Ok(_) => {}
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) => {}
+            Err(_) => return from.elapsed(),
+        }
+        assert!(from.elapsed() < within, "still open after {within:?}");
+    }
+}
+
+#[test]
+fn peers_that_hold_connections_half_open_are_closed_and_do_not_hold_a_shutdown() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_KEEPALIVE_INTERVAL_MS", "1000");
+    s.start().unwrap();
+    let admin = s.admin_url.trim_start_matches("http://").to_string();
+    let addresses: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(s.data_dir.join("addresses.json")).unwrap()).unwrap();
+    let metadata = addresses["metadata"].as_str().unwrap().to_string();
+    let open = |addr: &str, bytes: &[u8]| {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        c.write_all(bytes).unwrap();
+        c
+    };
+
+    step("half an HTTP/2 preface to the admin API: closed after twice the keep-alive interval");
+    let t = Instant::now();
+    let mut half_admin = open(&admin, b"PRI * HTTP/2.0\r\n");
+    let took = closed_by_server(&mut half_admin, t, Duration::from_secs(15));
+    assert!(took >= Duration::from_millis(1800), "closed after {took:?}");
+
+    step("SIGTERM while an HTTP request, an admin preface and a metadata preface are half sent");
+    let _half_http = open(&s.http, b"GET /metrics HTTP/1.1\r\nHost: x\r\n");
+    let _half_admin = open(&admin, b"PRI * HTTP/2.0\r\n");
+    let _half_metadata = open(&metadata, b"PRI * HTTP/2.0\r\n");
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = s.pid().expect("running");
+    let t = Instant::now();
+    assert!(std::process::Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    // Before, the standalone waited for the HTTP client for as long as it held its half
+    // request (and for the admin one's preface).
+    while s.exited().is_none() {
+        if t.elapsed() > Duration::from_secs(30) {
+            s.kill9().unwrap();
+            panic!("still running 30 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let took = t.elapsed();
+    println!("stopped {took:?} after SIGTERM");
+}
+
 #[test]
 fn subscription_properties_are_recorded_at_creation_and_survive_a_restart() {
     let dir = tempfile::tempdir().unwrap();

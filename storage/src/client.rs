@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
+use meridian_metadata::stall::{is_stall, StallBounded};
 use meridian_metadata::tls::SiteTls;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -26,13 +27,12 @@ pub type OnResponse = Box<dyn FnOnce(Result<Response, BookieClientError>) + Send
 type Pending = Arc<Mutex<HashMap<u64, OnResponse>>>;
 
 /// Writes every head and body of `batch` in order, with as few `writev` calls as the socket
-/// allows. With `stall`, a socket that takes no byte for that long fails it (`TimedOut`): a
-/// bookie that stopped reading (a frozen process, or a hung disk that holds every request
-/// slot it has) would otherwise keep this connection, and everything queued on it, for ever.
+/// allows. The connection's writer is [`StallBounded`]: a bookie that stopped reading (a frozen
+/// process, or a hung disk that holds every request slot it has) fails it with `TimedOut`
+/// rather than keeping this connection, and everything queued on it, for ever.
 async fn write_all_vectored<W: AsyncWrite + Unpin>(
     wr: &mut W,
     batch: &[Out],
-    stall: Option<Duration>,
 ) -> std::io::Result<()> {
     let mut slices: Vec<std::io::IoSlice<'_>> = batch
         .iter()
@@ -42,30 +42,14 @@ async fn write_all_vectored<W: AsyncWrite + Unpin>(
         .collect();
     let mut rest = &mut slices[..];
     while !rest.is_empty() {
-        let n = within(stall, wr.write_vectored(rest)).await?;
+        let n = wr.write_vectored(rest).await?;
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
         std::io::IoSlice::advance_slices(&mut rest, n);
     }
     // A TLS stream may hold the end of what it was given until flushed (a no-op on TCP).
-    within(stall, wr.flush()).await
-}
-
-/// `io`, failed with `TimedOut` when it takes longer than `stall`.
-async fn within<T>(
-    stall: Option<Duration>,
-    io: impl std::future::Future<Output = std::io::Result<T>>,
-) -> std::io::Result<T> {
-    match stall {
-        None => io.await,
-        Some(d) => tokio::time::timeout(d, io).await.unwrap_or_else(|_| {
-            Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!("the bookie took no bytes for {} ms", d.as_millis()),
-            ))
-        }),
-    }
+    wr.flush().await
 }
 
 /// Removes request `id`'s waiter, if still there, when dropped.
@@ -254,7 +238,7 @@ impl BookieConn {
     fn start_io<R, W>(
         addr: &str,
         mut rd: R,
-        mut wr: W,
+        wr: W,
         frame_bytes_max: usize,
         stall: Option<Duration>,
     ) -> Arc<Self>
@@ -295,6 +279,7 @@ impl BookieConn {
             }
             fail_all(&pending, &broken, &addr_owned);
         });
+        let mut wr = StallBounded::writes(wr, stall);
         tokio::spawn(async move {
             // What is queued goes out in one vectored write: frame heads and entry payloads
             // straight from their buffers, with no copy into a staging buffer.
@@ -312,8 +297,8 @@ impl BookieConn {
                         Err(_) => break,
                     }
                 }
-                if let Err(e) = write_all_vectored(&mut wr, &batch, stall).await {
-                    if e.kind() == std::io::ErrorKind::TimedOut {
+                if let Err(e) = write_all_vectored(&mut wr, &batch).await {
+                    if is_stall(&e) {
                         // Its answers will not come either: the reader goes too.
                         tracing::warn!(addr = %waddr, error = %e, "giving the bookie's connection up");
                         reader.abort();

@@ -1449,10 +1449,24 @@ pub struct RunningAdmin {
     task: tokio::task::JoinHandle<()>,
 }
 
+/// What [`RunningAdmin::stop`] gives calls in progress before it ends the server.
+pub const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl RunningAdmin {
-    pub async fn stop(self) {
+    /// Stops accepting and lets calls in progress finish for at most [`STOP_GRACE`] (before,
+    /// a connection that never finished its preface held the stop for as long as it stayed).
+    pub async fn stop(mut self) {
         let _ = self.stop.send(());
-        let _ = self.task.await;
+        if tokio::time::timeout(STOP_GRACE, &mut self.task)
+            .await
+            .is_err()
+        {
+            tracing::info!(
+                grace_ms = STOP_GRACE.as_millis() as u64,
+                "admin connections still open after the stop's grace; not waiting for them"
+            );
+            self.task.abort();
+        }
     }
 }
 
@@ -1466,11 +1480,17 @@ pub struct Role(pub String);
 ///
 /// With `tls`, the API is served over TLS only; a client certificate (when the configuration
 /// asks for them) authenticates a request that carries no token: its CN is the role.
+///
+/// `keepalive` bounds what a peer can hold: each connection is pinged (HTTP/2) that often and
+/// closed when a ping is not answered within it, a write that makes no progress for it fails,
+/// and a connection that sends nothing for twice it (half a preface, a TLS handshake never
+/// finished; a live client answers the pings) is closed.
 pub fn serve(
     listener: tokio::net::TcpListener,
     service: AdminService,
     auth: Option<std::sync::Arc<crate::auth::Authenticator>>,
     tls: Option<tonic::transport::ServerTlsConfig>,
+    keepalive: std::time::Duration,
 ) -> anyhow::Result<RunningAdmin> {
     let addr = listener.local_addr()?;
     let reflection = tonic_reflection::server::Builder::configure()
@@ -1480,13 +1500,16 @@ pub fn serve(
     // TCP_NODELAY, as the metadata server: small answers must not wait for delayed ACKs.
     let incoming = futures::StreamExt::map(
         tokio_stream::wrappers::TcpListenerStream::new(listener),
-        |conn| {
-            conn.inspect(|s| {
+        move |conn| {
+            conn.map(|s| {
                 let _ = s.set_nodelay(true);
+                meridian_metadata::stall::StallBounded::new(s, Some(keepalive * 2), Some(keepalive))
             })
         },
     );
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(keepalive))
+        .http2_keepalive_timeout(Some(keepalive));
     if let Some(tls) = tls {
         builder = builder.tls_config(tls)?;
     }

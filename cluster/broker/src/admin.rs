@@ -1328,5 +1328,11 @@ pub async fn start(
     } else {
         None
     };
-    meridian_tenancy::service::serve(listener, service, broker.auth.clone(), tls)
+    meridian_tenancy::service::serve(
+        listener,
+        service,
+        broker.auth.clone(),
+        tls,
+        std::time::Duration::from_millis(broker.cfg.keepalive_interval_ms),
+    )
 }

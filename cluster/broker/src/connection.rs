@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
 use futures::future::BoxFuture;
+use meridian_metadata::stall::{is_stall, StallBounded};
 use meridian_protocol::pb::{self, base_command::Type, ServerError};
 use meridian_protocol::{cmd, decode_frame, encode_command, Frame, ID_NONE, PROTOCOL_VERSION_MAX};
 use meridian_storage::cursor::InitialPosition;
@@ -259,45 +260,28 @@ pub async fn serve<R, W>(
 /// given up by TCP). Ending drops the queue, so every sender waiting for room fails at once.
 /// Shared with `meridian perf`'s client.
 pub async fn write_loop<W: tokio::io::AsyncWrite + Unpin>(
-    mut wr: W,
+    wr: W,
     mut rx: FrameReceiver,
     stall: Option<Duration>,
 ) {
+    let mut wr = StallBounded::writes(wr, stall);
     let mut out = Vec::with_capacity(256 * 1024);
     while rx.recv_into(&mut out, 1 << 20).await {
-        let mut at = 0;
-        while at < out.len() {
-            match within(stall, wr.write(&out[at..])).await {
-                Some(Ok(n)) if n > 0 => at += n,
-                _ => return,
+        let written = match wr.write_all(&out).await {
+            // A TLS stream may keep records it could not write yet: they go out now, not
+            // with the next frame.
+            Ok(()) => wr.flush().await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            if is_stall(&e) {
+                tracing::debug!(error = %e, "giving the connection up");
             }
-        }
-        out.clear();
-        // A TLS stream may keep records it could not write yet: they go out now, not with
-        // the next frame.
-        if !matches!(within(stall, wr.flush()).await, Some(Ok(()))) {
             return;
         }
+        out.clear();
     }
-    let _ = within(stall, wr.shutdown()).await;
-}
-
-/// `io`'s outcome, or `None` when it took longer than `stall` (a peer that takes no byte).
-async fn within<T>(
-    stall: Option<Duration>,
-    io: impl std::future::Future<Output = std::io::Result<T>>,
-) -> Option<std::io::Result<T>> {
-    let Some(d) = stall else {
-        return Some(io.await);
-    };
-    let r = tokio::time::timeout(d, io).await.ok();
-    if r.is_none() {
-        tracing::debug!(
-            stalled_ms = d.as_millis() as u64,
-            "the peer took no bytes; giving its connection up"
-        );
-    }
-    r
+    let _ = wr.shutdown().await;
 }
 
 fn missing(what: &str) -> Close {

@@ -1,7 +1,6 @@
 //! The HTTP endpoint: `/metrics` (Prometheus text), `/health`, and `/stats` (topic and
 //! subscription figures as JSON, until the admin API serves them).
 
-use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock};
 
 use axum::extract::State;
@@ -11,10 +10,9 @@ use axum::routing::get;
 use axum::Router;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::net::TcpListener;
-use tokio::sync::watch;
-use tokio::task::JoinHandle;
 
 use crate::broker::Broker;
+pub use crate::http_server::{serve_router, RunningHttp};
 
 /// Seconds after which a gauge nobody set is dropped from /metrics
 /// (`broker.metrics_series_idle_s`, given to [`init_metrics`]).
@@ -212,12 +210,6 @@ async fn console_data(
         .into_response()
 }
 
-pub struct RunningHttp {
-    pub addr: SocketAddr,
-    stop: watch::Sender<bool>,
-    task: JoinHandle<()>,
-}
-
 pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<RunningHttp> {
     let ctx = Ctx {
         broker,
@@ -231,29 +223,4 @@ pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<Runn
         .route("/console/data", get(console_data))
         .with_state(ctx);
     serve_router(app, listener)
-}
-
-/// Serves `app` on `listener` until [`RunningHttp::shutdown`] (the broker's pages, and other
-/// roles' such as a bookie's).
-pub fn serve_router(app: Router, listener: TcpListener) -> std::io::Result<RunningHttp> {
-    let addr = listener.local_addr()?;
-    let (stop, mut stop_rx) = watch::channel(false);
-    let task = tokio::spawn(async move {
-        let r = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stop_rx.changed().await;
-            })
-            .await;
-        if let Err(e) = r {
-            tracing::warn!(error = %e, "HTTP server stopped");
-        }
-    });
-    Ok(RunningHttp { addr, stop, task })
-}
-
-impl RunningHttp {
-    pub async fn shutdown(self) {
-        let _ = self.stop.send(true);
-        let _ = self.task.await;
-    }
 }

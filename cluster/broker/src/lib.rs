@@ -18,6 +18,7 @@ pub mod failpoint;
 pub mod frame_queue;
 pub mod geo;
 pub mod http;
+pub mod http_server;
 mod publish;
 pub mod server;
 pub mod tls;

@@ -44,7 +44,7 @@ fn serve_with(
 }
 
 /// A TLS handshake that takes longer than this is given up.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn serve_one(
     broker: Arc<Broker>,

@@ -12,6 +12,8 @@ use tokio_rustls::rustls;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
+use crate::server::HANDSHAKE_TIMEOUT;
+
 fn certs(path: &str, key: &str) -> anyhow::Result<Vec<CertificateDer<'static>>> {
     let certs = CertificateDer::pem_file_iter(path)
         .with_context(|| format!("{key} {path}"))?
@@ -62,11 +64,14 @@ pub fn acceptor(cfg: &BrokerConfig) -> anyhow::Result<Option<tokio_rustls::TlsAc
 /// The admin API's TLS configuration (tonic), from the same files.
 pub fn admin_config(cfg: &BrokerConfig) -> anyhow::Result<tonic::transport::ServerTlsConfig> {
     let read = |p: &str, key: &str| std::fs::read(p).with_context(|| format!("{key} {p}"));
-    let mut c =
-        tonic::transport::ServerTlsConfig::new().identity(tonic::transport::Identity::from_pem(
+    let mut c = tonic::transport::ServerTlsConfig::new()
+        .identity(tonic::transport::Identity::from_pem(
             read(&cfg.tls_cert_file, "broker.tls_cert_file")?,
             read(&cfg.tls_key_file, "broker.tls_key_file")?,
-        ));
+        ))
+        // A peer that opens a connection and never finishes its handshake is dropped (as
+        // on the Pulsar TLS port).
+        .timeout(HANDSHAKE_TIMEOUT);
     if !cfg.tls_trust_certs_file.is_empty() {
         c = c
             .client_ca_root(tonic::transport::Certificate::from_pem(read(

@@ -27,6 +27,7 @@ pub mod model;
 pub mod network;
 pub mod node;
 pub mod service;
+pub mod stall;
 pub mod store;
 pub mod tls;
 

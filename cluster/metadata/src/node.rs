@@ -480,6 +480,13 @@ pub struct RunningNode {
 /// How long a stopping node waits for in-flight requests before dropping them.
 const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 
+/// How often the gRPC server pings each connection (HTTP/2), as `network::channel` does.
+const PEER_KEEPALIVE: Duration = Duration::from_secs(10);
+
+/// A connection that sends no byte, or takes no byte of what is written to it, this long is
+/// closed ([`crate::stall`]).
+const PEER_STALL: Duration = Duration::from_secs(30);
+
 impl RunningNode {
     /// Stops serving (in-flight requests get [`SHUTDOWN_GRACE`] to finish), then stops Raft.
     pub async fn shutdown(mut self) {
@@ -696,7 +703,12 @@ impl MetadataNode {
                 .max_encoding_message_size(usize::MAX),
             tls::interceptor(tls.clone(), tls::METADATA_API_ROLES, "metadata client API"),
         );
-        let mut builder = tonic::transport::Server::builder();
+        // A peer that stops answering (frozen, or its host gone without a reset) is given
+        // up: pinged every PEER_KEEPALIVE (HTTP/2; the nodes' and clients' channels ping as
+        // often) and dropped when a ping is not answered within twice that.
+        let mut builder = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(PEER_KEEPALIVE))
+            .http2_keepalive_timeout(Some(PEER_KEEPALIVE * 2));
         if let Some(t) = &tls {
             builder = builder
                 .tls_config(t.tonic_server())
@@ -707,10 +719,13 @@ impl MetadataNode {
         let incoming = futures::StreamExt::map(
             tokio_stream::wrappers::TcpListenerStream::new(listener),
             |conn| {
-                conn.inspect(|s| {
+                conn.map(|s| {
                     if let Err(e) = s.set_nodelay(true) {
                         tracing::warn!(error = %e, "cannot set TCP_NODELAY");
                     }
+                    // Half a preface, or a socket that takes nothing of an answer, is not
+                    // kept (a live peer answers the pings: bytes at least that often).
+                    crate::stall::StallBounded::new(s, Some(PEER_STALL), Some(PEER_STALL))
                 })
             },
         );
