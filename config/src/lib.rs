@@ -368,6 +368,10 @@ pub struct BookieConfig {
     pub frame_bytes_max: u64,
     /// Requests one connection may have in flight. Range 1..=1000000, default 10000.
     pub requests_in_flight_max: u64,
+    /// A connection whose peer takes no byte of its responses this long (a frozen broker) is
+    /// closed, and the responses queued for it let go, milliseconds.
+    /// Range 1000..=3600000, default 30000.
+    pub write_stall_ms: u64,
     /// TTL of the registration session in the metadata store, milliseconds: a bookie that
     /// stops is unregistered this long after. Range 1000..=300000, default 10000.
     pub session_ttl_ms: u64,
@@ -410,6 +414,7 @@ impl Default for BookieConfig {
             disk_usage_percent_max: 95,
             frame_bytes_max: (5 << 20) + 1024,
             requests_in_flight_max: 10_000,
+            write_stall_ms: 30_000,
             session_ttl_ms: 10_000,
             fsync: true,
             lost_grace_ms: 60_000,
@@ -484,6 +489,7 @@ impl BookieConfig {
             ("bookie.disk_usage_percent_max", b.disk_usage_percent_max, 1, 100, ""),
             ("bookie.frame_bytes_max", b.frame_bytes_max, 1_024, 268_435_456, ""),
             ("bookie.requests_in_flight_max", b.requests_in_flight_max, 1, 1_000_000, ""),
+            ("bookie.write_stall_ms", b.write_stall_ms, 1_000, 3_600_000, ""),
             ("bookie.session_ttl_ms", b.session_ttl_ms, 1_000, 300_000, ""),
             ("bookie.lost_grace_ms", b.lost_grace_ms, 0, 86_400_000, ""),
             ("bookie.audit_interval_ms", b.audit_interval_ms, 1_000, 3_600_000, ""),

@@ -2292,6 +2292,65 @@ async fn given_malformed_frames_then_only_that_connection_closes() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn given_a_peer_that_takes_none_of_its_responses_then_its_connection_is_given_up_after_the_stall_bound(
+) {
+    use meridian_storage::proto::{self, Frame, Request};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tmp, store, _none, client) = setup(0).await;
+    let mut b = start_bookie_with(&store.client, tmp.path().join("stall"), None, |o| {
+        o.write_stall = Duration::from_secs(1);
+    })
+    .await;
+    wait_for_bookies(&client, 1).await;
+    let writer = client
+        .create(1, 1, 1, BTreeMap::new())
+        .await
+        .expect("create");
+    let big = Bytes::from(vec![7u8; 256 << 10]);
+    writer.add(big.clone()).await.expect("add");
+
+    step("a peer asks for 200 reads of a 256 KiB entry (50 MiB) and reads none of it");
+    let mut s = tokio::net::TcpStream::connect(&b.addr)
+        .await
+        .expect("connect");
+    let mut out = Vec::new();
+    for id in 0..200u64 {
+        proto::encode(
+            &Frame::Request {
+                id,
+                request: Request::Read {
+                    ledger_id: writer.id(),
+                    entry_id: 0,
+                },
+            },
+            &mut out,
+        );
+    }
+    s.write_all(&out).await.expect("write");
+    // Past the bound: the bookie's writer has made no progress for a second by then.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    step("it reads now: what was in the sockets' buffers, then the end (before: all 50 MiB, then nothing)");
+    let mut got = 0usize;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => break,
+            Ok(Ok(n)) => got += n,
+            Err(_) => panic!("the connection is still open, {got} bytes read"),
+        }
+    }
+    assert!(got < 200 * (256 << 10), "every response came: {got} bytes");
+
+    step("the bookie serves other connections on");
+    writer.add(big.clone()).await.expect("add after");
+    let reader = client.open(writer.id()).await.expect("open");
+    assert_eq!(reader.read(1).await.expect("read"), big);
+    b.stop(&store.client).await;
+    store.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn given_write_cache_smaller_than_the_data_then_adds_wait_for_flushes_and_all_land() {
     let (tmp, store, mut bookies, client) = setup(0).await;
     let b = start_bookie_with(&store.client, tmp.path().join("small-cache"), None, |o| {

@@ -1453,8 +1453,10 @@ pub struct RunningAdmin {
 pub const STOP_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl RunningAdmin {
-    /// Stops accepting and lets calls in progress finish for at most [`STOP_GRACE`] (before,
-    /// a connection that never finished its preface held the stop for as long as it stayed).
+    /// Stops accepting and waits at most [`STOP_GRACE`] for calls in progress and open
+    /// connections (before, a connection that never finished its preface held the stop for as
+    /// long as it stayed); what is still running then goes on without being waited for (tonic
+    /// runs each connection in a task of its own) and ends with the process.
     pub async fn stop(mut self) {
         let _ = self.stop.send(());
         if tokio::time::timeout(STOP_GRACE, &mut self.task)
@@ -1482,9 +1484,9 @@ pub struct Role(pub String);
 /// asks for them) authenticates a request that carries no token: its CN is the role.
 ///
 /// `keepalive` bounds what a peer can hold: each connection is pinged (HTTP/2) that often and
-/// closed when a ping is not answered within it, a write that makes no progress for it fails,
-/// and a connection that sends nothing for twice it (half a preface, a TLS handshake never
-/// finished; a live client answers the pings) is closed.
+/// closed when a ping is not answered within it, a write that makes no progress for it (at
+/// least 30 s) fails, and a connection that sends nothing for twice it (half a preface, a TLS
+/// handshake never finished; a live client answers the pings) is closed.
 pub fn serve(
     listener: tokio::net::TcpListener,
     service: AdminService,
@@ -1503,7 +1505,13 @@ pub fn serve(
         move |conn| {
             conn.map(|s| {
                 let _ = s.set_nodelay(true);
-                meridian_metadata::stall::StallBounded::new(s, Some(keepalive * 2), Some(keepalive))
+                meridian_metadata::stall::StallBounded::new(
+                    s,
+                    Some(keepalive * 2),
+                    // Not under 30 s: a short keep-alive is for noticing dead peers, not
+                    // for cutting a call over a congested link.
+                    Some(keepalive.max(std::time::Duration::from_secs(30))),
+                )
             })
         },
     );

@@ -6,8 +6,9 @@
 //! task, a file descriptor) for ever, and a graceful shutdown waited for it, so a broker or
 //! standalone given SIGTERM did not stop while one such client stayed. Here every accepted
 //! connection is [`StallBounded`] both ways ([`STALL`]: an idle keep-alive connection is closed
-//! after it too, as Jetty's idle timeout does in Pulsar), and a shutdown gives the
-//! connections [`SHUTDOWN_GRACE`] to finish what they serve before it ends them.
+//! after it too, as Jetty's idle timeout does in Pulsar), and a shutdown waits at most
+//! [`SHUTDOWN_GRACE`] for them to finish what they serve (axum runs each connection in a task
+//! of its own: one still open then ends by its bound, or with the process).
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -22,7 +23,7 @@ use tokio::task::JoinHandle;
 /// response for this long is closed.
 pub const STALL: Duration = Duration::from_secs(30);
 
-/// What a shutdown gives open connections before it ends them.
+/// How long a shutdown waits for open connections.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 /// A running HTTP server.
@@ -190,6 +191,35 @@ mod tests {
             "{took:?}"
         );
         drop(held);
+    }
+
+    #[tokio::test]
+    async fn a_client_downloading_a_response_for_longer_than_the_bound_gets_all_of_it() {
+        let http = server(Duration::from_millis(800)).await;
+        let mut s = TcpStream::connect(http.addr).await.expect("connect");
+        s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .expect("write");
+        // At most 1 MiB every 40 ms: 64 MiB take more than 2.5 s, with the client sending
+        // nothing meanwhile (before the read side counted that as a stall).
+        let t = Instant::now();
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            tokio::time::sleep(Duration::from_millis(40)).await;
+            match s.read(&mut buf).await {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) => panic!("after {got} bytes: {e}"),
+            }
+        }
+        assert!(got > 64 << 20, "{got} bytes");
+        assert!(
+            t.elapsed() > Duration::from_millis(1600),
+            "{:?}",
+            t.elapsed()
+        );
+        http.shutdown().await;
     }
 
     #[tokio::test]

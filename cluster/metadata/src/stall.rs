@@ -8,9 +8,9 @@
 //! descriptor, a server's graceful shutdown.
 //!
 //! [`StallBounded`] wraps a stream so that a write (or flush, or shutdown) that makes no
-//! progress for its write bound, and a read that gets nothing for its read bound, fail with
-//! `TimedOut`. Progress resets the clock: a slow peer that takes a few bytes at a time goes
-//! on. Every role's sockets toward peers it does not control use it: the broker's client
+//! progress for its write bound, and a read that gets nothing for its read bound while
+//! nothing is written either, fail with `TimedOut`. Progress resets the clock: a slow peer
+//! that takes a few bytes at a time goes on, and so does one downloading a long answer. Every role's sockets toward peers it does not control use it: the broker's client
 //! connections, its connections to bookies, the HTTP pages, and the gRPC servers' accepted
 //! connections (`incoming`).
 
@@ -65,7 +65,11 @@ impl Bound {
                 self.timer = None;
                 Poll::Ready(Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("the peer {} for {} ms", self.what, limit.as_millis()),
+                    Stalled(format!(
+                        "the peer {} for {} ms",
+                        self.what,
+                        limit.as_millis()
+                    )),
                 )))
             }
         }
@@ -96,9 +100,22 @@ impl<S> StallBounded<S> {
     }
 }
 
-/// Whether `e` is a bound's giving up (rather than the socket's own failure).
+/// A bound's giving up, inside the `TimedOut` error it returns.
+#[derive(Debug)]
+struct Stalled(String);
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Stalled {}
+
+/// Whether `e` is a bound's giving up (not the socket's own failure, such as the kernel's
+/// `ETIMEDOUT`).
 pub fn is_stall(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::TimedOut
+    e.get_ref().is_some_and(|inner| inner.is::<Stalled>())
 }
 
 impl<S: AsyncRead + Unpin> AsyncRead for StallBounded<S> {
@@ -113,6 +130,21 @@ impl<S: AsyncRead + Unpin> AsyncRead for StallBounded<S> {
     }
 }
 
+impl<S> StallBounded<S> {
+    /// A write that took bytes is progress for the read side too: a server producing or
+    /// sending a response keeps polling its read side (hyper, to notice a client hanging up;
+    /// h2 between its own writes), and a peer downloading it sends nothing meanwhile.
+    fn wrote(&mut self, r: &Poll<io::Result<usize>>) {
+        if !matches!(r, Poll::Ready(Ok(n)) if *n > 0) {
+            return;
+        }
+        // Moved, not dropped: a read waiting in another task keeps its wake-up.
+        if let (Some(timer), Some(limit)) = (self.read.timer.as_mut(), self.read.limit) {
+            timer.as_mut().reset(tokio::time::Instant::now() + limit);
+        }
+    }
+}
+
 impl<S: AsyncWrite + Unpin> AsyncWrite for StallBounded<S> {
     fn poll_write(
         self: Pin<&mut Self>,
@@ -121,6 +153,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for StallBounded<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.wrote(&r);
         this.write.check(cx, r)
     }
 
@@ -131,6 +164,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for StallBounded<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let r = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.wrote(&r);
         this.write.check(cx, r)
     }
 
@@ -197,6 +231,36 @@ mod tests {
             .expect("a slow reader is not given up");
         w.flush().await.expect("flush");
         assert_eq!(reader.await.expect("reader"), 8192);
+    }
+
+    #[tokio::test]
+    async fn a_read_waiting_while_writes_go_out_fails_only_a_bound_after_the_last_write() {
+        let (a, mut b) = tokio::io::duplex(1 << 20);
+        let (mut rd, mut wr) =
+            tokio::io::split(StallBounded::new(a, Some(Duration::from_millis(300)), None));
+        // A read in a task of its own, waiting for bytes that never come.
+        let read = tokio::spawn(async move {
+            let t = std::time::Instant::now();
+            let r = rd.read(&mut [0u8; 8]).await;
+            (r, t.elapsed())
+        });
+        // Writes go out every 50 ms for 1 s (the peer takes them), then stop.
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            wr.write_all(b"answer").await.expect("write");
+        }
+        let stopped = std::time::Instant::now();
+        let (r, waited) = read.await.expect("read task");
+        let e = r.expect_err("nothing ever comes");
+        assert!(is_stall(&e), "{e}");
+        assert!(waited >= Duration::from_millis(1000), "{waited:?}");
+        assert!(
+            stopped.elapsed() >= Duration::from_millis(250),
+            "{:?}",
+            stopped.elapsed()
+        );
+        let mut got = vec![0u8; 120];
+        b.read_exact(&mut got).await.expect("the answers");
     }
 
     #[tokio::test]

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
+use meridian_metadata::stall::StallBounded;
 use meridian_metadata::tls::{SiteTls, BOOKIE_READ_ROLES, BOOKIE_WRITE_ROLES};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpListener;
@@ -42,6 +43,8 @@ pub struct BookieOptions {
     pub gc_interval_ms: u64,
     pub frame_bytes_max: usize,
     pub requests_in_flight_max: usize,
+    /// A connection whose peer takes no byte of its responses this long is closed.
+    pub write_stall: Duration,
     /// Above this share of a disk used (journal or ledger directory), the bookie turns read-only.
     pub disk_usage_percent_max: u64,
     /// The flusher thread's I/O in the idle class ([`crate::io_priority`]).
@@ -79,6 +82,7 @@ impl BookieOptions {
             gc_interval_ms: c.gc_interval_ms,
             frame_bytes_max: c.frame_bytes_max as usize,
             requests_in_flight_max: c.requests_in_flight_max as usize,
+            write_stall: Duration::from_millis(c.write_stall_ms),
             disk_usage_percent_max: c.disk_usage_percent_max,
             flusher_io_idle: c.flusher_io_idle,
         }
@@ -849,7 +853,7 @@ async fn serve(
 async fn connection<R, W>(
     core: Arc<BookieCore>,
     mut rd: R,
-    mut wr: W,
+    wr: W,
     access: Access,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), String>
@@ -861,7 +865,16 @@ where
     let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
     let permits = Arc::new(Semaphore::new(core.opts.requests_in_flight_max));
     let writer_permits = Arc::clone(&permits);
+    // Why the writer ended, when it gave the socket up (dropped unsent when it ended because
+    // the connection did).
+    let (gave_up, mut writer_gave_up) = tokio::sync::oneshot::channel::<String>();
+    let stall = core.opts.write_stall;
     let writer = tokio::spawn(async move {
+        // A peer that takes no byte of its responses for the bound (a frozen broker: its
+        // kernel keeps the window shut) is given up, and what was queued for it let go;
+        // before, up to `requests_in_flight_max` responses (reads of up to a frame each) were
+        // held for as long as it stayed frozen.
+        let mut wr = StallBounded::writes(wr, Some(stall));
         let mut out = Vec::with_capacity(64 << 10);
         while let Some(first) = rx.recv().await {
             out.clear();
@@ -877,7 +890,14 @@ where
                 }
             }
             // A TLS stream may hold the end of what it was given until flushed.
-            if wr.write_all(&out).await.is_err() || wr.flush().await.is_err() {
+            let written = match wr.write_all(&out).await {
+                Ok(()) => wr.flush().await,
+                Err(e) => Err(e),
+            };
+            if let Err(e) = written {
+                // The read loop waits for no more permits: the connection ends.
+                writer_permits.close();
+                let _ = gave_up.send(format!("writing responses failed: {e}"));
                 return;
             }
             writer_permits.add_permits(n);
@@ -890,6 +910,9 @@ where
             Ok(None) => {
                 let n = tokio::select! {
                     _ = stop.changed() => break Ok(()),
+                    why = &mut writer_gave_up => {
+                        break Err(why.unwrap_or_else(|_| "its writer ended".into()));
+                    }
                     n = rd.read_buf(&mut buf) => n,
                 };
                 match n {
@@ -905,7 +928,10 @@ where
             Frame::Response { .. } => break Err("a response frame sent to a bookie".into()),
         };
         let Ok(permit) = Arc::clone(&permits).acquire_owned().await else {
-            break Ok(());
+            // Closed by the writer, which gave the socket up.
+            break Err(writer_gave_up
+                .try_recv()
+                .unwrap_or_else(|_| "its writer ended".into()));
         };
         // Released by the writer once the response is written.
         permit.forget();

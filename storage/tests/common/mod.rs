@@ -54,6 +54,7 @@ pub fn bookie_opts(dir: &Path) -> BookieOptions {
         gc_interval_ms: 200,
         frame_bytes_max: 5 << 20,
         requests_in_flight_max: 10_000,
+        write_stall: std::time::Duration::from_secs(30),
         disk_usage_percent_max: 100,
         flusher_io_idle: true,
     }
