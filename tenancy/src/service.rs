@@ -1485,8 +1485,9 @@ pub struct Role(pub String);
 ///
 /// `keepalive` bounds what a peer can hold: each connection is pinged (HTTP/2) that often and
 /// closed when a ping is not answered within it, a write that makes no progress for it (at
-/// least 30 s) fails, and a connection that sends nothing for twice it (half a preface, a TLS
-/// handshake never finished; a live client answers the pings) is closed.
+/// least 30 s) fails, and a connection that sends nothing for twice it before its HTTP/2
+/// handshake is done (half a preface, a TLS handshake never finished) is closed (after it,
+/// the server's pings count as progress, and a dead peer is the unanswered ping's to find).
 pub fn serve(
     listener: tokio::net::TcpListener,
     service: AdminService,

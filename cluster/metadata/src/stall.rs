@@ -10,9 +10,11 @@
 //! [`StallBounded`] wraps a stream so that a write (or flush, or shutdown) that makes no
 //! progress for its write bound, and a read that gets nothing for its read bound while
 //! nothing is written either, fail with `TimedOut`. Progress resets the clock: a slow peer
-//! that takes a few bytes at a time goes on, and so does one downloading a long answer. Every role's sockets toward peers it does not control use it: the broker's client
-//! connections, its connections to bookies, the HTTP pages, and the gRPC servers' accepted
-//! connections (`incoming`).
+//! that takes a few bytes at a time goes on, and so does one downloading a long answer.
+//!
+//! Every role's sockets toward peers it does not control use it: the broker's client
+//! connections and its connections to bookies, the bookie's connections, the HTTP pages, and
+//! the gRPC servers' accepted connections (`incoming`).
 
 use std::future::Future;
 use std::io;
@@ -236,30 +238,33 @@ mod tests {
     #[tokio::test]
     async fn a_read_waiting_while_writes_go_out_fails_only_a_bound_after_the_last_write() {
         let (a, mut b) = tokio::io::duplex(1 << 20);
-        let (mut rd, mut wr) =
-            tokio::io::split(StallBounded::new(a, Some(Duration::from_millis(300)), None));
+        let (mut rd, mut wr) = tokio::io::split(StallBounded::new(
+            a,
+            Some(Duration::from_millis(1000)),
+            None,
+        ));
         // A read in a task of its own, waiting for bytes that never come.
         let read = tokio::spawn(async move {
             let t = std::time::Instant::now();
             let r = rd.read(&mut [0u8; 8]).await;
             (r, t.elapsed())
         });
-        // Writes go out every 50 ms for 1 s (the peer takes them), then stop.
-        for _ in 0..20 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
+        // Writes go out every 100 ms for 2.5 s (the peer takes them), then stop.
+        for _ in 0..25 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
             wr.write_all(b"answer").await.expect("write");
         }
         let stopped = std::time::Instant::now();
         let (r, waited) = read.await.expect("read task");
         let e = r.expect_err("nothing ever comes");
         assert!(is_stall(&e), "{e}");
-        assert!(waited >= Duration::from_millis(1000), "{waited:?}");
+        assert!(waited >= Duration::from_millis(2500), "{waited:?}");
         assert!(
-            stopped.elapsed() >= Duration::from_millis(250),
+            stopped.elapsed() >= Duration::from_millis(900),
             "{:?}",
             stopped.elapsed()
         );
-        let mut got = vec![0u8; 120];
+        let mut got = vec![0u8; 150];
         b.read_exact(&mut got).await.expect("the answers");
     }
 

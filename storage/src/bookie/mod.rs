@@ -895,9 +895,10 @@ where
                 Err(e) => Err(e),
             };
             if let Err(e) = written {
+                // The reason first: the read loop reads it once its wait for permits fails.
+                let _ = gave_up.send(format!("writing responses failed: {e}"));
                 // The read loop waits for no more permits: the connection ends.
                 writer_permits.close();
-                let _ = gave_up.send(format!("writing responses failed: {e}"));
                 return;
             }
             writer_permits.add_permits(n);
