@@ -92,14 +92,6 @@ impl<S> StallBounded<S> {
     pub fn writes(inner: S, write: Option<Duration>) -> Self {
         Self::new(inner, None, write)
     }
-
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-
-    pub fn into_inner(self) -> S {
-        self.inner
-    }
 }
 
 /// A bound's giving up, inside the `TimedOut` error it returns.
