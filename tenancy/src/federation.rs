@@ -244,7 +244,7 @@ impl TenancyStore {
             if version == 0 {
                 AdminError::AlreadyExists(format!("{what} already exists"))
             } else {
-                AdminError::FailedPrecondition(format!("{what} changed meanwhile; retry"))
+                crate::store::raced(what)
             }
         };
         if held.record_rev != version {
@@ -296,7 +296,7 @@ impl TenancyStore {
         travels: bool,
     ) -> Result<(), AdminError> {
         let held = self.held(key).await?;
-        let raced = || AdminError::FailedPrecondition(format!("{what} changed meanwhile; retry"));
+        let raced = || crate::store::raced(what);
         if held.record_rev != version {
             return Err(raced());
         }

@@ -22,6 +22,10 @@ pub enum AdminError {
     /// The target is in a state that forbids the request (not empty, in use).
     #[error("{0}")]
     FailedPrecondition(String),
+    /// Another change to the same record came first, each time the store made this one
+    /// (see [`redone`]); nothing changed, and the request may be made again.
+    #[error("{0}")]
+    Raced(String),
     /// Retry later: the metadata store or the broker is not reachable or busy.
     #[error("{0}")]
     Unavailable(String),
@@ -38,6 +42,7 @@ impl From<AdminError> for tonic::Status {
             AdminError::AlreadyExists(m) => tonic::Status::already_exists(m),
             AdminError::Invalid(m) => tonic::Status::invalid_argument(m),
             AdminError::FailedPrecondition(m) => tonic::Status::failed_precondition(m),
+            AdminError::Raced(m) => tonic::Status::aborted(m),
             AdminError::Unavailable(m) => tonic::Status::unavailable(m),
             AdminError::PermissionDenied(m) => tonic::Status::permission_denied(m),
             AdminError::Unauthenticated(m) => tonic::Status::unauthenticated(m),
@@ -54,6 +59,43 @@ impl From<ClientError> for AdminError {
 impl From<BadName> for AdminError {
     fn from(e: BadName) -> AdminError {
         AdminError::Invalid(e.0)
+    }
+}
+
+/// How many times a read-modify-write is made while another change to its record keeps
+/// coming first.
+const RACE_ATTEMPTS: u32 = 8;
+
+/// A compare-and-set that lost to another change of `what`.
+pub(crate) fn raced(what: &str) -> AdminError {
+    AdminError::Raced(format!("{what} changed meanwhile"))
+}
+
+/// Makes `attempt`, a read-modify-write, again while another change to its record comes
+/// first (a peer site's copy merged, another admin's change), as Pulsar's metadata cache
+/// redoes an update that lost to a newer version. Each attempt reads afresh, so its checks
+/// see what it changes; the last loss is the caller's, as [`AdminError::Raced`].
+pub(crate) async fn redone<T, F, Fut>(mut attempt: F) -> Result<T, AdminError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, AdminError>>,
+{
+    let mut made = 1;
+    loop {
+        match attempt().await {
+            Err(AdminError::Raced(_)) if made < RACE_ATTEMPTS => {
+                // 10 ms, 20, 40, ... 320: the merges that race an admin's change are quick.
+                let pause = 10u64 << (made - 1).min(5);
+                tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                made += 1;
+            }
+            Err(AdminError::Raced(m)) => {
+                return Err(AdminError::Raced(format!(
+                    "{m}, each of {RACE_ATTEMPTS} times this change was made; retry"
+                )))
+            }
+            r => return r,
+        }
     }
 }
 
@@ -132,9 +174,7 @@ impl TenancyStore {
             Err(ClientError::Conflict { .. }) if version == 0 => {
                 Err(AdminError::AlreadyExists(format!("{what} already exists")))
             }
-            Err(ClientError::Conflict { .. }) => Err(AdminError::FailedPrecondition(format!(
-                "{what} changed meanwhile; retry"
-            ))),
+            Err(ClientError::Conflict { .. }) => Err(raced(what)),
             Err(e) => Err(e.into()),
         }
     }
@@ -145,9 +185,7 @@ impl TenancyStore {
         }
         match self.meta.delete(key, Some(version)).await {
             Ok(_) => Ok(()),
-            Err(ClientError::Conflict { .. }) => Err(AdminError::FailedPrecondition(format!(
-                "{what} changed meanwhile; retry"
-            ))),
+            Err(ClientError::Conflict { .. }) => Err(raced(what)),
             Err(e) => Err(e.into()),
         }
     }
@@ -179,6 +217,10 @@ impl TenancyStore {
     }
 
     pub async fn update_cluster(&self, name: &str, c: &ClusterData) -> Result<(), AdminError> {
+        redone(|| self.update_cluster_once(name, c)).await
+    }
+
+    async fn update_cluster_once(&self, name: &str, c: &ClusterData) -> Result<(), AdminError> {
         check_cluster(c)?;
         let key = format!("{CLUSTERS_PREFIX}{name}");
         let (_, v) = self
@@ -190,6 +232,14 @@ impl TenancyStore {
 
     /// Deletes a cluster no tenant may use.
     pub async fn delete_cluster(
+        &self,
+        name: &str,
+        dry_run: bool,
+    ) -> Result<Vec<String>, AdminError> {
+        redone(|| self.delete_cluster_once(name, dry_run)).await
+    }
+
+    async fn delete_cluster_once(
         &self,
         name: &str,
         dry_run: bool,
@@ -232,12 +282,19 @@ impl TenancyStore {
         check_name("isolation policy", name)?;
         p.validate().map_err(AdminError::Invalid)?;
         let key = format!("{}{cluster}/{name}", crate::isolation::POLICIES_PREFIX);
-        let version = self
-            .get::<crate::isolation::NsIsolationPolicy>(&key)
-            .await?
-            .map_or(0, |(_, v)| v);
-        self.put(&key, p, version, &format!("isolation policy {name}"))
-            .await
+        let what = format!("isolation policy {name}");
+        redone(|| async {
+            let version = self
+                .get::<crate::isolation::NsIsolationPolicy>(&key)
+                .await?
+                .map_or(0, |(_, v)| v);
+            match self.put(&key, p, version, &what).await {
+                // Made meanwhile: this one replaces it.
+                Err(AdminError::AlreadyExists(_)) => Err(raced(&what)),
+                r => r,
+            }
+        })
+        .await
     }
 
     /// A cluster's namespace isolation policies, by name.
@@ -257,6 +314,14 @@ impl TenancyStore {
     }
 
     pub async fn delete_isolation_policy(
+        &self,
+        cluster: &str,
+        name: &str,
+    ) -> Result<(), AdminError> {
+        redone(|| self.delete_isolation_policy_once(cluster, name)).await
+    }
+
+    async fn delete_isolation_policy_once(
         &self,
         cluster: &str,
         name: &str,
@@ -322,6 +387,10 @@ impl TenancyStore {
     }
 
     pub async fn update_tenant(&self, name: &str, t: &TenantInfo) -> Result<(), AdminError> {
+        redone(|| self.update_tenant_once(name, t)).await
+    }
+
+    async fn update_tenant_once(&self, name: &str, t: &TenantInfo) -> Result<(), AdminError> {
         check_name("tenant", name)?;
         self.check_tenant(t).await?;
         let key = format!("{TENANTS_PREFIX}{name}");
@@ -405,6 +474,15 @@ impl TenancyStore {
         dry_run: bool,
         skip_namespaces: bool,
     ) -> Result<Vec<String>, AdminError> {
+        redone(|| self.delete_tenant_once(name, dry_run, skip_namespaces)).await
+    }
+
+    async fn delete_tenant_once(
+        &self,
+        name: &str,
+        dry_run: bool,
+        skip_namespaces: bool,
+    ) -> Result<Vec<String>, AdminError> {
         check_name("tenant", name)?;
         let key = format!("{TENANTS_PREFIX}{name}");
         let (_, v) = self
@@ -469,6 +547,15 @@ impl TenancyStore {
         set: &NamespacePolicies,
         clear: &[String],
     ) -> Result<NamespacePolicies, AdminError> {
+        redone(|| self.update_policies_once(ns, set, clear)).await
+    }
+
+    async fn update_policies_once(
+        &self,
+        ns: &str,
+        set: &NamespacePolicies,
+        clear: &[String],
+    ) -> Result<NamespacePolicies, AdminError> {
         let (old, v) = self.policies(ns).await?;
         let new = old.updated(set, clear).map_err(AdminError::Invalid)?;
         if set.replication_clusters.is_some() {
@@ -506,6 +593,15 @@ impl TenancyStore {
         set: &NamespacePolicies,
         clear: &[String],
     ) -> Result<NamespacePolicies, AdminError> {
+        redone(|| self.update_topic_policies_once(topic, set, clear)).await
+    }
+
+    async fn update_topic_policies_once(
+        &self,
+        topic: &str,
+        set: &NamespacePolicies,
+        clear: &[String],
+    ) -> Result<NamespacePolicies, AdminError> {
         let (t, n, local) = split_topic(topic)?;
         if set.publish_rate_total.is_some() || set.dispatch_rate_total.is_some() {
             return Err(AdminError::Invalid(
@@ -538,26 +634,28 @@ impl TenancyStore {
     /// where it is deleted at every site, each site deletes its own) with a tombstone that
     /// goes nowhere but keeps an older copy from a peer site from bringing it back.
     pub async fn delete_topic_policies_record(&self, key: &str) -> Result<(), AdminError> {
-        for _ in 0..5 {
+        redone(|| async {
             let Some((_, v)) = self.get::<serde_json::Value>(key).await? else {
                 return Ok(());
             };
-            match self
-                .delete_here(key, v, &format!("topic policies {key}"))
+            self.delete_here(key, v, &format!("topic policies {key}"))
                 .await
-            {
-                Err(AdminError::FailedPrecondition(_)) => continue,
-                r => return r,
-            }
-        }
-        Err(AdminError::FailedPrecondition(format!(
-            "topic policies {key} kept changing while they were deleted"
-        )))
+        })
+        .await
     }
 
     /// Grants `actions` to `role` in a namespace (replacing its earlier grant), or with `None`
     /// revokes the role's grant. Returns the namespace's permissions.
     pub async fn set_permission(
+        &self,
+        ns: &str,
+        role: &str,
+        actions: Option<Vec<String>>,
+    ) -> Result<std::collections::BTreeMap<String, Vec<String>>, AdminError> {
+        redone(|| self.set_permission_once(ns, role, actions.clone())).await
+    }
+
+    async fn set_permission_once(
         &self,
         ns: &str,
         role: &str,
@@ -597,6 +695,15 @@ impl TenancyStore {
 
     /// Deletes a namespace; `topics` are what it still holds (then it is refused).
     pub async fn delete_namespace(
+        &self,
+        ns: &str,
+        topics: &[String],
+        dry_run: bool,
+    ) -> Result<Vec<String>, AdminError> {
+        redone(|| self.delete_namespace_once(ns, topics, dry_run)).await
+    }
+
+    async fn delete_namespace_once(
         &self,
         ns: &str,
         topics: &[String],
@@ -718,7 +825,7 @@ impl TenancyStore {
             .await
         {
             // Another broker filled it in meanwhile.
-            Err(AdminError::FailedPrecondition(_)) => Ok(()),
+            Err(AdminError::Raced(_)) => Ok(()),
             other => other,
         }
     }

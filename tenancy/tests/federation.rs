@@ -73,6 +73,29 @@ fn cluster(name: &str) -> ClusterData {
     }
 }
 
+/// Tenant `acme`, allowed at both.
+fn acme() -> TenantInfo {
+    TenantInfo {
+        allowed_clusters: vec!["east".into(), "west".into()],
+        ..Default::default()
+    }
+}
+
+/// Sites east and west, each with the other's record, and `acme` made at east.
+async fn east_and_west_with_acme() -> (Site, Site) {
+    let (east, west) = (site("east").await, site("west").await);
+    east.t
+        .create_cluster("west", &cluster("west"))
+        .await
+        .unwrap();
+    west.t
+        .create_cluster("east", &cluster("east"))
+        .await
+        .unwrap();
+    east.t.create_tenant("acme", &acme()).await.unwrap();
+    (east, west)
+}
+
 #[tokio::test]
 async fn given_objects_made_at_one_site_then_the_other_takes_them_and_changes_made_apart_converge()
 {
@@ -252,27 +275,14 @@ async fn given_a_peer_then_it_changes_only_what_it_takes_part_in() {
 #[tokio::test]
 async fn given_a_site_removed_from_a_tenant_then_refused_while_a_namespace_lists_it_and_the_removed_site_converges(
 ) {
-    let (east, west) = (site("east").await, site("west").await);
-    east.t
-        .create_cluster("west", &cluster("west"))
-        .await
-        .unwrap();
-    west.t
-        .create_cluster("east", &cluster("east"))
-        .await
-        .unwrap();
-    let both = TenantInfo {
-        allowed_clusters: vec!["east".into(), "west".into()],
-        ..Default::default()
-    };
-    east.t.create_tenant("acme", &both).await.unwrap();
+    let (east, west) = east_and_west_with_acme().await;
     let g = NamespacePolicies {
         replication_clusters: Some(vec!["east".into(), "west".into()]),
         ..Default::default()
     };
     east.t.create_namespace("acme/g", &g).await.unwrap();
     sync(&east, "east", &west, "west").await;
-    assert_eq!(west.t.tenant("acme").await.unwrap(), both);
+    assert_eq!(west.t.tenant("acme").await.unwrap(), acme());
     let east_only = TenantInfo {
         allowed_clusters: vec!["east".into()],
         ..Default::default()
@@ -310,20 +320,7 @@ async fn given_a_site_removed_from_a_tenant_then_refused_while_a_namespace_lists
 #[tokio::test]
 async fn given_a_topic_s_own_policies_then_they_go_to_its_namespace_s_sites_and_so_does_their_removal(
 ) {
-    let (east, west) = (site("east").await, site("west").await);
-    east.t
-        .create_cluster("west", &cluster("west"))
-        .await
-        .unwrap();
-    west.t
-        .create_cluster("east", &cluster("east"))
-        .await
-        .unwrap();
-    let both = TenantInfo {
-        allowed_clusters: vec!["east".into(), "west".into()],
-        ..Default::default()
-    };
-    east.t.create_tenant("acme", &both).await.unwrap();
+    let (east, west) = east_and_west_with_acme().await;
     let clusters = |c: &[&str]| NamespacePolicies {
         replication_clusters: Some(c.iter().map(|s| s.to_string()).collect()),
         ..Default::default()
@@ -431,4 +428,68 @@ async fn given_a_topic_s_own_policies_then_they_go_to_its_namespace_s_sites_and_
         Some(7),
         "west's copy is its own to delete"
     );
+}
+
+/// Changes made at one site while a peer's copies are merged into the same record and
+/// another admin changes it too: each change is made (the store makes again one that lost
+/// the race to another) and none is lost. Before, the loser was refused ("changed
+/// meanwhile; retry"), as `namespaces set-clusters` once was in CI while a merge landed.
+#[tokio::test]
+async fn given_merges_and_other_changes_racing_an_admin_s_then_every_change_is_made_and_kept() {
+    let (east, west) = east_and_west_with_acme().await;
+    let g = NamespacePolicies {
+        replication_clusters: Some(vec!["east".into(), "west".into()]),
+        ..Default::default()
+    };
+    east.t.create_namespace("acme/g", &g).await.unwrap();
+    sync(&east, "east", &west, "west").await;
+
+    const N: u32 = 30;
+    // Two admins at east, each changing its own field of acme/g.
+    let grants = async {
+        for i in 0..N {
+            east.t
+                .set_permission("acme/g", &format!("role-{i}"), Some(vec!["consume".into()]))
+                .await
+                .map_err(|e| format!("grant {i}: {e}"))?;
+        }
+        Ok::<_, String>(())
+    };
+    let ttls = async {
+        for i in 1..=N {
+            let ttl = NamespacePolicies {
+                message_ttl_seconds: Some(i),
+                ..Default::default()
+            };
+            east.t
+                .update_policies("acme/g", &ttl, &[])
+                .await
+                .map_err(|e| format!("ttl {i}: {e}"))?;
+        }
+        Ok::<_, String>(())
+    };
+    // And west's changes of a third field merged into east meanwhile.
+    let merges = async {
+        for i in 1..=N {
+            let limit = NamespacePolicies {
+                max_producers_per_topic: Some(i),
+                ..Default::default()
+            };
+            west.t.update_policies("acme/g", &limit, &[]).await.unwrap();
+            let items = west.t.export_for("east").await.unwrap();
+            east.t.merge_from("west", items, &east.data).await.unwrap();
+        }
+    };
+    let (grants, ttls, ()) = tokio::join!(grants, ttls, merges);
+    grants.unwrap();
+    ttls.unwrap();
+    sync(&west, "west", &east, "east").await;
+
+    let (p, _) = east.t.policies("acme/g").await.unwrap();
+    let roles: Vec<String> = p.permissions.keys().cloned().collect();
+    let mut want: Vec<String> = (0..N).map(|i| format!("role-{i}")).collect();
+    want.sort();
+    assert_eq!(roles, want, "every grant is kept");
+    assert_eq!(p.message_ttl_seconds, Some(N));
+    assert_eq!(p.max_producers_per_topic, Some(N));
 }
