@@ -513,7 +513,11 @@ impl TenancyStore {
             // This site's own record changes only here.
             return denied(format!("site {name}'s own record changes only at {name}"));
         }
-        for _ in 0..5 {
+        for made in 0..crate::store::RACE_ATTEMPTS {
+            if made > 0 {
+                // Another change of the record came first (an admin's here).
+                tokio::time::sleep(crate::store::race_pause(made)).await;
+            }
             let held = self.held(&item.key).await?;
             let here = held.copy.record.as_ref();
             // What the peer may change.

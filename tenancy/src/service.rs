@@ -791,17 +791,14 @@ impl Admin for AdminService {
     async fn update_tenant(&self, r: Request<Tenant>) -> Reply<Empty> {
         self.superuser(role_of(&r).as_ref())?;
         let t = r.into_inner();
-        let storage_quota_bytes = match t.storage_quota_bytes {
-            Some(0) => None,
-            Some(q) => Some(q),
-            None => self.store.tenant(&t.name).await?.storage_quota_bytes,
-        };
+        // Left out: unchanged (as the store reads it, so a change made meanwhile stays).
+        let keep_quota = t.storage_quota_bytes.is_none();
         let info = TenantInfo {
             admin_roles: t.admin_roles,
             allowed_clusters: t.allowed_clusters,
-            storage_quota_bytes,
+            storage_quota_bytes: t.storage_quota_bytes.filter(|q| *q > 0),
         };
-        self.store.update_tenant(&t.name, &info).await?;
+        self.store.update_tenant(&t.name, &info, keep_quota).await?;
         ok(Empty {})
     }
 

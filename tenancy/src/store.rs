@@ -22,10 +22,13 @@ pub enum AdminError {
     /// The target is in a state that forbids the request (not empty, in use).
     #[error("{0}")]
     FailedPrecondition(String),
-    /// Another change to the same record came first, each time the store made this one
-    /// (see [`redone`]); nothing changed, and the request may be made again.
+    /// Another change to the same record came first: [`redone`] makes the change again.
     #[error("{0}")]
     Raced(String),
+    /// Other changes of the record came first, each time the change was made, or one that
+    /// a whole-record replacement would undo: nothing changed; read it again and retry.
+    #[error("{0}")]
+    Aborted(String),
     /// Retry later: the metadata store or the broker is not reachable or busy.
     #[error("{0}")]
     Unavailable(String),
@@ -42,7 +45,7 @@ impl From<AdminError> for tonic::Status {
             AdminError::AlreadyExists(m) => tonic::Status::already_exists(m),
             AdminError::Invalid(m) => tonic::Status::invalid_argument(m),
             AdminError::FailedPrecondition(m) => tonic::Status::failed_precondition(m),
-            AdminError::Raced(m) => tonic::Status::aborted(m),
+            AdminError::Raced(m) | AdminError::Aborted(m) => tonic::Status::aborted(m),
             AdminError::Unavailable(m) => tonic::Status::unavailable(m),
             AdminError::PermissionDenied(m) => tonic::Status::permission_denied(m),
             AdminError::Unauthenticated(m) => tonic::Status::unauthenticated(m),
@@ -64,17 +67,27 @@ impl From<BadName> for AdminError {
 
 /// How many times a read-modify-write is made while another change to its record keeps
 /// coming first.
-const RACE_ATTEMPTS: u32 = 8;
+pub(crate) const RACE_ATTEMPTS: u32 = 10;
 
 /// A compare-and-set that lost to another change of `what`.
 pub(crate) fn raced(what: &str) -> AdminError {
     AdminError::Raced(format!("{what} changed meanwhile"))
 }
 
+/// The pause after a read-modify-write's `made`-th lost race: 10 ms, 20, 40, ... up to
+/// 320, each with up to half as much again at random, so two that race each other do not
+/// meet again in step (the merges and changes that race an admin's are quick).
+pub(crate) fn race_pause(made: u32) -> std::time::Duration {
+    let base = 10u64 << made.saturating_sub(1).min(5);
+    let jitter = rand::Rng::gen_range(&mut rand::thread_rng(), 0..=base / 2);
+    std::time::Duration::from_millis(base + jitter)
+}
+
 /// Makes `attempt`, a read-modify-write, again while another change to its record comes
-/// first (a peer site's copy merged, another admin's change), as Pulsar's metadata cache
-/// redoes an update that lost to a newer version. Each attempt reads afresh, so its checks
-/// see what it changes; the last loss is the caller's, as [`AdminError::Raced`].
+/// first ([`AdminError::Raced`]: a peer site's copy merged, another admin's change), as
+/// Pulsar's metadata cache redoes an update that lost to a newer version. Each attempt
+/// reads afresh and checks what it read. After [`RACE_ATTEMPTS`] losses the last is the
+/// caller's, as [`AdminError::Aborted`] (so a `redone` within another is not redone again).
 pub(crate) async fn redone<T, F, Fut>(mut attempt: F) -> Result<T, AdminError>
 where
     F: FnMut() -> Fut,
@@ -84,17 +97,41 @@ where
     loop {
         match attempt().await {
             Err(AdminError::Raced(_)) if made < RACE_ATTEMPTS => {
-                // 10 ms, 20, 40, ... 320: the merges that race an admin's change are quick.
-                let pause = 10u64 << (made - 1).min(5);
-                tokio::time::sleep(std::time::Duration::from_millis(pause)).await;
+                tokio::time::sleep(race_pause(made)).await;
                 made += 1;
             }
             Err(AdminError::Raced(m)) => {
-                return Err(AdminError::Raced(format!(
+                return Err(AdminError::Aborted(format!(
                     "{m}, each of {RACE_ATTEMPTS} times this change was made; retry"
                 )))
             }
             r => return r,
+        }
+    }
+}
+
+/// For a request that replaces a whole record (a cluster's, a tenant's): the record as its
+/// first attempt read it. Another attempt goes on only while the record is still that (what
+/// came first changed none of its fields: a merge of the same fields, a stamp); a field
+/// changed meanwhile was not known to the request, which is refused rather than undo it.
+struct Basis<T>(std::sync::Mutex<Option<T>>);
+
+impl<T: PartialEq + Clone> Basis<T> {
+    fn new() -> Basis<T> {
+        Basis(std::sync::Mutex::new(None))
+    }
+
+    fn check(&self, now: &T, what: &str) -> Result<(), AdminError> {
+        let mut first = self.0.lock().expect("never held across a panic");
+        match &*first {
+            None => {
+                *first = Some(now.clone());
+                Ok(())
+            }
+            Some(f) if f == now => Ok(()),
+            Some(_) => Err(AdminError::Aborted(format!(
+                "{what} was changed by another request meanwhile; read it again and make this change again"
+            ))),
         }
     }
 }
@@ -217,17 +254,25 @@ impl TenancyStore {
     }
 
     pub async fn update_cluster(&self, name: &str, c: &ClusterData) -> Result<(), AdminError> {
-        redone(|| self.update_cluster_once(name, c)).await
+        let basis = Basis::new();
+        redone(|| self.update_cluster_once(name, c, &basis)).await
     }
 
-    async fn update_cluster_once(&self, name: &str, c: &ClusterData) -> Result<(), AdminError> {
+    async fn update_cluster_once(
+        &self,
+        name: &str,
+        c: &ClusterData,
+        basis: &Basis<ClusterData>,
+    ) -> Result<(), AdminError> {
         check_cluster(c)?;
         let key = format!("{CLUSTERS_PREFIX}{name}");
-        let (_, v) = self
+        let what = format!("cluster {name}");
+        let (old, v) = self
             .get::<ClusterData>(&key)
             .await?
-            .ok_or_else(|| AdminError::NotFound(format!("cluster {name} does not exist")))?;
-        self.put(&key, c, v, &format!("cluster {name}")).await
+            .ok_or_else(|| AdminError::NotFound(format!("{what} does not exist")))?;
+        basis.check(&old, &what)?;
+        self.put(&key, c, v, &what).await
     }
 
     /// Deletes a cluster no tenant may use.
@@ -386,11 +431,25 @@ impl TenancyStore {
         .await
     }
 
-    pub async fn update_tenant(&self, name: &str, t: &TenantInfo) -> Result<(), AdminError> {
-        redone(|| self.update_tenant_once(name, t)).await
+    /// Replaces a tenant's record by `t`; with `keep_quota`, but for its storage quota, which
+    /// stays as it is.
+    pub async fn update_tenant(
+        &self,
+        name: &str,
+        t: &TenantInfo,
+        keep_quota: bool,
+    ) -> Result<(), AdminError> {
+        let basis = Basis::new();
+        redone(|| self.update_tenant_once(name, t, keep_quota, &basis)).await
     }
 
-    async fn update_tenant_once(&self, name: &str, t: &TenantInfo) -> Result<(), AdminError> {
+    async fn update_tenant_once(
+        &self,
+        name: &str,
+        t: &TenantInfo,
+        keep_quota: bool,
+        basis: &Basis<TenantInfo>,
+    ) -> Result<(), AdminError> {
         check_name("tenant", name)?;
         self.check_tenant(t).await?;
         let key = format!("{TENANTS_PREFIX}{name}");
@@ -398,6 +457,17 @@ impl TenancyStore {
             .get::<TenantInfo>(&key)
             .await?
             .ok_or_else(|| AdminError::NotFound(format!("tenant {name} does not exist")))?;
+        basis.check(&old, &format!("tenant {name}"))?;
+        let kept;
+        let t = if keep_quota {
+            kept = TenantInfo {
+                storage_quota_bytes: old.storage_quota_bytes,
+                ..t.clone()
+            };
+            &kept
+        } else {
+            t
+        };
         // As Pulsar: a cluster a namespace of the tenant is replicated to stays allowed until
         // the namespace no longer lists it (a namespace without the policy is this site's).
         let removed: Vec<&String> = old
@@ -625,7 +695,11 @@ impl TenancyStore {
                 self.delete(&key, v, &what).await?;
             }
         } else {
-            self.put(&key, &new, v, &what).await?;
+            match self.put(&key, &new, v, &what).await {
+                // The topic's first policies, and another change made some meanwhile.
+                Err(AdminError::AlreadyExists(_)) => return Err(raced(&what)),
+                r => r?,
+            }
         }
         Ok(new)
     }
@@ -700,33 +774,32 @@ impl TenancyStore {
         topics: &[String],
         dry_run: bool,
     ) -> Result<Vec<String>, AdminError> {
-        redone(|| self.delete_namespace_once(ns, topics, dry_run)).await
-    }
-
-    async fn delete_namespace_once(
-        &self,
-        ns: &str,
-        topics: &[String],
-        dry_run: bool,
-    ) -> Result<Vec<String>, AdminError> {
-        let (_, v) = self.policies(ns).await?;
         if !topics.is_empty() {
+            self.policies(ns).await?;
             return Err(AdminError::FailedPrecondition(format!(
                 "namespace {ns} has {} topics (first: {}); delete them first",
                 topics.len(),
                 topics[0]
             )));
         }
+        let what = format!("namespace {ns}");
+        redone(|| async {
+            let (_, v) = self.policies(ns).await?;
+            if dry_run {
+                return Ok(());
+            }
+            self.delete(&format!("{NAMESPACES_PREFIX}{ns}"), v, &what)
+                .await
+        })
+        .await?;
         if !dry_run {
-            self.delete(
-                &format!("{NAMESPACES_PREFIX}{ns}"),
-                v,
-                &format!("namespace {ns}"),
-            )
-            .await?;
-            self.clear_topic_policies(ns).await?;
+            self.clear_topic_policies(ns).await.map_err(|e| {
+                AdminError::Aborted(format!(
+                    "{what} is deleted, but not all of its topics' own policies: {e}"
+                ))
+            })?;
         }
-        Ok(vec![format!("namespace {ns}")])
+        Ok(vec![what])
     }
 
     /// Topic policies left by topics deleted without the broker (none of a live topic: the
@@ -862,4 +935,76 @@ pub(crate) fn check_cluster(c: &ClusterData) -> Result<(), AdminError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn given_a_whole_record_replacement_then_it_goes_on_only_over_the_record_it_first_read() {
+        let basis = Basis::new();
+        let first = ClusterData {
+            service_url: "pulsar://a:6650".into(),
+            ..Default::default()
+        };
+        basis.check(&first, "cluster a").unwrap();
+        // What came first changed no field (a merge of the same fields): made again.
+        basis.check(&first.clone(), "cluster a").unwrap();
+        let changed = ClusterData {
+            geo_url: "quic://a:7000".into(),
+            ..first.clone()
+        };
+        let err = basis.check(&changed, "cluster a").unwrap_err();
+        assert!(
+            matches!(&err, AdminError::Aborted(m) if m.contains("cluster a") && m.contains("meanwhile")),
+            "{err}"
+        );
+        assert_eq!(tonic::Status::from(err).code(), tonic::Code::Aborted);
+    }
+
+    #[test]
+    fn given_lost_races_then_the_pauses_grow_to_a_bound_with_some_at_random() {
+        for made in 1..RACE_ATTEMPTS {
+            let base = 10u64 << (made - 1).min(5);
+            let p = race_pause(made).as_millis() as u64;
+            assert!((base..=base + base / 2).contains(&p), "{made}: {p}");
+        }
+    }
+
+    #[tokio::test]
+    async fn given_races_then_redone_makes_the_change_again_and_at_last_aborts() {
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        let r = redone(|| async {
+            let n = tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if n < 3 {
+                Err(raced("x"))
+            } else {
+                Ok(n)
+            }
+        })
+        .await;
+        assert_eq!(r.unwrap(), 3);
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        let r: Result<(), AdminError> = redone(|| async {
+            tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Err(raced("namespace acme/g"))
+        })
+        .await;
+        assert_eq!(tries.into_inner(), RACE_ATTEMPTS);
+        let err = r.unwrap_err();
+        assert!(
+            matches!(&err, AdminError::Aborted(m) if m.contains("namespace acme/g changed meanwhile")),
+            "{err}"
+        );
+        // Other refusals are not made again.
+        let tries = std::sync::atomic::AtomicU32::new(0);
+        let r: Result<(), AdminError> = redone(|| async {
+            tries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Err(AdminError::FailedPrecondition("in use".into()))
+        })
+        .await;
+        assert!(r.is_err());
+        assert_eq!(tries.into_inner(), 1);
+    }
 }
