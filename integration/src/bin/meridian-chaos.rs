@@ -13,8 +13,13 @@
 //! consume worked after each, what was checked, the rates). Exit status 1 when a check
 //! failed: the report names the seed (the same seed replays the same schedule), the schedule
 //! and the records that show each violation.
+//!
+//! The run is a child process in a group of its own: SIGTERM, SIGINT (Ctrl-C) or SIGHUP
+//! ends it, with every process it started, its power-cut mounts and its temporary files
+//! (exit status 128 + the signal).
 
 use clap::Parser;
+use meridian_integration::chaos::supervise::{supervise, SUPERVISED};
 use meridian_integration::chaos::{run, Options};
 
 #[derive(Parser, Debug)]
@@ -56,6 +61,11 @@ struct Args {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
+    if std::env::var_os(SUPERVISED).is_none() {
+        // The run is a child of this process, which ends all it started on a signal.
+        let code = supervise(std::env::args_os().skip(1).collect(), a.keep)?;
+        std::process::exit(code);
+    }
     anyhow::ensure!(
         a.minutes > 0.0 && a.minutes <= 24.0 * 60.0,
         "--minutes must be more than 0 and at most 1440, not {}",

@@ -12,6 +12,7 @@ pub mod remote;
 pub mod replicated;
 pub mod schedule;
 pub mod site;
+pub mod supervise;
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -379,6 +380,10 @@ async fn drive(o: &Options, site: &mut Site, schedule: Vec<Fault>) -> anyhow::Re
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
+    say(format!(
+        "the load is on ({} topics); the schedule begins",
+        topics.len()
+    ));
     let t0 = Instant::now();
     let began = wall();
     let meta = meta_load::MetaLoad::start(

@@ -211,17 +211,68 @@ impl Drop for PowerCutFs {
         // A process still holding a file open (a test that failed before stopping it) keeps
         // the mount busy: detach it, so no dead mount outlives the test.
         if is_mounted(&self.mountpoint) {
-            let (cmd, args): (&str, &[&str]) = if rustix::process::geteuid().is_root() {
-                ("umount", &["-l"])
-            } else {
-                ("fusermount3", &["-u", "-z"])
-            };
-            let _ = std::process::Command::new(cmd)
-                .args(args)
-                .arg(&self.mountpoint)
-                .status();
+            detach(&self.mountpoint);
         }
     }
+}
+
+/// Detaches the mount at `mountpoint` now, lazily: one still busy (or whose server is gone)
+/// goes when its last user lets go.
+pub fn detach(mountpoint: &Path) {
+    let (cmd, args): (&str, &[&str]) = if rustix::process::geteuid().is_root() {
+        ("umount", &["-l"])
+    } else {
+        ("fusermount3", &["-u", "-z"])
+    };
+    let _ = std::process::Command::new(cmd)
+        .args(args)
+        .arg(mountpoint)
+        .status();
+}
+
+/// The mount points under `dir` now (from /proc/self/mountinfo), deepest first.
+pub fn mounts_under(dir: &Path) -> Vec<std::path::PathBuf> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    let mut found: Vec<std::path::PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|mp| std::path::PathBuf::from(unescape_mountinfo(mp)))
+        .filter(|mp| mp.starts_with(&dir) && mp != &dir)
+        .collect();
+    found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    found
+}
+
+/// A mount point as mountinfo writes it: space, tab, newline and backslash as `\ooo`.
+fn unescape_mountinfo(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| d.iter().all(|c| (b'0'..=b'7').contains(c)))
+            .and_then(|d| {
+                let v = d.iter().fold(0u32, |v, c| v * 8 + u32::from(c - b'0'));
+                u8::try_from(v).ok()
+            });
+        match (b[i], octal) {
+            (b'\\', Some(byte)) => {
+                out.push(byte);
+                i += 4;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Whether `path` is a mount point now (from /proc/self/mountinfo).
@@ -240,4 +291,18 @@ fn is_mounted(path: &Path) -> bool {
     info.lines()
         .filter_map(|l| l.split(' ').nth(4))
         .any(|mp| mp == want)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unescape_mountinfo;
+
+    #[test]
+    fn given_mountinfo_escapes_then_the_path_is_what_was_mounted() {
+        assert_eq!(unescape_mountinfo("/tmp/a\\040b"), "/tmp/a b");
+        assert_eq!(unescape_mountinfo("/tmp/tab\\011x\\134y"), "/tmp/tab\tx\\y");
+        // Not an escape: kept as it is.
+        assert_eq!(unescape_mountinfo("/tmp/a\\9b\\"), "/tmp/a\\9b\\");
+        assert_eq!(unescape_mountinfo("/tmp/\\777"), "/tmp/\\777");
+    }
 }
