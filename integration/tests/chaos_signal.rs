@@ -25,6 +25,19 @@ fn processes_naming(dir: &Path) -> Vec<String> {
     found
 }
 
+/// The run, sent SIGTERM if the test fails before it does (its supervisor ends the rest).
+struct Chaos(std::process::Child);
+
+impl Drop for Chaos {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let pid = rustix::process::Pid::from_child(&self.0);
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+            let _ = self.0.wait();
+        }
+    }
+}
+
 #[test]
 fn given_a_chaos_run_ended_by_sigterm_then_its_processes_mounts_and_files_go_with_it() {
     if let Some(why) = PowerCutFs::unavailable() {
@@ -32,49 +45,66 @@ fn given_a_chaos_run_ended_by_sigterm_then_its_processes_mounts_and_files_go_wit
     }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().canonicalize().unwrap();
-    let mut chaos = Command::new(env!("CARGO_BIN_EXE_meridian-chaos"))
-        .args(["--minutes", "5", "--no-faults", "--topics", "1"])
-        .env("TMPDIR", &dir)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = rustix::process::Pid::from_child(&chaos);
-    let mut lines = BufReader::new(chaos.stderr.take().unwrap()).lines();
+    let mut chaos = Chaos(
+        // Under nohup, as a long run is started: SIGHUP ignored, which the run leaves so.
+        Command::new("nohup")
+            .arg(env!("CARGO_BIN_EXE_meridian-chaos"))
+            .args(["--minutes", "5", "--no-faults", "--topics", "1"])
+            .env("TMPDIR", &dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = rustix::process::Pid::from_child(&chaos.0);
+    let stderr = BufReader::new(chaos.0.stderr.take().unwrap());
+    // What it says, read beside the test (a full pipe would stall it).
+    let (tx, said) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in stderr.lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
 
     step("the run starts its site and its load");
     let deadline = Instant::now() + Duration::from_secs(240);
-    let mut said = Vec::new();
+    let mut lines = Vec::new();
     loop {
-        let line = match lines.next() {
-            Some(Ok(l)) => l,
-            other => {
-                let _ = chaos.kill();
-                panic!(
-                    "meridian-chaos ended before its load ran ({other:?}):\n{}",
-                    said.join("\n")
-                );
+        let left = deadline.saturating_duration_since(Instant::now());
+        match said.recv_timeout(left) {
+            Ok(line) => {
+                let begun = line.contains("the schedule begins");
+                lines.push(line);
+                if begun {
+                    break;
+                }
             }
-        };
-        let begun = line.contains("the schedule begins");
-        said.push(line);
-        if begun {
-            break;
+            Err(e) => panic!(
+                "no load within 240 s ({e}); meridian-chaos said:\n{}",
+                lines.join("\n")
+            ),
         }
-        assert!(Instant::now() < deadline, "{}", said.join("\n"));
     }
-    // The rest of what it says is drained (a full pipe would stall it).
-    let rest = std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>());
     let mounts = mounts_under(&dir);
     let running = processes_naming(&dir);
     assert!(mounts.len() >= 7, "the site's disks: {mounts:?}");
     assert!(running.len() >= 9, "the site's processes: {running:#?}");
 
+    step("SIGHUP, ignored as under nohup, leaves it running");
+    rustix::process::kill_process(pid, rustix::process::Signal::HUP).unwrap();
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(chaos.0.try_wait().unwrap().is_none(), "ended by SIGHUP");
+    assert_eq!(mounts_under(&dir).len(), mounts.len());
+    let still = processes_naming(&dir);
+    assert!(still.len() >= running.len(), "after SIGHUP: {still:#?}");
+
     step("SIGTERM ends the run, and all it started with it");
     let sent = Instant::now();
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
     let status = loop {
-        if let Some(s) = chaos.try_wait().unwrap() {
+        if let Some(s) = chaos.0.try_wait().unwrap() {
             break s;
         }
         assert!(
@@ -84,8 +114,8 @@ fn given_a_chaos_run_ended_by_sigterm_then_its_processes_mounts_and_files_go_wit
         std::thread::sleep(Duration::from_millis(50));
     };
     let took = sent.elapsed();
-    let said = rest.join().unwrap();
-    assert_eq!(status.code(), Some(143), "{status:?}: {}", said.join("\n"));
+    lines.extend(said.try_iter());
+    assert_eq!(status.code(), Some(143), "{status:?}: {}", lines.join("\n"));
     assert_eq!(mounts_under(&dir), Vec::<std::path::PathBuf>::new());
     assert_eq!(processes_naming(&dir), Vec::<String>::new());
     let left: Vec<_> = std::fs::read_dir(&dir)

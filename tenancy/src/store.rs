@@ -457,7 +457,13 @@ impl TenancyStore {
             .get::<TenantInfo>(&key)
             .await?
             .ok_or_else(|| AdminError::NotFound(format!("tenant {name} does not exist")))?;
-        basis.check(&old, &format!("tenant {name}"))?;
+        // Without the quota when the request keeps it: a change of the quota alone meanwhile
+        // is kept, not a reason to refuse.
+        let seen = TenantInfo {
+            storage_quota_bytes: old.storage_quota_bytes.filter(|_| !keep_quota),
+            ..old.clone()
+        };
+        basis.check(&seen, &format!("tenant {name}"))?;
         let kept;
         let t = if keep_quota {
             kept = TenantInfo {
@@ -783,6 +789,11 @@ impl TenancyStore {
             )));
         }
         let what = format!("namespace {ns}");
+        if !dry_run {
+            self.policies(ns).await?;
+            // First, so a failure leaves the namespace, and the request can be made again.
+            self.clear_topic_policies(ns).await?;
+        }
         redone(|| async {
             let (_, v) = self.policies(ns).await?;
             if dry_run {
@@ -792,18 +803,11 @@ impl TenancyStore {
                 .await
         })
         .await?;
-        if !dry_run {
-            self.clear_topic_policies(ns).await.map_err(|e| {
-                AdminError::Aborted(format!(
-                    "{what} is deleted, but not all of its topics' own policies: {e}"
-                ))
-            })?;
-        }
         Ok(vec![what])
     }
 
-    /// Topic policies left by topics deleted without the broker (none of a live topic: the
-    /// namespace had none): a namespace created again starts clean. Each leaves a tombstone
+    /// Topic policies left by topics deleted without the broker, cleared as their namespace
+    /// (which has no topics) is deleted: a namespace created again starts clean. Each leaves a tombstone
     /// that goes nowhere, so a peer's older copy does not come back with the namespace.
     pub(crate) async fn clear_topic_policies(&self, ns: &str) -> Result<(), AdminError> {
         let prefix = format!("{TOPIC_POLICIES_PREFIX}{ns}/");
