@@ -1155,7 +1155,15 @@ fn main() {
         Ok(()) => {}
         Err(e) => {
             match e.downcast_ref::<tonic::Status>() {
-                Some(s) => eprintln!("error: {:?}: {}", s.code(), s.message()),
+                Some(s) => {
+                    // What was being done (the contexts), then the server's answer.
+                    let doing: Vec<String> = e
+                        .chain()
+                        .take_while(|c| c.downcast_ref::<tonic::Status>().is_none())
+                        .map(|c| format!("{c}: "))
+                        .collect();
+                    eprintln!("error: {:?}: {}{}", s.code(), doing.concat(), s.message())
+                }
                 None => eprintln!("error: {e:#}"),
             }
             std::process::exit(1);
@@ -1549,6 +1557,9 @@ async fn restore_and_catch_up(
     Ok((restored, restore.elapsed()))
 }
 
+/// How long a drill asks a site again that answers UNAVAILABLE (a topic being unloaded).
+const UNAVAILABLE_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Each topic's exposure, measured at FROM (its admin API).
 async fn measure_exposure(
     at_from: &mut Client,
@@ -1558,14 +1569,24 @@ async fn measure_exposure(
     use meridian_tenancy::drills::{SubExposure, TopicExposure};
     let mut measured = Vec::new();
     for t in topics {
-        let l = at_from
-            .geo_exposure(GeoExposureRequest {
-                topic: t.clone(),
-                remote: to.to_string(),
-            })
-            .await
-            .with_context(|| format!("measuring {t}"))?
-            .into_inner();
+        let request = GeoExposureRequest {
+            topic: t.clone(),
+            remote: to.to_string(),
+        };
+        // A topic the cut is unloading answers UNAVAILABLE for a moment: asked again.
+        let deadline = std::time::Instant::now() + UNAVAILABLE_WAIT;
+        let l = loop {
+            match at_from.geo_exposure(request.clone()).await {
+                Ok(l) => break l.into_inner(),
+                Err(s)
+                    if s.code() == tonic::Code::Unavailable
+                        && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await
+                }
+                Err(s) => return Err(anyhow::Error::from(s).context(format!("measuring {t}"))),
+            }
+        };
         for e in l.topics {
             measured.push(TopicExposure {
                 topic: e.topic,
