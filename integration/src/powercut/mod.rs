@@ -235,13 +235,7 @@ pub fn mounts_under(dir: &Path) -> Vec<std::path::PathBuf> {
     let Ok(dir) = dir.canonicalize() else {
         return Vec::new();
     };
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return Vec::new();
-    };
-    let mut found: Vec<std::path::PathBuf> = info
-        .lines()
-        .filter_map(|l| l.split(' ').nth(4))
-        .map(|mp| std::path::PathBuf::from(unescape_mountinfo(mp)))
+    let mut found: Vec<std::path::PathBuf> = mount_points()
         .filter(|mp| mp.starts_with(&dir) && mp != &dir)
         .collect();
     found.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
@@ -284,13 +278,17 @@ fn is_mounted(path: &Path) -> bool {
     let Ok(path) = parent.canonicalize().map(|p| p.join(name)) else {
         return false;
     };
-    let Ok(info) = std::fs::read_to_string("/proc/self/mountinfo") else {
-        return false;
-    };
-    let want = path.to_string_lossy();
+    mount_points().any(|mp| mp == path)
+}
+
+/// Every mount point now (from /proc/self/mountinfo; none when it cannot be read).
+fn mount_points() -> impl Iterator<Item = std::path::PathBuf> {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
     info.lines()
         .filter_map(|l| l.split(' ').nth(4))
-        .any(|mp| mp == want)
+        .map(|mp| std::path::PathBuf::from(unescape_mountinfo(mp)))
+        .collect::<Vec<_>>()
+        .into_iter()
 }
 
 #[cfg(test)]
