@@ -293,6 +293,9 @@ pub struct BookieConfig {
     /// latency, batch sizes, entry-log flushes) and `/health`, `IP:PORT`; empty (the
     /// default) serves neither (in `meridian standalone` the broker's `/metrics` has them).
     pub http_listen: String,
+    /// Connections `bookie.http_listen` keeps open at once; one more is answered 503 and
+    /// closed. Range 1..=100000, default 512.
+    pub http_connections_max: u64,
     /// Directory of the journal; non-empty. Default `data/bookie/journal`. Put it on its own
     /// disk so reads never slow down journal writes.
     pub journal_dir: String,
@@ -393,6 +396,7 @@ impl Default for BookieConfig {
             listen: "127.0.0.1:3181".to_string(),
             advertise: String::new(),
             http_listen: String::new(),
+            http_connections_max: 512,
             journal_dir: "data/bookie/journal".to_string(),
             ledger_dir: "data/bookie/ledgers".to_string(),
             rack: "/default-rack".to_string(),
@@ -475,6 +479,7 @@ impl BookieConfig {
         let b = self;
         #[rustfmt::skip]
         let bounds = [
+            ("bookie.http_connections_max", b.http_connections_max, 1, 100_000, ""),
             ("bookie.journal_batch_bytes_max", b.journal_batch_bytes_max, 4_096, 67_108_864, ""),
             ("bookie.journal_flush_delay_us", b.journal_flush_delay_us, 0, 1_000_000, ""),
             ("bookie.journal_file_bytes_max", b.journal_file_bytes_max, 1_048_576, 17_179_869_184, ""),
@@ -510,6 +515,17 @@ pub struct BrokerConfig {
     /// Socket address of the HTTP endpoint (`/metrics`, `/health`), `IP:PORT`.
     /// Default `127.0.0.1:8080`.
     pub http_listen: String,
+    /// Connections `broker.http_listen` keeps open at once (Pulsar's
+    /// `maxHttpServerConnections`); one more is answered 503 and closed. Range 1..=100000,
+    /// default 512.
+    pub http_connections_max: u64,
+    /// Pulsar-protocol connections (both ports together) the broker keeps open at once
+    /// (Pulsar's `brokerMaxConnections`); one more is sent an `Error` (NotAllowedError) and
+    /// closed. 0 (the default): no bound. Range 0..=1000000.
+    pub connections_max: u64,
+    /// ... from one client address (Pulsar's `brokerMaxConnectionsPerIp`). 0 (the default):
+    /// no bound. Range 0..=1000000.
+    pub connections_per_ip_max: u64,
     /// Socket address of the gRPC admin API (`meridian-admin`), `IP:PORT`.
     /// Default `127.0.0.1:6680`.
     pub admin_listen: String,
@@ -696,6 +712,9 @@ impl Default for BrokerConfig {
             listen: "127.0.0.1:6650".to_string(),
             advertise: String::new(),
             http_listen: "127.0.0.1:8080".to_string(),
+            http_connections_max: 512,
+            connections_max: 0,
+            connections_per_ip_max: 0,
             admin_listen: "127.0.0.1:6680".to_string(),
             cluster_name: "standalone".to_string(),
             allow_auto_topic_creation: true,
@@ -841,6 +860,9 @@ impl BrokerConfig {
             ("broker.message_bytes_max", b.message_bytes_max, 1_024, 104_857_600, ""),
             ("broker.producer_pending_sends_max", b.producer_pending_sends_max, 1, 1_000_000, ""),
             ("broker.connection_handles_max", b.connection_handles_max, 1, 1_000_000, ""),
+            ("broker.http_connections_max", b.http_connections_max, 1, 100_000, ""),
+            ("broker.connections_max", b.connections_max, 0, 1_000_000, ""),
+            ("broker.connections_per_ip_max", b.connections_per_ip_max, 0, 1_000_000, ""),
             ("broker.connection_write_queue_bytes_max", b.connection_write_queue_bytes_max, 65_536, 1_073_741_824, ""),
             ("broker.consumer_unacked_messages_max", b.consumer_unacked_messages_max, 0, 100_000_000, ""),
             ("broker.metrics_series_idle_s", b.metrics_series_idle_s, 10, 3_600, ""),

@@ -50,9 +50,47 @@ impl Raw {
         r
     }
 
+    /// A connection from `source` (a loopback address other than 127.0.0.1, say: Linux
+    /// routes all of 127.0.0.0/8 to the loopback device).
+    pub fn open_from(url: &str, source: std::net::IpAddr) -> Raw {
+        let addr: std::net::SocketAddr = url
+            .trim_start_matches("pulsar://")
+            .parse()
+            .expect("an IP:PORT url");
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .expect("a runtime");
+        let s = rt
+            .block_on(async {
+                let sock = if source.is_ipv4() {
+                    tokio::net::TcpSocket::new_v4()?
+                } else {
+                    tokio::net::TcpSocket::new_v6()?
+                };
+                sock.bind(std::net::SocketAddr::new(source, 0))?;
+                sock.connect(addr).await?.into_std()
+            })
+            .expect("connect");
+        s.set_nonblocking(false).expect("blocking");
+        Raw {
+            s,
+            buf: BytesMut::new(),
+        }
+    }
+
+    /// CONNECT from `source` ([`Raw::open_from`]); the broker's refusal if it refuses.
+    pub fn connect_from(url: &str, source: std::net::IpAddr) -> Result<Raw, (ServerError, String)> {
+        Raw::open_from(url, source).handshake(None)
+    }
+
     /// CONNECT with a token (method `token`), or none; the broker's refusal if it refuses.
     pub fn connect_as(url: &str, token: Option<&str>) -> Result<Raw, (ServerError, String)> {
-        let mut r = Raw::open(url);
+        Raw::open(url).handshake(token)
+    }
+
+    fn handshake(self, token: Option<&str>) -> Result<Raw, (ServerError, String)> {
+        let mut r = self;
         r.send(&pb::BaseCommand {
             r#type: Type::Connect as i32,
             connect: Some(pb::CommandConnect {

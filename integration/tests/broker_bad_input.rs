@@ -231,6 +231,63 @@ fn keepalive_pings_and_drops_silent_clients_and_connection_limits_hold() {
     assert_eq!(s.stop().unwrap(), 0);
 }
 
+#[test]
+fn connections_over_the_broker_s_bounds_are_refused_naming_the_bound_and_the_rest_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut s = StandaloneProc::new(dir.path());
+    s.env("MERIDIAN_BROKER_CONNECTIONS_MAX", "3")
+        .env("MERIDIAN_BROKER_CONNECTIONS_PER_IP_MAX", "2");
+    s.start().unwrap();
+    let url = s.url.clone();
+    let one: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let two: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+
+    step("two connections from 127.0.0.1; a third from it is refused with the per-address bound");
+    let first = Raw::connect_from(&url, one).expect("first");
+    let _second = Raw::connect_from(&url, one).expect("second");
+    let mut third = Raw::open_from(&url, one);
+    let f = third.expect();
+    let (code, msg) = error_of(&f);
+    assert_eq!(code, ServerError::NotAllowedError, "{msg}");
+    assert!(msg.contains("broker.connections_per_ip_max = 2"), "{msg}");
+    // ... and closed by the broker.
+    assert!(matches!(third.recv(Duration::from_secs(5)), Got::Closed));
+
+    step("another address gets the total's last connection; then the total bound refuses");
+    let mut from_two = Raw::connect_from(&url, two).expect("from 127.0.0.2");
+    let (code, msg) = Raw::connect_from(&url, two).err().expect("refused");
+    assert_eq!(code, ServerError::NotAllowedError, "{msg}");
+    assert!(msg.contains("broker.connections_max = 3"), "{msg}");
+
+    step("the connections admitted work; once one leaves, a new one is served");
+    from_two.send(&producer("bounds", 1, 1));
+    assert!(from_two.expect().command.producer_success.is_some());
+    drop(first);
+    let t = Instant::now();
+    let _again = loop {
+        match Raw::connect_from(&url, one) {
+            Ok(r) => break r,
+            Err((ServerError::NotAllowedError, _)) => {
+                assert!(t.elapsed() < Duration::from_secs(5), "still refused");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+
+    step("/metrics counts the refusals by bound");
+    let page = meridian_integration::http_get(&s.http, "/metrics");
+    let refused = |bound: &str| {
+        meridian_integration::metric_value(
+            &page,
+            &format!("meridian_connections_refused_total{{listener=\"pulsar\",bound=\"{bound}\"}}"),
+        )
+    };
+    assert_eq!(refused("broker.connections_per_ip_max"), 1.0, "{page}");
+    assert!(refused("broker.connections_max") >= 1.0, "{page}");
+    assert_eq!(s.stop().unwrap(), 0);
+}
+
 /// Reads `s` until its server closes it; how long that took from `from`.
 fn closed_by_server(s: &mut std::net::TcpStream, from: Instant, within: Duration) -> Duration {
     use std::io::Read;

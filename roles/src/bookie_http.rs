@@ -55,10 +55,16 @@ pub fn serve(
     core: Arc<BookieCore>,
     metrics: PrometheusHandle,
     listener: TcpListener,
+    connections_max: usize,
 ) -> std::io::Result<RunningHttp> {
     let app = Router::new()
         .route("/metrics", get(metrics_page))
         .route("/health", get(health))
         .with_state(Ctx { core, metrics });
-    meridian_broker::http::serve_router(app, listener)
+    meridian_broker::http::serve_router(
+        app,
+        listener,
+        connections_max,
+        "bookie.http_connections_max",
+    )
 }

@@ -138,7 +138,12 @@ pub async fn run_bookie(cfg: Config) -> anyhow::Result<()> {
             let l = tokio::net::TcpListener::bind(&b.http_listen)
                 .await
                 .with_context(|| format!("bookie.http_listen {}", b.http_listen))?;
-            Some(crate::bookie_http::serve(Arc::clone(&running.core), m, l)?)
+            Some(crate::bookie_http::serve(
+                Arc::clone(&running.core),
+                m,
+                l,
+                b.http_connections_max as usize,
+            )?)
         }
         None => None,
     };

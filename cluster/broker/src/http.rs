@@ -211,6 +211,7 @@ async fn console_data(
 }
 
 pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<RunningHttp> {
+    let max = broker.cfg.http_connections_max as usize;
     let ctx = Ctx {
         broker,
         metrics: metrics_handle(),
@@ -222,5 +223,5 @@ pub fn serve(broker: Arc<Broker>, listener: TcpListener) -> std::io::Result<Runn
         .route("/console", get(console_page))
         .route("/console/data", get(console_data))
         .with_state(ctx);
-    serve_router(app, listener)
+    serve_router(app, listener, max, "broker.http_connections_max")
 }

@@ -1,30 +1,44 @@
 //! Serving HTTP pages (the broker's `/metrics`, `/health`, `/stats`, `/console`; a bookie's
 //! `/metrics` and `/health`) with bounds a peer cannot hold open.
 //!
-//! axum's server alone keeps a connection for as long as its peer does: a client that sent
-//! half a request and nothing more, or stopped reading a response, held its connection (a
-//! task, a file descriptor) for ever, and a graceful shutdown waited for it, so a broker or
-//! standalone given SIGTERM did not stop while one such client stayed. Here every accepted
-//! connection is [`StallBounded`] both ways ([`STALL`]: an idle keep-alive connection is closed
-//! after it too, as Jetty's idle timeout does in Pulsar), and a shutdown waits at most
-//! [`SHUTDOWN_GRACE`] for them to finish what they serve (axum runs each connection in a task
-//! of its own: one still open then ends by its bound, or with the process).
+//! axum's own server keeps a connection for as long as its peer does: a client that sent
+//! half a request and nothing more, or sent it a byte at a time, or stopped reading a
+//! response, held its connection (a task, a file descriptor) for ever, and a graceful
+//! shutdown waited for it. Here hyper serves each connection (HTTP/1.1, the router as its
+//! service) with these bounds:
+//! - a request's head (or, on a keep-alive connection, the next one's) must arrive whole
+//!   within the stall bound ([`STALL`]), however its bytes are spread;
+//! - a connection that sends no byte or takes no byte of a response for [`STALL`] is closed
+//!   ([`StallBounded`]; an idle keep-alive connection too, as Jetty's idle timeout does in
+//!   Pulsar);
+//! - at most `connections_max` connections are open; one more is answered 503 and closed
+//!   ([`crate::admission`]);
+//! - a shutdown stops accepting, lets open connections finish the request they serve for at
+//!   most [`SHUTDOWN_GRACE`], then closes what is left.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::service::TowerToHyperService;
 use meridian_metadata::stall::StallBounded;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::admission::{self, Limits};
 
 /// A connection that sends no byte (no request, or no rest of one) or takes no byte of a
-/// response for this long is closed.
+/// response for this long is closed, and a request's head must arrive within it.
 pub const STALL: Duration = Duration::from_secs(30);
 
 /// How long a shutdown waits for open connections.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
+
+/// What a connection over the bound is told.
+const BUSY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: text/plain\r\ncontent-length: 42\r\nconnection: close\r\n\r\ntoo many connections to this HTTP server\r\n";
 
 /// A running HTTP server.
 pub struct RunningHttp {
@@ -34,75 +48,125 @@ pub struct RunningHttp {
 }
 
 /// Serves `app` on `listener` until [`RunningHttp::shutdown`], each connection bounded by
-/// [`STALL`].
-pub fn serve_router(app: Router, listener: TcpListener) -> std::io::Result<RunningHttp> {
-    serve_router_bounded(app, listener, STALL)
+/// [`STALL`], at most `connections_max` at once (the setting `bound` names, in logs and
+/// `/metrics`).
+pub fn serve_router(
+    app: Router,
+    listener: TcpListener,
+    connections_max: usize,
+    bound: &'static str,
+) -> std::io::Result<RunningHttp> {
+    serve_router_bounded(app, listener, connections_max, bound, STALL)
 }
 
-/// [`serve_router`] with another bound (tests).
+/// [`serve_router`] with another stall bound (tests).
 pub fn serve_router_bounded(
     app: Router,
     listener: TcpListener,
+    connections_max: usize,
+    bound: &'static str,
     stall: Duration,
 ) -> std::io::Result<RunningHttp> {
     let addr = listener.local_addr()?;
-    let (stop, mut stop_rx) = watch::channel(false);
-    let listener = Bounded {
-        inner: listener,
-        stall,
-    };
-    let task = tokio::spawn(async move {
-        let r = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = stop_rx.changed().await;
-            })
-            .await;
-        if let Err(e) = r {
-            tracing::warn!(error = %e, "HTTP server stopped");
-        }
-    });
+    let (stop, stop_rx) = watch::channel(false);
+    let limits = Limits::new(connections_max.max(1), 0);
+    let task = tokio::spawn(accept_loop(app, listener, limits, bound, stall, stop_rx));
     Ok(RunningHttp { addr, stop, task })
 }
 
 impl RunningHttp {
-    /// Stops accepting, lets open connections finish for at most [`SHUTDOWN_GRACE`], and
-    /// returns (a connection still open then is ended by its own bound, or with the process).
+    /// Stops accepting, lets open connections finish what they serve for at most
+    /// [`SHUTDOWN_GRACE`], closes those still open, and returns.
     pub async fn shutdown(mut self) {
         let _ = self.stop.send(true);
-        if tokio::time::timeout(SHUTDOWN_GRACE, &mut self.task)
+        if tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), &mut self.task)
             .await
             .is_err()
         {
-            tracing::info!(
-                grace_ms = SHUTDOWN_GRACE.as_millis() as u64,
-                "HTTP connections still open after the shutdown's grace; not waiting for them"
-            );
             self.task.abort();
         }
     }
 }
 
-/// Accepts as axum's listener does, each connection with `TCP_NODELAY` and bounded.
-struct Bounded {
-    inner: TcpListener,
+async fn accept_loop(
+    app: Router,
+    listener: TcpListener,
+    limits: Arc<Limits>,
+    bound: &'static str,
     stall: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, peer)) => match limits.admit(peer.ip()) {
+                    Ok(admitted) => {
+                        let app = app.clone();
+                        let stop = stop.clone();
+                        conns.spawn(async move {
+                            serve_one(app, stream, stall, stop).await;
+                            drop(admitted);
+                        });
+                    }
+                    Err(over) => {
+                        if let Some(slot) = limits.refusing("http", bound, over) {
+                            tokio::spawn(async move {
+                                admission::refuse(stream, BUSY).await;
+                                drop(slot);
+                            });
+                        }
+                    }
+                },
+                Err(e) => {
+                    // Out of descriptors and the like: wait a little instead of spinning.
+                    tracing::warn!(error = %e, "HTTP accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+            _ = stop.changed() => break,
+        }
+    }
+    drop(listener);
+    let drain = async { while conns.join_next().await.is_some() {} };
+    if tokio::time::timeout(SHUTDOWN_GRACE, drain).await.is_err() {
+        tracing::info!(
+            grace_ms = SHUTDOWN_GRACE.as_millis() as u64,
+            open = conns.len(),
+            "HTTP connections still open after the shutdown's grace; closing them"
+        );
+        conns.abort_all();
+        while conns.join_next().await.is_some() {}
+    }
 }
 
-impl axum::serve::Listener for Bounded {
-    type Io = StallBounded<TcpStream>;
-    type Addr = SocketAddr;
-
-    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
-        let (stream, peer) = axum::serve::Listener::accept(&mut self.inner).await;
-        let _ = stream.set_nodelay(true);
-        (
-            StallBounded::new(stream, Some(self.stall), Some(self.stall)),
-            peer,
-        )
+/// Serves one connection until its peer or a bound ends it, or a shutdown (which lets the
+/// request in progress finish).
+async fn serve_one(
+    app: Router,
+    stream: TcpStream,
+    stall: Duration,
+    mut stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let io = TokioIo::new(StallBounded::new(stream, Some(stall), Some(stall)));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(stall);
+    let conn = http.serve_connection(io, TowerToHyperService::new(app));
+    tokio::pin!(conn);
+    tokio::select! {
+        r = conn.as_mut() => {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "HTTP connection ended");
+            }
+            return;
+        }
+        _ = stop.changed() => {}
     }
-
-    fn local_addr(&self) -> std::io::Result<Self::Addr> {
-        self.inner.local_addr()
+    conn.as_mut().graceful_shutdown();
+    if let Err(e) = conn.await {
+        tracing::debug!(error = %e, "HTTP connection ended");
     }
 }
 
@@ -120,7 +184,7 @@ mod tests {
             // the server writing.
             .route("/big", get(|| async { "x".repeat(64 << 20) }));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
-        serve_router_bounded(app, listener, stall).expect("serve")
+        serve_router_bounded(app, listener, 1000, "test", stall).expect("serve")
     }
 
     /// Reads until the server closes the connection; how long that took.
@@ -174,14 +238,14 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_shutdown_waits_for_a_held_connection_no_longer_than_its_grace() {
-        // A bound longer than the grace: only the grace can end the wait.
+    async fn a_shutdown_closes_a_response_the_client_does_not_take_after_its_grace() {
+        // A stall bound longer than the grace: only the grace can end the wait.
         let http = server(Duration::from_secs(60)).await;
-        let mut held = TcpStream::connect(http.addr).await.expect("connect");
-        held.write_all(b"GET /small HTTP/1.1\r\nHost: x\r\n")
+        let mut busy = TcpStream::connect(http.addr).await.expect("connect");
+        busy.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
             .await
             .expect("write");
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
         let t = Instant::now();
         http.shutdown().await;
         let took = t.elapsed();
@@ -190,7 +254,103 @@ mod tests {
                 && took < SHUTDOWN_GRACE + Duration::from_secs(2),
             "{took:?}"
         );
-        drop(held);
+        // The connection was closed, not left to its bound: what was sent ends.
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            match tokio::time::timeout(Duration::from_secs(5), busy.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                Ok(Ok(n)) => got += n,
+                Err(_) => panic!("still open 5 s after the shutdown, {got} bytes read"),
+            }
+        }
+        assert!(got < 64 << 20, "the whole response came: {got} bytes");
+    }
+
+    #[tokio::test]
+    async fn a_request_head_sent_a_byte_at_a_time_is_dropped_at_the_bound() {
+        let http = server(Duration::from_millis(800)).await;
+        let mut drip = TcpStream::connect(http.addr).await.expect("connect");
+        drip.write_all(b"GET /small HTTP/1.1\r\nX-Drip: ")
+            .await
+            .expect("write");
+        // A byte every 200 ms: each well within the stall bound, the head never whole.
+        let t = Instant::now();
+        let mut buf = [0u8; 1024];
+        loop {
+            assert!(
+                t.elapsed() < Duration::from_secs(5),
+                "still open after {:?}",
+                t.elapsed()
+            );
+            if drip.write_all(b"a").await.is_err() {
+                break;
+            }
+            match tokio::time::timeout(Duration::from_millis(200), drip.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => break,
+                // hyper may answer a timed-out head with an error status first.
+                Ok(Ok(_)) | Err(_) => {}
+            }
+        }
+        let took = t.elapsed();
+        assert!(took >= Duration::from_millis(700), "closed after {took:?}");
+        http.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn connections_over_the_bound_are_answered_503_and_the_rest_served() {
+        let app = Router::new().route("/small", get(|| async { "ok" }));
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let http = serve_router_bounded(app, listener, 2, "test.http_connections_max", STALL)
+            .expect("serve");
+        let get_small = |close: bool| {
+            let addr = http.addr;
+            async move {
+                let mut s = TcpStream::connect(addr).await.expect("connect");
+                let conn = if close { "close" } else { "keep-alive" };
+                s.write_all(
+                    format!("GET /small HTTP/1.1\r\nHost: x\r\nConnection: {conn}\r\n\r\n")
+                        .as_bytes(),
+                )
+                .await
+                .expect("write");
+                let mut answer = vec![0u8; 4096];
+                let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut answer))
+                    .await
+                    .expect("an answer")
+                    .expect("read");
+                (s, String::from_utf8_lossy(&answer[..n]).to_string())
+            }
+        };
+        // Two keep-alive connections held open.
+        let (first, a) = get_small(false).await;
+        let (_second, b) = get_small(false).await;
+        assert!(
+            a.starts_with("HTTP/1.1 200") && b.starts_with("HTTP/1.1 200"),
+            "{a}\n{b}"
+        );
+        // A third is told why and closed.
+        let (mut third, c) = get_small(true).await;
+        assert!(c.starts_with("HTTP/1.1 503"), "{c}");
+        assert!(c.contains("too many connections"), "{c}");
+        let mut rest = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), third.read_to_end(&mut rest))
+            .await
+            .expect("closed")
+            .expect("read");
+        // Once one of the two leaves, a new connection is served.
+        drop(first);
+        let t = Instant::now();
+        loop {
+            let (_s, d) = get_small(true).await;
+            if d.starts_with("HTTP/1.1 200") {
+                break;
+            }
+            assert!(d.starts_with("HTTP/1.1 503"), "{d}");
+            assert!(t.elapsed() < Duration::from_secs(5), "still refused: {d}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        http.shutdown().await;
     }
 
     #[tokio::test]

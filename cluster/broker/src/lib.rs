@@ -2,7 +2,7 @@
 //!
 //! Owns: topic names ([`topic_name`]), topics, producers and subscriptions, bundle ownership,
 //! lookups and the load manager ([`broker`]), client connections ([`connection`]), the
-//! listeners ([`server`], TLS in [`tls`]), `/metrics` and `/health` ([`http`]), and the
+//! listeners ([`server`], TLS in [`tls`], their connection bounds in [`admission`]), `/metrics` and `/health` ([`http`]), and the
 //! broker's side of the admin API ([`admin`]).
 //!
 //! Does not know about: how entries reach bookies (that is `meridian-storage`), frame bytes
@@ -10,6 +10,7 @@
 //! binary's crate, `meridian-roles`).
 
 pub mod admin;
+pub mod admission;
 pub mod broker;
 mod closing;
 pub mod connection;

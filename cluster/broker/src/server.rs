@@ -10,7 +10,10 @@ use tokio::sync::watch;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_rustls::TlsAcceptor;
 
+use crate::admission::{self, Over};
 use crate::broker::Broker;
+use crate::connection::frame;
+use meridian_protocol::{cmd, pb::ServerError, ID_NONE};
 
 pub struct RunningServer {
     pub addr: SocketAddr,
@@ -72,6 +75,44 @@ async fn serve_one(
     }
 }
 
+/// Turns away a connection over `broker.connections_max` or `broker.connections_per_ip_max`
+/// as Pulsar does: an `Error` (NotAllowedError, request id -1) naming the bound, then the
+/// connection closed (the stock clients fail that connection's attempt and try again later).
+/// Over TLS the handshake is made first (within [`REFUSAL_HANDSHAKE`]), so the client can
+/// read why.
+fn refuse(broker: &Broker, stream: tokio::net::TcpStream, tls: Option<TlsAcceptor>, over: Over) {
+    let (bound, message) = match over {
+        Over::Total(n) => (
+            "broker.connections_max",
+            format!("the broker holds its most connections (broker.connections_max = {n}); try again later"),
+        ),
+        Over::PerIp(n) => (
+            "broker.connections_per_ip_max",
+            format!("this address holds the broker's most connections from one address (broker.connections_per_ip_max = {n}); try again later"),
+        ),
+    };
+    let Some(slot) = broker.admission.refusing("pulsar", bound, over) else {
+        return;
+    };
+    let error = frame(&cmd::error(ID_NONE, ServerError::NotAllowedError, message));
+    tokio::spawn(async move {
+        let _ = stream.set_nodelay(true);
+        match tls {
+            None => admission::refuse(stream, &error).await,
+            Some(tls) => {
+                if let Ok(Ok(s)) = tokio::time::timeout(REFUSAL_HANDSHAKE, tls.accept(stream)).await
+                {
+                    admission::refuse(s, &error).await;
+                }
+            }
+        }
+        drop(slot);
+    });
+}
+
+/// How long a refused connection's TLS handshake may take.
+const REFUSAL_HANDSHAKE: Duration = Duration::from_secs(2);
+
 async fn accept_loop(
     broker: Arc<Broker>,
     listener: TcpListener,
@@ -83,10 +124,17 @@ async fn accept_loop(
     loop {
         tokio::select! {
             r = listener.accept() => match r {
-                Ok((stream, peer)) => {
-                    let id = IDS.fetch_add(1, Ordering::Relaxed);
-                    conns.spawn(serve_one(Arc::clone(&broker), stream, peer, id, tls.clone(), stop.clone()));
-                }
+                Ok((stream, peer)) => match broker.admission.admit(peer.ip()) {
+                    Ok(admitted) => {
+                        let id = IDS.fetch_add(1, Ordering::Relaxed);
+                        let one = serve_one(Arc::clone(&broker), stream, peer, id, tls.clone(), stop.clone());
+                        conns.spawn(async move {
+                            one.await;
+                            drop(admitted);
+                        });
+                    }
+                    Err(over) => refuse(&broker, stream, tls.clone(), over),
+                },
                 Err(e) => {
                     // Out of descriptors and the like: wait a little instead of spinning.
                     tracing::warn!(error = %e, "accept failed");

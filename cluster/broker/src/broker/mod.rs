@@ -106,6 +106,9 @@ pub struct Broker {
     /// Namespace-wide rate limits, by namespace.
     ns_limiters: Mutex<HashMap<String, Arc<NamespaceLimiters>>>,
     connections: AtomicU64,
+    /// The Pulsar ports' connections against `broker.connections_max` and
+    /// `broker.connections_per_ip_max` (both ports together).
+    pub(crate) admission: Arc<crate::admission::Limits>,
     me: std::sync::Weak<Broker>,
     /// Checks tokens when `broker.authentication_enabled`.
     pub auth: Option<Arc<meridian_tenancy::auth::Authenticator>>,
@@ -162,6 +165,10 @@ impl Broker {
             )
             .with_cluster(&cfg.cluster_name),
         );
+        let admission = crate::admission::Limits::new(
+            cfg.connections_max as usize,
+            cfg.connections_per_ip_max as usize,
+        );
         Ok(Arc::new_cyclic(|me| Broker {
             me: me.clone(),
             ownership,
@@ -186,6 +193,7 @@ impl Broker {
             quota_wake: tokio::sync::Notify::new(),
             tombstone_wake: tokio::sync::Notify::new(),
             connections: AtomicU64::new(0),
+            admission,
         }))
     }
 
