@@ -729,6 +729,8 @@ pub struct StandaloneProc {
     extra_args: Vec<String>,
     /// Restart on the same ports (clients that stay up reconnect to them).
     keep_ports: bool,
+    /// A command that execs the standalone (its PID stays the standalone's).
+    wrapper: Vec<String>,
 }
 
 impl StandaloneProc {
@@ -745,7 +747,15 @@ impl StandaloneProc {
             extra_env: Vec::new(),
             extra_args: Vec::new(),
             keep_ports: false,
+            wrapper: Vec::new(),
         }
+    }
+
+    /// Later starts run `meridian` under `wrapper`, a command that execs its arguments
+    /// (`prlimit --nofile=256:`, say), so the PID stays the standalone's.
+    pub fn under(&mut self, wrapper: &[&str]) -> &mut Self {
+        self.wrapper = wrapper.iter().map(|a| a.to_string()).collect();
+        self
     }
 
     /// Command-line arguments added to every later start.
@@ -790,7 +800,14 @@ impl StandaloneProc {
             let any = "127.0.0.1:0".to_string();
             (any.clone(), any.clone(), any)
         };
-        let mut cmd = Command::new(meridian_bin());
+        let mut cmd = match self.wrapper.split_first() {
+            None => Command::new(meridian_bin()),
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args).arg(meridian_bin());
+                c
+            }
+        };
         cmd.arg("standalone")
             .arg("--data-dir")
             .arg(&self.data_dir)

@@ -236,9 +236,25 @@ fn connections_over_the_broker_s_bounds_are_refused_naming_the_bound_and_the_res
     let dir = tempfile::tempdir().unwrap();
     let mut s = StandaloneProc::new(dir.path());
     s.env("MERIDIAN_BROKER_CONNECTIONS_MAX", "3")
-        .env("MERIDIAN_BROKER_CONNECTIONS_PER_IP_MAX", "2");
+        .env("MERIDIAN_BROKER_CONNECTIONS_PER_IP_MAX", "2")
+        // A soft limit of open files far below the hard one, as Debian's default is.
+        .under(&["prlimit", "--nofile=256:"]);
     s.start().unwrap();
     let url = s.url.clone();
+
+    step("the standalone raised its soft limit of open files to the hard one");
+    let limits =
+        std::fs::read_to_string(format!("/proc/{}/limits", s.pid().expect("running"))).unwrap();
+    let open_files: Vec<&str> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("a line for open files")
+        .split_whitespace()
+        .collect();
+    // "Max open files SOFT HARD files"
+    assert_eq!(open_files[3], open_files[4], "{limits}");
+    assert_ne!(open_files[3], "256", "{limits}");
+    assert!(s.log_text().contains("open files limit"), "not logged");
     let one: std::net::IpAddr = "127.0.0.1".parse().unwrap();
     let two: std::net::IpAddr = "127.0.0.2".parse().unwrap();
 

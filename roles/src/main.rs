@@ -290,6 +290,38 @@ impl MetadataArgs {
     }
 }
 
+/// Raises this process's soft limit of open files to its hard limit, as servers commonly do:
+/// every connection, journal and entry-log file and RocksDB table holds a descriptor, and
+/// Debian's soft default (1,024) is far below the hard one. Logs what it runs with.
+fn raise_open_files_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let was = getrlimit(Resource::Nofile);
+    // An unlimited hard limit is no value to set the soft one to (the kernel caps it).
+    if let (Some(soft), Some(hard)) = (was.current, was.maximum) {
+        if soft < hard {
+            if let Err(e) = setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(hard),
+                    maximum: Some(hard),
+                },
+            ) {
+                tracing::warn!(soft, hard, error = %e, "could not raise the open files limit");
+            }
+        }
+    }
+    let now = getrlimit(Resource::Nofile);
+    tracing::info!(
+        open_files_max = now
+            .current
+            .map_or("unlimited".to_string(), |n| n.to_string()),
+        before = was
+            .current
+            .map_or("unlimited".to_string(), |n| n.to_string()),
+        "open files limit"
+    );
+}
+
 fn init_logging(cfg: &Config) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         // openraft narrates every election at info; keep it to warnings unless RUST_LOG asks.
@@ -413,6 +445,7 @@ fn main() -> ExitCode {
         }
         Command::Metadata(_) => {
             init_logging(&cfg);
+            raise_open_files_limit();
             runtime
                 .block_on(run_metadata(cfg))
                 .map(|()| ExitCode::SUCCESS)
@@ -425,12 +458,14 @@ fn main() -> ExitCode {
         }
         Command::Bookie(_) => {
             init_logging(&cfg);
+            raise_open_files_limit();
             runtime
                 .block_on(storage_cmds::run_bookie(cfg))
                 .map(|()| ExitCode::SUCCESS)
         }
         Command::Autorecovery(_) => {
             init_logging(&cfg);
+            raise_open_files_limit();
             runtime
                 .block_on(storage_cmds::run_autorecovery(cfg))
                 .map(|()| ExitCode::SUCCESS)
@@ -443,12 +478,14 @@ fn main() -> ExitCode {
         }
         Command::Standalone(_) => {
             init_logging(&cfg);
+            raise_open_files_limit();
             runtime
                 .block_on(run_standalone(cfg))
                 .map(|()| ExitCode::SUCCESS)
         }
         Command::Broker(_) => {
             init_logging(&cfg);
+            raise_open_files_limit();
             runtime
                 .block_on(broker_role::run_broker(cfg))
                 .map(|()| ExitCode::SUCCESS)
