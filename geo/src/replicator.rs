@@ -261,15 +261,22 @@ async fn session(
             ))
         })?
         .map_err(|e| err(format!("opening the topic's stream: {e}")))?;
-    write_frame(
-        &mut send,
-        &Frame::Open {
-            topic: topic.to_string(),
-            partitions,
-        },
-    )
-    .await
-    .map_err(|e| err(e.to_string()))?;
+    // Bounded as the answer is: a remote whose connection grants no flow-control credit (its
+    // other streams' bytes unread) would otherwise hold this write, and the replicator, for
+    // ever (QUIC's idle timeout ends only a silent connection).
+    let open = Frame::Open {
+        topic: topic.to_string(),
+        partitions,
+    };
+    tokio::time::timeout(opts.open_timeout, write_frame(&mut send, &open))
+        .await
+        .map_err(|_| {
+            err(format!(
+                "could not send Open within {:?}",
+                opts.open_timeout
+            ))
+        })?
+        .map_err(|e| err(e.to_string()))?;
     let max = link.frame_bytes_max();
     let answer = tokio::time::timeout(opts.open_timeout, read_frame(&mut recv, max))
         .await
