@@ -135,11 +135,7 @@ async fn accept_loop(
                     }
                     Err(over) => refuse(&broker, stream, tls.clone(), over),
                 },
-                Err(e) => {
-                    // Out of descriptors and the like: wait a little instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
+                Err(e) => broker.admission.accept_failed("pulsar", &e).await,
             },
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
             _ = stop.changed() => break,
