@@ -2,6 +2,8 @@
 //! malformed, oversize and out-of-order frames close that one connection; refusals come back
 //! as precise errors; a consumer without permits receives nothing.
 
+mod pki;
+
 use std::time::{Duration, Instant};
 
 use bytes::{BufMut, BytesMut};
@@ -10,6 +12,7 @@ use meridian_integration::raw::{
 };
 use meridian_integration::{step, StandaloneProc};
 use meridian_protocol::pb::{self, base_command::Type, ServerError};
+use pki::test_pki;
 
 #[test]
 fn bad_frames_close_only_their_connection_and_refusals_are_precise() {
@@ -235,8 +238,12 @@ fn keepalive_pings_and_drops_silent_clients_and_connection_limits_hold() {
 fn connections_over_the_broker_s_bounds_are_refused_naming_the_bound_and_the_rest_served() {
     let dir = tempfile::tempdir().unwrap();
     let mut s = StandaloneProc::new(dir.path());
+    test_pki(dir.path());
+    let pem = |n: &str| dir.path().join(n).to_str().unwrap().to_string();
     s.env("MERIDIAN_BROKER_CONNECTIONS_MAX", "3")
         .env("MERIDIAN_BROKER_CONNECTIONS_PER_IP_MAX", "2")
+        .env("MERIDIAN_BROKER_TLS_CERT_FILE", &pem("server.pem"))
+        .env("MERIDIAN_BROKER_TLS_KEY_FILE", &pem("server.key"))
         // A soft limit of open files far below the hard one, as Debian's default is.
         .under(&["prlimit", "--nofile=256:"]);
     s.start().unwrap();
@@ -291,6 +298,16 @@ fn connections_over_the_broker_s_bounds_are_refused_naming_the_bound_and_the_res
         }
     };
 
+    step("the TLS port counts with the plain one; its refusal comes after the handshake");
+    let tls = s.tls_url.clone().expect("a pulsar+ssl:// port");
+    let f = first_frame_over_tls(
+        tls.trim_start_matches("pulsar+ssl://"),
+        &dir.path().join("ca.pem"),
+    );
+    let (code, msg) = error_of(&f);
+    assert_eq!(code, ServerError::NotAllowedError, "{msg}");
+    assert!(msg.contains("broker.connections_max = 3"), "{msg}");
+
     step("/metrics counts the refusals by bound");
     let page = meridian_integration::http_get(&s.http, "/metrics");
     let refused = |bound: &str| {
@@ -302,6 +319,47 @@ fn connections_over_the_broker_s_bounds_are_refused_naming_the_bound_and_the_res
     assert_eq!(refused("broker.connections_per_ip_max"), 1.0, "{page}");
     assert!(refused("broker.connections_max") >= 1.0, "{page}");
     assert_eq!(s.stop().unwrap(), 0);
+}
+
+/// Connects to `addr` over TLS (trusting `ca`), sends nothing, and returns the first frame.
+fn first_frame_over_tls(addr: &str, ca: &std::path::Path) -> meridian_protocol::Frame {
+    use rustls::pki_types::pem::PemObject;
+    use tokio::io::AsyncReadExt;
+    use tokio_rustls::rustls;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut roots = rustls::RootCertStore::empty();
+        for c in rustls::pki_types::CertificateDer::pem_file_iter(ca).unwrap() {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+        let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let name = meridian_metadata::tls::server_name(addr).unwrap();
+        let mut s = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+            .connect(name, tcp)
+            .await
+            .expect("the TLS handshake");
+        let mut buf = BytesMut::new();
+        loop {
+            if let Some(f) = meridian_protocol::decode_frame(&mut buf, 1 << 20).unwrap() {
+                return f;
+            }
+            let n = tokio::time::timeout(Duration::from_secs(5), s.read_buf(&mut buf))
+                .await
+                .expect("a frame within 5 s")
+                .expect("read");
+            assert!(n > 0, "closed with no frame");
+        }
+    })
 }
 
 /// Reads `s` until its server closes it; how long that took from `from`.
