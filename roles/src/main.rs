@@ -296,7 +296,7 @@ impl MetadataArgs {
 fn raise_open_files_limit() {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let was = getrlimit(Resource::Nofile);
-    // An unlimited hard limit is no value to set the soft one to (the kernel caps it).
+    // Linux refuses a hard limit of open files above `fs.nr_open`, so both are numbers.
     if let (Some(soft), Some(hard)) = (was.current, was.maximum) {
         if soft < hard {
             if let Err(e) = setrlimit(
@@ -311,13 +311,11 @@ fn raise_open_files_limit() {
         }
     }
     let now = getrlimit(Resource::Nofile);
+    let shown = |n: Option<u64>| n.map_or("unlimited".to_string(), |n| n.to_string());
     tracing::info!(
-        open_files_max = now
-            .current
-            .map_or("unlimited".to_string(), |n| n.to_string()),
-        before = was
-            .current
-            .map_or("unlimited".to_string(), |n| n.to_string()),
+        open_files_max = shown(now.current),
+        before = shown(was.current),
+        hard = shown(now.maximum),
         "open files limit"
     );
 }

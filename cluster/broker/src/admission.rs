@@ -45,10 +45,12 @@ pub struct Limits {
     open: Mutex<Open>,
     refusing: AtomicUsize,
     refused: AtomicU64,
-    /// When a refusal or a failed accept was last logged ([`mono_ms`]), so that a flood is
-    /// logged once a second with a count.
+    /// When a refusal was last logged ([`mono_ms`]), so that a flood is logged once a
+    /// second with a count.
     logged_ms: AtomicU64,
     accept_failures: AtomicU64,
+    /// ... and a failed accept.
+    accept_logged_ms: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -81,6 +83,7 @@ impl Limits {
             refused: AtomicU64::new(0),
             logged_ms: AtomicU64::new(0),
             accept_failures: AtomicU64::new(0),
+            accept_logged_ms: AtomicU64::new(0),
         })
     }
 
@@ -121,7 +124,7 @@ impl Limits {
         let n = self.refused.fetch_add(1, Ordering::Relaxed) + 1;
         metrics::counter!("meridian_connections_refused_total", "listener" => what.to_string(), "bound" => bound.to_string())
             .increment(1);
-        if self.log_now() {
+        if log_now(&self.logged_ms) {
             let limit = match over {
                 Over::Total(n) | Over::PerIp(n) => n,
             };
@@ -156,24 +159,12 @@ impl Limits {
 }
 
 impl Limits {
-    /// Whether a second has passed since the last log of this listener's refusals or
-    /// failed accepts (then it counts as logged now).
-    fn log_now(&self) -> bool {
-        let now = mono_ms();
-        let last = self.logged_ms.load(Ordering::Relaxed);
-        (last == 0 || now.saturating_sub(last) >= 1_000)
-            && self
-                .logged_ms
-                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-    }
-
     /// An accept that failed (out of descriptors, say): logged at most once a second with
     /// the count, then a pause before the next accept rather than a spin (the connections
     /// waiting meanwhile stay in the listen backlog).
     pub async fn accept_failed(&self, what: &str, e: &std::io::Error) {
         let n = self.accept_failures.fetch_add(1, Ordering::Relaxed) + 1;
-        if self.log_now() {
+        if log_now(&self.accept_logged_ms) {
             tracing::warn!(listener = what, error = %e, failed_so_far = n, "accept failed (logged at most once a second)");
         }
         tokio::time::sleep(ACCEPT_PAUSE).await;
@@ -182,6 +173,16 @@ impl Limits {
 
 /// How long a listener waits after a failed accept.
 pub const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
+
+/// Whether a second has passed since `logged` (then it counts as logged now).
+fn log_now(logged: &AtomicU64) -> bool {
+    let now = mono_ms();
+    let last = logged.load(Ordering::Relaxed);
+    (last == 0 || now.saturating_sub(last) >= 1_000)
+        && logged
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+}
 
 /// Milliseconds on a monotonic clock (since the first call), so a wall clock stepped back
 /// does not silence the logs.

@@ -79,7 +79,7 @@ impl RunningHttp {
     /// [`SHUTDOWN_GRACE`], closes those still open, and returns.
     pub async fn shutdown(mut self) {
         let _ = self.stop.send(true);
-        if tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(1), &mut self.task)
+        if tokio::time::timeout(SHUTDOWN_GRACE + Duration::from_secs(3), &mut self.task)
             .await
             .is_err()
         {
@@ -247,9 +247,9 @@ mod tests {
         let took = t.elapsed();
         assert!(
             // Closed by the accept loop's own abort at the grace, not by the outer bound's
-            // a second later.
+            // three seconds later.
             took >= SHUTDOWN_GRACE - Duration::from_millis(100)
-                && took < SHUTDOWN_GRACE + Duration::from_millis(700),
+                && took < SHUTDOWN_GRACE + Duration::from_millis(1500),
             "{took:?}"
         );
         // The connection was closed, not left to its bound: what was sent ends.

@@ -700,12 +700,12 @@ impl Filesystem for PowerCutFuse {
             (st.root.clone(), st.full)
         };
         match rustix::fs::statvfs(&root) {
-            // As `df` counts them, the blocks the host file system reserves (for root) are
-            // neither free nor part of the total here. A host disk with a large reserve (this
-            // machine's: 161 of 252 GiB) would otherwise read as 90% used by the processes
-            // inside with three quarters of the rest free, and a bookie, writable again only
-            // once usage is 5 points below `disk_usage_percent_max`, would stay read-only after
-            // a full-disk fault for as long as the host stayed that full.
+            // The blocks the host file system reserves (for root) are neither free nor part
+            // of the total here, as `df`'s Use% leaves them out. A host disk with a large
+            // reserve (this machine's: 161 of 252 GiB) would otherwise read as 90% used by the
+            // processes inside with three quarters of the rest free, and a bookie, writable
+            // again only once usage is 5 points below `disk_usage_percent_max`, would stay
+            // read-only after a full-disk fault for as long as the host stayed that full.
             Ok(s) => reply.statfs(
                 s.f_blocks
                     .saturating_sub(s.f_bfree.saturating_sub(s.f_bavail)),
