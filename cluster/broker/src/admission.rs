@@ -136,29 +136,16 @@ impl Limits {
                 "refusing connections over the bound (logged at most once a second)"
             );
         }
-        let mut now = self.refusing.load(Ordering::Relaxed);
-        loop {
-            if now >= REFUSING_MAX {
-                return None;
-            }
-            match self.refusing.compare_exchange_weak(
-                now,
-                now + 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            ) {
-                Ok(_) => {
-                    return Some(Refusing {
-                        limits: Arc::clone(self),
-                    })
-                }
-                Err(seen) => now = seen,
-            }
-        }
+        self.refusing
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < REFUSING_MAX).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| Refusing {
+                limits: Arc::clone(self),
+            })
     }
-}
 
-impl Limits {
     /// An accept that failed (out of descriptors, say): logged at most once a second with
     /// the count, then a pause before the next accept rather than a spin (the connections
     /// waiting meanwhile stay in the listen backlog).
